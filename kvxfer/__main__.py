@@ -1,0 +1,3 @@
+from kvxfer.cli import main
+
+raise SystemExit(main())

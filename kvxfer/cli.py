@@ -1,0 +1,230 @@
+"""The ``kvxfer`` command (also ``python -m kvxfer``).
+
+::
+
+    kvxfer serve   [--url URL] [--l1-size 4GiB] [--chunk-size 256] [--transports a,b] [--shm-dir DIR]
+    kvxfer plugins [--json]
+    kvxfer status  [--url URL] [--json]
+    kvxfer keys    DIR
+    kvxfer demo    [--url URL] ...
+    kvxfer bench   ...              (benchmarks/transfer.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from kvxfer.errors import KvxferError
+from kvxfer.server.arena import format_bytes, parse_size
+from kvxfer.urls import default_url
+
+__all__ = ["main", "print_table"]
+
+
+def print_table(rows: Sequence[Sequence[object]], headers: Sequence[str], file=None) -> None:
+    """A plain-text table, columns padded to their widest cell."""
+    out = file or sys.stdout
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, r in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
+        if n == 0:
+            print("  ".join("-" * w for w in widths), file=out)
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def _curve_server(curve_dir: str | None):
+    if curve_dir is None:
+        return None
+    from kvxfer.security import load_server_keys
+
+    return load_server_keys(Path(curve_dir))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvxfer.server import CacheServer, ServerConfig
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        url=args.url,
+        l1_size=parse_size(args.l1_size),
+        chunk_size=args.chunk_size,
+        transports=tuple(t for t in args.transports.split(",") if t) if args.transports else None,
+        shm_dir=args.shm_dir,
+        session_timeout_s=args.session_timeout,
+        heartbeat_s=min(1.0, args.session_timeout / 3),
+        max_message_size=parse_size(args.max_message_size),
+        curve=_curve_server(args.curve_dir),
+    )
+    server = CacheServer(config)
+    print(f"kvxfer server ready at {config.url} (arena {format_bytes(server.arena.size)}, "
+          f"chunk size {config.chunk_size}, transports {', '.join(server.transports)})", flush=True)
+    server.serve_forever(install_signal_handlers=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- plugins
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from kvxfer.transport.registry import list_plugins
+
+    plugins = list_plugins()
+    if args.json:
+        print(json.dumps([msgspec.structs.asdict(p) if hasattr(p, "__struct_fields__") else p.__dict__
+                          if hasattr(p, "__dict__") else _dc(p) for p in plugins], indent=2))
+        return 0
+    if not plugins:
+        print("no transports installed (pip install kvxfer-cpu-gather)")
+        return 0
+    print_table(
+        [(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-", p.style or "-",
+          p.health + (f": {p.detail}" if p.detail else "")) for p in plugins],
+        ["name", "version", "distribution", "api", "style", "health"],
+    )
+    return 0
+
+
+def _dc(obj: object) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(obj)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- status
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvxfer.client import CacheClient
+
+    with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer status") as client:
+        st = client.status()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(st), indent=2))
+        return 0
+    a = st.arena
+    print(f"kvxfer {st.server_version} (protocol {st.protocol_version}) at {st.url}, pid {st.pid}, "
+          f"up {st.uptime_s:.0f} s, chunk size {st.chunk_size}, {st.sessions} sessions")
+    print(f"arena: {format_bytes(a.used)} of {format_bytes(a.capacity)} used, {a.chunks} chunks, "
+          f"{a.free_extents} free extents (largest {format_bytes(a.largest_free)}), {a.evictions} evictions; {a.path}")
+    rate = f"{100 * st.lookup_hits / st.lookup_chunks:.1f}%" if st.lookup_chunks else "-"
+    print(f"lookups: {st.lookups} ({st.lookup_chunks} chunks, hit rate {rate}); leases: {st.leases} "
+          f"({st.leased_chunks} chunks); reservations: {st.reservations}; errors: {st.errors}; "
+          f"hook errors: {st.hook_errors}")
+    print()
+    if st.contexts:
+        print_table(
+            [(c.instance_id, c.model_name, c.world_size, c.rank, c.transport, c.layout, c.num_layers, c.block_size,
+              c.hidden_dim_size, c.dtype, "yes" if c.use_mla else "no", c.num_blocks, c.client_pid)
+             for c in st.contexts],
+            ["instance", "model", "world", "rank", "transport", "layout", "layers", "block", "hidden", "dtype", "mla",
+             "blocks", "pid"],
+        )
+    else:
+        print("no registered contexts")
+    print()
+    print_table([(t.name, t.style, t.contexts, ", ".join(f"{k}={v}" for k, v in t.state.items()) or "-")
+                 for t in st.transports], ["transport", "style", "contexts", "state"])
+    for title, values in st.sections.items():
+        print(f"\n[{title}]")
+        for k, v in values.items():
+            print(f"  {k}: {v}")
+    return 0
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from kvxfer.security import make_keys
+
+    paths = make_keys(Path(args.dir))
+    for role, path in paths.items():
+        print(f"{role}: {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- demo, bench
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvxfer.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvxfer.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer", description="KV cache transfer server and tools")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run a cache server")
+    s.add_argument("--url", default=default_url(), help="ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
+    s.add_argument("--l1-size", default="1GiB", help="host memory for chunks, e.g. 4GiB (default: %(default)s)")
+    s.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default: %(default)s)")
+    s.add_argument("--transports", default="", help="comma-separated transports to load (default: all available)")
+    s.add_argument("--shm-dir", default="/dev/shm", help="tmpfs directory for the arena (default: %(default)s)")
+    s.add_argument("--session-timeout", type=float, default=3.0,
+                   help="seconds of client silence before its registrations are dropped (default: %(default)s)")
+    s.add_argument("--max-message-size", default="16MiB", help="largest request accepted (default: %(default)s)")
+    s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (required for tcp://)")
+    s.add_argument("-v", "--verbose", action="store_true")
+    s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("plugins", help="list installed transports and their health")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_plugins)
+
+    s = sub.add_parser("status", help="show a server's report")
+    s.add_argument("--url", default=default_url())
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.set_defaults(fn=cmd_status)
+
+    s = sub.add_parser("keys", help="make CURVE keys for tcp:// serving")
+    s.add_argument("dir", help="directory to create the keys in")
+    s.set_defaults(fn=cmd_keys)
+
+    s = sub.add_parser("demo", help="start a server, store and load a real paged KV cache, report, stop")
+    s.add_argument("--transport", default="cpu_gather")
+    s.add_argument("--layers", type=int, default=32)
+    s.add_argument("--blocks", type=int, default=512)
+    s.add_argument("--prompts", type=int, default=4)
+    s.add_argument("--prompt-tokens", type=int, default=2048)
+    s.add_argument("--l1-size", default="2GiB")
+    s.add_argument("--url", default=None, help="use a running server instead of starting one")
+    s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("bench", help="transfer benchmark (see benchmarks/transfer.py --help)", add_help=False)
+    s.add_argument("bench_args", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args) or 0)
+    except KvxferError as exc:
+        print(f"kvxfer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,232 @@
+"""CacheClient: what connectors, benchmarks and users call.
+
+::
+
+    client = CacheClient("ipc:///tmp/kvxfer.sock")          # connects and handshakes
+    kv = client.register(kv_caches, model_name="m", world_size=1, rank=0, block_size=16)
+    hashes = chunk_hashes(token_ids, chunk_size=client.chunk_size)
+    kv.submit_store(hashes, block_ids).result(timeout=30)
+    n = client.lookup("m", world_size=1, hashes=hashes)
+    kv.submit_retrieve(hashes[:n], block_ids[: n * blocks_per_chunk]).result(timeout=30)
+
+A client is one connection (one session) and is thread-safe. When the server restarts, the
+next request on a registered context re-handshakes and re-registers it transparently once;
+requests in flight at the time fail with :class:`kvxfer.errors.ConnectionFailed`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+import torch
+
+from kvxfer.errors import ConfigError, ConnectionFailed, InvalidRequest, NoSession, TransportUnavailable
+from kvxfer.layout import KVLayout, LayoutKind, as_layer_list
+from kvxfer.mq.client import CurveClientKeys, MQClient
+from kvxfer.protocol import messages as m
+from kvxfer.transport import registry
+from kvxfer.transport.base import InstanceIdentity, TransferContext
+from kvxfer.urls import default_url
+
+__all__ = ["CacheClient"]
+
+
+class CacheClient:
+    """A connection to a kvxfer cache server.
+
+    Raises :class:`kvxfer.errors.ConnectionFailed` when no server answers within
+    ``connect_timeout`` and :class:`kvxfer.errors.VersionMismatch` when protocols differ.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+        name: str = "",
+        curve: CurveClientKeys | None = None,
+    ) -> None:
+        self.url = url or default_url()
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.name = name
+        self._lock = threading.RLock()
+        self._contexts: weakref.WeakSet[TransferContext] = weakref.WeakSet()
+        self._mq = MQClient(self.url, default_timeout=timeout, curve=curve)
+        self._epoch = 0
+        try:
+            self._handshake()
+        except BaseException:
+            self._mq.close()
+            raise
+
+    # ------------------------------------------------------------------ session
+
+    def _handshake(self) -> None:
+        try:
+            reply: m.HandshakeReply = self._mq.request(
+                "handshake", m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid()), timeout=self.connect_timeout)
+        except ConnectionFailed as exc:
+            raise ConnectionFailed(
+                f"no kvxfer server answered at {self.url} within {self.connect_timeout:g} s; "
+                f"start one with `kvxfer serve --url {self.url}` ({exc})"
+            ) from None
+        self.server_version = reply.server_version
+        self.chunk_size = reply.chunk_size
+        self.server_transports = list(reply.transports)
+        self.arena_path = reply.arena_path
+        self.arena_size = reply.arena_size
+        self.max_message_size = reply.max_message_size
+        self._epoch += 1
+        self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
+
+    @property
+    def epoch(self) -> int:
+        """Counts handshakes: a context registered in an older epoch must register again."""
+        return self._epoch
+
+    def reconnect(self, context: TransferContext | None = None) -> None:
+        """Re-open the session if the server lost it (it restarted, or timed us out), then
+        register again every context of an older epoch, and ``context`` in any case.
+
+        Contexts call this when a request fails with ``NoSession`` or ``UnknownInstance``;
+        concurrent callers are serialized and nothing is registered twice.
+        """
+        with self._lock:
+            try:
+                self._mq.request("ping", m.Ping(), timeout=self.connect_timeout)
+            except NoSession:
+                self._handshake()
+            targets = [c for c in self._contexts if getattr(c, "epoch", None) != self._epoch]
+            if context is not None and context not in targets:
+                targets.append(context)
+            for ctx in targets:
+                try:
+                    ctx.on_reconnect()  # type: ignore[attr-defined]
+                except InvalidRequest as exc:
+                    if "already registered" not in str(exc):
+                        raise
+
+    def forget(self, context: TransferContext) -> None:
+        """A context closed: stop re-registering it."""
+        self._contexts.discard(context)
+
+    # ------------------------------------------------------------------ Connection protocol
+
+    def submit(self, name: str, payload: msgspec.Struct, timeout: float | None = None) -> Future[Any]:
+        return self._mq.submit(name, payload, timeout)
+
+    def request(self, name: str, payload: msgspec.Struct, timeout: float | None = None) -> Any:
+        return self._mq.request(name, payload, timeout)
+
+    # ------------------------------------------------------------------ API
+
+    def register(
+        self,
+        kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        *,
+        model_name: str,
+        block_size: int,
+        world_size: int = 1,
+        rank: int = 0,
+        transport: str = "auto",
+        layout: LayoutKind | str | None = None,
+    ) -> TransferContext:
+        """Register one paged KV cache (one tensor per layer) and return its context.
+
+        ``transport`` is a transport name or ``"auto"`` (the best available for the tensors'
+        device among those the server loaded). ``layout`` settles an ambiguous shape.
+        """
+        if not model_name:
+            raise ConfigError("model_name must not be empty")
+        if world_size <= 0 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be in [0, world_size) with world_size > 0; got rank {rank}, "
+                              f"world_size {world_size}")
+        layers = as_layer_list(kv_caches)
+        kv_layout = KVLayout.infer(layers, block_size, layout)
+        kv_layout.blocks_per_chunk(self.chunk_size)
+        chosen = self._pick_transport(transport, layers[0].device)
+        identity = InstanceIdentity(secrets.randbits(62) + 1, model_name, world_size, rank)
+        ctx = chosen.client_context(self, layers, kv_layout, identity)
+        try:
+            ctx.register()
+        except BaseException:
+            ctx.close()
+            raise
+        self._contexts.add(ctx)
+        return ctx
+
+    def _pick_transport(self, name: str, device: torch.device) -> Any:
+        if name != registry.AUTO:
+            if name not in self.server_transports:
+                registry.get_transport(name, require_available=False)  # unknown name -> lists installed
+                raise TransportUnavailable(
+                    f"the server at {self.url} did not load transport {name!r}; it has "
+                    f"{', '.join(self.server_transports)}. Restart it with --transports {name}"
+                )
+            return registry.select(name, device)
+        serving = [n for n in self.server_transports]
+        last: Exception | None = None
+        candidates = []
+        for n in serving:
+            try:
+                t = registry.get_transport(n)
+            except Exception as exc:
+                last = exc
+                continue
+            if t.serves(device):
+                candidates.append(t)
+        if not candidates:
+            raise TransportUnavailable(
+                f"no transport both loaded by the server at {self.url} ({', '.join(serving)}) and able "
+                f"to move KV tensors on {device} here" + (f" (last error: {last})" if last else "")
+            )
+        return max(candidates, key=lambda t: (t.auto_priority, t.name))
+
+    def lookup(self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes]) -> int:
+        """How many leading chunks of ``hashes`` the server has for every rank."""
+        reply: m.LookupReply = self.request("lookup", m.Lookup(model_name, world_size, list(hashes)))
+        return reply.hits
+
+    def lookup_and_lease(
+        self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes], lease_s: float = 30.0
+    ) -> m.LookupReply:
+        """Like :meth:`lookup`, and keep the hits from eviction for ``lease_s`` seconds or until
+        each rank's retrieve naming ``lease_id`` is done."""
+        if lease_s <= 0:
+            raise ConfigError(f"lease_s must be positive, got {lease_s}")
+        return self.request("lookup", m.Lookup(model_name, world_size, list(hashes), lease_s))
+
+    def release_lease(self, lease_id: int) -> None:
+        self.request("release_lease", m.ReleaseLease(lease_id))
+
+    def status(self) -> m.StatusReply:
+        return self.request("status", m.StatusRequest())
+
+    def clear(self, model_name: str = "") -> int:
+        """Drop stored chunks not in use (of ``model_name`` only, when given); returns how many."""
+        return self.request("clear", m.Clear(model_name)).removed
+
+    def ping(self) -> float:
+        """The server's clock; raises when it does not answer."""
+        return self.request("ping", m.Ping()).server_time
+
+    def close(self) -> None:
+        """Close every context registered through this client, then the connection."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        self._mq.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

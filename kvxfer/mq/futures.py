@@ -1,0 +1,35 @@
+"""Futures for replies: ``result(timeout)``, ``done()``, ``add_done_callback``.
+
+A :class:`ReplyFuture` is a :class:`concurrent.futures.Future` whose ``result(timeout)`` raises
+:class:`kvxfer.errors.RequestTimeout` naming the server and the request, instead of a bare
+``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, TypeVar
+
+from kvxfer.errors import RequestTimeout
+
+__all__ = ["ReplyFuture"]
+
+T = TypeVar("T")
+
+
+class ReplyFuture(concurrent.futures.Future):  # type: ignore[type-arg]  (generic at runtime only in 3.9+ stubs)
+    """The future of one request to one server."""
+
+    def __init__(self, url: str, request: str) -> None:
+        super().__init__()
+        self.url = url
+        self.request = request
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise RequestTimeout(
+                f"request {self.request!r} to the kvxfer server at {self.url} got no reply within "
+                f"{timeout} s; is the server running and not overloaded? (`kvxfer status --url {self.url}`)"
+            ) from None

@@ -1,0 +1,235 @@
+"""The server half of messaging: a ROUTER socket served by one loop thread.
+
+The loop receives ``[identity, request_id, name, payload]`` and hands it to a dispatcher, which
+returns the reply frames at once (control requests) or ``None`` after arranging for
+:meth:`MQServer.reply` to be called later from a worker thread (transfers). Replies from worker
+threads are queued and sent by the loop: only the loop touches the ROUTER socket. Frames that
+cannot be answered (no request id) are dropped and counted; everything else gets a reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from kvxfer.errors import ConfigError
+
+__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path"]
+
+log = logging.getLogger(__name__)
+
+#: (identity, request_id frame, name, payload) -> (status, payload) now, or None (reply later)
+Dispatcher = Callable[[bytes, bytes, bytes, bytes], "tuple[bytes, bytes] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class CurveServerKeys:
+    """The server's CURVE key pair (z85 bytes) and the folder of client public keys allowed in."""
+
+    public: bytes
+    secret: bytes
+    authorized_dir: Path
+
+
+def _socket_is_live(path: Path) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def ipc_path(url: str) -> Path | None:
+    return Path(url[len("ipc://"):]) if url.startswith("ipc://") else None
+
+
+class MQServer:
+    def __init__(
+        self,
+        url: str,
+        dispatcher: Dispatcher,
+        *,
+        max_message_size: int,
+        curve: CurveServerKeys | None = None,
+        on_tick: Callable[[], None] | None = None,
+        tick_s: float = 0.25,
+    ) -> None:
+        self.url = url
+        self._dispatch = dispatcher
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        self._ctx = zmq.Context.instance()
+        self._auth = None
+        self.dropped_frames = 0
+        if url.startswith("tcp://"):
+            if curve is None:
+                raise ConfigError(
+                    f"refusing to serve {url} without authentication: tcp:// needs CURVE keys "
+                    "(make them with `kvxfer keys DIR`, then `kvxfer serve --curve-dir DIR`), "
+                    "or use an ipc:// url"
+                )
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))
+        elif not url.startswith(("ipc://", "inproc://")):
+            raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if curve is not None and url.startswith("tcp://"):
+            self._sock.curve_server = True
+            self._sock.curve_publickey = curve.public
+            self._sock.curve_secretkey = curve.secret
+        self._bind()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_addr = f"inproc://kvxfer-server-wake-{id(self)}"
+        self._wake_recv = self._ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(self._wake_addr)
+        self._wake_send = self._ctx.socket(zmq.PAIR)
+        self._wake_send.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def _bind(self) -> None:
+        path = ipc_path(self.url)
+        if path is None:
+            self._sock.bind(self.url)
+            return
+        parent = path.parent
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = parent.stat()
+        if st.st_uid != os.getuid():
+            raise ConfigError(f"socket directory {parent} belongs to another user; choose another --url")
+        if stat.S_IMODE(st.st_mode) & 0o022:
+            raise ConfigError(
+                f"socket directory {parent} is writable by others (mode {oct(st.st_mode & 0o777)}); "
+                "use a private directory (mode 0700)"
+            )
+        if path.exists():
+            if _socket_is_live(path):
+                raise ConfigError(f"a server is already listening at {self.url}; stop it or choose another --url")
+            path.unlink()  # left behind by a server that died
+        old = os.umask(0o077)
+        try:
+            self._sock.bind(self.url)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+
+    # ------------------------------------------------------------------ thread-safe
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread (from any thread): how workers finish requests."""
+        self._calls.put(fn)
+        with self._wake_lock:
+            if not self._wake_send.closed:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._wake_lock:
+            if not self._wake_send.closed:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+
+    # ------------------------------------------------------------------ loop
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        next_tick = time.monotonic() + self._tick_s
+        try:
+            while not self._stop.is_set():
+                timeout = max(0.0, next_tick - time.monotonic())
+                events = dict(poller.poll(int(timeout * 1000) + 1))
+                if self._wake_recv in events:
+                    while True:
+                        try:
+                            self._wake_recv.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._flush_replies()
+                if self._sock in events:
+                    for _ in range(256):  # bounded burst, then look at replies and ticks again
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                    self._flush_replies()
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self._tick_s
+                    if self._on_tick is not None:
+                        try:
+                            self._on_tick()
+                        except Exception:  # a periodic task must never stop the loop
+                            log.exception("periodic server task failed")
+        finally:
+            self._flush_replies()
+            self.close()
+
+    def send(self, identity: bytes, request_id: bytes, status: bytes, payload: bytes) -> None:
+        """Send a reply (loop thread only)."""
+        try:
+            self._sock.send_multipart([identity, request_id, status, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: nothing to do
+            log.debug("reply dropped: %s", exc)
+
+    def _flush_replies(self) -> None:
+        while True:
+            try:
+                fn = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except Exception:
+                log.exception("a deferred server task failed")
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 4 or len(frames[1]) != 8:
+            self.dropped_frames += 1
+            log.warning("dropping a request of %d frames (no request id to answer)", len(frames))
+            if len(frames) >= 2 and len(frames[1]) == 8:
+                from kvxfer.protocol import codec
+                from kvxfer.protocol.messages import ErrorReply
+
+                err = codec.encode(ErrorReply("invalid_request",
+                                              f"a request has 3 frames [id, name, payload], got {len(frames) - 1}"))
+                self._sock.send_multipart([frames[0], frames[1], codec.ERR, err], zmq.NOBLOCK)
+            return
+        identity, rid, name, payload = frames
+        out = self._dispatch(identity, rid, name, payload)
+        if out is not None:
+            self.send(identity, rid, out[0], out[1])
+
+    def close(self) -> None:
+        if self._sock.closed:
+            return
+        self._sock.close(0)
+        with self._wake_lock:
+            self._wake_send.close(0)
+        self._wake_recv.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        path = ipc_path(self.url)
+        if path is not None:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass

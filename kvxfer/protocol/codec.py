@@ -1,0 +1,57 @@
+"""Frames and their encoding.
+
+A request is three ZeroMQ frames ``[request_id, name, payload]``; the ROUTER socket adds the
+peer's identity in front. A reply is ``[request_id, status, payload]`` where ``status`` is
+``b"ok"`` (payload: the request's reply Struct) or ``b"err"`` (payload: :class:`ErrorReply`).
+``request_id`` is 8 bytes chosen by the client. Payloads are MessagePack; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from functools import lru_cache
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from kvxfer.protocol.messages import ErrorReply
+
+__all__ = ["OK", "ERR", "encode", "decode", "decode_as", "pack_id", "unpack_id", "ERROR_DECODER"]
+
+OK: Final = b"ok"
+ERR: Final = b"err"
+
+_ID = struct.Struct("<Q")
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+S = TypeVar("S")
+
+
+def encode(obj: Any) -> bytes:
+    return _ENCODER.encode(obj)
+
+
+@lru_cache(maxsize=None)
+def _decoder(tp: Any) -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(tp)
+
+
+def decode(data: bytes | memoryview, tp: type[S]) -> S:
+    """Decode ``data`` as ``tp``; raises :class:`msgspec.ValidationError` or
+    :class:`msgspec.DecodeError` (callers turn those into typed errors)."""
+    return _decoder(tp).decode(data)
+
+
+decode_as = decode
+
+ERROR_DECODER: Final = msgspec.msgpack.Decoder(ErrorReply)
+
+
+def pack_id(request_id: int) -> bytes:
+    return _ID.pack(request_id)
+
+
+def unpack_id(frame: bytes) -> int:
+    if len(frame) != _ID.size:
+        raise ValueError(f"request id must be {_ID.size} bytes, got {len(frame)}")
+    return _ID.unpack(frame)[0]

@@ -1,0 +1,332 @@
+"""Every payload that crosses the wire, as msgspec Structs (MessagePack on the wire).
+
+Rules (msgspec's schema-evolution rules): a new field gets a default; an annotation never
+changes; a removed request keeps its name reserved. Bump :data:`PROTOCOL_VERSION` for any
+change an older peer cannot read.
+
+Keys of stored chunks are ``(model_name, world_size, rank, chunk_hash)``. ``chunk_hash`` comes
+from :func:`kvxfer.chunk_hashes` and already folds in the request's cache salt, so the server
+never sees token ids or salts.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+#: Bounds applied to every chunk hash on the wire.
+HASH_MIN_BYTES = 8
+HASH_MAX_BYTES = 64
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Base of every wire payload."""
+
+
+# --------------------------------------------------------------------------- handshake, ping
+
+
+class Handshake(Message, frozen=True):
+    """First request of every connection. Refused with ``version_mismatch`` when
+    ``protocol_version`` differs from the server's."""
+
+    protocol_version: int
+    client_name: str = ""
+    pid: int = 0
+
+
+class HandshakeReply(Message, frozen=True):
+    protocol_version: int
+    server_version: str
+    #: Tokens per chunk; every key names one full chunk of this many tokens.
+    chunk_size: int
+    #: Names of the transports this server loaded and can serve.
+    transports: list[str]
+    #: Path of the shared-memory arena file (client-driven transports map it).
+    arena_path: str
+    arena_size: int
+    #: The client must send something (a ping will do) at least this often, or lose its session.
+    heartbeat_s: float
+    session_timeout_s: float
+    max_message_size: int
+
+
+class Ping(Message, frozen=True):
+    pass
+
+
+class Pong(Message, frozen=True):
+    server_time: float
+
+
+class Empty(Message, frozen=True):
+    """A reply with nothing to say but success."""
+
+
+# --------------------------------------------------------------------------- registration
+
+
+class Registration(Message, frozen=True, kw_only=True):
+    """What every transport's registration carries: who the engine instance is and the
+    scalar description of its paged KV cache (see :class:`kvxfer.KVLayout`).
+
+    A transport subclasses this Struct to add its own fields (for example CUDA IPC handles);
+    the server decodes a registration with the transport's own subclass.
+    """
+
+    #: Chosen by the client, unique per server (random 63-bit); names the instance in requests.
+    instance_id: int
+    model_name: str
+    world_size: int
+    rank: int
+    #: ``"flash_attn"``, ``"flashinfer"`` or ``"mla"`` (see :class:`kvxfer.LayoutKind`).
+    layout: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    #: Elements of one token of one of K or V in one layer: heads * head_size (MLA: latent dim).
+    hidden_dim_size: int
+    #: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
+    dtype: str
+    use_mla: bool
+
+
+class Register(Message, frozen=True):
+    """Register one KV cache through ``transport``; ``registration`` is that transport's
+    :class:`Registration` subclass, encoded, decoded by the server with the plugin's type."""
+
+    transport: str
+    registration: msgspec.Raw
+
+
+class RegisterReply(Message, frozen=True):
+    instance_id: int
+    #: Bytes of one chunk of this KV cache in the arena.
+    chunk_bytes: int
+
+
+class Unregister(Message, frozen=True):
+    instance_id: int
+
+
+# --------------------------------------------------------------------------- lookup, leases
+
+
+class Lookup(Message, frozen=True):
+    """How many leading chunks of ``hashes`` are present for every rank of ``world_size``.
+
+    With ``lease_s > 0`` the hits are kept from eviction for that long, or until a read that
+    names the lease releases them (rank by rank) or :class:`ReleaseLease`.
+    """
+
+    model_name: str
+    world_size: int
+    hashes: list[bytes]
+    lease_s: float = 0.0
+
+
+class LookupReply(Message, frozen=True):
+    hits: int
+    lease_id: int = 0
+
+
+class ReleaseLease(Message, frozen=True):
+    lease_id: int
+
+
+# --------------------------------------------------------------------------- client-driven path
+
+
+class Slot(Message, frozen=True, array_like=True):
+    """One arena slot: ``index`` into the request's hashes, ``offset`` in the arena file."""
+
+    index: int
+    offset: int
+
+
+class ReserveWrite(Message, frozen=True):
+    """Reserve arena slots for the chunks of ``hashes`` that the server lacks."""
+
+    instance_id: int
+    hashes: list[bytes]
+
+
+class ReserveWriteReply(Message, frozen=True):
+    reservation_id: int
+    #: Slots to fill, one per chunk the server lacks and had room for.
+    slots: list[Slot]
+    #: Indices already stored (or being stored by someone else): skip them.
+    present: list[int]
+    #: Indices that did not fit (everything else in the arena is leased or in use).
+    no_space: list[int]
+
+
+class CommitWrite(Message, frozen=True):
+    """The slots of a write reservation are filled, except ``failed`` (indices), which are
+    dropped."""
+
+    instance_id: int
+    reservation_id: int
+    failed: list[int] = []
+
+
+class ReserveRead(Message, frozen=True):
+    """Pin the chunks of ``hashes`` for reading; those missing are reported, not errors."""
+
+    instance_id: int
+    hashes: list[bytes]
+    lease_id: int = 0
+
+
+class ReserveReadReply(Message, frozen=True):
+    reservation_id: int
+    slots: list[Slot]
+    missing: list[int]
+
+
+class CommitRead(Message, frozen=True):
+    """The slots of a read reservation have been copied out; unpin them."""
+
+    instance_id: int
+    reservation_id: int
+
+
+# --------------------------------------------------------------------------- server-driven path
+
+
+class Store(Message, frozen=True):
+    """Server-driven store: the server copies ``block_ids`` of the instance's registered
+    memory into the arena. ``params`` is the transport's per-request Struct (or empty)."""
+
+    instance_id: int
+    hashes: list[bytes]
+    block_ids: list[int]
+    params: msgspec.Raw = msgspec.Raw(b"")
+
+
+class Retrieve(Message, frozen=True):
+    """Server-driven retrieve into ``block_ids``, skipping the first
+    ``skip_first_n_tokens`` tokens (a multiple of the block size)."""
+
+    instance_id: int
+    hashes: list[bytes]
+    block_ids: list[int]
+    skip_first_n_tokens: int = 0
+    lease_id: int = 0
+    params: msgspec.Raw = msgspec.Raw(b"")
+
+
+class StoreResult(Message, frozen=True):
+    """What a store did, by index into the request's keys."""
+
+    #: Written by this request.
+    stored: list[int]
+    #: Already present (or being written by another request): skipped.
+    present: list[int] = []
+    #: Not stored: no room (everything else was leased or in use) or the copy failed.
+    failed: list[int] = []
+
+    @property
+    def ok(self) -> bool:
+        """True when every key is now stored (by this request or before it)."""
+        return not self.failed
+
+
+class RetrieveResult(Message, frozen=True):
+    """What a retrieve did, by index into the request's keys."""
+
+    loaded: list[int]
+    #: Not in the server (never stored, or evicted): their blocks were not written.
+    missing: list[int] = []
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+
+# --------------------------------------------------------------------------- status, clear
+
+
+class ContextStatus(Message, frozen=True):
+    instance_id: int
+    model_name: str
+    world_size: int
+    rank: int
+    transport: str
+    layout: str
+    num_layers: int
+    block_size: int
+    hidden_dim_size: int
+    dtype: str
+    use_mla: bool
+    num_blocks: int
+    chunk_bytes: int
+    client_pid: int
+    stores: int
+    retrieves: int
+
+
+class ArenaStatus(Message, frozen=True):
+    path: str
+    capacity: int
+    used: int
+    chunks: int
+    free_extents: int
+    largest_free: int
+    evictions: int
+
+
+class TransportStatus(Message, frozen=True):
+    name: str
+    style: str
+    contexts: int
+    state: dict[str, str] = {}
+
+
+class StatusRequest(Message, frozen=True):
+    pass
+
+
+class StatusReply(Message, frozen=True):
+    server_version: str
+    protocol_version: int
+    url: str
+    pid: int
+    uptime_s: float
+    chunk_size: int
+    sessions: int
+    contexts: list[ContextStatus]
+    arena: ArenaStatus
+    transports: list[TransportStatus]
+    lookups: int
+    lookup_chunks: int
+    lookup_hits: int
+    leases: int
+    leased_chunks: int
+    reservations: int
+    errors: int
+    hook_errors: int
+    #: Extra sections contributed by hook plugins: name -> key -> value.
+    sections: dict[str, dict[str, str]] = {}
+
+
+class Clear(Message, frozen=True):
+    """Drop every chunk (of ``model_name`` only, when given) that is not in use."""
+
+    model_name: str = ""
+
+
+class ClearReply(Message, frozen=True):
+    removed: int
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorReply(Message, frozen=True):
+    """The reply to any request that failed: a code from :mod:`kvxfer.errors` and a message
+    that says what to do."""
+
+    code: str
+    message: str

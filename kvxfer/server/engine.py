@@ -1,0 +1,586 @@
+"""CacheServer: the request handlers, sessions and registered contexts around the L1 store.
+
+One loop thread owns all state (sessions, contexts, the index); control requests run inline
+on it. Transfer requests (register, unregister, server-driven store/retrieve) run their slow
+part on the instance's worker thread and finish back on the loop, so an instance's transfers
+stay in order and nothing blocks lookups. Every request gets exactly one reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+
+import kvxfer
+from kvxfer.errors import (
+    ConfigError,
+    InvalidRequest,
+    KvxferError,
+    NoSession,
+    RemoteError,
+    TransportError,
+    UnknownInstance,
+    VersionMismatch,
+)
+from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
+from kvxfer.mq.server import MQServer
+from kvxfer.protocol import codec
+from kvxfer.protocol import messages as m
+from kvxfer.protocol.table import REQUESTS
+from kvxfer.server.arena import Arena, format_bytes
+from kvxfer.server.config import ServerConfig
+from kvxfer.server.context import RegisteredContext
+from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
+from kvxfer.transport import registry
+from kvxfer.transport.base import ServerTransport, Style, Transport
+from kvxfer.transport.datapath import check_transfer, plan_copies
+from kvxfer.transport.hooks import HookRelay
+
+__all__ = ["CacheServer", "validate_registration"]
+
+log = logging.getLogger(__name__)
+
+MAX_LEASE_S: Final = 600.0
+
+
+@dataclass(eq=False)
+class Session:
+    identity: bytes
+    pid: int
+    name: str
+    last_seen: float
+    instances: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedTransport:
+    transport: Transport
+    server: ServerTransport
+
+
+class _Deferred:
+    """A handler's answer when the reply comes later, from the loop, after worker ``work``."""
+
+    __slots__ = ("executor", "work", "finish")
+
+    def __init__(self, executor: ThreadPoolExecutor, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct]):
+        self.executor = executor
+        self.work = work
+        self.finish = finish
+
+
+def _invalid(field_name: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"{field_name}: {message}")
+
+
+def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int) -> KVLayout:
+    """The layout of a registration, or :class:`InvalidRequest` naming the bad field."""
+    if reg.instance_id <= 0 or reg.instance_id >= 1 << 63:
+        raise _invalid("instance_id", f"must be in [1, 2**63), got {reg.instance_id}")
+    if not reg.model_name:
+        raise _invalid("model_name", "must not be empty")
+    if reg.world_size <= 0:
+        raise _invalid("world_size", f"must be positive, got {reg.world_size}")
+    if not 0 <= reg.rank < reg.world_size:
+        raise _invalid("rank", f"must be in [0, world_size={reg.world_size}), got {reg.rank}")
+    try:
+        kind = LayoutKind(reg.layout)
+    except ValueError:
+        raise _invalid("layout", f"unknown layout {reg.layout!r}; expected one of "
+                                 f"{', '.join(k.value for k in LayoutKind)}") from None
+    for name in ("num_layers", "num_blocks", "block_size", "hidden_dim_size"):
+        value = getattr(reg, name)
+        if value <= 0:
+            raise _invalid(name, f"must be positive, got {value}")
+    try:
+        dtype = dtype_from_name(reg.dtype)
+    except ConfigError as exc:
+        raise _invalid("dtype", str(exc)) from None
+    if reg.use_mla != (kind is LayoutKind.MLA):
+        raise _invalid("use_mla", f"is {reg.use_mla} but layout is {kind.value}")
+    if chunk_size % reg.block_size:
+        raise _invalid("block_size", f"the server's chunk size {chunk_size} is not a multiple of "
+                                     f"block_size {reg.block_size}; restart the server with --chunk-size "
+                                     f"a multiple of {reg.block_size}")
+    layout = KVLayout(kind, reg.num_layers, reg.num_blocks, reg.block_size, reg.hidden_dim_size, dtype)
+    if layout.chunk_bytes(chunk_size) > arena_size:
+        raise _invalid("num_layers", f"one chunk takes {format_bytes(layout.chunk_bytes(chunk_size))}, more "
+                                     f"than the whole arena ({format_bytes(arena_size)}); raise --l1-size")
+    return layout
+
+
+def _check_hashes(hashes: list[bytes]) -> None:
+    for i, h in enumerate(hashes):
+        if not m.HASH_MIN_BYTES <= len(h) <= m.HASH_MAX_BYTES:
+            raise _invalid(f"hashes[{i}]", f"a chunk hash has {m.HASH_MIN_BYTES} to {m.HASH_MAX_BYTES} "
+                                           f"bytes, got {len(h)}")
+
+
+class CacheServer:
+    """The kvxfer cache server. ``serve_forever()`` runs it on the calling thread."""
+
+    def __init__(self, config: ServerConfig, hooks: HookRelay | None = None) -> None:
+        self.config = config
+        self.started = time.time()
+        self.hooks = hooks if hooks is not None else HookRelay()
+        self.arena = Arena.create(config.l1_size, config.shm_dir)
+        self.index = ChunkIndex(self.arena.size, on_evict=self._on_evict)
+        self.contexts: dict[int, RegisteredContext] = {}
+        self.sessions: dict[bytes, Session] = {}
+        self.transports: dict[str, LoadedTransport] = {}
+        self.transport_errors: dict[str, str] = {}
+        self.errors = 0
+        self.lookups = self.lookup_chunks = self.lookup_hits = 0
+        try:
+            self._load_transports()
+            self._mq = MQServer(
+                config.url,
+                self._dispatch,
+                max_message_size=config.max_message_size,
+                curve=config.curve,
+                on_tick=self._tick,
+            )
+        except BaseException:
+            self._close_transports()
+            self.arena.close()
+            raise
+        self._handlers: dict[str, Callable[[Session, Any], msgspec.Struct | _Deferred]] = {
+            name: getattr(self, f"_on_{name}") for name in REQUESTS if name != "handshake"
+        }
+
+    # ------------------------------------------------------------------ set-up
+
+    def _load_transports(self) -> None:
+        explicit = self.config.transports is not None
+        names = list(self.config.transports) if explicit else registry.installed_names()
+        for name in names:
+            try:
+                transport = registry.get_transport(name)
+                st = transport.server_transport()
+                st.start(self.arena)
+            except (TransportError, Exception) as exc:
+                if explicit:
+                    raise
+                self.transport_errors[name] = str(exc)
+                log.info("transport %s not loaded: %s", name, exc)
+                continue
+            self.transports[name] = LoadedTransport(transport, st)
+        if not self.transports:
+            raise ConfigError(
+                "no transport could be loaded; install one (pip install kvxfer-cpu-gather) and "
+                "see `kvxfer plugins`" + "".join(f"\n  {n}: {e}" for n, e in self.transport_errors.items())
+            )
+
+    def _close_transports(self) -> None:
+        for lt in self.transports.values():
+            try:
+                lt.server.close()
+            except Exception:
+                log.exception("closing transport %s failed", lt.transport.name)
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    # ------------------------------------------------------------------ run
+
+    def serve_forever(self, install_signal_handlers: bool = False) -> None:
+        if install_signal_handlers and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        self.hooks.call("kvxfer_server_started", server=self)
+        log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s",
+                 kvxfer.__version__, self.url, format_bytes(self.arena.size), self.arena.path,
+                 self.config.chunk_size, ", ".join(self.transports))
+        try:
+            self._mq.serve_forever()
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to stop (any thread, or a signal handler)."""
+        self._mq.stop()
+
+    def _shutdown(self) -> None:
+        for ctx in list(self.contexts.values()):
+            self._drop_context(ctx, "shutdown", wait=True)
+        self.hooks.call("kvxfer_server_stopped", server=self)
+        self._close_transports()
+        self.arena.close()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, identity: bytes, rid: bytes, name_b: bytes, payload: bytes) -> tuple[bytes, bytes] | None:
+        name = name_b.decode("utf-8", "replace")
+        spec = REQUESTS.get(name)
+        try:
+            if spec is None:
+                raise_unknown(name)
+            try:
+                msg = codec.decode(payload, spec.payload)  # type: ignore[union-attr]
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None  # type: ignore[union-attr]
+            if name == "handshake":
+                return codec.OK, codec.encode(self._on_handshake(identity, msg))
+            session = self.sessions.get(identity)
+            if session is None:
+                raise NoSession("this connection has no session (the server may have restarted): "
+                                "send a handshake first")
+            session.last_seen = time.monotonic()
+            out = self._handlers[name](session, msg)
+        except Exception as exc:
+            return self._error(name, exc)
+        if isinstance(out, _Deferred):
+            self._run_deferred(identity, rid, name, out)
+            return None
+        return codec.OK, codec.encode(out)
+
+    def _error(self, name: str, exc: BaseException) -> tuple[bytes, bytes]:
+        self.errors += 1
+        if isinstance(exc, RemoteError):
+            code, msg = exc.code, exc.message
+        elif isinstance(exc, (ConfigError, ValueError)):
+            code, msg = InvalidRequest.code, str(exc)
+        elif isinstance(exc, KvxferError):
+            code, msg = InvalidRequest.code, f"{type(exc).__name__}: {exc}"
+        else:
+            log.exception("handler of %r raised", name)
+            code, msg = "internal", f"{name} failed in the server: {type(exc).__name__}: {exc} (see the server log)"
+        return codec.ERR, codec.encode(m.ErrorReply(code, msg))
+
+    def _run_deferred(self, identity: bytes, rid: bytes, name: str, d: _Deferred) -> None:
+        def done(fut: Future[Any]) -> None:
+            self._mq.call_soon(lambda: finish(fut))
+
+        def finish(fut: Future[Any]) -> None:
+            try:
+                reply = d.finish(fut)
+                out = codec.OK, codec.encode(reply)
+            except Exception as exc:
+                out = self._error(name, exc)
+            self._mq.send(identity, rid, *out)
+
+        try:
+            d.executor.submit(d.work).add_done_callback(done)
+        except RuntimeError as exc:  # executor shut down: the context is being dropped
+            self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
+
+    # ------------------------------------------------------------------ sessions
+
+    def _on_handshake(self, identity: bytes, msg: m.Handshake) -> m.HandshakeReply:
+        if msg.protocol_version != m.PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"client speaks kvxfer protocol {msg.protocol_version}, this server ({kvxfer.__version__}) "
+                f"speaks {m.PROTOCOL_VERSION}; install the same kvxfer version on both sides"
+            )
+        now = time.monotonic()
+        session = self.sessions.get(identity)
+        if session is None:
+            self.sessions[identity] = Session(identity, msg.pid, msg.client_name, now)
+        else:
+            session.last_seen = now
+        cfg = self.config
+        return m.HandshakeReply(
+            protocol_version=m.PROTOCOL_VERSION,
+            server_version=kvxfer.__version__,
+            chunk_size=cfg.chunk_size,
+            transports=sorted(self.transports),
+            arena_path=str(self.arena.path),
+            arena_size=self.arena.size,
+            heartbeat_s=cfg.heartbeat_s,
+            session_timeout_s=cfg.session_timeout_s,
+            max_message_size=cfg.max_message_size,
+        )
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self.index.expire_leases(now)
+        for identity, session in list(self.sessions.items()):
+            if now - session.last_seen > self.config.session_timeout_s:
+                log.info("session of pid %d (%s) timed out; dropping its %d registrations",
+                         session.pid, session.name, len(session.instances))
+                self._drop_session(identity)
+
+    def _drop_session(self, identity: bytes) -> None:
+        session = self.sessions.pop(identity)
+        for iid in list(session.instances):
+            ctx = self.contexts.get(iid)
+            if ctx is not None:
+                self._drop_context(ctx, "session lost")
+
+    def _drop_context(self, ctx: RegisteredContext, reason: str, wait: bool = False) -> None:
+        """Forget a context now; close its server side after its in-flight transfers."""
+        self.contexts.pop(ctx.instance_id, None)
+        session = self.sessions.get(ctx.session)
+        if session is not None:
+            session.instances.discard(ctx.instance_id)
+        for res in [r for r in self.index.reservations.values() if r.instance_id == ctx.instance_id]:
+            if not res.in_flight:
+                self.index.abort(res)
+        ctx.executor.submit(ctx.server_context.close)
+        ctx.executor.shutdown(wait=wait)
+        self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
+
+    def _context(self, session: Session, instance_id: int) -> RegisteredContext:
+        ctx = self.contexts.get(instance_id)
+        if ctx is None or ctx.session != session.identity:
+            raise UnknownInstance(
+                f"instance {instance_id} is not registered on this connection (never registered, "
+                "unregistered, or dropped when its session timed out): register again"
+            )
+        return ctx
+
+    # ------------------------------------------------------------------ control requests
+
+    def _on_ping(self, session: Session, msg: m.Ping) -> m.Pong:
+        return m.Pong(time.time())
+
+    def _on_register(self, session: Session, msg: m.Register) -> _Deferred:
+        lt = self.transports.get(msg.transport)
+        if lt is None:
+            raise _invalid("transport", f"transport {msg.transport!r} is not loaded by this server; loaded: "
+                                        f"{', '.join(sorted(self.transports))} (start it with --transports)")
+        try:
+            reg = codec.decode(msg.registration, lt.transport.registration_type)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _invalid("registration", f"does not decode as {lt.transport.registration_type.__name__}: {exc}") from None
+        layout = validate_registration(reg, self.config.chunk_size, self.arena.size)
+        if reg.instance_id in self.contexts:
+            raise _invalid("instance_id", f"{reg.instance_id} is already registered")
+        executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-ctx-{reg.instance_id}")
+
+        def finish(fut: Future[Any]) -> m.RegisterReply:
+            server_context = fut.result()
+            if self.sessions.get(session.identity) is not session or reg.instance_id in self.contexts:
+                executor.submit(server_context.close)
+                executor.shutdown(wait=False)
+                raise UnknownInstance("the session ended or the id was taken while registering")
+            ctx = RegisteredContext(
+                instance_id=reg.instance_id, model_name=reg.model_name, world_size=reg.world_size,
+                rank=reg.rank, layout=layout, transport=msg.transport, server_context=server_context,
+                session=session.identity, client_pid=session.pid, chunk_size=self.config.chunk_size,
+                executor=executor,
+            )
+            self.contexts[ctx.instance_id] = ctx
+            session.instances.add(ctx.instance_id)
+            self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
+            return m.RegisterReply(ctx.instance_id, ctx.chunk.nbytes)
+
+        def failed(fut: Future[Any]) -> m.RegisterReply:
+            try:
+                return finish(fut)
+            except BaseException:
+                if reg.instance_id not in self.contexts:
+                    executor.shutdown(wait=False)
+                raise
+
+        return _Deferred(executor, lambda: lt.server.open(reg, layout), failed)
+
+    def _on_unregister(self, session: Session, msg: m.Unregister) -> m.Empty:
+        ctx = self._context(session, msg.instance_id)
+        self._drop_context(ctx, "unregister")
+        return m.Empty()
+
+    def _on_lookup(self, session: Session, msg: m.Lookup) -> m.LookupReply:
+        if msg.world_size <= 0:
+            raise _invalid("world_size", f"must be positive, got {msg.world_size}")
+        _check_hashes(msg.hashes)
+        hits = self.index.lookup(msg.model_name, msg.world_size, msg.hashes)
+        self.lookups += 1
+        self.lookup_chunks += len(msg.hashes)
+        self.lookup_hits += hits
+        lease_id = 0
+        if msg.lease_s > 0 and hits:
+            lease_id = self.index.lease(msg.model_name, msg.world_size, msg.hashes[:hits], min(msg.lease_s, MAX_LEASE_S))
+        return m.LookupReply(hits, lease_id)
+
+    def _on_release_lease(self, session: Session, msg: m.ReleaseLease) -> m.Empty:
+        self.index.release_lease(msg.lease_id)
+        return m.Empty()
+
+    def _client_driven(self, session: Session, instance_id: int) -> RegisteredContext:
+        ctx = self._context(session, instance_id)
+        if self.transports[ctx.transport].transport.style is not Style.CLIENT_DRIVEN:
+            raise InvalidRequest(f"instance {instance_id} uses server-driven transport {ctx.transport}: "
+                                 "use store/retrieve, not reserve/commit")
+        return ctx
+
+    def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply:
+        ctx = self._client_driven(session, msg.instance_id)
+        _check_hashes(msg.hashes)
+        res, present, no_space = self.index.reserve_write(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.chunk.nbytes,
+                                                          ctx.instance_id)
+        slots = [m.Slot(i, e.offset) for i, e in res.entries]
+        return m.ReserveWriteReply(res.id, slots, present, no_space)
+
+    def _reservation(self, ctx: RegisteredContext, rid: int, write: bool) -> Reservation:
+        res = self.index.reservations.get(rid)
+        if res is None or res.instance_id != ctx.instance_id or res.write != write:
+            raise _invalid("reservation_id", f"no open {'write' if write else 'read'} reservation {rid} "
+                                             f"for instance {ctx.instance_id}")
+        return res
+
+    def _on_commit_write(self, session: Session, msg: m.CommitWrite) -> m.StoreResult:
+        ctx = self._client_driven(session, msg.instance_id)
+        res = self._reservation(ctx, msg.reservation_id, write=True)
+        return self._commit_write(ctx, res, msg.failed)
+
+    def _commit_write(self, ctx: RegisteredContext, res: Reservation, failed: list[int]) -> m.StoreResult:
+        reserved = {i for i, _ in res.entries}
+        bad = sorted(set(failed) & reserved)
+        stored = self.index.commit_write(res, bad)
+        ctx.stores += 1
+        if stored:
+            self.hooks.call("kvxfer_chunks_stored", server=self, context=ctx, keys=[e.key for _, e in stored])
+        return m.StoreResult([i for i, _ in stored], [], bad)
+
+    def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply:
+        ctx = self._client_driven(session, msg.instance_id)
+        _check_hashes(msg.hashes)
+        res, missing = self.index.reserve_read(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.instance_id, msg.lease_id)
+        return m.ReserveReadReply(res.id, [m.Slot(i, e.offset) for i, e in res.entries], missing)
+
+    def _on_commit_read(self, session: Session, msg: m.CommitRead) -> m.Empty:
+        ctx = self._client_driven(session, msg.instance_id)
+        res = self._reservation(ctx, msg.reservation_id, write=False)
+        self._commit_read(ctx, res)
+        return m.Empty()
+
+    def _commit_read(self, ctx: RegisteredContext, res: Reservation) -> None:
+        self.index.commit_read(res)
+        ctx.retrieves += 1
+        if res.entries:
+            self.hooks.call("kvxfer_chunks_retrieved", server=self, context=ctx, keys=[e.key for _, e in res.entries])
+
+    # ------------------------------------------------------------------ server-driven transfers
+
+    def _server_driven(self, session: Session, instance_id: int) -> RegisteredContext:
+        ctx = self._context(session, instance_id)
+        if self.transports[ctx.transport].transport.style is not Style.SERVER_DRIVEN:
+            raise InvalidRequest(f"instance {instance_id} uses client-driven transport {ctx.transport}: "
+                                 "use reserve/commit requests, not store/retrieve")
+        return ctx
+
+    def _params(self, ctx: RegisteredContext, raw: msgspec.Raw) -> Any:
+        tp = ctx.server_context.params_type
+        if tp is None:
+            return None
+        try:
+            return codec.decode(raw, tp)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _invalid("params", f"do not decode as {tp.__name__}: {exc}") from None
+
+    def _on_store(self, session: Session, msg: m.Store) -> _Deferred:
+        ctx = self._server_driven(session, msg.instance_id)
+        _check_hashes(msg.hashes)
+        blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
+        params = self._params(ctx, msg.params)
+        res, present, no_space = self.index.reserve_write(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.chunk.nbytes,
+                                                          ctx.instance_id)
+        res.in_flight = True
+        copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
+                             [(i, self.arena.view(e.offset, e.size)) for i, e in res.entries])
+
+        def finish(fut: Future[Any]) -> m.StoreResult:
+            if fut.exception() is not None or ctx.instance_id not in self.contexts:
+                self.index.abort(res)
+                fut.result()
+                raise UnknownInstance(f"instance {ctx.instance_id} was dropped during the store")
+            out = self._commit_write(ctx, res, [])
+            return m.StoreResult(out.stored, present, sorted(no_space))
+
+        work = (lambda: ctx.server_context.store(copies, params)) if copies else (lambda: None)
+        return _Deferred(ctx.executor, work, finish)
+
+    def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred:
+        ctx = self._server_driven(session, msg.instance_id)
+        _check_hashes(msg.hashes)
+        blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
+        params = self._params(ctx, msg.params)
+        skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
+        first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
+        res, missing = self.index.reserve_read(ctx.keys(msg.hashes[first:]), ctx.chunk.fmt, ctx.instance_id,
+                                               msg.lease_id)
+        res.in_flight = True
+        copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
+                             [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks)
+        lost = {i + first for i in missing}
+
+        def finish(fut: Future[Any]) -> m.RetrieveResult:
+            if ctx.instance_id in self.contexts:
+                self._commit_read(ctx, res)
+            else:
+                self.index.abort(res)
+            fut.result()
+            return m.RetrieveResult([i for i in range(len(msg.hashes)) if i not in lost], sorted(lost))
+
+        work = (lambda: ctx.server_context.retrieve(copies, params)) if copies else (lambda: None)
+        return _Deferred(ctx.executor, work, finish)
+
+    # ------------------------------------------------------------------ status, clear
+
+    def _on_status(self, session: Session, msg: m.StatusRequest) -> m.StatusReply:
+        return self.status()
+
+    def status(self) -> m.StatusReply:
+        alloc = self.index.allocator
+        sections: dict[str, dict[str, str]] = {}
+        for res in self.hooks.call("kvxfer_status_section", server=self):
+            try:
+                title, values = res
+                sections[str(title)] = {str(k): str(v) for k, v in values.items()}
+            except (TypeError, ValueError, AttributeError):
+                self.hooks.errors += 1
+                log.warning("a kvxfer_status_section hook returned %r, not (title, dict)", res)
+        transports = []
+        for name, lt in sorted(self.transports.items()):
+            try:
+                state = {str(k): str(v) for k, v in lt.server.status().items()}
+            except Exception as exc:
+                state = {"error": f"{type(exc).__name__}: {exc}"}
+            transports.append(m.TransportStatus(
+                name, lt.transport.style.value, sum(c.transport == name for c in self.contexts.values()), state))
+        return m.StatusReply(
+            server_version=kvxfer.__version__,
+            protocol_version=m.PROTOCOL_VERSION,
+            url=self.url,
+            pid=os.getpid(),
+            uptime_s=time.time() - self.started,
+            chunk_size=self.config.chunk_size,
+            sessions=len(self.sessions),
+            contexts=[c.status() for c in sorted(self.contexts.values(), key=lambda c: (c.model_name, c.rank))],
+            arena=m.ArenaStatus(str(self.arena.path), alloc.capacity, alloc.used, len(self.index.entries),
+                                alloc.free_extents, alloc.largest_free, self.index.evictions),
+            transports=transports,
+            lookups=self.lookups,
+            lookup_chunks=self.lookup_chunks,
+            lookup_hits=self.lookup_hits,
+            leases=len(self.index.leases),
+            leased_chunks=self.index.leased_chunks,
+            reservations=len(self.index.reservations),
+            errors=self.errors,
+            hook_errors=self.hooks.errors,
+            sections=sections,
+        )
+
+    def _on_clear(self, session: Session, msg: m.Clear) -> m.ClearReply:
+        return m.ClearReply(len(self.index.clear(msg.model_name)))
+
+    def _on_evict(self, keys: list[ChunkKey]) -> None:
+        self.hooks.call("kvxfer_chunks_evicted", server=self, keys=keys)
+
+
+def raise_unknown(name: str) -> None:
+    from kvxfer.errors import UnknownRequest
+
+    raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
+                         f"{', '.join(REQUESTS)}")

@@ -1,0 +1,254 @@
+"""The key index of the L1 store: entries, LRU eviction, leases and reservations.
+
+Owned by the server's loop thread (no locks): every method runs there.
+
+Life of a chunk: ``reserve_write`` allocates a slot and adds a WRITING entry (pinned); the writer
+fills the slot; ``commit_write`` makes it READY (and evictable, most recently used). A reader's
+``reserve_read`` pins READY entries (``readers``), ``commit_read`` unpins them. A lease pins
+entries until it expires or its readers release it. Only READY entries with no readers and no
+leases are ever evicted, least recently used first, and only to make room for a new slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvxfer.errors import InvalidRequest
+from kvxfer.server.allocator import Allocator
+
+__all__ = ["ChunkKey", "Entry", "ChunkIndex", "Reservation", "Lease"]
+
+
+class ChunkKey(NamedTuple):
+    model_name: str
+    world_size: int
+    rank: int
+    chunk_hash: bytes
+
+
+class State(enum.Enum):
+    WRITING = 1
+    READY = 2
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: ChunkKey
+    offset: int
+    size: int
+    fmt: str
+    state: State = State.WRITING
+    readers: int = 0
+    leases: int = 0
+
+    @property
+    def pinned(self) -> bool:
+        return self.state is State.WRITING or self.readers > 0 or self.leases > 0
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    id: int
+    write: bool
+    instance_id: int
+    #: (index in the request, entry)
+    entries: list[tuple[int, Entry]]
+    lease_id: int = 0
+    #: A server-driven copy is running on it: only the request's own finish may end it.
+    in_flight: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: int
+    expires: float
+    entries: dict[ChunkKey, Entry] = field(default_factory=dict)
+
+
+class ChunkIndex:
+    def __init__(self, capacity: int, on_evict: Callable[[list[ChunkKey]], None] | None = None) -> None:
+        self.allocator = Allocator(capacity)
+        self.entries: dict[ChunkKey, Entry] = {}
+        self._lru: OrderedDict[ChunkKey, Entry] = OrderedDict()
+        self.leases: dict[int, Lease] = {}
+        self.reservations: dict[int, Reservation] = {}
+        self._ids = itertools.count(1)
+        self._on_evict = on_evict
+        self.evictions = 0
+
+    # ------------------------------------------------------------------ lookup and leases
+
+    def lookup(self, model_name: str, world_size: int, hashes: Sequence[bytes]) -> int:
+        """Leading chunks READY for every rank."""
+        entries = self.entries
+        for i, h in enumerate(hashes):
+            for rank in range(world_size):
+                e = entries.get(ChunkKey(model_name, world_size, rank, h))
+                if e is None or e.state is not State.READY:
+                    return i
+        return len(hashes)
+
+    def lease(self, model_name: str, world_size: int, hashes: Sequence[bytes], ttl: float) -> int:
+        """Pin the chunks of ``hashes`` (all present) for every rank for ``ttl`` seconds."""
+        lease = Lease(next(self._ids), time.monotonic() + ttl)
+        for h in hashes:
+            for rank in range(world_size):
+                key = ChunkKey(model_name, world_size, rank, h)
+                e = self.entries[key]
+                e.leases += 1
+                lease.entries[key] = e
+        self.leases[lease.id] = lease
+        return lease.id
+
+    def release_lease(self, lease_id: int, keys: Iterable[ChunkKey] | None = None) -> None:
+        """Release ``keys`` of a lease (all of it when None); unknown or expired ids are ignored."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return
+        for key in list(lease.entries) if keys is None else keys:
+            e = lease.entries.pop(key, None)
+            if e is not None:
+                e.leases -= 1
+        if not lease.entries:
+            del self.leases[lease_id]
+
+    def expire_leases(self, now: float) -> int:
+        expired = [lid for lid, lease in self.leases.items() if lease.expires <= now]
+        for lid in expired:
+            self.release_lease(lid)
+        return len(expired)
+
+    @property
+    def leased_chunks(self) -> int:
+        return sum(len(lease.entries) for lease in self.leases.values())
+
+    # ------------------------------------------------------------------ writes
+
+    def reserve_write(
+        self, keys: Sequence[ChunkKey], fmt: str, size: int, instance_id: int
+    ) -> tuple[Reservation, list[int], list[int]]:
+        """Slots for the keys not present. Returns (reservation, present, no_space)."""
+        res = Reservation(next(self._ids), True, instance_id, [])
+        present: list[int] = []
+        no_space: list[int] = []
+        seen: set[ChunkKey] = set()
+        for i, key in enumerate(keys):
+            e = self.entries.get(key)
+            if e is not None or key in seen:
+                if e is not None and e.fmt != fmt:
+                    self.abort(res)
+                    raise InvalidRequest(
+                        f"chunk {key.chunk_hash.hex()} of {key.model_name!r} is stored in format {e.fmt}, "
+                        f"this instance writes {fmt}: two registrations of one model_name must have "
+                        "the same layout, dtype and number of layers"
+                    )
+                present.append(i)
+                continue
+            offset = self._allocate(size)
+            if offset is None:
+                no_space.append(i)
+                continue
+            e = Entry(key, offset, size, fmt)
+            self.entries[key] = e
+            seen.add(key)
+            res.entries.append((i, e))
+        self.reservations[res.id] = res
+        return res, present, no_space
+
+    def commit_write(self, res: Reservation, failed: Iterable[int] = ()) -> list[tuple[int, Entry]]:
+        """READY the reservation's entries except ``failed`` indices (dropped)."""
+        self.reservations.pop(res.id, None)
+        bad = set(failed)
+        stored = []
+        for i, e in res.entries:
+            if i in bad:
+                self._drop(e)
+            else:
+                e.state = State.READY
+                self._lru[e.key] = e
+                stored.append((i, e))
+        return stored
+
+    # ------------------------------------------------------------------ reads
+
+    def reserve_read(
+        self, keys: Sequence[ChunkKey], fmt: str, instance_id: int, lease_id: int = 0
+    ) -> tuple[Reservation, list[int]]:
+        """Pin the READY entries of ``keys``. Returns (reservation, missing indices)."""
+        res = Reservation(next(self._ids), False, instance_id, [], lease_id)
+        missing = []
+        for i, key in enumerate(keys):
+            e = self.entries.get(key)
+            if e is None or e.state is not State.READY:
+                missing.append(i)
+                continue
+            if e.fmt != fmt:
+                self.abort(res)
+                raise InvalidRequest(
+                    f"chunk {key.chunk_hash.hex()} of {key.model_name!r} was stored in format {e.fmt}, "
+                    f"this instance reads {fmt}: registrations of one model_name must match"
+                )
+            e.readers += 1
+            self._lru.move_to_end(key)
+            res.entries.append((i, e))
+        self.reservations[res.id] = res
+        return res, missing
+
+    def commit_read(self, res: Reservation) -> None:
+        self.reservations.pop(res.id, None)
+        for _, e in res.entries:
+            e.readers -= 1
+        if res.lease_id:
+            self.release_lease(res.lease_id, [e.key for _, e in res.entries])
+
+    def abort(self, res: Reservation) -> None:
+        """Undo a reservation that will never be committed (its client died, or it failed)."""
+        if res.write:
+            self.commit_write(res, failed=[i for i, _ in res.entries])
+        else:
+            self.reservations.pop(res.id, None)
+            for _, e in res.entries:
+                e.readers -= 1
+
+    # ------------------------------------------------------------------ space
+
+    def _allocate(self, size: int) -> int | None:
+        offset = self.allocator.alloc(size)
+        if offset is not None:
+            return offset
+        evicted: list[ChunkKey] = []
+        for key, e in list(self._lru.items()):
+            if e.pinned:
+                continue
+            self._drop(e)
+            evicted.append(key)
+            offset = self.allocator.alloc(size)
+            if offset is not None:
+                break
+        if evicted:
+            self.evictions += len(evicted)
+            if self._on_evict is not None:
+                self._on_evict(evicted)
+        return offset
+
+    def _drop(self, e: Entry) -> None:
+        del self.entries[e.key]
+        self._lru.pop(e.key, None)
+        self.allocator.free(e.offset, e.size)
+
+    def clear(self, model_name: str = "") -> list[ChunkKey]:
+        """Drop READY, unpinned entries (of ``model_name`` only, when given)."""
+        gone = [k for k, e in self._lru.items() if not e.pinned and (not model_name or k.model_name == model_name)]
+        for key in gone:
+            self._drop(self.entries[key])
+        return gone
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used

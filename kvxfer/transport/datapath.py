@@ -1,0 +1,351 @@
+"""What the core does for both data-path styles, so that transports stay small.
+
+* :func:`check_transfer` validates a store or retrieve request (both sides call it);
+* :func:`plan_copies` turns block ids and arena slots into :class:`RowCopy` lists;
+* :class:`TransferContextBase` runs a context's transfers in order on its worker thread,
+  registers, re-registers after a server restart, and unregisters on close;
+* :class:`ClientDrivenContext` implements store/retrieve with reserve/commit requests around
+  two transport methods, ``gather`` and ``scatter``;
+* :class:`ServerDrivenContext` implements them with ``store``/``retrieve`` requests carrying
+  the transport's per-request params;
+* :class:`ArenaServerTransport` is the server half of every client-driven transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+import torch
+
+from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError, NoSession, UnknownInstance
+from kvxfer.layout import KVLayout
+from kvxfer.protocol import codec
+from kvxfer.protocol import messages as m
+from kvxfer.server.arena import ArenaMapping
+from kvxfer.transport.base import (
+    Connection,
+    InstanceIdentity,
+    RowCopy,
+    ServerContext,
+    ServerTransport,
+    TransferContext,
+)
+
+__all__ = [
+    "check_transfer",
+    "plan_copies",
+    "TransferContextBase",
+    "ClientDrivenContext",
+    "ServerDrivenContext",
+    "ArenaServerTransport",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Most chunks one request may name.
+MAX_CHUNKS_PER_REQUEST = 1 << 14
+
+
+def check_transfer(
+    layout: KVLayout,
+    chunk_size: int,
+    n_keys: int,
+    block_ids: Sequence[int] | torch.Tensor,
+    skip_first_n_tokens: int = 0,
+) -> torch.Tensor:
+    """Validate a transfer's block ids; returns them as an int64 CPU tensor.
+
+    Raises :class:`ConfigError` (client side) naming what is wrong: block count, range, skip.
+    """
+    bpc = layout.blocks_per_chunk(chunk_size)
+    if n_keys > MAX_CHUNKS_PER_REQUEST:
+        raise ConfigError(f"{n_keys} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
+    try:
+        blocks = torch.as_tensor(block_ids, dtype=torch.int64, device="cpu").reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"block_ids must be a sequence of integers: {exc}") from None
+    if blocks.numel() != n_keys * bpc:
+        raise ConfigError(
+            f"{n_keys} chunks of {chunk_size} tokens need {n_keys * bpc} block ids "
+            f"({bpc} per chunk at block_size {layout.block_size}), got {blocks.numel()}"
+        )
+    if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= layout.num_blocks):
+        raise ConfigError(
+            f"block ids must be in [0, {layout.num_blocks}); got min {int(blocks.min())}, max {int(blocks.max())}"
+        )
+    if skip_first_n_tokens < 0 or skip_first_n_tokens % layout.block_size:
+        raise ConfigError(
+            f"skip_first_n_tokens must be a non-negative multiple of the block size "
+            f"{layout.block_size}, got {skip_first_n_tokens}"
+        )
+    return blocks
+
+
+def plan_copies(
+    layout: KVLayout,
+    chunk_size: int,
+    blocks: torch.Tensor,
+    slots: Sequence[tuple[int, torch.Tensor]],
+    skip_blocks: int = 0,
+) -> list[RowCopy]:
+    """RowCopies for ``slots`` (``(chunk index, uint8 slot tensor)``), skipping the first
+    ``skip_blocks`` blocks of the request. A chunk with a partial skip gives one copy per plane
+    (the slot rows it needs are not contiguous across planes); fully skipped chunks none."""
+    bpc = layout.blocks_per_chunk(chunk_size)
+    copies = []
+    for index, slot in slots:
+        local_skip = min(bpc, max(0, skip_blocks - index * bpc))
+        if local_skip == bpc:
+            continue
+        chunk_blocks = blocks[index * bpc + local_skip:(index + 1) * bpc]
+        view = layout.chunk_rows_view(slot, chunk_size)  # [L, planes * bpc, row_elems]
+        if local_skip == 0:
+            copies.append(RowCopy(layout.rows(chunk_blocks), view))
+            continue
+        planes = view.view(layout.num_layers, layout.planes, bpc, layout.row_elems)
+        rows = layout.rows(chunk_blocks).view(layout.planes, -1)
+        for p in range(layout.planes):
+            copies.append(RowCopy(rows[p], planes[:, p, local_skip:]))
+    return copies
+
+
+class TransferContextBase(TransferContext):
+    """Ordering, validation, registration and close for both styles."""
+
+    #: The transport's Registration subclass (set by the transport's context class).
+    registration_type: ClassVar[type[m.Registration]] = m.Registration
+
+    def __init__(
+        self,
+        transport_name: str,
+        connection: Connection,
+        layers: list[torch.Tensor],
+        layout: KVLayout,
+        identity: InstanceIdentity,
+    ) -> None:
+        self.transport_name = transport_name
+        self.connection = connection
+        self.layers = layers
+        self.layout = layout
+        self.identity = identity
+        self.instance_id = identity.instance_id
+        self.chunk_size = connection.chunk_size
+        self.blocks_per_chunk = layout.blocks_per_chunk(self.chunk_size)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{transport_name}-{identity.rank}")
+        self._closed = False
+        self._registered = False
+        self.epoch = -1
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ registration
+
+    def registration_extra(self) -> dict[str, Any]:
+        """Transport fields of the registration besides identity and layout."""
+        return {}
+
+    def registration(self) -> m.Registration:
+        return self.registration_type(**self.identity.registration_fields(self.layout), **self.registration_extra())
+
+    def register(self) -> None:
+        reg = self.registration()
+        self.connection.request(
+            "register", m.Register(self.transport_name, msgspec.Raw(codec.encode(reg)))
+        )
+        self._registered = True
+        self.epoch = getattr(self.connection, "epoch", 0)
+
+    def on_reconnect(self) -> None:
+        """The client re-opened its session (the server restarted): register again."""
+        self.register()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (requests to the server); after a server restart, re-register once and retry."""
+        try:
+            return fn()
+        except (NoSession, UnknownInstance):
+            reconnect = getattr(self.connection, "reconnect", None)
+            if reconnect is None:
+                raise
+            reconnect(self)
+            return fn()
+
+    # ------------------------------------------------------------------ submit
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        with self._lock:
+            if self._closed:
+                raise ConfigError(f"transfer context {self.instance_id} ({self.transport_name}) is closed")
+            return self._executor.submit(fn, *args)
+
+    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[m.StoreResult]:
+        keys = list(keys)
+        blocks = check_transfer(self.layout, self.chunk_size, len(keys), block_ids)
+        return self._submit(self._store, keys, blocks)
+
+    def submit_retrieve(
+        self,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int] | torch.Tensor,
+        skip_first_n_tokens: int = 0,
+        lease_id: int = 0,
+    ) -> Future[m.RetrieveResult]:
+        keys = list(keys)
+        blocks = check_transfer(self.layout, self.chunk_size, len(keys), block_ids, skip_first_n_tokens)
+        return self._submit(self._retrieve, keys, blocks, skip_first_n_tokens // self.layout.block_size, lease_id)
+
+    @abstractmethod
+    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult: ...
+
+    @abstractmethod
+    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> m.RetrieveResult: ...
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._executor.shutdown(wait=True)
+        if self._registered:
+            try:
+                self.connection.request("unregister", m.Unregister(self.instance_id), timeout=10)
+            except (KvxferError, ConnectionError):
+                pass  # the server is gone or already dropped us: nothing left to release there
+        self._registered = False
+        detach = getattr(self.connection, "forget", None)
+        if detach is not None:
+            detach(self)
+        self.release()
+
+    def release(self) -> None:
+        """Free client-side resources (mappings, pinned memory). Called once by close()."""
+
+
+class ClientDrivenContext(TransferContextBase):
+    """Base of client-driven transports: the client copies between its KV cache and the arena.
+
+    Subclasses implement :meth:`gather` and :meth:`scatter`. Store: ``reserve_write`` ->
+    ``gather`` into the slots -> ``commit_write``. Retrieve: ``reserve_read`` -> ``scatter`` ->
+    ``commit_read``. If a copy raises, the reservation is committed as failed (nothing half
+    written becomes readable) and the future raises.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.arena = self.map_arena()
+
+    def map_arena(self) -> ArenaMapping:
+        return ArenaMapping(self.connection.arena_path, self.connection.arena_size)
+
+    def on_reconnect(self) -> None:
+        self.unmap_arena()
+        self.arena = self.map_arena()
+        super().on_reconnect()
+
+    def unmap_arena(self) -> None:
+        self.arena.close()
+
+    def release(self) -> None:
+        self.unmap_arena()
+
+    @abstractmethod
+    def gather(self, copies: list[RowCopy]) -> None:
+        """Copy, for every layer ``l``, ``row_view(layers[l])[copy.rows]`` into ``copy.slot[l]``.
+        Must return only when the bytes are in the slots."""
+
+    @abstractmethod
+    def scatter(self, copies: list[RowCopy]) -> None:
+        """Copy, for every layer ``l``, ``copy.slot[l]`` into ``row_view(layers[l])[copy.rows]``.
+        Must return only when the engine can read the blocks (or its stream is ordered after
+        the copy)."""
+
+    def _slots(self, slots: list[m.Slot], nbytes: int) -> list[tuple[int, torch.Tensor]]:
+        return [(s.index, self.arena.view(s.offset, nbytes)) for s in slots]
+
+    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult:
+        rep: m.ReserveWriteReply = self._call(
+            lambda: self.connection.request("reserve_write", m.ReserveWrite(self.instance_id, keys))
+        )
+        nbytes = self.layout.chunk_bytes(self.chunk_size)
+        try:
+            if rep.slots:
+                self.gather(plan_copies(self.layout, self.chunk_size, blocks, self._slots(rep.slots, nbytes)))
+        except BaseException:
+            self.connection.request("commit_write", m.CommitWrite(
+                self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))
+            raise
+        res: m.StoreResult = self.connection.request(
+            "commit_write", m.CommitWrite(self.instance_id, rep.reservation_id))
+        return m.StoreResult(res.stored, sorted(rep.present), sorted(rep.no_space + res.failed))
+
+    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> m.RetrieveResult:
+        bpc = self.blocks_per_chunk
+        first = min(len(keys), skip_blocks // bpc)  # chunks wholly skipped need no read
+        wanted = keys[first:]
+        rep: m.ReserveReadReply = self._call(lambda: self.connection.request(
+            "reserve_read", m.ReserveRead(self.instance_id, wanted, lease_id)))
+        nbytes = self.layout.chunk_bytes(self.chunk_size)
+        slots = [(s.index + first, self.arena.view(s.offset, nbytes)) for s in rep.slots]
+        try:
+            if slots:
+                self.scatter(plan_copies(self.layout, self.chunk_size, blocks, slots, skip_blocks))
+        finally:
+            self.connection.request("commit_read", m.CommitRead(self.instance_id, rep.reservation_id))
+        missing = [i + first for i in rep.missing]
+        lost = set(missing)
+        return m.RetrieveResult([i for i in range(len(keys)) if i not in lost], missing)
+
+
+class ServerDrivenContext(TransferContextBase):
+    """Base of server-driven transports: requests carry block ids; the server copies.
+
+    Subclasses may override :meth:`store_params` / :meth:`retrieve_params` (per-request Structs
+    the server's :class:`ServerContext` decodes with its ``params_type``) and
+    :meth:`after_retrieve` (e.g. make the engine's stream wait for the server's copy).
+    """
+
+    def store_params(self) -> msgspec.Struct | None:
+        return None
+
+    def retrieve_params(self) -> msgspec.Struct | None:
+        return None
+
+    def after_retrieve(self, params: msgspec.Struct | None) -> None:
+        """Runs on the worker thread once the server has answered a retrieve."""
+
+    @staticmethod
+    def _raw(params: msgspec.Struct | None) -> msgspec.Raw:
+        return msgspec.Raw(codec.encode(params)) if params is not None else msgspec.Raw(b"")
+
+    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult:
+        params = self.store_params()
+        return self._call(lambda: self.connection.request("store", m.Store(
+            self.instance_id, keys, blocks.tolist(), self._raw(params))))
+
+    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> m.RetrieveResult:
+        params = self.retrieve_params()
+        res: m.RetrieveResult = self._call(lambda: self.connection.request("retrieve", m.Retrieve(
+            self.instance_id, keys, blocks.tolist(), skip_blocks * self.layout.block_size, lease_id,
+            self._raw(params))))
+        self.after_retrieve(params)
+        return res
+
+
+class _ArenaOnlyContext(ServerContext):
+    """Client-driven registrations need nothing on the server beyond the core's bookkeeping."""
+
+
+class ArenaServerTransport(ServerTransport):
+    """The server half of every client-driven transport: validation and slots, no copies."""
+
+    def open(self, registration: m.Registration, layout: KVLayout) -> ServerContext:
+        return _ArenaOnlyContext()

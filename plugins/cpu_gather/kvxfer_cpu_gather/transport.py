@@ -1,0 +1,103 @@
+"""The cpu_gather transport: plugin object, registration Struct and client context."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from kvxfer.transport import (
+    API_VERSION,
+    ArenaServerTransport,
+    Capabilities,
+    ClientDrivenContext,
+    Connection,
+    InstanceIdentity,
+    KVLayout,
+    Probe,
+    Registration,
+    RowCopy,
+    ServerTransport,
+    Style,
+    Transport,
+    copy_view,
+)
+
+__all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration"]
+
+
+class CpuGatherRegistration(Registration, frozen=True, kw_only=True):
+    """Scalars only: the core's identity and layout fields, plus the tensors' device type."""
+
+    #: torch device type of the KV tensors (informational: the server never touches them).
+    device: str = "cpu"
+
+
+class CpuGatherContext(ClientDrivenContext):
+    """Copies between the engine's KV tensors and arena slots in the engine's process."""
+
+    registration_type: ClassVar[type[Registration]] = CpuGatherRegistration
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = self.layers[0].device
+        self.on_host = self.device.type == "cpu"
+        # Each layer as [rows, row_elems] of the widest element type that fits: the indexing
+        # kernels run at memcpy speed on 16-byte elements, at a third of it on 2-byte ones.
+        self._rows = [copy_view(self.layout.row_view(t)) for t in self.layers]
+
+    def registration_extra(self) -> dict[str, Any]:
+        return {"device": self.device.type}
+
+    def gather(self, copies: list[RowCopy]) -> None:
+        for c in copies:
+            slot = copy_view(c.slot)
+            if self.on_host:
+                for layer, dst in zip(self._rows, slot):
+                    torch.index_select(layer, 0, c.rows, out=dst)
+            else:
+                rows = c.rows.to(self.device, non_blocking=True)
+                for layer, dst in zip(self._rows, slot):
+                    dst.copy_(layer.index_select(0, rows))  # gathered on the device, then one D2H copy
+        if not self.on_host:
+            _synchronize(self.device)
+
+    def scatter(self, copies: list[RowCopy]) -> None:
+        for c in copies:
+            slot = copy_view(c.slot)
+            rows = c.rows if self.on_host else c.rows.to(self.device, non_blocking=True)
+            for layer, src in zip(self._rows, slot):
+                if self.on_host:
+                    layer.index_put_((rows,), src)
+                else:
+                    layer.index_put_((rows,), src.to(self.device))
+        if not self.on_host:
+            _synchronize(self.device)
+
+
+def _synchronize(device: torch.device) -> None:
+    mod = getattr(torch, device.type, None)
+    sync = getattr(mod, "synchronize", None)
+    if sync is not None:
+        sync(device)
+
+
+class CpuGatherTransport(Transport):
+    name = "cpu_gather"
+    api_version = API_VERSION
+    style = Style.CLIENT_DRIVEN
+    registration_type = CpuGatherRegistration
+    capabilities = Capabilities(device_types=frozenset({"*"}))
+    #: The fallback: chosen by "auto" when no device-specific transport serves the tensors.
+    auto_priority = 10
+
+    def probe(self) -> Probe:
+        return Probe(True, "host shared memory; KV tensors on any torch device", ("*",))
+
+    def client_context(
+        self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout, identity: InstanceIdentity
+    ) -> CpuGatherContext:
+        return CpuGatherContext(self.name, connection, layers, layout, identity)
+
+    def server_transport(self) -> ServerTransport:
+        return ArenaServerTransport()
