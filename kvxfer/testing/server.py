@@ -1,0 +1,112 @@
+"""A real kvxfer server in a subprocess, for tests and benchmarks.
+
+::
+
+    with ServerProcess(l1_size="256MiB") as server:
+        client = CacheClient(server.url)
+
+The server is ``python -m kvxfer serve`` in its own process with a private socket under a fresh
+temporary directory; ``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvxfer.errors import ConnectionFailed
+
+__all__ = ["ServerProcess"]
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        *,
+        l1_size: str = "256MiB",
+        chunk_size: int = 256,
+        transports: str = "",
+        url: str | None = None,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvxfer-test-")
+        sock_dir = Path(self._tmp.name) / "run"
+        self.url = url or f"ipc://{sock_dir / 'kvxfer.sock'}"
+        self.chunk_size = chunk_size
+        self.log_path = Path(self._tmp.name) / "server.log"
+        self.args = [sys.executable, "-m", "kvxfer", "serve", "--url", self.url, "--l1-size", l1_size,
+                     "--chunk-size", str(chunk_size)]
+        if transports:
+            self.args += ["--transports", transports]
+        self.args += extra_args or []
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> ServerProcess:
+        from kvxfer.client import CacheClient
+
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvxfer server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                CacheClient(self.url, connect_timeout=0.5).close()
+                return self
+            except ConnectionFailed:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"kvxfer server did not answer within {self.start_timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> ServerProcess:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._tmp.cleanup()
