@@ -104,10 +104,20 @@ def _dc(obj: object) -> dict:
 # --------------------------------------------------------------------------- status
 
 
+def _curve_client(curve_dir: str | None, name: str):
+    if curve_dir is None:
+        return None
+    from kvxfer.security import load_client_keys
+
+    return load_client_keys(Path(curve_dir), name)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from kvxfer.client import CacheClient
 
-    with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer status") as client:
+    curve = _curve_client(args.curve_dir, args.curve_name)
+    with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer status",
+                     curve=curve) as client:
         st = client.status()
     if args.json:
         print(json.dumps(msgspec.to_builtins(st), indent=2))
@@ -146,11 +156,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from kvxfer.security import make_keys
+    from kvxfer.security import add_client, make_keys
 
-    paths = make_keys(Path(args.dir))
+    directory = Path(args.dir)
+    paths = add_client(directory, args.client) if args.client else make_keys(directory)
     for role, path in paths.items():
         print(f"{role}: {path}")
+    print(f"serve with `kvxfer serve --url tcp://HOST:PORT --curve-dir {directory}`; clients need "
+          f"server.key and their own key pair (never server.key_secret)")
     return 0
 
 
@@ -197,10 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--url", default=default_url())
     s.add_argument("--json", action="store_true")
     s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
+    s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
     s.set_defaults(fn=cmd_status)
 
     s = sub.add_parser("keys", help="make CURVE keys for tcp:// serving")
-    s.add_argument("dir", help="directory to create the keys in")
+    s.add_argument("dir", help="directory to create the keys in (made 0700)")
+    s.add_argument("--client", default=None, metavar="NAME",
+                   help="add and authorize another client key pair NAME in an existing key directory")
     s.set_defaults(fn=cmd_keys)
 
     s = sub.add_parser("demo", help="start a server, store and load a real paged KV cache, report, stop")
