@@ -1,0 +1,236 @@
+"""Transfer benchmark: store and retrieve throughput against a real server, with the physical
+limit of the same bytes measured in the same run as the denominator.
+
+Denominators: on CPU a memcpy (``torch.Tensor.copy_`` between warm buffers) of the bytes of one
+request; on CUDA a pinned host<->device copy of them (device->host for stores, host->device for
+retrieves). Every request stores fresh chunks (no dedupe) from random blocks, and retrieves them
+into other random blocks; the first request of each configuration is a warm-up.
+
+Run ``kvxfer bench --help`` or ``python benchmarks/transfer.py --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvxfer.client import CacheClient
+from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
+
+__all__ = ["main", "run"]
+
+GB = 1e9
+
+
+def _progress(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="req", leave=False, file=sys.stderr)
+    except ImportError:  # tqdm is optional: a plain counter on stderr
+        class _Bar:
+            n = 0
+
+            def update(self, k: int = 1) -> None:
+                self.n += k
+                print(f"\r{desc}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def close(self) -> None:
+                print(file=sys.stderr)
+
+        return _Bar()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / GB
+
+
+def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[str, float]:
+    """GB/s of the copy a transfer cannot beat, for ``nbytes``: memcpy on CPU, pinned
+    device<->host copies on CUDA (medians of ``repeats`` runs, warm buffers)."""
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        host.fill_(1)
+        dev.fill_(2)
+        out: dict[str, float] = {}
+        for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+            times = []
+            for _ in range(repeats + 1):
+                _sync(device)
+                t = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+            out[name] = _median_gbps(nbytes, times[1:])
+        return {"store_limit": out["d2h"], "retrieve_limit": out["h2d"], "limit": "pinned D2H / H2D"}
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.fill_(2)
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    gbps = _median_gbps(nbytes, times[1:])
+    return {"store_limit": gbps, "retrieve_limit": gbps, "limit": "memcpy"}
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvxfer.hashing import chunk_hashes
+    from kvxfer.testing.server import ServerProcess
+
+    device = torch.device(args.device)
+    dtype = dtype_from_name(args.dtype)
+    kind = LayoutKind(args.layout)
+    heads, head_size, bs = args.heads, args.head_size, args.block_size
+    results = []
+    max_cpr = max(args.chunks_per_request)
+    for chunk_size in args.chunk_sizes:
+        bpc = chunk_size // bs
+        num_blocks = max(2 * max_cpr * bpc, args.blocks)
+        layout = KVLayout(kind, args.layers, num_blocks, bs, heads * head_size, dtype)
+        shape = layout.layer_shape(heads)
+        gen = torch.Generator().manual_seed(0)
+        kv = []
+        for _ in range(args.layers):
+            t = torch.empty(shape, dtype=dtype, device=device)
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
+                                                    generator=gen).to(device))
+            kv.append(t)
+        chunk_bytes = layout.chunk_bytes(chunk_size)
+        total_reqs = (args.iters + 1) * len(args.chunks_per_request)
+        l1 = args.l1_size or f"{int(total_reqs * max_cpr * chunk_bytes * 1.1) + (64 << 20)}"
+        server = None
+        url = args.url
+        if url is None:
+            server = ServerProcess(l1_size=str(l1), chunk_size=chunk_size, transports=args.server_transports)
+            server.start()
+            url = server.url
+        try:
+            client = CacheClient(url)
+            if client.chunk_size != chunk_size:
+                raise SystemExit(f"the server at {url} uses chunk size {client.chunk_size}, not {chunk_size}")
+            ctx = client.register(kv, model_name=f"bench-{os.getpid()}-{chunk_size}", block_size=bs,
+                                  transport=args.transport, layout=kind)
+            bar = _progress(total_reqs, f"{args.transport} chunk {chunk_size}")
+            counter = 0
+            for cpr in args.chunks_per_request:
+                nbytes = cpr * chunk_bytes
+                limit = physical_limit(nbytes, device)
+                store_t, retr_t = [], []
+                for it in range(args.iters + 1):
+                    counter += 1
+                    tokens = torch.randint(0, 50000, (cpr * chunk_size,), generator=gen)
+                    tokens[0] = counter  # unique prefix per request: no dedupe
+                    keys = chunk_hashes(tokens.tolist(), chunk_size)
+                    perm = torch.randperm(num_blocks, generator=gen)
+                    src, dst = perm[:cpr * bpc], perm[cpr * bpc:2 * cpr * bpc]
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    res = ctx.submit_store(keys, src).result(timeout=300)
+                    t1 = time.perf_counter()
+                    got = ctx.submit_retrieve(keys, dst).result(timeout=300)
+                    _sync(device)
+                    t2 = time.perf_counter()
+                    if len(res.stored) != cpr or len(got.loaded) != cpr:
+                        raise SystemExit(f"benchmark request did not move every chunk: {res} {got}")
+                    if it == 0 and args.verify:
+                        for layer in kv:
+                            rows = layout.row_view(layer).view(torch.uint8)  # bytes: NaN != NaN
+                            if not torch.equal(rows[layout.rows(src.to(device))], rows[layout.rows(dst.to(device))]):
+                                raise SystemExit("retrieved blocks differ from stored blocks")
+                    if it:  # the first request warms up
+                        store_t.append(t1 - t0)
+                        retr_t.append(t2 - t1)
+                    bar.update(1)
+                store = _median_gbps(nbytes, store_t)
+                retrieve = _median_gbps(nbytes, retr_t)
+                results.append({
+                    "transport": args.transport, "device": str(device), "layout": kind.value,
+                    "dtype": args.dtype, "layers": args.layers, "chunk_size": chunk_size,
+                    "chunk_mib": chunk_bytes / 2**20, "chunks_per_request": cpr, "request_mib": nbytes / 2**20,
+                    "store_gbps": store, "retrieve_gbps": retrieve,
+                    "store_p50_ms": statistics.median(store_t) * 1e3,
+                    "retrieve_p50_ms": statistics.median(retr_t) * 1e3,
+                    "limit": limit["limit"], "store_limit_gbps": limit["store_limit"],
+                    "retrieve_limit_gbps": limit["retrieve_limit"],
+                    "store_ratio": store / limit["store_limit"],
+                    "retrieve_ratio": retrieve / limit["retrieve_limit"],
+                    "iters": args.iters,
+                })
+            bar.close()
+            ctx.close()
+            client.close()
+        finally:
+            if server is not None:
+                server.stop()
+        del kv
+    return results
+
+
+def print_results(results: list[dict[str, Any]]) -> None:
+    from kvxfer.cli import print_table
+
+    print_table(
+        [(r["transport"], r["device"], r["chunk_size"], f"{r['chunk_mib']:.1f}", r["chunks_per_request"],
+          f"{r['store_gbps']:.1f}", f"{r['retrieve_gbps']:.1f}", r["limit"],
+          f"{r['store_limit_gbps']:.1f}/{r['retrieve_limit_gbps']:.1f}",
+          f"{r['store_ratio']:.2f}x", f"{r['retrieve_ratio']:.2f}x") for r in results],
+        ["transport", "device", "chunk", "MiB", "chunks/req", "store GB/s", "retrieve GB/s", "limit",
+         "limit GB/s", "store/limit", "retrieve/limit"],
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--transport", default="cpu_gather")
+    p.add_argument("--device", default="cpu", help="torch device of the KV cache (cpu, cuda, ...)")
+    p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=512, help="KV cache blocks per layer (at least 2 requests' worth)")
+    p.add_argument("--chunk-sizes", type=int, nargs="+", default=[256])
+    p.add_argument("--chunks-per-request", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--iters", type=int, default=8, help="timed requests per configuration (after 1 warm-up)")
+    p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: fits all)")
+    p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
+    p.add_argument("--server-transports", default="", help="--transports of the started server (default: all)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    results = run(args)
+    print_results(results)
+    if args.json:
+        meta = {"machine": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
