@@ -189,7 +189,7 @@ class CacheClient:
                 f"no transport both loaded by the server at {self.url} ({', '.join(serving)}) and able "
                 f"to move KV tensors on {device} here" + (f" (last error: {last})" if last else "")
             )
-        return max(candidates, key=lambda t: (t.auto_priority, t.name))
+        return max(candidates, key=lambda t: (t.priority_for(device), t.name))
 
     def lookup(self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes]) -> int:
         """How many leading chunks of ``hashes`` the server has for every rank."""

@@ -252,6 +252,11 @@ class Transport(ABC):
         """Can this transport run in this process? Cheap, never raises, imports nothing heavy
         that is absent (answer ``Probe(False, reason)`` instead)."""
 
+    def priority_for(self, device: torch.device) -> int:
+        """Rank in ``"auto"`` for KV tensors on ``device`` (higher wins): ``auto_priority``,
+        unless a transport ranks device types differently (e.g. below the fallback for one)."""
+        return self.auto_priority
+
     def serves(self, device: torch.device) -> bool:
         """Whether it can move KV tensors on ``device`` here."""
         probe = self.probe()

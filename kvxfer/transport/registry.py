@@ -197,4 +197,4 @@ def select(name: str, device: torch.device) -> Transport:
             f"no installed transport can move KV tensors on {device}; installed: "
             f"{', '.join(installed_names()) or 'none'} (see `kvxfer plugins`)"
         )
-    return max(candidates, key=lambda t: (t.auto_priority, t.name))
+    return max(candidates, key=lambda t: (t.priority_for(device), t.name))
