@@ -1,0 +1,185 @@
+"""A kvxfer client in its own process, for the fault, soak and load tests (and benchmarks/soak.py).
+
+Prints one JSON object per line (``{"event": ...}``) on stdout. Modes:
+
+* ``store-loop``: store new chunks forever (``stored`` events) until killed;
+* ``retrieve-loop``: store chunks once, then retrieve and check them forever;
+* ``hold-write`` / ``hold-read``: open a write (half filled) / read reservation with raw
+  requests, report it (``held``), then sleep until killed: a client that dies mid-transfer;
+* ``soak``: wait for ``go`` on stdin, then ``--iters`` rounds of store + retrieve + bit-exact
+  check; reports counts, bytes, corrupted chunks and its start/end clock (``done``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import relkit  # noqa: E402
+from kvxfer import CacheClient  # noqa: E402
+from kvxfer.protocol import messages as m  # noqa: E402
+
+
+def emit(event: str, **kw: object) -> None:
+    print(json.dumps({"event": event, "pid": os.getpid(), **kw}), flush=True)
+
+
+def connect(args: argparse.Namespace) -> tuple[CacheClient, object, relkit.Shape, int]:
+    curve = None
+    if args.curve_dir:
+        from kvxfer.security import load_client_keys
+
+        curve = load_client_keys(Path(args.curve_dir))
+    client = CacheClient(args.url, name=f"worker-{args.mode}-{args.rank}", curve=curve, timeout=args.timeout)
+    shape = relkit.Shape(args.layers, args.num_blocks, args.block_size, args.heads, args.head_dim)
+    kv = shape.make()
+    ctx = client.register(kv, model_name=args.model, world_size=args.world, rank=args.rank,
+                          block_size=shape.block_size, transport="cpu_gather")
+    ctx._kv = kv  # type: ignore[attr-defined]
+    return client, ctx, shape, client.chunk_size // shape.block_size
+
+
+def blocks_for(j: int, bpc: int, base: int) -> list[int]:
+    return list(range(base + j * bpc, base + (j + 1) * bpc))
+
+
+def fill(args, shape, kv, bpc: int, keys: list[bytes], base: int) -> list[int]:
+    ids: list[int] = []
+    for j, h in enumerate(keys):
+        b = blocks_for(j, bpc, base)
+        relkit.write_chunk(kv, b, relkit.expected(shape, args.model, args.rank, h, bpc))
+        ids += b
+    return ids
+
+
+def check(args, shape, kv, bpc: int, keys: list[bytes], base: int, only: list[int] | None = None) -> int:
+    bad = 0
+    for j, h in enumerate(keys):
+        if only is not None and j not in only:
+            continue
+        got = relkit.read_chunk(kv, blocks_for(j, bpc, base))
+        if not torch.equal(got, relkit.expected(shape, args.model, args.rank, h, bpc)):
+            bad += 1
+    return bad
+
+
+def store_loop(args) -> None:
+    client, ctx, shape, bpc = connect(args)
+    kv = ctx._kv
+    emit("ready", instance_id=ctx.instance_id)
+    n = args.start
+    while True:
+        keys = [relkit.key(args.model, n + j) for j in range(args.chunks)]
+        ids = fill(args, shape, kv, bpc, keys, 0)
+        res = ctx.submit_store(keys, ids).result(timeout=args.timeout)
+        emit("stored", first=n, stored=len(res.stored), failed=len(res.failed))
+        n += args.chunks
+
+
+def retrieve_loop(args) -> None:
+    client, ctx, shape, bpc = connect(args)
+    kv = ctx._kv
+    keys = [relkit.key(args.model, args.start + j) for j in range(args.chunks)]
+    ids = fill(args, shape, kv, bpc, keys, 0)
+    res = ctx.submit_store(keys, ids).result(timeout=args.timeout)
+    emit("ready", instance_id=ctx.instance_id, stored=len(res.stored) + len(res.present))
+    base = args.chunks * bpc
+    while True:
+        r = ctx.submit_retrieve(keys, [b + base for b in ids]).result(timeout=args.timeout)
+        emit("retrieved", loaded=len(r.loaded), corrupt=check(args, shape, kv, bpc, keys, base, r.loaded))
+
+
+def hold(args, write: bool) -> None:
+    client, ctx, shape, bpc = connect(args)
+    kv = ctx._kv
+    keys = [relkit.key(args.model, args.start + j) for j in range(args.chunks)]
+    if write:
+        rep = client.request("reserve_write", m.ReserveWrite(ctx.instance_id, keys))
+        nbytes = shape.chunk_bytes(client.chunk_size)
+        for s in rep.slots[: max(1, len(rep.slots) // 2)]:  # half written, as a copy cut short
+            ctx.arena.view(s.offset, nbytes)[: nbytes // 2].fill_(0x5A)
+        emit("held", reservation_id=rep.reservation_id, slots=len(rep.slots), instance_id=ctx.instance_id)
+    else:
+        ids = fill(args, shape, kv, bpc, keys, 0)
+        ctx.submit_store(keys, ids).result(timeout=args.timeout)
+        rep = client.request("reserve_read", m.ReserveRead(ctx.instance_id, keys))
+        emit("held", reservation_id=rep.reservation_id, slots=len(rep.slots), instance_id=ctx.instance_id)
+    while True:
+        time.sleep(3600)
+
+
+def soak(args) -> None:
+    client, ctx, shape, bpc = connect(args)
+    kv = ctx._kv
+    emit("ready", instance_id=ctx.instance_id)
+    if sys.stdin.readline().strip() != "go":
+        return
+    chunk_bytes = shape.chunk_bytes(client.chunk_size)
+    half = (shape.num_blocks // 2) // bpc
+    n_chunks = min(args.chunks, half)
+    stored = retrieved = corrupt = missing = failed = 0
+    store_s = retrieve_s = 0.0
+    t0 = time.monotonic()
+    for it in range(args.iters):
+        keys = [relkit.key(f"{args.model}/{args.tag}/{it}", j) for j in range(n_chunks)]
+        ids = fill(args, shape, kv, bpc, keys, 0)
+        a = time.monotonic()
+        res = ctx.submit_store(keys, ids).result(timeout=args.timeout)
+        b = time.monotonic()
+        store_s += b - a
+        stored += len(res.stored) + len(res.present)
+        failed += len(res.failed)
+        base = n_chunks * bpc
+        for layer in kv:
+            layer[:, base: base + n_chunks * bpc].zero_()
+        a = time.monotonic()
+        r = ctx.submit_retrieve(keys, [i + base for i in ids]).result(timeout=args.timeout)
+        retrieve_s += time.monotonic() - a
+        retrieved += len(r.loaded)
+        missing += len(r.missing)
+        corrupt += check(args, shape, kv, bpc, keys, base, r.loaded)
+    t1 = time.monotonic()
+    emit("done", rank=args.rank, stored=stored, failed=failed, retrieved=retrieved, missing=missing,
+         corrupt=corrupt, chunk_bytes=chunk_bytes, store_s=store_s, retrieve_s=retrieve_s, t0=t0, t1=t1)
+    ctx.close()
+    client.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["store-loop", "retrieve-loop", "hold-write", "hold-read", "soak"])
+    p.add_argument("--url", required=True)
+    p.add_argument("--curve-dir", default=None)
+    p.add_argument("--model", default="m")
+    p.add_argument("--tag", default="")
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--num-blocks", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    args = p.parse_args()
+    try:
+        {"store-loop": store_loop, "retrieve-loop": retrieve_loop, "soak": soak,
+         "hold-write": lambda a: hold(a, True), "hold-read": lambda a: hold(a, False)}[args.mode](args)
+    except Exception as exc:
+        emit("error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

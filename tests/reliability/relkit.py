@@ -1,0 +1,167 @@
+"""Helpers shared by the reliability tests, their worker processes and benchmarks/soak.py.
+
+Chunk contents are a pure function of (model, rank, chunk hash): any process can write a
+chunk, and any other can check a retrieved one bit for bit without talking to the writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_worker.py"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A flash-attention paged KV cache ``[2, num_blocks, block_size, heads, head_dim]`` per layer."""
+
+    layers: int = 2
+    num_blocks: int = 64
+    block_size: int = 16
+    heads: int = 2
+    head_dim: int = 64
+    dtype: torch.dtype = torch.bfloat16
+
+    def make(self) -> list[torch.Tensor]:
+        return [torch.zeros(2, self.num_blocks, self.block_size, self.heads, self.head_dim, dtype=self.dtype)
+                for _ in range(self.layers)]
+
+    def chunk_bytes(self, chunk_size: int) -> int:
+        return self.layers * 2 * chunk_size * self.heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def args(self) -> list[str]:
+        return ["--layers", str(self.layers), "--num-blocks", str(self.num_blocks), "--block-size",
+                str(self.block_size), "--heads", str(self.heads), "--head-dim", str(self.head_dim)]
+
+
+def key(model: str, n: int) -> bytes:
+    """The n-th chunk hash of a test workload (16 bytes, like kvxfer.chunk_hashes)."""
+    return hashlib.blake2b(f"{model}/{n}".encode(), digest_size=16).digest()
+
+
+def expected(shape: Shape, model: str, rank: int, h: bytes, bpc: int) -> torch.Tensor:
+    """The content of chunk ``h`` of ``rank``: ``[layers, 2, bpc, block_size, heads, head_dim]`` as int16 bits."""
+    seed = int.from_bytes(hashlib.blake2b(model.encode() + rank.to_bytes(4, "little") + h, digest_size=8).digest(),
+                          "little") & ((1 << 63) - 1)
+    g = torch.Generator().manual_seed(seed)
+    n = shape.layers * 2 * bpc * shape.block_size * shape.heads * shape.head_dim
+    bits = torch.randint(-(1 << 15), 1 << 15, (n,), dtype=torch.int16, generator=g)
+    return bits.view(shape.layers, 2, bpc, shape.block_size, shape.heads, shape.head_dim)
+
+
+def write_chunk(kv: list[torch.Tensor], blocks: list[int], bits: torch.Tensor) -> None:
+    idx = torch.tensor(blocks)
+    for layer, b in zip(kv, bits):
+        layer.view(torch.int16)[:, idx] = b
+
+
+def read_chunk(kv: list[torch.Tensor], blocks: list[int]) -> torch.Tensor:
+    idx = torch.tensor(blocks)
+    return torch.stack([layer.view(torch.int16)[:, idx] for layer in kv])
+
+
+def checksum(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_worker(*args: str) -> subprocess.Popen[str]:
+    """A worker process (``_worker.py``); it prints one JSON object per line."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def read_event(proc: subprocess.Popen[str], want: str, timeout: float = 60.0) -> dict:
+    """Next JSON line of ``proc`` whose ``event`` is ``want`` (others are skipped)."""
+    import selectors
+
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            raise TimeoutError(f"worker {proc.args[2:4]} sent no {want!r} event in {timeout} s")
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"worker exited ({proc.wait()}) before {want!r}:\n{err[-4000:]}")
+        ev = json.loads(line)
+        if ev.get("event") == "error":
+            raise RuntimeError(f"worker failed: {ev.get('error')}")
+        if ev.get("event") == want:
+            return ev
+
+
+def wait_until(fn, timeout: float, what: str, interval: float = 0.1):
+    """Poll ``fn`` until it returns something true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"{what} did not happen within {timeout} s (last: {last!r})")
+
+
+class Writer:
+    """An in-process registered KV cache that stores and checks workload chunks."""
+
+    def __init__(self, client, shape: Shape = Shape(), model: str = "m", world: int = 1, rank: int = 0) -> None:
+        self.client = client
+        self.shape = shape
+        self.model = model
+        self.rank = rank
+        self.kv = shape.make()
+        self.ctx = client.register(self.kv, model_name=model, world_size=world, rank=rank,
+                                   block_size=shape.block_size, transport="cpu_gather")
+        self.bpc = client.chunk_size // shape.block_size
+
+    def blocks(self, n: int, base: int = 0) -> list[int]:
+        return list(range(base * self.bpc, (base + n) * self.bpc))
+
+    def store(self, keys: list[bytes], timeout: float = 30.0):
+        ids = self.blocks(len(keys))
+        for j, h in enumerate(keys):
+            write_chunk(self.kv, ids[j * self.bpc:(j + 1) * self.bpc],
+                        expected(self.shape, self.model, self.rank, h, self.bpc))
+        return self.ctx.submit_store(keys, ids).result(timeout=timeout)
+
+    def retrieve(self, keys: list[bytes], timeout: float = 30.0, lease_id: int = 0):
+        """Retrieve into the upper half of the blocks; returns (result, indices that are not bit-exact)."""
+        base = self.shape.num_blocks // self.bpc // 2
+        assert len(keys) <= base, "too many chunks for one retrieve"
+        ids = self.blocks(len(keys), base)
+        for layer in self.kv:
+            layer[:, ids].zero_()
+        res = self.ctx.submit_retrieve(keys, ids, lease_id=lease_id).result(timeout=timeout)
+        bad = [j for j in res.loaded
+               if not torch.equal(read_chunk(self.kv, ids[j * self.bpc:(j + 1) * self.bpc]),
+                                  expected(self.shape, self.model, self.rank, keys[j], self.bpc))]
+        return res, bad

@@ -1,0 +1,160 @@
+"""Faults with real processes: clients killed mid-transfer, the server killed and restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import relkit
+from relkit import Shape, Writer, key, read_event, shm_entries, wait_until
+
+from kvxfer.errors import ConnectionFailed
+
+#: chunks of 2 MiB (8 layers x 2 x 64 tokens x 1024 x bf16): copies take long enough to be cut
+BIG = Shape(layers=8, num_blocks=64, block_size=16, heads=8, head_dim=128)
+
+
+def _gone(client, pid: int):
+    """True once the server holds no registration of ``pid`` and no reservation at all."""
+    st = client.status()
+    return all(c.client_pid != pid for c in st.contexts) and st.reservations == 0
+
+
+def _kill(proc) -> set[str]:
+    """SIGKILL ``proc``; returns the /dev/shm files it had mapped just before."""
+    mapped = shm_mapped(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return mapped
+
+
+def shm_mapped(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f
+                if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith("/dev/shm/")}
+
+
+def assert_no_shm_left(pid: int, mapped: set[str], arena_path: str, before: set[str]) -> None:
+    """Nothing the dead client created in /dev/shm is left: every file it had mapped besides the
+    server's arena is gone, and no new entry carries its pid."""
+    left = {p for p in mapped if p != arena_path and os.path.exists(p.removesuffix(" (deleted)"))}
+    assert left == set(), f"shared memory of the killed client left behind: {left}"
+    assert arena_path in mapped, "the worker never mapped the arena: the check above proves nothing"
+    new = {e for e in shm_entries() - before if str(pid) in e}
+    assert new == set(), f"/dev/shm entries naming the killed client: {new}"
+
+
+@pytest.mark.parametrize("mode", ["hold-write", "hold-read"])
+def test_client_killed_holding_a_reservation_is_cleaned_up(server, client_of, workers, mode):
+    """A client dies between reserve and commit (a write half copied, or a read pinned)."""
+    shm_before = shm_entries()
+    other = Writer(client_of(server), model="other")
+    ref = [key("other", j) for j in range(4)]
+    assert other.store(ref).stored == [0, 1, 2, 3]
+
+    w = workers(mode, "--url", server.url, "--model", "victim", "--chunks", "4", *BIG.args())
+    held = read_event(w, "held")
+    assert held["slots"] == 4
+    st = other.client.status()
+    assert any(c.client_pid == w.pid for c in st.contexts) and st.reservations == 1
+
+    mapped = _kill(w)
+    wait_until(lambda: _gone(other.client, w.pid), 5.0, "registration and reservation of the killed client dropped")
+    assert_no_shm_left(w.pid, mapped, other.client.arena_path, shm_before)
+
+    victim = [key("victim", j) for j in range(4)]
+    if mode == "hold-write":
+        # the half-written slots never became readable and their space came back
+        assert other.client.lookup("victim", hashes=victim) == 0
+    else:
+        # the read pins are gone: the chunks are evictable again (clear drops only unpinned ones)
+        assert other.client.lookup("victim", hashes=victim) == 4
+        assert other.client.clear("victim") == 4
+    res, bad = other.retrieve(ref)
+    assert res.loaded == [0, 1, 2, 3] and bad == []
+    assert other.store([key("other", j) for j in range(4, 8)]).stored == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("mode", ["store-loop", "retrieve-loop"])
+def test_client_killed_mid_transfer_loop(server, client_of, workers, mode):
+    """A client storing (or retrieving) 16 MiB requests in a loop is SIGKILLed while a
+    reservation of its is open: its registration and reservations go, /dev/shm holds nothing
+    of it, every chunk it left readable is bit-exact, and another client is unaffected."""
+    shm_before = shm_entries()
+    other = Writer(client_of(server), model="other")
+    ref = [key("other", j) for j in range(4)]
+    other.store(ref)
+
+    w = workers(mode, "--url", server.url, "--model", "victim", "--chunks", "8", *BIG.args())
+    read_event(w, "ready")
+    read_event(w, "stored" if mode == "store-loop" else "retrieved")
+    # kill while the server holds one of its reservations: mid-copy
+    wait_until(lambda: other.client.status().reservations > 0, 30.0, "a reservation of the worker", interval=0.002)
+    mapped = _kill(w)
+    wait_until(lambda: _gone(other.client, w.pid), 5.0, "registration and reservations of the killed client dropped")
+    assert_no_shm_left(w.pid, mapped, other.client.arena_path, shm_before)
+
+    # whatever the victim left readable is bit-exact (nothing half-copied became visible)
+    checker = Writer(client_of(server), shape=BIG, model="victim")
+    last = 8 * 64
+    seen = 0
+    for first in range(0, last, 8):
+        keys = [key("victim", n) for n in range(first, first + 8)]
+        res, bad = checker.retrieve(keys)
+        assert bad == [], f"corrupted victim chunks {bad} of batch {first}"
+        seen += len(res.loaded)
+    assert seen > 0
+    res, bad = other.retrieve(ref)
+    assert res.loaded == [0, 1, 2, 3] and bad == []
+    assert other.client.status().reservations == 0
+
+
+def test_server_killed_and_restarted(client_of):
+    """SIGKILL the server: requests fail with a clear ConnectionFailed; after a restart on the
+    same url, the same context stores and retrieves again (transparent re-handshake and
+    re-registration), and the dead server's arena is gone from /dev/shm."""
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="16MiB", chunk_size=64, transports="cpu_gather") as server:
+        w = Writer(client_of(server, timeout=3.0, connect_timeout=5.0))
+        keys = [key("m", j) for j in range(4)]
+        assert w.store(keys).stored == [0, 1, 2, 3]
+        old_arena = w.client.arena_path
+        old_pid = server.pid
+
+        server.kill()
+        with pytest.raises(ConnectionFailed) as info:
+            w.store([key("m", j) for j in range(4, 8)], timeout=30)
+        assert server.url in str(info.value)
+        with pytest.raises(ConnectionFailed):
+            w.client.lookup("m", hashes=keys)
+
+        server.start()
+        assert server.pid != old_pid
+        assert not os.path.exists(old_arena), "the killed server's arena was left in /dev/shm"
+        # the arena was lost with the server: the chunks are gone, stores work again
+        res = w.store(keys)
+        assert res.stored == [0, 1, 2, 3]
+        assert w.client.arena_path != old_arena
+        assert w.client.lookup("m", hashes=keys) == 4
+        res, bad = w.retrieve(keys)
+        assert res.loaded == [0, 1, 2, 3] and bad == []
+        st = w.client.status()
+        assert [c.client_pid for c in st.contexts] == [os.getpid()]
+
+
+def test_server_restart_then_retrieve_first(client_of):
+    """After a restart the first request may be a retrieve: it re-registers and reports the
+    chunks missing (the arena died with the server) instead of failing."""
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="16MiB", chunk_size=64, transports="cpu_gather") as server:
+        w = Writer(client_of(server, timeout=3.0, connect_timeout=5.0))
+        keys = [key("m", j) for j in range(2)]
+        w.store(keys)
+        server.kill()
+        server.start()
+        res, bad = w.retrieve(keys)
+        assert res.loaded == [] and res.missing == [0, 1] and bad == []
+        assert w.store(keys).stored == [0, 1]
