@@ -1,0 +1,89 @@
+"""The transport conformance suite: one umbrella class, :class:`TransportConformance`.
+
+A transport proves it works by subclassing it in its own tests::
+
+    from kvxfer.testing import TransportConformance
+
+    class TestMyTransport(TransportConformance):
+        transport = "my_transport"   # entry-point name of the transport under test
+        device = "cpu"               # torch device type of the test KV tensors (default "cpu")
+
+Every test of the kit reaches every subclass: tests added to the kit later run without the
+author doing anything. The kit decides what to skip, from the transport's ``probe()``, its
+``capabilities`` and the devices present; a subclass may add its own tests but may not
+override, remove or skip the kit's (that is refused when the class is defined, and checked
+again when its tests run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar, Final
+
+import pytest
+
+from kvxfer.testing.conformance._base import KitBase
+from kvxfer.testing.conformance.lifecycle import LifecycleTests
+from kvxfer.testing.conformance.registration import RegistrationTests
+from kvxfer.testing.conformance.roundtrip import RoundTripTests
+from kvxfer.testing.conformance.sharing import SharingTests
+
+__all__ = ["TransportConformance", "OverrideError"]
+
+#: What a subclass may set.
+CONFIGURABLE: Final = frozenset({"transport", "device"})
+#: Marks that would silence the kit's tests; the kit skips by itself.
+_SILENCING_MARKS: Final = frozenset({"skip", "skipif", "xfail"})
+
+
+class OverrideError(TypeError):
+    """A subclass of :class:`TransportConformance` tried to replace or silence a kit test."""
+
+
+class TransportConformance(RegistrationTests, RoundTripTests, SharingTests, LifecycleTests, KitBase):
+    """Every conformance test of kvxfer's transport kit. Subclass it; set ``transport`` and
+    ``device``; add tests if you like; do not override the kit's tests or fixtures."""
+
+    #: Names the kit owns (filled in below, once the class exists).
+    kit_names: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        clash = sorted(n for n in vars(cls) if n in TransportConformance.kit_names)
+        if clash:
+            raise OverrideError(
+                f"{cls.__qualname__} overrides {', '.join(clash)} of the kvxfer conformance kit. Kit tests "
+                f"and fixtures must not be overridden: the kit skips what the transport does not claim "
+                f"(Transport.capabilities) or cannot run here (probe()). Set only "
+                f"{', '.join(sorted(CONFIGURABLE))}; add your own tests under other names."
+            )
+        silencing = [m.name for m in _marks(vars(cls).get("pytestmark")) if m.name in _SILENCING_MARKS]
+        if silencing:
+            raise OverrideError(
+                f"{cls.__qualname__} marks the whole kvxfer conformance kit with {', '.join(silencing)}; "
+                f"let probe() say why the transport cannot run here instead"
+            )
+
+    @pytest.fixture(autouse=True)
+    def _kit_guard(self, request: pytest.FixtureRequest) -> Iterator[None]:
+        """Fails a kit test that was replaced after the class was defined (``setattr``)."""
+        name = getattr(request.function, "__name__", "")
+        cls = request.cls
+        if cls is not None and name in TransportConformance.kit_names:
+            mine = getattr(TransportConformance, name)
+            if getattr(cls, name) is not mine:
+                pytest.fail(f"{cls.__qualname__}.{name} was replaced; kvxfer conformance tests must run "
+                            f"as the kit defines them", pytrace=False)
+        yield
+
+
+def _marks(value: object) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+TransportConformance.kit_names = frozenset(
+    n for n in dir(TransportConformance)
+    if n.startswith(("test_", "kit", "_kit")) or n in {"kit_device_name"}
+)

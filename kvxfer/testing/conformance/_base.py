@@ -1,0 +1,103 @@
+"""The kit's fixtures: which transport and device, the gate that skips what cannot run here,
+the shared server, and the per-test :class:`~kvxfer.testing.harness.Kit`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+import torch
+
+from kvxfer.errors import TransportBroken, TransportNotFound
+from kvxfer.testing.harness import CHUNK_SIZE, REFERENCE, Kit
+from kvxfer.testing.server import ServerProcess
+from kvxfer.transport import registry
+from kvxfer.transport.base import Transport
+
+__all__ = ["KitBase", "device_missing"]
+
+#: Seconds of silence after which the kit's server drops a client (the dead-client test waits
+#: for this). Heartbeats go every third of it.
+SESSION_TIMEOUT_S = 2.0
+
+
+def device_missing(device: str) -> str | None:
+    """Why torch device type ``device`` cannot be used here, or None if it can."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return None
+    mod = getattr(torch, kind, None)
+    available = getattr(mod, "is_available", None)
+    if available is None:
+        return f"torch has no '{kind}' backend here (is its torch extension installed and imported?)"
+    try:
+        ok = bool(available())
+    except Exception as exc:  # a backend that cannot even answer is missing
+        return f"torch.{kind}.is_available() raised {type(exc).__name__}: {exc}"
+    return None if ok else f"no {kind} device here (torch.{kind}.is_available() is False)"
+
+
+class KitBase:
+    """Configuration and fixtures shared by every part of the kit."""
+
+    #: Entry-point name of the transport under test; None takes ``--kvxfer-transport``.
+    transport: ClassVar[str | None] = None
+    #: torch device type of the test KV tensors; None takes ``--kvxfer-device`` (default cpu).
+    device: ClassVar[str | None] = None
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def kit_transport(cls, request: pytest.FixtureRequest) -> Transport:
+        """The transport under test, loaded; skips (or fails) with the reason when it cannot run."""
+        name = getattr(request.cls, "transport", None) or request.config.getoption("kvxfer_transport", None)
+        if not name:
+            pytest.skip("no transport under test: set `transport = \"NAME\"` on the class or pass "
+                        "--kvxfer-transport=NAME")
+        try:
+            transport = registry.get_transport(name, require_available=False)
+        except (TransportNotFound, TransportBroken) as exc:
+            pytest.fail(f"conformance kit: {exc}", pytrace=False)
+        try:
+            registry.get_transport(REFERENCE, require_available=True)
+        except Exception as exc:
+            pytest.fail(f"conformance kit: the reference transport {REFERENCE!r} is needed "
+                        f"(pip install kvxfer-cpu-gather): {exc}", pytrace=False)
+        probe = transport.probe()
+        if not probe.available:
+            pytest.skip(f"transport {name!r} cannot run here: {probe.reason}")
+        device = cls.kit_device_name(request)
+        why = device_missing(device)
+        if why:
+            pytest.skip(f"transport {name!r} on {device}: {why}")
+        if not transport.serves(torch.device(device)):
+            pytest.fail(f"conformance kit: transport {name!r} does not serve device {device!r} here "
+                        f"(capabilities {sorted(transport.capabilities.device_types)}, probe "
+                        f"{probe.device_types}); fix `device` on the test class", pytrace=False)
+        return transport
+
+    @staticmethod
+    def kit_device_name(request: pytest.FixtureRequest) -> str:
+        return (getattr(request.cls, "device", None)
+                or request.config.getoption("kvxfer_device", None) or "cpu")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def kit_server(cls, kit_transport: Transport) -> Iterator[ServerProcess]:
+        """A real server loading the transport under test and the reference, one per class."""
+        names = ",".join(dict.fromkeys((kit_transport.name, REFERENCE)))
+        server = ServerProcess(l1_size="64MiB", chunk_size=CHUNK_SIZE, transports=names,
+                               extra_args=["--session-timeout", str(SESSION_TIMEOUT_S)])
+        with server:
+            yield server
+
+    @pytest.fixture
+    def kit(self, request: pytest.FixtureRequest, kit_transport: Transport,
+            kit_server: ServerProcess) -> Iterator[Kit]:
+        """Helpers for one test; closes what the test registered."""
+        k = Kit(kit_server.url, kit_transport, self.kit_device_name(request), request.node.name)
+        try:
+            yield k
+        finally:
+            k.close()
+

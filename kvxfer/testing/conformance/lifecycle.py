@@ -1,0 +1,192 @@
+"""Conformance: close and cleanup, a client process that dies, several instances at once."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvxfer.errors import KvxferError
+from kvxfer.testing.conformance.roundtrip import assert_retrieved
+from kvxfer.testing.harness import TIMEOUT, Kit
+from kvxfer.testing.kvdata import as_bytes
+
+__all__ = ["LifecycleTests"]
+
+#: How long the server may take to drop a dead client's registrations (its session timeout is
+#: 2 s in the kit's server; the rest is slack for a loaded machine).
+DROP_WITHIN_S = 15.0
+
+
+def _instances(kit: Kit) -> set[int]:
+    return {c.instance_id for c in kit.client().status().contexts}
+
+
+class LifecycleTests:
+    def test_close_unregisters_and_further_submits_raise(self, kit: Kit) -> None:
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        keys, blocks = kit.keys(1), kit.blocks(spec, 1)
+        kit.store(ctx, keys, blocks)
+        assert ctx.instance_id in _instances(kit)
+        ctx.close()
+        assert ctx.instance_id not in _instances(kit), "close() must unregister the context"
+        with pytest.raises(KvxferError, match=r"closed"):
+            ctx.submit_store(keys, blocks)
+        with pytest.raises(KvxferError, match=r"closed"):
+            ctx.submit_retrieve(keys, blocks)
+        ctx.close()  # idempotent
+        assert kit.client().lookup(kit.model, 1, hashes=keys) == 1, "stored chunks outlive the context"
+
+    def test_close_waits_for_submitted_transfers(self, kit: Kit) -> None:
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        keys = kit.keys(4)
+        fut = ctx.submit_store(keys, kit.blocks(spec, 4))
+        ctx.close()
+        assert fut.done(), "close() must wait for the transfers submitted before it"
+        assert fut.result().stored == [0, 1, 2, 3]
+        assert kit.client().lookup(kit.model, 1, hashes=keys) == 4
+
+    def test_client_close_closes_its_contexts(self, kit: Kit) -> None:
+        spec = kit.spec()
+        client = kit.client(new=True)
+        ids = {kit.register(kit.kv(spec), spec, client=client).instance_id for _ in range(2)}
+        assert ids <= _instances(kit)
+        client.close()
+        assert not ids & _instances(kit)
+
+    def test_dead_client_is_dropped(self, kit: Kit) -> None:
+        """SIGKILL a process that registered: the server drops it within seconds, and serves on."""
+        spec = kit.spec()
+        cmd = [sys.executable, "-m", "kvxfer.testing._child", "--url", kit.url, "--transport", kit.name,
+               "--device", kit.device, "--model", kit.model, "--layout", spec.kind.value, "--dtype", spec.dtype]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            line = _read_line(proc, TIMEOUT)
+            assert line.startswith("registered "), f"child did not register: {line!r}\n{_stderr(proc)}"
+            iid = int(line.split()[1])
+            assert iid in _instances(kit)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            deadline = time.monotonic() + DROP_WITHIN_S
+            while iid in _instances(kit):
+                assert time.monotonic() < deadline, f"instance {iid} of a killed client still registered"
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        ctx = kit.register(kit.kv(spec), spec)   # the server serves on
+        assert kit.store(ctx, kit.keys(1), kit.blocks(spec, 1)).stored == [0]
+
+    def test_ranks_of_one_model_from_threads(self, kit: Kit) -> None:
+        """world_size 2: ranks 0 and 1 register and transfer from two threads (two connections);
+        a lookup counts a chunk only when every rank has it."""
+        spec = kit.spec()
+        keys = kit.keys(3)
+        layers = [kit.kv(spec) for _ in range(2)]
+        clients = [kit.client(new=True) for _ in range(2)]
+        ctxs = [None, None]
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(2, timeout=TIMEOUT)
+
+        def register(rank: int) -> None:
+            try:
+                barrier.wait()
+                ctxs[rank] = kit.register(layers[rank], spec, world_size=2, rank=rank, client=clients[rank])
+            except BaseException as exc:  # surfaced below, on the test's thread
+                errors.append(exc)
+
+        _run_threads(register, 2)
+        assert not errors, errors
+        src = [kit.blocks(spec, 3) for _ in range(2)]
+        assert kit.store(ctxs[0], keys, src[0]).stored == [0, 1, 2]
+        assert kit.client().lookup(kit.model, 2, hashes=keys) == 0, "rank 1 has nothing yet"
+        assert kit.store(ctxs[1], keys[:2], src[1][:2 * kit.blocks_per_chunk]).stored == [0, 1]
+        assert kit.client().lookup(kit.model, 2, hashes=keys) == 2
+
+        before = [as_bytes(t) for t in layers]
+        dst = [kit.blocks(spec, 2, exclude=s) for s in src]
+        results: list = [None, None]
+
+        def retrieve(rank: int) -> None:
+            try:
+                barrier.wait()
+                results[rank] = kit.retrieve(ctxs[rank], keys[:2], dst[rank])
+            except BaseException as exc:
+                errors.append(exc)
+
+        _run_threads(retrieve, 2)
+        assert not errors, errors
+        for rank in range(2):
+            assert results[rank].loaded == [0, 1]
+            assert_retrieved(kit, spec, layers[rank], before[rank], dst[rank],
+                             kit.chunks_of(before[rank], spec, src[rank][:2 * kit.blocks_per_chunk]))
+
+    def test_instances_of_different_models_at_once(self, kit: Kit) -> None:
+        spec = kit.spec()
+        n = 3
+        layers = [kit.kv(spec) for _ in range(n)]
+        ctxs = [kit.register(layers[i], spec, model=f"{kit.model}-{i}", client=kit.client(new=True))
+                for i in range(n)]
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(n, timeout=TIMEOUT)
+
+        def work(i: int) -> None:
+            try:
+                barrier.wait()
+                for _ in range(3):
+                    keys, src = kit.keys(2), kit.blocks(spec, 2)
+                    before = as_bytes(layers[i])
+                    assert kit.store(ctxs[i], keys, src).stored == [0, 1]
+                    dst = kit.blocks(spec, 2, exclude=src)
+                    assert kit.retrieve(ctxs[i], keys, dst).loaded == [0, 1]
+                    assert_retrieved(kit, spec, layers[i], before, dst, kit.chunks_of(before, spec, src))
+            except BaseException as exc:
+                errors.append(exc)
+
+        _run_threads(work, n)
+        assert not errors, errors
+
+
+def _run_threads(fn, n: int) -> None:
+    threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 2)
+        assert not t.is_alive(), "a worker thread of the test did not finish"
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
+            break
+        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    return buf.decode(errors="replace").strip()
+
+
+def _stderr(proc: subprocess.Popen) -> str:
+    if proc.poll() is None or proc.stderr is None:
+        return ""
+    return proc.stderr.read().decode(errors="replace")[-2000:]

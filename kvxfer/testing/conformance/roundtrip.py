@@ -1,0 +1,207 @@
+"""Conformance: bit-exact store/retrieve over every claimed layout and dtype, dedupe, partial
+hits, skip_first_n_tokens, ordering and request validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.errors import ConfigError
+from kvxfer.layout import LayoutKind
+from kvxfer.testing.harness import BLOCK_SIZE, CHUNK_SIZE, DTYPES, LAYOUTS, Kit
+from kvxfer.testing.kvdata import KVSpec, as_bytes, describe_diff, equal_bytes, put_chunks
+
+__all__ = ["RoundTripTests", "assert_retrieved"]
+
+COMBOS = [(k, d) for k in LAYOUTS for d in DTYPES]
+
+
+def assert_retrieved(kit: Kit, spec: KVSpec, layers: list, before: list, blocks: list[int], chunks,
+                     skip_blocks: int = 0, only: list[int] | None = None) -> None:
+    """``layers`` (after a retrieve into ``blocks``) equal ``before`` with exactly ``chunks``
+    written where a correct retrieve writes them, bit for bit, and nothing else changed."""
+    want = [t.clone() for t in before]
+    put_chunks(want, spec.kind, blocks, kit.blocks_per_chunk, chunks, skip_blocks, only)
+    got = as_bytes(layers)
+    assert equal_bytes(got, want), f"KV cache after retrieve differs: {describe_diff(got, want, spec.kind)}"
+
+
+class RoundTripTests:
+    @pytest.mark.parametrize("kind,dtype", COMBOS, ids=[f"{k.value}-{d}" for k, d in COMBOS])
+    def test_round_trip_is_bit_exact(self, kit: Kit, kind: LayoutKind, dtype: str) -> None:
+        """Random bytes (NaN payloads included) from random blocks, stored, checked in the server
+        through the backdoor, then retrieved into other random blocks of the same cache."""
+        spec = kit.spec(kind, dtype)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys = kit.keys(3)
+        src = kit.blocks(spec, 3)
+        before = as_bytes(layers)
+        want = kit.chunks_of(layers, spec, src)
+
+        res = kit.store(ctx, keys, src)
+        assert (res.stored, res.present, res.failed) == ([0, 1, 2], [], [])
+        assert res.ok
+        assert equal_bytes(as_bytes(layers), before), "a store must not modify the KV cache"
+        held_res, held = kit.backdoor_read(spec, keys)
+        assert held_res.loaded == [0, 1, 2]
+        assert equal_bytes(held, want), "the server does not hold the canonical chunk bytes"
+
+        dst = kit.blocks(spec, 3, exclude=src)
+        got = kit.retrieve(ctx, keys, dst)
+        assert (got.loaded, got.missing) == ([0, 1, 2], [])
+        assert got.ok
+        assert_retrieved(kit, spec, layers, before, dst, want)
+
+    def test_retrieve_into_the_blocks_it_came_from(self, kit: Kit) -> None:
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, blocks = kit.keys(2), kit.blocks(spec, 2)
+        before = as_bytes(layers)
+        kit.store(ctx, keys, blocks)
+        fresh = kit.kv(spec)
+        for t, f in zip(layers, fresh):
+            t.copy_(f)           # the engine reused the blocks
+        overwritten = as_bytes(layers)
+        assert kit.retrieve(ctx, keys, blocks).loaded == [0, 1]
+        assert_retrieved(kit, spec, layers, overwritten, blocks, kit.chunks_of(before, spec, blocks))
+
+    def test_store_skips_chunks_already_present(self, kit: Kit) -> None:
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys = kit.keys(4)
+        first = kit.blocks(spec, 2)
+        want_first = kit.chunks_of(layers, spec, first)
+        assert kit.store(ctx, keys[:2], first).stored == [0, 1]
+
+        again = kit.store(ctx, keys[:2], first)
+        assert (again.stored, again.present, again.failed) == ([], [0, 1], [])
+
+        other = kit.blocks(spec, 4, exclude=first)   # different bytes under the same keys
+        mixed = kit.store(ctx, keys, other)
+        assert (mixed.stored, mixed.present, mixed.failed) == ([2, 3], [0, 1], [])
+        res, held = kit.backdoor_read(spec, keys)
+        assert res.loaded == [0, 1, 2, 3]
+        assert equal_bytes(held[:2], want_first), "a store of present chunks must not overwrite them"
+        assert equal_bytes(held[2:], kit.chunks_of(layers, spec, other)[2:])
+
+    def test_partial_hits(self, kit: Kit) -> None:
+        """Chunk 2 of 4 never stored: lookup counts the leading 2; retrieve loads 0, 1, 3,
+        reports 2 missing and leaves its blocks untouched."""
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys = kit.keys(4)
+        src = kit.blocks(spec, 4)
+        bpc = kit.blocks_per_chunk
+        stored = [0, 1, 3]
+        src_stored = [b for i in stored for b in src[i * bpc:(i + 1) * bpc]]
+        assert kit.store(ctx, [keys[i] for i in stored], src_stored).stored == [0, 1, 2]
+        assert kit.client().lookup(kit.model, 1, hashes=keys) == 2
+        assert kit.client().lookup(kit.model, 1, hashes=keys[2:]) == 0
+        assert kit.client().lookup(kit.model, 1, hashes=[keys[3]]) == 1
+
+        before = as_bytes(layers)
+        dst = kit.blocks(spec, 4, exclude=src)
+        res = kit.retrieve(ctx, keys, dst)
+        assert (res.loaded, res.missing) == ([0, 1, 3], [2])
+        assert not res.ok
+        assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src), only=[0, 1, 3])
+
+    def test_retrieve_of_unknown_keys_touches_nothing(self, kit: Kit) -> None:
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        before = as_bytes(layers)
+        res = kit.retrieve(ctx, kit.keys(3), kit.blocks(spec, 3))
+        assert (res.loaded, res.missing) == ([], [0, 1, 2])
+        assert equal_bytes(as_bytes(layers), before)
+
+    @pytest.mark.parametrize("skip", [BLOCK_SIZE, CHUNK_SIZE, CHUNK_SIZE + BLOCK_SIZE, 3 * CHUNK_SIZE],
+                             ids=["one-block", "one-chunk", "chunk-and-a-block", "everything"])
+    def test_skip_first_n_tokens(self, kit: Kit, skip: int) -> None:
+        """Blocks of the skipped tokens stay untouched, a partly skipped chunk loads its rest."""
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(3), kit.blocks(spec, 3)
+        kit.store(ctx, keys, src)
+        before = as_bytes(layers)
+        dst = kit.blocks(spec, 3, exclude=src)
+        res = kit.retrieve(ctx, keys, dst, skip_first_n_tokens=skip)
+        assert res.missing == []
+        assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src),
+                         skip_blocks=skip // BLOCK_SIZE)
+
+    def test_skip_first_n_tokens_with_a_missing_chunk(self, kit: Kit) -> None:
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(3), kit.blocks(spec, 3)
+        bpc = kit.blocks_per_chunk
+        kit.store(ctx, keys[:2], src[:2 * bpc])
+        before = as_bytes(layers)
+        dst = kit.blocks(spec, 3, exclude=src)
+        res = kit.retrieve(ctx, keys, dst, skip_first_n_tokens=BLOCK_SIZE)
+        assert res.missing == [2]
+        assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src),
+                         skip_blocks=1, only=[0, 1])
+
+    def test_submissions_run_in_order(self, kit: Kit) -> None:
+        """A retrieve submitted right after a store, without waiting, sees the stored chunks."""
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        before = as_bytes(layers)
+        rounds = []
+        used: list[int] = []
+        for _ in range(3):
+            keys = kit.keys(2)
+            src = kit.blocks(spec, 2, exclude=used)
+            used += src
+            rounds.append((keys, src, ctx.submit_store(keys, src)))
+        dst = kit.blocks(spec, 2, exclude=used)
+        last_keys, last_src, _ = rounds[-1]
+        fut = ctx.submit_retrieve(last_keys, dst)
+        for _keys, _src, f in rounds:
+            assert f.result(timeout=30).stored == [0, 1]
+        assert fut.result(timeout=30).loaded == [0, 1]
+        assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, last_src))
+
+    def test_empty_requests(self, kit: Kit) -> None:
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        res = kit.store(ctx, [], [])
+        assert (res.stored, res.present, res.failed) == ([], [], [])
+        got = kit.retrieve(ctx, [], [])
+        assert (got.loaded, got.missing) == ([], [])
+
+    def test_lease_is_released_by_retrieve(self, kit: Kit) -> None:
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(2), kit.blocks(spec, 2)
+        kit.store(ctx, keys, src)
+        reply = kit.client().lookup_and_lease(kit.model, 1, hashes=keys, lease_s=60)
+        assert reply.hits == 2 and reply.lease_id
+        assert kit.client().status().leased_chunks >= 2
+        before = as_bytes(layers)
+        dst = kit.blocks(spec, 2, exclude=src)
+        assert kit.retrieve(ctx, keys, dst, lease_id=reply.lease_id).loaded == [0, 1]
+        assert kit.client().status().leases == 0, "a retrieve naming the lease must release it"
+        assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src))
+
+    def test_bad_requests_raise_config_error(self, kit: Kit) -> None:
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        keys = kit.keys(2)
+        with pytest.raises(ConfigError, match=r"need \d+ block ids"):
+            ctx.submit_store(keys, kit.blocks(spec, 1))
+        with pytest.raises(ConfigError, match=r"block ids must be in \[0, "):
+            ctx.submit_store(keys, [spec.num_blocks] * (2 * kit.blocks_per_chunk))
+        with pytest.raises(ConfigError, match=r"skip_first_n_tokens"):
+            ctx.submit_retrieve(keys, kit.blocks(spec, 2), skip_first_n_tokens=BLOCK_SIZE // 2)
+        res = kit.store(ctx, keys, kit.blocks(spec, 2))  # the context still works afterwards
+        assert res.stored == [0, 1]
+
