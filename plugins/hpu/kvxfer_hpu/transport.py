@@ -1,0 +1,308 @@
+"""The hpu transport: plugin object, registration Struct and client context.
+
+Data path of one store (per request, chunk after chunk)::
+
+    engine KV (device) --index_select per layer--> staging buffer (device)
+                       --one copy-->               reserved arena slot (host, pinned in place where
+                                                   the device API can: CUDA cudaHostRegister)
+
+and a retrieve is the reverse (one copy into staging, then ``index_copy_`` per layer). Where the
+device has streams, two staging buffers alternate: the gather of chunk i+1 runs on one stream
+while chunk i is copied on another. KV tensors in host memory (cpu) skip staging: rows are
+copied straight between the KV tensors and the slot, as cpu_gather does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import torch
+
+from kvxfer import ConfigError, StoreResult, TransportUnavailable
+from kvxfer.transport import (
+    API_VERSION,
+    ArenaMapping,
+    ArenaServerTransport,
+    Capabilities,
+    ClientDrivenContext,
+    Connection,
+    InstanceIdentity,
+    KVLayout,
+    Probe,
+    Registration,
+    RowCopy,
+    ServerTransport,
+    Style,
+    Transport,
+)
+
+from kvxfer_hpu.ops import KNOWN_DEVICE_TYPES, DeviceOps, Pinning, ops_for
+
+__all__ = ["HpuTransport", "HpuContext", "HpuRegistration", "PRIORITY"]
+
+log = logging.getLogger(__name__)
+
+#: Rank of hpu in ``"auto"`` per device type (cpu_gather, the fallback for every device, is 10).
+#: hpu: the transport made for it. cpu: below cpu_gather, which does the same copies with less
+#: machinery. Other accelerators: above cpu_gather (pinned, pipelined staging) but below
+#: transports made for them (cuda_ipc ranks higher for cuda).
+PRIORITY: Final[dict[str, int]] = {"hpu": 50, "cpu": 5}
+_OTHER_ACCELERATORS: Final = 15
+
+
+class HpuRegistration(Registration, frozen=True, kw_only=True):
+    """Scalars only: the core's identity and layout fields, plus two informational fields."""
+
+    #: torch device type of the KV tensors (the server never touches them).
+    device: str = "cpu"
+    #: Whether the client pinned its arena mapping for the device's DMA.
+    host_pinned: bool = False
+
+
+@dataclass(slots=True)
+class _Pipeline:
+    """Streams, events and staging buffers of one context (made on first use)."""
+
+    compute: Any | None  # gathers and scatters (index kernels)
+    copy: Any | None  # device <-> host copies
+    filled: list[Any | None]  # per buffer: its rows are ready for the next stage
+    free: list[Any | None]  # per buffer: the next stage is done with it
+    buffers: list[torch.Tensor]
+
+    @staticmethod
+    def wait(stream: Any | None, event: Any | None) -> None:
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    @staticmethod
+    def record(event: Any | None, stream: Any | None) -> None:
+        if stream is not None and event is not None:
+            event.record(stream)
+
+
+class HpuContext(ClientDrivenContext):
+    """Copies between an accelerator's KV tensors and arena slots through device staging.
+
+    ``ops`` (default :func:`kvxfer_hpu.ops_for` of the tensors' device type) does every
+    device-specific step. Stores are ordered after the work queued on the caller's current
+    stream when it called :meth:`submit_store` (on devices with streams); a retrieve's future
+    resolves once the blocks are written on the device.
+    """
+
+    registration_type: ClassVar[type[Registration]] = HpuRegistration
+    #: Staging buffers in flight: 2 overlaps gathering one chunk with copying the previous.
+    STAGING_DEPTH: ClassVar[int] = 2
+
+    def __init__(
+        self,
+        transport_name: str,
+        connection: Connection,
+        layers: list[torch.Tensor],
+        layout: KVLayout,
+        identity: InstanceIdentity,
+        *,
+        ops: DeviceOps | None = None,
+    ) -> None:
+        self.device = layers[0].device
+        self.ops = ops if ops is not None else ops_for(self.device.type)
+        if self.ops.device_type != self.device.type:
+            raise ConfigError(f"device ops for {self.ops.device_type!r} cannot move tensors on {self.device}")
+        self.pinning = Pinning(False, "arena not mapped yet")
+        super().__init__(transport_name, connection, layers, layout, identity)
+        #: Each layer as [rows, row_elems] in the element type of row copies.
+        self._rows = [self.ops.row_view(layout.row_view(t)) for t in self.layers]
+        self._pipe: _Pipeline | None = None
+        self._ready: deque[Any | None] = deque()
+        self._ready_lock = threading.Lock()
+        self._engine_ready: Any | None = None
+
+    # ------------------------------------------------------------------ arena mapping
+
+    def map_arena(self) -> ArenaMapping:
+        mapping = super().map_arena()
+        if self.ops.direct:
+            self.pinning = Pinning(False, "host tensors: no device DMA")
+        else:
+            self.pinning = self.ops.pin(mapping.tensor)
+            if not self.pinning.pinned:
+                log.info("hpu transport: arena mapping not pinned (%s)", self.pinning.note)
+        return mapping
+
+    def unmap_arena(self) -> None:
+        self.pinning.release()  # unpin before the mapping goes away
+        super().unmap_arena()
+
+    def release(self) -> None:
+        super().release()
+        self._pipe = None
+
+    def registration_extra(self) -> dict[str, Any]:
+        return {"device": self.device.type, "host_pinned": self.pinning.pinned}
+
+    # ------------------------------------------------------------------ ordering after the engine
+
+    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[StoreResult]:
+        """As :meth:`TransferContext.submit_store`; the gather waits for the work queued on the
+        caller's current stream of the KV tensors' device before this call."""
+        event = None
+        if not self.ops.direct:
+            stream = self.ops.current_stream(self.device)
+            event = self.ops.new_event() if stream is not None else None
+            if event is not None:
+                event.record(stream)
+        with self._ready_lock:  # FIFO like the worker: the n-th queued store takes the n-th event
+            self._ready.append(event)
+            try:
+                return super().submit_store(keys, block_ids)
+            except BaseException:
+                self._ready.pop()
+                raise
+
+    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> StoreResult:
+        with self._ready_lock:
+            self._engine_ready = self._ready.popleft() if self._ready else None
+        try:
+            return super()._store(keys, blocks)
+        finally:
+            self._engine_ready = None
+
+    # ------------------------------------------------------------------ copies
+
+    def gather(self, copies: list[RowCopy]) -> None:
+        if self.ops.direct:
+            for c in copies:
+                for layer, dst in zip(self._rows, self.ops.row_view(c.slot)):
+                    torch.index_select(layer, 0, c.rows, out=dst)
+            return
+        ops, p = self.ops, self._pipeline()
+        with ops.use_stream(p.compute):
+            _Pipeline.wait(p.compute, self._engine_ready)
+            idx = self._indices(copies)
+        for i, c in enumerate(copies):
+            k = i % len(p.buffers)
+            buf = self._buffer(p, k, c.rows.numel())
+            dst = ops.row_view(c.slot)
+            with ops.use_stream(p.compute):
+                _Pipeline.wait(p.compute, p.free[k])
+                for layer, out in zip(self._rows, buf):
+                    torch.index_select(layer, 0, idx[i], out=out)
+                ops.flush(self.device)
+                _Pipeline.record(p.filled[k], p.compute)
+            with ops.use_stream(p.copy):
+                _Pipeline.wait(p.copy, p.filled[k])
+                dst.copy_(buf, non_blocking=self._async(dst))
+                _Pipeline.record(p.free[k], p.copy)
+        self._finish(p.copy)
+
+    def scatter(self, copies: list[RowCopy]) -> None:
+        if self.ops.direct:
+            for c in copies:
+                for layer, src in zip(self._rows, self.ops.row_view(c.slot)):
+                    layer.index_put_((c.rows,), src)
+            return
+        ops, p = self.ops, self._pipeline()
+        with ops.use_stream(p.compute):
+            idx = self._indices(copies)
+        for i, c in enumerate(copies):
+            k = i % len(p.buffers)
+            buf = self._buffer(p, k, c.rows.numel())
+            src = ops.row_view(c.slot)
+            with ops.use_stream(p.copy):
+                _Pipeline.wait(p.copy, p.free[k])
+                buf.copy_(src, non_blocking=self._async(src))
+                _Pipeline.record(p.filled[k], p.copy)
+            with ops.use_stream(p.compute):
+                _Pipeline.wait(p.compute, p.filled[k])
+                for layer, rows in zip(self._rows, buf):
+                    layer.index_copy_(0, idx[i], rows)
+                ops.flush(self.device)
+                _Pipeline.record(p.free[k], p.compute)
+        self._finish(p.compute)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pipeline(self) -> _Pipeline:
+        """Streams, events and staging buffers, made on the worker thread at first transfer."""
+        if self._pipe is None:
+            ops, dev = self.ops, self.device
+            compute, copy = ops.new_stream(dev), ops.new_stream(dev)
+            depth = self.STAGING_DEPTH
+            nbytes = self.layout.chunk_bytes(self.chunk_size)
+            self._pipe = _Pipeline(
+                compute, copy,
+                filled=[ops.new_event() for _ in range(depth)],
+                free=[ops.new_event() for _ in range(depth)],
+                buffers=[ops.staging(nbytes, dev) for _ in range(depth)],
+            )
+        return self._pipe
+
+    def _buffer(self, p: _Pipeline, k: int, n_rows: int) -> torch.Tensor:
+        """Staging buffer ``k`` as ``[num_layers, n_rows, row_elems]`` of the row-copy type."""
+        like = self._rows[0]
+        nbytes = self.layout.num_layers * n_rows * like.shape[1] * like.element_size()
+        return p.buffers[k][:nbytes].view(like.dtype).view(self.layout.num_layers, n_rows, like.shape[1])
+
+    def _indices(self, copies: list[RowCopy]) -> list[torch.Tensor]:
+        """Row ids of every copy on the device (one host-to-device copy for the request)."""
+        rows = torch.cat([c.rows for c in copies]) if len(copies) > 1 else copies[0].rows
+        on_device = rows.to(self.device, non_blocking=True)
+        return list(on_device.split([c.rows.numel() for c in copies]))
+
+    def _async(self, host: torch.Tensor) -> bool:
+        """Copy without blocking only from/to pinned, contiguous host memory (torch stages a
+        non-contiguous host side through a temporary that a non-blocking copy would race)."""
+        return self.pinning.pinned and host.is_contiguous()
+
+    def _finish(self, stream: Any | None) -> None:
+        if stream is not None:
+            stream.synchronize()
+        else:
+            self.ops.synchronize(self.device)
+
+
+class HpuTransport(Transport):
+    """Client-driven transport for accelerators without CUDA IPC (Intel Gaudi first)."""
+
+    name = "hpu"
+    api_version = API_VERSION
+    style = Style.CLIENT_DRIVEN
+    registration_type = HpuRegistration
+    #: Any torch device type whose device ops say it is available here (see :meth:`serves`).
+    capabilities = Capabilities(device_types=frozenset({"*"}))
+    auto_priority = PRIORITY["hpu"]
+
+    def priority_for(self, device: torch.device) -> int:
+        return PRIORITY.get(device.type, _OTHER_ACCELERATORS)
+
+    def probe(self) -> Probe:
+        served: list[str] = []
+        notes: list[str] = []
+        for device_type in KNOWN_DEVICE_TYPES:
+            ok, reason = ops_for(device_type).probe()
+            if ok:
+                served.append(device_type)
+                notes.append(f"{device_type}: {reason}")
+            else:
+                notes.append(f"not {device_type}: {reason}")
+        return Probe(True, "; ".join(notes), tuple(served))
+
+    def serves(self, device: torch.device) -> bool:
+        return ops_for(device.type).probe()[0]
+
+    def client_context(
+        self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout, identity: InstanceIdentity
+    ) -> HpuContext:
+        device = layers[0].device
+        ok, reason = ops_for(device.type).probe()
+        if not ok:
+            raise TransportUnavailable(f"transport 'hpu' cannot move KV tensors on {device} here: {reason}")
+        return HpuContext(self.name, connection, layers, layout, identity)
+
+    def server_transport(self) -> ServerTransport:
+        return ArenaServerTransport()
