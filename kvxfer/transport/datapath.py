@@ -310,7 +310,11 @@ class ServerDrivenContext(TransferContextBase):
 
     Subclasses may override :meth:`store_params` / :meth:`retrieve_params` (per-request Structs
     the server's :class:`ServerContext` decodes with its ``params_type``) and
-    :meth:`after_retrieve` (e.g. make the engine's stream wait for the server's copy).
+    :meth:`after_retrieve` (e.g. make the engine's stream wait for the server's copy). A
+    transport whose client must act on each request's blocks (stage them before a store, place
+    them after a retrieve) overrides :meth:`prepare_store`, :meth:`prepare_retrieve` and
+    :meth:`finish_retrieve` instead, which see the request; their defaults call the former.
+    All of them run on the context's worker thread, one request at a time, in order.
     """
 
     def store_params(self) -> msgspec.Struct | None:
@@ -322,21 +326,37 @@ class ServerDrivenContext(TransferContextBase):
     def after_retrieve(self, params: msgspec.Struct | None) -> None:
         """Runs on the worker thread once the server has answered a retrieve."""
 
+    def prepare_store(self, keys: list[bytes], blocks: torch.Tensor) -> msgspec.Struct | None:
+        """The params of a store of ``keys`` from ``blocks`` (int64, CPU), made right before the
+        request is sent. Default: :meth:`store_params`."""
+        return self.store_params()
+
+    def prepare_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int) -> msgspec.Struct | None:
+        """The params of a retrieve into ``blocks`` whose first ``skip_blocks`` blocks are left
+        alone. Default: :meth:`retrieve_params`."""
+        return self.retrieve_params()
+
+    def finish_retrieve(self, params: msgspec.Struct | None, result: m.RetrieveResult, blocks: torch.Tensor,
+                        skip_blocks: int) -> None:
+        """Runs once the server answered a retrieve, before its future resolves; only the chunks
+        in ``result.loaded`` may be written. Default: :meth:`after_retrieve`."""
+        self.after_retrieve(params)
+
     @staticmethod
     def _raw(params: msgspec.Struct | None) -> msgspec.Raw:
         return msgspec.Raw(codec.encode(params)) if params is not None else msgspec.Raw(b"")
 
     def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult:
-        params = self.store_params()
+        params = self.prepare_store(keys, blocks)
         return self._call(lambda: self.connection.request("store", m.Store(
             self.instance_id, keys, blocks.tolist(), self._raw(params))))
 
     def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> m.RetrieveResult:
-        params = self.retrieve_params()
+        params = self.prepare_retrieve(keys, blocks, skip_blocks)
         res: m.RetrieveResult = self._call(lambda: self.connection.request("retrieve", m.Retrieve(
             self.instance_id, keys, blocks.tolist(), skip_blocks * self.layout.block_size, lease_id,
             self._raw(params))))
-        self.after_retrieve(params)
+        self.finish_retrieve(params, res, blocks, skip_blocks)
         return res
 
 
