@@ -142,6 +142,7 @@ def test_server_killed_and_restarted(client_of):
         assert res.loaded == [0, 1, 2, 3] and bad == []
         st = w.client.status()
         assert [c.client_pid for c in st.contexts] == [os.getpid()]
+        w.client.close()
 
 
 def test_server_restart_then_retrieve_first(client_of):
@@ -158,3 +159,4 @@ def test_server_restart_then_retrieve_first(client_of):
         res, bad = w.retrieve(keys)
         assert res.loaded == [] and res.missing == [0, 1] and bad == []
         assert w.store(keys).stored == [0, 1]
+        w.client.close()
