@@ -1,0 +1,321 @@
+"""The server half of cuda_ipc: pins the arena, opens IPC handles, copies through staging.
+
+Copy pipeline of one request (``copies`` are the core's :class:`RowCopy`, one per chunk, or one
+per plane for a chunk cut by ``skip_first_n_tokens``), on two CUDA streams of the server:
+
+store     compute: wait client event | for each chunk: index_select x layers -> staging[k]
+          copy:                                      \\-> one D2H DMA staging[k] -> arena slot
+retrieve  copy:    for each chunk: one H2D DMA arena slot -> staging[k]
+          compute: wait client event |               \\-> index_copy_ x layers -> engine blocks
+
+``staging`` is a ring of ``K`` chunk-sized device buffers (``KVXFER_CUDA_IPC_STAGING_MIB``,
+default 128 MiB, at least 2 chunks); events order each buffer's reuse, so the DMA engine never
+waits for the CPU. The gathers and scatters move rows as 16-byte elements. The worker thread
+synchronizes before returning: the reply means the copies are complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from typing import Any, Final
+
+import torch
+
+from kvxfer import ConfigError, TransportError
+from kvxfer.transport import (
+    Arena,
+    KVLayout,
+    Registration,
+    RowCopy,
+    ServerContext,
+    ServerTransport,
+    copy_view,
+)
+from kvxfer_cuda_ipc.transport import (
+    CudaIpcParams,
+    CudaIpcRegistration,
+    CudaIpcTensor,
+    device_label,
+    device_uuid,
+)
+
+__all__ = ["CudaIpcServerTransport", "CudaIpcServerContext"]
+
+log = logging.getLogger(__name__)
+
+#: cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every device's DMA engines.
+_HOST_REGISTER_FLAGS: Final = 0x01 | 0x02
+_DEFAULT_STAGING_MIB: Final = 128
+_MAX_OPEN_EVENTS: Final = 256
+
+
+def _staging_bytes() -> int:
+    raw = os.environ.get("KVXFER_CUDA_IPC_STAGING_MIB", "")
+    try:
+        mib = int(raw) if raw else _DEFAULT_STAGING_MIB
+    except ValueError:
+        raise ConfigError(f"KVXFER_CUDA_IPC_STAGING_MIB must be an integer (MiB), got {raw!r}") from None
+    return max(mib, 1) << 20
+
+
+class CudaIpcServerTransport(ServerTransport):
+    """One per server: pins the arena at start, unpins it at close."""
+
+    def __init__(self) -> None:
+        self._pinned_ptr = 0
+        self._pinned_size = 0
+
+    def start(self, arena: Arena) -> None:
+        ptr, size = arena.tensor.data_ptr(), arena.size
+        res = torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_FLAGS)
+        try:
+            torch.cuda.check_error(res)
+        except Exception as exc:
+            raise TransportError(
+                f"cuda_ipc could not pin the arena ({size} bytes at {arena.path}) with cudaHostRegister: {exc}. "
+                "Check `ulimit -l` (locked memory) or pass a smaller --l1-size") from None
+        self._pinned_ptr, self._pinned_size = ptr, size
+
+    def open(self, registration: Registration, layout: KVLayout) -> ServerContext:
+        if not isinstance(registration, CudaIpcRegistration):
+            raise ConfigError(f"cuda_ipc needs a CudaIpcRegistration, got {type(registration).__name__}")
+        return CudaIpcServerContext(registration, layout)
+
+    def status(self) -> dict[str, str]:
+        n = torch.cuda.device_count()
+        return {
+            "arena_pinned": f"{self._pinned_size} bytes" if self._pinned_ptr else "no",
+            "devices": "; ".join(device_label(i) for i in range(n)),
+        }
+
+    def close(self) -> None:
+        if self._pinned_ptr:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
+            self._pinned_ptr = 0
+
+
+def _local_device(uuid: str) -> int | None:
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    return None
+
+
+class CudaIpcServerContext(ServerContext):
+    """One registration: the engine's layers opened through CUDA IPC, two streams, staging."""
+
+    params_type = CudaIpcParams
+
+    def __init__(self, reg: CudaIpcRegistration, layout: KVLayout) -> None:
+        if reg.pid == os.getpid():
+            raise ConfigError("cuda_ipc needs the cache server in another process than the engine "
+                              "(CUDA IPC handles cannot be opened by the process that made them)")
+        if len(reg.tensors) != layout.num_layers:
+            raise ConfigError(f"registration describes {len(reg.tensors)} tensors for {layout.num_layers} layers")
+        uuids = {t.device_uuid for t in reg.tensors}
+        if len(uuids) != 1:
+            raise ConfigError(f"all layers must be on one GPU; got {len(uuids)} devices: {sorted(uuids)}")
+        uuid = uuids.pop()
+        index = _local_device(uuid)
+        if index is None:
+            seen = "; ".join(device_label(i) for i in range(torch.cuda.device_count())) or "none"
+            raise ConfigError(
+                f"the KV cache is on GPU {reg.device_name or '?'} (UUID {uuid}), which this cache server "
+                f"cannot see (it sees: {seen}). Run the server on the engine's host with that GPU "
+                "visible (check CUDA_VISIBLE_DEVICES of both processes)")
+        self.device = torch.device("cuda", index)
+        self.layout = layout
+        self.label = device_label(index)
+        self._storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}
+        with torch.cuda.device(self.device):
+            layers = [self._open(i, t) for i, t in enumerate(reg.tensors)]
+            torch.cuda.current_stream().synchronize()  # torch's own open-time event waits
+        layout.check_tensors(layers)
+        self.layers = layers
+        self._rows = [copy_view(layout.row_view(t)) for t in layers]
+        self._compute = torch.cuda.Stream(self.device)
+        self._copy = torch.cuda.Stream(self.device)
+        self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        self._ring: list[torch.Tensor] = []
+        self._ready: list[torch.cuda.Event] = []
+        self._free: list[torch.cuda.Event] = []
+        self._index_buf: torch.Tensor | None = None
+        self.transfers = 0
+
+    # ------------------------------------------------------------------ opening
+
+    def _open(self, i: int, t: CudaIpcTensor) -> torch.Tensor:
+        dtype = getattr(torch, t.dtype, None)
+        if not isinstance(dtype, torch.dtype) or dtype != self.layout.dtype:
+            raise ConfigError(f"layer {i}: dtype {t.dtype!r} but the registration says {self.layout.dtype}")
+        if len(t.shape) != len(t.stride) or any(s <= 0 for s in t.shape) or t.storage_offset < 0:
+            raise ConfigError(f"layer {i}: bad geometry shape={t.shape} stride={t.stride} offset={t.storage_offset}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        extent = t.storage_offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1
+        if extent * itemsize > t.storage_size_bytes:
+            raise ConfigError(f"layer {i}: a tensor of shape {t.shape} at offset {t.storage_offset} does not fit "
+                              f"in its shared storage of {t.storage_size_bytes} bytes")
+        key = (t.handle, t.storage_offset_bytes)
+        storage = self._storages.get(key)
+        if storage is None:
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    self.device.index, t.handle, t.storage_size_bytes, t.storage_offset_bytes,
+                    t.ref_counter_handle, t.ref_counter_offset, t.event_handle, t.event_sync_required)
+            except Exception as exc:
+                raise ConfigError(f"layer {i}: could not open its CUDA IPC handle on {self.label}: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            self._storages[key] = storage
+        out = torch.empty((0,), dtype=dtype, device=self.device)
+        out.set_(storage, t.storage_offset, t.shape, t.stride)
+        return out
+
+    def _client_event(self, params: CudaIpcParams | None) -> torch.cuda.Event | None:
+        if params is None or not params.event_handle:
+            return None
+        ev = self._events.get(params.event_handle)
+        if ev is None:
+            try:
+                ev = torch.cuda.Event.from_ipc_handle(self.device, params.event_handle)
+            except Exception as exc:
+                raise ConfigError(f"params.event_handle: not an interprocess CUDA event of {self.label}: "
+                                  f"{type(exc).__name__}: {exc}") from None
+            self._events[params.event_handle] = ev
+            if len(self._events) > _MAX_OPEN_EVENTS:
+                self._events.popitem(last=False)
+        else:
+            self._events.move_to_end(params.event_handle)
+        return ev
+
+    # ------------------------------------------------------------------ staging
+
+    def _ensure_staging(self, nbytes: int) -> None:
+        if self._ring and self._ring[0].numel() >= nbytes:
+            return
+        self._ring.clear()
+        k = max(2, min(8, _staging_bytes() // max(nbytes, 1)))
+        self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(k)]
+        self._ready = [torch.cuda.Event() for _ in range(k)]
+        self._free = [torch.cuda.Event() for _ in range(k)]
+
+    def _stage(self, k: int, like: torch.Tensor) -> torch.Tensor:
+        """Staging buffer ``k`` as a contiguous tensor of ``like``'s shape and dtype."""
+        n = like.numel() * like.element_size()
+        return self._ring[k][:n].view(like.dtype).view(like.shape)
+
+    def _upload_rows(self, copies: list[RowCopy]) -> list[torch.Tensor]:
+        """Every copy's row ids on the device, in one H2D copy (on the compute stream)."""
+        rows = torch.cat([c.rows for c in copies])
+        n = rows.numel()
+        if self._index_buf is None or self._index_buf.numel() < n:
+            self._index_buf = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
+        self._index_buf[:n].copy_(rows)
+        with torch.cuda.stream(self._compute):
+            dev = self._index_buf[:n].to(self.device, non_blocking=True)
+        out, at = [], 0
+        for c in copies:
+            out.append(dev[at:at + c.rows.numel()])
+            at += c.rows.numel()
+        return out
+
+    # ------------------------------------------------------------------ transfers
+
+    def store(self, copies: list[RowCopy], params: Any) -> None:
+        self._transfer(copies, params, write_arena=True)
+
+    def retrieve(self, copies: list[RowCopy], params: Any) -> None:
+        self._transfer(copies, params, write_arena=False)
+
+    def _transfer(self, copies: list[RowCopy], params: CudaIpcParams | None, write_arena: bool) -> None:
+        if not copies:
+            return
+        with torch.cuda.device(self.device):
+            try:
+                client = self._client_event(params)
+                self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in copies))
+                if client is not None:
+                    self._compute.wait_event(client)  # the engine's work before the submit
+                idx = self._upload_rows(copies)
+                if write_arena:
+                    self._store(copies, idx)
+                else:
+                    self._retrieve(copies, idx)
+            except BaseException:
+                torch.cuda.synchronize(self.device)  # leave no copy running into reused buffers
+                raise
+        self.transfers += 1
+
+    def _store(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> None:
+        comp, cp = self._compute, self._copy
+        k_n = len(self._ring)
+        for i, (c, rows) in enumerate(zip(copies, idx)):
+            k = i % k_n
+            slot = copy_view(c.slot)
+            stage = self._stage(k, slot)
+            if i >= k_n:
+                comp.wait_event(self._free[k])  # its previous chunk has left the GPU
+            with torch.cuda.stream(comp):
+                for layer, dst in zip(self._rows, stage):
+                    torch.index_select(layer, 0, rows, out=dst)
+            self._ready[k].record(comp)
+            cp.wait_event(self._ready[k])
+            with torch.cuda.stream(cp):
+                _copy(slot, stage)
+            self._free[k].record(cp)
+        cp.synchronize()
+
+    def _retrieve(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> None:
+        comp, cp = self._compute, self._copy
+        k_n = len(self._ring)
+        for i, (c, rows) in enumerate(zip(copies, idx)):
+            k = i % k_n
+            slot = copy_view(c.slot)
+            stage = self._stage(k, slot)
+            if i >= k_n:
+                cp.wait_event(self._free[k])  # its previous chunk is in the engine's blocks
+            with torch.cuda.stream(cp):
+                _copy(stage, slot)
+            self._ready[k].record(cp)
+            comp.wait_event(self._ready[k])
+            with torch.cuda.stream(comp):
+                for layer, src in zip(self._rows, stage):
+                    layer.index_copy_(0, rows, src)
+            self._free[k].record(comp)
+        comp.synchronize()
+
+    # ------------------------------------------------------------------ status, close
+
+    def status(self) -> dict[str, str]:
+        staging = sum(b.numel() for b in self._ring)
+        return {"device": self.label, "ipc_allocations": str(len(self._storages)),
+                "staging_bytes": str(staging), "transfers": str(self.transfers)}
+
+    def close(self) -> None:
+        """Wait for the copies, then drop the IPC mappings (torch closes each handle when its
+        last tensor goes) and the staging buffers."""
+        try:
+            with torch.cuda.device(self.device):
+                self._compute.synchronize()
+                self._copy.synchronize()
+        except Exception:
+            log.exception("cuda_ipc: synchronizing %s at close failed", self.label)
+        self._rows = []
+        self.layers = []
+        self._storages.clear()
+        self._events.clear()
+        self._ring = []
+        self._index_buf = None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One DMA copy between a pinned arena slot and a staging buffer (same shape), asynchronous
+    on the current stream; a slot cut by a skip is copied layer by layer (each layer's rows are
+    contiguous)."""
+    if dst.is_contiguous() and src.is_contiguous():
+        dst.copy_(src, non_blocking=True)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking=True)

@@ -1,0 +1,313 @@
+"""The cuda_ipc transport: wire Structs, probe, the client context and the plugin object."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+import torch
+
+from kvxfer import ConfigError, RetrieveResult, StoreResult
+from kvxfer.transport import (
+    API_VERSION,
+    Capabilities,
+    Connection,
+    InstanceIdentity,
+    KVLayout,
+    Probe,
+    Registration,
+    ServerDrivenContext,
+    ServerTransport,
+    Style,
+    Transport,
+)
+
+__all__ = [
+    "CudaIpcTensor",
+    "CudaIpcRegistration",
+    "CudaIpcParams",
+    "CudaIpcContext",
+    "CudaIpcTransport",
+    "cuda_probe",
+    "device_uuid",
+]
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- wire Structs
+
+
+class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
+    """One layer's KV tensor as CUDA IPC shares it: the fields of
+    ``torch.UntypedStorage._share_cuda_()`` plus the tensor's geometry. Nothing here is pickled."""
+
+    #: ``cudaIpcMemHandle_t`` (or torch's expandable-segment handle) of the allocation.
+    handle: bytes
+    #: Bytes of the tensor's storage, and where the storage starts inside the allocation.
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    #: torch's producer-side reference counter (shared-memory file name and slot): the engine
+    #: keeps the allocation alive while the server holds it open.
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    #: Event the server waits on once when it opens the storage (torch's own IPC protocol).
+    event_handle: bytes
+    event_sync_required: bool
+    #: The tensor inside its storage: offset in elements, shape, stride (elements), dtype name.
+    storage_offset: int
+    shape: list[int]
+    stride: list[int]
+    dtype: str
+    #: UUID of the GPU that holds it (as ``str(torch.cuda.get_device_properties(i).uuid)``).
+    device_uuid: str
+
+
+class CudaIpcRegistration(Registration, frozen=True, kw_only=True):
+    """The core's identity and layout fields, plus one :class:`CudaIpcTensor` per layer."""
+
+    #: The engine's process id: the server refuses its own (CUDA IPC needs two processes).
+    pid: int = 0
+    #: The engine's name of the device (``cuda:1 NVIDIA H100 80GB HBM3``), for error messages.
+    device_name: str = ""
+    tensors: list[CudaIpcTensor] = []
+
+
+class CudaIpcParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request parameters of a store or retrieve."""
+
+    #: IPC handle of an interprocess event the client recorded on the engine's current stream
+    #: when it submitted the request; the server's copies wait on it. Empty: no wait.
+    event_handle: bytes = b""
+
+
+# --------------------------------------------------------------------------- CUDA helpers
+
+
+def cuda_probe() -> Probe:
+    """Whether this process can share or open CUDA IPC memory. Never raises."""
+    try:
+        if not torch.cuda.is_available():
+            if torch.version.cuda is None:
+                why = f"torch {torch.__version__} was built without CUDA (install a CUDA build of torch)"
+            else:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                why = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+                       + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+            return Probe(False, f"no usable NVIDIA GPU: {why}")
+        if getattr(torch.version, "hip", None):
+            return Probe(False, "ROCm/HIP build of torch: cuda_ipc needs NVIDIA CUDA IPC")
+        if not hasattr(torch.UntypedStorage, "_new_shared_cuda"):
+            return Probe(False, f"torch {torch.__version__} lacks UntypedStorage._new_shared_cuda")
+        n = torch.cuda.device_count()
+        return Probe(True, f"{n} CUDA device(s), CUDA {torch.version.cuda}", ("cuda",))
+    except Exception as exc:  # a probe must not raise
+        return Probe(False, f"CUDA probe failed: {type(exc).__name__}: {exc}")
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of local CUDA device ``index``, in the form both sides compare."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_label(index: int) -> str:
+    return f"cuda:{index} {torch.cuda.get_device_name(index)} (UUID {device_uuid(index)})"
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class _EventPool:
+    """Interprocess CUDA events of one device, reused; their IPC handles are cached."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: list[torch.cuda.Event] = []
+        self._all: list[torch.cuda.Event] = []
+        self._handles: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self) -> torch.cuda.Event:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        ev = torch.cuda.Event(interprocess=True)  # implies disable_timing
+        with self._lock:
+            self._all.append(ev)
+        return ev
+
+    def release(self, ev: torch.cuda.Event) -> None:
+        with self._lock:
+            self._free.append(ev)
+
+    def handle(self, ev: torch.cuda.Event) -> bytes:
+        """The event's IPC handle (the event must have been recorded once)."""
+        h = self._handles.get(id(ev))
+        if h is None:
+            with torch.cuda.device(self.device):
+                h = bytes(ev.ipc_handle())
+            self._handles[id(ev)] = h
+        return h
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._all.clear()
+            self._handles.clear()
+
+
+class CudaIpcContext(ServerDrivenContext):
+    """Client side: shares the KV tensors once, then sends block ids and an event per request.
+
+    ``submit_store`` / ``submit_retrieve`` record an interprocess event on the calling thread's
+    current CUDA stream (the engine's) before queueing the request: the server's copies wait
+    for everything the engine enqueued before the submit. The future completes after the server
+    has synchronized its copies.
+    """
+
+    registration_type: ClassVar[type[Registration]] = CudaIpcRegistration
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        dev = self.layers[0].device
+        if dev.type != "cuda":
+            raise ConfigError(f"cuda_ipc moves KV tensors on CUDA devices; these are on {dev}. "
+                              "Use transport='cpu_gather' (or 'auto')")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.device_uuid = device_uuid(index)
+        self.device_name = f"cuda:{index} {torch.cuda.get_device_name(index)}"
+        self._shared = self._share_layers()
+        self._events = _EventPool(self.device)
+        self._order = threading.Lock()
+        self._pending: dict[str, deque[torch.cuda.Event]] = {"store": deque(), "retrieve": deque()}
+        self._current: torch.cuda.Event | None = None
+
+    # ------------------------------------------------------------------ registration
+
+    def _share_layers(self) -> list[CudaIpcTensor]:
+        """One descriptor per layer; a storage shared by several layers is exported once."""
+        exported: dict[int, tuple[Any, ...]] = {}
+        out = []
+        for t in self.layers:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            fields = exported.get(key)
+            if fields is None:
+                # (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset,
+                #  event_handle, event_sync_required): torch's own CUDA IPC export, without pickle
+                fields = storage._share_cuda_()
+                exported[key] = fields
+            _, handle, size_bytes, offset_bytes, ref_handle, ref_offset, ev_handle, ev_sync = fields
+            out.append(CudaIpcTensor(
+                handle=bytes(handle),
+                storage_size_bytes=int(size_bytes),
+                storage_offset_bytes=int(offset_bytes),
+                ref_counter_handle=bytes(ref_handle),
+                ref_counter_offset=int(ref_offset),
+                event_handle=bytes(ev_handle or b""),
+                event_sync_required=bool(ev_sync),
+                storage_offset=t.storage_offset(),
+                shape=list(t.shape),
+                stride=list(t.stride()),
+                dtype=str(t.dtype).removeprefix("torch."),
+                device_uuid=self.device_uuid,
+            ))
+        return out
+
+    def registration_extra(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "device_name": self.device_name, "tensors": self._shared}
+
+    # ------------------------------------------------------------------ transfers
+
+    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[StoreResult]:
+        return self._with_event("store", lambda: super(CudaIpcContext, self).submit_store(keys, block_ids))
+
+    def submit_retrieve(
+        self,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int] | torch.Tensor,
+        skip_first_n_tokens: int = 0,
+        lease_id: int = 0,
+    ) -> Future[RetrieveResult]:
+        return self._with_event("retrieve", lambda: super(CudaIpcContext, self).submit_retrieve(
+            keys, block_ids, skip_first_n_tokens, lease_id))
+
+    def _with_event(self, kind: str, submit: Callable[[], Future[T]]) -> Future[T]:
+        """Record an event on the caller's current stream and queue it in the same order as the
+        request, so that the worker pairs each request with its own event."""
+        with self._order:
+            ev = self._events.acquire()
+            ev.record(torch.cuda.current_stream(self.device))
+            queue = self._pending[kind]
+            queue.append(ev)
+            try:
+                return submit()
+            except BaseException:
+                queue.pop()
+                self._events.release(ev)
+                raise
+
+    def _run_with_event(self, kind: str, fn: Callable[[], T]) -> T:
+        ev = self._pending[kind].popleft()
+        self._current = ev
+        try:
+            return fn()
+        finally:
+            self._current = None
+            self._events.release(ev)
+
+    def _params(self) -> CudaIpcParams:
+        ev = self._current
+        return CudaIpcParams(event_handle=self._events.handle(ev) if ev is not None else b"")
+
+    def store_params(self) -> msgspec.Struct | None:
+        return self._params()
+
+    def retrieve_params(self) -> msgspec.Struct | None:
+        return self._params()
+
+    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> StoreResult:
+        return self._run_with_event("store", lambda: super(CudaIpcContext, self)._store(keys, blocks))
+
+    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> RetrieveResult:
+        return self._run_with_event("retrieve", lambda: super(CudaIpcContext, self)._retrieve(
+            keys, blocks, skip_blocks, lease_id))
+
+    def release(self) -> None:
+        """After unregister (the server closed its mappings): drop events and export records."""
+        self._events.clear()
+        self._shared = []
+
+
+# --------------------------------------------------------------------------- the plugin
+
+
+class CudaIpcTransport(Transport):
+    """Entry point ``cuda_ipc`` of group ``kvxfer.transports``."""
+
+    name = "cuda_ipc"
+    api_version = API_VERSION
+    style = Style.SERVER_DRIVEN
+    registration_type = CudaIpcRegistration
+    capabilities = Capabilities(device_types=frozenset({"cuda"}))
+    #: Preferred by "auto" for CUDA tensors over the generic cpu_gather (priority 10).
+    auto_priority = 50
+
+    def probe(self) -> Probe:
+        return cuda_probe()
+
+    def client_context(
+        self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout, identity: InstanceIdentity
+    ) -> CudaIpcContext:
+        return CudaIpcContext(self.name, connection, layers, layout, identity)
+
+    def server_transport(self) -> ServerTransport:
+        from kvxfer_cuda_ipc.server import CudaIpcServerTransport
+
+        return CudaIpcServerTransport()

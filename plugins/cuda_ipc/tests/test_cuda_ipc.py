@@ -1,0 +1,244 @@
+"""cuda_ipc tests the conformance kit does not cover.
+
+On a host without CUDA: the probe's reason, and registration failing at once with it. With
+CUDA (through the device tool): the staging ring wrapping around (many chunks, small staging),
+realistic chunk sizes across the two transports, the engine-stream ordering of stores, and the
+refusal of a GPU the server cannot see.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+
+from kvxfer import CacheClient, KVLayout, RemoteError, TransportUnavailable, chunk_hashes
+from kvxfer.testing import ServerProcess
+from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
+from kvxfer.transport import InstanceIdentity, LayoutKind, Registration, get_transport
+from kvxfer_cuda_ipc import CudaIpcParams, CudaIpcRegistration, CudaIpcTensor, CudaIpcTransport
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU (run plugins/cuda_ipc/scripts/gpu_check.sh)")
+without_cuda = pytest.mark.skipif(HAS_CUDA, reason="checks the behaviour of a host without CUDA")
+
+
+# --------------------------------------------------------------------------- any host
+
+
+def test_entry_point_loads_the_transport() -> None:
+    t = get_transport("cuda_ipc", require_available=False)
+    assert isinstance(t, CudaIpcTransport)
+    assert t.name == "cuda_ipc" and t.registration_type is CudaIpcRegistration
+
+
+def test_registration_is_plain_msgpack_and_decodes_as_the_core_base() -> None:
+    tensor = CudaIpcTensor(
+        handle=bytes(range(64)), storage_size_bytes=1 << 20, storage_offset_bytes=512,
+        ref_counter_handle=b"/torch_1_2_3", ref_counter_offset=7, event_handle=b"\x01" * 64,
+        event_sync_required=True, storage_offset=3, shape=[2, 4, 16, 2, 8], stride=[1024, 256, 16, 8, 1],
+        dtype="bfloat16", device_uuid="GPU-00000000-0000-0000-0000-000000000000")
+    reg = CudaIpcRegistration(
+        instance_id=5, model_name="m", world_size=1, rank=0, layout="flash_attn", num_layers=1,
+        num_blocks=4, block_size=16, hidden_dim_size=16, dtype="bfloat16", use_mla=False,
+        pid=123, device_name="cuda:0 X", tensors=[tensor])
+    wire = msgspec.msgpack.encode(reg)
+    assert msgspec.msgpack.decode(wire, type=CudaIpcRegistration) == reg
+    base = msgspec.msgpack.decode(wire, type=Registration)  # what a server without the plugin sees
+    assert (base.instance_id, base.num_blocks) == (5, 4)
+    params = CudaIpcParams(event_handle=b"\x02" * 64)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=CudaIpcParams) == params
+
+
+@without_cuda
+def test_probe_says_why_it_is_unavailable() -> None:
+    probe = CudaIpcTransport().probe()
+    assert not probe.available
+    assert "GPU" in probe.reason and "CUDA" in probe.reason
+
+
+@without_cuda
+def test_registering_through_it_fails_at_once_with_the_probe_reason() -> None:
+    reason = CudaIpcTransport().probe().reason
+    with ServerProcess(l1_size="16MiB", transports="cpu_gather") as server:
+        client = CacheClient(server.url)
+        try:
+            layers = [torch.zeros(2, 4, 16, 2, 8) for _ in range(2)]
+            with pytest.raises(TransportUnavailable, match="cuda_ipc") as info:
+                client.register(layers, model_name="m", block_size=16, transport="cuda_ipc")
+            assert reason in str(info.value)
+            assert client.status().contexts == []
+        finally:
+            client.close()
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    if not HAS_CUDA:
+        pytest.skip("needs an NVIDIA GPU")
+    # 1 MiB of staging gives the smallest ring (2 buffers): requests of many chunks wrap around it.
+    with ServerProcess(l1_size="1GiB", chunk_size=256, transports="cuda_ipc,cpu_gather",
+                       env={"KVXFER_CUDA_IPC_STAGING_MIB": "1"}) as s:
+        yield s
+
+
+def _keys(n: int) -> list[bytes]:
+    return chunk_hashes(list(range(n * 256)), chunk_size=256, salt=secrets.token_bytes(8))
+
+
+SPEC = KVSpec(LayoutKind.FLASH_ATTN, "bfloat16", num_layers=4, num_blocks=256, block_size=16, heads=8, head_size=128)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", [LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER, LayoutKind.MLA])
+def test_many_chunks_wrap_the_staging_ring_both_ways(server: ServerProcess, kind: LayoutKind) -> None:
+    spec = KVSpec(kind, "bfloat16", num_layers=4, num_blocks=256, block_size=16, heads=8, head_size=128)
+    n = 9  # more chunks than staging buffers, and not a multiple of their number
+    client = CacheClient(server.url)
+    try:
+        src = make_kv(spec, "cuda", seed=1)
+        dst = [torch.zeros_like(t) for t in src]
+        a = client.register(src, model_name=f"ring-{kind.value}", block_size=16, transport="cuda_ipc")
+        b = client.register(dst, model_name=f"ring-{kind.value}", block_size=16, transport="cuda_ipc")
+        keys = _keys(n)
+        gen = torch.Generator().manual_seed(2)
+        src_blocks = torch.randperm(spec.num_blocks, generator=gen)[:n * 16].tolist()
+        dst_blocks = torch.randperm(spec.num_blocks, generator=gen)[:n * 16].tolist()
+        assert a.submit_store(keys, src_blocks).result(60).stored == list(range(n))
+        res = b.submit_retrieve(keys, dst_blocks, skip_first_n_tokens=48).result(60)
+        assert res.loaded == list(range(n))
+        want = get_chunks(as_bytes([t.cpu() for t in src]), kind, src_blocks[3:], 1)
+        got = get_chunks(as_bytes([t.cpu() for t in dst]), kind, dst_blocks[3:], 1)
+        assert torch.equal(got, want)
+        untouched = get_chunks(as_bytes([t.cpu() for t in dst]), kind, dst_blocks[:3], 1)
+        assert not untouched.any(), "skipped blocks were written"
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_full_size_chunks_cross_transports_both_ways(server: ServerProcess) -> None:
+    spec = SPEC
+    client = CacheClient(server.url)
+    try:
+        src = make_kv(spec, "cuda", seed=3)
+        ipc_src = client.register(src, model_name="cross", block_size=16, transport="cuda_ipc")
+        ref_src = client.register(src, model_name="cross", block_size=16, transport="cpu_gather")
+        out_ref, out_ipc = [torch.zeros_like(t) for t in src], [torch.zeros_like(t) for t in src]
+        ref_dst = client.register(out_ref, model_name="cross", block_size=16, transport="cpu_gather")
+        ipc_dst = client.register(out_ipc, model_name="cross", block_size=16, transport="cuda_ipc")
+        keys = _keys(4)
+        blocks = list(range(64, 128))
+        assert ipc_src.submit_store(keys[:2], blocks[:32]).result(60).stored == [0, 1]
+        assert ref_src.submit_store(keys[2:], blocks[32:]).result(60).stored == [0, 1]
+        assert ref_dst.submit_retrieve(keys[:2], blocks[:32]).result(60).ok   # cuda_ipc -> cpu_gather
+        assert ipc_dst.submit_retrieve(keys[2:], blocks[32:]).result(60).ok   # cpu_gather -> cuda_ipc
+        for layer, a, b in zip(src, out_ref, out_ipc):
+            assert torch.equal(layer[:, 64:96].cpu(), a[:, 64:96].cpu())
+            assert torch.equal(layer[:, 96:128].cpu(), b[:, 96:128].cpu())
+            assert not a[:, 96:128].any() and not b[:, 64:96].any()
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_store_waits_for_the_engine_stream(server: ServerProcess) -> None:
+    """Blocks written on the engine's stream just before submit_store are stored as written,
+    though the write is still running when the request is submitted."""
+    spec = SPEC
+    client = CacheClient(server.url)
+    try:
+        layers = [torch.zeros(spec.layer_shape(), dtype=torch.bfloat16, device="cuda") for _ in range(spec.num_layers)]
+        torch.cuda.synchronize()
+        ctx = client.register(layers, model_name="order", block_size=16, transport="cuda_ipc")
+        keys = _keys(1)
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the writes
+            for t in layers:
+                t.fill_(1.5)
+            fut = ctx.submit_store(keys, list(range(16)))
+        assert fut.result(60).stored == [0]
+        out = [torch.zeros_like(t) for t in layers]
+        back = client.register(out, model_name="order", block_size=16, transport="cuda_ipc")
+        assert back.submit_retrieve(keys, list(range(16))).result(60).ok
+        for t in out:
+            assert bool((t[:, :16] == 1.5).all())
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_concurrent_submits_from_threads_keep_their_events(server: ServerProcess) -> None:
+    spec = SPEC
+    client = CacheClient(server.url)
+    try:
+        src = make_kv(spec, "cuda", seed=4)
+        ctx = client.register(src, model_name="threads", block_size=16, transport="cuda_ipc")
+        keys = [_keys(1) for _ in range(8)]
+        futs: list = []
+        lock = threading.Lock()
+
+        def work(i: int) -> None:
+            f = ctx.submit_store(keys[i], list(range(i * 16, i * 16 + 16)))
+            with lock:
+                futs.append(f)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(f.result(60).stored == [0] for f in futs)
+        out = [torch.zeros_like(t) for t in src]
+        back = client.register(out, model_name="threads", block_size=16, transport="cuda_ipc")
+        for i in range(8):
+            assert back.submit_retrieve(keys[i], list(range(i * 16, i * 16 + 16))).result(60).ok
+        for a, b in zip(src, out):
+            assert torch.equal(a[:, :128].cpu(), b[:, :128].cpu())
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_a_gpu_the_server_cannot_see_is_refused_by_name(server: ServerProcess) -> None:
+    spec = SPEC
+    client = CacheClient(server.url)
+    try:
+        layers = make_kv(spec, "cuda", seed=5)
+        ctx = get_transport("cuda_ipc").client_context(
+            client, layers, KVLayout.infer(layers, 16), InstanceIdentity(secrets.randbits(62) + 1, "refused", 1, 0))
+        fake = "GPU-deadbeef-0000-0000-0000-000000000000"
+        ctx._shared = [msgspec.structs.replace(t, device_uuid=fake) for t in ctx._shared]
+        with pytest.raises(RemoteError, match=fake):
+            ctx.register()
+        ctx.close()
+        assert client.status().contexts == []
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_status_names_the_device_and_close_drops_the_mappings(server: ServerProcess) -> None:
+    client = CacheClient(server.url)
+    try:
+        layers = make_kv(SPEC, "cuda", seed=6)
+        ctx = client.register(layers, model_name="status", block_size=16, transport="cuda_ipc")
+        st = client.status()
+        (mine,) = [c for c in st.contexts if c.model_name == "status"]
+        assert mine.transport == "cuda_ipc"
+        (tp,) = [t for t in st.transports if t.name == "cuda_ipc"]
+        assert torch.cuda.get_device_name(0) in tp.state["devices"]
+        assert tp.state["arena_pinned"] != "no"
+        ctx.close()
+        assert not [c for c in client.status().contexts if c.model_name == "status"]
+    finally:
+        client.close()
+
