@@ -167,7 +167,8 @@ class CacheClient:
     def _pick_transport(self, name: str, device: torch.device) -> Any:
         if name != registry.AUTO:
             if name not in self.server_transports:
-                registry.get_transport(name, require_available=False)  # unknown name -> lists installed
+                # unknown name -> lists installed; cannot run here -> the probe's reason
+                registry.get_transport(name)
                 raise TransportUnavailable(
                     f"the server at {self.url} did not load transport {name!r}; it has "
                     f"{', '.join(self.server_transports)}. Restart it with --transports {name}"
