@@ -1,0 +1,1 @@
+"""Integrations of kvxfer with inference engines (``kvxfer.integrations.vllm``)."""

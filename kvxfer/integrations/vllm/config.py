@@ -1,0 +1,176 @@
+"""The connector's settings, read from vLLM's ``kv_transfer_config``.
+
+Every key lives in ``kv_connector_extra_config`` under the ``kvxfer.`` prefix; an unknown
+``kvxfer.*`` key is an error (typos must not silently fall back to defaults)::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+                           "kv_connector_module_path": "kvxfer.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"kvxfer.transport": "auto",
+                                                         "kvxfer.url": "ipc:///run/kvxfer/kvxfer.sock"}}'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from kvxfer.errors import ConfigError
+from kvxfer.urls import default_url
+
+__all__ = ["ConnectorConfig", "KEYS"]
+
+#: Every accepted key, with what it means (shown in errors and docs/vllm.md).
+KEYS: Final[dict[str, str]] = {
+    "kvxfer.url": "address of the kvxfer server (default: $KVXFER_URL or the private ipc:// socket)",
+    "kvxfer.transport": "transport name (cuda_ipc, hpu, cpu_gather, ...) or 'auto' (default)",
+    "kvxfer.chunk_size": "tokens per chunk; must equal the server's --chunk-size (default: the server's)",
+    "kvxfer.timeout_s": "seconds to wait for any server request (default 10)",
+    "kvxfer.lease_s": "seconds a lookup keeps its hits from eviction until they are loaded (default 60)",
+    "kvxfer.on_server_error": "'fail' (default: raise) or 'recompute' (carry on without the cache)",
+    "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server (default 5)",
+    "kvxfer.model_name": "name that keys stored chunks (default: the model path and its KV dtype)",
+    "kvxfer.layout": "KV layout when ambiguous: flash_attn, flashinfer or mla (default: inferred)",
+}
+
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+OnError = Literal["fail", "recompute"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Settings of one connector instance (scheduler or worker side)."""
+
+    url: str
+    transport: str
+    #: None: take the server's.
+    chunk_size: int | None
+    timeout_s: float
+    lease_s: float
+    on_server_error: OnError
+    retry_s: float
+    model_name: str
+    layout: str | None
+    kv_role: KvRole
+    block_size: int
+    world_size: int
+    rank: int
+
+    @property
+    def loads(self) -> bool:
+        """Whether this engine loads KV from the cache (kv_consumer or kv_both)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def stores(self) -> bool:
+        """Whether this engine stores KV into the cache (kv_producer or kv_both)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+        """Read the settings from a vLLM ``VllmConfig`` (only attributes, no vLLM import)."""
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        if ktc is None:
+            raise ConfigError("vllm_config.kv_transfer_config is not set; pass --kv-transfer-config")
+        extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        model_config = getattr(vllm_config, "model_config", None)
+        cache_config = getattr(vllm_config, "cache_config", None)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        block_size = getattr(cache_config, "block_size", None)
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"vllm_config.cache_config.block_size must be a positive integer, got {block_size!r}")
+        world_size = int(getattr(parallel, "world_size", 1) or 1)
+        rank = int(getattr(parallel, "rank", 0) or 0)
+        return cls.from_mapping(
+            extra,
+            kv_role=getattr(ktc, "kv_role", None) or "kv_both",
+            block_size=block_size,
+            world_size=world_size,
+            rank=rank % world_size,  # parallel_config.rank counts within this engine's TP x PP group
+            default_model_name=_default_model_name(model_config, cache_config),
+        )
+
+    @classmethod
+    def from_mapping(
+        cls,
+        extra: Mapping[str, Any],
+        *,
+        kv_role: str,
+        block_size: int,
+        world_size: int,
+        rank: int,
+        default_model_name: str,
+    ) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the key."""
+        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvxfer.") and k not in KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; kvxfer knows: "
+                + "; ".join(f"{k}: {v}" for k, v in KEYS.items())
+            )
+        if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
+        on_error = extra.get("kvxfer.on_server_error", "fail")
+        if on_error not in ("fail", "recompute"):
+            raise ConfigError(f"kvxfer.on_server_error must be 'fail' or 'recompute', got {on_error!r}")
+        chunk_size = extra.get("kvxfer.chunk_size")
+        if chunk_size is not None:
+            chunk_size = _positive_int("kvxfer.chunk_size", chunk_size)
+            if chunk_size % block_size:
+                raise ConfigError(
+                    f"kvxfer.chunk_size {chunk_size} is not a multiple of vLLM's block size {block_size}; "
+                    f"start the server with --chunk-size a multiple of {block_size}"
+                )
+        layout = extra.get("kvxfer.layout")
+        if layout is not None and layout not in ("flash_attn", "flashinfer", "mla"):
+            raise ConfigError(f"kvxfer.layout must be flash_attn, flashinfer or mla, got {layout!r}")
+        transport = extra.get("kvxfer.transport", "auto")
+        if not isinstance(transport, str) or not transport:
+            raise ConfigError(f"kvxfer.transport must be a transport name or 'auto', got {transport!r}")
+        model_name = extra.get("kvxfer.model_name") or default_model_name
+        if not isinstance(model_name, str) or not model_name:
+            raise ConfigError("kvxfer.model_name must be a non-empty string (or set vLLM's model)")
+        return cls(
+            url=str(extra.get("kvxfer.url") or default_url()),
+            transport=transport,
+            chunk_size=chunk_size,
+            timeout_s=_positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 10.0)),
+            lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0)),
+            on_server_error=on_error,
+            retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0)),
+            model_name=model_name,
+            layout=layout,
+            kv_role=kv_role,  # type: ignore[arg-type]
+            block_size=block_size,
+            world_size=world_size,
+            rank=rank,
+        )
+
+
+def _default_model_name(model_config: Any, cache_config: Any) -> str:
+    """``<model>@<kv dtype>``: engines that store KV of another dtype must not share keys."""
+    model = str(getattr(model_config, "model", "") or "")
+    if not model:
+        return ""
+    kv_dtype = getattr(cache_config, "cache_dtype", None)
+    if not kv_dtype or kv_dtype == "auto":
+        kv_dtype = getattr(model_config, "dtype", None)
+    return f"{model}@{str(kv_dtype).removeprefix('torch.')}" if kv_dtype else model
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(key: str, value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(out) or out <= 0:
+        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+    return out

@@ -1,0 +1,155 @@
+"""``KvxferConnector``: vLLM's KV connector (V1 API, vLLM 0.33) over a kvxfer cache server.
+
+A thin class: each method hands vLLM's objects to :class:`SchedulerConnector` (in the
+scheduler process) or :class:`WorkerConnector` (in each worker), which hold the logic and
+import nothing from vLLM.
+
+Who calls what, and when in a step (vLLM's order):
+
+Scheduler side (``role == SCHEDULER``, one per engine):
+    ``get_num_new_matched_tokens`` for each waiting request (may repeat for one request) ->
+    ``update_state_after_alloc`` once its blocks are allocated -> ``build_connector_meta``
+    once per step; ``request_finished`` / ``request_finished_all_groups`` once when a request
+    ends (True keeps its blocks until the workers report it in ``finished_sending``).
+
+Worker side (``role == WORKER``, one per GPU): ``register_kv_caches`` once at start-up; each
+step ``bind_connector_metadata`` -> ``handle_preemptions`` -> ``start_load_kv`` -> (per layer)
+``wait_for_layer_load`` / ``save_kv_layer`` (no-ops: kvxfer moves whole chunks) ->
+``wait_for_save`` -> ``get_finished`` -> ``get_block_ids_with_load_errors`` ->
+``clear_connector_metadata``; ``shutdown`` at exit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvxfer.errors import ConfigError
+from kvxfer.integrations.vllm._compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
+from kvxfer.integrations.vllm.scheduler import SchedulerConnector
+from kvxfer.integrations.vllm.worker import WorkerConnector
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KvxferConnector"]
+
+
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
+    """Loads prompt prefixes' KV from a kvxfer server and stores new ones into it.
+
+    Settings come from ``kv_transfer_config.kv_connector_extra_config`` (``kvxfer.*`` keys, see
+    :mod:`kvxfer.integrations.vllm.config`); ``kv_role`` is honoured: ``kv_producer`` only
+    stores, ``kv_consumer`` only loads, ``kv_both`` does both.
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) > 1:
+            raise ConfigError(
+                f"kvxfer supports models whose attention layers share one KV cache group; this model has "
+                f"{len(groups)} (sliding-window, chunked-local or mamba layers). Start vLLM with "
+                f"--disable-hybrid-kv-cache-manager"
+            )
+        self.kvxfer_config = ConnectorConfig.from_vllm(vllm_config)
+        self._scheduler: SchedulerConnector | None = None
+        self._worker: WorkerConnector | None = None
+        if getattr(role, "name", None) == "SCHEDULER":
+            self._scheduler = SchedulerConnector(self.kvxfer_config)
+        else:
+            self._worker = WorkerConnector(self.kvxfer_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a cache is best-effort; a dropped store is only a later miss."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """NHD: kvxfer registers each layer's tensor as a contiguous paged cache."""
+        return "NHD"
+
+    # ------------------------------------------------------------------ worker side
+
+    @property
+    def worker(self) -> WorkerConnector:
+        if self._worker is None:
+            raise RuntimeError("KvxferConnector: worker-side method called on the scheduler-side connector")
+        return self._worker
+
+    @property
+    def scheduler(self) -> SchedulerConnector:
+        if self._scheduler is None:
+            raise RuntimeError("KvxferConnector: scheduler-side method called on a worker-side connector")
+        return self._scheduler
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker, once at start-up: register ``{layer_name: kv_tensor}`` with the server."""
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Worker, at the start of a step: finish stores that read blocks of preempted requests."""
+        if isinstance(kv_connector_metadata, KvxferConnectorMetadata):
+            self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Worker, before the forward pass: submit this step's loads (they finish between steps)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker, per attention layer: nothing to wait for (loads complete before the request runs)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Worker, per attention layer: nothing (whole chunks are stored in wait_for_save)."""
+
+    def wait_for_save(self) -> None:
+        """Worker, after the forward pass: submit stores of the chunks it computed (not awaited)."""
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker, end of step: (requests whose stores finished, requests whose loads finished)."""
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Worker, after get_finished: blocks that loads could not fill (vLLM recomputes them)."""
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        """Either side, at exit: finish submitted transfers and disconnect."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler, per waiting request: (tokens loadable beyond num_computed_tokens, True)."""
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Scheduler, after vLLM allocated the request's blocks: plan the load into them."""
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Scheduler, once per step: loads, stores and preemptions for the workers."""
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, once when a request ends: True keeps its blocks until its stores finish."""
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler, with the hybrid KV cache manager: as request_finished."""
+        return self.scheduler.request_finished(request, block_ids)

@@ -1,0 +1,115 @@
+"""The connection of one connector side to the kvxfer server, and the server-error policy.
+
+``kvxfer.on_server_error``:
+
+* ``"fail"`` (default): a server that is missing at start-up, or that stops answering, raises
+  :class:`kvxfer.errors.ConnectionFailed` with a message that names the server and the fix.
+* ``"recompute"``: the connector carries on without the cache (lookups miss, loads report
+  their blocks as failed so vLLM recomputes them, stores are dropped) and tries to reach the
+  server again every ``kvxfer.retry_s`` seconds, so a restarted server is picked up without
+  restarting vLLM.
+
+A server that restarted answers ``NoSession``: :meth:`kvxfer.CacheClient.reconnect`
+re-handshakes and re-registers the KV caches, so that case needs no degraded period at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from kvxfer.client import CacheClient
+from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError, TransportError
+from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.transport import registry
+
+__all__ = ["ServerLink", "check_transport_name"]
+
+log = logging.getLogger("kvxfer.integrations.vllm")
+
+
+def check_transport_name(name: str) -> None:
+    """Raise :class:`kvxfer.TransportNotFound` (listing the installed transports) for a name
+    that no installed plugin provides; ``"auto"`` always passes."""
+    if name != registry.AUTO:
+        registry.get_transport(name, require_available=False)
+
+
+class ServerLink:
+    """A lazily (re)connected :class:`CacheClient` with the configured error policy.
+
+    ``on_connect(client)`` runs after every (re)connection; it may raise
+    :class:`kvxfer.errors.ConfigError` (e.g. a chunk size mismatch), which is fatal at
+    start-up and, later, handled like a server error.
+    """
+
+    def __init__(self, config: ConnectorConfig, side: str, on_connect: Callable[[CacheClient], None]) -> None:
+        self.config = config
+        self.side = side
+        self._on_connect = on_connect
+        self.client: CacheClient | None = None
+        self.down = False
+        self._retry_at = 0.0
+        #: How many times the server was found unreachable (tests and logs read it).
+        self.outages = 0
+
+    def get(self, *, startup: bool = False) -> CacheClient | None:
+        """The client, connecting or reconnecting when needed; None while the server is
+        unreachable in ``recompute`` mode (``fail`` mode raises instead)."""
+        if self.client is not None and not self.down:
+            return self.client
+        if self.down and time.monotonic() < self._retry_at:
+            return None
+        try:
+            if self.client is None:
+                client = CacheClient(self.config.url, timeout=self.config.timeout_s,
+                                     connect_timeout=self.config.timeout_s, name=f"vllm-{self.side}")
+                try:
+                    self._on_connect(client)
+                except BaseException:
+                    client.close()
+                    raise
+                self.client = client
+            else:
+                self.client.reconnect()
+                self._on_connect(self.client)
+        except (ConfigError, TransportError):
+            if startup or self.config.on_server_error == "fail":
+                raise
+            log.exception("kvxfer %s: the server at %s is not usable; carrying on without it", self.side,
+                          self.config.url)
+            self._mark_down()
+            return None
+        except KvxferError as exc:
+            return self.failed(exc, "connecting")
+        if self.down:
+            log.warning("kvxfer %s: the server at %s answers again; using the cache", self.side, self.config.url)
+        self.down = False
+        return self.client
+
+    def failed(self, exc: BaseException, what: str) -> None:
+        """``what`` failed because of the server: raise (``fail``) or go degraded (``recompute``)."""
+        if self.config.on_server_error == "fail":
+            raise ConnectionFailed(
+                f"kvxfer {self.side}: {what} failed: {exc}. Check the kvxfer server at {self.config.url} "
+                f"(`kvxfer status --url {self.config.url}`; start one with `kvxfer serve --url "
+                f"{self.config.url}`), or set kv_connector_extra_config "
+                f"{{\"kvxfer.on_server_error\": \"recompute\"}} to serve without the cache while it is down"
+            ) from exc
+        if not self.down:
+            log.warning("kvxfer %s: %s failed (%s); serving without the cache, retrying every %g s",
+                        self.side, what, exc, self.config.retry_s)
+        self._mark_down()
+        return None
+
+    def _mark_down(self) -> None:
+        if not self.down:
+            self.outages += 1
+        self.down = True
+        self._retry_at = time.monotonic() + self.config.retry_s
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None

@@ -1,0 +1,310 @@
+"""The scheduler half of the connector, free of vLLM imports.
+
+It reads vLLM's objects by attribute only (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``;
+see the Protocols below) and decides, per request:
+
+* **what to load**: :meth:`get_num_new_matched_tokens` hashes the prompt's full chunks
+  (salted with the request's ``cache_salt``, LoRA and multimodal inputs), asks the server how
+  many leading chunks beyond vLLM's own prefix-cache hit it has, and leases them so they are not
+  evicted before the load; :meth:`update_state_after_alloc` turns the lease into a
+  :class:`LoadOp` on the blocks vLLM allocated;
+* **what to store**: :meth:`build_connector_meta` emits a :class:`StoreOp` for every full
+  prompt chunk once the step that computes it is scheduled (vLLM's prefix-cache hits included:
+  the server skips chunks it has);
+* **when blocks may be freed**: :meth:`request_finished` returns True for a request that had
+  stores since it was last preempted; the workers report it in ``finished_sending`` once those
+  stores are done. The workers track exactly the same set from the same metadata, so the two
+  sides agree without talking.
+
+Only prompt tokens are stored (generated tokens may be speculative or not yet known with async
+scheduling); the prompt's last partial chunk is never stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvxfer.client import CacheClient
+from kvxfer.errors import ConfigError, KvxferError, NoSession
+from kvxfer.hashing import chunk_hashes
+from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
+from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
+
+__all__ = ["SchedulerConnector", "RequestLike"]
+
+log = logging.getLogger("kvxfer.integrations.vllm")
+
+
+class RequestLike(Protocol):
+    """The attributes of vLLM's ``Request`` that the connector reads."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int] | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    prompt_len: int
+    hashes: list[bytes] | None = None
+    #: The request's blocks (KV cache group 0) as the workers see them.
+    block_ids: list[int] = field(default_factory=list)
+    #: Outcome of the last lookup, until update_state_after_alloc uses or drops it.
+    lease_id: int = 0
+    lookup_first: int = 0
+    lookup_end: int = 0
+    lookup_computed: int = 0
+    lookup_tokens: int = 0
+    #: Chunks [0, next_store) are stored, being stored or were loaded.
+    next_store: int = 0
+    #: Stores were sent since the request was last preempted (mirrored by the workers).
+    has_stores: bool = False
+
+
+class SchedulerConnector:
+    """Scheduler-side logic; one per vLLM engine (the scheduler process)."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        check_transport_name(config.transport)
+        self.chunk_size: int | None = config.chunk_size
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: list[LoadOp] = []
+        self._preempted: set[str] = set()
+        self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "loads": 0, "stores": 0, "store_chunks": 0}
+        self.link = ServerLink(config, "scheduler", self._on_connect)
+        self.link.get(startup=True)
+
+    def _on_connect(self, client: CacheClient) -> None:
+        expected = self.config.chunk_size or self.chunk_size
+        if expected is not None and client.chunk_size != expected:
+            raise ConfigError(
+                f"the kvxfer server at {client.url} uses chunk size {client.chunk_size} but this vLLM "
+                f"expects {expected} (kvxfer.chunk_size or the server it first met); restart the server "
+                f"with --chunk-size {expected} or set kvxfer.chunk_size to {client.chunk_size}"
+            )
+        if client.chunk_size % self.config.block_size:
+            raise ConfigError(
+                f"the kvxfer server at {client.url} uses chunk size {client.chunk_size}, not a multiple of "
+                f"vLLM's block size {self.config.block_size}; restart it with --chunk-size a multiple "
+                f"of {self.config.block_size}"
+            )
+        self.chunk_size = client.chunk_size
+
+    # ------------------------------------------------------------------ helpers
+
+    def _state(self, request: Any) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            prompt = getattr(request, "prompt_token_ids", None)
+            st = _ReqState(request, len(prompt) if prompt is not None else 0)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _hashes(self, st: _ReqState) -> list[bytes]:
+        assert self.chunk_size is not None
+        if st.hashes is None:
+            prompt = getattr(st.request, "prompt_token_ids", None)
+            st.hashes = chunk_hashes(prompt, self.chunk_size, salt=request_salt(st.request)) if prompt else []
+        return st.hashes
+
+    def _release_lease(self, st: _ReqState) -> None:
+        lease, st.lease_id = st.lease_id, 0
+        st.lookup_end = st.lookup_first = st.lookup_tokens = 0
+        if lease and self.link.client is not None and not self.link.down:
+            try:
+                self.link.client.release_lease(lease)
+            except KvxferError as exc:  # it expires on its own after kvxfer.lease_s
+                log.debug("releasing lease %d failed: %s", lease, exc)
+
+    # ------------------------------------------------------------------ vLLM's scheduler calls
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded, and True (loads are async).
+
+        Leases the hits; a repeated call for the same request drops the previous lease."""
+        st = self._state(request)
+        if st.block_ids:  # asked again after it had blocks: it was preempted
+            st.block_ids = []
+            st.has_stores = False
+            self._preempted.add(request.request_id)
+        self._release_lease(st)
+        if not self.config.loads:
+            return 0, False
+        client = self.link.get()
+        if client is None or self.chunk_size is None:
+            return 0, False
+        chunk = self.chunk_size
+        hashes = self._hashes(st)
+        first = num_computed_tokens // chunk
+        if first >= len(hashes):
+            return 0, False
+        try:
+            try:
+                reply = client.lookup_and_lease(self.config.model_name, self.config.world_size,
+                                                hashes=hashes[first:], lease_s=self.config.lease_s)
+            except NoSession:  # the server restarted: open a new session and ask again
+                client.reconnect()
+                reply = client.lookup_and_lease(self.config.model_name, self.config.world_size,
+                                                hashes=hashes[first:], lease_s=self.config.lease_s)
+        except KvxferError as exc:
+            self.link.failed(exc, f"lookup for request {request.request_id}")
+            return 0, False
+        self.stats["lookups"] += 1
+        end = first + reply.hits
+        tokens = end * chunk
+        if tokens >= request.num_tokens:
+            # vLLM computes at least the last token itself. It allocates blocks for the tokens
+            # we promise, so promising one token less still covers every block of the chunk,
+            # except with single-token blocks: then drop the last chunk.
+            if self.config.block_size == 1:
+                end -= 1
+                tokens = end * chunk
+            else:
+                tokens = request.num_tokens - 1
+        st.lease_id = reply.lease_id
+        if tokens <= num_computed_tokens or end <= first:
+            self._release_lease(st)
+            return 0, False
+        st.lookup_first, st.lookup_end = first, end
+        st.lookup_computed, st.lookup_tokens = num_computed_tokens, tokens
+        self.stats["lookup_hit_tokens"] += tokens - num_computed_tokens
+        return tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Turn the request's lookup into a load on the blocks vLLM allocated for it."""
+        st = self._state(request)
+        if num_external_tokens <= 0:
+            self._release_lease(st)
+            return
+        if st.lookup_end <= st.lookup_first or self.chunk_size is None:
+            log.warning("kvxfer: vLLM asked to load %d tokens of request %s that kvxfer did not offer",
+                        num_external_tokens, request.request_id)
+            return
+        if st.lookup_computed + num_external_tokens != st.lookup_tokens:
+            log.warning("kvxfer: request %s: vLLM allocated %d external tokens, kvxfer offered %d",
+                        request.request_id, num_external_tokens, st.lookup_tokens - st.lookup_computed)
+        chunk, bpc = self.chunk_size, self.chunk_size // self.config.block_size
+        first, end = st.lookup_first, st.lookup_end
+        block_ids = list(first_group(blocks.get_block_ids()))
+        wanted = block_ids[first * bpc:end * bpc]
+        skip = st.lookup_computed - first * chunk
+        keys = self._hashes(st)[first:end]
+        failed: list[int] = []
+        if len(wanted) < (end - first) * bpc:  # fewer blocks than promised: load nothing, report them
+            failed = wanted[skip // self.config.block_size:]
+            keys, wanted, skip = [], [], 0
+        self._loads.append(LoadOp(request.request_id, keys, wanted, skip, st.lease_id, failed))
+        st.lease_id = 0  # the load's retrieve releases it
+        st.lookup_end = st.lookup_first = st.lookup_tokens = 0
+        st.next_store = max(st.next_store, end)
+        self.stats["loads"] += 1
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
+        """This step's loads (from update_state_after_alloc), stores (full prompt chunks that
+        this step's forward pass completes) and preempted requests."""
+        meta = KvxferConnectorMetadata(chunk_size=self.chunk_size or 0)
+        meta.loads, self._loads = self._loads, []
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ()) | self._preempted | resumed
+        self._preempted = set()
+        for rid in preempted:
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.has_stores = False
+                if rid not in resumed:
+                    st.block_ids = []
+        meta.preempted = sorted(preempted)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(first_group(new.block_ids))
+            self._plan_store(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta)
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                st.block_ids = list(first_group(new_ids)) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(first_group(new_ids))
+            self._plan_store(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta)
+        return meta
+
+    def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata) -> None:
+        if not self.config.stores or self.chunk_size is None:
+            return
+        chunk, bpc = self.chunk_size, self.chunk_size // self.config.block_size
+        hashes = self._hashes(st)
+        upto = min(min(computed, st.prompt_len) // chunk, len(hashes), len(st.block_ids) // bpc)
+        if upto <= st.next_store:
+            return
+        meta.stores.append(StoreOp(rid, hashes[st.next_store:upto], st.block_ids[st.next_store * bpc:upto * bpc]))
+        self.stats["stores"] += 1
+        self.stats["store_chunks"] += upto - st.next_store
+        st.next_store = upto
+        st.has_stores = True
+
+    def request_finished(self, request: Any, block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
+        """True while the request's stores may still read its blocks (freed after the
+        workers report it in ``finished_sending``)."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        self._release_lease(st)
+        return st.has_stores, None
+
+    def shutdown(self) -> None:
+        for st in self._reqs.values():
+            self._release_lease(st)
+        self.link.close()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def first_group(block_ids: Any) -> Sequence[int]:
+    """Block ids of KV cache group 0 from vLLM's ``tuple[list[int], ...]`` (or a flat list)."""
+    if not block_ids:
+        return []
+    head = block_ids[0]
+    return head if isinstance(head, (list, tuple)) else block_ids
+
+
+def resumed_req_ids(cached: Any) -> set[str]:
+    """Requests resumed from preemption this step (``resumed_req_ids`` in recent vLLM,
+    ``resumed_from_preemption`` flags in older ones)."""
+    ids = getattr(cached, "resumed_req_ids", None)
+    if ids is not None:
+        return set(ids)
+    flags = getattr(cached, "resumed_from_preemption", None) or ()
+    return {rid for rid, flag in zip(cached.req_ids, flags) if flag}
+
+
+def request_salt(request: Any) -> str:
+    """What besides the tokens decides a request's KV: its ``cache_salt``, its LoRA adapter and
+    its multimodal inputs (placeholder tokens alone do not name an image)."""
+    parts: list[str] = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', None) or getattr(lora, 'lora_int_id', lora)}")
+    mm: Iterable[Any] = getattr(request, "mm_features", None) or ()
+    for feature in mm:
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        pos = getattr(getattr(feature, "mm_position", None), "offset", None)
+        parts.append(f"mm={ident}@{pos}")
+    return "|".join(parts)

@@ -1,0 +1,256 @@
+"""The worker half of the connector, free of vLLM imports.
+
+Per step, in vLLM's order: :meth:`handle_preemptions` (stores of preempted requests finish
+before vLLM reuses their blocks) -> :meth:`start_load_kv` (submit retrieves) -> forward pass ->
+:meth:`wait_for_save` (submit stores of the chunks the pass computed) -> :meth:`get_finished`
+(poll the futures; report each finished load and each finished request's stores exactly once)
+-> :meth:`get_block_ids_with_load_errors`.
+
+Nothing here blocks on a transfer except the preemption flush: loads complete between steps
+(vLLM schedules the request once ``finished_recving`` names it) and stores in the background
+(vLLM keeps a finished request's blocks until ``finished_sending`` names it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import torch
+
+from kvxfer.client import CacheClient
+from kvxfer.errors import ConfigError, KvxferError, TransportError
+from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
+from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
+from kvxfer.protocol.messages import RetrieveResult, StoreResult
+from kvxfer.transport.base import TransferContext
+
+__all__ = ["WorkerConnector"]
+
+log = logging.getLogger("kvxfer.integrations.vllm")
+
+
+@dataclass(slots=True)
+class _Load:
+    op: LoadOp
+    future: Future[RetrieveResult] | None
+
+
+class WorkerConnector:
+    """Worker-side logic; one per vLLM worker (one GPU / rank)."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        check_transport_name(config.transport)
+        self.context: TransferContext | None = None
+        self._layers: dict[str, torch.Tensor] | None = None
+        self._loads: dict[str, _Load] = {}
+        self._stores: dict[str, list[Future[StoreResult]]] = {}
+        #: Requests with stores since their last preemption (the scheduler tracks the same set).
+        self._store_reqs: set[str] = set()
+        #: Finished requests (from get_finished) whose stores are not all done yet.
+        self._finishing: set[str] = set()
+        self._unsent: list[StoreOp] = []
+        self._load_errors: set[int] = set()
+        self.stats = {"loads": 0, "loaded_chunks": 0, "failed_load_blocks": 0, "stores": 0,
+                      "stored_chunks": 0, "present_chunks": 0, "failed_store_chunks": 0, "dropped_stores": 0}
+        self.link = ServerLink(config, f"worker rank {config.rank}", self._on_connect)
+        self.link.get(startup=True)
+
+    def _on_connect(self, client: CacheClient) -> None:
+        if self.config.chunk_size is not None and client.chunk_size != self.config.chunk_size:
+            raise ConfigError(
+                f"the kvxfer server at {client.url} uses chunk size {client.chunk_size} but "
+                f"kvxfer.chunk_size is {self.config.chunk_size}; make them equal"
+            )
+        if self.context is not None and client.chunk_size != getattr(self.context, "chunk_size", client.chunk_size):
+            raise ConfigError(f"the kvxfer server at {client.url} restarted with another chunk size "
+                              f"({client.chunk_size}); restart vLLM or the server with the same one")
+
+    # ------------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Register vLLM's per-layer KV tensors through the configured transport (at start-up;
+        in ``recompute`` mode with no server, at the first step the server answers)."""
+        self._layers = dict(kv_caches)
+        self._context(startup=True)
+
+    def _context(self, startup: bool = False) -> TransferContext | None:
+        client = self.link.get(startup=startup)
+        if client is None or self._layers is None:
+            return None
+        if self.context is None:
+            try:
+                self.context = client.register(
+                    self._layers, model_name=self.config.model_name, block_size=self.config.block_size,
+                    world_size=self.config.world_size, rank=self.config.rank,
+                    transport=self.config.transport, layout=self.config.layout)
+            except (ConfigError, TransportError):
+                raise
+            except KvxferError as exc:
+                self.link.failed(exc, "registering the KV caches")
+                return None
+            log.info("kvxfer worker rank %d: registered %d KV layers through %s at %s (model %s, chunk %d)",
+                     self.config.rank, len(self._layers), self.context.transport_name, client.url,
+                     self.config.model_name, client.chunk_size)
+        return self.context
+
+    def _usable(self, meta: KvxferConnectorMetadata) -> TransferContext | None:
+        ctx = self._context()
+        if ctx is not None and meta.chunk_size != getattr(ctx, "chunk_size", meta.chunk_size):
+            log.error("kvxfer: scheduler planned chunks of %d tokens, the server uses %d; skipping transfers",
+                      meta.chunk_size, getattr(ctx, "chunk_size", 0))
+            return None
+        return ctx
+
+    # ------------------------------------------------------------------ per step
+
+    def handle_preemptions(self, meta: KvxferConnectorMetadata) -> None:
+        """Wait for the pending stores of requests preempted this step (vLLM is about to reuse
+        their blocks). Idempotent: start_load_kv calls it too, for runners that do not."""
+        for rid in meta.preempted:
+            for fut in self._stores.pop(rid, []):
+                self._settle_store(fut, wait=True)
+            self._store_reqs.discard(rid)
+            self._finishing.discard(rid)
+
+    def start_load_kv(self, meta: KvxferConnectorMetadata) -> None:
+        """Submit this step's retrieves; note its stores (submitted by wait_for_save)."""
+        self.handle_preemptions(meta)
+        self._store_reqs.update(op.req_id for op in meta.stores)
+        self._unsent = list(meta.stores)
+        if not meta.loads:
+            return
+        ctx = self._usable(meta) if self.config.loads else None
+        for op in meta.loads:
+            fut = None
+            if op.keys and ctx is not None:
+                try:
+                    fut = ctx.submit_retrieve(op.keys, op.block_ids, skip_first_n_tokens=op.skip_tokens,
+                                              lease_id=op.lease_id)
+                except ConfigError:
+                    log.exception("kvxfer: cannot load request %s", op.req_id)
+            if op.keys and fut is None:  # no server or a bad op: vLLM recomputes these blocks
+                op.failed_block_ids.extend(_unskipped(op, range(len(op.keys)), self.config.block_size))
+            self._loads[op.req_id] = _Load(op, fut)
+            self.stats["loads"] += 1
+
+    def wait_for_save(self) -> None:
+        """Submit the stores of chunks this step's forward pass computed (after the device has
+        finished it); returns without waiting for the stores."""
+        unsent, self._unsent = self._unsent, []
+        if not unsent:
+            return
+        ctx = self._context() if self.config.stores else None
+        if ctx is None:
+            self.stats["dropped_stores"] += len(unsent)
+            return
+        _synchronize(next(iter(self._layers.values())).device if self._layers else torch.device("cpu"))
+        for op in unsent:
+            try:
+                fut = ctx.submit_store(op.keys, op.block_ids)
+            except ConfigError:
+                log.exception("kvxfer: cannot store request %s", op.req_id)
+                continue
+            self._stores.setdefault(op.req_id, []).append(fut)
+            self.stats["stores"] += 1
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose stores are all done, requests whose load is done), each reported once.
+
+        ``finished_req_ids`` are the requests vLLM finished since the last step; only those
+        with stores are reported in the first set (exactly those for which the scheduler's
+        ``request_finished`` returned True)."""
+        if self._unsent:  # a step without a forward pass computed nothing: nothing to store
+            self.stats["dropped_stores"] += len(self._unsent)
+            self._unsent = []
+        recving: set[str] = set()
+        for rid, load in list(self._loads.items()):
+            if load.future is None or load.future.done():
+                self._settle_load(load)
+                del self._loads[rid]
+                recving.add(rid)
+        for rid, futs in list(self._stores.items()):
+            left = [f for f in futs if not self._settle_store(f, wait=False)]
+            if left:
+                self._stores[rid] = left
+            else:
+                del self._stores[rid]
+        self._finishing.update(r for r in finished_req_ids if r in self._store_reqs)
+        sending = {rid for rid in self._finishing if rid not in self._stores}
+        self._finishing -= sending
+        self._store_reqs -= sending
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of finished loads that hold no valid KV (missing chunks, failed transfers);
+        reported no later than the get_finished call that reports their request."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ settling futures
+
+    def _settle_load(self, load: _Load) -> None:
+        op, bs = load.op, self.config.block_size
+        bad = list(op.failed_block_ids)
+        if load.future is not None:
+            try:
+                res = load.future.result()
+                bad += _unskipped(op, res.missing, bs)
+                self.stats["loaded_chunks"] += len(res.loaded)
+            except KvxferError as exc:
+                bad += _unskipped(op, range(len(op.keys)), bs)
+                self.link.failed(exc, f"loading request {op.req_id}")
+        if bad:
+            self.stats["failed_load_blocks"] += len(bad)
+            self._load_errors.update(bad)
+
+    def _settle_store(self, fut: Future[StoreResult], wait: bool) -> bool:
+        """Account for a done store (waiting for it when ``wait``); False if still pending."""
+        if not wait and not fut.done():
+            return False
+        try:
+            res = fut.result(timeout=self.config.timeout_s * 2 + 5 if wait else None)
+        except FutureTimeout:
+            log.warning("kvxfer: a store of a preempted request is still running; its blocks may be reused")
+            return True
+        except KvxferError as exc:
+            self.link.failed(exc, "storing KV")
+            return True
+        self.stats["stored_chunks"] += len(res.stored)
+        self.stats["present_chunks"] += len(res.present)
+        self.stats["failed_store_chunks"] += len(res.failed)
+        return True
+
+    def shutdown(self) -> None:
+        """Let submitted transfers finish, unregister, disconnect."""
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+        self.link.close()
+
+
+def _unskipped(op: LoadOp, chunk_indices: Iterable[int], block_size: int) -> list[int]:
+    """Blocks of the given chunks of ``op`` that the load was to write (not vLLM's own)."""
+    if not op.keys:
+        return []
+    bpc = len(op.block_ids) // len(op.keys)
+    skip = op.skip_tokens // block_size
+    out: list[int] = []
+    for i in chunk_indices:
+        out.extend(op.block_ids[max(i * bpc, skip):(i + 1) * bpc])
+    return out
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait until the device finished the forward pass that wrote the blocks to store."""
+    if device.type == "cpu":
+        return
+    mod = getattr(torch, device.type, None)
+    sync = getattr(mod, "synchronize", None)
+    if sync is not None:
+        sync(device)
