@@ -165,3 +165,49 @@ class Writer:
                if not torch.equal(read_chunk(self.kv, ids[j * self.bpc:(j + 1) * self.bpc]),
                                   expected(self.shape, self.model, self.rank, keys[j], self.bpc))]
         return res, bad
+
+
+class TcpServer:
+    """``kvxfer serve --url tcp://127.0.0.1:PORT --curve-dir DIR`` in a subprocess.
+
+    (ServerProcess waits for its server with a keyless client, which a CURVE server refuses.)
+    """
+
+    def __init__(self, curve_dir: Path, l1_size: str = "32MiB", chunk_size: int = 64) -> None:
+        import tempfile
+
+        self.url = f"tcp://127.0.0.1:{free_port()}"
+        self.curve_dir = curve_dir
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvxfer", "serve", "--url", self.url, "--curve-dir", str(curve_dir),
+             "--l1-size", l1_size, "--chunk-size", str(chunk_size), "--transports", "cpu_gather"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def wait_ready(self, keys, timeout: float = 30.0) -> None:
+        from kvxfer import CacheClient, ConnectionFailed
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                CacheClient(self.url, connect_timeout=0.5, curve=keys).close()
+                return
+            except ConnectionFailed:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tcp server not ready:\n{self.log()}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

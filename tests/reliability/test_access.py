@@ -1,0 +1,175 @@
+"""Access control: private ipc:// socket and arena, CURVE keys for tcp:// (loopback only)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+from relkit import TcpServer, Writer, free_port, key
+
+from kvxfer import CacheClient, ConnectionFailed
+from kvxfer.errors import ConfigError
+from kvxfer.mq.client import CurveClientKeys
+from kvxfer.security import add_client, load_client_keys, load_server_keys, make_keys
+
+
+def mode(p: Path | str) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+def kvxfer_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxfer", *args], capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- ipc:// and the arena
+
+
+def test_ipc_socket_and_arena_are_private(server, client_of):
+    sock = Path(server.url.removeprefix("ipc://"))
+    assert stat.S_ISSOCK(os.stat(sock).st_mode)
+    assert mode(sock) == 0o600
+    assert mode(sock.parent) == 0o700
+    client = client_of(server)
+    arena = Path(client.arena_path)
+    assert arena.is_file() and mode(arena) == 0o600
+    assert mode(arena.parent) == 0o700
+    assert arena.parent.name.startswith(f"kvxfer-{os.getuid()}-{server.pid}-")
+
+
+def test_ipc_socket_in_a_shared_directory_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    r = kvxfer_cli("serve", "--url", f"ipc://{shared}/kvxfer.sock", "--l1-size", "8MiB")
+    assert r.returncode == 2
+    assert "writable by others" in r.stderr and "0700" in r.stderr
+    assert not (shared / "kvxfer.sock").exists()
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_kvxfer_keys_makes_private_keys(tmp_path):
+    d = tmp_path / "keys"
+    r = kvxfer_cli("keys", str(d))
+    assert r.returncode == 0, r.stderr
+    assert f"server_secret: {d / 'server.key_secret'}" in r.stdout
+    assert mode(d) == 0o700 and mode(d / "authorized") == 0o700
+    files = sorted(p.name for p in d.iterdir() if p.is_file())
+    assert files == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+    for p in [*d.iterdir(), *(d / "authorized").iterdir()]:
+        if p.is_file():
+            assert mode(p) == 0o600, p
+    assert sorted(p.name for p in (d / "authorized").iterdir()) == ["client.key"]
+    server, client = load_server_keys(d), load_client_keys(d)
+    assert client.server_public == server.public and client.public != server.public
+    assert (d / "authorized" / "client.key").read_bytes() == (d / "client.key").read_bytes()
+    assert b"secret" not in (d / "authorized" / "client.key").read_bytes().split(b"\n#")[-1]
+
+    r = kvxfer_cli("keys", str(d))  # never overwrites keys
+    assert r.returncode == 2 and "already holds keys" in r.stderr
+    assert load_server_keys(d) == server
+
+    r = kvxfer_cli("keys", str(d), "--client", "worker2")
+    assert r.returncode == 0, r.stderr
+    assert mode(d / "worker2.key_secret") == 0o600
+    assert (d / "authorized" / "worker2.key").exists()
+    assert load_client_keys(d, "worker2").server_public == server.public
+
+
+def test_keys_that_others_can_read_are_refused(tmp_path):
+    d = tmp_path / "keys"
+    make_keys(d)
+    os.chmod(d / "server.key_secret", 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_server_keys(d)
+    os.chmod(d / "server.key_secret", 0o600)
+    os.chmod(d / "client.key_secret", 0o640)
+    with pytest.raises(ConfigError, match="readable by others"):
+        load_client_keys(d)
+    for p in (d / "authorized").iterdir():
+        p.unlink()
+    with pytest.raises(ConfigError, match="no client is authorized"):
+        load_server_keys(d)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_server_keys(tmp_path / "nowhere")
+
+
+# --------------------------------------------------------------------------- tcp://
+
+
+def test_tcp_without_authentication_refuses_to_start(tmp_path):
+    port = free_port()
+    r = kvxfer_cli("serve", "--url", f"tcp://127.0.0.1:{port}", "--l1-size", "8MiB")
+    assert r.returncode == 2
+    assert "refusing to serve" in r.stderr and "kvxfer keys" in r.stderr and "--curve-dir" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    r = kvxfer_cli("serve", "--url", f"tcp://127.0.0.1:{port}", "--curve-dir", str(empty), "--l1-size", "8MiB")
+    assert r.returncode == 2 and "kvxfer keys" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def tcp_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("curve") / "keys"
+    make_keys(d)
+    add_client(d, "second")
+    server = TcpServer(d)
+    try:
+        server.wait_ready(load_client_keys(d))
+        yield server
+    finally:
+        server.stop()
+
+
+def test_tcp_authorized_clients_store_and_retrieve(tcp_server):
+    for name in ("client", "second"):
+        with CacheClient(tcp_server.url, curve=load_client_keys(tcp_server.curve_dir, name), timeout=20) as c:
+            w = Writer(c, model=f"tcp-{name}")
+            ks = [key(name, j) for j in range(4)]
+            assert w.store(ks).stored == [0, 1, 2, 3]
+            res, bad = w.retrieve(ks)
+            assert res.loaded == [0, 1, 2, 3] and bad == []
+    r = kvxfer_cli("status", "--url", tcp_server.url, "--curve-dir", str(tcp_server.curve_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    assert '"url": "' + tcp_server.url in r.stdout
+
+
+def _stranger_keys(server_public: bytes) -> CurveClientKeys:
+    public, secret = zmq.curve_keypair()
+    return CurveClientKeys(public, secret, server_public)
+
+
+@pytest.mark.parametrize("who", ["no keys", "unknown client key", "wrong server key", "raw zmq, no keys"])
+def test_tcp_client_without_the_key_is_refused(tcp_server, who):
+    server_public = load_server_keys(tcp_server.curve_dir).public
+    good = load_client_keys(tcp_server.curve_dir)
+    if who == "raw zmq, no keys":
+        # a bare DEALER speaking the protocol in the clear gets no answer, not even an error
+        ctx = zmq.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(tcp_server.url)
+        from kvxfer.protocol import codec
+        from kvxfer.protocol.messages import PROTOCOL_VERSION, Handshake, StatusRequest
+
+        s.send_multipart([codec.pack_id(1), b"handshake", codec.encode(Handshake(PROTOCOL_VERSION))])
+        s.send_multipart([codec.pack_id(2), b"status", codec.encode(StatusRequest())])
+        assert s.poll(1500) == 0
+        s.close(0)
+    else:
+        curve = {"no keys": None,
+                 "unknown client key": _stranger_keys(server_public),
+                 "wrong server key": CurveClientKeys(good.public, good.secret, zmq.curve_keypair()[0])}[who]
+        with pytest.raises(ConnectionFailed, match="no kvxfer server answered"):
+            CacheClient(tcp_server.url, curve=curve, connect_timeout=1.0)
+    r = kvxfer_cli("status", "--url", tcp_server.url, "--timeout", "1")
+    assert r.returncode == 2 and "error" in r.stderr
+    # the server keeps serving its authorized clients
+    with CacheClient(tcp_server.url, curve=good, connect_timeout=10) as c:
+        assert c.status().url == tcp_server.url
