@@ -198,8 +198,8 @@ class CudaIpcServerContext(ServerContext):
         self._ring.clear()
         k = max(2, min(8, _staging_bytes() // max(nbytes, 1)))
         self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(k)]
-        self._ready = [torch.cuda.Event() for _ in range(k)]
-        self._free = [torch.cuda.Event() for _ in range(k)]
+        self._ready = [torch.cuda.Event(disable_timing=True) for _ in range(k)]
+        self._free = [torch.cuda.Event(disable_timing=True) for _ in range(k)]
 
     def _stage(self, k: int, like: torch.Tensor) -> torch.Tensor:
         """Staging buffer ``k`` as a contiguous tensor of ``like``'s shape and dtype."""
