@@ -1,0 +1,154 @@
+"""What the conformance kit does not cover: which transport "auto" picks, probe() contents,
+pinning of the arena mapping, and (on CUDA) ordering after the engine's stream."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvxfer import CacheClient, ConfigError, KVLayout, TransportError, TransportUnavailable
+from kvxfer.testing import ServerProcess
+from kvxfer.transport import InstanceIdentity, get_transport, select
+from kvxfer_hpu import GenericOps, HpuContext, HpuTransport
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CHUNK = 32
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(l1_size="64MiB", chunk_size=CHUNK, transports="hpu,cpu_gather") as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[CacheClient]:
+    c = CacheClient(server.url)
+    yield c
+    c.close()
+
+
+def _kv(device: str, layers: int = 2, blocks: int = 16) -> list[torch.Tensor]:
+    return [torch.randn(2, blocks, BLOCK, 2, 16, device=device).to(torch.bfloat16) for _ in range(layers)]
+
+
+def _keys(n: int) -> list[bytes]:
+    return [secrets.token_bytes(16) for _ in range(n)]
+
+
+def test_auto_keeps_cpu_gather_for_cpu_tensors(client: CacheClient) -> None:
+    ctx = client.register(_kv("cpu"), model_name="auto-cpu", block_size=BLOCK, transport="auto")
+    try:
+        assert ctx.transport_name == "cpu_gather"
+    finally:
+        ctx.close()
+    assert select("auto", torch.device("cpu")).name == "cpu_gather"
+
+
+def test_named_hpu_serves_cpu_tensors(client: CacheClient) -> None:
+    ctx = client.register(_kv("cpu"), model_name="named-cpu", block_size=BLOCK, transport="hpu")
+    try:
+        assert isinstance(ctx, HpuContext) and ctx.ops.direct
+    finally:
+        ctx.close()
+
+
+def test_priorities_rank_hpu_first_only_for_hpu() -> None:
+    hpu = get_transport("hpu")
+    fallback = get_transport("cpu_gather")
+    assert hpu.priority_for(torch.device("hpu")) > fallback.priority_for(torch.device("hpu"))
+    assert hpu.priority_for(torch.device("cpu")) < fallback.priority_for(torch.device("cpu"))
+    cuda_dev = torch.device("cuda")
+    assert fallback.priority_for(cuda_dev) < hpu.priority_for(cuda_dev)
+    try:  # the transport made for CUDA, when installed, outranks hpu on cuda tensors
+        ipc = get_transport("cuda_ipc", require_available=False)
+    except TransportError:
+        return
+    assert ipc.priority_for(cuda_dev) > hpu.priority_for(cuda_dev)
+
+
+def test_probe_lists_served_device_types_and_why_not_the_others() -> None:
+    probe = HpuTransport().probe()
+    assert probe.available and "cpu" in probe.device_types
+    for t in ("cuda", "hpu", "xpu"):
+        if t in probe.device_types:
+            assert f"{t}: " in probe.reason
+        else:
+            assert f"not {t}: " in probe.reason
+
+
+def test_transport_refuses_tensors_on_an_unavailable_device(client: CacheClient) -> None:
+    layers = _kv("meta")
+    layout = KVLayout("flash_attn", 2, 16, BLOCK, 32, torch.bfloat16)
+    with pytest.raises(TransportUnavailable, match="cannot move KV tensors on meta"):
+        HpuTransport().client_context(client, layers, layout, InstanceIdentity(1, "m", 1, 0))
+
+
+
+def test_ops_of_another_device_type_are_refused(client: CacheClient) -> None:
+    layers = _kv("cpu")
+    layout = KVLayout.infer(layers, BLOCK)
+    with pytest.raises(ConfigError, match="device ops for 'cuda'"):
+        HpuContext("hpu", client, layers, layout, InstanceIdentity(2, "m", 1, 0), ops=GenericOps("cuda"))
+
+
+def test_staging_buffers_are_reused_across_requests(client: CacheClient) -> None:
+    layers = _kv("cpu", blocks=24)
+    layout = KVLayout.infer(layers, BLOCK)
+    ctx = HpuContext("hpu", client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, "reuse", 1, 0),
+                     ops=GenericOps("cpu", direct=False))
+    ctx.register()
+    try:
+        bpc = CHUNK // BLOCK
+        for _ in range(3):  # more chunks than staging buffers, several requests
+            keys = _keys(3)
+            src = torch.randperm(12)[: 3 * bpc].tolist()
+            assert ctx.submit_store(keys, src).result(30).stored == [0, 1, 2]
+            dst = (torch.randperm(12)[: 3 * bpc] + 12).tolist()
+            assert ctx.submit_retrieve(keys, dst).result(30).loaded == [0, 1, 2]
+            for t in layers:
+                assert torch.equal(t[:, dst].view(torch.int16), t[:, src].view(torch.int16))
+        assert ctx._pipe is not None and len(ctx._pipe.buffers) == HpuContext.STAGING_DEPTH
+    finally:
+        ctx.close()
+
+
+@cuda
+def test_cuda_arena_mapping_is_pinned_and_registration_says_so(client: CacheClient) -> None:
+    ctx = client.register(_kv("cuda"), model_name="pin", block_size=BLOCK, transport="hpu")
+    try:
+        assert isinstance(ctx, HpuContext)
+        assert ctx.pinning.pinned, ctx.pinning.note
+        assert ctx.arena.tensor.is_pinned()
+        assert ctx.registration().host_pinned and ctx.registration().device == "cuda"
+    finally:
+        ctx.close()
+    assert ctx.pinning._undo is None
+
+
+@cuda
+def test_cuda_store_waits_for_work_queued_on_the_callers_stream(client: CacheClient) -> None:
+    """The engine writes its KV on its own stream behind a long kernel and stores without
+    synchronizing: the stored chunk must hold what the engine wrote, not what was there."""
+    layers = [torch.zeros(2, 16, BLOCK, 2, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    ctx = client.register(layers, model_name="order", block_size=BLOCK, transport="hpu")
+    try:
+        keys = _keys(1)
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write lands
+            for t in layers:
+                t[:, [0, 1]] = 7.0
+            future = ctx.submit_store(keys, [0, 1])
+        assert future.result(30).stored == [0]
+        torch.cuda.synchronize()
+        assert ctx.submit_retrieve(keys, [4, 5]).result(30).loaded == [0]
+        for t in layers:
+            assert bool((t[:, [4, 5]] == 7.0).all())
+    finally:
+        ctx.close()
