@@ -77,28 +77,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from kvxfer.transport.registry import list_plugins
+    """List every installed transport: name, version, distribution, api_version, style, health.
+
+    Health is ``available``, ``unavailable`` (its probe says why) or ``broken`` (it failed to
+    load, or declares another api_version). ``--json`` prints the same as an object.
+    """
+    import dataclasses
+
+    import kvxfer
+    from kvxfer.transport.base import API_VERSION
+    from kvxfer.transport.registry import NAMESPACE, list_plugins
 
     plugins = list_plugins()
     if args.json:
-        print(json.dumps([msgspec.structs.asdict(p) if hasattr(p, "__struct_fields__") else p.__dict__
-                          if hasattr(p, "__dict__") else _dc(p) for p in plugins], indent=2))
+        print(json.dumps({
+            "kvxfer": kvxfer.__version__,
+            "api_version": API_VERSION,
+            "entry_point_group": NAMESPACE,
+            "transports": [dataclasses.asdict(p) for p in plugins],
+        }, indent=2))
         return 0
+    print(f"kvxfer {kvxfer.__version__}, transport api_version {API_VERSION}, entry point group {NAMESPACE}")
     if not plugins:
         print("no transports installed (pip install kvxfer-cpu-gather)")
         return 0
     print_table(
         [(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-", p.style or "-",
-          p.health + (f": {p.detail}" if p.detail else "")) for p in plugins],
+          p.health) for p in plugins],
         ["name", "version", "distribution", "api", "style", "health"],
     )
+    print()
+    for p in plugins:
+        print(f"{p.name}: {p.detail or p.health}")
     return 0
-
-
-def _dc(obj: object) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(obj)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- status
