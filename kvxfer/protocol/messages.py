@@ -15,6 +15,10 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 
+#: ``params`` of a store/retrieve that carries none: MessagePack nil. (An empty ``Raw`` is not a
+#: MessagePack value: a message holding one encodes truncated and no peer can decode it.)
+NO_PARAMS = msgspec.Raw(b"\xc0")
+
 #: Bounds applied to every chunk hash on the wire.
 HASH_MIN_BYTES = 8
 HASH_MAX_BYTES = 64
@@ -202,7 +206,7 @@ class Store(Message, frozen=True):
     instance_id: int
     hashes: list[bytes]
     block_ids: list[int]
-    params: msgspec.Raw = msgspec.Raw(b"")
+    params: msgspec.Raw = NO_PARAMS
 
 
 class Retrieve(Message, frozen=True):
@@ -214,7 +218,7 @@ class Retrieve(Message, frozen=True):
     block_ids: list[int]
     skip_first_n_tokens: int = 0
     lease_id: int = 0
-    params: msgspec.Raw = msgspec.Raw(b"")
+    params: msgspec.Raw = NO_PARAMS
 
 
 class StoreResult(Message, frozen=True):

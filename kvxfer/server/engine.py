@@ -474,6 +474,11 @@ class CacheServer:
         tp = ctx.server_context.params_type
         if tp is None:
             return None
+        if bytes(raw) in (b"", b"\xc0"):  # no params sent: the transport's defaults
+            try:
+                return tp()
+            except TypeError:
+                raise _invalid("params", f"missing: this transport needs {tp.__name__}") from None
         try:
             return codec.decode(raw, tp)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

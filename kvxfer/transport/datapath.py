@@ -344,7 +344,7 @@ class ServerDrivenContext(TransferContextBase):
 
     @staticmethod
     def _raw(params: msgspec.Struct | None) -> msgspec.Raw:
-        return msgspec.Raw(codec.encode(params)) if params is not None else msgspec.Raw(b"")
+        return msgspec.Raw(codec.encode(params)) if params is not None else m.NO_PARAMS
 
     def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult:
         params = self.prepare_store(keys, blocks)
