@@ -28,6 +28,8 @@ class ReplyFuture(concurrent.futures.Future):  # type: ignore[type-arg]  (generi
     def result(self, timeout: float | None = None) -> Any:
         try:
             return super().result(timeout)
+        except RequestTimeout:
+            raise  # the request's own failure (its deadline passed in the I/O thread): keep it
         except concurrent.futures.TimeoutError:
             raise RequestTimeout(
                 f"request {self.request!r} to the kvxfer server at {self.url} got no reply within "
