@@ -128,10 +128,15 @@ def main(argv: list[str] | None = None) -> int:
             r["retrieve_ratio"] = r["retrieve_gbps"] / r["pinned_h2d_gbps"]
             results.append(r)
         client.close()
+        server_notes = [line for line in server.log().splitlines() if "cuda_ipc" in line]
 
     card = torch.cuda.get_device_name(device)
+    kernel = os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton")
+    for line in server_notes:
+        print(f"server: {line}")
     print(f"\n{card}, torch {torch.__version__}, {args.layers} layers x {list(layout.layer_shape(args.heads))} bf16, "
-          f"{cpr} chunks x {layout.chunk_bytes(cs) / 2**20:.0f} MiB per request, median of {args.iters}")
+          f"{cpr} chunks x {layout.chunk_bytes(cs) / 2**20:.0f} MiB per request, median of {args.iters}, "
+          f"cuda_ipc kernel {kernel}")
     head = ["transport", "store GB/s", "pinned D2H GB/s", "store ratio", "retrieve GB/s", "pinned H2D GB/s",
             "retrieve ratio", "store p50 ms", "retrieve p50 ms"]
     rows = [[r["transport"], f"{r['store_gbps']:.1f}", f"{r['pinned_d2h_gbps']:.1f}", f"{r['store_ratio']:.2f}x",
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"card": card, "torch": torch.__version__, "python": platform.python_version(),
+            json.dump({"card": card, "torch": torch.__version__, "cuda_ipc_kernel": kernel, "python": platform.python_version(),
                        "args": vars(args), "results": results}, f, indent=2)
     return 0
 

@@ -33,6 +33,7 @@ from kvxfer.transport import (
     ServerTransport,
     copy_view,
 )
+from kvxfer_cuda_ipc import _kernels
 from kvxfer_cuda_ipc.transport import (
     CudaIpcParams,
     CudaIpcRegistration,
@@ -136,6 +137,10 @@ class CudaIpcServerContext(ServerContext):
         layout.check_tensors(layers)
         self.layers = layers
         self._rows = [copy_view(layout.row_view(t)) for t in layers]
+        # one launch per chunk for all layers (Triton), else one index_select/index_copy_ per layer
+        self._fused = _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch"
+        self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
+        self._row_words = layout.row_bytes // 8
         self._compute = torch.cuda.Stream(self.device)
         self._copy = torch.cuda.Stream(self.device)
         self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
@@ -198,8 +203,8 @@ class CudaIpcServerContext(ServerContext):
         self._ring.clear()
         k = max(2, min(8, _staging_bytes() // max(nbytes, 1)))
         self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(k)]
-        self._ready = [torch.cuda.Event(disable_timing=True) for _ in range(k)]
-        self._free = [torch.cuda.Event(disable_timing=True) for _ in range(k)]
+        self._ready = [torch.cuda.Event() for _ in range(k)]
+        self._free = [torch.cuda.Event() for _ in range(k)]
 
     def _stage(self, k: int, like: torch.Tensor) -> torch.Tensor:
         """Staging buffer ``k`` as a contiguous tensor of ``like``'s shape and dtype."""
@@ -258,8 +263,7 @@ class CudaIpcServerContext(ServerContext):
             if i >= k_n:
                 comp.wait_event(self._free[k])  # its previous chunk has left the GPU
             with torch.cuda.stream(comp):
-                for layer, dst in zip(self._rows, stage):
-                    torch.index_select(layer, 0, rows, out=dst)
+                self._gather(rows, stage)
             self._ready[k].record(comp)
             cp.wait_event(self._ready[k])
             with torch.cuda.stream(cp):
@@ -281,16 +285,43 @@ class CudaIpcServerContext(ServerContext):
             self._ready[k].record(cp)
             comp.wait_event(self._ready[k])
             with torch.cuda.stream(comp):
-                for layer, src in zip(self._rows, stage):
-                    layer.index_copy_(0, rows, src)
+                self._scatter(rows, stage)
             self._free[k].record(comp)
         comp.synchronize()
+
+    def _gather(self, rows: torch.Tensor, stage: torch.Tensor) -> None:
+        """``stage[l] = layer_l[rows]`` for every layer, on the current stream."""
+        if self._fused:
+            try:
+                _kernels.gather(self._layer_ptrs, rows, stage, self._row_words)
+                return
+            except Exception as exc:  # compile/launch failure: the torch ops still work
+                self._fall_back(exc)
+        for layer, dst in zip(self._rows, stage):
+            torch.index_select(layer, 0, rows, out=dst)
+
+    def _scatter(self, rows: torch.Tensor, stage: torch.Tensor) -> None:
+        """``layer_l[rows] = stage[l]`` for every layer, on the current stream."""
+        if self._fused:
+            try:
+                _kernels.scatter(self._layer_ptrs, rows, stage, self._row_words)
+                return
+            except Exception as exc:
+                self._fall_back(exc)
+        for layer, src in zip(self._rows, stage):
+            layer.index_copy_(0, rows, src)
+
+    def _fall_back(self, exc: Exception) -> None:
+        log.warning("cuda_ipc: the Triton copy kernel failed on %s (%s: %s); using per-layer torch ops",
+                    self.label, type(exc).__name__, exc)
+        self._fused = False
 
     # ------------------------------------------------------------------ status, close
 
     def status(self) -> dict[str, str]:
         staging = sum(b.numel() for b in self._ring)
         return {"device": self.label, "ipc_allocations": str(len(self._storages)),
+                "kernel": "triton" if self._fused else "torch",
                 "staging_bytes": str(staging), "transfers": str(self.transfers)}
 
     def close(self) -> None:

@@ -1,0 +1,79 @@
+"""Triton kernels that gather/scatter one chunk's rows of every layer in a single launch.
+
+With one ``index_select`` per layer, a chunk of 32 layers costs 32 kernel launches (~11 us of
+CPU each on an H200 host), which is as long as the chunk's DMA copy: the copy engine would
+wait for the CPU. These kernels take a device table of the layers' base addresses and move all
+``layers x rows`` rows of a chunk in one launch. Without Triton (or when a kernel fails to
+compile) the server falls back to the per-layer torch ops.
+
+Rows are moved as int64 words; ``row_words`` is a row's size in 8-byte words (a KV row is
+``block_size * hidden * itemsize`` bytes, always a multiple of 16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["available", "gather", "scatter"]
+
+try:  # optional: the torch ops are the fallback
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError, or a broken install
+    triton = None  # type: ignore[assignment]
+
+BLOCK = 1024  # int64 words per program: 8 KiB
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_kernel(layer_ptrs, rows, out, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0).to(tl.int64)   # layer * n_rows + r: the row's place in the chunk
+        seg = tl.program_id(1).to(tl.int64)
+        layer = pid // n_rows
+        r = pid % n_rows
+        src = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int64))
+        row = tl.load(rows + r)
+        offs = seg * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        vals = tl.load(src + row * row_words + offs, mask=mask)
+        tl.store(out + pid * row_words + offs, vals, mask=mask)
+
+    @triton.jit
+    def _scatter_kernel(layer_ptrs, rows, src, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0).to(tl.int64)
+        seg = tl.program_id(1).to(tl.int64)
+        layer = pid // n_rows
+        r = pid % n_rows
+        dst = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int64))
+        row = tl.load(rows + r)
+        offs = seg * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        vals = tl.load(src + pid * row_words + offs, mask=mask)
+        tl.store(dst + row * row_words + offs, vals, mask=mask)
+
+
+def _grid(layer_ptrs: torch.Tensor, rows: torch.Tensor, row_words: int) -> tuple[int, int]:
+    return (layer_ptrs.numel() * rows.numel(), (row_words + BLOCK - 1) // BLOCK)
+
+
+def gather(layer_ptrs: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, row_words: int) -> None:
+    """``out[l, i] = layer_l_rows[rows[i]]`` for every layer ``l`` (``out``: contiguous
+    ``[layers, len(rows), row]``, any dtype), on the current stream."""
+    n = rows.numel()
+    if n:
+        _gather_kernel[_grid(layer_ptrs, rows, row_words)](
+            layer_ptrs, rows, out.view(torch.int64), n, row_words, BLOCK=BLOCK)
+
+
+def scatter(layer_ptrs: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, row_words: int) -> None:
+    """``layer_l_rows[rows[i]] = src[l, i]`` for every layer ``l``, on the current stream."""
+    n = rows.numel()
+    if n:
+        _scatter_kernel[_grid(layer_ptrs, rows, row_words)](
+            layer_ptrs, rows, src.view(torch.int64), n, row_words, BLOCK=BLOCK)
