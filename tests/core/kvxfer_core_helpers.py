@@ -1,0 +1,41 @@
+"""Helpers shared by the core tests (imported by name: conftest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+#: Small enough for this 2-core machine; 64 tokens per chunk = 4 blocks of 16.
+CHUNK_SIZE = 64
+BLOCK_SIZE = 16
+BLOCKS_PER_CHUNK = CHUNK_SIZE // BLOCK_SIZE
+
+
+def flash_attn_kv(num_layers: int = 2, num_blocks: int = 32, heads: int = 2, head_size: int = 8,
+                  dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[torch.Tensor]:
+    """Per-layer ``[2, num_blocks, BLOCK_SIZE, heads, head_size]`` tensors of random values."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, num_blocks, BLOCK_SIZE, heads, head_size, generator=g).to(dtype)
+            for _ in range(num_layers)]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.1) -> object:
+    """Poll ``predicate`` until it returns something truthy (bounded); returns the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(step)
+
+
+def env_with(path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess that sees the test plugin."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env

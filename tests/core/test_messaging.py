@@ -1,0 +1,146 @@
+"""Messaging: futures, timeouts, concurrency of submit, callbacks, missing and dead servers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.errors import ConnectionFailed, RequestTimeout
+from kvxfer.mq.client import MQClient
+from kvxfer.mq.futures import ReplyFuture
+from kvxfer.protocol import messages as m
+from kvxfer.testing.server import ServerProcess
+from kvxfer_core_helpers import BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+
+
+def test_future_result_timeout_names_server_and_request() -> None:
+    fut = ReplyFuture("ipc:///somewhere/kvxfer.sock", "lookup")
+    assert not fut.done()
+    with pytest.raises(RequestTimeout) as info:
+        fut.result(timeout=0.01)
+    assert "ipc:///somewhere/kvxfer.sock" in str(info.value) and "'lookup'" in str(info.value)
+    assert isinstance(info.value, ConnectionFailed) and isinstance(info.value, TimeoutError)
+
+
+def test_future_done_and_callbacks() -> None:
+    fut = ReplyFuture("ipc:///x", "ping")
+    seen: list[object] = []
+    fut.add_done_callback(lambda f: seen.append(f.result()))
+    fut.set_result(m.Pong(1.0))
+    assert fut.done() and seen == [m.Pong(1.0)]
+    fut.add_done_callback(lambda f: seen.append("late"))  # added after completion: runs at once
+    assert seen == [m.Pong(1.0), "late"]
+
+
+def test_no_server_gives_connection_failed_saying_how_to_start_one(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/nobody.sock"
+    with pytest.raises(ConnectionFailed) as info:
+        CacheClient(url, connect_timeout=0.5)
+    assert f"kvxfer serve --url {url}" in str(info.value)
+
+
+def test_request_timeout_from_the_io_thread(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/nobody.sock"
+    mq = MQClient(url)
+    try:
+        fut = mq.submit("ping", m.Ping(), timeout=0.2)
+        with pytest.raises(RequestTimeout) as info:
+            fut.result(10)  # the I/O thread fails it at its deadline
+        assert info.value is fut.exception(0), "result() must raise the request's own error"
+        assert url in str(info.value) and "'ping'" in str(info.value)
+        with pytest.raises(RequestTimeout, match="'status'"):
+            mq.request("status", m.StatusRequest(), timeout=0.2)
+    finally:
+        mq.close()
+    # after close, submits fail at once instead of hanging
+    with pytest.raises(ConnectionFailed, match="closed"):
+        mq.submit("ping", m.Ping()).result(1)
+
+
+def test_pending_requests_fail_when_the_client_closes(tmp_path: Path) -> None:
+    mq = MQClient(f"ipc://{tmp_path}/nobody.sock")
+    futs = [mq.submit("ping", m.Ping(), timeout=60) for _ in range(5)]
+    mq.close()
+    for f in futs:
+        with pytest.raises(ConnectionFailed):
+            f.result(5)
+
+
+@pytest.fixture(scope="module")
+def stored(server):
+    """8 chunks stored through cpu_gather; yields their hashes."""
+    c = CacheClient(server.url, timeout=15)
+    kv = c.register(flash_attn_kv(), model_name="msg-model", block_size=16, transport="cpu_gather")
+    hashes = chunk_hashes(list(range(8 * CHUNK_SIZE)), CHUNK_SIZE)
+    res = kv.submit_store(hashes, list(range(8 * BLOCKS_PER_CHUNK))).result(30)  # all 32 blocks
+    assert res.ok and len(res.stored) == 8
+    kv.close()
+    c.close()
+    return hashes
+
+
+def test_submit_from_many_threads_at_once(client, stored) -> None:
+    """16 threads x 40 requests on one client, request() and submit() mixed: every reply
+    reaches its own caller (the hit count names the request)."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(16)
+
+    def worker(t: int) -> None:
+        try:
+            barrier.wait(10)
+            for i in range(40):
+                k = (t + i) % 9
+                if i % 2:
+                    hits = client.lookup("msg-model", 1, hashes=stored[:k])
+                else:
+                    hits = client.submit("lookup", m.Lookup("msg-model", 1, stored[:k])).result(30).hits
+                assert hits == k, (t, i, hits, k)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    assert errors == []
+
+
+def test_many_futures_in_flight_complete_in_any_wait_order(client, stored) -> None:
+    futs = [client.submit("lookup", m.Lookup("msg-model", 1, stored[:k % 9])) for k in range(200)]
+    for k, f in reversed(list(enumerate(futs))):
+        assert f.result(30).hits == k % 9
+    assert all(f.done() for f in futs)
+
+
+def test_callbacks_run_and_may_submit_again(client) -> None:
+    second: concurrent.futures.Future[concurrent.futures.Future[m.Pong]] = concurrent.futures.Future()
+
+    def again(f: concurrent.futures.Future[m.Pong]) -> None:
+        second.set_result(client.submit("ping", m.Ping()))
+
+    client.submit("ping", m.Ping()).add_done_callback(again)
+    assert second.result(10).result(10).server_time > 0
+
+
+def test_waiting_requests_and_futures_share_one_socket(client, stored) -> None:
+    """A thread blocked in request() receives replies that belong to other futures too."""
+    futs = [client.submit("lookup", m.Lookup("msg-model", 1, stored[:3])) for _ in range(20)]
+    assert client.lookup("msg-model", 1, hashes=stored) == 8
+    assert [f.result(10).hits for f in futs] == [3] * 20
+
+
+def test_dead_server_fails_requests_with_connection_failed() -> None:
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as srv:
+        c = CacheClient(srv.url, timeout=5)
+        assert c.ping() > 0
+        srv.kill()
+        with pytest.raises(ConnectionFailed) as info:
+            c.request("ping", m.Ping(), timeout=0.5)
+        assert srv.url in str(info.value)
+        c.close()

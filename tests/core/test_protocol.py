@@ -1,0 +1,254 @@
+"""The wire protocol: codec round trips, handshake, typed error replies, raw bad frames."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from kvxfer.errors import (
+    InvalidRequest,
+    NoSession,
+    RemoteError,
+    UnknownInstance,
+    UnknownRequest,
+    VersionMismatch,
+    remote_error,
+)
+from kvxfer.mq.client import MQClient
+from kvxfer.protocol import REQUESTS, HandlerKind, codec
+from kvxfer.protocol import messages as m
+
+H = b"\x01" * 16
+
+#: One example payload and reply per request. A new request must add its examples here.
+EXAMPLES: dict[str, tuple[msgspec.Struct, msgspec.Struct]] = {
+    "handshake": (
+        m.Handshake(m.PROTOCOL_VERSION, "test", 42),
+        m.HandshakeReply(1, "0.1.0", 256, ["cpu_gather"], "/dev/shm/a", 1 << 20, 1.0, 3.0, 16 << 20),
+    ),
+    "ping": (m.Ping(), m.Pong(123.5)),
+    "register": (
+        m.Register("cpu_gather", msgspec.Raw(codec.encode(m.Registration(
+            instance_id=7, model_name="m", world_size=2, rank=1, layout="flash_attn", num_layers=4,
+            num_blocks=8, block_size=16, hidden_dim_size=128, dtype="bfloat16", use_mla=False)))),
+        m.RegisterReply(7, 4096),
+    ),
+    "unregister": (m.Unregister(7), m.Empty()),
+    "lookup": (m.Lookup("m", 2, [H, H[::-1]], 5.0), m.LookupReply(2, 9)),
+    "release_lease": (m.ReleaseLease(9), m.Empty()),
+    "reserve_write": (m.ReserveWrite(7, [H]), m.ReserveWriteReply(3, [m.Slot(0, 4096)], [1], [2])),
+    "commit_write": (m.CommitWrite(7, 3, [1]), m.StoreResult([0], [1], [2])),
+    "reserve_read": (m.ReserveRead(7, [H], 9), m.ReserveReadReply(4, [m.Slot(0, 8192)], [1])),
+    "commit_read": (m.CommitRead(7, 4), m.Empty()),
+    "store": (m.Store(7, [H], [1, 2, 3, 4], msgspec.Raw(b"\x80")), m.StoreResult([0])),
+    "retrieve": (m.Retrieve(7, [H], [1, 2, 3, 4], 16, 9), m.RetrieveResult([0], [1])),
+    "status": (m.StatusRequest(), m.StatusReply(
+        server_version="0.1.0", protocol_version=1, url="ipc:///x", pid=1, uptime_s=1.5, chunk_size=256,
+        sessions=1,
+        contexts=[m.ContextStatus(7, "m", 1, 0, "cpu_gather", "flash_attn", 4, 16, 128, "bfloat16", False, 8,
+                                  4096, 42, 1, 2)],
+        arena=m.ArenaStatus("/dev/shm/a", 1 << 20, 4096, 1, 1, 1 << 19, 0),
+        transports=[m.TransportStatus("cpu_gather", "client_driven", 1, {"k": "v"})],
+        lookups=3, lookup_chunks=6, lookup_hits=4, leases=1, leased_chunks=2, reservations=0, errors=1,
+        hook_errors=0, sections={"s": {"a": "b"}})),
+    "clear": (m.Clear("m"), m.ClearReply(5)),
+}
+
+
+def test_examples_cover_the_request_table() -> None:
+    assert set(EXAMPLES) == set(REQUESTS)
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_every_request_round_trips_through_the_codec(name: str) -> None:
+    spec = REQUESTS[name]
+    payload, reply = EXAMPLES[name]
+    assert type(payload) is spec.payload and type(reply) is spec.reply
+    for obj, tp in ((payload, spec.payload), (reply, spec.reply)):
+        data = codec.encode(obj)
+        assert codec.decode(data, tp) == obj
+        # plain MessagePack: decodable without kvxfer's types (nothing pickled)
+        assert isinstance(msgspec.msgpack.decode(data), dict | list)
+        assert b"\x80\x04\x95" not in data  # no pickle protocol-4 header
+
+
+def test_handler_kinds() -> None:
+    transfer = {n for n, s in REQUESTS.items() if s.kind is HandlerKind.TRANSFER}
+    assert transfer == {"register", "unregister", "store", "retrieve"}
+    assert REQUESTS["lookup"].kind is HandlerKind.CONTROL
+
+
+def test_request_ids_pack_as_8_bytes() -> None:
+    assert codec.unpack_id(codec.pack_id(2**64 - 1)) == 2**64 - 1
+    with pytest.raises(ValueError, match="8 bytes"):
+        codec.unpack_id(b"abc")
+
+
+def test_remote_error_maps_codes_to_types() -> None:
+    assert isinstance(remote_error("unknown_instance", "gone", "store"), UnknownInstance)
+    e = remote_error("version_mismatch", "no")
+    assert isinstance(e, VersionMismatch) and e.code == "version_mismatch"
+    other = remote_error("brand_new_code", "text", "ping")
+    assert type(other) is RemoteError and "brand_new_code" in str(other) and "text" in str(other)
+
+
+# --------------------------------------------------------------------------- against a real server
+
+
+@pytest.fixture
+def mq(server):
+    c = MQClient(server.url, default_timeout=10)
+    yield c
+    c.close()
+
+
+def test_handshake_with_another_version_is_refused_naming_both(mq) -> None:
+    with pytest.raises(VersionMismatch) as info:
+        mq.request("handshake", m.Handshake(m.PROTOCOL_VERSION + 98))
+    msg = str(info.value)
+    assert f"protocol {m.PROTOCOL_VERSION + 98}" in msg and f"speaks {m.PROTOCOL_VERSION}" in msg
+    assert info.value.request == "handshake"
+    # no session was opened
+    with pytest.raises(NoSession, match="handshake first"):
+        mq.request("ping", m.Ping())
+
+
+def test_handshake_reply(mq, server) -> None:
+    reply = mq.request("handshake", m.Handshake(m.PROTOCOL_VERSION, "t", 1))
+    assert reply.protocol_version == m.PROTOCOL_VERSION
+    assert reply.chunk_size == server.chunk_size
+    assert reply.transports == ["cpu_gather"]
+    assert reply.arena_size > 0 and reply.arena_path
+    assert reply.session_timeout_s > reply.heartbeat_s > 0
+
+
+def test_typed_errors_carry_the_servers_message(mq) -> None:
+    mq.request("handshake", m.Handshake(m.PROTOCOL_VERSION))
+    with pytest.raises(UnknownInstance, match="instance 12345 is not registered"):
+        mq.request("unregister", m.Unregister(12345))
+    # a payload of the wrong type: it fails validation as the request's Struct
+    with pytest.raises(InvalidRequest, match="does not decode as Lookup"):
+        mq.request("lookup", m.Ping())
+    with pytest.raises(InvalidRequest, match=r"hashes\[0\]"):
+        mq.request("lookup", m.Lookup("m", 1, [b"x"]))
+    with pytest.raises(InvalidRequest, match="world_size"):
+        mq.request("lookup", m.Lookup("m", 0, []))
+    with pytest.raises(InvalidRequest, match="transport 'nope' is not loaded"):
+        mq.request("register", m.Register("nope", msgspec.Raw(codec.encode(m.Ping()))))
+    with pytest.raises(InvalidRequest, match="registration: does not decode"):
+        mq.request("register", m.Register("cpu_gather", msgspec.Raw(codec.encode(m.Ping()))))
+    assert mq.request("ping", m.Ping()).server_time > 0  # still serving
+
+
+def test_unknown_request_name_through_the_client_is_refused_locally(mq) -> None:
+    with pytest.raises(ValueError, match="unknown request"):
+        mq.submit("no_such_request", m.Ping())
+
+
+# --------------------------------------------------------------------------- raw frames
+
+
+class Raw:
+    """A bare DEALER socket, no kvxfer client code."""
+
+    def __init__(self, url: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout_ms: int = 5000) -> list[bytes] | None:
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            return self.sock.recv_multipart()
+        return None
+
+    def call(self, rid: int, name: bytes, payload: bytes) -> list[bytes]:
+        self.send([codec.pack_id(rid), name, payload])
+        reply = self.recv()
+        assert reply is not None, f"no reply to {name!r}"
+        return reply
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture
+def raw(server):
+    r = Raw(server.url)
+    yield r
+    r.close()
+
+
+def _error(frames: list[bytes]) -> m.ErrorReply:
+    assert frames[1] == codec.ERR, frames
+    return codec.decode(frames[2], m.ErrorReply)
+
+
+def _assert_serving(raw: Raw, rid: int = 999) -> None:
+    rep = raw.call(rid, b"ping", codec.encode(m.Ping()))
+    assert rep[0] == codec.pack_id(rid) and rep[1] == codec.OK, rep
+    assert codec.decode(rep[2], m.Pong).server_time > 0
+
+
+def test_raw_requests_without_a_session(raw) -> None:
+    err = _error(raw.call(1, b"ping", codec.encode(m.Ping())))
+    assert err.code == "no_session" and "handshake" in err.message
+
+
+def test_raw_typed_error_replies(raw) -> None:
+    ok = raw.call(1, b"handshake", codec.encode(m.Handshake(m.PROTOCOL_VERSION)))
+    assert ok[:2] == [codec.pack_id(1), codec.OK]
+    cases = [
+        (b"no_such_request", b"", "unknown_request", "no_such_request"),
+        (b"\xff\xfe\xfd", b"", "unknown_request", "unknown request"),
+        (b"lookup", b"\xc1\xc1garbage", "invalid_request", "does not decode as Lookup"),
+        (b"lookup", b"", "invalid_request", "does not decode"),
+        (b"ping", b"\x92\x01\x02", "invalid_request", "does not decode as Ping"),
+        (b"lookup", codec.encode({"model_name": 5, "world_size": 1, "hashes": []}), "invalid_request",
+         "model_name"),
+        (b"store", codec.encode(m.Store(77, [], [])), "unknown_instance", "77"),
+    ]
+    for rid, (name, payload, code, text) in enumerate(cases, start=10):
+        rep = raw.call(rid, name, payload)
+        assert rep[0] == codec.pack_id(rid), "the reply must echo the request id"
+        err = _error(rep)
+        assert (err.code, text in err.message) == (code, True), (name, payload, err)
+    _assert_serving(raw)
+
+
+def test_raw_bad_frames_are_answered_or_dropped_and_the_server_keeps_serving(raw) -> None:
+    raw.call(1, b"handshake", codec.encode(m.Handshake(m.PROTOCOL_VERSION)))
+    rid = codec.pack_id(5)
+    # a request id and too few / too many frames: answered with invalid_request
+    for frames in ([rid, b"ping"], [rid], [rid, b"ping", b"\x80", b"extra"]):
+        raw.send(frames)
+        rep = raw.recv()
+        assert rep is not None and rep[0] == rid
+        err = _error(rep)
+        assert err.code == "invalid_request" and "3 frames" in err.message
+    # no usable request id: nothing to answer with, dropped
+    for frames in ([b"abc", b"ping", codec.encode(m.Ping())], [b"", b"", b""], [b"x" * 9, b"ping", b"\x80"]):
+        raw.send(frames)
+    _assert_serving(raw, 1000)  # the only reply is the ping's: the dropped ones sent nothing
+    assert raw.recv(300) is None
+
+
+def test_many_garbage_requests_then_normal_service(raw, client) -> None:
+    raw.call(1, b"handshake", codec.encode(m.Handshake(m.PROTOCOL_VERSION)))
+    import random
+
+    rng = random.Random(7)
+    names = list(REQUESTS) + ["", "x" * 300]
+    for i in range(200):
+        name = rng.choice(names).encode()
+        payload = rng.randbytes(rng.randrange(0, 64))
+        rep = raw.call(100 + i, name, payload)
+        assert rep[0] == codec.pack_id(100 + i)
+        assert rep[1] in (codec.OK, codec.ERR)
+        if rep[1] == codec.ERR:
+            assert _error(rep).code in {"invalid_request", "unknown_request", "unknown_instance"}
+    assert client.ping() > 0
+    assert client.status().errors > 0

@@ -1,0 +1,265 @@
+"""The L1 store without a server: the allocator under churn, the index (LRU, leases, pins)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvxfer.errors import InvalidRequest
+from kvxfer.server.allocator import ALIGN, Allocator
+from kvxfer.server.index import ChunkIndex, ChunkKey, State
+
+# --------------------------------------------------------------------------- allocator
+
+
+def _assert_disjoint(live: dict[int, int], capacity: int) -> None:
+    spans = sorted((off, off + Allocator.rounded(n)) for off, n in live.items())
+    for (s1, e1), (s2, _) in zip(spans, spans[1:]):
+        assert e1 <= s2, f"extents overlap: [{s1}, {e1}) and [{s2}, ...)"
+    assert all(s % ALIGN == 0 and 0 <= s and e <= capacity for s, e in spans)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_allocator_survives_churn_with_mixed_sizes(seed: int) -> None:
+    rng = random.Random(seed)
+    alloc = Allocator(64 * 1024 * 1024 + 123)  # not a multiple of ALIGN: rounded down
+    assert alloc.capacity % ALIGN == 0
+    live: dict[int, int] = {}
+    sizes = [1, 100, ALIGN, ALIGN + 1, 3 * ALIGN, 64 * 1024, 1 << 20, (1 << 20) + 7, 5 << 20]
+    failed = 0
+    for step in range(3000):
+        if live and (rng.random() < 0.45 or failed > 3):
+            off = rng.choice(list(live))
+            alloc.free(off, live.pop(off))
+            failed = 0
+        else:
+            n = rng.choice(sizes) if rng.random() < 0.7 else rng.randrange(1, 2 << 20)
+            off = alloc.alloc(n)
+            if off is None:
+                failed += 1
+                # nothing fits only when no free extent is big enough
+                assert alloc.largest_free < Allocator.rounded(n)
+            else:
+                assert off not in live
+                live[off] = n
+        if step % 50 == 0:
+            alloc.check()
+            _assert_disjoint(live, alloc.capacity)
+            assert alloc.used == sum(Allocator.rounded(n) for n in live.values())
+    for off, n in list(live.items()):
+        alloc.free(off, n)
+    alloc.check()
+    assert alloc.used == 0
+    assert alloc.free_extents == 1 and alloc.largest_free == alloc.capacity
+
+
+def test_allocator_best_fit_and_coalescing() -> None:
+    a = Allocator(10 * ALIGN)
+    offs = [a.alloc(ALIGN) for _ in range(10)]
+    assert offs == [i * ALIGN for i in range(10)]
+    assert a.alloc(1) is None
+    a.free(offs[2], ALIGN)
+    a.free(offs[5], ALIGN)
+    a.free(offs[6], ALIGN)
+    assert a.free_extents == 2
+    assert a.alloc(2 * ALIGN) == offs[5]  # the only hole that fits
+    assert a.alloc(ALIGN) == offs[2]
+    for off in offs[:2] + offs[3:5] + offs[7:]:
+        a.free(off, ALIGN)
+    a.free(offs[5], 2 * ALIGN)
+    a.free(offs[2], ALIGN)
+    a.check()
+    assert a.free_extents == 1 and a.largest_free == 10 * ALIGN
+
+
+def test_allocator_refuses_bad_frees() -> None:
+    a = Allocator(4 * ALIGN)
+    off = a.alloc(ALIGN)
+    a.free(off, ALIGN)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(off, ALIGN)
+    with pytest.raises(ValueError, match="bad extent"):
+        a.free(1, ALIGN)
+    with pytest.raises(ValueError, match="bad extent"):
+        a.free(3 * ALIGN, 2 * ALIGN)
+    with pytest.raises(ValueError, match="positive"):
+        a.alloc(0)
+    assert a.alloc(5 * ALIGN) is None
+
+
+# --------------------------------------------------------------------------- index
+
+SIZE = 4 * ALIGN
+
+
+def key(i: int, rank: int = 0, world: int = 1, model: str = "m") -> ChunkKey:
+    return ChunkKey(model, world, rank, i.to_bytes(16, "little"))
+
+
+def store(index: ChunkIndex, keys: list[ChunkKey], fmt: str = "f") -> tuple[list[int], list[int], list[int]]:
+    res, present, no_space = index.reserve_write(keys, fmt, SIZE, instance_id=1)
+    stored = index.commit_write(res)
+    return [i for i, _ in stored], present, no_space
+
+
+def read(index: ChunkIndex, keys: list[ChunkKey], lease_id: int = 0) -> list[int]:
+    res, missing = index.reserve_read(keys, "f", 1, lease_id)
+    index.commit_read(res)
+    return missing
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.evicted: list[ChunkKey] = []
+
+    def __call__(self, keys: list[ChunkKey]) -> None:
+        self.evicted += keys
+
+
+def test_lru_eviction_order() -> None:
+    ev = Recorder()
+    index = ChunkIndex(4 * SIZE, on_evict=ev)
+    assert store(index, [key(i) for i in range(4)]) == ([0, 1, 2, 3], [], [])
+    assert read(index, [key(0)]) == []  # 0 becomes most recently used
+    store(index, [key(4)])
+    assert ev.evicted == [key(1)]
+    assert index.lookup("m", 1, [key(0).chunk_hash]) == 1
+    store(index, [key(5), key(6)])
+    assert ev.evicted == [key(1), key(2), key(3)]
+    assert index.evictions == 3
+    assert index.lookup("m", 1, [key(i).chunk_hash for i in (0, 4, 5, 6)]) == 4
+    index.allocator.check()
+
+
+def test_present_and_duplicate_keys_are_not_written_twice() -> None:
+    index = ChunkIndex(8 * SIZE)
+    store(index, [key(0)])
+    stored, present, no_space = store(index, [key(0), key(1), key(1)])
+    assert (stored, present, no_space) == ([1], [0, 2], [])
+    with pytest.raises(InvalidRequest, match="format"):
+        index.reserve_write([key(1)], "other-format", SIZE, 1)
+    assert not index.reservations  # the refused reservation was undone
+
+
+def test_lookup_counts_leading_chunks_present_for_every_rank() -> None:
+    index = ChunkIndex(16 * SIZE)
+    hashes = [key(i).chunk_hash for i in range(3)]
+    store(index, [key(i, rank=0, world=2) for i in range(3)])
+    assert index.lookup("m", 2, hashes) == 0  # rank 1 has nothing yet
+    store(index, [key(i, rank=1, world=2) for i in (0, 2)])
+    assert index.lookup("m", 2, hashes) == 1  # a gap at chunk 1 for rank 1
+    assert index.lookup("m", 1, hashes) == 0  # world size is part of the key
+    assert index.lookup("other", 2, hashes) == 0
+
+
+def test_writing_chunks_are_invisible_and_pinned() -> None:
+    ev = Recorder()
+    index = ChunkIndex(2 * SIZE, on_evict=ev)
+    res, _, _ = index.reserve_write([key(0), key(1)], "f", SIZE, 1)
+    assert index.lookup("m", 1, [key(0).chunk_hash]) == 0
+    assert index.reserve_read([key(0)], "f", 1)[1] == [0]  # WRITING: missing for readers
+    _, _, no_space = index.reserve_write([key(2)], "f", SIZE, 1)
+    assert no_space == [0] and ev.evicted == []  # nothing evictable: both slots being written
+    index.commit_write(res, failed=[1])
+    assert index.entries[key(0)].state is State.READY and key(1) not in index.entries
+    assert index.lookup("m", 1, [key(0).chunk_hash, key(1).chunk_hash]) == 1
+
+
+def test_readers_pin_chunks() -> None:
+    ev = Recorder()
+    index = ChunkIndex(2 * SIZE, on_evict=ev)
+    store(index, [key(0), key(1)])
+    res, missing = index.reserve_read([key(0), key(1)], "f", 1)
+    assert missing == []
+    assert store(index, [key(2)])[2] == [0]  # both pinned by the reader: no space
+    index.commit_read(res)
+    assert store(index, [key(2)])[0] == [0]
+    assert ev.evicted == [key(0)]
+
+
+def test_leases_are_honoured_until_they_expire() -> None:
+    ev = Recorder()
+    index = ChunkIndex(3 * SIZE, on_evict=ev)
+    store(index, [key(0), key(1), key(2)])
+    lease = index.lease("m", 1, [key(0).chunk_hash, key(1).chunk_hash], ttl=30)
+    assert index.leased_chunks == 2
+    assert store(index, [key(3)])[0] == [0]
+    assert ev.evicted == [key(2)]  # the only unleased chunk went, although 0 and 1 are older
+    reader, _ = index.reserve_read([key(3)], "f", 1)
+    assert store(index, [key(4)])[2] == [0]  # leased or being read: nothing may go
+    index.commit_read(reader)
+    assert index.expire_leases(now=0.0) == 0  # not yet
+    assert index.expire_leases(now=float("inf")) == 1
+    assert not index.leases and index.leased_chunks == 0
+    assert index.entries[key(0)].leases == 0
+    store(index, [key(5), key(6)])
+    assert ev.evicted == [key(2), key(0), key(1)]  # evictable again, least recently used first
+    assert key(3) in index.entries
+    index.allocator.check()
+
+
+def test_a_read_naming_the_lease_releases_its_rank_only() -> None:
+    index = ChunkIndex(8 * SIZE)
+    store(index, [key(0, 0, 2), key(1, 0, 2), key(0, 1, 2), key(1, 1, 2)])
+    hashes = [key(0).chunk_hash, key(1).chunk_hash]
+    lease = index.lease("m", 2, hashes, ttl=30)
+    assert index.leased_chunks == 4
+    assert read(index, [key(0, 0, 2), key(1, 0, 2)], lease_id=lease) == []
+    assert index.leased_chunks == 2
+    assert index.entries[key(0, 0, 2)].leases == 0 and index.entries[key(0, 1, 2)].leases == 1
+    assert lease in index.leases
+    read(index, [key(0, 1, 2), key(1, 1, 2)], lease_id=lease)
+    assert lease not in index.leases and index.leased_chunks == 0
+    index.release_lease(lease)  # unknown or finished ids are ignored
+
+
+def test_abort_undoes_reservations() -> None:
+    index = ChunkIndex(4 * SIZE)
+    store(index, [key(0)])
+    w, _, _ = index.reserve_write([key(1), key(2)], "f", SIZE, 7)
+    r, _ = index.reserve_read([key(0)], "f", 7)
+    assert index.entries[key(0)].readers == 1 and len(index.reservations) == 2
+    index.abort(w)
+    index.abort(r)
+    assert not index.reservations
+    assert index.entries[key(0)].readers == 0
+    assert key(1) not in index.entries and index.allocator.used == Allocator.rounded(SIZE)
+
+
+def test_clear_drops_only_unpinned_chunks_of_the_model() -> None:
+    index = ChunkIndex(8 * SIZE)
+    store(index, [key(0), key(1)])
+    store(index, [key(2, model="other")])
+    r, _ = index.reserve_read([key(1)], "f", 1)
+    assert index.clear("m") == [key(0)]
+    assert set(index.entries) == {key(1), key(2, model="other")}
+    index.commit_read(r)
+    assert sorted(index.clear()) == sorted([key(1), key(2, model="other")])
+    assert index.allocator.used == 0
+
+
+def test_index_churn_keeps_allocator_consistent() -> None:
+    rng = random.Random(11)
+    index = ChunkIndex(64 * SIZE)
+    open_reads = []
+    for step in range(2000):
+        keys = [key(rng.randrange(200)) for _ in range(rng.randrange(1, 6))]
+        op = rng.random()
+        if op < 0.5:
+            res, _, _ = index.reserve_write(keys, "f", SIZE, 1)
+            index.commit_write(res, failed=[i for i, _ in res.entries if rng.random() < 0.1])
+        elif op < 0.8:
+            res, _ = index.reserve_read(keys, "f", 1)
+            open_reads.append(res)
+        elif open_reads:
+            index.commit_read(open_reads.pop(rng.randrange(len(open_reads))))
+        if step % 100 == 0:
+            index.allocator.check()
+            assert index.allocator.used == len(index.entries) * SIZE
+            for e in index.entries.values():
+                assert e.readers >= 0 and e.leases >= 0
+    for res in open_reads:
+        index.commit_read(res)
+    index.clear()
+    assert index.allocator.used == 0 and index.allocator.free_extents == 1
