@@ -208,20 +208,29 @@ def _cuda_host_register(host: torch.Tensor) -> Pinning:
         cudart = torch.cuda.cudart()
         ptr = host.data_ptr()
         rc = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+        ok = _cuda_ok(rc)
     except Exception as exc:  # no driver, or torch built without CUDA
         return Pinning(False, f"cudaHostRegister unavailable: {type(exc).__name__}: {exc}")
-    if rc != cudart.cudaError.success:
+    if not ok:
         clear = getattr(cudart, "cudaGetLastError", None)
         if clear is not None:  # the runtime keeps the error; torch's next launch check would report it
             clear()
         return Pinning(False, f"cudaHostRegister of {nbytes} bytes failed ({rc}); pageable copies")
 
     def undo() -> None:
-        rc2 = cudart.cudaHostUnregister(ptr)
-        if rc2 != cudart.cudaError.success:
-            log.warning("cudaHostUnregister(%#x) failed: %s", ptr, rc2)
+        try:
+            rc2 = cudart.cudaHostUnregister(ptr)
+            if not _cuda_ok(rc2):
+                log.warning("cudaHostUnregister(%#x) failed: %s", ptr, rc2)
+        except Exception as exc:  # release must not raise (it runs in close())
+            log.warning("cudaHostUnregister(%#x) raised %s: %s", ptr, type(exc).__name__, exc)
 
     return Pinning(True, f"cudaHostRegister ({nbytes} bytes)", undo)
+
+
+def _cuda_ok(rc: Any) -> bool:
+    """Whether a cudaError_t from ``torch.cuda.cudart()`` is cudaSuccess (0)."""
+    return int(getattr(rc, "value", rc)) == 0
 
 
 class HpuOps(GenericOps):

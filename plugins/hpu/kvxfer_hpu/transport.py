@@ -260,8 +260,10 @@ class HpuContext(ClientDrivenContext):
         return self.pinning.pinned and host.is_contiguous()
 
     def _finish(self, stream: Any | None) -> None:
-        if stream is not None:
-            stream.synchronize()
+        """Block until the last stage's work is done (that stream, else the whole device)."""
+        sync = getattr(stream, "synchronize", None)
+        if sync is not None:
+            sync()
         else:
             self.ops.synchronize(self.device)
 

@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Store/retrieve throughput of the hpu transport against a real kvxfer server, with the
+denominators measured in the same run:
+
+* ``--device cuda`` (a real accelerator standing in for Gaudi): the pinned host<->device copy of
+  the same bytes (device->host for stores, host->device for retrieves);
+* ``--device cpu``: memcpy of the same bytes, and the cpu_gather transport on the same workload.
+
+Workload (defaults = the issue's): 32 layers x ``[2, num_blocks, 16, 8, 128]`` bf16, 256-token
+chunks (32 MiB each), 8 chunks per request. Every request stores fresh chunks (no dedupe) from
+random blocks, then retrieves them into other random blocks; the first retrieve of each
+transport is checked bit-exact. Prints a table, writes JSON (``--json``)::
+
+    python benchmarks/hpu.py --device cpu --json results/hpu-cpu.json
+    python benchmarks/hpu.py --device cuda --json results/hpu-cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvxfer import CacheClient
+from kvxfer.layout import dtype_from_name
+from kvxfer.testing import ServerProcess
+
+GB = 1e9
+
+
+def _progress(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional: a plain counter on stderr
+        class _Bar:
+            n = 0
+
+            def update(self, k: int = 1) -> None:
+                self.n += k
+                print(f"\r{desc}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def close(self) -> None:
+                print(file=sys.stderr)
+
+        return _Bar()
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(nbytes: int, seconds: Sequence[float]) -> dict[str, float]:
+    rates = sorted(nbytes / s / GB for s in seconds)
+    q = statistics.quantiles(rates, n=10) if len(rates) >= 2 else [rates[0]] * 9
+    return {"median_gbps": statistics.median(rates), "p10_gbps": q[0], "p90_gbps": q[-1], "n": len(rates)}
+
+
+class Limit:
+    """The copy a transfer cannot beat, for ``nbytes``: memcpy on CPU (warm buffers), pinned
+    device->host (store) and host->device (retrieve) copies on CUDA. Timed once per round,
+    between the transfers, so that a noisy machine slows all of them alike."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.times: dict[str, list[float]] = {"store": [], "retrieve": []}
+        if device.type == "cuda":
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            host.fill_(1)
+            dev.fill_(2)
+            self.pairs = {"store": (host, dev), "retrieve": (dev, host)}
+            self.what = "pinned D2H (store) / H2D (retrieve) of the same bytes"
+        else:
+            a = torch.ones(nbytes, dtype=torch.uint8)
+            b = torch.zeros(nbytes, dtype=torch.uint8)
+            self.pairs = {"store": (b, a), "retrieve": (a, b)}
+            self.what = "memcpy (torch copy_, warm buffers) of the same bytes"
+
+    def measure(self, keep: bool) -> None:
+        for op, (dst, src) in self.pairs.items():
+            _sync(self.device)
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=self.device.type == "cuda")
+            _sync(self.device)
+            if keep:
+                self.times[op].append(time.perf_counter() - t)
+
+    def result(self) -> dict[str, Any]:
+        return {"store_limit_gbps": _stats(self.nbytes, self.times["store"])["median_gbps"],
+                "retrieve_limit_gbps": _stats(self.nbytes, self.times["retrieve"])["median_gbps"],
+                "limit": self.what}
+
+
+def make_kv(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
+    shape = (2, args.num_blocks, args.block_size, args.heads, args.head_dim)
+    dtype = dtype_from_name(args.dtype)
+    layers = []
+    for _ in range(args.layers):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        t.view(torch.uint8).random_(0, 256)  # random bytes: every bit pattern of the dtype
+        layers.append(t)
+    return layers
+
+
+class Bench:
+    """One registration of transport ``name`` over the shared KV tensors, and its timings."""
+
+    def __init__(self, name: str, client: CacheClient, kv: list[torch.Tensor], args: argparse.Namespace,
+                 device: torch.device) -> None:
+        self.name, self.kv, self.args, self.device = name, kv, args, device
+        self.ctx = client.register(kv, model_name=f"bench-{name}", block_size=args.block_size, transport=name)
+        self.nbytes = self.ctx.layout.chunk_bytes(args.chunk_size) * args.chunks_per_request
+        self.store_s: list[float] = []
+        self.retrieve_s: list[float] = []
+        self.verified: bool | None = None
+
+    def request(self, keep: bool) -> None:
+        """Store fresh chunks from random blocks of the first half, retrieve them into random
+        blocks of the second half; the first retrieve is checked bit-exact."""
+        a, name = self.args, self.name
+        n_blocks = a.chunks_per_request * (a.chunk_size // a.block_size)
+        half = a.num_blocks // 2
+        keys = [secrets.token_bytes(16) for _ in range(a.chunks_per_request)]
+        src = torch.randperm(half)[:n_blocks]
+        dst = torch.randperm(a.num_blocks - half)[:n_blocks] + half
+        _sync(self.device)
+        t0 = time.perf_counter()
+        res = self.ctx.submit_store(keys, src).result(timeout=120)
+        t1 = time.perf_counter()
+        if len(res.stored) != len(keys):
+            raise RuntimeError(f"{name}: stored {len(res.stored)} of {len(keys)} chunks: {res}")
+        got = self.ctx.submit_retrieve(keys, dst).result(timeout=120)
+        t2 = time.perf_counter()
+        if len(got.loaded) != len(keys):
+            raise RuntimeError(f"{name}: retrieved {len(got.loaded)} of {len(keys)} chunks: {got}")
+        if keep:
+            self.store_s.append(t1 - t0)
+            self.retrieve_s.append(t2 - t1)
+        if self.verified is None:
+            s_idx, d_idx = src.to(self.device), dst.to(self.device)
+            self.verified = all(torch.equal(t.view(torch.uint8)[:, d_idx], t.view(torch.uint8)[:, s_idx])
+                                for t in self.kv)
+            if not self.verified:
+                raise RuntimeError(f"{name}: retrieved blocks differ from the stored ones")
+
+    def result(self) -> dict[str, Any]:
+        pinned = getattr(getattr(self.ctx, "pinning", None), "pinned", None)
+        return {"transport": self.name, "bytes_per_request": self.nbytes,
+                "verified_bit_exact": self.verified, "host_pinned": pinned,
+                "store": _stats(self.nbytes, self.store_s), "retrieve": _stats(self.nbytes, self.retrieve_s)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="torch device of the KV tensors (cpu, cuda, hpu, ...)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--num-blocks", type=int, default=288, help="blocks per layer (>= 2 requests' worth)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--chunks-per-request", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=12, help="measured requests per transport")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--l1-size", default="1GiB")
+    ap.add_argument("--transports", nargs="+", default=["hpu", "cpu_gather"],
+                    help="transports to compare, interleaved request by request (default: hpu cpu_gather)")
+    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.num_blocks < 2 * args.chunks_per_request * (args.chunk_size // args.block_size):
+        ap.error("--num-blocks must hold two requests (stores read one half, retrieves write the other)")
+
+    kv = make_kv(args, device)
+    _sync(device)
+    names = ",".join(dict.fromkeys(["hpu", "cpu_gather", *args.transports]))
+    with ServerProcess(l1_size=args.l1_size, chunk_size=args.chunk_size, transports=names) as server:
+        client = CacheClient(server.url, timeout=120)
+        try:
+            benches = [Bench(name, client, kv, args, device) for name in args.transports]
+            limit = Limit(benches[0].nbytes, device)
+            rounds = args.warmup + args.requests
+            bar = _progress(rounds * len(benches), f"{'/'.join(args.transports)} on {device}")
+            for i in range(rounds):
+                keep = i >= args.warmup
+                k = i % len(benches)  # rotate the order: no transport always runs first
+                for b in benches[k:] + benches[:k]:
+                    b.request(keep)
+                    bar.update(1)
+                limit.measure(keep)
+            bar.close()
+            results = [b.result() for b in benches]
+            for b in benches:
+                b.ctx.close()
+        finally:
+            client.close()
+    limits = limit.result()
+    nbytes = benches[0].nbytes
+
+    by_name = {r["transport"]: r for r in results}
+    for r in results:
+        r["store"]["vs_limit"] = r["store"]["median_gbps"] / limits["store_limit_gbps"]
+        r["retrieve"]["vs_limit"] = r["retrieve"]["median_gbps"] / limits["retrieve_limit_gbps"]
+        if "cpu_gather" in by_name and r["transport"] != "cpu_gather":
+            for op in ("store", "retrieve"):
+                r[op]["vs_cpu_gather"] = r[op]["median_gbps"] / by_name["cpu_gather"][op]["median_gbps"]
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    report = {
+        "benchmark": "hpu", "device": str(device), "device_name": device_name,
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "torch": torch.__version__},
+        "workload": {"layers": args.layers,
+                     "layer_shape": [2, args.num_blocks, args.block_size, args.heads, args.head_dim],
+                     "dtype": args.dtype, "chunk_size": args.chunk_size,
+                     "chunk_bytes": nbytes // args.chunks_per_request,
+                     "chunks_per_request": args.chunks_per_request, "requests": args.requests,
+                     "warmup": args.warmup, "order": "transports interleaved per request, rotated"},
+        "limits": limits, "results": results,
+    }
+    print(table(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def table(report: dict[str, Any]) -> str:
+    w = report["workload"]
+    lim = report["limits"]
+    head = (f"hpu benchmark on {report['device']} ({report['device_name']}): {w['layers']} layers x "
+            f"{w['layer_shape']} {w['dtype']}, {w['chunk_bytes'] >> 20} MiB chunks, "
+            f"{w['chunks_per_request']} per request, {w['requests']} requests (median GB/s)\n"
+            f"limit: {lim['limit']}: store {lim['store_limit_gbps']:.1f} GB/s, "
+            f"retrieve {lim['retrieve_limit_gbps']:.1f} GB/s\n")
+    cols = ["transport", "store GB/s", "store/limit", "retrieve GB/s", "retrieve/limit", "vs cpu_gather (s/r)",
+            "pinned", "bit-exact"]
+    rows = []
+    for r in report["results"]:
+        vs = (f"{r['store']['vs_cpu_gather']:.2f} / {r['retrieve']['vs_cpu_gather']:.2f}"
+              if "vs_cpu_gather" in r["store"] else "-")
+        rows.append([r["transport"], f"{r['store']['median_gbps']:.1f}", f"{r['store']['vs_limit']:.2f}x",
+                     f"{r['retrieve']['median_gbps']:.1f}", f"{r['retrieve']['vs_limit']:.2f}x", vs,
+                     str(r["host_pinned"]), str(r["verified_bit_exact"])])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(" --- " for _ in cols) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return head + "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
