@@ -4,11 +4,15 @@ options and markers.
 * ``--kvxfer-transport=NAME`` picks the transport of :mod:`kvxfer.testing.suite` (and of any
   :class:`~kvxfer.testing.TransportConformance` subclass that sets no ``transport``);
 * ``--kvxfer-device=TYPE`` likewise picks the torch device type of the test KV tensors;
+* a kit test replaced on a subclass after its definition stops the run (overriding one in
+  the class body is refused when the class is defined);
 * every kit test gets the marker ``kvxfer_conformance`` (select with ``-m kvxfer_conformance``),
   and those of a class whose ``device`` is ``cuda`` also ``gpu``.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -28,14 +32,25 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from kvxfer.testing.conformance import TransportConformance
-
+    kit = sys.modules.get("kvxfer.testing.conformance")
+    if kit is None:  # nothing collected uses the kit (and importing it would import torch)
+        return
+    TransportConformance = kit.TransportConformance
+    replaced = []
     for item in items:
         cls = getattr(item, "cls", None)
         if cls is None or not issubclass(cls, TransportConformance):
             continue
-        if getattr(item, "originalname", item.name) in TransportConformance.kit_names:
+        name = getattr(item, "originalname", item.name)
+        if name in TransportConformance.kit_names:
             item.add_marker(pytest.mark.kvxfer_conformance)
+            if getattr(cls, name, None) is not getattr(TransportConformance, name):
+                replaced.append(f"{cls.__qualname__}.{name}")
         device = getattr(cls, "device", None) or config.getoption("kvxfer_device", None) or "cpu"
         if str(device).startswith("cuda"):
             item.add_marker(pytest.mark.gpu)
+    if replaced:
+        raise pytest.UsageError(
+            f"kvxfer conformance kit tests were replaced: {', '.join(sorted(set(replaced)))}. The kit's "
+            f"tests must run as defined; the kit skips what a transport does not claim by itself"
+        )

@@ -67,7 +67,7 @@ class TransportConformance(RegistrationTests, RoundTripTests, SharingTests, Life
     @pytest.fixture(autouse=True)
     def _kit_guard(self, request: pytest.FixtureRequest) -> Iterator[None]:
         """Fails a kit test that was replaced after the class was defined (``setattr``)."""
-        name = getattr(request.function, "__name__", "")
+        name = getattr(request.node, "originalname", request.node.name)
         cls = request.cls
         if cls is not None and name in TransportConformance.kit_names:
             mine = getattr(TransportConformance, name)

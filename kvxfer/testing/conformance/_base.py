@@ -15,11 +15,37 @@ from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import registry
 from kvxfer.transport.base import Transport
 
-__all__ = ["KitBase", "device_missing"]
+__all__ = ["KitBase", "device_missing", "server_for"]
 
 #: Seconds of silence after which the kit's server drops a client (the dead-client test waits
 #: for this). Heartbeats go every third of it.
 SESSION_TIMEOUT_S = 2.0
+
+
+_SERVERS = pytest.StashKey[dict[str, ServerProcess]]()
+
+
+def server_for(config: pytest.Config, transport: str) -> ServerProcess:
+    """The session's kit server for ``transport`` (started on first use, stopped at the end)."""
+    pool = config.stash.get(_SERVERS, None)
+    if pool is None:
+        pool = config.stash[_SERVERS] = {}
+
+        def stop_all() -> None:
+            for server in pool.values():
+                server.__exit__(None, None, None)
+
+        config.add_cleanup(stop_all)
+    server = pool.get(transport)
+    if server is not None and server.proc is not None and server.proc.poll() is None:
+        return server
+    if server is not None:
+        server.__exit__(None, None, None)
+    names = ",".join(dict.fromkeys((transport, REFERENCE)))
+    server = ServerProcess(l1_size="64MiB", chunk_size=CHUNK_SIZE, transports=names,
+                           extra_args=["--session-timeout", str(SESSION_TIMEOUT_S)])
+    pool[transport] = server.start()
+    return server
 
 
 def device_missing(device: str) -> str | None:
@@ -83,13 +109,10 @@ class KitBase:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def kit_server(cls, kit_transport: Transport) -> Iterator[ServerProcess]:
-        """A real server loading the transport under test and the reference, one per class."""
-        names = ",".join(dict.fromkeys((kit_transport.name, REFERENCE)))
-        server = ServerProcess(l1_size="64MiB", chunk_size=CHUNK_SIZE, transports=names,
-                               extra_args=["--session-timeout", str(SESSION_TIMEOUT_S)])
-        with server:
-            yield server
+    def kit_server(cls, request: pytest.FixtureRequest, kit_transport: Transport) -> ServerProcess:
+        """A real server loading the transport under test and the reference; one per transport
+        per pytest session (classes of one transport share it; tests use their own model names)."""
+        return server_for(request.config, kit_transport.name)
 
     @pytest.fixture
     def kit(self, request: pytest.FixtureRequest, kit_transport: Transport,

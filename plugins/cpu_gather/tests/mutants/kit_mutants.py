@@ -1,0 +1,77 @@
+"""Deliberately broken transports (cpu_gather with one bug each) that the conformance kit must
+reject. Installed for a test run only, through the dist-info next to this file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from kvxfer import RetrieveResult
+from kvxfer.transport import RowCopy
+from kvxfer_cpu_gather import CpuGatherContext, CpuGatherTransport
+
+
+class _Mutant(CpuGatherTransport):
+    context: type[CpuGatherContext]
+
+    def client_context(self, connection: Any, layers: list[torch.Tensor], layout: Any, identity: Any) -> Any:
+        return self.context(self.name, connection, layers, layout, identity)
+
+
+class FlipContext(CpuGatherContext):
+    """Stores one wrong bit."""
+
+    def gather(self, copies: list[RowCopy]) -> None:
+        super().gather(copies)
+        if copies:
+            first = copies[0].slot.view(torch.uint8)
+            first[0, 0, 0] = first[0, 0, 0] ^ 1
+
+
+class IgnoreSkipContext(CpuGatherContext):
+    """Loads the blocks of skipped tokens too."""
+
+    def submit_retrieve(self, keys: Sequence[bytes], block_ids: Any, skip_first_n_tokens: int = 0,
+                        lease_id: int = 0) -> Future[RetrieveResult]:
+        return super().submit_retrieve(keys, block_ids, 0, lease_id)
+
+
+class ThroughFloatContext(CpuGatherContext):
+    """Scatters through a float64 round trip: fine for numbers, wrong for NaN payloads."""
+
+    def scatter(self, copies: list[RowCopy]) -> None:
+        super().scatter([RowCopy(c.rows, c.slot.to(torch.float64).to(c.slot.dtype)) for c in copies])
+
+
+class ClobberContext(CpuGatherContext):
+    """Zeroes every block of a retrieve first, missing chunks' and skipped tokens' included."""
+
+    def submit_retrieve(self, keys: Sequence[bytes], block_ids: Any, skip_first_n_tokens: int = 0,
+                        lease_id: int = 0) -> Future[RetrieveResult]:
+        rows = self.layout.rows(torch.as_tensor(list(block_ids), dtype=torch.int64))
+        for layer in self.layers:
+            self.layout.row_view(layer)[rows] = 0
+        return super().submit_retrieve(keys, block_ids, skip_first_n_tokens, lease_id)
+
+
+class FlipTransport(_Mutant):
+    name = "mutant_flip"
+    context = FlipContext
+
+
+class IgnoreSkipTransport(_Mutant):
+    name = "mutant_ignore_skip"
+    context = IgnoreSkipContext
+
+
+class ThroughFloatTransport(_Mutant):
+    name = "mutant_through_float"
+    context = ThroughFloatContext
+
+
+class ClobberTransport(_Mutant):
+    name = "mutant_clobber"
+    context = ClobberContext

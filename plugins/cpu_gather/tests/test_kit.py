@@ -1,0 +1,133 @@
+"""The conformance kit itself: it must reject broken transports, and authors must not be able
+to override or silence its tests.
+
+The mutants (``mutants/kit_mutants.py``, cpu_gather with one bug each) are real plugins: a
+dist-info directory on the path registers their entry points, in this process and in the
+real server that loads them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvxfer.layout import LayoutKind
+from kvxfer.testing import OverrideError, ServerProcess, TransportConformance
+from kvxfer.testing.harness import CHUNK_SIZE, Kit
+from kvxfer.transport import registry
+
+MUTANTS = Path(__file__).parent / "mutants"
+LAYOUT = LayoutKind.FLASH_ATTN
+
+#: mutant -> kit tests (with their parameters) that must fail against it.
+MUST_FAIL: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "mutant_flip": [
+        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "float16"}),
+        ("test_reference_retrieves_chunks_it_stored", {"kind": LAYOUT}),
+    ],
+    "mutant_through_float": [
+        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "bfloat16"}),
+        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "float32"}),
+    ],
+    "mutant_ignore_skip": [
+        ("test_skip_first_n_tokens", {"skip": 16}),
+        ("test_skip_first_n_tokens_with_a_missing_chunk", {}),
+    ],
+    "mutant_clobber": [
+        ("test_partial_hits", {}),
+        ("test_retrieve_of_unknown_keys_touches_nothing", {}),
+        ("test_skip_first_n_tokens", {"skip": 48}),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def mutants_server() -> Iterator[ServerProcess]:
+    """A real server that loads cpu_gather and the mutants (found through their dist-info, as
+    in-process discovery finds them while this module's tests run)."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(MUTANTS), os.environ.get("PYTHONPATH")]))}
+    names = ",".join(["cpu_gather", *MUST_FAIL])
+    sys.path.insert(0, str(MUTANTS))
+    registry.refresh()
+    try:
+        with ServerProcess(l1_size="64MiB", chunk_size=CHUNK_SIZE, transports=names, env=env) as server:
+            yield server
+    finally:
+        sys.path.remove(str(MUTANTS))
+        registry.refresh()
+
+
+def _run_kit_test(server: ServerProcess, transport: str, test: str, params: dict[str, Any]) -> None:
+    kit = Kit(server.url, registry.get_transport(transport), "cpu", f"{transport}-{test}")
+    try:
+        getattr(TransportConformance(), test)(kit, **params)
+    finally:
+        kit.close()
+
+
+@pytest.mark.parametrize("mutant", list(MUST_FAIL))
+def test_kit_rejects_broken_transports(mutants_server: ServerProcess, mutant: str) -> None:
+    """Each mutant fails the kit tests aimed at its bug, which cpu_gather passes on the same server."""
+    for test, params in MUST_FAIL[mutant]:
+        _run_kit_test(mutants_server, "cpu_gather", test, params)
+        with pytest.raises(AssertionError):
+            _run_kit_test(mutants_server, mutant, test, params)
+
+
+def test_kit_stops_a_run_whose_test_was_replaced(tmp_path: Path) -> None:
+    """A kit test replaced after the class was defined: the child pytest refuses to run."""
+    (tmp_path / "test_sneaky.py").write_text(
+        "from kvxfer.testing import TransportConformance\n\n"
+        "class TestSneaky(TransportConformance):\n"
+        "    transport = 'cpu_gather'\n\n"
+        "TestSneaky.test_empty_requests = lambda self, kit: None\n"
+    )
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sneaky.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "kit tests were replaced: TestSneaky.test_empty_requests" in out, out
+
+
+def test_overriding_a_kit_test_is_refused() -> None:
+    with pytest.raises(OverrideError, match=r"overrides test_partial_hits of the kvxfer conformance kit"):
+        class TestSilenced(TransportConformance):  # noqa: F841
+            transport = "cpu_gather"
+
+            def test_partial_hits(self, kit: Kit) -> None:
+                assert True
+
+
+def test_overriding_a_kit_fixture_or_removing_a_test_is_refused() -> None:
+    with pytest.raises(OverrideError, match=r"kit"):
+        class TestOwnKit(TransportConformance):  # noqa: F841
+            kit = None
+    with pytest.raises(OverrideError, match=r"test_empty_requests"):
+        class TestRemoved(TransportConformance):  # noqa: F841
+            test_empty_requests = None
+
+
+def test_skipping_the_whole_kit_by_mark_is_refused() -> None:
+    with pytest.raises(OverrideError, match=r"skip"):
+        class TestSkipped(TransportConformance):  # noqa: F841
+            transport = "cpu_gather"
+            pytestmark = pytest.mark.skip(reason="later")
+
+
+def test_own_tests_and_other_marks_are_allowed() -> None:
+    class TestExtended(TransportConformance):
+        transport = "cpu_gather"
+        pytestmark = [pytest.mark.slow]
+
+        def test_something_specific(self, kit: Kit) -> None:
+            pass
+
+    assert TestExtended.test_partial_hits is TransportConformance.test_partial_hits
+    assert "test_something_specific" not in TransportConformance.kit_names
+    assert {"kit", "kit_server", "kit_transport", "test_partial_hits"} <= TransportConformance.kit_names
