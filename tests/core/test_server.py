@@ -1,0 +1,196 @@
+"""The cache server as a real process: status, clear, data round trip, lost clients, shm size,
+file modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.server.allocator import Allocator
+from kvxfer.testing.server import ServerProcess
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
+
+
+def tokens(n_chunks: int, seed: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7) % 50_000 for i in range(n_chunks * CHUNK_SIZE)]
+
+
+def test_status_reports_contexts_arena_hits_and_leases(server, client) -> None:
+    before = client.status()
+    kv = client.register(flash_attn_kv(num_layers=2, num_blocks=32, heads=2, head_size=8),
+                         model_name="status-model", block_size=BLOCK_SIZE, world_size=2, rank=1,
+                         transport="cpu_gather")
+    st = client.status()
+    assert (st.url, st.pid, st.chunk_size) == (server.url, server.pid, CHUNK_SIZE)
+    assert st.protocol_version == 1 and st.sessions >= 1 and st.uptime_s >= 0
+    [ctx] = [c for c in st.contexts if c.model_name == "status-model"]
+    assert (ctx.instance_id, ctx.world_size, ctx.rank, ctx.transport) == (kv.instance_id, 2, 1, "cpu_gather")
+    assert (ctx.layout, ctx.num_layers, ctx.block_size, ctx.hidden_dim_size, ctx.dtype, ctx.use_mla,
+            ctx.num_blocks) == ("flash_attn", 2, BLOCK_SIZE, 16, "bfloat16", False, 32)
+    chunk_bytes = 2 * 2 * CHUNK_SIZE * 16 * 2
+    assert ctx.chunk_bytes == chunk_bytes and ctx.client_pid == os.getpid()
+    [tp] = st.transports
+    assert (tp.name, tp.style, tp.contexts) == ("cpu_gather", "client_driven", 1)
+
+    hashes = chunk_hashes(tokens(6, 1), CHUNK_SIZE)
+    assert kv.submit_store(hashes[:4], list(range(4 * BLOCKS_PER_CHUNK))).result(30).ok
+    # world_size 2: rank 0 has nothing, so a lookup sees no hits until rank 0 stores too
+    assert client.lookup("status-model", 2, hashes=hashes) == 0
+    kv0 = client.register(flash_attn_kv(seed=3), model_name="status-model", block_size=BLOCK_SIZE,
+                          world_size=2, rank=0, transport="cpu_gather")
+    assert kv0.submit_store(hashes[:4], list(range(4 * BLOCKS_PER_CHUNK))).result(30).ok
+    assert client.lookup("status-model", 2, hashes=hashes) == 4
+    lease = client.lookup_and_lease("status-model", 2, hashes=hashes, lease_s=60)
+    assert lease.hits == 4 and lease.lease_id > 0
+
+    st = client.status()
+    assert st.arena.chunks - before.arena.chunks == 8
+    assert st.arena.used - before.arena.used == 8 * Allocator.rounded(chunk_bytes)
+    assert st.arena.capacity == 32 << 20 and st.arena.path
+    assert (st.lookups - before.lookups, st.lookup_chunks - before.lookup_chunks,
+            st.lookup_hits - before.lookup_hits) == (3, 18, 8)
+    assert st.leases - before.leases == 1 and st.leased_chunks - before.leased_chunks == 8
+    assert [c.stores for c in st.contexts if c.model_name == "status-model"] == [1, 1]
+
+    client.release_lease(lease.lease_id)
+    st = client.status()
+    assert st.leases == before.leases and st.leased_chunks == before.leased_chunks
+    kv.close()
+    kv0.close()
+    assert not [c for c in client.status().contexts if c.model_name == "status-model"]
+
+
+def test_store_and_retrieve_are_bit_exact(client) -> None:
+    src = flash_attn_kv(seed=5)
+    dst = [torch.zeros_like(t) for t in src]
+    a = client.register(src, model_name="exact", block_size=BLOCK_SIZE, transport="cpu_gather")
+    b = client.register(dst, model_name="exact", block_size=BLOCK_SIZE, transport="cpu_gather")
+    hashes = chunk_hashes(tokens(3, 2), CHUNK_SIZE)
+    blocks = [5, 9, 1, 30, 2, 3, 4, 6, 7, 8, 10, 11]
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1, 2]
+    assert a.submit_store(hashes, blocks).result(30).present == [0, 1, 2]
+    out = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 0, 31]
+    res = b.submit_retrieve(hashes, out, skip_first_n_tokens=BLOCK_SIZE).result(30)
+    assert res.loaded == [0, 1, 2] and res.missing == []
+    for s, d in zip(src, dst):
+        assert not d[:, 20].any()  # skipped block left untouched
+        assert torch.equal(d[:, out[1:]], s[:, blocks[1:]])
+    a.close()
+    b.close()
+
+
+def test_clear(client) -> None:
+    kv = client.register(flash_attn_kv(), model_name="clear-me", block_size=BLOCK_SIZE, transport="cpu_gather")
+    hashes = chunk_hashes(tokens(2, 3), CHUNK_SIZE)
+    kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30)
+    assert client.clear("some-other-model") == 0
+    assert client.lookup("clear-me", hashes=hashes) == 2
+    assert client.clear("clear-me") == 2
+    assert client.lookup("clear-me", hashes=hashes) == 0
+    kv.close()
+
+
+def test_socket_and_arena_are_private(server, client) -> None:
+    sock = Path(server.url.removeprefix("ipc://"))
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    arena = Path(client.arena_path)
+    assert stat.S_IMODE(arena.stat().st_mode) == 0o600
+    assert stat.S_IMODE(arena.parent.stat().st_mode) == 0o700
+    assert arena.stat().st_size == client.arena_size == 32 << 20
+
+
+# --------------------------------------------------------------------------- lost clients
+
+CLIENT = textwrap.dedent("""
+    import os, sys, time, torch
+    from kvxfer import CacheClient, chunk_hashes
+    from kvxfer.protocol import messages as m
+    url, mode = sys.argv[1], sys.argv[2]
+    c = CacheClient(url)
+    layers = [torch.zeros(2, 8, 16, 1, 8, dtype=torch.float16) for _ in range(2)]
+    kv = c.register(layers, model_name="lost-" + mode, block_size=16, transport="cpu_gather")
+    hashes = chunk_hashes(list(range(2 * 64)), 64)
+    c.request("reserve_write", m.ReserveWrite(kv.instance_id, hashes))  # never committed
+    print("READY", kv.instance_id, flush=True)
+    if mode == "exit":
+        os._exit(0)  # no close, no unregister
+    time.sleep(60)
+""")
+
+
+@pytest.fixture(scope="module")
+def short_session_server():
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--session-timeout", "1.5"]) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("mode", ["exit", "silent"])
+def test_a_lost_client_loses_its_registrations_and_reservations(short_session_server, mode) -> None:
+    srv = short_session_server
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, srv.url, mode], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("READY"), line
+        with CacheClient(srv.url) as observer:
+            st = observer.status()
+            [ctx] = [c for c in st.contexts if c.model_name == f"lost-{mode}"]
+            assert ctx.client_pid == proc.pid and st.reservations == 1
+            if mode == "silent":
+                os.kill(proc.pid, signal.SIGSTOP)  # alive, holding its socket, but says nothing
+
+            def gone() -> bool:
+                s = observer.status()
+                return not [c for c in s.contexts if c.model_name == f"lost-{mode}"] and s.reservations == 0
+
+            assert wait_until(gone, timeout=15), observer.status()
+            assert observer.status().arena.used == 0  # the aborted write slots were freed
+    finally:
+        proc.kill()
+        if mode == "silent":
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.wait(10)
+
+
+# --------------------------------------------------------------------------- shm too small
+
+
+def _small_tmpfs(path: Path) -> bool:
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def test_serve_stops_at_once_when_the_shm_dir_is_too_small(tmp_path: Path) -> None:
+    mnt = tmp_path / "small-shm"
+    mounted = _small_tmpfs(mnt)
+    if mounted:
+        shm_dir, size, needle = mnt, "64MiB", "64.0 MiB"
+    else:  # no mount here: ask for more than /dev/shm has free (refused before allocating)
+        vfs = os.statvfs("/dev/shm")
+        free = vfs.f_bavail * vfs.f_frsize
+        shm_dir, size, needle = Path("/dev/shm"), str(free + (1 << 30)), "GiB"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/run/s.sock", "--l1-size", size,
+             "--shm-dir", str(shm_dir), "--transports", "cpu_gather"],
+            capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "kvxfer serve: error:" in err and needle in err and "--shm-dir" in err and str(shm_dir) in err, err
+    assert not (tmp_path / "run" / "s.sock").exists()
