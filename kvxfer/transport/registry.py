@@ -15,7 +15,7 @@ from typing import Final
 import torch
 from importlib.metadata import EntryPoint, entry_points
 
-from stevedore import DriverManager
+from stevedore import DriverManager, ExtensionManager
 
 from kvxfer.errors import TransportBroken, TransportNotFound, TransportUnavailable
 from kvxfer.transport.base import API_VERSION, Probe, Transport
@@ -80,6 +80,8 @@ def refresh() -> None:
         _entry_points = None
         _loaded.clear()
         _broken.clear()
+        # stevedore keeps its own per-namespace list of entry points for the process' life
+        ExtensionManager.ENTRY_POINT_CACHE.pop(NAMESPACE, None)
 
 
 def installed_names() -> list[str]:
