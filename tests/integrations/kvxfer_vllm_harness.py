@@ -32,6 +32,7 @@ import copy
 import enum
 import hashlib
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -526,3 +527,20 @@ def workload(prefix: str, *, n: int, docs: int = 3, doc_len: int = 40, seed: int
             prompt = doc + torch.randint(0, 499, (tail,), generator=g).tolist()
         reqs.append(Request(f"{prefix}-{i}", prompt, max_tokens=max_tokens))
     return reqs
+
+
+def feed(engine: MiniEngine, reqs: list[Request], per_step: int, max_steps: int = 5000) -> None:
+    """Add ``per_step`` requests before each step, then run until idle. A step that computes
+    nothing (waiting for loads or stores) pauses 2 ms, as an idle engine would not spin."""
+    pending = list(reqs)
+    for _ in range(max_steps):
+        for _ in range(per_step):
+            if pending:
+                engine.add(pending.pop(0))
+        if not pending and engine.idle():
+            return
+        before = sum(r.num_computed_tokens for r in engine.requests.values())
+        engine.step()
+        if sum(r.num_computed_tokens for r in engine.requests.values()) == before:
+            time.sleep(0.002)
+    raise AssertionError("workload did not finish")

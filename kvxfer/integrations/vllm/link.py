@@ -5,9 +5,10 @@
 * ``"fail"`` (default): a server that is missing at start-up, or that stops answering, raises
   :class:`kvxfer.errors.ConnectionFailed` with a message that names the server and the fix.
 * ``"recompute"``: the connector carries on without the cache (lookups miss, loads report
-  their blocks as failed so vLLM recomputes them, stores are dropped) and tries to reach the
-  server again every ``kvxfer.retry_s`` seconds, so a restarted server is picked up without
-  restarting vLLM.
+  their blocks as failed so vLLM recomputes them, stores are dropped) and a background thread
+  tries to reach the server again every ``kvxfer.retry_s`` seconds, so a restarted server is
+  picked up without restarting vLLM. Only the request that finds the server gone waits (up to
+  ``kvxfer.timeout_s``); later steps do not wait for it.
 
 A server that restarted answers ``NoSession``: :meth:`kvxfer.CacheClient.reconnect`
 re-handshakes and re-registers the KV caches, so that case needs no degraded period at all.
@@ -16,6 +17,7 @@ re-handshakes and re-registers the KV caches, so that case needs no degraded per
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,42 +53,70 @@ class ServerLink:
         self.client: CacheClient | None = None
         self.down = False
         self._retry_at = 0.0
+        self._lock = threading.Lock()
+        self._attempt: threading.Thread | None = None
+        self._recovered = False
         #: How many times the server was found unreachable (tests and logs read it).
         self.outages = 0
 
     def get(self, *, startup: bool = False) -> CacheClient | None:
-        """The client, connecting or reconnecting when needed; None while the server is
-        unreachable in ``recompute`` mode (``fail`` mode raises instead)."""
+        """The client; None while the server is unreachable in ``recompute`` mode (``fail``
+        mode raises instead).
+
+        At start-up the connection is made here (and fails here). Later, a lost server is
+        looked for by a background thread every ``kvxfer.retry_s`` seconds, so the engine's
+        step never waits for a server that is not there."""
         if self.client is not None and not self.down:
             return self.client
-        if self.down and time.monotonic() < self._retry_at:
-            return None
-        try:
-            if self.client is None:
-                client = CacheClient(self.config.url, timeout=self.config.timeout_s,
-                                     connect_timeout=self.config.timeout_s, name=f"vllm-{self.side}")
-                try:
-                    self._on_connect(client)
-                except BaseException:
-                    client.close()
-                    raise
-                self.client = client
-            else:
-                self.client.reconnect()
-                self._on_connect(self.client)
-        except (ConfigError, TransportError):
-            if startup or self.config.on_server_error == "fail":
+        if startup:
+            try:
+                self._connect()
+            except (ConfigError, TransportError):
                 raise
-            log.exception("kvxfer %s: the server at %s is not usable; carrying on without it", self.side,
-                          self.config.url)
-            self._mark_down()
-            return None
-        except KvxferError as exc:
-            return self.failed(exc, "connecting")
-        if self.down:
-            log.warning("kvxfer %s: the server at %s answers again; using the cache", self.side, self.config.url)
-        self.down = False
-        return self.client
+            except KvxferError as exc:
+                return self.failed(exc, "connecting")
+            return self.client
+        with self._lock:
+            if self._recovered:
+                self._recovered = False
+                self.down = False
+                log.warning("kvxfer %s: the server at %s answers again; using the cache", self.side,
+                            self.config.url)
+                return self.client
+            if self._attempt is None and time.monotonic() >= self._retry_at:
+                self._attempt = threading.Thread(target=self._background_connect, daemon=True,
+                                                 name=f"kvxfer-reconnect-{self.side}")
+                self._attempt.start()
+        return None
+
+    def _connect(self) -> None:
+        """Connect (first time) or re-open the session and re-register (server restarted)."""
+        if self.client is None:
+            client = CacheClient(self.config.url, timeout=self.config.timeout_s,
+                                 connect_timeout=self.config.timeout_s, name=f"vllm-{self.side}")
+            try:
+                self._on_connect(client)
+            except BaseException:
+                client.close()
+                raise
+            self.client = client
+        else:
+            self.client.reconnect()
+            self._on_connect(self.client)
+
+    def _background_connect(self) -> None:
+        try:
+            self._connect()
+        except Exception as exc:  # noqa: BLE001  (anything: stay degraded, try again later)
+            level = logging.ERROR if isinstance(exc, (ConfigError, TransportError)) else logging.DEBUG
+            log.log(level, "kvxfer %s: the server at %s is still unusable: %s", self.side, self.config.url, exc)
+            with self._lock:
+                self._retry_at = time.monotonic() + self.config.retry_s
+                self._attempt = None
+            return
+        with self._lock:
+            self._recovered = True
+            self._attempt = None
 
     def failed(self, exc: BaseException, what: str) -> None:
         """``what`` failed because of the server: raise (``fail``) or go degraded (``recompute``)."""
@@ -107,9 +137,13 @@ class ServerLink:
         if not self.down:
             self.outages += 1
         self.down = True
+        self._recovered = False
         self._retry_at = time.monotonic() + self.config.retry_s
 
     def close(self) -> None:
+        attempt = self._attempt
+        if attempt is not None:
+            attempt.join(self.config.timeout_s + 2)
         if self.client is not None:
             self.client.close()
             self.client = None

@@ -1,0 +1,95 @@
+"""KvxferConnector when the kvxfer server dies or restarts (one server per module, killed and
+restarted by the tests; each test starts it if the previous one left it dead)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from kvxfer_vllm_harness import MiniEngine, Request, feed, make_vllm_config, workload
+
+from kvxfer.errors import ConnectionFailed
+from kvxfer.testing.server import ServerProcess
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def victim() -> Iterator[ServerProcess]:
+    srv = ServerProcess(l1_size="32MiB", chunk_size=CHUNK, transports="cpu_gather")
+    with srv:
+        yield srv
+
+
+@pytest.fixture
+def srv(victim: ServerProcess) -> ServerProcess:
+    if victim.proc is None or victim.proc.poll() is not None:
+        victim.start()
+    return victim
+
+
+def test_server_dies_mid_run_recompute_mode_carries_on_and_recovers(srv: ServerProcess) -> None:
+    cfg = make_vllm_config(srv.url, model_name="dies", on_server_error="recompute", timeout_s=1, retry_s=0.2)
+    engine = MiniEngine(cfg, enable_prefix_caching=False)
+    sched, work = engine.scheduler.scheduler, engine.worker.worker
+    try:
+        reqs = workload("e", n=16, seed=4)
+        feed(engine, reqs[:6], per_step=3)
+        srv.kill()
+        feed(engine, reqs[6:], per_step=3)  # no server: every request recomputes, none fails
+        engine.check_drained()
+        assert sched.link.outages >= 1 and work.link.outages >= 1
+        assert sched.link.down and work.link.down
+
+        srv.start()  # same address, empty cache: the connector finds it again by itself
+        deadline = time.monotonic() + 15
+        i = 0
+        while (sched.link.down or work.link.down) and time.monotonic() < deadline:
+            i += 1
+            feed(engine, [Request(f"probe-{i}", list(range(i, i + CHUNK + 1)))], per_step=1)
+            time.sleep(0.05)
+        assert not sched.link.down and not work.link.down
+        before = work.stats["loaded_chunks"]
+        again = [Request(f"r-{i}", list(range(200 + i, 240 + i))) for i in range(3)]
+        feed(engine, again, per_step=3)
+        feed(engine, [Request(f"again-{r.request_id}", list(r.prompt_token_ids)) for r in again], per_step=3)
+        engine.check_drained()
+        assert work.stats["loaded_chunks"] > before
+    finally:
+        engine.shutdown()
+
+
+def test_server_restart_between_requests_needs_no_vllm_restart(srv: ServerProcess) -> None:
+    """A server restarted while vLLM idles answers NoSession; the core client re-handshakes and
+    the worker re-registers its KV caches, even in 'fail' mode."""
+    engine = MiniEngine(make_vllm_config(srv.url, model_name="restart"), enable_prefix_caching=False)
+    try:
+        feed(engine, workload("h", n=4, seed=7), per_step=4)
+        old_pid = srv.pid
+        srv.kill()
+        srv.start()
+        assert srv.pid != old_pid
+        reqs = [Request(f"k-{i}", list(range(300, 340)) + [i]) for i in range(2)]
+        feed(engine, reqs[:1], per_step=1)  # stored into the new server
+        feed(engine, reqs[1:], per_step=1)  # loaded from it
+        engine.check_drained()
+        assert any(op.req_id == "k-1" for op in engine.loads)
+        assert engine.load_error_blocks == 0
+        status = engine.worker.worker.link.client.status()
+        assert [c.model_name for c in status.contexts] == ["restart"]
+    finally:
+        engine.shutdown()
+
+
+def test_server_dies_fail_mode_raises_clearly(srv: ServerProcess) -> None:
+    engine = MiniEngine(make_vllm_config(srv.url, model_name="fails", timeout_s=1), enable_prefix_caching=False)
+    try:
+        feed(engine, workload("f", n=4, seed=5), per_step=2)
+        srv.kill()
+        with pytest.raises(ConnectionFailed, match=r"on_server_error.*recompute") as info:
+            feed(engine, workload("g", n=4, seed=6), per_step=2)
+        assert srv.url in str(info.value)
+    finally:
+        engine.worker.worker.link.close()
+        engine.scheduler.scheduler.link.close()
