@@ -217,7 +217,9 @@ class TransferContextBase(TransferContext):
         self._executor.shutdown(wait=True)
         if self._registered:
             try:
-                self.connection.request("unregister", m.Unregister(self.instance_id), timeout=10)
+                # no longer than the client's own timeout: a dead server must not stall shutdown
+                timeout = min(10.0, float(getattr(self.connection, "timeout", 10.0)))
+                self.connection.request("unregister", m.Unregister(self.instance_id), timeout=timeout)
             except (KvxferError, ConnectionError):
                 pass  # the server is gone or already dropped us: nothing left to release there
         self._registered = False
