@@ -29,6 +29,15 @@ from kvxfer import CacheClient, KVLayout, LayoutKind, chunk_hashes
 from kvxfer.testing import ServerProcess
 
 GB = 1e9
+STAT_KEYS = ("store_bytes", "store_s", "retrieve_bytes", "retrieve_s")
+
+
+def _server_stats(client: CacheClient) -> dict[str, float]:
+    """cuda_ipc's copy counters inside the server (zeros for another transport)."""
+    for t in client.status().transports:
+        if t.name == "cuda_ipc" and "store_s" in t.state:
+            return {k: float(t.state[k]) for k in STAT_KEYS}
+    return dict.fromkeys(STAT_KEYS, 0.0)
 
 
 def _bar(total: int, desc: str) -> Any:
@@ -104,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                         rows = layout.row_view(layer).view(torch.uint8)
                         if not torch.equal(rows[layout.rows(src.to(device))], rows[layout.rows(dst.to(device))]):
                             raise SystemExit(f"{name}: retrieved blocks differ from the stored blocks")
+                if it == 0:
+                    before = _server_stats(client)
                 bar.update(1)
             bar.close()
+            after = _server_stats(client)
+            noop = [_timed(lambda: ctx.submit_store(keys, src).result(300), device) for _ in range(10)]
             ctx.close()
             med = {k: statistics.median(v[1:]) for k, v in
                    (("d2h", d2h), ("h2d", h2d), ("store", store_t), ("retrieve", retr_t))}
@@ -123,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
                 "store_best_gbps": nbytes / min(store_t[1:]) / GB,
                 "retrieve_best_gbps": nbytes / min(retr_t[1:]) / GB,
                 "iters": args.iters,
+                "noop_store_p50_ms": statistics.median(noop) * 1e3,
             }
+            for kind in ("store", "retrieve"):
+                secs = after[f"{kind}_s"] - before[f"{kind}_s"]
+                r[f"in_server_{kind}_gbps"] = (after[f"{kind}_bytes"] - before[f"{kind}_bytes"]) / secs / GB if secs else None
             r["store_ratio"] = r["store_gbps"] / r["pinned_d2h_gbps"]
             r["retrieve_ratio"] = r["retrieve_gbps"] / r["pinned_h2d_gbps"]
             results.append(r)
@@ -131,17 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         server_notes = [line for line in server.log().splitlines() if "cuda_ipc" in line]
 
     card = torch.cuda.get_device_name(device)
-    kernel = os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton")
+    kernel = os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") + ", mode " + os.environ.get("KVXFER_CUDA_IPC_MODE", "staged")
     for line in server_notes:
         print(f"server: {line}")
     print(f"\n{card}, torch {torch.__version__}, {args.layers} layers x {list(layout.layer_shape(args.heads))} bf16, "
           f"{cpr} chunks x {layout.chunk_bytes(cs) / 2**20:.0f} MiB per request, median of {args.iters}, "
           f"cuda_ipc kernel {kernel}")
     head = ["transport", "store GB/s", "pinned D2H GB/s", "store ratio", "retrieve GB/s", "pinned H2D GB/s",
-            "retrieve ratio", "store p50 ms", "retrieve p50 ms"]
+            "retrieve ratio", "store p50 ms", "retrieve p50 ms", "in-server store/retrieve GB/s", "no-op store ms"]
     rows = [[r["transport"], f"{r['store_gbps']:.1f}", f"{r['pinned_d2h_gbps']:.1f}", f"{r['store_ratio']:.2f}x",
              f"{r['retrieve_gbps']:.1f}", f"{r['pinned_h2d_gbps']:.1f}", f"{r['retrieve_ratio']:.2f}x",
-             f"{r['store_p50_ms']:.2f}", f"{r['retrieve_p50_ms']:.2f}"] for r in results]
+             f"{r['store_p50_ms']:.2f}", f"{r['retrieve_p50_ms']:.2f}",
+             "/".join(f"{r[f'in_server_{k}_gbps']:.1f}" if r[f"in_server_{k}_gbps"] else "-" for k in ("store", "retrieve")),
+             f"{r['noop_store_p50_ms']:.2f}"] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["available", "gather", "scatter"]
+__all__ = ["available", "gather", "scatter", "gather_to", "scatter_from"]
 
 try:  # optional: the torch ops are the fallback
     import triton
@@ -58,6 +58,35 @@ if triton is not None:
         tl.store(dst + row * row_words + offs, vals, mask=mask)
 
 
+    @triton.jit
+    def _gather_to_kernel(layer_ptrs, rows, out_ptrs, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0).to(tl.int64)
+        seg = tl.program_id(1).to(tl.int64)
+        layer = pid // n_rows
+        r = pid % n_rows
+        src = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int64))
+        dst = tl.load(out_ptrs + layer).to(tl.pointer_type(tl.int64))
+        row = tl.load(rows + r)
+        offs = seg * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        vals = tl.load(src + row * row_words + offs, mask=mask)
+        tl.store(dst + r * row_words + offs, vals, mask=mask)
+
+    @triton.jit
+    def _scatter_from_kernel(layer_ptrs, rows, src_ptrs, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0).to(tl.int64)
+        seg = tl.program_id(1).to(tl.int64)
+        layer = pid // n_rows
+        r = pid % n_rows
+        dst = tl.load(layer_ptrs + layer).to(tl.pointer_type(tl.int64))
+        src = tl.load(src_ptrs + layer).to(tl.pointer_type(tl.int64))
+        row = tl.load(rows + r)
+        offs = seg * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        vals = tl.load(src + r * row_words + offs, mask=mask)
+        tl.store(dst + row * row_words + offs, vals, mask=mask)
+
+
 def _grid(layer_ptrs: torch.Tensor, rows: torch.Tensor, row_words: int) -> tuple[int, int]:
     return (layer_ptrs.numel() * rows.numel(), (row_words + BLOCK - 1) // BLOCK)
 
@@ -77,3 +106,19 @@ def scatter(layer_ptrs: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, row
     if n:
         _scatter_kernel[_grid(layer_ptrs, rows, row_words)](
             layer_ptrs, rows, src.view(torch.int64), n, row_words, BLOCK=BLOCK)
+
+
+def gather_to(layer_ptrs: torch.Tensor, rows: torch.Tensor, out_ptrs: torch.Tensor, row_words: int) -> None:
+    """Like :func:`gather` into ``len(layers)`` separate ``[len(rows), row]`` destinations whose
+    addresses are ``out_ptrs`` (int64, on the device): e.g. the layers of an arena slot, which the
+    kernel then writes over PCIe (host memory registered as mapped)."""
+    n = rows.numel()
+    if n:
+        _gather_to_kernel[_grid(layer_ptrs, rows, row_words)](layer_ptrs, rows, out_ptrs, n, row_words, BLOCK=BLOCK)
+
+
+def scatter_from(layer_ptrs: torch.Tensor, rows: torch.Tensor, src_ptrs: torch.Tensor, row_words: int) -> None:
+    """The reverse of :func:`gather_to`."""
+    n = rows.numel()
+    if n:
+        _scatter_from_kernel[_grid(layer_ptrs, rows, row_words)](layer_ptrs, rows, src_ptrs, n, row_words, BLOCK=BLOCK)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+import weakref
 from collections import OrderedDict
 from typing import Any, Final
 
@@ -67,6 +69,7 @@ class CudaIpcServerTransport(ServerTransport):
     def __init__(self) -> None:
         self._pinned_ptr = 0
         self._pinned_size = 0
+        self._contexts: weakref.WeakSet[CudaIpcServerContext] = weakref.WeakSet()
 
     def start(self, arena: Arena) -> None:
         ptr, size = arena.tensor.data_ptr(), arena.size
@@ -82,14 +85,24 @@ class CudaIpcServerTransport(ServerTransport):
     def open(self, registration: Registration, layout: KVLayout) -> ServerContext:
         if not isinstance(registration, CudaIpcRegistration):
             raise ConfigError(f"cuda_ipc needs a CudaIpcRegistration, got {type(registration).__name__}")
-        return CudaIpcServerContext(registration, layout)
+        ctx = CudaIpcServerContext(registration, layout)
+        self._contexts.add(ctx)
+        return ctx
 
     def status(self) -> dict[str, str]:
         n = torch.cuda.device_count()
-        return {
+        out = {
             "arena_pinned": f"{self._pinned_size} bytes" if self._pinned_ptr else "no",
             "devices": "; ".join(device_label(i) for i in range(n)),
+            "mode": os.environ.get("KVXFER_CUDA_IPC_MODE", "staged"),
+            "kernel": "triton" if _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch"
+                      else "torch",
         }
+        # copy time inside the server (worker thread, from the request's start to the stream sync)
+        contexts = list(self._contexts)
+        for key in ("store_n", "store_bytes", "store_s", "retrieve_n", "retrieve_bytes", "retrieve_s"):
+            out[key] = str(sum(c.stats[key] for c in contexts))
+        return out
 
     def close(self) -> None:
         if self._pinned_ptr:
@@ -140,6 +153,10 @@ class CudaIpcServerContext(ServerContext):
         # one launch per chunk for all layers (Triton), else one index_select/index_copy_ per layer
         self._fused = _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch"
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
+        # "direct": the kernels read/write the pinned, mapped arena over PCIe themselves (no staging)
+        self._direct = self._fused and os.environ.get("KVXFER_CUDA_IPC_MODE", "staged") == "direct"
+        self.stats = {"store_n": 0, "store_bytes": 0, "store_s": 0.0,
+                      "retrieve_n": 0, "retrieve_bytes": 0, "retrieve_s": 0.0}
         self._row_words = layout.row_bytes // 8
         self._compute = torch.cuda.Stream(self.device)
         self._copy = torch.cuda.Stream(self.device)
@@ -211,20 +228,27 @@ class CudaIpcServerContext(ServerContext):
         n = like.numel() * like.element_size()
         return self._ring[k][:n].view(like.dtype).view(like.shape)
 
-    def _upload_rows(self, copies: list[RowCopy]) -> list[torch.Tensor]:
-        """Every copy's row ids on the device, in one H2D copy (on the compute stream)."""
-        rows = torch.cat([c.rows for c in copies])
-        n = rows.numel()
+    def _upload_rows(self, copies: list[RowCopy], with_addresses: bool = False) -> list[Any]:
+        """Every copy's row ids on the device (and, ``with_addresses``, the host address of each
+        layer of its slot), in one H2D copy on the compute stream."""
+        parts = [c.rows for c in copies]
+        if with_addresses:
+            parts.append(torch.tensor([[s.data_ptr() for s in c.slot] for c in copies], dtype=torch.int64).view(-1))
+        flat = torch.cat(parts)
+        n = flat.numel()
         if self._index_buf is None or self._index_buf.numel() < n:
             self._index_buf = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
-        self._index_buf[:n].copy_(rows)
+        self._index_buf[:n].copy_(flat)
         with torch.cuda.stream(self._compute):
             dev = self._index_buf[:n].to(self.device, non_blocking=True)
-        out, at = [], 0
+        rows, at = [], 0
         for c in copies:
-            out.append(dev[at:at + c.rows.numel()])
+            rows.append(dev[at:at + c.rows.numel()])
             at += c.rows.numel()
-        return out
+        if not with_addresses:
+            return rows
+        n_layers = self.layout.num_layers
+        return [(r, dev[at + i * n_layers:at + (i + 1) * n_layers]) for i, r in enumerate(rows)]
 
     # ------------------------------------------------------------------ transfers
 
@@ -237,21 +261,39 @@ class CudaIpcServerContext(ServerContext):
     def _transfer(self, copies: list[RowCopy], params: CudaIpcParams | None, write_arena: bool) -> None:
         if not copies:
             return
+        t0 = time.perf_counter()
         with torch.cuda.device(self.device):
             try:
                 client = self._client_event(params)
-                self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in copies))
                 if client is not None:
                     self._compute.wait_event(client)  # the engine's work before the submit
-                idx = self._upload_rows(copies)
-                if write_arena:
-                    self._store(copies, idx)
+                if self._direct:
+                    self._direct_copy(copies, write_arena)
                 else:
-                    self._retrieve(copies, idx)
+                    self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in copies))
+                    idx = self._upload_rows(copies)
+                    if write_arena:
+                        self._store(copies, idx)
+                    else:
+                        self._retrieve(copies, idx)
             except BaseException:
                 torch.cuda.synchronize(self.device)  # leave no copy running into reused buffers
                 raise
+        kind = "store" if write_arena else "retrieve"
+        self.stats[f"{kind}_n"] += 1
+        self.stats[f"{kind}_bytes"] += sum(c.slot.numel() * c.slot.element_size() for c in copies)
+        self.stats[f"{kind}_s"] += time.perf_counter() - t0
         self.transfers += 1
+
+    def _direct_copy(self, copies: list[RowCopy], write_arena: bool) -> None:
+        """One kernel per chunk between the engine's blocks and the slot's layers in host memory."""
+        with torch.cuda.stream(self._compute):
+            for rows, addrs in self._upload_rows(copies, with_addresses=True):
+                if write_arena:
+                    _kernels.gather_to(self._layer_ptrs, rows, addrs, self._row_words)
+                else:
+                    _kernels.scatter_from(self._layer_ptrs, rows, addrs, self._row_words)
+        self._compute.synchronize()
 
     def _store(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> None:
         comp, cp = self._compute, self._copy
@@ -321,7 +363,7 @@ class CudaIpcServerContext(ServerContext):
     def status(self) -> dict[str, str]:
         staging = sum(b.numel() for b in self._ring)
         return {"device": self.label, "ipc_allocations": str(len(self._storages)),
-                "kernel": "triton" if self._fused else "torch",
+                "kernel": "triton" if self._fused else "torch", "mode": "direct" if self._direct else "staged",
                 "staging_bytes": str(staging), "transfers": str(self.transfers)}
 
     def close(self) -> None:
@@ -339,6 +381,7 @@ class CudaIpcServerContext(ServerContext):
         self._events.clear()
         self._ring = []
         self._index_buf = None
+        self._layer_ptrs = None  # type: ignore[assignment]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # cuda_ipc on a GPU machine, in one go: install the wheels of ../shared/tools/device-wheels (.whl/,
-# carried), run the cuda_ipc tests and the conformance kit, the copy diagnostics and the benchmark
-# (fused Triton copy kernels, then the per-layer torch ops). Run from the checkout's root; logs
-# and JSON go to $OUT (default ./gpu-out).
+# carried); run the cuda_ipc tests and the conformance kit (default: staged copies with the fused
+# Triton kernels; again with KVXFER_CUDA_IPC_MODE=direct; the cuda_ipc tests with the per-layer
+# torch ops), the copy diagnostics, and the benchmark (staged vs cpu_gather, then direct).
+# Run from the checkout's root; logs and JSON go to $OUT (default ./gpu-out).
 #   device tool: run(command="bash plugins/cuda_ipc/scripts/gpu_check.sh", carry=[".whl"])
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -19,12 +20,17 @@ fi
   echo "ulimit -l: $(ulimit -l)"
 } 2>&1 | tee "$OUT/env.txt"
 rc=0
-timeout 240 python3 -m pytest -q -rs plugins/cuda_ipc/tests 2>&1 | tee "$OUT/tests.log" || rc=1
-KVXFER_CUDA_IPC_KERNEL=torch timeout 120 python3 -m pytest -q -rs plugins/cuda_ipc/tests/test_cuda_ipc.py 2>&1 \
-  | tee "$OUT/tests_torch_kernel.log" || rc=1
+tests() {  # label, env assignment, pytest paths...
+  local label=$1 envset=$2; shift 2
+  echo "=== tests: $label ($envset)" | tee -a "$OUT/tests.log"
+  env $envset timeout 150 python3 -m pytest -q -rs "$@" 2>&1 | tee -a "$OUT/tests.log" || rc=1
+}
+tests staged-triton KVXFER_CUDA_IPC_MODE=staged plugins/cuda_ipc/tests
+tests direct-triton KVXFER_CUDA_IPC_MODE=direct plugins/cuda_ipc/tests
+tests staged-torch-ops KVXFER_CUDA_IPC_KERNEL=torch plugins/cuda_ipc/tests/test_cuda_ipc.py
 timeout 60 python3 plugins/cuda_ipc/scripts/probe_copies.py 2>&1 | tee "$OUT/probe_copies.log" || rc=1
-timeout 150 python3 benchmarks/cuda_ipc.py --transports cuda_ipc cpu_gather --json "$OUT/bench.json" 2>&1 \
+timeout 100 python3 benchmarks/cuda_ipc.py --transports cuda_ipc cpu_gather --json "$OUT/bench.json" 2>&1 \
   | tee "$OUT/bench.log" || rc=1
-KVXFER_CUDA_IPC_KERNEL=torch timeout 100 python3 benchmarks/cuda_ipc.py --json "$OUT/bench_torch_kernel.json" 2>&1 \
-  | tee "$OUT/bench_torch_kernel.log" || rc=1
+KVXFER_CUDA_IPC_MODE=direct timeout 80 python3 benchmarks/cuda_ipc.py --json "$OUT/bench_direct.json" 2>&1 \
+  | tee "$OUT/bench_direct.log" || rc=1
 exit $rc
