@@ -27,7 +27,7 @@ __all__ = ["Kit", "REFERENCE", "LAYOUTS", "DTYPES", "CHUNK_SIZE", "BLOCK_SIZE", 
 REFERENCE: Final = "cpu_gather"
 #: Every layout and dtype the kit knows; a transport is tested on those it claims.
 LAYOUTS: Final = (LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER, LayoutKind.MLA)
-DTYPES: Final = ("float16", "bfloat16", "float32", "float8_e4m3fn")
+DTYPES: Final = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 #: Small chunks keep the suite fast: 2 blocks of 16 tokens per chunk.
 CHUNK_SIZE: Final = 32
 BLOCK_SIZE: Final = 16
@@ -75,6 +75,7 @@ class Kit:
 
     @property
     def blocks_per_chunk(self) -> int:
+        """Blocks per chunk of the kit's default block size."""
         return CHUNK_SIZE // BLOCK_SIZE
 
     # ------------------------------------------------------------------ clients and contexts
@@ -121,7 +122,7 @@ class Kit:
     def blocks(self, spec: KVSpec, n_chunks: int, exclude: Sequence[int] = ()) -> list[int]:
         """Distinct random block ids for ``n_chunks`` chunks, none in ``exclude``."""
         free = torch.tensor(sorted(set(range(spec.num_blocks)) - set(exclude)), dtype=torch.int64)
-        need = n_chunks * self.blocks_per_chunk
+        need = n_chunks * spec.blocks_per_chunk(CHUNK_SIZE)
         if need > free.numel():
             raise ValueError(f"{need} blocks wanted, {free.numel()} free in a {spec.num_blocks}-block cache")
         return free[torch.randperm(free.numel())[:need]].tolist()
@@ -137,7 +138,7 @@ class Kit:
 
     def chunks_of(self, layers: Sequence[torch.Tensor], spec: KVSpec, blocks: Sequence[int]) -> torch.Tensor:
         """Reference canonical chunks held in ``blocks`` of ``layers`` (uint8)."""
-        return get_chunks(as_bytes(layers), spec.kind, blocks, self.blocks_per_chunk)
+        return get_chunks(as_bytes(layers), spec.kind, blocks, spec.blocks_per_chunk(CHUNK_SIZE))
 
     # ------------------------------------------------------------------ backdoor
 
@@ -146,13 +147,14 @@ class Kit:
         """What the server holds for ``keys``, read through the reference transport on the CPU
         by a separate connection: ``(result, chunks)``; chunks of missing keys are garbage."""
         n = max(1, len(keys))
-        bspec = spec.with_blocks(n * self.blocks_per_chunk)
+        bpc = spec.blocks_per_chunk(CHUNK_SIZE)
+        bspec = spec.with_blocks(n * bpc)
         layers = make_kv(bspec, "cpu", seed=1)
         client = self.client(new=True)
         ctx = self.register(layers, bspec, transport=REFERENCE, model=model, world_size=world_size,
                             rank=rank, client=client)
         try:
-            ids = list(range(len(keys) * self.blocks_per_chunk))
+            ids = list(range(len(keys) * bpc))
             res = self.retrieve(ctx, keys, ids)
             return res, self.chunks_of(layers, bspec, ids)
         finally:

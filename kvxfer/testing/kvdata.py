@@ -53,6 +53,9 @@ class KVSpec:
             return (nb, 2, bs, self.heads, self.head_size)
         return (nb, bs, self.hidden)
 
+    def blocks_per_chunk(self, chunk_size: int) -> int:
+        return chunk_size // self.block_size
+
     def with_blocks(self, num_blocks: int) -> KVSpec:
         return KVSpec(self.kind, self.dtype, self.num_layers, num_blocks, self.block_size, self.heads,
                       self.head_size)

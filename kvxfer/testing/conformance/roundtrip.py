@@ -20,7 +20,7 @@ def assert_retrieved(kit: Kit, spec: KVSpec, layers: list, before: list, blocks:
     """``layers`` (after a retrieve into ``blocks``) equal ``before`` with exactly ``chunks``
     written where a correct retrieve writes them, bit for bit, and nothing else changed."""
     want = [t.clone() for t in before]
-    put_chunks(want, spec.kind, blocks, kit.blocks_per_chunk, chunks, skip_blocks, only)
+    put_chunks(want, spec.kind, blocks, spec.blocks_per_chunk(CHUNK_SIZE), chunks, skip_blocks, only)
     got = as_bytes(layers)
     assert equal_bytes(got, want), f"KV cache after retrieve differs: {describe_diff(got, want, spec.kind)}"
 

@@ -7,7 +7,7 @@ import pytest
 from kvxfer.errors import InvalidRequest
 from kvxfer.layout import LayoutKind
 from kvxfer.testing.conformance.roundtrip import assert_retrieved
-from kvxfer.testing.harness import LAYOUTS, REFERENCE, Kit
+from kvxfer.testing.harness import DTYPES, LAYOUTS, REFERENCE, Kit
 from kvxfer.testing.kvdata import as_bytes, equal_bytes
 
 __all__ = ["SharingTests"]
@@ -94,8 +94,7 @@ class SharingTests:
         for who in others:
             ctx = kit.register(kit.kv(spec), spec, **who)
             assert kit.retrieve(ctx, keys, kit.blocks(spec, 2)).missing == [0, 1], who
-        other_dtype = next((d for d in kit.caps.dtypes if d != spec.dtype and d in
-                            ("float16", "bfloat16", "float32", "float8_e4m3fn")), None)
+        other_dtype = next((d for d in DTYPES if d != spec.dtype and d in kit.caps.dtypes), None)
         if other_dtype is not None:
             odd = kit.spec(spec.kind, other_dtype)
             odd_layers = kit.kv(odd)

@@ -1,8 +1,64 @@
-"""cpu_gather runs the whole conformance kit (on CPU tensors)."""
+"""cpu_gather runs the whole conformance kit: on CPU tensors here, on CUDA tensors where a GPU
+is present (the copy to host then goes through the device's own copy). Its own tests follow:
+a scalar-only registration, and exactness where rows are not a multiple of 16 bytes (the
+narrower copy element types of ``copy_view``)."""
 
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvxfer.layout import LayoutKind
+from kvxfer.protocol import codec
 from kvxfer.testing import TransportConformance
+from kvxfer.testing.conformance.roundtrip import assert_retrieved
+from kvxfer.testing.harness import CHUNK_SIZE, Kit
+from kvxfer.testing.kvdata import as_bytes, equal_bytes
+from kvxfer_cpu_gather import CpuGatherRegistration
+
+#: (block_size, heads, head_size, dtype): row bytes 1, 6, 8, 12, 24 -> uint8, int16, int64,
+#: int32 and int64 copy elements.
+ODD_ROWS = [(1, 1, 1, "float8_e4m3fn"), (2, 1, 3, "float8_e5m2"), (4, 1, 1, "float16"),
+            (1, 3, 1, "float32"), (2, 3, 1, "bfloat16")]
 
 
 class TestCpuGather(TransportConformance):
     transport = "cpu_gather"
     device = "cpu"
+
+    def test_registration_carries_only_scalars(self, kit: Kit) -> None:
+        scalar = (int, float, str, bool)
+        for f in msgspec.structs.fields(CpuGatherRegistration):
+            assert f.type in scalar, f"CpuGatherRegistration.{f.name} is {f.type}, not a scalar"
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        wire = msgspec.msgpack.decode(codec.encode(ctx.registration()))  # type: ignore[attr-defined]
+        assert isinstance(wire, dict) and all(isinstance(v, scalar) for v in wire.values()), wire
+        assert wire["device"] == "cpu" and wire["layout"] == spec.kind.value and wire["dtype"] == spec.dtype
+
+    @pytest.mark.parametrize("block_size,heads,head_size,dtype", ODD_ROWS,
+                             ids=[f"b{b}-h{h}x{d}-{t}" for b, h, d, t in ODD_ROWS])
+    @pytest.mark.parametrize("kind", [LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER, LayoutKind.MLA],
+                             ids=lambda k: k.value)
+    def test_rows_of_any_width_round_trip(self, kit: Kit, kind: LayoutKind, block_size: int, heads: int,
+                                          head_size: int, dtype: str) -> None:
+        spec = kit.spec(kind, dtype, block_size=block_size, heads=heads, head_size=head_size,
+                        num_blocks=4 * CHUNK_SIZE // block_size)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(2), kit.blocks(spec, 2)
+        before = as_bytes(layers)
+        assert kit.store(ctx, keys, src).stored == [0, 1]
+        _, held = kit.backdoor_read(spec, keys)
+        assert equal_bytes(held, kit.chunks_of(before, spec, src))
+        dst = kit.blocks(spec, 2, exclude=src)
+        skip = block_size  # a partial first chunk too
+        assert kit.retrieve(ctx, keys, dst, skip_first_n_tokens=skip).loaded == [0, 1]
+        assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src), skip_blocks=1)
+
+
+class TestCpuGatherOnCuda(TransportConformance):
+    """Skipped without a GPU; runs on the GPU machine."""
+
+    transport = "cpu_gather"
+    device = "cuda"
