@@ -112,3 +112,42 @@ def test_kv_roles_producer_stores_consumer_loads(server: ServerProcess) -> None:
         assert consumer.worker.worker.stats["stores"] == 0 and not consumer.delayed
     finally:
         consumer.shutdown()
+
+
+def test_cache_salt_and_lora_separate_cached_prefixes(server: ServerProcess) -> None:
+    engine = MiniEngine(make_vllm_config(server.url, model_name="salts"), enable_prefix_caching=False)
+    try:
+        prompt = list(range(10, 60))
+        feed(engine, [Request("s-a", prompt, cache_salt="tenant-a")], per_step=1)
+        feed(engine, [Request("s-b", prompt, cache_salt="tenant-b")], per_step=1)
+        feed(engine, [Request("s-none", list(prompt))], per_step=1)
+        lora = type("LoRARequest", (), {"lora_name": "adapter-1", "lora_int_id": 1})()
+        feed(engine, [Request("s-lora", list(prompt), lora_request=lora)], per_step=1)
+        assert not engine.loads  # four different caches: no request may read another's KV
+        feed(engine, [Request("s-a2", list(prompt), cache_salt="tenant-a")], per_step=1)
+        feed(engine, [Request("s-lora2", list(prompt), lora_request=lora)], per_step=1)
+        engine.check_drained()
+        assert sorted(op.req_id for op in engine.loads) == ["s-a2", "s-lora2"]
+    finally:
+        engine.shutdown()
+
+
+def test_a_repeated_lookup_keeps_one_lease(server: ServerProcess) -> None:
+    """vLLM may ask get_num_new_matched_tokens again for a request it could not allocate; the
+    connector drops the previous lease each time, and request_finished drops the last one."""
+    engine = MiniEngine(make_vllm_config(server.url, model_name="leases"), enable_prefix_caching=False)
+    try:
+        prompt = list(range(500, 548))
+        feed(engine, [Request("l-0", prompt)], per_step=1)
+        engine.check_drained()
+        sched = engine.scheduler
+        client = sched.scheduler.link.client
+        base = client.status().leases
+        req = Request("l-1", list(prompt))
+        for _ in range(5):
+            assert sched.get_num_new_matched_tokens(req, 0) == (len(prompt) - 1, True)
+        assert client.status().leases == base + 1
+        assert sched.request_finished(req, []) == (False, None)
+        assert client.status().leases == base
+    finally:
+        engine.shutdown()
