@@ -1,0 +1,293 @@
+"""Transport registry and hooks, end to end through a really installed plugin distribution
+(tests/fixtures/kvxfer-test-transport, pip-installed into a private directory by conftest).
+
+Subprocesses see it through PYTHONPATH; this module also puts it on ``sys.path`` of the test
+process (and takes it off again afterwards) so that a client here can use ``test_loop``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.errors import ServerInternalError, TransportBroken, TransportNotFound, TransportUnavailable
+from kvxfer.protocol import codec
+from kvxfer.protocol import messages as m
+from kvxfer.testing.server import ServerProcess
+from kvxfer.transport import registry
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, env_with, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def on_path(test_plugin_path: Path):
+    """The test plugin importable and discoverable in this process, for this module only."""
+    sys.path.insert(0, str(test_plugin_path))
+    registry.refresh()
+    yield test_plugin_path
+    sys.path.remove(str(test_plugin_path))
+    registry.refresh()
+    for name in [n for n in sys.modules if n.startswith("kvxfer_test_transport")]:
+        del sys.modules[name]
+
+
+def kvxfer_cmd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxfer", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+# --------------------------------------------------------------------------- discovery (subprocesses)
+
+
+def test_plugins_json_lists_every_plugin_with_its_health(test_plugin_path: Path) -> None:
+    proc = kvxfer_cmd("plugins", "--json", env=env_with(test_plugin_path))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["entry_point_group"] == "kvxfer.transports" and report["api_version"] == 1
+    by_name = {p["name"]: p for p in report["transports"]}
+    loop = by_name["test_loop"]
+    assert (loop["health"], loop["distribution"], loop["version"], loop["style"], loop["api_version"]) == \
+        ("available", "kvxfer-test-transport", "0.0.1", "server_driven", 1)
+    assert loop["target"] == "kvxfer_test_transport:LoopTransport"
+    broken = by_name["test_broken"]
+    assert broken["health"] == "broken" and "ImportError" in broken["detail"]
+    assert "no-such-dependency" in broken["detail"] and "kvxfer-test-transport" in broken["detail"]
+    old = by_name["test_oldapi"]
+    assert old["health"] == "broken" and "api_version 0" in old["detail"] and "implements 1" in old["detail"]
+    nodev = by_name["test_nodevice"]
+    assert nodev["health"] == "unavailable" and "no test accelerator" in nodev["detail"]
+    # broken neighbours break nothing else
+    assert by_name["cpu_gather"]["health"] == "available"
+
+
+def test_plugins_table(test_plugin_path: Path) -> None:
+    proc = kvxfer_cmd("plugins", env=env_with(test_plugin_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("test_")}
+    assert "available" in rows["test_loop"] and "kvxfer-test-transport" in rows["test_loop"]
+    assert "broken" in rows["test_broken"] and "unavailable" in rows["test_nodevice"]
+    assert "test_broken: transport plugin 'test_broken'" in proc.stdout
+
+
+def test_without_the_install_nothing_of_it_is_seen() -> None:
+    proc = kvxfer_cmd("plugins", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert not [p for p in json.loads(proc.stdout)["transports"] if p["name"].startswith("test_")]
+
+
+def test_serve_refuses_unknown_and_broken_transports_by_name(test_plugin_path: Path, tmp_path: Path) -> None:
+    env = env_with(test_plugin_path)
+    base = ["serve", "--url", f"ipc://{tmp_path}/run/s.sock", "--l1-size", "8MiB"]
+    proc = kvxfer_cmd(*base, "--transports", "nope", env=env)
+    assert proc.returncode == 2
+    assert "no transport named 'nope'" in proc.stderr and "test_loop" in proc.stderr and "cpu_gather" in proc.stderr
+    proc = kvxfer_cmd(*base, "--transports", "test_broken", env=env)
+    assert proc.returncode == 2 and "no-such-dependency" in proc.stderr
+
+
+# --------------------------------------------------------------------------- registry (in process)
+
+
+def test_registry_errors(on_path) -> None:
+    with pytest.raises(TransportNotFound) as info:
+        registry.get_transport("nope")
+    assert "installed:" in str(info.value)
+    for name in ("cpu_gather", "test_loop", "test_broken"):
+        assert name in str(info.value)
+    with pytest.raises(TransportBroken, match="no-such-dependency"):
+        registry.get_transport("test_broken")
+    with pytest.raises(TransportBroken, match="api_version 0, this kvxfer implements 1"):
+        registry.get_transport("test_oldapi")
+    with pytest.raises(TransportUnavailable, match="no test accelerator"):
+        registry.get_transport("test_nodevice")
+    assert registry.get_transport("test_nodevice", require_available=False).name == "test_nodevice"
+    assert registry.get_transport("cpu_gather").name == "cpu_gather"
+    assert registry.get_transport("test_loop").name == "test_loop"
+
+
+def test_auto_picks_by_device(on_path) -> None:
+    assert registry.select("auto", torch.device("cpu")).name == "test_loop"  # priority 50 on cpu
+    other = registry.select("auto", torch.device("meta"))  # test_loop serves cpu only
+    assert other.name != "test_loop" and other.serves(torch.device("meta"))
+    with pytest.raises(TransportUnavailable, match="cannot move KV tensors on device meta"):
+        registry.select("test_loop", torch.device("meta"))
+
+
+# --------------------------------------------------------------------------- a server with the plugin
+
+
+@pytest.fixture(scope="module")
+def hook_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hooks") / "events.jsonl"
+
+
+@pytest.fixture(scope="module")
+def plugin_server(on_path: Path, hook_log: Path):
+    """All installed transports (no --transports): the broken ones are skipped."""
+    srv = ServerProcess(l1_size="2MiB", chunk_size=CHUNK_SIZE,
+                        env=env_with(on_path, KVXFER_TEST_HOOK_LOG=str(hook_log)))
+    with srv:
+        yield srv
+
+
+@pytest.fixture
+def loop_client(plugin_server):
+    c = CacheClient(plugin_server.url, timeout=20)
+    yield c
+    c.close()
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def shared_kv(tmp_path: Path, name: str, num_blocks: int = 32, seed: int = 0) -> list[torch.Tensor]:
+    from kvxfer_test_transport import shared_layers
+
+    layers = shared_layers(tmp_path / name, 2, (2, num_blocks, BLOCK_SIZE, 2, 8), torch.float16)
+    g = torch.Generator().manual_seed(seed)
+    for t in layers:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return layers
+
+
+def test_server_loads_installed_transports_and_skips_broken_ones(loop_client) -> None:
+    assert {"test_loop", "cpu_gather"} <= set(loop_client.server_transports)
+    assert not {"test_broken", "test_oldapi", "test_nodevice"} & set(loop_client.server_transports)
+
+
+def test_server_driven_round_trip_and_hooks(loop_client, tmp_path: Path, hook_log: Path) -> None:
+    src = shared_kv(tmp_path, "src", seed=1)
+    dst = shared_kv(tmp_path, "dst", seed=2)
+    a = loop_client.register(src, model_name="loop", block_size=BLOCK_SIZE, transport="auto")
+    b = loop_client.register(dst, model_name="loop", block_size=BLOCK_SIZE, transport="test_loop")
+    assert a.transport_name == "test_loop"  # auto, CPU tensors: the highest priority for cpu
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE)
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    assert b.submit_retrieve(hashes, blocks[::-1]).result(30).loaded == [0, 1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, blocks[::-1]], s[:, blocks])
+    st = loop_client.status()
+    assert st.sections["test-recorder"]["contexts"] == "2"
+    assert {t.name: t.state for t in st.transports}["test_loop"] == {"kind": "test"}
+    a.close()
+    b.close()
+    ev = events(hook_log)
+    kinds = [e["event"] for e in ev]
+    assert kinds[0] == "server_started"
+    assert [e["transport"] for e in ev if e["event"] == "context_registered" and e["model"] == "loop"] == \
+        ["test_loop", "test_loop"]
+    assert [e["hashes"] for e in ev if e["event"] == "chunks_stored" and e["model"] == "loop"] == \
+        [[h.hex() for h in hashes]]
+    assert [e["hashes"] for e in ev if e["event"] == "chunks_retrieved" and e["model"] == "loop"] == \
+        [[h.hex() for h in hashes]]
+    assert [e["reason"] for e in ev if e["event"] == "context_unregistered" and e["model"] == "loop"] == \
+        ["unregister", "unregister"]
+
+
+def test_eviction_hook(loop_client, tmp_path: Path, hook_log: Path) -> None:
+    src = shared_kv(tmp_path, "evict", num_blocks=32)
+    kv = loop_client.register(src, model_name="evict", block_size=BLOCK_SIZE, transport="test_loop")
+    chunk = kv.layout.chunk_bytes(CHUNK_SIZE)  # 8 KiB; the 2 MiB arena holds 256 of them
+    n = (2 << 20) // chunk + 8
+    hashes = chunk_hashes(list(range(n * CHUNK_SIZE)), CHUNK_SIZE, salt="evict")
+    for i in range(0, n, 8):
+        res = kv.submit_store(hashes[i:i + 8], [j % 32 for j in range(8 * BLOCKS_PER_CHUNK)]).result(30)
+        assert res.ok
+    kv.close()
+    mine = {h.hex() for h in hashes}
+    evicted = [h for e in events(hook_log) if e["event"] == "chunks_evicted" for h in e["hashes"] if h in mine]
+    assert len(evicted) >= 1
+    assert evicted == [h.hex() for h in hashes[:len(evicted)]]  # least recently used first
+    assert loop_client.status().arena.evictions >= 8
+
+
+def test_control_requests_run_inline_while_a_transfer_runs(loop_client, tmp_path: Path) -> None:
+    from kvxfer_test_transport import LoopParams
+
+    kv = loop_client.register(shared_kv(tmp_path, "slow"), model_name="slow", block_size=BLOCK_SIZE,
+                              transport="test_loop")
+    hashes = chunk_hashes(list(range(3 * CHUNK_SIZE)), CHUNK_SIZE, salt="slow")
+    blocks = list(range(BLOCKS_PER_CHUNK))
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def store(i: int, delay: float):
+        params = msgspec_raw(LoopParams(delay_s=delay))
+        fut = loop_client.submit("store", m.Store(kv.instance_id, [hashes[i]], blocks, params))
+        fut.add_done_callback(lambda f: (lock.acquire(), order.append(f"store{i}"), lock.release()))
+        return fut
+
+    slow = store(0, 1.5)
+    fast = store(1, 0.0)  # same instance: must wait for the slow one
+    # control requests are answered while the slow store sleeps on the instance's worker
+    assert loop_client.ping() > 0
+    assert loop_client.lookup("slow", hashes=hashes) == 0
+    assert loop_client.status().sessions >= 1
+    assert not slow.done() and not fast.done()
+    assert slow.result(30).stored == [0] and fast.result(30).stored == [0]
+    assert order == ["store0", "store1"]
+    assert loop_client.lookup("slow", hashes=hashes[:2]) == 2
+    kv.close()
+
+
+def msgspec_raw(params: object):
+    import msgspec
+
+    return msgspec.Raw(codec.encode(params))
+
+
+def test_a_handlers_exception_is_a_typed_error_and_the_server_keeps_serving(loop_client, tmp_path: Path) -> None:
+    from kvxfer_test_transport import LoopParams
+
+    with pytest.raises(ServerInternalError, match="open\\(\\) exploded on purpose"):
+        loop_client.register(shared_kv(tmp_path, "boom"), model_name="explode", block_size=BLOCK_SIZE,
+                             transport="test_loop")
+    kv = loop_client.register(shared_kv(tmp_path, "fail"), model_name="fail", block_size=BLOCK_SIZE,
+                              transport="test_loop")
+    kv.next_store = LoopParams(fail=True)
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="fail")
+    with pytest.raises(ServerInternalError, match="store failed on purpose"):
+        kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30)
+    assert loop_client.lookup("fail", hashes=hashes) == 0  # the failed slots were dropped
+    kv.next_store = LoopParams()
+    assert kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+    kv.close()
+    assert loop_client.ping() > 0
+
+
+def test_a_hook_that_raises_is_isolated(on_path: Path, tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    env = env_with(on_path, KVXFER_TEST_HOOK_LOG=str(log), KVXFER_TEST_HOOK_RAISE="1")
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="test_loop", env=env) as srv:
+        with CacheClient(srv.url) as c:
+            kv = c.register(shared_kv(tmp_path, "iso"), model_name="iso", block_size=BLOCK_SIZE,
+                            transport="test_loop")
+            hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE)
+            assert kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+            assert kv.submit_retrieve(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).loaded == [0]
+            st = c.status()
+            # started, registered, stored, retrieved and this status section: all raised
+            assert st.hook_errors >= 5
+            assert "test-recorder" in st.sections  # the other plugin's section is still there
+            kv.close()
+        # the well-behaved recorder saw everything despite its raising neighbour
+        kinds = {e["event"] for e in events(log)}
+        assert {"server_started", "context_registered", "chunks_stored", "chunks_retrieved"} <= kinds
+        assert "hook kvxfer_chunks_stored of plugin" in srv.log() and "raised on purpose" in srv.log()
+    assert "server_stopped" in {e["event"] for e in events(log)}
+
+
+def test_hooks_see_the_server_stop(plugin_server, hook_log: Path) -> None:
+    # last test of the module on this server: stop it and look for the hook
+    plugin_server.stop()
+    assert wait_until(lambda: "server_stopped" in {e["event"] for e in events(hook_log)}, timeout=10)
