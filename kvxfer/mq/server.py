@@ -27,6 +27,8 @@ __all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path"]
 
 log = logging.getLogger(__name__)
 
+_POLLIN = int(zmq.POLLIN)
+
 #: (identity, request_id frame, name, payload) -> (status, payload) now, or None (reply later)
 Dispatcher = Callable[[bytes, bytes, bytes, bytes], "tuple[bytes, bytes] | None"]
 
@@ -163,15 +165,18 @@ class MQServer:
                             self._wake_recv.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                self._flush_replies()
-                if self._sock in events:
-                    for _ in range(256):  # bounded burst, then look at replies and ticks again
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle(frames)
+                if not self._calls.empty():
                     self._flush_replies()
+                if self._sock in events:
+                    # Bounded burst, then look at replies and ticks again. Asking EVENTS first
+                    # avoids the zmq.Again exception of an empty recv (~10 us a request).
+                    sock = self._sock
+                    for _ in range(256):
+                        if not sock.get(zmq.EVENTS) & _POLLIN:
+                            break
+                        self._handle(sock.recv_multipart(zmq.NOBLOCK))
+                    if not self._calls.empty():
+                        self._flush_replies()
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_s
                     if self._on_tick is not None:
