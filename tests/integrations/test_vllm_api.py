@@ -367,6 +367,9 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
         KvxferConnector(make_vllm_config(server.url, timeout_s=-1), KVConnectorRole.WORKER, _groups())
     with pytest.raises(ConfigError, match="disable-hybrid-kv-cache-manager"):
         KvxferConnector(make_vllm_config(server.url), KVConnectorRole.SCHEDULER, _groups(2))
+    with pytest.raises(ConfigError, match="kvxfer keys"):
+        KvxferConnector(make_vllm_config(server.url, curve_dir=str(server.log_path.parent / "no-keys")),
+                        KVConnectorRole.WORKER, _groups())
     cfg = make_vllm_config(server.url)
     cfg.kv_transfer_config.kv_role = "kv_sometimes"
     with pytest.raises(ConfigError, match="kv_role"):

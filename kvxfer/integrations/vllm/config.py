@@ -33,6 +33,8 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server (default 5)",
     "kvxfer.model_name": "name that keys stored chunks (default: the model path and its KV dtype)",
     "kvxfer.layout": "KV layout when ambiguous: flash_attn, flashinfer or mla (default: inferred)",
+    "kvxfer.curve_dir": "directory of CURVE keys from `kvxfer keys` (required for a tcp:// server)",
+    "kvxfer.curve_name": "which client key pair in kvxfer.curve_dir (default 'client')",
 }
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -53,6 +55,8 @@ class ConnectorConfig:
     retry_s: float
     model_name: str
     layout: str | None
+    curve_dir: str | None
+    curve_name: str
     kv_role: KvRole
     block_size: int
     world_size: int
@@ -142,6 +146,8 @@ class ConnectorConfig:
             retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0)),
             model_name=model_name,
             layout=layout,
+            curve_dir=str(extra["kvxfer.curve_dir"]) if extra.get("kvxfer.curve_dir") else None,
+            curve_name=str(extra.get("kvxfer.curve_name") or "client"),
             kv_role=kv_role,  # type: ignore[arg-type]
             block_size=block_size,
             world_size=world_size,

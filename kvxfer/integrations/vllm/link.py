@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError, TransportError
@@ -92,8 +93,13 @@ class ServerLink:
     def _connect(self) -> None:
         """Connect (first time) or re-open the session and re-register (server restarted)."""
         if self.client is None:
+            curve = None
+            if self.config.curve_dir:
+                from kvxfer.security import load_client_keys
+
+                curve = load_client_keys(Path(self.config.curve_dir), self.config.curve_name)
             client = CacheClient(self.config.url, timeout=self.config.timeout_s,
-                                 connect_timeout=self.config.timeout_s, name=f"vllm-{self.side}")
+                                 connect_timeout=self.config.timeout_s, name=f"vllm-{self.side}", curve=curve)
             try:
                 self._on_connect(client)
             except BaseException:
