@@ -52,22 +52,25 @@ def blocks_for(j: int, bpc: int, base: int) -> list[int]:
     return list(range(base + j * bpc, base + (j + 1) * bpc))
 
 
-def fill(args, shape, kv, bpc: int, keys: list[bytes], base: int) -> list[int]:
+def fill(args, shape, kv, bpc: int, keys: list[bytes], base: int, exp: list | None = None) -> list[int]:
     ids: list[int] = []
     for j, h in enumerate(keys):
         b = blocks_for(j, bpc, base)
-        relkit.write_chunk(kv, b, relkit.expected(shape, args.model, args.rank, h, bpc))
+        relkit.write_chunk(kv, b, exp[j] if exp else relkit.expected(shape, args.model, args.rank, h, bpc))
         ids += b
     return ids
 
 
-def check(args, shape, kv, bpc: int, keys: list[bytes], base: int, only: list[int] | None = None) -> int:
+def check(args, shape, kv, bpc: int, keys: list[bytes], base: int, only: list[int] | None = None,
+          exp: list | None = None) -> int:
+    """Chunks (of ``only``) whose blocks at ``base`` differ from their expected content."""
     bad = 0
     for j, h in enumerate(keys):
         if only is not None and j not in only:
             continue
         got = relkit.read_chunk(kv, blocks_for(j, bpc, base))
-        if not torch.equal(got, relkit.expected(shape, args.model, args.rank, h, bpc)):
+        want = exp[j] if exp else relkit.expected(shape, args.model, args.rank, h, bpc)
+        if not torch.equal(got, want):
             bad += 1
     return bad
 
@@ -131,7 +134,8 @@ def soak(args) -> None:
     t0 = time.monotonic()
     for it in range(args.iters):
         keys = [relkit.key(f"{args.model}/{args.tag}/{it}", j) for j in range(n_chunks)]
-        ids = fill(args, shape, kv, bpc, keys, 0)
+        exp = [relkit.expected(shape, args.model, args.rank, h, bpc) for h in keys]
+        ids = fill(args, shape, kv, bpc, keys, 0, exp)
         a = time.monotonic()
         res = ctx.submit_store(keys, ids).result(timeout=args.timeout)
         b = time.monotonic()
@@ -146,7 +150,7 @@ def soak(args) -> None:
         retrieve_s += time.monotonic() - a
         retrieved += len(r.loaded)
         missing += len(r.missing)
-        corrupt += check(args, shape, kv, bpc, keys, base, r.loaded)
+        corrupt += check(args, shape, kv, bpc, keys, base, r.loaded, exp)
     t1 = time.monotonic()
     emit("done", rank=args.rank, stored=stored, failed=failed, retrieved=retrieved, missing=missing,
          corrupt=corrupt, chunk_bytes=chunk_bytes, store_s=store_s, retrieve_s=retrieve_s, t0=t0, t1=t1)
@@ -155,6 +159,7 @@ def soak(args) -> None:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # many workers share few cores: no oversubscribed thread pools
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["store-loop", "retrieve-loop", "hold-write", "hold-read", "soak"])
     p.add_argument("--url", required=True)

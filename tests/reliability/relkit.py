@@ -90,7 +90,7 @@ def free_port() -> int:
 
 def spawn_worker(*args: str) -> subprocess.Popen[str]:
     """A worker process (``_worker.py``); it prints one JSON object per line."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
