@@ -1,8 +1,80 @@
-"""The example plugin's tests are the conformance kit."""
+"""The example plugin's tests: the conformance kit, plus what is particular to spool files
+(they stay private, and a request cannot make the server touch a file outside them)."""
 
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from kvxfer.errors import InvalidRequest
+from kvxfer.protocol import codec
+from kvxfer.protocol import messages as m
 from kvxfer.testing import TransportConformance
+from kvxfer.testing.harness import Kit
+from kvxfer_file_transport import FileContext, FileParams
 
 
 class TestFileDebug(TransportConformance):
     transport = "file_debug"
     device = "cpu"
+
+    def test_spool_files_are_private_and_removed_on_close(self, kit: Kit) -> None:
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        assert isinstance(ctx, FileContext)
+        kit.store(ctx, kit.keys(1), kit.blocks(spec, 1))
+        spool = Path(ctx.spool_dir)
+        assert stat.S_IMODE(spool.stat().st_mode) == 0o700
+        files = list(spool.iterdir())
+        assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+        ctx.close()
+        assert not spool.exists()
+
+    @pytest.mark.parametrize("how", ["group-readable", "relative", "symlink", "missing"])
+    def test_server_refuses_a_spool_dir_that_is_not_private(self, kit: Kit, tmp_path: Path, how: str) -> None:
+        spec = kit.spec()
+        ctx = kit.unregistered_context(kit.kv(spec), spec)
+        target = tmp_path / "spool"
+        target.mkdir(mode=0o700)
+        if how == "group-readable":
+            target.chmod(0o750)
+            path = str(target)
+        elif how == "relative":
+            path = "spool"
+        elif how == "symlink":
+            (tmp_path / "link").symlink_to(target)
+            path = str(tmp_path / "link")
+        else:
+            path = str(tmp_path / "nowhere")
+        reg = msgspec.structs.replace(ctx.registration(), spool_dir=path)  # type: ignore[attr-defined]
+        with pytest.raises(InvalidRequest, match=r"spool_dir: "):
+            kit.client().request("register", m.Register(kit.name, msgspec.Raw(codec.encode(reg))))
+
+    @pytest.mark.parametrize("name", ["../escape", "/etc/passwd", ".hidden", ""])
+    def test_request_cannot_name_a_file_outside_the_spool_dir(self, kit: Kit, name: str) -> None:
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        keys, blocks = kit.keys(1), kit.blocks(spec, 1)
+        rows = ctx.layout.rows(torch.tensor(blocks)).tolist()
+        params = msgspec.Raw(codec.encode(FileParams(name, rows)))
+        with pytest.raises(InvalidRequest, match=r"params.file: "):
+            kit.client().request("store", m.Store(ctx.instance_id, keys, blocks, params))
+        assert kit.client().lookup(kit.model, 1, hashes=keys) == 0, "a failed store must store nothing"
+        assert kit.store(ctx, keys, blocks).stored == [0], "the context works on after a refused request"
+
+    def test_wrong_params_are_refused(self, kit: Kit) -> None:
+        spec = kit.spec()
+        ctx = kit.register(kit.kv(spec), spec)
+        keys, blocks = kit.keys(1), kit.blocks(spec, 1)
+        with pytest.raises(InvalidRequest, match=r"params: "):
+            kit.client().request("store", m.Store(ctx.instance_id, keys, blocks, msgspec.Raw(codec.encode([1]))))
+        short = FileParams(FileContext.FILE, [0])  # names rows the request does not have
+        with pytest.raises(InvalidRequest, match=r"params"):
+            kit.client().request("store", m.Store(ctx.instance_id, keys, blocks,
+                                                  msgspec.Raw(codec.encode(short))))
+        assert os.path.isdir(ctx.spool_dir)
