@@ -1,0 +1,98 @@
+"""The kvxfer command against a real server: plugins, status (table and --json), python -m."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+
+KVXFER = Path(sys.executable).with_name("kvxfer")
+
+
+def run(*args: str, module: bool = False) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "kvxfer", *args] if module else [str(KVXFER), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def registered(server):
+    """A registered context with two stored chunks, kept for the module."""
+    from kvxfer import CacheClient, chunk_hashes
+
+    c = CacheClient(server.url)
+    kv = c.register(flash_attn_kv(), model_name="cli-model", block_size=BLOCK_SIZE, transport="cpu_gather")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE)
+    assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).ok
+    assert c.lookup("cli-model", hashes=hashes) == 2
+    yield kv
+    kv.close()
+    c.close()
+
+
+def test_console_script_is_installed() -> None:
+    assert KVXFER.exists(), f"{KVXFER} missing: is the core installed (scripts/setup.sh)?"
+
+
+def test_plugins_table() -> None:
+    proc = run("plugins")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "entry point group kvxfer.transports" in lines[0]
+    header = next(line for line in lines if line.startswith("name"))
+    assert header.split() == ["name", "version", "distribution", "api", "style", "health"]
+    [row] = [line for line in lines if line.startswith("cpu_gather ")]
+    assert row.split()[1:] == ["0.1.0", "kvxfer-cpu-gather", "1", "client_driven", "available"]
+
+
+def test_python_dash_m_plugins_json() -> None:
+    proc = run("plugins", "--json", module=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    [cpu] = [p for p in report["transports"] if p["name"] == "cpu_gather"]
+    assert cpu["health"] == "available" and cpu["distribution"] == "kvxfer-cpu-gather"
+
+
+def test_status_table(server, registered) -> None:
+    proc = run("status", "--url", server.url)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert f"at {server.url}, pid {server.pid}" in out and f"chunk size {CHUNK_SIZE}" in out
+    assert "arena:" in out and "32.0 MiB used" in out and "lookups:" in out
+    header = next(line for line in out.splitlines() if line.startswith("instance"))
+    assert header.split() == ["instance", "model", "world", "rank", "transport", "layout", "layers", "block",
+                              "hidden", "dtype", "mla", "blocks", "pid"]
+    [row] = [line for line in out.splitlines() if line.startswith(f"{registered.instance_id} ")]
+    assert row.split()[1:] == ["cli-model", "1", "0", "cpu_gather", "flash_attn", "2", str(BLOCK_SIZE), "16",
+                               "bfloat16", "no", "32", str(os.getpid())]
+    assert any(line.startswith("cpu_gather") and "client_driven" in line for line in out.splitlines())
+
+
+def test_status_json(server, registered) -> None:
+    proc = run("status", "--url", server.url, "--json", module=True)
+    assert proc.returncode == 0, proc.stderr
+    st = json.loads(proc.stdout)
+    assert st["url"] == server.url and st["pid"] == server.pid and st["chunk_size"] == CHUNK_SIZE
+    [ctx] = [c for c in st["contexts"] if c["instance_id"] == registered.instance_id]
+    assert ctx["model_name"] == "cli-model" and ctx["layout"] == "flash_attn" and ctx["num_layers"] == 2
+    assert st["arena"]["chunks"] >= 2 and st["lookup_hits"] >= 2
+    assert {"leases", "leased_chunks", "reservations", "errors", "hook_errors", "sections"} <= set(st)
+
+
+def test_status_without_a_server_says_how_to_start_one(tmp_path: Path) -> None:
+    url = f"ipc://{tmp_path}/none.sock"
+    proc = run("status", "--url", url, "--timeout", "0.5")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("kvxfer status: error:") and f"kvxfer serve --url {url}" in proc.stderr
+
+
+def test_bad_arguments() -> None:
+    proc = run("serve", "--l1-size", "lots")
+    assert proc.returncode == 2 and "not a size: 'lots'" in proc.stderr
+    proc = run("nonsense")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
