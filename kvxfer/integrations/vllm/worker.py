@@ -205,6 +205,10 @@ class WorkerConnector:
             except KvxferError as exc:
                 bad += _unskipped(op, range(len(op.keys)), bs)
                 self.link.failed(exc, f"loading request {op.req_id}")
+            except Exception:  # noqa: BLE001  (a transport's copy failed: those blocks are recomputed)
+                log.exception("kvxfer: loading request %s failed in transport %s", op.req_id,
+                              getattr(self.context, "transport_name", "?"))
+                bad += _unskipped(op, range(len(op.keys)), bs)
         if bad:
             self.stats["failed_load_blocks"] += len(bad)
             self._load_errors.update(bad)
@@ -220,6 +224,9 @@ class WorkerConnector:
             return True
         except KvxferError as exc:
             self.link.failed(exc, "storing KV")
+            return True
+        except Exception:  # noqa: BLE001  (a transport's copy failed: the chunks are not stored)
+            log.exception("kvxfer: a store failed in transport %s", getattr(self.context, "transport_name", "?"))
             return True
         self.stats["stored_chunks"] += len(res.stored)
         self.stats["present_chunks"] += len(res.present)
