@@ -104,6 +104,54 @@ class Limit:
                 "limit": self.what}
 
 
+def registered_shm_copies(nbytes: int, device: torch.device, repeats: int = 8) -> dict[str, Any]:
+    """Diagnostics (CUDA): copies between the device and a /dev/shm mapping pinned in place the
+    way the hpu transport pins the arena (cudaHostRegister), in one piece and in 32 MiB pieces:
+    GB/s, and how long the non-blocking call took to return (short = asynchronous)."""
+    import mmap
+    import tempfile
+
+    from kvxfer_hpu import ops_for
+
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvxfer-bench-")
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shm = torch.frombuffer(mm, dtype=torch.uint8)
+    pin = ops_for("cuda").pin(shm)
+    dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    out: dict[str, Any] = {"pinned": pin.pinned, "note": pin.note}
+    piece = 32 << 20
+    try:
+        for name, dst, src in (("d2h", shm, dev), ("h2d", dev, shm)):
+            for split in (nbytes, piece):
+                total, ret = [], []
+                for _ in range(repeats + 1):
+                    _sync(device)
+                    t = time.perf_counter()
+                    for off in range(0, nbytes, split):
+                        dst[off:off + split].copy_(src[off:off + split], non_blocking=True)
+                    r = time.perf_counter()
+                    _sync(device)
+                    total.append(time.perf_counter() - t)
+                    ret.append(r - t)
+                key = f"{name}_{'whole' if split == nbytes else '32MiB_pieces'}"
+                out[key] = {"gbps": _stats(nbytes, total[1:])["median_gbps"],
+                            "call_return_ms": 1e3 * statistics.median(ret[1:]),
+                            "total_ms": 1e3 * statistics.median(total[1:])}
+    finally:
+        pin.release()
+        del shm
+    return out
+
+
 def make_kv(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
     shape = (2, args.num_blocks, args.block_size, args.heads, args.head_dim)
     dtype = dtype_from_name(args.dtype)
@@ -126,6 +174,23 @@ class Bench:
         self.store_s: list[float] = []
         self.retrieve_s: list[float] = []
         self.verified: bool | None = None
+        # Time inside the client-driven copy methods (the rest of a request is reserve/commit
+        # round trips and bookkeeping): wraps the context's gather/scatter when it has them.
+        self.copy_s: dict[str, list[float]] = {"store": [], "retrieve": []}
+        self._copy_t = 0.0
+        for meth in ("gather", "scatter"):
+            fn = getattr(self.ctx, meth, None)
+            if fn is not None:
+                setattr(self.ctx, meth, self._timed(fn))
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(copies: Any) -> None:
+            t = time.perf_counter()
+            try:
+                fn(copies)
+            finally:
+                self._copy_t += time.perf_counter() - t
+        return timed
 
     def request(self, keep: bool) -> None:
         """Store fresh chunks from random blocks of the first half, retrieve them into random
@@ -137,9 +202,11 @@ class Bench:
         src = torch.randperm(half)[:n_blocks]
         dst = torch.randperm(a.num_blocks - half)[:n_blocks] + half
         _sync(self.device)
+        self._copy_t = 0.0
         t0 = time.perf_counter()
         res = self.ctx.submit_store(keys, src).result(timeout=120)
         t1 = time.perf_counter()
+        store_copy, self._copy_t = self._copy_t, 0.0
         if len(res.stored) != len(keys):
             raise RuntimeError(f"{name}: stored {len(res.stored)} of {len(keys)} chunks: {res}")
         got = self.ctx.submit_retrieve(keys, dst).result(timeout=120)
@@ -149,6 +216,8 @@ class Bench:
         if keep:
             self.store_s.append(t1 - t0)
             self.retrieve_s.append(t2 - t1)
+            self.copy_s["store"].append(store_copy)
+            self.copy_s["retrieve"].append(self._copy_t)
         if self.verified is None:
             s_idx, d_idx = src.to(self.device), dst.to(self.device)
             self.verified = all(torch.equal(t.view(torch.uint8)[:, d_idx], t.view(torch.uint8)[:, s_idx])
@@ -158,9 +227,13 @@ class Bench:
 
     def result(self) -> dict[str, Any]:
         pinned = getattr(getattr(self.ctx, "pinning", None), "pinned", None)
-        return {"transport": self.name, "bytes_per_request": self.nbytes,
-                "verified_bit_exact": self.verified, "host_pinned": pinned,
-                "store": _stats(self.nbytes, self.store_s), "retrieve": _stats(self.nbytes, self.retrieve_s)}
+        out: dict[str, Any] = {"transport": self.name, "bytes_per_request": self.nbytes,
+                               "verified_bit_exact": self.verified, "host_pinned": pinned}
+        for op, total in (("store", self.store_s), ("retrieve", self.retrieve_s)):
+            out[op] = _stats(self.nbytes, total)
+            if any(self.copy_s[op]):  # median share of a request spent copying
+                out[op]["copy_share"] = statistics.median(c / t for c, t in zip(self.copy_s[op], total))
+        return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,8 +253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--l1-size", default="1GiB")
     ap.add_argument("--transports", nargs="+", default=["hpu", "cpu_gather"],
                     help="transports to compare, interleaved request by request (default: hpu cpu_gather)")
+    ap.add_argument("--group-mib", type=int, default=None,
+                    help="hpu: device bytes of the gather buffer (HpuContext.GROUP_BYTES; default 128)")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     args = ap.parse_args(argv)
+    if args.group_mib is not None:
+        from kvxfer_hpu import HpuContext
+
+        HpuContext.GROUP_BYTES = args.group_mib << 20
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -214,6 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             client.close()
     limits = limit.result()
     nbytes = benches[0].nbytes
+    diagnostics: dict[str, Any] = {}
+    if device.type == "cuda":
+        try:
+            diagnostics = registered_shm_copies(nbytes, device)
+        except Exception as exc:  # diagnostics must not cost the results above
+            diagnostics = {"error": f"{type(exc).__name__}: {exc}"}
 
     by_name = {r["transport"]: r for r in results}
     for r in results:
@@ -233,8 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "dtype": args.dtype, "chunk_size": args.chunk_size,
                      "chunk_bytes": nbytes // args.chunks_per_request,
                      "chunks_per_request": args.chunks_per_request, "requests": args.requests,
-                     "warmup": args.warmup, "order": "transports interleaved per request, rotated"},
-        "limits": limits, "results": results,
+                     "warmup": args.warmup, "order": "transports interleaved per request, rotated",
+                     "hpu_group_bytes": _group_bytes()},
+        "limits": limits, "results": results, "diagnostics": diagnostics,
     }
     print(table(report))
     if args.json:
@@ -244,12 +330,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _group_bytes() -> int | None:
+    try:
+        from kvxfer_hpu import HpuContext
+    except ImportError:
+        return None
+    return HpuContext.GROUP_BYTES
+
+
 def table(report: dict[str, Any]) -> str:
     w = report["workload"]
     lim = report["limits"]
     head = (f"hpu benchmark on {report['device']} ({report['device_name']}): {w['layers']} layers x "
             f"{w['layer_shape']} {w['dtype']}, {w['chunk_bytes'] >> 20} MiB chunks, "
-            f"{w['chunks_per_request']} per request, {w['requests']} requests (median GB/s)\n"
+            f"{w['chunks_per_request']} per request, {w['requests']} requests (median GB/s); hpu gather "
+            f"buffer {(w.get('hpu_group_bytes') or 0) >> 20} MiB\n"
             f"limit: {lim['limit']}: store {lim['store_limit_gbps']:.1f} GB/s, "
             f"retrieve {lim['retrieve_limit_gbps']:.1f} GB/s\n")
     cols = ["transport", "store GB/s", "store/limit", "retrieve GB/s", "retrieve/limit", "vs cpu_gather (s/r)",
@@ -263,6 +358,15 @@ def table(report: dict[str, Any]) -> str:
                      str(r["host_pinned"]), str(r["verified_bit_exact"])])
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(" --- " for _ in cols) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    for r in report["results"]:
+        if "copy_share" in r["store"]:
+            lines.append(f"{r['transport']}: share of request time in the copies (rest: reserve/commit): "
+                         f"store {r['store']['copy_share']:.2f}, retrieve {r['retrieve']['copy_share']:.2f}")
+    diag = report.get("diagnostics") or {}
+    for key, v in diag.items():
+        if isinstance(v, dict):
+            lines.append(f"registered /dev/shm {key}: {v['gbps']:.1f} GB/s, non-blocking call returned after "
+                         f"{v['call_return_ms']:.2f} of {v['total_ms']:.2f} ms")
     return head + "\n".join(lines)
 
 

@@ -3,9 +3,10 @@
 # Run from the repository root after ../shared/tools/device-wheels, with carry [".whl"]:
 #     bash plugins/hpu/scripts/gpu_check.sh
 # Installs the wheels, records the machine, runs the hpu tests (the conformance kit with cuda
-# tensors through this transport, and the plugin's own tests), then the benchmark on cuda (and on
-# that machine's CPU). Logs and JSON go to $OUT (default /tmp/hpu-gpu-check). Exits non-zero if
-# the tests or a benchmark failed.
+# tensors through this transport, and the plugin's own tests), then the benchmark on cuda (default
+# gather buffer, then 1 chunk and a whole request per gather) and on that machine's CPU.
+# Logs and JSON go to $OUT (default /tmp/hpu-gpu-check); at most 8 files, as the device tool
+# returns. Exits non-zero if the tests or a benchmark failed.
 set -uo pipefail
 out=${OUT:-/tmp/hpu-gpu-check}
 mkdir -p "$out"
@@ -22,12 +23,19 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 cat "$out/env.txt"
 
 python3 -m pytest -q -rs plugins/hpu/tests 2>&1 | tee "$out/tests.log"
-rc_tests=${PIPESTATUS[0]}
+rc=${PIPESTATUS[0]}
+echo "tests rc=$rc" > "$out/summary.txt"
 
-python3 benchmarks/hpu.py --device cuda --json "$out/hpu-cuda.json" 2>/tmp/bench-cuda.progress | tee "$out/bench-cuda.log"
-rc_cuda=${PIPESTATUS[0]}
-python3 benchmarks/hpu.py --device cpu --requests 8 --json "$out/hpu-cpu.json" 2>/tmp/bench-cpu.progress | tee "$out/bench-cpu.log"
-rc_cpu=${PIPESTATUS[0]}
-
-echo "tests rc=$rc_tests, bench cuda rc=$rc_cuda, bench cpu rc=$rc_cpu" | tee "$out/summary.txt"
-[[ $rc_tests == 0 && $rc_cuda == 0 && $rc_cpu == 0 ]]
+bench() {  # name, args...: the table goes to bench.log, the JSON to $out/hpu-<name>.json
+  local name=$1; shift
+  python3 benchmarks/hpu.py "$@" --json "$out/hpu-$name.json" 2>"/tmp/bench-$name.progress" | tee -a "$out/bench.log"
+  local r=${PIPESTATUS[0]}
+  echo "bench $name rc=$r" | tee -a "$out/summary.txt"
+  [[ $r == 0 ]] || { rc=$r; tail -20 "/tmp/bench-$name.progress"; }
+}
+bench cuda --device cuda
+bench cuda-group32 --device cuda --transports hpu --group-mib 32
+bench cuda-group256 --device cuda --transports hpu --group-mib 256
+bench cpu --device cpu --requests 8
+cat "$out/summary.txt"
+exit "$rc"

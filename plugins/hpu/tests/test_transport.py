@@ -97,23 +97,32 @@ def test_ops_of_another_device_type_are_refused(client: CacheClient) -> None:
         HpuContext("hpu", client, layers, layout, InstanceIdentity(2, "m", 1, 0), ops=GenericOps("cuda"))
 
 
-def test_staging_buffers_are_reused_across_requests(client: CacheClient) -> None:
-    layers = _kv("cpu", blocks=24)
+@pytest.mark.parametrize("group_chunks", [1, 2, 5])
+def test_staging_path_over_several_groups_and_requests(client: CacheClient, group_chunks: int) -> None:
+    """Requests of 5 chunks through a gather buffer of 1, 2 or 5 chunks and two chunk buffers,
+    retrieves with a skip that splits a chunk into per-plane copies: bit-exact every time."""
+    layers = _kv("cpu", layers=3, blocks=40)
     layout = KVLayout.infer(layers, BLOCK)
-    ctx = HpuContext("hpu", client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, "reuse", 1, 0),
+    ctx = HpuContext("hpu", client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, "groups", 1, 0),
                      ops=GenericOps("cpu", direct=False))
+    ctx.GROUP_BYTES = group_chunks * layout.chunk_bytes(CHUNK)  # type: ignore[misc]
     ctx.register()
     try:
         bpc = CHUNK // BLOCK
-        for _ in range(3):  # more chunks than staging buffers, several requests
-            keys = _keys(3)
-            src = torch.randperm(12)[: 3 * bpc].tolist()
-            assert ctx.submit_store(keys, src).result(30).stored == [0, 1, 2]
-            dst = (torch.randperm(12)[: 3 * bpc] + 12).tolist()
-            assert ctx.submit_retrieve(keys, dst).result(30).loaded == [0, 1, 2]
-            for t in layers:
-                assert torch.equal(t[:, dst].view(torch.int16), t[:, src].view(torch.int16))
-        assert ctx._pipe is not None and len(ctx._pipe.buffers) == HpuContext.STAGING_DEPTH
+        for skip_blocks in (0, 3, 4):
+            keys = _keys(5)
+            src = torch.randperm(20)[: 5 * bpc].tolist()
+            assert ctx.submit_store(keys, src).result(30).stored == [0, 1, 2, 3, 4]
+            dst = (torch.randperm(20)[: 5 * bpc] + 20).tolist()
+            before = [t.clone() for t in layers]
+            res = ctx.submit_retrieve(keys, dst, skip_first_n_tokens=skip_blocks * BLOCK).result(30)
+            assert res.loaded == [0, 1, 2, 3, 4]
+            for t, old in zip(layers, before):
+                loaded, kept = dst[skip_blocks:], dst[:skip_blocks]
+                assert torch.equal(t[:, loaded].view(torch.int16), t[:, src[skip_blocks:]].view(torch.int16))
+                assert torch.equal(t[:, kept].view(torch.int16), old[:, kept].view(torch.int16))
+        assert ctx._pipe is not None and len(ctx._pipe.chunks) == HpuContext.STAGING_DEPTH
+        assert ctx._pipe.group_rows == group_chunks * 2 * bpc
     finally:
         ctx.close()
 
