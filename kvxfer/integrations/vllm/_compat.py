@@ -82,7 +82,7 @@ else:
         ) -> tuple[bool, dict[str, Any] | None]:
             raise NotImplementedError
 
-    class KVConnectorBase_V1(ABC):  # type: ignore[no-redef]  # noqa: N801
+    class KVConnectorBase_V1(ABC):  # type: ignore[no-redef]  # noqa: N801, B024
         """Stand-in for vLLM's ``KVConnectorBase_V1``: the constructor and the metadata binding
         that the real base implements; every other method is the connector's own."""
 

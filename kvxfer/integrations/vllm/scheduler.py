@@ -289,7 +289,7 @@ def resumed_req_ids(cached: Any) -> set[str]:
     if ids is not None:
         return set(ids)
     flags = getattr(cached, "resumed_from_preemption", None) or ()
-    return {rid for rid, flag in zip(cached.req_ids, flags) if flag}
+    return {rid for rid, flag in zip(cached.req_ids, flags, strict=False) if flag}
 
 
 def request_salt(request: Any) -> str:
