@@ -194,9 +194,10 @@ class HpuContext(ClientDrivenContext):
         ops, p = self.ops, self._pipeline()
         with ops.use_stream(p.compute):
             _Pipeline.wait(p.compute, self._engine_ready)
-        for group in self._groups(copies, p.group_rows):
+            rows = self._device_rows(copies)
+        for group, idx in self._groups(copies, rows, p.group_rows):
+            gathered = self._rows_view(p.group, idx.numel())
             with ops.use_stream(p.compute):
-                idx, gathered = self._group_rows(group, p)
                 for layer, out in zip(self._rows, gathered):
                     torch.index_select(layer, 0, idx, out=out)
             offset = 0
@@ -223,9 +224,10 @@ class HpuContext(ClientDrivenContext):
                     layer.index_put_((c.rows,), src)
             return
         ops, p = self.ops, self._pipeline()
-        for group in self._groups(copies, p.group_rows):
-            with ops.use_stream(p.compute):
-                idx, gathered = self._group_rows(group, p)
+        with ops.use_stream(p.compute):
+            rows = self._device_rows(copies)
+        for group, idx in self._groups(copies, rows, p.group_rows):
+            gathered = self._rows_view(p.group, idx.numel())
             offset = 0
             for c in group:
                 n = c.rows.numel()
@@ -241,8 +243,8 @@ class HpuContext(ClientDrivenContext):
                     _Pipeline.record(p.free[k], p.compute)
                 offset += n
             with ops.use_stream(p.compute):
-                for layer, rows in zip(self._rows, gathered):
-                    layer.index_copy_(0, idx, rows)
+                for layer, loaded in zip(self._rows, gathered):
+                    layer.index_copy_(0, idx, loaded)
                 ops.flush(self.device)
         self._finish(p.compute)
 
@@ -266,19 +268,21 @@ class HpuContext(ClientDrivenContext):
         return self._pipe
 
     @staticmethod
-    def _groups(copies: list[RowCopy], max_rows: int) -> list[list[RowCopy]]:
-        """Consecutive copies whose rows fit the gather buffer together (each fits alone: a
-        copy is at most one chunk)."""
-        groups: list[list[RowCopy]] = []
-        rows = max_rows
+    def _groups(copies: list[RowCopy], rows: torch.Tensor,
+                max_rows: int) -> list[tuple[list[RowCopy], torch.Tensor]]:
+        """Consecutive copies whose rows fit the gather buffer together (a copy is at most one
+        chunk, so each fits alone), each with its slice of ``rows`` (all copies' rows in order)."""
+        groups: list[tuple[list[RowCopy], int, int]] = []
         for c in copies:
             n = c.rows.numel()
-            if rows + n > max_rows:
-                groups.append([])
-                rows = 0
-            groups[-1].append(c)
-            rows += n
-        return groups
+            if groups and groups[-1][2] + n <= max_rows:
+                group, start, count = groups[-1]
+                group.append(c)
+                groups[-1] = (group, start, count + n)
+            else:
+                start = groups[-1][1] + groups[-1][2] if groups else 0
+                groups.append(([c], start, n))
+        return [(group, rows[start:start + count]) for group, start, count in groups]
 
     def _rows_view(self, flat: torch.Tensor, n_rows: int) -> torch.Tensor:
         """The first bytes of ``flat`` (uint8) as ``[num_layers, n_rows, row_elems]`` of the
@@ -287,11 +291,11 @@ class HpuContext(ClientDrivenContext):
         nbytes = self.layout.num_layers * n_rows * like.shape[1] * like.element_size()
         return flat[:nbytes].view(like.dtype).view(self.layout.num_layers, n_rows, like.shape[1])
 
-    def _group_rows(self, group: list[RowCopy], p: _Pipeline) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ids of ``group`` on the device (one small host-to-device copy) and the gather
-        buffer as ``[num_layers, rows, row_elems]``. Runs on the compute stream."""
-        rows = torch.cat([c.rows for c in group]) if len(group) > 1 else group[0].rows
-        return rows.to(self.device, non_blocking=True), self._rows_view(p.group, rows.numel())
+    def _device_rows(self, copies: list[RowCopy]) -> torch.Tensor:
+        """Every copy's row ids, in order, on the device: one small host-to-device copy per
+        request (a copy from pageable memory waits for the stream, so only one, up front)."""
+        rows = torch.cat([c.rows for c in copies]) if len(copies) > 1 else copies[0].rows
+        return rows.to(self.device, non_blocking=True)
 
     def _chunk_buffer(self, p: _Pipeline, n_rows: int) -> tuple[int, torch.Tensor]:
         """The next chunk buffer (index, ``[num_layers, n_rows, row_elems]`` view)."""
