@@ -8,11 +8,11 @@ the client recorded on the engine's current stream when it submitted the request
 waits on that event on its own streams, and moves the bytes between the engine's blocks and its
 arena (registered as pinned host memory) itself:
 
-* store: blocks are gathered on the GPU into a staging buffer, one ``index_select`` per layer and
-  chunk, and each chunk leaves the GPU in one 32 MiB-class DMA copy; gathers and copies run on
-  two streams, so the copy engine is kept busy;
-* retrieve: the reverse (one DMA copy per chunk into staging, one ``index_copy_`` per layer),
-  honouring ``skip_first_n_tokens``.
+* store: each chunk's blocks of every layer are gathered on the GPU into a staging buffer by one
+  Triton kernel launch (per-layer ``index_select`` without Triton), and the chunk leaves the GPU
+  in one DMA copy; gathers and copies run on two streams, so the copy engine is kept busy;
+* retrieve: the reverse (one DMA copy per chunk into staging, one scatter launch), honouring
+  ``skip_first_n_tokens``.
 
 The server synchronizes its streams before it replies, so a future that completed means the
 bytes are in the arena (store) or in the engine's blocks (retrieve); the engine needs no stream

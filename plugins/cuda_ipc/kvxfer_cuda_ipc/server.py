@@ -3,15 +3,19 @@
 Copy pipeline of one request (``copies`` are the core's :class:`RowCopy`, one per chunk, or one
 per plane for a chunk cut by ``skip_first_n_tokens``), on two CUDA streams of the server:
 
-store     compute: wait client event | for each chunk: index_select x layers -> staging[k]
-          copy:                                      \\-> one D2H DMA staging[k] -> arena slot
-retrieve  copy:    for each chunk: one H2D DMA arena slot -> staging[k]
-          compute: wait client event |               \\-> index_copy_ x layers -> engine blocks
+store     compute: wait client event | per chunk: gather all layers' rows -> staging[k]
+          copy:                                  \\-> one D2H DMA staging[k] -> arena slot
+retrieve  copy:    per chunk: one H2D DMA arena slot -> staging[k]
+          compute: wait client event |           \\-> scatter into all layers' blocks
 
-``staging`` is a ring of ``K`` chunk-sized device buffers (``KVXFER_CUDA_IPC_STAGING_MIB``,
-default 128 MiB, at least 2 chunks); events order each buffer's reuse, so the DMA engine never
-waits for the CPU. The gathers and scatters move rows as 16-byte elements. The worker thread
-synchronizes before returning: the reply means the copies are complete.
+The gather/scatter of a chunk is one Triton kernel launch for every layer (:mod:`._kernels`), or,
+without Triton (or with ``KVXFER_CUDA_IPC_KERNEL=torch``), one ``index_select``/``index_copy_``
+per layer, rows moved as 16-byte elements. ``staging`` is a ring of ``K`` chunk-sized device
+buffers (``KVXFER_CUDA_IPC_STAGING_MIB``, default 128 MiB, at least 2 chunks); events order each
+buffer's reuse, so the DMA engine never waits for the CPU. ``KVXFER_CUDA_IPC_MODE=direct`` skips
+staging: the kernels read and write the pinned, mapped arena over PCIe themselves (measured
+slower on an H200: docs/cuda_ipc.md). The worker thread synchronizes before returning: the
+reply means the copies are complete.
 """
 
 from __future__ import annotations
@@ -155,7 +159,7 @@ class CudaIpcServerContext(ServerContext):
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
         # "direct": the kernels read/write the pinned, mapped arena over PCIe themselves (no staging)
         self._direct = self._fused and os.environ.get("KVXFER_CUDA_IPC_MODE", "staged") == "direct"
-        self.stats = {"store_n": 0, "store_bytes": 0, "store_s": 0.0,
+        self.stats: dict[str, float] = {"store_n": 0, "store_bytes": 0, "store_s": 0.0,
                       "retrieve_n": 0, "retrieve_bytes": 0, "retrieve_s": 0.0}
         self._row_words = layout.row_bytes // 8
         self._compute = torch.cuda.Stream(self.device)
@@ -267,9 +271,7 @@ class CudaIpcServerContext(ServerContext):
                 client = self._client_event(params)
                 if client is not None:
                     self._compute.wait_event(client)  # the engine's work before the submit
-                if self._direct:
-                    self._direct_copy(copies, write_arena)
-                else:
+                if not (self._direct and self._direct_copy(copies, write_arena)):
                     self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in copies))
                     idx = self._upload_rows(copies)
                     if write_arena:
@@ -285,15 +287,22 @@ class CudaIpcServerContext(ServerContext):
         self.stats[f"{kind}_s"] += time.perf_counter() - t0
         self.transfers += 1
 
-    def _direct_copy(self, copies: list[RowCopy], write_arena: bool) -> None:
-        """One kernel per chunk between the engine's blocks and the slot's layers in host memory."""
-        with torch.cuda.stream(self._compute):
-            for rows, addrs in self._upload_rows(copies, with_addresses=True):
-                if write_arena:
-                    _kernels.gather_to(self._layer_ptrs, rows, addrs, self._row_words)
-                else:
-                    _kernels.scatter_from(self._layer_ptrs, rows, addrs, self._row_words)
+    def _direct_copy(self, copies: list[RowCopy], write_arena: bool) -> bool:
+        """One kernel per chunk between the engine's blocks and the slot's layers in host memory.
+        False (nothing copied) when the kernels cannot run: the caller stages instead."""
+        try:
+            with torch.cuda.stream(self._compute):
+                for rows, addrs in self._upload_rows(copies, with_addresses=True):
+                    if write_arena:
+                        _kernels.gather_to(self._layer_ptrs, rows, addrs, self._row_words)
+                    else:
+                        _kernels.scatter_from(self._layer_ptrs, rows, addrs, self._row_words)
+        except Exception as exc:  # compile failure: no kernel of this request ran
+            self._compute.synchronize()
+            self._fall_back(exc)
+            return False
         self._compute.synchronize()
+        return True
 
     def _store(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> None:
         comp, cp = self._compute, self._copy
@@ -357,6 +366,7 @@ class CudaIpcServerContext(ServerContext):
         log.warning("cuda_ipc: the Triton copy kernel failed on %s (%s: %s); using per-layer torch ops",
                     self.label, type(exc).__name__, exc)
         self._fused = False
+        self._direct = False
 
     # ------------------------------------------------------------------ status, close
 
