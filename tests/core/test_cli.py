@@ -1,4 +1,8 @@
-"""The kvxfer command against a real server: plugins, status (table and --json), python -m."""
+"""The kvxfer command against a real server: plugins, status (table and --json), python -m.
+
+The console script and ``python -m kvxfer`` run as real subprocesses; error paths and the plugin
+table call ``kvxfer.cli.main`` in this process (same code, no interpreter start-up).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvxfer.cli import main
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
 
 KVXFER = Path(sys.executable).with_name("kvxfer")
@@ -39,19 +44,20 @@ def test_console_script_is_installed() -> None:
     assert KVXFER.exists(), f"{KVXFER} missing: is the core installed (scripts/setup.sh)?"
 
 
-def test_plugins_table() -> None:
-    proc = run("plugins")
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+def test_plugins_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert "entry point group kvxfer.transports" in lines[0]
     header = next(line for line in lines if line.startswith("name"))
     assert header.split() == ["name", "version", "distribution", "api", "style", "health"]
     [row] = [line for line in lines if line.startswith("cpu_gather ")]
     assert row.split()[1:] == ["0.1.0", "kvxfer-cpu-gather", "1", "client_driven", "available"]
+    # the test-only plugin is installed only where tests/core/test_plugins.py puts it
+    assert not [line for line in lines if line.startswith("test_")]
 
 
-def test_python_dash_m_plugins_json() -> None:
-    proc = run("plugins", "--json", module=True)
+def test_console_script_plugins_json() -> None:
+    proc = run("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     [cpu] = [p for p in report["transports"] if p["name"] == "cpu_gather"]
@@ -84,15 +90,16 @@ def test_status_json(server, registered) -> None:
     assert {"leases", "leased_chunks", "reservations", "errors", "hook_errors", "sections"} <= set(st)
 
 
-def test_status_without_a_server_says_how_to_start_one(tmp_path: Path) -> None:
+def test_status_without_a_server_says_how_to_start_one(tmp_path: Path, capsys) -> None:
     url = f"ipc://{tmp_path}/none.sock"
-    proc = run("status", "--url", url, "--timeout", "0.5")
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("kvxfer status: error:") and f"kvxfer serve --url {url}" in proc.stderr
+    assert main(["status", "--url", url, "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvxfer status: error:") and f"kvxfer serve --url {url}" in err
 
 
-def test_bad_arguments() -> None:
-    proc = run("serve", "--l1-size", "lots")
-    assert proc.returncode == 2 and "not a size: 'lots'" in proc.stderr
-    proc = run("nonsense")
-    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+def test_bad_arguments(capsys) -> None:
+    assert main(["serve", "--l1-size", "lots"]) == 2
+    assert "not a size: 'lots'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["nonsense"])
+    assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
