@@ -19,7 +19,7 @@ __all__ = ["KitBase", "device_missing", "server_for"]
 
 #: Seconds of silence after which the kit's server drops a client (the dead-client test waits
 #: for this). Heartbeats go every third of it.
-SESSION_TIMEOUT_S = 2.0
+SESSION_TIMEOUT_S = 3.0
 
 
 _SERVERS = pytest.StashKey[dict[str, ServerProcess]]()

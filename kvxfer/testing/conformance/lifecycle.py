@@ -20,7 +20,7 @@ from kvxfer.testing.kvdata import as_bytes
 __all__ = ["LifecycleTests"]
 
 #: How long the server may take to drop a dead client's registrations (its session timeout is
-#: 2 s in the kit's server; the rest is slack for a loaded machine).
+#: 3 s in the kit's server; the rest is slack for a loaded machine).
 DROP_WITHIN_S = 15.0
 
 
