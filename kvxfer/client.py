@@ -75,9 +75,15 @@ class CacheClient:
             reply: m.HandshakeReply = self._mq.request(
                 "handshake", m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid()), timeout=self.connect_timeout)
         except ConnectionFailed as exc:
+            hint = ""
+            if self.url.startswith("tcp://"):
+                # ZeroMQ drops a CURVE handshake it refuses without a word: say so
+                hint = ("; a tcp:// server only answers clients with an authorized CURVE key: pass "
+                        "curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR) with the "
+                        "server's public key and a client key pair listed in its authorized/ folder")
             raise ConnectionFailed(
                 f"no kvxfer server answered at {self.url} within {self.connect_timeout:g} s; "
-                f"start one with `kvxfer serve --url {self.url}` ({exc})"
+                f"start one with `kvxfer serve --url {self.url}`{hint} ({exc})"
             ) from None
         self.server_version = reply.server_version
         self.chunk_size = reply.chunk_size
