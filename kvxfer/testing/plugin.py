@@ -31,6 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvxfer_conformance: a test of kvxfer's transport conformance kit")
 
 
+@pytest.hookimpl(tryfirst=True)  # markers added here must exist before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     kit = sys.modules.get("kvxfer.testing.conformance")
     if kit is None:  # nothing collected uses the kit (and importing it would import torch)

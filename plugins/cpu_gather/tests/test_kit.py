@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,3 +132,34 @@ def test_own_tests_and_other_marks_are_allowed() -> None:
     assert TestExtended.test_partial_hits is TransportConformance.test_partial_hits
     assert "test_something_specific" not in TransportConformance.kit_names
     assert {"kit", "kit_server", "kit_transport", "test_partial_hits"} <= TransportConformance.kit_names
+
+
+def test_command_line_suite_and_gates(tmp_path: Path) -> None:
+    """``--kvxfer-transport`` runs the packaged suite; a class naming a transport that is not
+    installed fails with the installed names; a missing device skips with the reason."""
+    (tmp_path / "test_gates.py").write_text(
+        "from kvxfer.testing import TransportConformance\n\n"
+        "class TestNotInstalled(TransportConformance):\n"
+        "    transport = 'no_such_transport'\n\n"
+        "class TestNoSuchDevice(TransportConformance):\n"
+        "    transport = 'cpu_gather'\n"
+        "    device = 'xla'\n"
+    )
+    report = tmp_path / "report.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--kvxfer-transport=cpu_gather",
+         "-m", "kvxfer_conformance", "-k", "test_empty_requests", f"--junitxml={report}",
+         "--pyargs", "kvxfer.testing.suite", "test_gates.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kinds = {child.tag: child.get("message", "") for child in case}
+        cls = case.get("classname", "").rsplit(".", 1)[-1]
+        outcomes[cls] = next(((k, msg) for k, msg in kinds.items() if k in ("failure", "error", "skipped")),
+                             ("passed", ""))
+    assert outcomes["TestConformance"][0] == "passed", out
+    kind, msg = outcomes["TestNotInstalled"]
+    assert kind == "error" and "no transport named 'no_such_transport'" in msg and "cpu_gather" in msg, out
+    kind, msg = outcomes["TestNoSuchDevice"]
+    assert kind == "skipped" and "xla" in msg, out
