@@ -79,3 +79,11 @@ def test_broken_plugins_are_listed_with_their_error(tmp_path: Path) -> None:
     lines = {line.split()[0]: line for line in table.stdout.splitlines() if line.strip()}
     assert lines["wrong_api"].split()[-1] == "broken"
     assert lines["file_debug"].split()[-1] == "available"
+
+
+def test_imports_only_the_public_api() -> None:
+    import kvxfer_file_transport
+
+    from kvxfer.testing.imports import private_imports
+
+    assert private_imports(Path(kvxfer_file_transport.__file__).parent) == []

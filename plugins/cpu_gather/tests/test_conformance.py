@@ -5,6 +5,8 @@ narrower copy element types of ``copy_view``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -13,6 +15,7 @@ from kvxfer.protocol import codec
 from kvxfer.testing import TransportConformance
 from kvxfer.testing.conformance.roundtrip import assert_retrieved
 from kvxfer.testing.harness import CHUNK_SIZE, Kit
+from kvxfer.testing.imports import private_imports
 from kvxfer.testing.kvdata import as_bytes, equal_bytes
 from kvxfer_cpu_gather import CpuGatherRegistration
 
@@ -62,3 +65,9 @@ class TestCpuGatherOnCuda(TransportConformance):
 
     transport = "cpu_gather"
     device = "cuda"
+
+
+def test_imports_only_the_public_api() -> None:
+    import kvxfer_cpu_gather
+
+    assert private_imports(Path(kvxfer_cpu_gather.__file__).parent) == []

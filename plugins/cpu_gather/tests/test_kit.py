@@ -21,6 +21,7 @@ import pytest
 from kvxfer.layout import LayoutKind
 from kvxfer.testing import OverrideError, ServerProcess, TransportConformance
 from kvxfer.testing.harness import CHUNK_SIZE, Kit
+from kvxfer.testing.imports import private_imports
 from kvxfer.transport import registry
 
 MUTANTS = Path(__file__).parent / "mutants"
@@ -163,3 +164,12 @@ def test_command_line_suite_and_gates(tmp_path: Path) -> None:
     assert kind == "error" and "no transport named 'no_such_transport'" in msg and "cpu_gather" in msg, out
     kind, msg = outcomes["TestNoSuchDevice"]
     assert kind == "skipped" and "xla" in msg, out
+
+
+def test_private_imports_are_found(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("import kvxfer\nfrom kvxfer.transport import Transport\nfrom kvxfer import layout\n")
+    (pkg / "b.py").write_text("import os\nfrom kvxfer.server.arena import Arena\nimport kvxfer.protocol.codec\n")
+    assert private_imports(pkg) == [f"{pkg / 'a.py'}:3: kvxfer.layout", f"{pkg / 'b.py'}:2: kvxfer.server.arena",
+                                    f"{pkg / 'b.py'}:3: kvxfer.protocol.codec"]
