@@ -188,7 +188,7 @@ class TransferContextBase(TransferContext):
     def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[m.StoreResult]:
         keys = list(keys)
         blocks = check_transfer(self.layout, self.chunk_size, len(keys), block_ids)
-        return self._submit(self._store, keys, blocks)
+        return self._submit_store(keys, blocks)
 
     def submit_retrieve(
         self,
@@ -199,13 +199,16 @@ class TransferContextBase(TransferContext):
     ) -> Future[m.RetrieveResult]:
         keys = list(keys)
         blocks = check_transfer(self.layout, self.chunk_size, len(keys), block_ids, skip_first_n_tokens)
-        return self._submit(self._retrieve, keys, blocks, skip_first_n_tokens // self.layout.block_size, lease_id)
+        return self._submit_retrieve(keys, blocks, skip_first_n_tokens // self.layout.block_size, lease_id)
 
     @abstractmethod
-    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult: ...
+    def _submit_store(self, keys: list[bytes], blocks: torch.Tensor) -> Future[m.StoreResult]:
+        """Start a validated store; the style's base class implements it."""
 
     @abstractmethod
-    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> m.RetrieveResult: ...
+    def _submit_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int,
+                         lease_id: int) -> Future[m.RetrieveResult]:
+        """Start a validated retrieve; the style's base class implements it."""
 
     # ------------------------------------------------------------------ close
 
@@ -215,6 +218,7 @@ class TransferContextBase(TransferContext):
                 return
             self._closed = True
         self._executor.shutdown(wait=True)
+        self._drain()
         if self._registered:
             try:
                 # no longer than the client's own timeout: a dead server must not stall shutdown
@@ -227,6 +231,9 @@ class TransferContextBase(TransferContext):
         if detach is not None:
             detach(self)
         self.release()
+
+    def _drain(self) -> None:
+        """Wait for transfers still in flight after the worker is idle (none by default)."""
 
     def release(self) -> None:
         """Free client-side resources (mappings, pinned memory). Called once by close()."""
@@ -270,6 +277,13 @@ class ClientDrivenContext(TransferContextBase):
         Must return only when the engine can read the blocks (or its stream is ordered after
         the copy)."""
 
+    def _submit_store(self, keys: list[bytes], blocks: torch.Tensor) -> Future[m.StoreResult]:
+        return self._submit(self._store, keys, blocks)
+
+    def _submit_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int,
+                         lease_id: int) -> Future[m.RetrieveResult]:
+        return self._submit(self._retrieve, keys, blocks, skip_blocks, lease_id)
+
     def _slots(self, slots: list[m.Slot], nbytes: int) -> list[tuple[int, torch.Tensor]]:
         return [(s.index, self.arena.view(s.offset, nbytes)) for s in slots]
 
@@ -310,14 +324,26 @@ class ClientDrivenContext(TransferContextBase):
 class ServerDrivenContext(TransferContextBase):
     """Base of server-driven transports: requests carry block ids; the server copies.
 
-    Subclasses may override :meth:`store_params` / :meth:`retrieve_params` (per-request Structs
-    the server's :class:`ServerContext` decodes with its ``params_type``) and
-    :meth:`after_retrieve` (e.g. make the engine's stream wait for the server's copy). A
-    transport whose client must act on each request's blocks (stage them before a store, place
-    them after a retrieve) overrides :meth:`prepare_store`, :meth:`prepare_retrieve` and
-    :meth:`finish_retrieve` instead, which see the request; their defaults call the former.
-    All of them run on the context's worker thread, one request at a time, in order.
+    Per request, on the context's worker thread and in submission order, :meth:`prepare_store`
+    or :meth:`prepare_retrieve` makes the transport's params (a Struct the server's
+    :class:`ServerContext` decodes with its ``params_type``) and the request is sent. When its
+    reply arrives, on a second thread and in the same order, :meth:`finish_retrieve` runs (e.g.
+    make the engine's stream wait, or place staged bytes) before the future resolves, and
+    :meth:`release_params` runs after every request, failed or not.
+
+    ``max_in_flight`` requests may be at the server at once. With 1 (the default), a request is
+    prepared only after the previous one finished, so params may name per-context resources.
+    With more, the server starts the next copy while a reply travels back (the fixed cost of a
+    request overlaps the previous copy); the transport's prepare/finish must then tolerate
+    overlapping requests.
     """
+
+    max_in_flight: ClassVar[int] = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._window = threading.BoundedSemaphore(self.max_in_flight)
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.transport_name}-done")
 
     def store_params(self) -> msgspec.Struct | None:
         return None
@@ -326,7 +352,7 @@ class ServerDrivenContext(TransferContextBase):
         return None
 
     def after_retrieve(self, params: msgspec.Struct | None) -> None:
-        """Runs on the worker thread once the server has answered a retrieve."""
+        """Runs once the server has answered a retrieve, before its future resolves."""
 
     def prepare_store(self, keys: list[bytes], blocks: torch.Tensor) -> msgspec.Struct | None:
         """The params of a store of ``keys`` from ``blocks`` (int64, CPU), made right before the
@@ -344,22 +370,91 @@ class ServerDrivenContext(TransferContextBase):
         in ``result.loaded`` may be written. Default: :meth:`after_retrieve`."""
         self.after_retrieve(params)
 
+    def release_params(self, params: msgspec.Struct | None) -> None:
+        """Runs after every request (answered, failed or timed out) with the params it was sent
+        with: free what :meth:`prepare_store` / :meth:`prepare_retrieve` took."""
+
     @staticmethod
     def _raw(params: msgspec.Struct | None) -> msgspec.Raw:
         return msgspec.Raw(codec.encode(params)) if params is not None else m.NO_PARAMS
 
-    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult:
-        params = self.prepare_store(keys, blocks)
-        return self._call(lambda: self.connection.request("store", m.Store(
-            self.instance_id, keys, blocks.tolist(), self._raw(params))))
+    def _submit_store(self, keys: list[bytes], blocks: torch.Tensor) -> Future[m.StoreResult]:
+        def send() -> tuple[str, msgspec.Struct, msgspec.Struct | None]:
+            params = self.prepare_store(keys, blocks)
+            return "store", m.Store(self.instance_id, keys, blocks.tolist(), self._raw(params)), params
 
-    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> m.RetrieveResult:
-        params = self.prepare_retrieve(keys, blocks, skip_blocks)
-        res: m.RetrieveResult = self._call(lambda: self.connection.request("retrieve", m.Retrieve(
-            self.instance_id, keys, blocks.tolist(), skip_blocks * self.layout.block_size, lease_id,
-            self._raw(params))))
-        self.finish_retrieve(params, res, blocks, skip_blocks)
-        return res
+        return self._pipelined(send, lambda res, params: res)
+
+    def _submit_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int,
+                         lease_id: int) -> Future[m.RetrieveResult]:
+        def send() -> tuple[str, msgspec.Struct, msgspec.Struct | None]:
+            params = self.prepare_retrieve(keys, blocks, skip_blocks)
+            return "retrieve", m.Retrieve(self.instance_id, keys, blocks.tolist(), skip_blocks * self.layout.block_size,
+                                          lease_id, self._raw(params)), params
+
+        def finish(res: m.RetrieveResult, params: msgspec.Struct | None) -> m.RetrieveResult:
+            self.finish_retrieve(params, res, blocks, skip_blocks)
+            return res
+
+        return self._pipelined(send, finish)
+
+    def _pipelined(
+        self,
+        send: Callable[[], tuple[str, msgspec.Struct, msgspec.Struct | None]],
+        finish: Callable[[Any, msgspec.Struct | None], T],
+    ) -> Future[T]:
+        """Prepare and send on the worker (waiting for a free place in the window), finish on
+        the finisher thread in reply order. After a server restart the request is sent once
+        more, synchronously, once the context is registered again."""
+        outer: Future[T] = Future()
+
+        def done(reply: Future[Any], name: str, payload: msgspec.Struct, params: msgspec.Struct | None) -> None:
+            try:
+                try:
+                    res = reply.result()
+                except (NoSession, UnknownInstance):
+                    res = self._resend(name, payload)
+                outer.set_result(finish(res, params))
+            except BaseException as exc:
+                outer.set_exception(exc)
+            finally:
+                try:
+                    self.release_params(params)
+                finally:
+                    self._window.release()
+
+        def start() -> None:
+            self._window.acquire()
+            try:
+                name, payload, params = send()
+            except BaseException as exc:
+                self._window.release()
+                outer.set_exception(exc)
+                return
+            reply = self.connection.submit(name, payload)
+            reply.add_done_callback(lambda f: self._finisher.submit(done, f, name, payload, params))
+
+        self._submit(start)
+        return outer
+
+    def _resend(self, name: str, payload: msgspec.Struct) -> Any:
+        """The server lost this context (it restarted): register again and send once more."""
+        reconnect = getattr(self.connection, "reconnect", None)
+        if reconnect is None:
+            raise UnknownInstance(f"instance {self.instance_id} is not registered any more")
+        reconnect(self)
+        return self.connection.request(name, payload)
+
+    def close(self) -> None:
+        super().close()
+        self._finisher.shutdown(wait=True)
+
+    def _drain(self) -> None:
+        """Wait until every sent request has finished (their replies have deadlines)."""
+        for _ in range(self.max_in_flight):
+            self._window.acquire()
+        for _ in range(self.max_in_flight):
+            self._window.release()
 
 
 class _ArenaOnlyContext(ServerContext):

@@ -171,6 +171,9 @@ class CudaIpcContext(ServerDrivenContext):
     """
 
     registration_type: ClassVar[type[Registration]] = CudaIpcRegistration
+    #: Requests at the server at once: the server copies the next request while a reply travels
+    #: back, so a connector with several transfers outstanding gets the copy engine's rate.
+    max_in_flight: ClassVar[int] = 4
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -186,7 +189,7 @@ class CudaIpcContext(ServerDrivenContext):
         self._events = _EventPool(self.device)
         self._order = threading.Lock()
         self._pending: dict[str, deque[torch.cuda.Event]] = {"store": deque(), "retrieve": deque()}
-        self._current: torch.cuda.Event | None = None
+        self._held: dict[int, torch.cuda.Event] = {}
 
     # ------------------------------------------------------------------ registration
 
@@ -253,31 +256,25 @@ class CudaIpcContext(ServerDrivenContext):
                 self._events.release(ev)
                 raise
 
-    def _run_with_event(self, kind: str, fn: Callable[[], T]) -> T:
+    def _take_event(self, kind: str) -> CudaIpcParams:
+        """The params of the next request of ``kind``: the event its submit recorded. Runs on the
+        worker, in submission order, so requests and events pair up; the event goes back to the
+        pool in :meth:`release_params`, once the server has answered."""
         ev = self._pending[kind].popleft()
-        self._current = ev
-        try:
-            return fn()
-        finally:
-            self._current = None
+        params = CudaIpcParams(event_handle=self._events.handle(ev))
+        self._held[id(params)] = ev
+        return params
+
+    def prepare_store(self, keys: list[bytes], blocks: torch.Tensor) -> msgspec.Struct | None:
+        return self._take_event("store")
+
+    def prepare_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int) -> msgspec.Struct | None:
+        return self._take_event("retrieve")
+
+    def release_params(self, params: msgspec.Struct | None) -> None:
+        ev = self._held.pop(id(params), None)
+        if ev is not None:
             self._events.release(ev)
-
-    def _params(self) -> CudaIpcParams:
-        ev = self._current
-        return CudaIpcParams(event_handle=self._events.handle(ev) if ev is not None else b"")
-
-    def store_params(self) -> msgspec.Struct | None:
-        return self._params()
-
-    def retrieve_params(self) -> msgspec.Struct | None:
-        return self._params()
-
-    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> StoreResult:
-        return self._run_with_event("store", lambda: super(CudaIpcContext, self)._store(keys, blocks))
-
-    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> RetrieveResult:
-        return self._run_with_event("retrieve", lambda: super(CudaIpcContext, self)._retrieve(
-            keys, blocks, skip_blocks, lease_id))
 
     def release(self) -> None:
         """After unregister (the server closed its mappings): drop events and export records."""
