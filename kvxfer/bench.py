@@ -91,6 +91,43 @@ def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[
     return {"store_limit": gbps, "retrieve_limit": gbps, "limit": "memcpy"}
 
 
+def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]], inflight: int,
+           device: torch.device, bar: Any) -> tuple[list[float], list[float]]:
+    """Store every request, then retrieve every one. With ``inflight`` 1: each request alone,
+    one duration per request. With more: up to ``inflight`` outstanding, one duration per phase."""
+    if inflight == 1:
+        store_t, retr_t = [], []
+        for keys, src, dst in reqs:
+            _sync(device)
+            t0 = time.perf_counter()
+            res = ctx.submit_store(keys, src).result(timeout=300)
+            t1 = time.perf_counter()
+            got = ctx.submit_retrieve(keys, dst).result(timeout=300)
+            _sync(device)
+            t2 = time.perf_counter()
+            if res.failed or got.missing:
+                raise SystemExit(f"benchmark request did not move every chunk: {res} {got}")
+            store_t.append(t1 - t0)
+            retr_t.append(t2 - t1)
+            bar.update(1)
+        return store_t, retr_t
+    phases = []
+    for phase in ("store", "retrieve"):
+        _sync(device)
+        t0 = time.perf_counter()
+        window: list[Any] = []
+        for keys, src, dst in reqs:
+            if len(window) == inflight:
+                window.pop(0).result(timeout=300)
+            window.append(ctx.submit_store(keys, src) if phase == "store" else ctx.submit_retrieve(keys, dst))
+        for fut in window:
+            fut.result(timeout=300)
+        _sync(device)
+        phases.append([time.perf_counter() - t0])
+    bar.update(len(reqs))
+    return phases[0], phases[1]
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvxfer.hashing import chunk_hashes
     from kvxfer.testing.server import ServerProcess
@@ -114,7 +151,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                     generator=gen).to(device))
             kv.append(t)
         chunk_bytes = layout.chunk_bytes(chunk_size)
-        total_reqs = (args.iters + 1) * len(args.chunks_per_request)
+        total_reqs = (args.iters + 1) * len(args.chunks_per_request) * len(args.inflight)
         l1 = args.l1_size or f"{int(total_reqs * max_cpr * chunk_bytes * 1.1) + (64 << 20)}"
         server = None
         url = args.url
@@ -133,47 +170,43 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for cpr in args.chunks_per_request:
                 nbytes = cpr * chunk_bytes
                 limit = physical_limit(nbytes, device)
-                store_t, retr_t = [], []
-                for it in range(args.iters + 1):
-                    counter += 1
-                    tokens = torch.randint(0, 50000, (cpr * chunk_size,), generator=gen)
-                    tokens[0] = counter  # unique prefix per request: no dedupe
-                    keys = chunk_hashes(tokens.tolist(), chunk_size)
-                    perm = torch.randperm(num_blocks, generator=gen)
-                    src, dst = perm[:cpr * bpc], perm[cpr * bpc:2 * cpr * bpc]
+                for inflight in args.inflight:
+                    reqs = []
+                    for _ in range(args.iters + 1):
+                        counter += 1
+                        tokens = torch.randint(0, 50000, (cpr * chunk_size,), generator=gen)
+                        tokens[0] = counter  # unique prefix per request: no dedupe
+                        perm = torch.randperm(num_blocks, generator=gen)
+                        reqs.append((chunk_hashes(tokens.tolist(), chunk_size), perm[:cpr * bpc],
+                                     perm[cpr * bpc:2 * cpr * bpc]))
+                    keys, src, dst = reqs[0]  # warm-up, and the bit-exact check
+                    ctx.submit_store(keys, src).result(timeout=300)
+                    ctx.submit_retrieve(keys, dst).result(timeout=300)
                     _sync(device)
-                    t0 = time.perf_counter()
-                    res = ctx.submit_store(keys, src).result(timeout=300)
-                    t1 = time.perf_counter()
-                    got = ctx.submit_retrieve(keys, dst).result(timeout=300)
-                    _sync(device)
-                    t2 = time.perf_counter()
-                    if len(res.stored) != cpr or len(got.loaded) != cpr:
-                        raise SystemExit(f"benchmark request did not move every chunk: {res} {got}")
-                    if it == 0 and args.verify:
+                    if args.verify:
                         for layer in kv:
                             rows = layout.row_view(layer).view(torch.uint8)  # bytes: NaN != NaN
                             if not torch.equal(rows[layout.rows(src.to(device))], rows[layout.rows(dst.to(device))]):
                                 raise SystemExit("retrieved blocks differ from stored blocks")
-                    if it:  # the first request warms up
-                        store_t.append(t1 - t0)
-                        retr_t.append(t2 - t1)
                     bar.update(1)
-                store = _median_gbps(nbytes, store_t)
-                retrieve = _median_gbps(nbytes, retr_t)
-                results.append({
-                    "transport": args.transport, "device": str(device), "layout": kind.value,
-                    "dtype": args.dtype, "layers": args.layers, "chunk_size": chunk_size,
-                    "chunk_mib": chunk_bytes / 2**20, "chunks_per_request": cpr, "request_mib": nbytes / 2**20,
-                    "store_gbps": store, "retrieve_gbps": retrieve,
-                    "store_p50_ms": statistics.median(store_t) * 1e3,
-                    "retrieve_p50_ms": statistics.median(retr_t) * 1e3,
-                    "limit": limit["limit"], "store_limit_gbps": limit["store_limit"],
-                    "retrieve_limit_gbps": limit["retrieve_limit"],
-                    "store_ratio": store / limit["store_limit"],
-                    "retrieve_ratio": retrieve / limit["retrieve_limit"],
-                    "iters": args.iters,
-                })
+                    store_t, retr_t = _timed(ctx, reqs[1:], inflight, device, bar)
+                    timed = args.iters
+                    store = nbytes * timed / sum(store_t) if inflight > 1 else _median_gbps(nbytes, store_t) * GB
+                    retrieve = nbytes * timed / sum(retr_t) if inflight > 1 else _median_gbps(nbytes, retr_t) * GB
+                    store, retrieve = store / GB, retrieve / GB
+                    results.append({
+                        "transport": args.transport, "device": str(device), "layout": kind.value,
+                        "dtype": args.dtype, "layers": args.layers, "chunk_size": chunk_size,
+                        "chunk_mib": chunk_bytes / 2**20, "chunks_per_request": cpr, "request_mib": nbytes / 2**20,
+                        "inflight": inflight, "store_gbps": store, "retrieve_gbps": retrieve,
+                        "store_p50_ms": statistics.median(store_t) * 1e3 if inflight == 1 else None,
+                        "retrieve_p50_ms": statistics.median(retr_t) * 1e3 if inflight == 1 else None,
+                        "limit": limit["limit"], "store_limit_gbps": limit["store_limit"],
+                        "retrieve_limit_gbps": limit["retrieve_limit"],
+                        "store_ratio": store / limit["store_limit"],
+                        "retrieve_ratio": retrieve / limit["retrieve_limit"],
+                        "iters": args.iters,
+                    })
             bar.close()
             ctx.close()
             client.close()
@@ -188,11 +221,11 @@ def print_results(results: list[dict[str, Any]]) -> None:
     from kvxfer.cli import print_table
 
     print_table(
-        [(r["transport"], r["device"], r["chunk_size"], f"{r['chunk_mib']:.1f}", r["chunks_per_request"],
+        [(r["transport"], r["device"], r["chunk_size"], f"{r['chunk_mib']:.1f}", r["chunks_per_request"], r["inflight"],
           f"{r['store_gbps']:.1f}", f"{r['retrieve_gbps']:.1f}", r["limit"],
           f"{r['store_limit_gbps']:.1f}/{r['retrieve_limit_gbps']:.1f}",
           f"{r['store_ratio']:.2f}x", f"{r['retrieve_ratio']:.2f}x") for r in results],
-        ["transport", "device", "chunk", "MiB", "chunks/req", "store GB/s", "retrieve GB/s", "limit",
+        ["transport", "device", "chunk", "MiB", "chunks/req", "in flight", "store GB/s", "retrieve GB/s", "limit",
          "limit GB/s", "store/limit", "retrieve/limit"],
     )
 
@@ -211,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-sizes", type=int, nargs="+", default=[256])
     p.add_argument("--chunks-per-request", type=int, nargs="+", default=[1, 8])
     p.add_argument("--iters", type=int, default=8, help="timed requests per configuration (after 1 warm-up)")
+    p.add_argument("--inflight", type=int, nargs="+", default=[1],
+                   help="requests outstanding at once; 1 times each request alone (default: %(default)s)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: fits all)")
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
     p.add_argument("--server-transports", default="", help="--transports of the started server (default: all)")
