@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--transports", nargs="+", default=["hpu", "cpu_gather"],
                     help="transports to compare, interleaved request by request (default: hpu cpu_gather)")
     ap.add_argument("--group-mib", type=int, default=None,
-                    help="hpu: device bytes of the gather buffer (HpuContext.GROUP_BYTES; default 128)")
+                    help="hpu: device MiB of the gather buffer (HpuContext.GROUP_BYTES; default 32)")
     ap.add_argument("--json", type=Path, default=None, help="write results here")
     args = ap.parse_args(argv)
     if args.group_mib is not None:

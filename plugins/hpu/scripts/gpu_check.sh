@@ -4,7 +4,8 @@
 #     bash plugins/hpu/scripts/gpu_check.sh
 # Installs the wheels, records the machine, runs the hpu tests (the conformance kit with cuda
 # tensors through this transport, and the plugin's own tests), then the benchmark on cuda (default
-# gather buffer, then 1 chunk and a whole request per gather) and on that machine's CPU.
+# 32 MiB gather buffer, then 128 and 256 MiB: 4 chunks and a whole request per index kernel) and
+# on that machine's CPU.
 # Logs and JSON go to $OUT (default /tmp/hpu-gpu-check); at most 8 files, as the device tool
 # returns. Exits non-zero if the tests or a benchmark failed.
 set -uo pipefail
@@ -34,7 +35,7 @@ bench() {  # name, args...: the table goes to bench.log, the JSON to $out/hpu-<n
   [[ $r == 0 ]] || { rc=$r; tail -20 "/tmp/bench-$name.progress"; }
 }
 bench cuda --device cuda
-bench cuda-group32 --device cuda --transports hpu --group-mib 32
+bench cuda-group128 --device cuda --transports hpu --group-mib 128
 bench cuda-group256 --device cuda --transports hpu --group-mib 256
 bench cpu --device cpu --requests 8
 cat "$out/summary.txt"
