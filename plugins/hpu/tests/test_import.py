@@ -39,7 +39,7 @@ def _run(extra_path: Path | None) -> dict[str, object]:
 
 
 def test_without_gaudi_software_probe_says_it_is_not_installed() -> None:
-    if HpuInstalled():
+    if _hpu_installed():
         pytest.skip("habana_frameworks is installed here")
     res = _run(None)
     assert res["imported"] == []
@@ -62,7 +62,7 @@ def test_installed_gaudi_software_is_not_imported(tmp_path: Path) -> None:
     assert "installed but not imported" in str(res["hpu"][1])
 
 
-def HpuInstalled() -> bool:  # noqa: N802 (reads as a condition)
+def _hpu_installed() -> bool:
     from kvxfer_hpu import HpuOps
 
     return HpuOps.installed()
