@@ -225,6 +225,7 @@ class MiniEngine:
         self.loads: list[Any] = []  # every LoadOp the scheduler emitted
         self.load_error_blocks = 0
         self.recomputed_tokens = 0
+        self.to_poison: list[int] = []
         self.first_computed: dict[str, int] = {}  # num_computed_tokens when first scheduled
         self.after_build: Any = None  # hook(engine, meta) between scheduler and worker
 
@@ -237,17 +238,23 @@ class MiniEngine:
         out = []
         for _ in range(n):
             b = self.free.popleft()
+            if self.refs[b]:
+                raise HarnessError(f"block {b} is free and in use")
             h = self.block_hash.pop(b, None)
             if h is not None and self.cached.get(h) == b:
                 del self.cached[h]
-            self.kv_fill(b)
+            self.to_poison.append(b)
             self.refs[b] = 1
             out.append(b)
         return out
 
-    def kv_fill(self, block: int) -> None:
+    def _poison(self) -> None:
+        """Newly allocated blocks hold garbage from the worker's next forward pass on (not
+        before: vLLM's scheduler never touches KV memory, and pending stores of preempted
+        requests are finished by handle_preemptions first)."""
+        blocks, self.to_poison = self.to_poison, []
         for t in self.kv.values():
-            t[:, block] = float("nan")
+            t[:, blocks] = float("nan")
 
     def _release(self, req: Request) -> None:
         """Free the request's blocks; full computed blocks stay findable by the prefix cache."""
@@ -400,6 +407,7 @@ class MiniEngine:
         # ---- worker (another process in vLLM: it gets its own copy of the metadata)
         wmeta = copy.deepcopy(meta)
         self.worker.handle_preemptions(wmeta)
+        self._poison()
         self.worker.bind_connector_metadata(wmeta)
         self.worker.start_load_kv(None)
         if out.total_num_scheduled_tokens > 0:
@@ -478,8 +486,11 @@ class MiniEngine:
                     want = self._expected(toks, pos, li)
                     if not torch.equal(got, want.expand_as(got)):
                         bad = (got != want.expand_as(got)).flatten(2).any(-1).any(0).nonzero().flatten()
-                        raise HarnessError(f"request {rid}: KV of context positions {bad[:8].tolist()} "
-                                           f"(of {nc}) is wrong in layer {li} at step {self.steps}")
+                        first = int(bad[0])
+                        raise HarnessError(
+                            f"request {rid}: KV of context positions {bad[:8].tolist()} (of {nc}) is wrong in "
+                            f"layer {li} at step {self.steps}: block {int(blocks[first])} holds "
+                            f"{got[0, first, 0, 0].item()}, computing would give {want[0, first, 0, 0].item()}")
             pos, blocks, toks = self._positions(req, nc, nc + n)
             for li, t in enumerate(self.kv.values()):
                 t[:, blocks, pos % self.bs] = self._expected(toks, pos, li).expand(2, n, *t.shape[3:])
