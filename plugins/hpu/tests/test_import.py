@@ -66,3 +66,11 @@ def _hpu_installed() -> bool:
     from kvxfer_hpu import HpuOps
 
     return HpuOps.installed()
+
+
+def test_plugin_imports_only_the_public_api() -> None:
+    """kvxfer_hpu uses only what ``kvxfer`` and ``kvxfer.transport`` export."""
+    import kvxfer_hpu
+    from kvxfer.testing.imports import private_imports
+
+    assert private_imports(Path(kvxfer_hpu.__file__).parent) == []
