@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Control-path latency of a kvxfer server: round trips of ``ping`` and of an 8-chunk ``lookup``
+(with and without a lease) against a real server process over ipc://, with the raw pyzmq
+DEALER/ROUTER round trip (two processes, same message size) measured in the same run as the
+reference.
+
+    python benchmarks/latency.py --iters 5000 --json results/latency.json
+
+Prints a table of p50/p99/mean in microseconds and writes the same as JSON. The server is a
+``python -m kvxfer serve`` subprocess (``kvxfer.testing.ServerProcess``); the client is the
+public ``CacheClient``. Timings are wall-clock round trips from ``request()`` call to decoded
+reply, one request in flight at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bars are a nicety
+    def tqdm(it, **_kw):  # type: ignore[no-redef]
+        return it
+
+
+def _percentile(sorted_ns: list[int], q: float) -> float:
+    if not sorted_ns:
+        return float("nan")
+    k = min(len(sorted_ns) - 1, max(0, round(q / 100 * (len(sorted_ns) - 1))))
+    return sorted_ns[k] / 1000.0
+
+
+def measure(name: str, fn: Callable[[], object], iters: int, warmup: int, progress: bool) -> dict:
+    for _ in range(warmup):
+        fn()
+    samples: list[int] = []
+    clock = time.perf_counter_ns
+    for _ in tqdm(range(iters), desc=f"{name:<18}", disable=not progress, leave=False, mininterval=0.5):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    samples.sort()
+    return {
+        "name": name,
+        "iters": iters,
+        "p50_us": _percentile(samples, 50),
+        "p99_us": _percentile(samples, 99),
+        "mean_us": statistics.fmean(samples) / 1000.0,
+        "min_us": samples[0] / 1000.0,
+    }
+
+
+# --------------------------------------------------------------------------- raw pyzmq reference
+
+
+class _Msg(msgspec.Struct):
+    model_name: str
+    world_size: int
+    hashes: list[bytes]
+
+
+def _echo_server(url: str, ready: mp.Event) -> None:  # type: ignore[valid-type]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(url)
+    ready.set()
+    dec = msgspec.msgpack.Decoder(_Msg)
+    enc = msgspec.msgpack.Encoder()
+    while True:
+        frames = sock.recv_multipart()
+        if frames[2] == b"stop":
+            sock.send_multipart([frames[0], frames[1], b"ok", b""])
+            break
+        msg = dec.decode(frames[3])
+        sock.send_multipart([frames[0], frames[1], b"ok", enc.encode({"hits": len(msg.hashes)})])
+    sock.close(0)
+    ctx.term()
+
+
+def raw_zmq(iters: int, warmup: int, hashes: list[bytes], progress: bool) -> dict:
+    """DEALER/ROUTER in two processes, a msgspec payload of the same size as the lookup's."""
+    tmp = tempfile.mkdtemp(prefix="kvxfer-bench-")
+    url = f"ipc://{tmp}/raw.sock"
+    ready = mp.Event()
+    proc = mp.Process(target=_echo_server, args=(url, ready), daemon=True)
+    proc.start()
+    ready.wait(10)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    enc = msgspec.msgpack.Encoder()
+    payload = enc.encode(_Msg("bench-model", 1, hashes))
+    rid = b"\0" * 8
+
+    def once() -> None:
+        sock.send_multipart([rid, b"lookup", payload])
+        sock.recv_multipart()
+
+    try:
+        out = measure("raw pyzmq (ref)", once, iters, warmup, progress)
+    finally:
+        sock.send_multipart([rid, b"stop", b""])
+        sock.recv_multipart()
+        sock.close(0)
+        ctx.term()
+        proc.join(5)
+        os.rmdir(tmp) if not os.listdir(tmp) else None
+    out["payload_bytes"] = len(payload)
+    return out
+
+
+# --------------------------------------------------------------------------- kvxfer
+
+
+def run(args: argparse.Namespace) -> dict:
+    from kvxfer import CacheClient, chunk_hashes
+    from kvxfer.testing.server import ServerProcess
+
+    progress = not args.no_progress and sys.stderr.isatty() or args.progress
+    chunk_size = 256
+    hashes = chunk_hashes(list(range(chunk_size * args.chunks)), chunk_size)
+    results = []
+    results.append(raw_zmq(args.iters, args.warmup, hashes, progress))
+    with ServerProcess(l1_size=args.l1_size, chunk_size=chunk_size) as server:
+        client = CacheClient(server.url, name="latency-bench")
+        try:
+            # Put 8 chunks' worth of hits in the server so the lookup does real work: store them
+            # through cpu_gather if it is installed, else look up misses (reported as such).
+            hits = _store_chunks(client, hashes)
+            results.append(measure("ping", client.ping, args.iters, args.warmup, progress))
+            results.append(measure(f"lookup {args.chunks} chunks",
+                                   lambda: client.lookup("bench-model", 1, hashes=hashes),
+                                   args.iters, args.warmup, progress))
+            n = client.lookup("bench-model", 1, hashes=hashes)
+
+            def lease_once() -> None:
+                reply = client.lookup_and_lease("bench-model", 1, hashes=hashes, lease_s=30)
+                if reply.lease_id:
+                    client.release_lease(reply.lease_id)
+
+            # lease + release is two round trips; report the lookup-with-lease alone too
+            leases: list[int] = []
+
+            def lease_only() -> None:
+                leases.append(client.lookup_and_lease("bench-model", 1, hashes=hashes, lease_s=30).lease_id)
+
+            results.append(measure(f"lookup+lease {args.chunks}", lease_only, args.iters, args.warmup, progress))
+            for lid in leases:
+                client.release_lease(lid)
+            results.append(measure("lookup+lease+release", lease_once, max(1, args.iters // 2), args.warmup,
+                                   progress))
+            status = client.status()
+        finally:
+            client.close()
+    for r in results:
+        r.setdefault("payload_bytes", None)
+    return {
+        "benchmark": "latency",
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count()},
+        "chunks": args.chunks,
+        "stored_hits": hits,
+        "lookup_hits": n,
+        "server_errors": status.errors,
+        "goal_lookup_p50_us": 150.0,
+        "results": results,
+    }
+
+
+def _store_chunks(client, hashes: list[bytes]) -> int:
+    import torch
+
+    if "cpu_gather" not in client.server_transports:
+        return 0
+    layers = [torch.zeros(2, 16, 16, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
+    kv = client.register(layers, model_name="bench-model", block_size=16, transport="cpu_gather")
+    try:
+        # 16 blocks of 16 tokens make one 256-token chunk; every chunk reuses the same blocks
+        res = kv.submit_store(hashes, [i % 16 for i in range(16 * len(hashes))]).result(60)
+        return len(res.stored) + len(res.present)
+    finally:
+        # keep the chunks: close only unregisters the context, chunks stay READY
+        kv.close()
+
+
+def print_table(report: dict) -> None:
+    rows = report["results"]
+    ref = next(r for r in rows if r["name"].startswith("raw"))
+    print(f"{'round trip':<24}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}{'p50 / raw':>11}")
+    print("-" * 65)
+    for r in rows:
+        ratio = r["p50_us"] / ref["p50_us"]
+        print(f"{r['name']:<24}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{r['mean_us']:>10.1f}{ratio:>10.2f}x")
+    lookup = next(r for r in rows if r["name"].startswith("lookup ") and "lease" not in r["name"])
+    ok = lookup["p50_us"] <= report["goal_lookup_p50_us"]
+    print(f"\nlookup p50 {lookup['p50_us']:.1f} us; goal <= {report['goal_lookup_p50_us']:.0f} us: "
+          f"{'met' if ok else 'MISSED'} ({report['lookup_hits']} of {report['chunks']} chunks hit)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=5000, help="timed round trips per row (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=500, help="untimed round trips first (default %(default)s)")
+    p.add_argument("--chunks", type=int, default=8, help="chunk hashes per lookup (default %(default)s)")
+    p.add_argument("--l1-size", default="64MiB", help="server arena (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--progress", action="store_true", help="progress bars even when stderr is not a tty")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    report = run(args)
+    print_table(report)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
