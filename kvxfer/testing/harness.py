@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import uuid
+import zlib
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -49,6 +50,9 @@ class Kit:
         self._clients: list[CacheClient] = []
         self._contexts: list[TransferContext] = []
         self._client: CacheClient | None = None
+        #: KV bytes and block ids are drawn from this, seeded by the test's name: a failure
+        #: reproduces when the test is run again.
+        self.rng = torch.Generator().manual_seed(zlib.crc32(test_name.encode()))
 
     # ------------------------------------------------------------------ capabilities
 
@@ -92,7 +96,9 @@ class Kit:
 
     def kv(self, spec: KVSpec, seed: int | None = None, device: str | None = None) -> list[torch.Tensor]:
         """A random-byte KV cache of ``spec`` on the test's device."""
-        return make_kv(spec, device or self.device, secrets.randbits(31) if seed is None else seed)
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (), generator=self.rng))
+        return make_kv(spec, device or self.device, seed)
 
     def register(self, layers: list[torch.Tensor], spec: KVSpec, *, transport: str | None = None,
                  model: str | None = None, world_size: int = 1, rank: int = 0,
@@ -125,7 +131,7 @@ class Kit:
         need = n_chunks * spec.blocks_per_chunk(CHUNK_SIZE)
         if need > free.numel():
             raise ValueError(f"{need} blocks wanted, {free.numel()} free in a {spec.num_blocks}-block cache")
-        return free[torch.randperm(free.numel())[:need]].tolist()
+        return free[torch.randperm(free.numel(), generator=self.rng)[:need]].tolist()
 
     # ------------------------------------------------------------------ transfers
 
