@@ -219,11 +219,11 @@ class WorkerConnector:
             return False
         try:
             res = fut.result(timeout=self.config.timeout_s * 2 + 5 if wait else None)
+        except KvxferError as exc:  # before FutureTimeout: RequestTimeout is a TimeoutError too
+            self.link.failed(exc, "storing KV")
+            return True
         except FutureTimeout:
             log.warning("kvxfer: a store of a preempted request is still running; its blocks may be reused")
-            return True
-        except KvxferError as exc:
-            self.link.failed(exc, "storing KV")
             return True
         except Exception:  # noqa: BLE001  (a transport's copy failed: the chunks are not stored)
             log.exception("kvxfer: a store failed in transport %s", getattr(self.context, "transport_name", "?"))
