@@ -9,10 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from kvxfer.errors import KvxferError
+from kvxfer.protocol.messages import RetrieveResult
+from kvxfer.transport.base import TransferContext
 from kvxfer.testing.conformance.roundtrip import assert_retrieved
 from kvxfer.testing.harness import TIMEOUT, Kit
 from kvxfer.testing.kvdata import as_bytes
@@ -96,7 +99,7 @@ class LifecycleTests:
         keys = kit.keys(3)
         layers = [kit.kv(spec) for _ in range(2)]
         clients = [kit.client(new=True) for _ in range(2)]
-        ctxs = [None, None]
+        ctxs: list[TransferContext | None] = [None, None]
         errors: list[BaseException] = []
         barrier = threading.Barrier(2, timeout=TIMEOUT)
 
@@ -109,27 +112,30 @@ class LifecycleTests:
 
         _run_threads(register, 2)
         assert not errors, errors
+        r0, r1 = ctxs
+        assert r0 is not None and r1 is not None
         src = [kit.blocks(spec, 3) for _ in range(2)]
-        assert kit.store(ctxs[0], keys, src[0]).stored == [0, 1, 2]
+        assert kit.store(r0, keys, src[0]).stored == [0, 1, 2]
         assert kit.client().lookup(kit.model, 2, hashes=keys) == 0, "rank 1 has nothing yet"
-        assert kit.store(ctxs[1], keys[:2], src[1][:2 * kit.blocks_per_chunk]).stored == [0, 1]
+        assert kit.store(r1, keys[:2], src[1][:2 * kit.blocks_per_chunk]).stored == [0, 1]
         assert kit.client().lookup(kit.model, 2, hashes=keys) == 2
 
         before = [as_bytes(t) for t in layers]
         dst = [kit.blocks(spec, 2, exclude=s) for s in src]
-        results: list = [None, None]
+        results: list[RetrieveResult | None] = [None, None]
 
         def retrieve(rank: int) -> None:
             try:
                 barrier.wait()
-                results[rank] = kit.retrieve(ctxs[rank], keys[:2], dst[rank])
+                results[rank] = kit.retrieve((r0, r1)[rank], keys[:2], dst[rank])
             except BaseException as exc:
                 errors.append(exc)
 
         _run_threads(retrieve, 2)
         assert not errors, errors
         for rank in range(2):
-            assert results[rank].loaded == [0, 1]
+            res = results[rank]
+            assert res is not None and res.loaded == [0, 1]
             assert_retrieved(kit, spec, layers[rank], before[rank], dst[rank],
                              kit.chunks_of(before[rank], spec, src[rank][:2 * kit.blocks_per_chunk]))
 
@@ -159,7 +165,8 @@ class LifecycleTests:
         assert not errors, errors
 
 
-def _run_threads(fn, n: int) -> None:
+def _run_threads(fn: Callable[[int], None], n: int) -> None:
+    """Run ``fn(0) .. fn(n - 1)`` on ``n`` threads and wait (bounded) for all of them."""
     threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
@@ -168,7 +175,8 @@ def _run_threads(fn, n: int) -> None:
         assert not t.is_alive(), "a worker thread of the test did not finish"
 
 
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """The first line the child prints within ``timeout`` (what it printed so far if none)."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout
@@ -186,7 +194,7 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     return buf.decode(errors="replace").strip()
 
 
-def _stderr(proc: subprocess.Popen) -> str:
+def _stderr(proc: subprocess.Popen[bytes]) -> str:
     if proc.poll() is None or proc.stderr is None:
         return ""
     return proc.stderr.read().decode(errors="replace")[-2000:]

@@ -3,7 +3,10 @@ hits, skip_first_n_tokens, ordering and request validation."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
+import torch
 
 from kvxfer.errors import ConfigError
 from kvxfer.layout import LayoutKind
@@ -15,8 +18,9 @@ __all__ = ["RoundTripTests", "assert_retrieved"]
 COMBOS = [(k, d) for k in LAYOUTS for d in DTYPES]
 
 
-def assert_retrieved(kit: Kit, spec: KVSpec, layers: list, before: list, blocks: list[int], chunks,
-                     skip_blocks: int = 0, only: list[int] | None = None) -> None:
+def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], before: Sequence[torch.Tensor],
+                     blocks: Sequence[int], chunks: torch.Tensor, skip_blocks: int = 0,
+                     only: Sequence[int] | None = None) -> None:
     """``layers`` (after a retrieve into ``blocks``) equal ``before`` with exactly ``chunks``
     written where a correct retrieve writes them, bit for bit, and nothing else changed."""
     want = [t.clone() for t in before]
