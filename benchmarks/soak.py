@@ -6,7 +6,9 @@ N, ranks 0..N-1) and the same per-client workload: ``--iters`` rounds of one sto
 ``--chunks`` chunks, then one retrieve request of them into other blocks. Rounds are
 synchronized (every client starts storing round i at the same instant of the shared monotonic
 clock, then retrieving it); a phase's time is from that instant to the last client's end, so
-the aggregate is what the server and the machine sustain together. Every retrieved chunk is compared bit for bit with
+the aggregate is what the server and the machine sustain together. All client counts run
+against one server, their rounds interleaved, so that load from elsewhere on a shared machine
+hits each count alike. Every retrieved chunk is compared bit for bit with
 the blocks it was stored from (outside the timed windows): corrupted chunks are counted.
 
     python benchmarks/soak.py                          # clients 1 2 4 8, prints a table
@@ -55,6 +57,19 @@ def worker(args: argparse.Namespace) -> None:
     def say(**kw: object) -> None:
         print(json.dumps(kw), flush=True)
 
+    copy_s = [0.0]
+
+    def timed(fn):  # the transport's copy, timed: the rest of an op is protocol and waiting
+        def wrapper(copies):
+            t = time.monotonic()
+            try:
+                return fn(copies)
+            finally:
+                copy_s[0] += time.monotonic() - t
+        return wrapper
+
+    if hasattr(ctx, "gather") and hasattr(ctx, "scatter"):
+        ctx.gather, ctx.scatter = timed(ctx.gather), timed(ctx.scatter)
     say(event="ready", pid=os.getpid(), chunk_bytes=chunk_bytes)
     for line in sys.stdin:
         cmd, *rest = line.split()
@@ -64,26 +79,28 @@ def worker(args: argparse.Namespace) -> None:
         keys = [f"soak/{args.tag}/{it}/{j}".encode().ljust(16, b"\0")[:64] for j in range(args.chunks)]
         if cmd == "retrieve":
             for layer in kv:
-                layer[:, dst].zero_()
+                layer[:, dst[0]:dst[-1] + 1].zero_()  # a slice: a view, zeroed in place
         while time.monotonic() < start_at:  # every client starts the phase at the same moment
             time.sleep(max(0.0, min(0.001, start_at - time.monotonic())))
+        copy_s[0] = 0.0
         if cmd == "store":
             t0 = time.monotonic()
             res = ctx.submit_store(keys, src).result(timeout=120)
             t1 = time.monotonic()
-            say(event="phase", t0=t0, t1=t1, bytes=len(res.stored) * chunk_bytes, failed=len(res.failed))
+            say(event="phase", t0=t0, t1=t1, bytes=len(res.stored) * chunk_bytes, failed=len(res.failed),
+                copy_s=copy_s[0])
         elif cmd == "retrieve":
             t0 = time.monotonic()
             res = ctx.submit_retrieve(keys, dst).result(timeout=120)
             t1 = time.monotonic()
             corrupt = 0
             for j in res.loaded:
-                a = [b for b in src[j * bpc:(j + 1) * bpc]]
-                b = [b for b in dst[j * bpc:(j + 1) * bpc]]
+                a = slice(src[j * bpc], src[j * bpc] + bpc)
+                b = slice(dst[j * bpc], dst[j * bpc] + bpc)
                 if not all(torch.equal(layer[:, a].view(torch.int16), layer[:, b].view(torch.int16)) for layer in kv):
                     corrupt += 1
             say(event="phase", t0=t0, t1=t1, bytes=len(res.loaded) * chunk_bytes, missing=len(res.missing),
-                corrupt=corrupt)
+                corrupt=corrupt, copy_s=copy_s[0])
     ctx.close()
     client.close()
 
@@ -102,64 +119,95 @@ def _event(proc: subprocess.Popen[str], want: str) -> dict:
             return ev
 
 
-def run_config(args: argparse.Namespace, n: int, bar) -> dict:
+class Group:
+    """N worker processes (ranks 0..N-1 of world size N) and their measurements."""
+
+    def __init__(self, args: argparse.Namespace, url: str, n: int) -> None:
+        self.n = n
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        common = [sys.executable, __file__, "--worker", "--url", url, "--world", str(n), "--tag", f"n{n}"]
+        for k in ("layers", "heads", "head_dim", "block_size", "chunk_size", "chunks"):
+            common += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        self.procs = [subprocess.Popen([*common, "--rank", str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       text=True, env=env) for r in range(n)]
+        self.windows: dict[str, list[float]] = {"store": [], "retrieve": []}
+        self.op_s: dict[str, list[float]] = {"store": [], "retrieve": []}
+        self.copy_s: dict[str, list[float]] = {"store": [], "retrieve": []}
+        self.moved = {"store": 0, "retrieve": 0}
+        self.corrupt = self.missing = self.failed = 0
+
+    def ready(self) -> None:
+        for p in self.procs:
+            _event(p, "ready")
+
+    def phase(self, phase: str, it: int, timed: bool) -> None:
+        start_at = time.monotonic() + 0.05 + 0.01 * self.n  # CLOCK_MONOTONIC: one clock for all processes
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(f"{phase} {it} {start_at}\n")
+            p.stdin.flush()
+        evs = [_event(p, "phase") for p in self.procs]
+        self.corrupt += sum(e.get("corrupt", 0) for e in evs)
+        self.missing += sum(e.get("missing", 0) for e in evs)
+        self.failed += sum(e.get("failed", 0) for e in evs)
+        if timed:
+            self.windows[phase].append(max(e["t1"] for e in evs) - min(start_at, *(e["t0"] for e in evs)))
+            self.op_s[phase] += [e["t1"] - e["t0"] for e in evs]
+            self.copy_s[phase] += [e.get("copy_s", 0.0) for e in evs]
+            self.moved[phase] += sum(e["bytes"] for e in evs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None and p.stdin is not None:
+                try:
+                    p.stdin.write("quit\n")
+                    p.stdin.flush()
+                except BrokenPipeError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def result(self, chunk_bytes: int, request_bytes: int) -> dict:
+        out = {"clients": self.n, "chunk_bytes": chunk_bytes, "request_bytes": request_bytes,
+               "corrupt_chunks": self.corrupt, "missing_chunks": self.missing, "failed_chunks": self.failed}
+        for phase in ("store", "retrieve"):
+            total_s = sum(self.windows[phase])
+            out[f"{phase}_gbps"] = self.moved[phase] / total_s / 1e9 if total_s else 0.0
+            out[f"{phase}_op_p50_ms"] = statistics.median(self.op_s[phase]) * 1e3 if self.op_s[phase] else 0.0
+            #: time inside the transport's copy (gather/scatter), the rest is protocol and waiting
+            out[f"{phase}_copy_p50_ms"] = statistics.median(self.copy_s[phase]) * 1e3 if self.copy_s[phase] else 0.0
+            out[f"{phase}_bytes"] = self.moved[phase]
+        return out
+
+
+def run(args: argparse.Namespace, bar) -> list[dict]:
+    """One server; a group of workers per client count; rounds interleave the groups (order
+    alternating), so that load from elsewhere on the machine hits every group alike."""
     from kvxfer.testing.server import ServerProcess
 
     chunk_bytes = args.layers * 2 * args.chunk_size * args.heads * args.head_dim * 2
-    per_round = n * args.chunks * chunk_bytes
+    request_bytes = args.chunks * chunk_bytes
     # room for two rounds of every client: older rounds are evicted, as in a full cache
-    l1 = max(args.min_l1_mib * MiB, 2 * per_round + 64 * MiB)
+    l1 = max(args.min_l1_mib * MiB, 2 * sum(args.clients) * request_bytes + 64 * MiB)
     with ServerProcess(l1_size=str(l1), chunk_size=args.chunk_size, transports="cpu_gather",
                        start_timeout=120) as server:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        common = [sys.executable, __file__, "--worker", "--url", server.url, "--world", str(n)]
-        for k in ("layers", "heads", "head_dim", "block_size", "chunk_size", "chunks"):
-            common += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-        procs = [subprocess.Popen([*common, "--rank", str(r), "--tag", f"n{n}"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, env=env) for r in range(n)]
+        groups = [Group(args, server.url, n) for n in args.clients]
         try:
-            for p in procs:
-                _event(p, "ready")
-            windows: dict[str, list[float]] = {"store": [], "retrieve": []}
-            op_s: dict[str, list[float]] = {"store": [], "retrieve": []}
-            moved = {"store": 0, "retrieve": 0}
-            corrupt = missing = failed = 0
+            for g in groups:
+                g.ready()
             for it in range(args.warmup + args.iters):
-                for phase in ("store", "retrieve"):
-                    start_at = time.monotonic() + 0.05 + 0.01 * n  # CLOCK_MONOTONIC: one clock for all
-                    for p in procs:
-                        assert p.stdin is not None
-                        p.stdin.write(f"{phase} {it} {start_at}\n")
-                        p.stdin.flush()
-                    evs = [_event(p, "phase") for p in procs]
-                    corrupt += sum(e.get("corrupt", 0) for e in evs)
-                    missing += sum(e.get("missing", 0) for e in evs)
-                    failed += sum(e.get("failed", 0) for e in evs)
-                    if it < args.warmup:
-                        continue
-                    windows[phase].append(max(e["t1"] for e in evs) - min(start_at, *(e["t0"] for e in evs)))
-                    op_s[phase] += [e["t1"] - e["t0"] for e in evs]
-                    moved[phase] += sum(e["bytes"] for e in evs)
+                for g in groups if it % 2 == 0 else reversed(groups):
+                    g.phase("store", it, it >= args.warmup)
+                    g.phase("retrieve", it, it >= args.warmup)
                 bar.update(1)
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("quit\n")
-                p.stdin.flush()
-            for p in procs:
-                p.wait(60)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    out = {"clients": n, "chunk_bytes": chunk_bytes, "request_bytes": args.chunks * chunk_bytes,
-           "corrupt_chunks": corrupt, "missing_chunks": missing, "failed_chunks": failed}
-    for phase in ("store", "retrieve"):
-        total_s = sum(windows[phase])
-        out[f"{phase}_gbps"] = moved[phase] / total_s / 1e9 if total_s else 0.0
-        out[f"{phase}_op_p50_ms"] = statistics.median(op_s[phase]) * 1e3 if op_s[phase] else 0.0
-        out[f"{phase}_bytes"] = moved[phase]
-    return out
+            for g in groups:
+                g.close()
+    return [g.result(chunk_bytes, request_bytes) for g in groups]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,11 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvxfer.cli import print_table
 
-    results = []
-    with tqdm(total=len(args.clients) * (args.warmup + args.iters), desc="soak", unit="round") as bar:
-        for n in args.clients:
-            bar.set_postfix(clients=n)
-            results.append(run_config(args, n, bar))
+    if len(set(args.clients)) != len(args.clients):
+        p.error("--clients: give each count once")
+    with tqdm(total=args.warmup + args.iters, desc="soak", unit="round") as bar:
+        results = run(args, bar)
     base = next((r for r in results if r["clients"] == 1), None)
     for r in results:
         for phase in ("store", "retrieve"):
@@ -206,10 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         [(r["clients"], f"{r['store_gbps']:.2f}", f"{r['store_vs_one']:.2f}x" if r["store_vs_one"] else "-",
           f"{r['retrieve_gbps']:.2f}", f"{r['retrieve_vs_one']:.2f}x" if r["retrieve_vs_one"] else "-",
-          f"{r['store_op_p50_ms']:.1f}", f"{r['retrieve_op_p50_ms']:.1f}", r["corrupt_chunks"],
+          f"{r['store_op_p50_ms']:.1f} ({r['store_copy_p50_ms']:.1f})",
+          f"{r['retrieve_op_p50_ms']:.1f} ({r['retrieve_copy_p50_ms']:.1f})", r["corrupt_chunks"],
           r["missing_chunks"] + r["failed_chunks"]) for r in results],
-        ["clients", "store GB/s", "vs 1", "retrieve GB/s", "vs 1", "store p50 ms", "retrieve p50 ms", "corrupt",
-         "missing"],
+        ["clients", "store GB/s", "vs 1", "retrieve GB/s", "vs 1", "store p50 ms (copy)", "retrieve p50 ms (copy)",
+         "corrupt", "missing"],
     )
     if cpus is not None and max(args.clients) > cpus:
         print(f"note: {max(args.clients)} clients on {cpus} CPUs share cores; compare ratios, not absolutes")

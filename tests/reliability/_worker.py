@@ -97,6 +97,8 @@ def retrieve_loop(args) -> None:
     emit("ready", instance_id=ctx.instance_id, stored=len(res.stored) + len(res.present))
     base = args.chunks * bpc
     while True:
+        for layer in kv:
+            layer[:, base:base + len(ids)].zero_()  # a no-op retrieve must not pass the check
         r = ctx.submit_retrieve(keys, [b + base for b in ids]).result(timeout=args.timeout)
         emit("retrieved", loaded=len(r.loaded), corrupt=check(args, shape, kv, bpc, keys, base, r.loaded))
 

@@ -158,8 +158,9 @@ class Writer:
         base = self.shape.num_blocks // self.bpc // 2
         assert len(keys) <= base, "too many chunks for one retrieve"
         ids = self.blocks(len(keys), base)
+        idx = torch.tensor(ids)
         for layer in self.kv:
-            layer[:, ids].zero_()
+            layer.index_fill_(1, idx, 0)  # (layer[:, ids].zero_() would zero a copy)
         res = self.ctx.submit_retrieve(keys, ids, lease_id=lease_id).result(timeout=timeout)
         bad = [j for j in res.loaded
                if not torch.equal(read_chunk(self.kv, ids[j * self.bpc:(j + 1) * self.bpc]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import relkit
@@ -160,3 +161,23 @@ def test_server_restart_then_retrieve_first(client_of):
         assert res.loaded == [] and res.missing == [0, 1] and bad == []
         assert w.store(keys).stored == [0, 1]
         w.client.close()
+
+
+def test_first_request_after_a_long_outage_reaches_the_restarted_server(client_of):
+    """A server down for longer than the client's dead-peer limit, then back: the first request
+    sent afterwards gets the new server's answer (no_session, so the client re-handshakes),
+    instead of being failed at once as "stopped answering" because of the old silence."""
+    from kvxfer.errors import NoSession
+    from kvxfer.protocol import messages as m
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather") as server:
+        client = client_of(server, timeout=10.0, connect_timeout=10.0)
+        server.kill()
+        time.sleep(client._mq.dead_after_s + 1.0)  # longer than the client tolerates silence
+        server.start()
+        with pytest.raises(NoSession):
+            client.submit("ping", m.Ping(), timeout=10.0).result(15.0)
+        client.reconnect()
+        assert client.lookup("m", hashes=[key("m", 0)]) == 0
+        client.close()

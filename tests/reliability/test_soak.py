@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from relkit import key, read_event
+from relkit import read_event
 
 from kvxfer import CacheClient
 from kvxfer.testing.server import ServerProcess
@@ -37,8 +37,6 @@ def test_eight_ranks_store_and_retrieve_at_once(workers):
         for p in procs:
             assert p.wait(60) == 0
         with CacheClient(server.url) as c:
-            # every rank's last round is complete: a world_size-8 lookup sees all of it
-            last = [key(f"soak//{ITERS - 1}", j) for j in range(CHUNKS)]
-            assert c.lookup("soak", world_size=RANKS, hashes=last) == CHUNKS
             st = c.status()
             assert st.arena.evictions > 0 and st.reservations == 0 and st.errors == 0
+            assert st.contexts == [], "a worker's registration outlived its clean close"
