@@ -251,6 +251,9 @@ class ClientDrivenContext(TransferContextBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.arena = self.map_arena()
+        #: Queued requests whose reserve is not sent yet / stores whose commit is not sent yet.
+        self._deferred = 0
+        self._uncommitted = 0
 
     def map_arena(self) -> ArenaMapping:
         return ArenaMapping(self.connection.arena_path, self.connection.arena_size)
@@ -277,48 +280,109 @@ class ClientDrivenContext(TransferContextBase):
         Must return only when the engine can read the blocks (or its stream is ordered after
         the copy)."""
 
+    # Each request's reserve is sent when it is submitted (so its round trip overlaps the copies
+    # of requests ahead of it); the worker waits for the reply, copies, and sends the commit
+    # without waiting (so it can start the next copy). A store resolves when its commit is
+    # answered (the chunks are readable); a retrieve as soon as its blocks are written.
+
     def _submit_store(self, keys: list[bytes], blocks: torch.Tensor) -> Future[m.StoreResult]:
-        return self._submit(self._store, keys, blocks)
+        outer: Future[m.StoreResult] = Future()
+        self._send_then(m.ReserveWrite(self.instance_id, keys), self._store, keys, blocks, outer)
+        return outer
 
     def _submit_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int,
                          lease_id: int) -> Future[m.RetrieveResult]:
-        return self._submit(self._retrieve, keys, blocks, skip_blocks, lease_id)
+        outer: Future[m.RetrieveResult] = Future()
+        first = min(len(keys), skip_blocks // self.blocks_per_chunk)  # chunks wholly skipped need no read
+        self._send_then(m.ReserveRead(self.instance_id, keys[first:], lease_id), self._retrieve,
+                        keys, blocks, skip_blocks, first, outer)
+        return outer
 
-    def _slots(self, slots: list[m.Slot], nbytes: int) -> list[tuple[int, torch.Tensor]]:
-        return [(s.index, self.arena.view(s.offset, nbytes)) for s in slots]
+    def _send_then(self, reserve: m.ReserveWrite | m.ReserveRead, job: Callable[..., None], *args: Any) -> None:
+        """Queue ``job(reserved, *args)`` on the worker, in order, and send ``reserve`` now when
+        that keeps submission order (no earlier request waits to send its reserve, and, for a
+        read, no earlier store is uncommitted); otherwise the job sends it when it runs. The job
+        always runs, and calls ``reserved()`` for the reply (which raises if the reserve failed)."""
+        write = isinstance(reserve, m.ReserveWrite)
+        name = "reserve_write" if write else "reserve_read"
+        outer: Future[Any] = args[-1]
 
-    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> m.StoreResult:
-        rep: m.ReserveWriteReply = self._call(
-            lambda: self.connection.request("reserve_write", m.ReserveWrite(self.instance_id, keys))
-        )
+        def run(reply: Future[Any] | None) -> None:
+            def reserved() -> Any:
+                if reply is not None:
+                    return self._reserved(reply, name, reserve)
+                try:
+                    return self._call(lambda: self.connection.request(name, reserve))
+                finally:
+                    with self._lock:
+                        self._deferred -= 1
+
+            try:
+                job(reserved, *args)
+            except BaseException as exc:
+                if not outer.done():
+                    outer.set_exception(exc)
+            finally:
+                if write:
+                    with self._lock:
+                        self._uncommitted -= 1
+
+        with self._lock:
+            if self._closed:
+                raise ConfigError(f"transfer context {self.instance_id} ({self.transport_name}) is closed")
+            early = self._deferred == 0 and (write or self._uncommitted == 0)
+            reply = self.connection.submit(name, reserve) if early else None
+            if not early:
+                self._deferred += 1
+            if write:
+                self._uncommitted += 1
+            self._executor.submit(run, reply)
+
+    def _reserved(self, reply: Future[Any], name: str, payload: msgspec.Struct) -> Any:
+        """The reserve's reply; after a server restart, register again and reserve once more."""
+        try:
+            return reply.result()
+        except (NoSession, UnknownInstance):
+            return self._call(lambda: self.connection.request(name, payload))
+
+    def _slots(self, slots: list[m.Slot], nbytes: int, shift: int = 0) -> list[tuple[int, torch.Tensor]]:
+        return [(s.index + shift, self.arena.view(s.offset, nbytes)) for s in slots]
+
+    def _store(self, reserved: Callable[[], m.ReserveWriteReply], keys: list[bytes], blocks: torch.Tensor,
+               outer: Future[m.StoreResult]) -> None:
+        rep = reserved()
         nbytes = self.layout.chunk_bytes(self.chunk_size)
         try:
             if rep.slots:
                 self.gather(plan_copies(self.layout, self.chunk_size, blocks, self._slots(rep.slots, nbytes)))
         except BaseException:
-            self.connection.request("commit_write", m.CommitWrite(
-                self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))
+            self.connection.submit("commit_write", m.CommitWrite(
+                self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))  # drop them
             raise
-        res: m.StoreResult = self.connection.request(
-            "commit_write", m.CommitWrite(self.instance_id, rep.reservation_id))
-        return m.StoreResult(res.stored, sorted(rep.present), sorted(rep.no_space + res.failed))
 
-    def _retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int, lease_id: int) -> m.RetrieveResult:
-        bpc = self.blocks_per_chunk
-        first = min(len(keys), skip_blocks // bpc)  # chunks wholly skipped need no read
-        wanted = keys[first:]
-        rep: m.ReserveReadReply = self._call(lambda: self.connection.request(
-            "reserve_read", m.ReserveRead(self.instance_id, wanted, lease_id)))
+        def committed(f: Future[m.StoreResult]) -> None:
+            try:
+                res = f.result()
+                outer.set_result(m.StoreResult(res.stored, sorted(rep.present), sorted(rep.no_space + res.failed)))
+            except BaseException as exc:
+                outer.set_exception(exc)
+
+        self.connection.submit("commit_write", m.CommitWrite(self.instance_id, rep.reservation_id)) \
+            .add_done_callback(committed)
+
+    def _retrieve(self, reserved: Callable[[], m.ReserveReadReply], keys: list[bytes], blocks: torch.Tensor,
+                  skip_blocks: int, first: int, outer: Future[m.RetrieveResult]) -> None:
+        rep = reserved()
         nbytes = self.layout.chunk_bytes(self.chunk_size)
-        slots = [(s.index + first, self.arena.view(s.offset, nbytes)) for s in rep.slots]
         try:
-            if slots:
-                self.scatter(plan_copies(self.layout, self.chunk_size, blocks, slots, skip_blocks))
+            if rep.slots:
+                self.scatter(plan_copies(self.layout, self.chunk_size, blocks,
+                                         self._slots(rep.slots, nbytes, first), skip_blocks))
         finally:
-            self.connection.request("commit_read", m.CommitRead(self.instance_id, rep.reservation_id))
-        missing = [i + first for i in rep.missing]
-        lost = set(missing)
-        return m.RetrieveResult([i for i in range(len(keys)) if i not in lost], missing)
+            # unpin (and release the lease for this rank); nothing to wait for
+            self.connection.submit("commit_read", m.CommitRead(self.instance_id, rep.reservation_id))
+        lost = {i + first for i in rep.missing}
+        outer.set_result(m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost)))
 
 
 class ServerDrivenContext(TransferContextBase):

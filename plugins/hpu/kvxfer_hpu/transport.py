@@ -177,11 +177,11 @@ class HpuContext(ClientDrivenContext):
                 self._ready.pop()
                 raise
 
-    def _store(self, keys: list[bytes], blocks: torch.Tensor) -> StoreResult:
+    def _store(self, *args: Any) -> None:
         with self._ready_lock:
             self._engine_ready = self._ready.popleft() if self._ready else None
         try:
-            return super()._store(keys, blocks)
+            super()._store(*args)
         finally:
             self._engine_ready = None
 
