@@ -20,6 +20,8 @@ __all__ = ["KitBase", "device_missing", "server_for"]
 #: Seconds of silence after which the kit's server drops a client (the dead-client test waits
 #: for this). Heartbeats go every third of it.
 SESSION_TIMEOUT_S = 3.0
+#: The kit server's arena: small, so that the eviction test fills it quickly.
+ARENA_SIZE = "16MiB"
 
 
 _SERVERS = pytest.StashKey[dict[str, ServerProcess]]()
@@ -42,7 +44,7 @@ def server_for(config: pytest.Config, transport: str) -> ServerProcess:
     if server is not None:
         server.__exit__(None, None, None)
     names = ",".join(dict.fromkeys((transport, REFERENCE)))
-    server = ServerProcess(l1_size="64MiB", chunk_size=CHUNK_SIZE, transports=names,
+    server = ServerProcess(l1_size=ARENA_SIZE, chunk_size=CHUNK_SIZE, transports=names,
                            extra_args=["--session-timeout", str(SESSION_TIMEOUT_S)])
     pool[transport] = server.start()
     return server

@@ -152,6 +152,39 @@ class RoundTripTests:
         assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src),
                          skip_blocks=1, only=[0, 1])
 
+    def test_evicted_chunks_are_missing_and_slots_are_reused(self, kit: Kit) -> None:
+        """Store more than the arena holds: the oldest chunks are evicted (lookup stops counting
+        them, a retrieve reports them missing and leaves their blocks alone) and the newest,
+        written into reused slots, come back exact."""
+        spec = kit.spec(heads=8, head_size=64, num_blocks=64)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        bpc = spec.blocks_per_chunk(CHUNK_SIZE)
+        itemsize = torch.empty((), dtype=spec.torch_dtype).element_size()
+        chunk_bytes = spec.num_layers * spec.planes * CHUNK_SIZE * spec.hidden * itemsize
+        status = kit.client().status()
+        total = status.arena.capacity // chunk_bytes + 8
+        per_request = spec.num_blocks // bpc
+        keys = kit.keys(total)
+        blocks_of: list[list[int]] = []
+        for start in range(0, total, per_request):
+            batch = keys[start:start + per_request]
+            src = kit.blocks(spec, len(batch))
+            res = kit.store(ctx, batch, src)
+            assert res.stored == list(range(len(batch))), f"store {start // per_request} failed: {res}"
+            blocks_of += [src[j * bpc:(j + 1) * bpc] for j in range(len(batch))]
+        assert kit.client().status().arena.evictions > status.arena.evictions
+        assert kit.client().lookup(kit.model, 1, hashes=keys[:2]) == 0, "the oldest chunks must be evicted"
+        assert kit.client().lookup(kit.model, 1, hashes=keys[-2:]) == 2
+
+        before = as_bytes(layers)
+        wanted = [0, 1, total - 2, total - 1]
+        dst = kit.blocks(spec, 4)
+        res = kit.retrieve(ctx, [keys[i] for i in wanted], dst)
+        assert (res.loaded, res.missing) == ([2, 3], [0, 1])
+        chunks = kit.chunks_of(before, spec, [b for i in wanted for b in blocks_of[i]])
+        assert_retrieved(kit, spec, layers, before, dst, chunks, only=[2, 3])
+
     def test_submissions_run_in_order(self, kit: Kit) -> None:
         """A retrieve submitted right after a store, without waiting, sees the stored chunks."""
         spec = kit.spec()
