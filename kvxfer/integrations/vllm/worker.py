@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -204,7 +204,9 @@ class WorkerConnector:
                 self.stats["loaded_chunks"] += len(res.loaded)
             except KvxferError as exc:
                 bad += _unskipped(op, range(len(op.keys)), bs)
-                self.link.failed(exc, f"loading request {op.req_id}")
+                self._server_failed(exc, f"loading request {op.req_id}")
+            except CancelledError:  # cancelled by _server_failed: the server is gone
+                bad += _unskipped(op, range(len(op.keys)), bs)
             except Exception:  # noqa: BLE001  (a transport's copy failed: those blocks are recomputed)
                 log.exception("kvxfer: loading request %s failed in transport %s", op.req_id,
                               getattr(self.context, "transport_name", "?"))
@@ -220,7 +222,10 @@ class WorkerConnector:
         try:
             res = fut.result(timeout=self.config.timeout_s * 2 + 5 if wait else None)
         except KvxferError as exc:  # before FutureTimeout: RequestTimeout is a TimeoutError too
-            self.link.failed(exc, "storing KV")
+            self._server_failed(exc, "storing KV")
+            return True
+        except CancelledError:  # cancelled by _server_failed: the server is gone
+            self.stats["dropped_stores"] += 1
             return True
         except FutureTimeout:
             log.warning("kvxfer: a store of a preempted request is still running; its blocks may be reused")
@@ -232,6 +237,18 @@ class WorkerConnector:
         self.stats["present_chunks"] += len(res.present)
         self.stats["failed_store_chunks"] += len(res.failed)
         return True
+
+    def _server_failed(self, exc: BaseException, what: str) -> None:
+        """The server failed a transfer: raise (``fail``), or go degraded and cancel the
+        transfers still queued behind it, which would each wait ``kvxfer.timeout_s`` for a
+        server that is gone (``recompute``)."""
+        self.link.failed(exc, what)
+        for futs in self._stores.values():
+            for fut in futs:
+                fut.cancel()
+        for load in self._loads.values():
+            if load.future is not None:
+                load.future.cancel()
 
     def shutdown(self) -> None:
         """Let submitted transfers finish, unregister, disconnect."""
