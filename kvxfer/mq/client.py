@@ -34,6 +34,10 @@ __all__ = ["MQClient", "CurveClientKeys"]
 log = logging.getLogger(__name__)
 
 _POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +49,19 @@ class CurveClientKeys:
     server_public: bytes
 
 
+_UNSET: Any = object()
+
+
 @dataclass(slots=True)
 class _Pending:
-    future: ReplyFuture
+    #: None for the request of the leader thread (see ``request``): it reads ``ok``/``value``
+    future: ReplyFuture | None
     name: str
     deadline: float
     #: sent by the I/O thread to keep the session alive; nobody waits for it
     heartbeat: bool = False
+    ok: bool = False
+    value: Any = _UNSET
 
 
 class MQClient:
@@ -109,6 +119,9 @@ class MQClient:
         os.set_blocking(self._leader_r, False)
         os.set_blocking(self._leader_w, False)
         self._io_watching = False
+        self._leader_poller = select.poll()  # one leader at a time: shared
+        self._leader_poller.register(self._fd, select.POLLIN)
+        self._leader_poller.register(self._leader_r, select.POLLIN)
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-io-{url}", daemon=True)
         self._thread.start()
 
@@ -141,44 +154,59 @@ class MQClient:
         return fut
 
     def request(self, name: str, payload: msgspec.Struct, timeout: float | None = None) -> Any:
-        """Send and wait. The first waiting thread receives the replies itself (no thread
-        hand-off on the way back); others wait for their futures."""
+        """Send and wait for the decoded reply (raises the request's error).
+
+        The first thread waiting here becomes the *leader*: it receives on the socket itself
+        (no thread hand-off on the way back, no future) and completes whatever other replies
+        it reads; threads that come while there is a leader wait on futures.
+        """
         t = self.default_timeout if timeout is None else timeout
-        me = threading.get_ident()
+        if name not in REQUESTS:
+            raise ValueError(f"unknown request {name!r}")
+        data = codec.encode(payload)
         with self._lock:
             lead = self._leader is None and not self._closed
             if lead:
-                self._leader = me
+                self._leader = threading.get_ident()
+                rid = next(self._ids)
+                slot = _Pending(None, name, time.monotonic() + t)
+                self._pending[rid] = slot
+                frames = [codec.pack_id(rid), name.encode(), data]
+                if self._backlog or not self._send(frames):
+                    self._backlog.append(frames)
+                    self._wake()
         if not lead:
             # the I/O thread (or the leader) enforces the deadline; +1 s covers scheduling
             return self.submit(name, payload, t).result(t + 1.0)
         try:
-            fut = self.submit(name, payload, t)
-            deadline = time.monotonic() + t + 1.0
-            poller = select.poll()
-            poller.register(self._fd, select.POLLIN)
-            poller.register(self._leader_r, select.POLLIN)
-            while not fut.done():
-                remaining = deadline - time.monotonic()
+            give_up = time.monotonic() + t + 1.0
+            poll = self._leader_poller.poll
+            while slot.value is _UNSET:
+                remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     break
-                for fd, _ in poller.poll(max(1, min(int(remaining * 1000), 250))):
+                for fd, _ in poll(max(1, min(int(remaining * 1000), 250))):
                     if fd == self._leader_r:
                         _read_all(self._leader_r)
                 with self._lock:
-                    done = self._drain(leader=True)
-                _complete(done)
+                    done = self._drain(until=slot)
+                if done:
+                    _complete(done)
         finally:
             with self._lock:
                 self._leader = None
+                if slot.value is _UNSET:
+                    self._pending.pop(rid, None)
                 if self._pending and not self._io_watching:
-                    self._wake()  # hand the socket back to the I/O thread
-        if not fut.done():
+                    self._wake()  # hand the socket (and what may be left in it) back to the I/O thread
+        if slot.value is _UNSET:
             raise RequestTimeout(
                 f"request {name!r} to the kvxfer server at {self.url} got no reply within {t:g} s; "
                 f"is the server running and not overloaded? (`kvxfer status --url {self.url}`)"
             )
-        return fut.result(0)
+        if slot.ok:
+            return slot.value
+        raise slot.value
 
     def enable_heartbeat(self, heartbeat_s: float, dead_after_s: float) -> None:
         """Start heartbeats (after the handshake opened a session)."""
@@ -204,30 +232,46 @@ class MQClient:
     # ------------------------------------------------------------------ socket (lock held)
 
     def _send(self, frames: list[Any]) -> bool:
+        sock = self._sock
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK)
+            sock.send(frames[0], _MORE)  # multipart is atomic: only the first part can fail
         except zmq.Again:
             return False
+        sock.send(frames[1], _MORE)
+        sock.send(frames[2], _NOBLOCK)
         self._last_send = time.monotonic()
         return True
 
-    def _drain(self, leader: bool = False) -> list[tuple[ReplyFuture, bool, Any]]:
-        """Receive every reply that has arrived. Must run before the lock is released after any
-        use of the socket: ``zmq.FD`` is edge-triggered and only signals new events."""
+    def _drain(self, until: _Pending | None = None) -> list[tuple[ReplyFuture, bool, Any]]:
+        """Receive every reply that has arrived (lock held). Whoever uses the socket must drain
+        before releasing the lock: ``zmq.FD`` is edge-triggered and only signals new events.
+        ``until`` is the leader's own request (no need to wake the leader for it)."""
         done: list[tuple[ReplyFuture, bool, Any]] = []
         sock = self._sock
         if sock.closed:
             return done
-        while sock.get(zmq.EVENTS) & _POLLIN:
+        woke_sync = False
+        while sock.get(_EVENTS) & _POLLIN:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = [sock.recv(_NOBLOCK)]
+                while sock.get(_RCVMORE):
+                    frames.append(sock.recv(_NOBLOCK))
             except zmq.Again:
                 break
             self._last_recv = time.monotonic()
             out = self._on_reply(frames)
-            if out is not None:
-                done.append(out)
-        if done and not leader and self._leader is not None:
+            if out is None:
+                continue
+            pending, ok, value = out
+            if pending.future is None:
+                # never stop early, even at the leader's own reply: only a read that finds the
+                # socket empty re-arms the edge of zmq.FD for the next message
+                pending.ok, pending.value = ok, value
+                if pending is not until:
+                    woke_sync = True
+            else:
+                done.append((pending.future, ok, value))
+        if (done or woke_sync) and until is None and self._leader is not None:
             # the leader may be asleep on the fd whose edge this drain consumed
             try:
                 os.write(self._leader_w, b"x")
@@ -286,9 +330,14 @@ class MQClient:
                 self._io_watching = False
                 self._sock.close(0)
                 os.close(self._wake_r)
+                if self._leader is not None:
+                    try:
+                        os.write(self._leader_w, b"x")  # its request just failed: wake it
+                    except OSError:
+                        pass
             _complete(done)
 
-    def _on_reply(self, frames: list[bytes]) -> tuple[ReplyFuture, bool, Any] | None:
+    def _on_reply(self, frames: list[bytes]) -> tuple[_Pending, bool, Any] | None:
         if len(frames) != 3:
             log.warning("dropping a reply of %d frames from %s", len(frames), self.url)
             return None
@@ -299,19 +348,19 @@ class MQClient:
             return None
         pending = self._pending.pop(rid, None)
         if pending is None:
-            return None  # a reply after its deadline: the future already failed
-        fut, name = pending.future, pending.name
+            return None  # a reply after its deadline: the request already failed
+        name = pending.name
         try:
             if frames[1] == codec.OK:
-                return fut, True, codec.decode(frames[2], REQUESTS[name].reply)
+                return pending, True, codec.decode(frames[2], REQUESTS[name].reply)
             if frames[1] == codec.ERR:
                 err = codec.ERROR_DECODER.decode(frames[2])
                 if err.code == "no_session" and self._on_session_lost is not None:
                     self._on_session_lost()
-                return fut, False, remote_error(err.code, err.message, name)
-            return fut, False, ProtocolError(f"reply to {name!r} has unknown status {frames[1]!r}")
+                return pending, False, remote_error(err.code, err.message, name)
+            return pending, False, ProtocolError(f"reply to {name!r} has unknown status {frames[1]!r}")
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return fut, False, ProtocolError(f"undecodable reply to {name!r} from {self.url}: {exc}")
+            return pending, False, ProtocolError(f"undecodable reply to {name!r} from {self.url}: {exc}")
 
     def _expire(self, now: float) -> list[tuple[ReplyFuture, bool, Any]]:
         late = [rid for rid, p in self._pending.items() if p.deadline < now]
@@ -320,15 +369,25 @@ class MQClient:
             p = self._pending.pop(rid)
             if p.heartbeat:
                 continue
-            done.append((p.future, False, RequestTimeout(
+            exc = RequestTimeout(
                 f"request {p.name!r} to the kvxfer server at {self.url} got no reply in time; "
                 f"is the server running? (`kvxfer status --url {self.url}`)"
-            )))
+            )
+            if p.future is None:
+                p.ok, p.value = False, exc  # the leader sees it when it next wakes
+            else:
+                done.append((p.future, False, exc))
         return done
 
     def _fail_all(self, exc: Exception) -> list[tuple[ReplyFuture, bool, Any]]:
         pending, self._pending = self._pending, {}
-        return [(p.future, False, exc) for p in pending.values()]
+        done = []
+        for p in pending.values():
+            if p.future is None:
+                p.ok, p.value = False, exc
+            else:
+                done.append((p.future, False, exc))
+        return done
 
 
 def _read_all(fd: int) -> None:

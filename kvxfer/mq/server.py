@@ -28,6 +28,10 @@ __all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path"]
 log = logging.getLogger(__name__)
 
 _POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 
 #: (identity, request_id frame, name, payload) -> (status, payload) now, or None (reply later)
 Dispatcher = Callable[[bytes, bytes, bytes, bytes], "tuple[bytes, bytes] | None"]
@@ -172,9 +176,12 @@ class MQServer:
                     # avoids the zmq.Again exception of an empty recv (~10 us a request).
                     sock = self._sock
                     for _ in range(256):
-                        if not sock.get(zmq.EVENTS) & _POLLIN:
+                        if not sock.get(_EVENTS) & _POLLIN:
                             break
-                        self._handle(sock.recv_multipart(zmq.NOBLOCK))
+                        frames = [sock.recv(_NOBLOCK)]
+                        while sock.get(_RCVMORE):
+                            frames.append(sock.recv(_NOBLOCK))
+                        self._handle(frames)
                     if not self._calls.empty():
                         self._flush_replies()
                 if time.monotonic() >= next_tick:
@@ -190,8 +197,13 @@ class MQServer:
 
     def send(self, identity: bytes, request_id: bytes, status: bytes, payload: bytes) -> None:
         """Send a reply (loop thread only)."""
+        sock = self._sock
         try:
-            self._sock.send_multipart([identity, request_id, status, payload], zmq.NOBLOCK)
+            # int flags and single sends: pyzmq's send_multipart does enum flag arithmetic per frame
+            sock.send(identity, _MORE)  # multipart is atomic: only the first part can fail
+            sock.send(request_id, _MORE)
+            sock.send(status, _MORE)
+            sock.send(payload, _NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: nothing to do
             log.debug("reply dropped: %s", exc)
 

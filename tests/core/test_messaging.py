@@ -14,7 +14,7 @@ from kvxfer.mq.client import MQClient
 from kvxfer.mq.futures import ReplyFuture
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
-from kvxfer_core_helpers import BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+from kvxfer_core_helpers import BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
 
 def test_future_result_timeout_names_server_and_request() -> None:
@@ -144,3 +144,31 @@ def test_dead_server_fails_requests_with_connection_failed() -> None:
             c.request("ping", m.Ping(), timeout=0.5)
         assert srv.url in str(info.value)
         c.close()
+
+
+def test_close_fails_a_request_that_is_waiting(tmp_path: Path) -> None:
+    """A thread blocked in request() (the one receiving for everybody) is woken by close()."""
+    mq = MQClient(f"ipc://{tmp_path}/nobody.sock")
+    outcome: dict[str, BaseException] = {}
+    started = threading.Event()
+
+    def wait() -> None:
+        started.set()
+        try:
+            mq.request("ping", m.Ping(), timeout=60)
+        except BaseException as exc:  # noqa: BLE001  (checked below)
+            outcome["exc"] = exc
+
+    th = threading.Thread(target=wait)
+    th.start()
+    started.wait(10)
+    # white box: wait until it is the receiving ("leader") thread, the case this test is about
+    assert wait_until(lambda: mq._leader is not None, timeout=10)
+    others = [mq.submit("ping", m.Ping(), timeout=60) for _ in range(3)]
+    mq.close()
+    th.join(15)
+    assert not th.is_alive(), "close() left a request waiting"
+    assert isinstance(outcome.get("exc"), ConnectionFailed), outcome
+    for f in others:
+        with pytest.raises(ConnectionFailed):
+            f.result(5)
