@@ -6,7 +6,8 @@ N, ranks 0..N-1) and the same per-client workload: ``--iters`` rounds of one sto
 ``--chunks`` chunks, then one retrieve request of them into other blocks. Rounds are
 synchronized (every client starts storing round i at the same instant of the shared monotonic
 clock, then retrieving it); a phase's time is from that instant to the last client's end, so
-the aggregate is what the server and the machine sustain together. All client counts run
+the aggregate is what the server and the machine sustain together; the table gives the median
+round (the JSON also the mean over all rounds). All client counts run
 against one server, their rounds interleaved, so that load from elsewhere on a shared machine
 hits each count alike. Every retrieved chunk is compared bit for bit with
 the blocks it was stored from (outside the timed windows): corrupted chunks are counted.
@@ -134,6 +135,7 @@ class Group:
         self.op_s: dict[str, list[float]] = {"store": [], "retrieve": []}
         self.copy_s: dict[str, list[float]] = {"store": [], "retrieve": []}
         self.moved = {"store": 0, "retrieve": 0}
+        self.round_bytes: dict[str, list[int]] = {"store": [], "retrieve": []}
         self.corrupt = self.missing = self.failed = 0
 
     def ready(self) -> None:
@@ -155,6 +157,7 @@ class Group:
             self.op_s[phase] += [e["t1"] - e["t0"] for e in evs]
             self.copy_s[phase] += [e.get("copy_s", 0.0) for e in evs]
             self.moved[phase] += sum(e["bytes"] for e in evs)
+            self.round_bytes[phase].append(sum(e["bytes"] for e in evs))
 
     def close(self) -> None:
         for p in self.procs:
@@ -176,7 +179,11 @@ class Group:
                "corrupt_chunks": self.corrupt, "missing_chunks": self.missing, "failed_chunks": self.failed}
         for phase in ("store", "retrieve"):
             total_s = sum(self.windows[phase])
-            out[f"{phase}_gbps"] = self.moved[phase] / total_s / 1e9 if total_s else 0.0
+            rates = [b / w / 1e9 for b, w in zip(self.round_bytes[phase], self.windows[phase]) if w > 0]
+            #: the median round (robust to load spikes from elsewhere on a shared machine)
+            out[f"{phase}_gbps"] = statistics.median(rates) if rates else 0.0
+            #: all bytes over all windows
+            out[f"{phase}_gbps_mean"] = self.moved[phase] / total_s / 1e9 if total_s else 0.0
             out[f"{phase}_op_p50_ms"] = statistics.median(self.op_s[phase]) * 1e3 if self.op_s[phase] else 0.0
             #: time inside the transport's copy (gather/scatter), the rest is protocol and waiting
             out[f"{phase}_copy_p50_ms"] = statistics.median(self.copy_s[phase]) * 1e3 if self.copy_s[phase] else 0.0
