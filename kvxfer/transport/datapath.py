@@ -399,7 +399,8 @@ class ServerDrivenContext(TransferContextBase):
     prepared only after the previous one finished, so params may name per-context resources.
     With more, the server starts the next copy while a reply travels back (the fixed cost of a
     request overlaps the previous copy); the transport's prepare/finish must then tolerate
-    overlapping requests.
+    overlapping requests. A retrieve is never sent before the stores sent ahead of it are
+    answered: the server reserves a retrieve's chunks when it arrives, and must find them stored.
     """
 
     max_in_flight: ClassVar[int] = 1
@@ -407,6 +408,8 @@ class ServerDrivenContext(TransferContextBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._window = threading.BoundedSemaphore(self.max_in_flight)
+        self._stores_out = 0
+        self._stores_answered = threading.Condition()
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.transport_name}-done")
 
     def store_params(self) -> msgspec.Struct | None:
@@ -445,13 +448,23 @@ class ServerDrivenContext(TransferContextBase):
     def _submit_store(self, keys: list[bytes], blocks: torch.Tensor) -> Future[m.StoreResult]:
         def send() -> tuple[str, msgspec.Struct, msgspec.Struct | None]:
             params = self.prepare_store(keys, blocks)
-            return "store", m.Store(self.instance_id, keys, blocks.tolist(), self._raw(params)), params
+            payload = m.Store(self.instance_id, keys, blocks.tolist(), self._raw(params))
+            with self._stores_answered:
+                self._stores_out += 1  # from here on, done() runs answered() exactly once
+            return "store", payload, params
 
-        return self._pipelined(send, lambda res, params: res)
+        def answered() -> None:
+            with self._stores_answered:
+                self._stores_out -= 1
+                self._stores_answered.notify_all()
+
+        return self._pipelined(send, lambda res, params: res, answered)
 
     def _submit_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int,
                          lease_id: int) -> Future[m.RetrieveResult]:
         def send() -> tuple[str, msgspec.Struct, msgspec.Struct | None]:
+            with self._stores_answered:  # a retrieve must not overtake the stores ahead of it
+                self._stores_answered.wait_for(lambda: self._stores_out == 0)
             params = self.prepare_retrieve(keys, blocks, skip_blocks)
             return "retrieve", m.Retrieve(self.instance_id, keys, blocks.tolist(), skip_blocks * self.layout.block_size,
                                           lease_id, self._raw(params)), params
@@ -466,6 +479,7 @@ class ServerDrivenContext(TransferContextBase):
         self,
         send: Callable[[], tuple[str, msgspec.Struct, msgspec.Struct | None]],
         finish: Callable[[Any, msgspec.Struct | None], T],
+        answered: Callable[[], None] | None = None,
     ) -> Future[T]:
         """Prepare and send on the worker (waiting for a free place in the window), finish on
         the finisher thread in reply order. After a server restart the request is sent once
@@ -485,6 +499,8 @@ class ServerDrivenContext(TransferContextBase):
                 try:
                     self.release_params(params)
                 finally:
+                    if answered is not None:
+                        answered()
                     self._window.release()
 
         def start() -> None:
@@ -495,7 +511,13 @@ class ServerDrivenContext(TransferContextBase):
                 self._window.release()
                 outer.set_exception(exc)
                 return
-            reply = self.connection.submit(name, payload)
+            try:
+                reply = self.connection.submit(name, payload)
+            except BaseException as exc:
+                done_now: Future[Any] = Future()
+                done_now.set_exception(exc)
+                self._finisher.submit(done, done_now, name, payload, params)
+                return
             reply.add_done_callback(lambda f: self._finisher.submit(done, f, name, payload, params))
 
         self._submit(start)
