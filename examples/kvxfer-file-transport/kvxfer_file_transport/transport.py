@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -51,10 +52,15 @@ class FileParams(msgspec.Struct, frozen=True):
 
 
 class FileContext(ServerDrivenContext):
-    """Client half: stage rows in a file before a store, place them after a retrieve."""
+    """Client half: stage rows in a file before a store, place them after a retrieve.
+
+    Up to ``max_in_flight`` requests are at the server at once, each with its own spool file
+    (the core sends the next request while a reply travels back); a request's file is deleted
+    once it is finished (:meth:`release_params`).
+    """
 
     registration_type: ClassVar[type[Registration]] = FileRegistration
-    FILE: ClassVar[str] = "transfer"
+    max_in_flight: ClassVar[int] = 2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -62,21 +68,29 @@ class FileContext(ServerDrivenContext):
         self.spool_dir = tempfile.mkdtemp(prefix="kvxfer-file-", dir=base)  # created 0700
         self._dir_fd = check_private_dir(self.spool_dir)
         self._rows = [self.layout.row_view(t) for t in self.layers]
+        self._names = itertools.count()
 
     def registration_extra(self) -> dict[str, Any]:
         return {"spool_dir": self.spool_dir}
 
+    def _new_file(self) -> str:
+        return f"transfer-{next(self._names)}"
+
     def prepare_store(self, keys: list[bytes], blocks: torch.Tensor) -> FileParams:
         rows = self.layout.rows(blocks)
-        write_file(self._dir_fd, self.FILE, torch.stack([layer.index_select(0, rows) for layer in self._rows]))
-        return FileParams(self.FILE, rows.tolist())
+        name = self._new_file()
+        write_file(self._dir_fd, name, torch.stack([layer.index_select(0, rows) for layer in self._rows]))
+        return FileParams(name, rows.tolist())
 
     def prepare_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int) -> FileParams:
-        try:  # a stale file must never be taken for this request's answer
-            os.unlink(self.FILE, dir_fd=self._dir_fd)
-        except FileNotFoundError:
-            pass
-        return FileParams(self.FILE, self.layout.rows(blocks[skip_blocks:]).tolist())
+        return FileParams(self._new_file(), self.layout.rows(blocks[skip_blocks:]).tolist())
+
+    def release_params(self, params: msgspec.Struct | None) -> None:
+        if isinstance(params, FileParams):
+            try:
+                os.unlink(params.file, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass  # a retrieve that loaded nothing leaves no file
 
     def finish_retrieve(self, params: msgspec.Struct | None, result: RetrieveResult, blocks: torch.Tensor,
                         skip_blocks: int) -> None:

@@ -27,11 +27,20 @@ class TestFileDebug(TransportConformance):
         spec = kit.spec()
         ctx = kit.register(kit.kv(spec), spec)
         assert isinstance(ctx, FileContext)
-        kit.store(ctx, kit.keys(1), kit.blocks(spec, 1))
         spool = Path(ctx.spool_dir)
         assert stat.S_IMODE(spool.stat().st_mode) == 0o700
-        files = list(spool.iterdir())
-        assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+        seen: list[int] = []
+        real_prepare = ctx.prepare_store
+
+        def prepare_and_look(keys: list[bytes], blocks: torch.Tensor) -> FileParams:
+            params = real_prepare(keys, blocks)
+            seen.append(stat.S_IMODE((spool / params.file).stat().st_mode))
+            return params
+
+        ctx.prepare_store = prepare_and_look  # type: ignore[method-assign]  # observes, changes nothing
+        kit.store(ctx, kit.keys(1), kit.blocks(spec, 1))
+        assert seen == [0o600]
+        assert list(spool.iterdir()) == [], "a request's spool file is deleted once it is finished"
         ctx.close()
         assert not spool.exists()
 
@@ -73,7 +82,7 @@ class TestFileDebug(TransportConformance):
         keys, blocks = kit.keys(1), kit.blocks(spec, 1)
         with pytest.raises(InvalidRequest, match=r"params: "):
             kit.client().request("store", m.Store(ctx.instance_id, keys, blocks, msgspec.Raw(codec.encode([1]))))
-        short = FileParams(FileContext.FILE, [0])  # names rows the request does not have
+        short = FileParams("transfer-999", [0])  # a file that is not there
         with pytest.raises(InvalidRequest, match=r"params"):
             kit.client().request("store", m.Store(ctx.instance_id, keys, blocks,
                                                   msgspec.Raw(codec.encode(short))))
