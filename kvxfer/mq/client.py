@@ -17,7 +17,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -62,6 +62,9 @@ class _Pending:
     heartbeat: bool = False
     ok: bool = False
     value: Any = _UNSET
+    #: when it was sent: silence counts against the server only while a request older than
+    #: dead_after_s waits (a request sent just after an outage is not failed at once)
+    sent: float = field(default_factory=time.monotonic)
 
 
 class MQClient:
@@ -311,7 +314,8 @@ class MQClient:
                             if not self._send([codec.pack_id(rid), b"ping", codec.encode(Ping())]):
                                 self._pending.pop(rid)
                             done += self._drain()
-                        if now - self._last_recv > self.dead_after_s and self._pending:
+                        if now - self._last_recv > self.dead_after_s and any(
+                                now - p.sent > self.dead_after_s for p in self._pending.values()):
                             done += self._fail_all(ConnectionFailed(
                                 f"the kvxfer server at {self.url} stopped answering "
                                 f"(nothing for {self.dead_after_s:.0f} s)"
