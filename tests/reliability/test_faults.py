@@ -64,6 +64,18 @@ def test_client_killed_holding_a_reservation_is_cleaned_up(server, client_of, wo
     wait_until(lambda: _gone(other.client, w.pid), 5.0, "registration and reservation of the killed client dropped")
     assert_no_shm_left(w.pid, mapped, other.client.arena_path, shm_before)
 
+    # the same, as an operator sees it
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--url", server.url, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["reservations"] == 0
+    assert [c["client_pid"] for c in report["contexts"]] == [os.getpid()]
+
     victim = [key("victim", j) for j in range(4)]
     if mode == "hold-write":
         # the half-written slots never became readable and their space came back
