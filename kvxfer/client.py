@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
-from kvxfer.errors import ConfigError, ConnectionFailed, InvalidRequest, NoSession, TransportUnavailable
+from kvxfer.errors import ConfigError, ConnectionFailed, InvalidRequest, NoSession, TransportNotFound, TransportUnavailable
 from kvxfer.layout import KVLayout, LayoutKind, as_layer_list
 from kvxfer.mq.client import CurveClientKeys, MQClient
 from kvxfer.protocol import messages as m
@@ -171,32 +171,17 @@ class CacheClient:
         return ctx
 
     def _pick_transport(self, name: str, device: torch.device) -> Any:
-        if name != registry.AUTO:
-            if name not in self.server_transports:
-                # unknown name -> lists installed; cannot run here -> the probe's reason
-                registry.get_transport(name)
-                raise TransportUnavailable(
-                    f"the server at {self.url} did not load transport {name!r}; it has "
-                    f"{', '.join(self.server_transports)}. Restart it with --transports {name}"
-                )
-            return registry.select(name, device)
-        serving = [n for n in self.server_transports]
-        last: Exception | None = None
-        candidates = []
-        for n in serving:
-            try:
-                t = registry.get_transport(n)
-            except Exception as exc:
-                last = exc
-                continue
-            if t.serves(device):
-                candidates.append(t)
-        if not candidates:
+        if name != registry.AUTO and name not in self.server_transports:
+            # unknown name -> lists installed; cannot run here -> the probe's reason
+            registry.get_transport(name)
             raise TransportUnavailable(
-                f"no transport both loaded by the server at {self.url} ({', '.join(serving)}) and able "
-                f"to move KV tensors on {device} here" + (f" (last error: {last})" if last else "")
+                f"the server at {self.url} did not load transport {name!r}; it has "
+                f"{', '.join(self.server_transports)}. Restart it with --transports {name}"
             )
-        return max(candidates, key=lambda t: (t.priority_for(device), t.name))
+        try:
+            return registry.select(name, device, among=self.server_transports)
+        except TransportNotFound as exc:
+            raise TransportUnavailable(f"no transport loaded by the server at {self.url} fits: {exc}") from None
 
     def lookup(self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes]) -> int:
         """How many leading chunks of ``hashes`` the server has for every rank."""

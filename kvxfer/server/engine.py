@@ -42,7 +42,7 @@ from kvxfer.server.context import RegisteredContext
 from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
 from kvxfer.transport import registry
 from kvxfer.transport.base import ServerTransport, Style, Transport
-from kvxfer.transport.datapath import check_transfer, plan_copies
+from kvxfer.transport.datapath import MAX_CHUNKS_PER_REQUEST, check_transfer, plan_copies
 from kvxfer.transport.hooks import HookRelay
 
 __all__ = ["CacheServer", "validate_registration"]
@@ -119,6 +119,8 @@ def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int)
 
 
 def _check_hashes(hashes: list[bytes]) -> None:
+    if len(hashes) > MAX_CHUNKS_PER_REQUEST:
+        raise _invalid("hashes", f"{len(hashes)} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
     for i, h in enumerate(hashes):
         if not m.HASH_MIN_BYTES <= len(h) <= m.HASH_MAX_BYTES:
             raise _invalid(f"hashes[{i}]", f"a chunk hash has {m.HASH_MIN_BYTES} to {m.HASH_MAX_BYTES} "

@@ -8,6 +8,7 @@ raises :class:`TransportNotFound` listing what is installed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 import threading
 from dataclasses import dataclass
 from typing import Final
@@ -17,7 +18,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 from stevedore import DriverManager, ExtensionManager
 
-from kvxfer.errors import TransportBroken, TransportNotFound, TransportUnavailable
+from kvxfer.errors import TransportBroken, TransportError, TransportNotFound, TransportUnavailable
 from kvxfer.transport.base import API_VERSION, Probe, Transport
 
 __all__ = ["NAMESPACE", "PluginInfo", "get_transport", "list_plugins", "available_names", "select", "refresh"]
@@ -175,8 +176,10 @@ def available_names() -> list[str]:
     return [p.name for p in list_plugins() if p.health == "available"]
 
 
-def select(name: str, device: torch.device) -> Transport:
-    """The transport for KV tensors on ``device``: ``name``, or the best one when ``"auto"``."""
+def select(name: str, device: torch.device, among: Collection[str] | None = None) -> Transport:
+    """The transport for KV tensors on ``device``: ``name``, or, for ``"auto"``, the one with the
+    highest :meth:`Transport.priority_for` among ``among`` (default: every installed one) that
+    can serve the device here."""
     if name != AUTO:
         transport = get_transport(name)
         if not transport.serves(device):
@@ -186,17 +189,18 @@ def select(name: str, device: torch.device) -> Transport:
                 f"{transport.probe().reason or 'see kvxfer plugins'})"
             )
         return transport
+    names = installed_names() if among is None else list(among)
     candidates = []
-    for n in installed_names():
+    for n in names:
         try:
             t = _load(n)
-        except TransportBroken:
+        except TransportError:  # not installed here, or broken: `kvxfer plugins` says which
             continue
         if t.serves(device):
             candidates.append(t)
     if not candidates:
         raise TransportNotFound(
-            f"no installed transport can move KV tensors on {device}; installed: "
-            f"{', '.join(installed_names()) or 'none'} (see `kvxfer plugins`)"
+            f"none of the transports {', '.join(names) or '(none)'} can move KV tensors on {device} here "
+            f"(see `kvxfer plugins`)"
         )
     return max(candidates, key=lambda t: (t.priority_for(device), t.name))
