@@ -16,7 +16,7 @@ import msgspec
 
 from kvxfer.protocol.messages import ErrorReply
 
-__all__ = ["OK", "ERR", "encode", "decode", "decode_as", "pack_id", "unpack_id", "ERROR_DECODER"]
+__all__ = ["OK", "ERR", "encode", "decode", "pack_id", "unpack_id", "ERROR_DECODER"]
 
 OK: Final = b"ok"
 ERR: Final = b"err"
@@ -41,8 +41,6 @@ def decode(data: bytes | memoryview, tp: type[S]) -> S:
     :class:`msgspec.DecodeError` (callers turn those into typed errors)."""
     return _decoder(tp).decode(data)
 
-
-decode_as = decode
 
 ERROR_DECODER: Final = msgspec.msgpack.Decoder(ErrorReply)
 

@@ -14,7 +14,7 @@ import msgspec
 
 from kvxfer.protocol import messages as m
 
-__all__ = ["HandlerKind", "RequestSpec", "REQUESTS", "spec_for"]
+__all__ = ["HandlerKind", "RequestSpec", "REQUESTS"]
 
 
 class HandlerKind(enum.Enum):
@@ -68,6 +68,3 @@ REQUESTS: Final[dict[str, RequestSpec]] = _specs(
 
 del C, T
 
-
-def spec_for(name: str) -> RequestSpec | None:
-    return REQUESTS.get(name)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, TypeVar, runtime_checkable
@@ -303,5 +303,3 @@ class InstanceIdentity:
             use_mla=layout.use_mla,
         )
 
-
-Callback = Callable[[Future[Any]], None]

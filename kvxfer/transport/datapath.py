@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 import torch
 
-from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError, NoSession, UnknownInstance
+from kvxfer.errors import ConfigError, KvxferError, NoSession, UnknownInstance
 from kvxfer.layout import KVLayout
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m

@@ -21,7 +21,7 @@ from stevedore import DriverManager, ExtensionManager
 from kvxfer.errors import TransportBroken, TransportError, TransportNotFound, TransportUnavailable
 from kvxfer.transport.base import API_VERSION, Probe, Transport
 
-__all__ = ["NAMESPACE", "PluginInfo", "get_transport", "list_plugins", "available_names", "select", "refresh"]
+__all__ = ["NAMESPACE", "PluginInfo", "get_transport", "list_plugins", "select", "refresh"]
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +170,6 @@ def list_plugins() -> list[PluginInfo]:
             style=t.style.value,
         ))
     return out
-
-
-def available_names() -> list[str]:
-    return [p.name for p in list_plugins() if p.health == "available"]
 
 
 def select(name: str, device: torch.device, among: Collection[str] | None = None) -> Transport:
