@@ -142,6 +142,8 @@ class CacheServer:
         self.transport_errors: dict[str, str] = {}
         self.errors = 0
         self.lookups = self.lookup_chunks = self.lookup_hits = 0
+        #: Runs the waiters of server-driven copies (see ServerContext.store).
+        self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
         try:
             self._load_transports()
             self._mq = MQServer(
@@ -215,6 +217,7 @@ class CacheServer:
     def _shutdown(self) -> None:
         for ctx in list(self.contexts.values()):
             self._drop_context(ctx, "shutdown", wait=True)
+        self._waiters.shutdown(wait=True)
         self.hooks.call("kvxfer_server_stopped", server=self)
         self._close_transports()
         self.arena.close()
@@ -271,8 +274,15 @@ class CacheServer:
                 out = self._error(name, exc)
             self._mq.send(identity, rid, *out)
 
+        def worked(fut: Future[Any]) -> None:
+            waiter = fut.result() if fut.exception() is None else None
+            if callable(waiter):  # the copy is queued: wait for it off the instance's worker
+                self._waiters.submit(waiter).add_done_callback(done)
+            else:
+                done(fut)
+
         try:
-            d.executor.submit(d.work).add_done_callback(done)
+            d.executor.submit(d.work).add_done_callback(worked)
         except RuntimeError as exc:  # executor shut down: the context is being dropped
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
 

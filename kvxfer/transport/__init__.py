@@ -18,6 +18,7 @@ from kvxfer.transport.base import (
     Style,
     TransferContext,
     Transport,
+    Waiter,
 )
 from kvxfer.transport.datapath import (
     ArenaServerTransport,
@@ -51,6 +52,7 @@ __all__ = [
     "TransferContext",
     "TransferContextBase",
     "Transport",
+    "Waiter",
     "copy_view",
     "get_transport",
     "hookimpl",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol, TypeVar, runtime_checkable
@@ -184,6 +184,10 @@ class TransferContext(ABC):
 # --------------------------------------------------------------------------- server side
 
 
+#: What a server-driven copy may return: wait for the copy it started (see ServerContext.store).
+Waiter = Callable[[], None]
+
+
 class ServerContext(ABC):
     """One registration, server side. Its methods run on the instance's worker thread, one at
     a time, in request order."""
@@ -191,13 +195,18 @@ class ServerContext(ABC):
     #: Struct of per-request ``params`` of store/retrieve (server-driven), or None.
     params_type: ClassVar[type[msgspec.Struct] | None] = None
 
-    def store(self, copies: list[RowCopy], params: Any) -> None:
+    def store(self, copies: list[RowCopy], params: Any) -> Waiter | None:
         """Server-driven only: copy engine rows into the arena slots of ``copies``. Raise to
-        fail the request (the slots are then dropped)."""
+        fail the request (the slots are then dropped).
+
+        Return None when the bytes are in the slots, or a *waiter*: a callable that returns once
+        they are (raising if the copy failed). The server calls a waiter off the instance's
+        worker thread, so the next request's copies can be queued while this one finishes;
+        the transport must then order consecutive requests' copies itself (e.g. one stream)."""
         raise NotImplementedError(f"{type(self).__name__} does not do server-driven stores")
 
-    def retrieve(self, copies: list[RowCopy], params: Any) -> None:
-        """Server-driven only: copy arena slots into engine rows."""
+    def retrieve(self, copies: list[RowCopy], params: Any) -> Waiter | None:
+        """Server-driven only: copy arena slots into engine rows; returns as :meth:`store`."""
         raise NotImplementedError(f"{type(self).__name__} does not do server-driven retrieves")
 
     def status(self) -> dict[str, str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from kvxfer.transport import (
     ServerContext,
     ServerTransport,
     copy_view,
+    Waiter,
 )
 from kvxfer_cuda_ipc import _kernels
 from kvxfer_cuda_ipc.transport import (
@@ -169,6 +171,9 @@ class CudaIpcServerContext(ServerContext):
         self._ready: list[torch.cuda.Event] = []
         self._free: list[torch.cuda.Event] = []
         self._index_buf: torch.Tensor | None = None
+        #: recorded after each upload of _index_buf: its host memory is rewritten only after that
+        self._index_uploaded: torch.cuda.Event | None = None
+        self._stats_lock = threading.Lock()
         self.transfers = 0
 
     # ------------------------------------------------------------------ opening
@@ -221,6 +226,8 @@ class CudaIpcServerContext(ServerContext):
     def _ensure_staging(self, nbytes: int) -> None:
         if self._ring and self._ring[0].numel() >= nbytes:
             return
+        if self._ring:  # copies of earlier requests may still use the old ring
+            torch.cuda.synchronize(self.device)
         self._ring.clear()
         k = max(2, min(8, _staging_bytes() // max(nbytes, 1)))
         self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(k)]
@@ -240,11 +247,15 @@ class CudaIpcServerContext(ServerContext):
             parts.append(torch.tensor([[s.data_ptr() for s in c.slot] for c in copies], dtype=torch.int64).view(-1))
         flat = torch.cat(parts)
         n = flat.numel()
+        if self._index_uploaded is not None:
+            self._index_uploaded.synchronize()  # the previous request's upload has read the buffer
         if self._index_buf is None or self._index_buf.numel() < n:
             self._index_buf = torch.empty(max(n, 4096), dtype=torch.int64, pin_memory=True)
         self._index_buf[:n].copy_(flat)
         with torch.cuda.stream(self._compute):
             dev = self._index_buf[:n].to(self.device, non_blocking=True)
+            self._index_uploaded = torch.cuda.Event()
+            self._index_uploaded.record(self._compute)
         rows, at = [], 0
         for c in copies:
             rows.append(dev[at:at + c.rows.numel()])
@@ -256,16 +267,20 @@ class CudaIpcServerContext(ServerContext):
 
     # ------------------------------------------------------------------ transfers
 
-    def store(self, copies: list[RowCopy], params: Any) -> None:
-        self._transfer(copies, params, write_arena=True)
+    def store(self, copies: list[RowCopy], params: Any) -> Waiter | None:
+        return self._transfer(copies, params, write_arena=True)
 
-    def retrieve(self, copies: list[RowCopy], params: Any) -> None:
-        self._transfer(copies, params, write_arena=False)
+    def retrieve(self, copies: list[RowCopy], params: Any) -> Waiter | None:
+        return self._transfer(copies, params, write_arena=False)
 
-    def _transfer(self, copies: list[RowCopy], params: CudaIpcParams | None, write_arena: bool) -> None:
+    def _transfer(self, copies: list[RowCopy], params: CudaIpcParams | None, write_arena: bool) -> Waiter | None:
+        """Queue the copies on the two streams and return a waiter for their end (the server
+        waits off this worker thread, so the next request's copies queue behind these without
+        the GPU going idle in between); the direct mode still synchronizes here."""
         if not copies:
-            return
+            return None
         t0 = time.perf_counter()
+        finished: torch.cuda.Event | None = None
         with torch.cuda.device(self.device):
             try:
                 client = self._client_event(params)
@@ -274,18 +289,26 @@ class CudaIpcServerContext(ServerContext):
                 if not (self._direct and self._direct_copy(copies, write_arena)):
                     self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in copies))
                     idx = self._upload_rows(copies)
-                    if write_arena:
-                        self._store(copies, idx)
-                    else:
-                        self._retrieve(copies, idx)
+                    finished = self._store(copies, idx) if write_arena else self._retrieve(copies, idx)
             except BaseException:
                 torch.cuda.synchronize(self.device)  # leave no copy running into reused buffers
                 raise
         kind = "store" if write_arena else "retrieve"
-        self.stats[f"{kind}_n"] += 1
-        self.stats[f"{kind}_bytes"] += sum(c.slot.numel() * c.slot.element_size() for c in copies)
-        self.stats[f"{kind}_s"] += time.perf_counter() - t0
-        self.transfers += 1
+        nbytes = sum(c.slot.numel() * c.slot.element_size() for c in copies)
+
+        def wait() -> None:
+            if finished is not None:
+                finished.synchronize()
+            with self._stats_lock:
+                self.stats[f"{kind}_n"] += 1
+                self.stats[f"{kind}_bytes"] += nbytes
+                self.stats[f"{kind}_s"] += time.perf_counter() - t0
+                self.transfers += 1
+
+        if finished is None:
+            wait()
+            return None
+        return wait
 
     def _direct_copy(self, copies: list[RowCopy], write_arena: bool) -> bool:
         """One kernel per chunk between the engine's blocks and the slot's layers in host memory.
@@ -304,15 +327,14 @@ class CudaIpcServerContext(ServerContext):
         self._compute.synchronize()
         return True
 
-    def _store(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> None:
+    def _store(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> torch.cuda.Event:
         comp, cp = self._compute, self._copy
         k_n = len(self._ring)
         for i, (c, rows) in enumerate(zip(copies, idx)):
             k = i % k_n
             slot = copy_view(c.slot)
             stage = self._stage(k, slot)
-            if i >= k_n:
-                comp.wait_event(self._free[k])  # its previous chunk has left the GPU
+            comp.wait_event(self._free[k])  # its previous chunk (this or an earlier request) left the GPU
             with torch.cuda.stream(comp):
                 self._gather(rows, stage)
             self._ready[k].record(comp)
@@ -320,17 +342,16 @@ class CudaIpcServerContext(ServerContext):
             with torch.cuda.stream(cp):
                 _copy(slot, stage)
             self._free[k].record(cp)
-        cp.synchronize()
+        return _recorded(cp)
 
-    def _retrieve(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> None:
+    def _retrieve(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> torch.cuda.Event:
         comp, cp = self._compute, self._copy
         k_n = len(self._ring)
         for i, (c, rows) in enumerate(zip(copies, idx)):
             k = i % k_n
             slot = copy_view(c.slot)
             stage = self._stage(k, slot)
-            if i >= k_n:
-                cp.wait_event(self._free[k])  # its previous chunk is in the engine's blocks
+            cp.wait_event(self._free[k])  # its previous chunk (this or an earlier request) is placed
             with torch.cuda.stream(cp):
                 _copy(stage, slot)
             self._ready[k].record(cp)
@@ -338,7 +359,7 @@ class CudaIpcServerContext(ServerContext):
             with torch.cuda.stream(comp):
                 self._scatter(rows, stage)
             self._free[k].record(comp)
-        comp.synchronize()
+        return _recorded(comp)
 
     def _gather(self, rows: torch.Tensor, stage: torch.Tensor) -> None:
         """``stage[l] = layer_l[rows]`` for every layer, on the current stream."""
@@ -392,6 +413,13 @@ class CudaIpcServerContext(ServerContext):
         self._ring = []
         self._index_buf = None
         self._layer_ptrs = None  # type: ignore[assignment]
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A new event recorded on ``stream`` now (one per request: a waiter syncs its own)."""
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
