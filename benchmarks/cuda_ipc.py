@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvxfer import CacheClient, KVLayout, LayoutKind, chunk_hashes
+from kvxfer.bench import progress_bar
 from kvxfer.testing import ServerProcess
 
 GB = 1e9
@@ -38,12 +39,6 @@ def _server_stats(client: CacheClient) -> dict[str, float]:
         if t.name == "cuda_ipc" and "store_s" in t.state:
             return {k: float(t.state[k]) for k in STAT_KEYS}
     return dict.fromkeys(STAT_KEYS, 0.0)
-
-
-def _bar(total: int, desc: str) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False)
 
 
 def _timed(fn: Any, device: torch.device) -> float:
@@ -95,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.transports:
             ctx = client.register(kv, model_name=f"bench-{name}", block_size=bs, transport=name)
             d2h, h2d, store_t, retr_t = [], [], [], []
-            bar = _bar(args.iters + 1, name)
+            bar = progress_bar(args.iters + 1, name)
             for it in range(args.iters + 1):
                 tokens = torch.randint(0, 50000, (cpr * cs,), generator=cpu_gen).tolist()
                 keys = chunk_hashes(tokens, cs, salt=f"{name}-{it}-{os.getpid()}")

@@ -23,7 +23,6 @@ import os
 import platform
 import secrets
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,28 +31,11 @@ from typing import Any
 import torch
 
 from kvxfer import CacheClient
+from kvxfer.bench import progress_bar
 from kvxfer.layout import dtype_from_name
 from kvxfer.testing import ServerProcess
 
 GB = 1e9
-
-
-def _progress(total: int, desc: str) -> Any:
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional: a plain counter on stderr
-        class _Bar:
-            n = 0
-
-            def update(self, k: int = 1) -> None:
-                self.n += k
-                print(f"\r{desc}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
-
-            def close(self) -> None:
-                print(file=sys.stderr)
-
-        return _Bar()
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
 
 
 def _sync(device: torch.device) -> None:
@@ -277,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             benches = [Bench(name, client, kv, args, device) for name in args.transports]
             limit = Limit(benches[0].nbytes, device)
             rounds = args.warmup + args.requests
-            bar = _progress(rounds * len(benches), f"{'/'.join(args.transports)} on {device}")
+            bar = progress_bar(rounds * len(benches), f"{'/'.join(args.transports)} on {device}")
             for i in range(rounds):
                 keep = i >= args.warmup
                 k = i % len(benches)  # rotate the order: no transport always runs first

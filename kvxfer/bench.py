@@ -26,12 +26,14 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "physical_limit", "progress_bar"]
 
 GB = 1e9
 
 
-def _progress(total: int, desc: str) -> Any:
+def progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar on stderr (``update``/``close``), or a plain counter when tqdm is absent;
+    shared by every benchmark under benchmarks/."""
     try:
         from tqdm import tqdm
 
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 raise SystemExit(f"the server at {url} uses chunk size {client.chunk_size}, not {chunk_size}")
             ctx = client.register(kv, model_name=f"bench-{os.getpid()}-{chunk_size}", block_size=bs,
                                   transport=args.transport, layout=kind)
-            bar = _progress(total_reqs, f"{args.transport} chunk {chunk_size}")
+            bar = progress_bar(total_reqs, f"{args.transport} chunk {chunk_size}")
             counter = 0
             for cpr in args.chunks_per_request:
                 nbytes = cpr * chunk_bytes
