@@ -22,6 +22,8 @@ from pathlib import Path
 import zmq
 
 from kvxfer.errors import ConfigError
+from kvxfer.protocol import codec
+from kvxfer.protocol.messages import ErrorReply
 
 __all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path"]
 
@@ -223,9 +225,6 @@ class MQServer:
             self.dropped_frames += 1
             log.warning("dropping a request of %d frames (no request id to answer)", len(frames))
             if len(frames) >= 2 and len(frames[1]) == 8:
-                from kvxfer.protocol import codec
-                from kvxfer.protocol.messages import ErrorReply
-
                 err = codec.encode(ErrorReply("invalid_request",
                                               f"a request has 3 frames [id, name, payload], got {len(frames) - 1}"))
                 self._sock.send_multipart([frames[0], frames[1], codec.ERR, err], zmq.NOBLOCK)

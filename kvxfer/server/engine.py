@@ -29,6 +29,7 @@ from kvxfer.errors import (
     RemoteError,
     TransportError,
     UnknownInstance,
+    UnknownRequest,
     VersionMismatch,
 )
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
@@ -229,11 +230,12 @@ class CacheServer:
         spec = REQUESTS.get(name)
         try:
             if spec is None:
-                raise_unknown(name)
+                raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
+                                     f"{', '.join(REQUESTS)}")
             try:
-                msg = codec.decode(payload, spec.payload)  # type: ignore[union-attr]
+                msg = codec.decode(payload, spec.payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None  # type: ignore[union-attr]
+                raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
             if name == "handshake":
                 return codec.OK, codec.encode(self._on_handshake(identity, msg))
             session = self.sessions.get(identity)
@@ -595,9 +597,3 @@ class CacheServer:
     def _on_evict(self, keys: list[ChunkKey]) -> None:
         self.hooks.call("kvxfer_chunks_evicted", server=self, keys=keys)
 
-
-def raise_unknown(name: str) -> None:
-    from kvxfer.errors import UnknownRequest
-
-    raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
-                         f"{', '.join(REQUESTS)}")

@@ -139,6 +139,7 @@ class TransferContextBase(TransferContext):
         self.instance_id = identity.instance_id
         self.chunk_size = connection.chunk_size
         self.blocks_per_chunk = layout.blocks_per_chunk(self.chunk_size)
+        self.chunk_bytes = layout.chunk_bytes(self.chunk_size)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{transport_name}-{identity.rank}")
         self._closed = False
         self._registered = False
@@ -166,16 +167,20 @@ class TransferContextBase(TransferContext):
         """The client re-opened its session (the server restarted): register again."""
         self.register()
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (requests to the server); after a server restart, re-register once and retry."""
+    def _request(self, name: str, payload: msgspec.Struct) -> Any:
+        """Send and wait; after a server restart, register again and send once more."""
         try:
-            return fn()
+            return self.connection.request(name, payload)
         except (NoSession, UnknownInstance):
-            reconnect = getattr(self.connection, "reconnect", None)
-            if reconnect is None:
-                raise
-            reconnect(self)
-            return fn()
+            return self._resend(name, payload)
+
+    def _resend(self, name: str, payload: msgspec.Struct) -> Any:
+        """The server lost this context (it restarted): register again and send once more."""
+        reconnect = getattr(self.connection, "reconnect", None)
+        if reconnect is None:
+            raise UnknownInstance(f"instance {self.instance_id} is not registered any more")
+        reconnect(self)
+        return self.connection.request(name, payload)
 
     # ------------------------------------------------------------------ submit
 
@@ -312,7 +317,7 @@ class ClientDrivenContext(TransferContextBase):
                 if reply is not None:
                     return self._reserved(reply, name, reserve)
                 try:
-                    return self._call(lambda: self.connection.request(name, reserve))
+                    return self._request(name, reserve)
                 finally:
                     with self._lock:
                         self._deferred -= 1
@@ -343,7 +348,7 @@ class ClientDrivenContext(TransferContextBase):
         try:
             return reply.result()
         except (NoSession, UnknownInstance):
-            return self._call(lambda: self.connection.request(name, payload))
+            return self._resend(name, payload)
 
     def _slots(self, slots: list[m.Slot], nbytes: int, shift: int = 0) -> list[tuple[int, torch.Tensor]]:
         return [(s.index + shift, self.arena.view(s.offset, nbytes)) for s in slots]
@@ -351,7 +356,7 @@ class ClientDrivenContext(TransferContextBase):
     def _store(self, reserved: Callable[[], m.ReserveWriteReply], keys: list[bytes], blocks: torch.Tensor,
                outer: Future[m.StoreResult]) -> None:
         rep = reserved()
-        nbytes = self.layout.chunk_bytes(self.chunk_size)
+        nbytes = self.chunk_bytes
         try:
             if rep.slots:
                 self.gather(plan_copies(self.layout, self.chunk_size, blocks, self._slots(rep.slots, nbytes)))
@@ -373,7 +378,7 @@ class ClientDrivenContext(TransferContextBase):
     def _retrieve(self, reserved: Callable[[], m.ReserveReadReply], keys: list[bytes], blocks: torch.Tensor,
                   skip_blocks: int, first: int, outer: Future[m.RetrieveResult]) -> None:
         rep = reserved()
-        nbytes = self.layout.chunk_bytes(self.chunk_size)
+        nbytes = self.chunk_bytes
         try:
             if rep.slots:
                 self.scatter(plan_copies(self.layout, self.chunk_size, blocks,
@@ -522,14 +527,6 @@ class ServerDrivenContext(TransferContextBase):
 
         self._submit(start)
         return outer
-
-    def _resend(self, name: str, payload: msgspec.Struct) -> Any:
-        """The server lost this context (it restarted): register again and send once more."""
-        reconnect = getattr(self.connection, "reconnect", None)
-        if reconnect is None:
-            raise UnknownInstance(f"instance {self.instance_id} is not registered any more")
-        reconnect(self)
-        return self.connection.request(name, payload)
 
     def close(self) -> None:
         super().close()

@@ -256,7 +256,7 @@ class HpuContext(ClientDrivenContext):
         """Streams, events and staging buffers, made on the worker thread at first transfer."""
         if self._pipe is None:
             ops, dev = self.ops, self.device
-            chunk_bytes = self.layout.chunk_bytes(self.chunk_size)
+            chunk_bytes = self.chunk_bytes
             group_chunks = max(1, self.GROUP_BYTES // chunk_bytes)
             depth = self.STAGING_DEPTH
             self._pipe = _Pipeline(
