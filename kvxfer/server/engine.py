@@ -373,7 +373,11 @@ class CacheServer:
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-ctx-{reg.instance_id}")
 
         def finish(fut: Future[Any]) -> m.RegisterReply:
-            server_context = fut.result()
+            try:
+                server_context = fut.result()
+            except BaseException:  # the transport refused it: nothing to close
+                executor.shutdown(wait=False)
+                raise
             if self.sessions.get(session.identity) is not session or reg.instance_id in self.contexts:
                 executor.submit(server_context.close)
                 executor.shutdown(wait=False)
@@ -389,15 +393,7 @@ class CacheServer:
             self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
             return m.RegisterReply(ctx.instance_id, ctx.chunk.nbytes)
 
-        def failed(fut: Future[Any]) -> m.RegisterReply:
-            try:
-                return finish(fut)
-            except BaseException:
-                if reg.instance_id not in self.contexts:
-                    executor.shutdown(wait=False)
-                raise
-
-        return _Deferred(executor, lambda: lt.server.open(reg, layout), failed)
+        return _Deferred(executor, lambda: lt.server.open(reg, layout), finish)
 
     def _on_unregister(self, session: Session, msg: m.Unregister) -> m.Empty:
         ctx = self._context(session, msg.instance_id)
