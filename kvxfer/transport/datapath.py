@@ -397,8 +397,8 @@ class ServerDrivenContext(TransferContextBase):
     or :meth:`prepare_retrieve` makes the transport's params (a Struct the server's
     :class:`ServerContext` decodes with its ``params_type``) and the request is sent. When its
     reply arrives, on a second thread and in the same order, :meth:`finish_retrieve` runs (e.g.
-    make the engine's stream wait, or place staged bytes) before the future resolves, and
-    :meth:`release_params` runs after every request, failed or not.
+    make the engine's stream wait, or place staged bytes), then :meth:`release_params` runs,
+    failed or not, and only then does the future resolve.
 
     ``max_in_flight`` requests may be at the server at once. With 1 (the default), a request is
     prepared only after the previous one finished, so params may name per-context resources.
@@ -443,8 +443,9 @@ class ServerDrivenContext(TransferContextBase):
         self.after_retrieve(params)
 
     def release_params(self, params: msgspec.Struct | None) -> None:
-        """Runs after every request (answered, failed or timed out) with the params it was sent
-        with: free what :meth:`prepare_store` / :meth:`prepare_retrieve` took."""
+        """Runs after every request (answered, failed or timed out), before its future resolves,
+        with the params it was sent with: free what :meth:`prepare_store` /
+        :meth:`prepare_retrieve` took. An exception here fails a request that had succeeded."""
 
     @staticmethod
     def _raw(params: msgspec.Struct | None) -> msgspec.Raw:
@@ -492,21 +493,28 @@ class ServerDrivenContext(TransferContextBase):
         outer: Future[T] = Future()
 
         def done(reply: Future[Any], name: str, payload: msgspec.Struct, params: msgspec.Struct | None) -> None:
+            value: Any = None
+            error: BaseException | None = None
             try:
                 try:
                     res = reply.result()
                 except (NoSession, UnknownInstance):
                     res = self._resend(name, payload)
-                outer.set_result(finish(res, params))
+                value = finish(res, params)
             except BaseException as exc:
-                outer.set_exception(exc)
+                error = exc
+            try:  # the params' resources are free before the caller sees the result
+                self.release_params(params)
+            except BaseException as exc:
+                error = error or exc
             finally:
-                try:
-                    self.release_params(params)
-                finally:
-                    if answered is not None:
-                        answered()
-                    self._window.release()
+                if answered is not None:
+                    answered()
+                self._window.release()
+            if error is not None:
+                outer.set_exception(error)
+            else:
+                outer.set_result(value)
 
         def start() -> None:
             self._window.acquire()

@@ -97,7 +97,11 @@ def test_client_killed_mid_transfer_loop(server, client_of, workers, mode):
     shm_before = shm_entries()
     other = Writer(client_of(server), model="other")
     ref = [key("other", j) for j in range(4)]
-    other.store(ref)
+    assert other.store(ref).stored == [0, 1, 2, 3]
+    # the victim's loop fills the 64 MiB arena and evicts the least recently used chunks, ours
+    # first: a lease keeps them, so their survival below checks isolation and not timing
+    lease = other.client.lookup_and_lease("other", hashes=ref, lease_s=300.0)
+    assert lease.hits == 4
 
     w = workers(mode, "--url", server.url, "--model", "victim", "--chunks", "8", *BIG.args())
     read_event(w, "ready")
@@ -118,7 +122,7 @@ def test_client_killed_mid_transfer_loop(server, client_of, workers, mode):
         assert bad == [], f"corrupted victim chunks {bad} of batch {first}"
         seen += len(res.loaded)
     assert seen > 0
-    res, bad = other.retrieve(ref)
+    res, bad = other.retrieve(ref, lease_id=lease.lease_id)
     assert res.loaded == [0, 1, 2, 3] and bad == []
     assert other.client.status().reservations == 0
 
