@@ -18,7 +18,6 @@
         ├── UnknownInstance         the instance id is not registered (or was dropped)
         ├── NoSession               the server does not know this connection (restarted?)
         ├── VersionMismatch         handshake refused: protocol versions differ
-        ├── ArenaFull               nothing could be stored: everything is leased or in use
         └── ServerInternalError     a handler raised; the server keeps serving
 
 Every :class:`RemoteError` subclass has a wire ``code``; :func:`remote_error` turns a
@@ -46,7 +45,6 @@ __all__ = [
     "UnknownInstance",
     "NoSession",
     "VersionMismatch",
-    "ArenaFull",
     "ServerInternalError",
     "remote_error",
 ]
@@ -137,12 +135,6 @@ class VersionMismatch(RemoteError, ProtocolError):
     code = "version_mismatch"
 
 
-class ArenaFull(RemoteError):
-    """No room in the arena: every resident chunk is leased or being read or written."""
-
-    code = "arena_full"
-
-
 class ServerInternalError(RemoteError):
     """A server handler raised an unexpected exception; the server keeps serving."""
 
@@ -157,7 +149,6 @@ _BY_CODE: Final[dict[str, type[RemoteError]]] = {
         UnknownInstance,
         NoSession,
         VersionMismatch,
-        ArenaFull,
         ServerInternalError,
     )
 }
