@@ -219,7 +219,7 @@ def test_control_requests_run_inline_while_a_transfer_runs(loop_client, tmp_path
         fut.add_done_callback(lambda f: (lock.acquire(), order.append(f"store{i}"), lock.release()))
         return fut
 
-    slow = store(0, 1.5)
+    slow = store(0, 5.0)  # long enough to outlast three round trips on a loaded machine
     fast = store(1, 0.0)  # same instance: must wait for the slow one
     # control requests are answered while the slow store sleeps on the instance's worker
     assert loop_client.ping() > 0

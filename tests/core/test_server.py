@@ -123,6 +123,7 @@ CLIENT = textwrap.dedent("""
     c.request("reserve_write", m.ReserveWrite(kv.instance_id, hashes))  # never committed
     print("READY", kv.instance_id, flush=True)
     if mode == "exit":
+        sys.stdin.readline()  # the test has seen the reservation
         os._exit(0)  # no close, no unregister
     time.sleep(60)
 """)
@@ -138,16 +139,20 @@ def short_session_server():
 @pytest.mark.parametrize("mode", ["exit", "silent"])
 def test_a_lost_client_loses_its_registrations_and_reservations(short_session_server, mode) -> None:
     srv = short_session_server
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, srv.url, mode], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, srv.url, mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("READY"), line
         with CacheClient(srv.url) as observer:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line.startswith("READY"), line
             st = observer.status()
             [ctx] = [c for c in st.contexts if c.model_name == f"lost-{mode}"]
             assert ctx.client_pid == proc.pid and st.reservations == 1
             if mode == "silent":
                 os.kill(proc.pid, signal.SIGSTOP)  # alive, holding its socket, but says nothing
+            else:
+                proc.stdin.write("exit\n")  # type: ignore[union-attr]
+                proc.stdin.flush()  # type: ignore[union-attr]
 
             def gone() -> bool:
                 s = observer.status()

@@ -81,8 +81,13 @@ def test_load_of_evicted_chunks_is_reported_and_recomputed(server: ServerProcess
 
         def clear_before_load(eng: MiniEngine, meta: object) -> None:
             if meta.loads and not cleared:
-                time.sleep(0.3)  # the lease expires (the server drops expired leases every tick)
-                cleared.append(eng.scheduler.scheduler.link.client.clear("replay-4"))
+                # the lease expires, and the server drops expired leases on its next tick (~0.25 s):
+                # until then clear() skips the leased chunks
+                client = eng.scheduler.scheduler.link.client
+                deadline = time.monotonic() + 15
+                while (n := client.clear("replay-4")) == 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                cleared.append(n)
 
         engine.after_build = clear_before_load
         feed(engine, [Request("d-1", list(range(100, 148)) + [7, 8])], per_step=1)

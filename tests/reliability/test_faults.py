@@ -12,6 +12,9 @@ from relkit import Shape, Writer, key, read_event, shm_entries, wait_until
 
 from kvxfer.errors import ConnectionFailed
 
+#: a killed client's session is dropped after 3 s of silence; the rest is slack for a loaded machine
+DROP_WITHIN_S = 30.0
+
 #: chunks of 2 MiB (8 layers x 2 x 64 tokens x 1024 x bf16): copies take long enough to be cut
 BIG = Shape(layers=8, num_blocks=64, block_size=16, heads=8, head_dim=128)
 
@@ -61,7 +64,7 @@ def test_client_killed_holding_a_reservation_is_cleaned_up(server, client_of, wo
     assert any(c.client_pid == w.pid for c in st.contexts) and st.reservations == 1
 
     mapped = _kill(w)
-    wait_until(lambda: _gone(other.client, w.pid), 5.0, "registration and reservation of the killed client dropped")
+    wait_until(lambda: _gone(other.client, w.pid), DROP_WITHIN_S, "registration and reservation of the killed client dropped")
     assert_no_shm_left(w.pid, mapped, other.client.arena_path, shm_before)
 
     # the same, as an operator sees it
@@ -109,7 +112,7 @@ def test_client_killed_mid_transfer_loop(server, client_of, workers, mode):
     # kill while the server holds one of its reservations: mid-copy
     wait_until(lambda: other.client.status().reservations > 0, 30.0, "a reservation of the worker", interval=0.002)
     mapped = _kill(w)
-    wait_until(lambda: _gone(other.client, w.pid), 5.0, "registration and reservations of the killed client dropped")
+    wait_until(lambda: _gone(other.client, w.pid), DROP_WITHIN_S, "registration and reservations of the killed client dropped")
     assert_no_shm_left(w.pid, mapped, other.client.arena_path, shm_before)
 
     # whatever the victim left readable is bit-exact (nothing half-copied became visible)
