@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
+from kvxfer import liveness
 from kvxfer.errors import ConfigError, ConnectionFailed, InvalidRequest, NoSession, TransportNotFound, TransportUnavailable
 from kvxfer.layout import KVLayout, LayoutKind, as_layer_list
 from kvxfer.mq.client import CurveClientKeys, MQClient
@@ -62,6 +63,8 @@ class CacheClient:
         self._contexts: weakref.WeakSet[TransferContext] = weakref.WeakSet()
         self._mq = MQClient(self.url, default_timeout=timeout, curve=curve)
         self._epoch = 0
+        self._token = liveness.new_token()
+        self._liveness: liveness.ProcessLock | None = None
         try:
             self._handshake()
         except BaseException:
@@ -73,7 +76,8 @@ class CacheClient:
     def _handshake(self) -> None:
         try:
             reply: m.HandshakeReply = self._mq.request(
-                "handshake", m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid()), timeout=self.connect_timeout)
+                "handshake", m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._token),
+                timeout=self.connect_timeout)
         except ConnectionFailed as exc:
             hint = ""
             if self.url.startswith("tcp://"):
@@ -91,8 +95,21 @@ class CacheClient:
         self.arena_path = reply.arena_path
         self.arena_size = reply.arena_size
         self.max_message_size = reply.max_message_size
+        self._hold_liveness_lock()
         self._epoch += 1
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
+
+    def _hold_liveness_lock(self) -> None:
+        """Hold the lock that tells the server this process lives (:mod:`kvxfer.liveness`), in
+        the directory of the arena of the server we now talk to."""
+        if not self.arena_path:
+            return
+        want = liveness.lock_path(self.arena_path, self._token)
+        if self._liveness is not None:
+            if self._liveness.path == want and want.exists():
+                return
+            self._liveness.release()  # the server restarted: its directory is another one
+        self._liveness = liveness.ProcessLock.hold(self.arena_path, self._token)
 
     @property
     def epoch(self) -> int:
@@ -216,6 +233,8 @@ class CacheClient:
         for ctx in list(self._contexts):
             ctx.close()
         self._mq.close()
+        if self._liveness is not None:
+            self._liveness.release()
 
     def __enter__(self) -> CacheClient:
         return self

@@ -38,6 +38,9 @@ class Handshake(Message, frozen=True):
     protocol_version: int
     client_name: str = ""
     pid: int = 0
+    #: Names the lock file by which the server tells a frozen client from a dead one
+    #: (:mod:`kvxfer.liveness`); empty when the client holds none.
+    client_token: str = ""
 
 
 class HandshakeReply(Message, frozen=True):

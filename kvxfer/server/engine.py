@@ -21,6 +21,7 @@ from typing import Any, Final
 import msgspec
 
 import kvxfer
+from kvxfer import liveness
 from kvxfer.errors import (
     ConfigError,
     InvalidRequest,
@@ -59,6 +60,8 @@ class Session:
     pid: int
     name: str
     last_seen: float
+    #: Names the client's liveness lock (kvxfer.liveness); "" when it holds none.
+    token: str = ""
     instances: set[int] = field(default_factory=set)
 
 
@@ -143,6 +146,9 @@ class CacheServer:
         self.transport_errors: dict[str, str] = {}
         self.errors = 0
         self.lookups = self.lookup_chunks = self.lookup_hits = 0
+        #: Open writes of silent clients whose process still lives, by client token: their
+        #: slots are freed once the process is gone (it may wake and finish the copy).
+        self._parked: dict[str, list[Reservation]] = {}
         #: Runs the waiters of server-driven copies (see ServerContext.store).
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
         try:
@@ -296,10 +302,12 @@ class CacheServer:
                 f"client speaks kvxfer protocol {msg.protocol_version}, this server ({kvxfer.__version__}) "
                 f"speaks {m.PROTOCOL_VERSION}; install the same kvxfer version on both sides"
             )
+        if msg.client_token and not liveness.valid_token(msg.client_token):
+            raise _invalid("client_token", "must be empty or 32 lowercase hex digits")
         now = time.monotonic()
         session = self.sessions.get(identity)
         if session is None:
-            self.sessions[identity] = Session(identity, msg.pid, msg.client_name, now)
+            self.sessions[identity] = Session(identity, msg.pid, msg.client_name, now, msg.client_token)
         else:
             session.last_seen = now
         cfg = self.config
@@ -323,22 +331,37 @@ class CacheServer:
                 log.info("session of pid %d (%s) timed out; dropping its %d registrations",
                          session.pid, session.name, len(session.instances))
                 self._drop_session(identity)
+        for token, parked in list(self._parked.items()):
+            if not liveness.holder_alive(self.arena.path, token):
+                del self._parked[token]
+                for res in parked:
+                    self.index.abort(res)
+                log.info("client %s is gone: freed the slots of its %d parked writes", token, len(parked))
 
     def _drop_session(self, identity: bytes) -> None:
         session = self.sessions.pop(identity)
+        # a silent client that still lives may wake mid-copy: keep its write slots until it dies
+        park = session.token if liveness.holder_alive(self.arena.path, session.token) else ""
         for iid in list(session.instances):
             ctx = self.contexts.get(iid)
             if ctx is not None:
-                self._drop_context(ctx, "session lost")
+                self._drop_context(ctx, "session lost", park_writes=park)
 
-    def _drop_context(self, ctx: RegisteredContext, reason: str, wait: bool = False) -> None:
-        """Forget a context now; close its server side after its in-flight transfers."""
+    def _drop_context(self, ctx: RegisteredContext, reason: str, wait: bool = False, park_writes: str = "") -> None:
+        """Forget a context now; close its server side after its in-flight transfers. Its open
+        reservations are aborted, except writes parked under the client token ``park_writes``."""
         self.contexts.pop(ctx.instance_id, None)
         session = self.sessions.get(ctx.session)
         if session is not None:
             session.instances.discard(ctx.instance_id)
         for res in [r for r in self.index.reservations.values() if r.instance_id == ctx.instance_id]:
-            if not res.in_flight:
+            if res.in_flight:
+                continue
+            if res.write and park_writes:
+                self._parked.setdefault(park_writes, []).append(res)
+                log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open write "
+                            "until it exits", park_writes, len(res.entries))
+            else:
                 self.index.abort(res)
         ctx.executor.submit(ctx.server_context.close)
         ctx.executor.shutdown(wait=wait)

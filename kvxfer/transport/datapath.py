@@ -287,8 +287,8 @@ class ClientDrivenContext(TransferContextBase):
 
     # Each request's reserve is sent when it is submitted (so its round trip overlaps the copies
     # of requests ahead of it); the worker waits for the reply, copies, and sends the commit
-    # without waiting (so it can start the next copy). A store resolves when its commit is
-    # answered (the chunks are readable); a retrieve as soon as its blocks are written.
+    # without waiting (so it can start the next copy). A request resolves when its commit is
+    # answered: a store's chunks are then readable, a retrieve's read pins and lease released.
 
     def _submit_store(self, keys: list[bytes], blocks: torch.Tensor) -> Future[m.StoreResult]:
         outer: Future[m.StoreResult] = Future()
@@ -384,10 +384,24 @@ class ClientDrivenContext(TransferContextBase):
                 self.scatter(plan_copies(self.layout, self.chunk_size, blocks,
                                          self._slots(rep.slots, nbytes, first), skip_blocks))
         finally:
-            # unpin (and release the lease for this rank); nothing to wait for
-            self.connection.submit("commit_read", m.CommitRead(self.instance_id, rep.reservation_id))
+            # unpin (and release the lease for this rank); answered off the worker
+            commit = self.connection.submit("commit_read", m.CommitRead(self.instance_id, rep.reservation_id))
         lost = {i + first for i in rep.missing}
-        outer.set_result(m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost)))
+
+        def committed(f: Future[m.Empty]) -> None:
+            try:
+                f.result()
+            except (NoSession, UnknownInstance):
+                # the server dropped the reservation while we copied (this client went silent past
+                # the session timeout, or the server restarted): its slots may have been reused
+                # under the copy, so nothing read counts as loaded
+                outer.set_result(m.RetrieveResult(list(range(first)), list(range(first, len(keys)))))
+            except BaseException as exc:
+                outer.set_exception(exc)
+            else:
+                outer.set_result(m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost)))
+
+        commit.add_done_callback(committed)
 
 
 class ServerDrivenContext(TransferContextBase):

@@ -6,6 +6,10 @@ Prints one JSON object per line (``{"event": ...}``) on stdout. Modes:
 * ``retrieve-loop``: store chunks once, then retrieve and check them forever;
 * ``hold-write`` / ``hold-read``: open a write (half filled) / read reservation with raw
   requests, report it (``held``), then sleep until killed: a client that dies mid-transfer;
+* ``freeze-write`` / ``freeze-read``: store (or store, then retrieve) chunks, SIGSTOP itself
+  right before the copy (``freezing``), and once continued report what the request returned
+  (``stored`` / ``retrieved`` / ``failed``), then exit on a line from stdin: a client frozen
+  mid-copy past its session timeout;
 * ``soak``: wait for ``go`` on stdin, then ``--iters`` rounds of store + retrieve + bit-exact
   check; reports counts, bytes, corrupted chunks and its start/end clock (``done``).
 """
@@ -15,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -122,6 +128,40 @@ def hold(args, write: bool) -> None:
         time.sleep(3600)
 
 
+def freeze(args, write: bool) -> None:
+    client, ctx, shape, bpc = connect(args)
+    kv = ctx._kv
+    keys = [relkit.key(args.model, args.start + j) for j in range(args.chunks)]
+    ids = fill(args, shape, kv, bpc, keys, 0)
+    if not write:
+        ctx.submit_store(keys, ids).result(timeout=args.timeout)
+    name = "gather" if write else "scatter"
+    copy = getattr(ctx, name)
+
+    def frozen_copy(copies) -> None:  # the real copy, after a freeze the test ends with SIGCONT
+        emit("freezing")
+        # directed at this thread, so that it stops before the next line (a process-directed
+        # SIGSTOP may be taken by another thread while this one runs on for a moment)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        copy(copies)
+
+    setattr(ctx, name, frozen_copy)
+    base = args.chunks * bpc
+    try:
+        if write:
+            res = ctx.submit_store(keys, ids).result(timeout=args.timeout)
+            emit("stored", stored=res.stored, failed=res.failed)
+        else:
+            for layer in kv:
+                layer[:, base:base + len(ids)].zero_()
+            r = ctx.submit_retrieve(keys, [b + base for b in ids]).result(timeout=args.timeout)
+            emit("retrieved", loaded=r.loaded, missing=r.missing,
+                 corrupt=check(args, shape, kv, bpc, keys, base, r.loaded))
+    except Exception as exc:
+        emit("failed", error=f"{type(exc).__name__}: {exc}")
+    sys.stdin.readline()
+
+
 def soak(args) -> None:
     client, ctx, shape, bpc = connect(args)
     kv = ctx._kv
@@ -163,7 +203,8 @@ def soak(args) -> None:
 def main() -> None:
     torch.set_num_threads(1)  # many workers share few cores: no oversubscribed thread pools
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["store-loop", "retrieve-loop", "hold-write", "hold-read", "soak"])
+    p.add_argument("mode", choices=["store-loop", "retrieve-loop", "hold-write", "hold-read", "freeze-write",
+                                    "freeze-read", "soak"])
     p.add_argument("--url", required=True)
     p.add_argument("--curve-dir", default=None)
     p.add_argument("--model", default="m")
@@ -182,7 +223,8 @@ def main() -> None:
     args = p.parse_args()
     try:
         {"store-loop": store_loop, "retrieve-loop": retrieve_loop, "soak": soak,
-         "hold-write": lambda a: hold(a, True), "hold-read": lambda a: hold(a, False)}[args.mode](args)
+         "hold-write": lambda a: hold(a, True), "hold-read": lambda a: hold(a, False),
+         "freeze-write": lambda a: freeze(a, True), "freeze-read": lambda a: freeze(a, False)}[args.mode](args)
     except Exception as exc:
         emit("error", error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         sys.exit(1)

@@ -95,8 +95,8 @@ def spawn_worker(*args: str) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def read_event(proc: subprocess.Popen[str], want: str, timeout: float = 60.0) -> dict:
-    """Next JSON line of ``proc`` whose ``event`` is ``want`` (others are skipped)."""
+def read_event(proc: subprocess.Popen[str], want: str | tuple[str, ...], timeout: float = 60.0) -> dict:
+    """Next JSON line of ``proc`` whose ``event`` is ``want`` (or one of them; others are skipped)."""
     import selectors
 
     assert proc.stdout is not None
@@ -114,7 +114,7 @@ def read_event(proc: subprocess.Popen[str], want: str, timeout: float = 60.0) ->
         ev = json.loads(line)
         if ev.get("event") == "error":
             raise RuntimeError(f"worker failed: {ev.get('error')}")
-        if ev.get("event") == want:
+        if ev.get("event") == want or (isinstance(want, tuple) and ev.get("event") in want):
             return ev
 
 

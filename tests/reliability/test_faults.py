@@ -130,6 +130,51 @@ def test_client_killed_mid_transfer_loop(server, client_of, workers, mode):
     assert other.client.status().reservations == 0
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("mode", ["freeze-write", "freeze-read"])
+def test_client_frozen_mid_copy_past_its_session_corrupts_nothing(small_server, client_of, workers, mode):
+    """A client-driven client SIGSTOPped right before its copy into (or out of) arena slots, for
+    longer than the session timeout, then continued: its session is dropped meanwhile and another
+    client fills the arena. A frozen writer's slots are not handed out while its process lives, so
+    its late copy lands in slots nobody else owns; a frozen reader whose slots were reused reports
+    nothing loaded. Every chunk of the other client stays bit-exact."""
+    w = workers(mode, "--url", small_server.url, "--model", "victim", "--chunks", "4")
+    read_event(w, "freezing")
+    wait_until(lambda: _stopped(w.pid), 10.0, "the worker stopped itself")
+    other = Writer(client_of(small_server), model="other")
+    wait_until(lambda: all(c.client_pid != w.pid for c in other.client.status().contexts), DROP_WITHIN_S,
+               "the frozen client's registration dropped")
+    st = other.client.status()
+    assert st.reservations == (1 if mode == "freeze-write" else 0), st  # the frozen write is kept
+
+    # fill the 16-slot arena (evicting the victim's chunks in freeze-read), then wake the victim
+    ref = [key("other", j) for j in range(16)]
+    for first in range(0, 16, 4):
+        assert other.store(ref[first:first + 4]).stored == [0, 1, 2, 3]
+    os.kill(w.pid, signal.SIGCONT)
+    if mode == "freeze-write":
+        read_event(w, ("stored", "failed"))  # its commit finds no session: either is fine
+    else:
+        event = read_event(w, ("retrieved", "failed"))
+        assert event["event"] == "failed" or (event["loaded"] == [] and event["missing"] == [0, 1, 2, 3]), event
+
+    seen = 0
+    for first in range(0, 16, 4):
+        res, bad = other.retrieve(ref[first:first + 4])
+        assert bad == [], f"chunks {[first + j for j in bad]} of the other client were overwritten"
+        seen += len(res.loaded)
+    assert seen >= 12
+
+    w.stdin.write("exit\n")  # the victim exits: its parked slots are freed
+    w.stdin.flush()
+    w.wait(30)
+    wait_until(lambda: other.client.status().reservations == 0, DROP_WITHIN_S, "the parked write freed")
+
+
 def test_server_killed_and_restarted(client_of):
     """SIGKILL the server: requests fail with a clear ConnectionFailed; after a restart on the
     same url, the same context stores and retrieves again (transparent re-handshake and

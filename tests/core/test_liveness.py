@@ -1,0 +1,84 @@
+"""The liveness lock: a client's process holds it while it lives; the server tests it."""
+
+from __future__ import annotations
+
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvxfer import CacheClient, liveness
+from kvxfer.errors import InvalidRequest
+from kvxfer.protocol import messages as m
+
+
+def test_tokens_are_exactly_32_lowercase_hex_digits() -> None:
+    token = liveness.new_token()
+    assert liveness.valid_token(token) and token != liveness.new_token()
+    for bad in ["", "0" * 31, "0" * 33, "A" * 32, "../" + "0" * 29, "0" * 31 + "\n", "g" * 32]:
+        assert not liveness.valid_token(bad), bad
+        assert not liveness.holder_alive("/tmp/x/arena", bad)
+    with pytest.raises(ValueError, match="not a client token"):
+        liveness.lock_path("/tmp/x/arena", "../../etc/passwd")
+
+
+def test_a_held_lock_reads_alive_until_released(tmp_path: Path) -> None:
+    arena = tmp_path / "arena"
+    token = liveness.new_token()
+    assert not liveness.holder_alive(arena, token)  # never held
+    lock = liveness.ProcessLock.hold(arena, token)
+    assert lock is not None and lock.path == tmp_path / f"client-{token}.lock"
+    assert stat.S_IMODE(lock.path.stat().st_mode) == 0o600
+    assert liveness.holder_alive(arena, token)  # flock conflicts between open files, even in one process
+    assert liveness.holder_alive(arena, token)  # testing does not take it away
+    lock.release()
+    lock.release()
+    assert not lock.path.exists() and not liveness.holder_alive(arena, token)
+
+
+def test_no_lock_where_the_directory_cannot_be_reached(tmp_path: Path) -> None:
+    assert liveness.ProcessLock.hold(tmp_path / "elsewhere" / "arena", liveness.new_token()) is None
+
+
+def test_the_lock_of_a_killed_process_is_free_and_its_file_removed(tmp_path: Path) -> None:
+    token = liveness.new_token()
+    arena = tmp_path / "arena"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from kvxfer import liveness
+        lock = liveness.ProcessLock.hold({str(arena)!r}, {token!r})
+        print("held", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # type: ignore[union-attr]
+        holder.send_signal(signal.SIGSTOP)  # frozen is alive
+        assert liveness.holder_alive(arena, token)
+        holder.kill()
+        holder.wait(10)
+        assert not liveness.holder_alive(arena, token)  # SIGKILL: no unlink ran, the kernel freed the lock
+        assert not (tmp_path / f"client-{token}.lock").exists()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+
+
+def test_a_client_holds_its_lock_next_to_the_arena_while_it_is_open(client: CacheClient) -> None:
+    lock = liveness.lock_path(client.arena_path, client._token)
+    assert lock.exists() and liveness.holder_alive(client.arena_path, client._token)
+    other = CacheClient(client.url)
+    other_lock = liveness.lock_path(other.arena_path, other._token)
+    assert other_lock.exists() and other_lock != lock
+    other.close()
+    assert not other_lock.exists()
+
+
+def test_the_server_refuses_a_token_that_is_not_one(client: CacheClient) -> None:
+    with pytest.raises(InvalidRequest, match="client_token"):
+        client.request("handshake", m.Handshake(m.PROTOCOL_VERSION, "t", 1, "../../../tmp/evil"))
+    assert client.ping() > 0  # the session it had is untouched
