@@ -35,6 +35,7 @@ from kvxfer.transport.base import (
     ServerContext,
     ServerTransport,
     TransferContext,
+    Waiter,
 )
 
 __all__ = [
@@ -259,6 +260,10 @@ class ClientDrivenContext(TransferContextBase):
         #: Queued requests whose reserve is not sent yet / stores whose commit is not sent yet.
         self._deferred = 0
         self._uncommitted = 0
+        #: Requests handed to the finisher (their copy's waiter, then their commit), not done yet.
+        self._late = 0
+        self._late_done = threading.Condition()
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.transport_name}-commit")
 
     def map_arena(self) -> ArenaMapping:
         return ArenaMapping(self.connection.arena_path, self.connection.arena_size)
@@ -275,19 +280,25 @@ class ClientDrivenContext(TransferContextBase):
         self.unmap_arena()
 
     @abstractmethod
-    def gather(self, copies: list[RowCopy]) -> None:
+    def gather(self, copies: list[RowCopy]) -> Waiter | None:
         """Copy, for every layer ``l``, ``row_view(layers[l])[copy.rows]`` into ``copy.slot[l]``.
-        Must return only when the bytes are in the slots."""
+
+        Return None once the bytes are in the slots, or a *waiter*: a callable that returns once
+        they are (raising if the copy failed). The core calls a waiter off the worker thread and
+        commits after it, so the next request's copies can be queued meanwhile; the transport
+        must then order consecutive requests' copies itself (e.g. on one stream)."""
 
     @abstractmethod
-    def scatter(self, copies: list[RowCopy]) -> None:
+    def scatter(self, copies: list[RowCopy]) -> Waiter | None:
         """Copy, for every layer ``l``, ``copy.slot[l]`` into ``row_view(layers[l])[copy.rows]``.
-        Must return only when the engine can read the blocks (or its stream is ordered after
-        the copy)."""
+        Return None once the slots have been read and the engine can read the blocks (or its
+        stream is ordered after the copy), or a waiter that returns once that is so."""
 
     # Each request's reserve is sent when it is submitted (so its round trip overlaps the copies
     # of requests ahead of it); the worker waits for the reply, copies, and sends the commit
-    # without waiting (so it can start the next copy). A request resolves when its commit is
+    # without waiting (so it can start the next copy). A copy that returns a waiter leaves the
+    # wait and the commit to the finisher thread; once one does, later requests commit there too
+    # until it is idle, so commits keep request order. A request resolves when its commit is
     # answered: a store's chunks are then readable, a retrieve's read pins and lease released.
 
     def _submit_store(self, keys: list[bytes], blocks: torch.Tensor) -> Future[m.StoreResult]:
@@ -306,8 +317,9 @@ class ClientDrivenContext(TransferContextBase):
     def _send_then(self, reserve: m.ReserveWrite | m.ReserveRead, job: Callable[..., None], *args: Any) -> None:
         """Queue ``job(reserved, *args)`` on the worker, in order, and send ``reserve`` now when
         that keeps submission order (no earlier request waits to send its reserve, and, for a
-        read, no earlier store is uncommitted); otherwise the job sends it when it runs. The job
-        always runs, and calls ``reserved()`` for the reply (which raises if the reserve failed)."""
+        read, no earlier store is uncommitted); otherwise the job sends it when it runs (a read
+        once the commits left to the finisher are sent). The job always runs, and calls
+        ``reserved()`` for the reply (which raises if the reserve failed)."""
         write = isinstance(reserve, m.ReserveWrite)
         name = "reserve_write" if write else "reserve_read"
         outer: Future[Any] = args[-1]
@@ -317,6 +329,9 @@ class ClientDrivenContext(TransferContextBase):
                 if reply is not None:
                     return self._reserved(reply, name, reserve)
                 try:
+                    if not write:  # the stores ahead must be committed before a read reserves
+                        with self._late_done:
+                            self._late_done.wait_for(lambda: self._late == 0)
                     return self._request(name, reserve)
                 finally:
                     with self._lock:
@@ -327,10 +342,8 @@ class ClientDrivenContext(TransferContextBase):
             except BaseException as exc:
                 if not outer.done():
                     outer.set_exception(exc)
-            finally:
-                if write:
-                    with self._lock:
-                        self._uncommitted -= 1
+                if write:  # the job never reached its commit
+                    self._commit_sent()
 
         with self._lock:
             if self._closed:
@@ -343,6 +356,10 @@ class ClientDrivenContext(TransferContextBase):
                 self._uncommitted += 1
             self._executor.submit(run, reply)
 
+    def _commit_sent(self) -> None:
+        with self._lock:
+            self._uncommitted -= 1
+
     def _reserved(self, reply: Future[Any], name: str, payload: msgspec.Struct) -> Any:
         """The reserve's reply; after a server restart, register again and reserve once more."""
         try:
@@ -353,16 +370,47 @@ class ClientDrivenContext(TransferContextBase):
     def _slots(self, slots: list[m.Slot], nbytes: int, shift: int = 0) -> list[tuple[int, torch.Tensor]]:
         return [(s.index + shift, self.arena.view(s.offset, nbytes)) for s in slots]
 
+    def _then(self, waiter: Waiter | None, commit: Callable[[], None], abandon: Callable[[BaseException], None]) -> None:
+        """Run ``commit()`` now if there is nothing to wait for and nothing is left to the
+        finisher; else on the finisher after ``waiter()`` (``abandon(exc)`` if it raises)."""
+        with self._late_done:
+            now = waiter is None and self._late == 0
+            if not now:
+                self._late += 1
+        if now:
+            commit()
+            return
+
+        def finish() -> None:
+            try:
+                try:
+                    if waiter is not None:
+                        waiter()
+                except BaseException as exc:
+                    abandon(exc)
+                else:
+                    commit()
+            finally:
+                with self._late_done:
+                    self._late -= 1
+                    self._late_done.notify_all()
+
+        self._finisher.submit(finish)
+
     def _store(self, reserved: Callable[[], m.ReserveWriteReply], keys: list[bytes], blocks: torch.Tensor,
                outer: Future[m.StoreResult]) -> None:
         rep = reserved()
         nbytes = self.chunk_bytes
-        try:
-            if rep.slots:
-                self.gather(plan_copies(self.layout, self.chunk_size, blocks, self._slots(rep.slots, nbytes)))
-        except BaseException:
+
+        def drop() -> None:  # commit every slot as failed: nothing half written becomes readable
             self.connection.submit("commit_write", m.CommitWrite(
-                self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))  # drop them
+                self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))
+
+        try:
+            waiter = self.gather(plan_copies(self.layout, self.chunk_size, blocks,
+                                             self._slots(rep.slots, nbytes))) if rep.slots else None
+        except BaseException:
+            drop()
             raise
 
         def committed(f: Future[m.StoreResult]) -> None:
@@ -372,20 +420,39 @@ class ClientDrivenContext(TransferContextBase):
             except BaseException as exc:
                 outer.set_exception(exc)
 
-        self.connection.submit("commit_write", m.CommitWrite(self.instance_id, rep.reservation_id)) \
-            .add_done_callback(committed)
+        def commit() -> None:
+            try:
+                self.connection.submit("commit_write", m.CommitWrite(self.instance_id, rep.reservation_id)) \
+                    .add_done_callback(committed)
+            except BaseException as exc:
+                outer.set_exception(exc)
+            finally:
+                self._commit_sent()
+
+        def abandon(exc: BaseException) -> None:
+            try:
+                drop()
+            finally:
+                outer.set_exception(exc)
+                self._commit_sent()
+
+        self._then(waiter, commit, abandon)
 
     def _retrieve(self, reserved: Callable[[], m.ReserveReadReply], keys: list[bytes], blocks: torch.Tensor,
                   skip_blocks: int, first: int, outer: Future[m.RetrieveResult]) -> None:
         rep = reserved()
         nbytes = self.chunk_bytes
+
+        def unpin() -> Future[m.Empty]:  # and release the lease for this rank
+            return self.connection.submit("commit_read", m.CommitRead(self.instance_id, rep.reservation_id))
+
         try:
-            if rep.slots:
-                self.scatter(plan_copies(self.layout, self.chunk_size, blocks,
-                                         self._slots(rep.slots, nbytes, first), skip_blocks))
-        finally:
-            # unpin (and release the lease for this rank); answered off the worker
-            commit = self.connection.submit("commit_read", m.CommitRead(self.instance_id, rep.reservation_id))
+            waiter = self.scatter(plan_copies(self.layout, self.chunk_size, blocks,
+                                              self._slots(rep.slots, nbytes, first), skip_blocks)) \
+                if rep.slots else None
+        except BaseException:
+            unpin()
+            raise
         lost = {i + first for i in rep.missing}
 
         def committed(f: Future[m.Empty]) -> None:
@@ -401,7 +468,28 @@ class ClientDrivenContext(TransferContextBase):
             else:
                 outer.set_result(m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost)))
 
-        commit.add_done_callback(committed)
+        def commit() -> None:
+            try:
+                unpin().add_done_callback(committed)
+            except BaseException as exc:
+                outer.set_exception(exc)
+
+        def abandon(exc: BaseException) -> None:
+            try:
+                unpin()
+            finally:
+                outer.set_exception(exc)
+
+        self._then(waiter, commit, abandon)
+
+    def close(self) -> None:
+        super().close()
+        self._finisher.shutdown(wait=True)
+
+    def _drain(self) -> None:
+        """Wait until the finisher has sent every commit left to it."""
+        with self._late_done:
+            self._late_done.wait_for(lambda: self._late == 0)
 
 
 class ServerDrivenContext(TransferContextBase):

@@ -45,6 +45,7 @@ from kvxfer.transport import (
     ServerTransport,
     Style,
     Transport,
+    Waiter,
 )
 
 from kvxfer_hpu.ops import KNOWN_DEVICE_TYPES, DeviceOps, Pinning, ops_for
@@ -187,12 +188,12 @@ class HpuContext(ClientDrivenContext):
 
     # ------------------------------------------------------------------ copies
 
-    def gather(self, copies: list[RowCopy]) -> None:
+    def gather(self, copies: list[RowCopy]) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
                 for layer, dst in zip(self._rows, self.ops.row_view(c.slot)):
                     torch.index_select(layer, 0, c.rows, out=dst)
-            return
+            return None
         ops, p = self.ops, self._pipeline()
         with ops.use_stream(p.compute):
             _Pipeline.wait(p.compute, self._engine_ready)
@@ -217,14 +218,14 @@ class HpuContext(ClientDrivenContext):
                     dst.copy_(buf, non_blocking=self._async(dst))
                     _Pipeline.record(p.free[k], p.copy)
                 offset += n
-        self._finish(p.copy)
+        return self._waiter(p.copy)
 
-    def scatter(self, copies: list[RowCopy]) -> None:
+    def scatter(self, copies: list[RowCopy]) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
                 for layer, src in zip(self._rows, self.ops.row_view(c.slot)):
                     layer.index_put_((c.rows,), src)
-            return
+            return None
         ops, p = self.ops, self._pipeline()
         with ops.use_stream(p.compute):
             rows = self._device_rows(copies)
@@ -248,7 +249,7 @@ class HpuContext(ClientDrivenContext):
                 for layer, loaded in zip(self._rows, gathered):
                     layer.index_copy_(0, idx, loaded)
                 ops.flush(self.device)
-        self._finish(p.compute)
+        return self._waiter(p.compute)
 
     # ------------------------------------------------------------------ helpers
 
@@ -310,13 +311,19 @@ class HpuContext(ClientDrivenContext):
         non-contiguous host side through a temporary that a non-blocking copy would race)."""
         return self.pinning.pinned and host.is_contiguous()
 
-    def _finish(self, stream: Any | None) -> None:
-        """Block until the last stage's work is done (that stream, else the whole device)."""
+    def _waiter(self, stream: Any | None) -> Waiter:
+        """Returns once the work queued so far on ``stream`` (the request's last stage) is done:
+        an event recorded now, else the stream, else the whole device. The core calls it off the
+        worker, which meanwhile queues the next request's copies behind this one's."""
+        event = self.ops.new_event() if stream is not None else None
+        if event is not None and hasattr(event, "synchronize"):
+            event.record(stream)
+            return event.synchronize
         sync = getattr(stream, "synchronize", None)
         if sync is not None:
-            sync()
-        else:
-            self.ops.synchronize(self.device)
+            return sync
+        ops, device = self.ops, self.device
+        return lambda: ops.synchronize(device)
 
 
 class HpuTransport(Transport):

@@ -1,0 +1,112 @@
+"""Client-driven copies that return a waiter: the commit waits for it off the worker thread.
+
+A real server and a real cpu_gather context; its gather/scatter are wrapped (the real copy runs
+first) so that they return a waiter that sleeps, or fails, as a device copy still in flight
+would. The hpu plugin returns waiters on its staging path; the conformance kit runs it on CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+
+
+class CopyFailed(RuntimeError):
+    pass
+
+
+def _with_waiter(ctx, name: str, wait: Callable[[], None], log: list[str] | None = None) -> None:
+    copy = getattr(ctx, name)
+
+    def copy_then_wait(copies):
+        copy(copies)
+        if log is not None:
+            log.append(f"{name} queued")
+
+        def waiter() -> None:
+            wait()
+            if log is not None:
+                log.append(f"{name} done on {threading.current_thread().name}")
+
+        return waiter
+
+    setattr(ctx, name, copy_then_wait)
+
+
+def _register(client: CacheClient, model: str):
+    kv = flash_attn_kv(num_blocks=32, seed=hash(model) % 1000)
+    return kv, client.register(kv, model_name=model, block_size=BLOCK_SIZE, transport="cpu_gather")
+
+
+def _chunk(kv: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    sl = slice(chunk * BLOCKS_PER_CHUNK, (chunk + 1) * BLOCKS_PER_CHUNK)
+    return [layer[:, sl].clone() for layer in kv]
+
+
+def test_a_slow_waiter_delays_the_commit_not_the_next_copy(client: CacheClient) -> None:
+    kv, ctx = _register(client, "waiter-slow")
+    log: list[str] = []
+    _with_waiter(ctx, "gather", lambda: time.sleep(1.0), log)
+    hashes = chunk_hashes(list(range(4 * CHUNK_SIZE)), CHUNK_SIZE, salt="slow")
+    first = ctx.submit_store(hashes[:2], list(range(2 * BLOCKS_PER_CHUNK)))
+    second = ctx.submit_store(hashes[2:], list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)))
+    dst = list(range(4 * BLOCKS_PER_CHUNK, 8 * BLOCKS_PER_CHUNK))
+    back = ctx.submit_retrieve(hashes, dst)  # right away: must still see both stores
+    assert first.result(30).stored == [0, 1] and second.result(30).stored == [0, 1]
+    assert back.result(30).loaded == [0, 1, 2, 3]
+    for c in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(_chunk(kv, 4 + c), _chunk(kv, c)))
+    # the worker queued the second copy while the first one's waiter still ran, on the finisher
+    assert log == ["gather queued", "gather queued"] + ["gather done on kvxfer-cpu_gather-commit_0"] * 2, log
+    ctx.close()
+
+
+def test_a_failing_waiter_fails_the_store_and_stores_nothing(client: CacheClient) -> None:
+    kv, ctx = _register(client, "waiter-fails")
+
+    def fail() -> None:
+        raise CopyFailed("device copy failed")
+
+    _with_waiter(ctx, "gather", fail)
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="fails")
+    with pytest.raises(CopyFailed, match="device copy failed"):
+        ctx.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30)
+    assert client.lookup("waiter-fails", hashes=hashes) == 0
+    assert client.status().reservations == 0
+    ctx.close()
+    kv2, again = _register(client, "waiter-fails")
+    assert again.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+    again.close()
+
+
+def test_a_failing_read_waiter_fails_the_retrieve_and_unpins(client: CacheClient) -> None:
+    kv, ctx = _register(client, "waiter-read")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="read")
+    assert ctx.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+
+    def fail() -> None:
+        raise CopyFailed("device copy failed")
+
+    _with_waiter(ctx, "scatter", fail)
+    with pytest.raises(CopyFailed):
+        ctx.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK))).result(30)
+    assert client.status().reservations == 0  # unpinned: the chunks can be cleared
+    assert client.clear("waiter-read") == 2
+    ctx.close()
+
+
+def test_close_waits_for_commits_left_to_the_finisher(client: CacheClient) -> None:
+    kv, ctx = _register(client, "waiter-close")
+    _with_waiter(ctx, "gather", lambda: time.sleep(0.5))
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="close")
+    fut = ctx.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK)))
+    ctx.close()
+    assert fut.done() and fut.result().stored == [0, 1]
+    assert client.lookup("waiter-close", hashes=hashes) == 2
