@@ -138,12 +138,12 @@ def freeze(args, write: bool) -> None:
     name = "gather" if write else "scatter"
     copy = getattr(ctx, name)
 
-    def frozen_copy(copies) -> None:  # the real copy, after a freeze the test ends with SIGCONT
+    def frozen_copy(copies):  # the real copy, after a freeze the test ends with SIGCONT
         emit("freezing")
         # directed at this thread, so that it stops before the next line (a process-directed
         # SIGSTOP may be taken by another thread while this one runs on for a moment)
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-        copy(copies)
+        return copy(copies)  # and its waiter, if any
 
     setattr(ctx, name, frozen_copy)
     base = args.chunks * bpc
