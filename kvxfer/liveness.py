@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,14 @@ class ProcessLock:
         cannot be reached from here (the server is elsewhere)."""
         path = lock_path(arena_path, token)
         try:
+            st = path.parent.stat()
+        except OSError as exc:
+            log.debug("no liveness lock: %s cannot be reached (%s)", path.parent, exc)
+            return None
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            log.debug("no liveness lock: %s is not a private directory of this user", path.parent)
+            return None
+        try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             log.debug("no liveness lock at %s (%s): a silent session loses its writes at once", path, exc)
@@ -84,10 +93,12 @@ def holder_alive(arena_path: str | os.PathLike[str], token: str) -> bool:
         return False
     path = lock_path(arena_path, token)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False  # not a lock file of ours (a FIFO, a directory): nobody holds it
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True

@@ -146,9 +146,11 @@ class CacheServer:
         self.transport_errors: dict[str, str] = {}
         self.errors = 0
         self.lookups = self.lookup_chunks = self.lookup_hits = 0
-        #: Open writes of silent clients whose process still lives, by client token: their
-        #: slots are freed once the process is gone (it may wake and finish the copy).
-        self._parked: dict[str, list[Reservation]] = {}
+        #: Open writes of silent clients whose process still lives, by client token and
+        #: reservation id, out of the index's reservations (no context owns them any more):
+        #: their slots are freed once the process is gone, or once its late commit arrives (a
+        #: commit is sent only after the copy).
+        self._parked: dict[str, dict[int, Reservation]] = {}
         #: Runs the waiters of server-driven copies (see ServerContext.store).
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
         try:
@@ -334,7 +336,7 @@ class CacheServer:
         for token, parked in list(self._parked.items()):
             if not liveness.holder_alive(self.arena.path, token):
                 del self._parked[token]
-                for res in parked:
+                for res in parked.values():
                     self.index.abort(res)
                 log.info("client %s is gone: freed the slots of its %d parked writes", token, len(parked))
 
@@ -358,7 +360,8 @@ class CacheServer:
             if res.in_flight:
                 continue
             if res.write and park_writes:
-                self._parked.setdefault(park_writes, []).append(res)
+                del self.index.reservations[res.id]
+                self._parked.setdefault(park_writes, {})[res.id] = res
                 log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open write "
                             "until it exits", park_writes, len(res.entries))
             else:
@@ -463,6 +466,11 @@ class CacheServer:
         return res
 
     def _on_commit_write(self, session: Session, msg: m.CommitWrite) -> m.StoreResult:
+        parked = self._parked.get(session.token, {}).pop(msg.reservation_id, None) if session.token else None
+        if parked is not None:  # its copy is over: free the slots; what it wrote is not trusted
+            self.index.abort(parked)
+            raise _invalid("reservation_id", f"write reservation {msg.reservation_id} was dropped while this "
+                                             "client was silent past the session timeout; nothing was stored")
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(ctx, msg.reservation_id, write=True)
         return self._commit_write(ctx, res, msg.failed)
@@ -604,7 +612,7 @@ class CacheServer:
             lookup_hits=self.lookup_hits,
             leases=len(self.index.leases),
             leased_chunks=self.index.leased_chunks,
-            reservations=len(self.index.reservations),
+            reservations=len(self.index.reservations) + sum(len(p) for p in self._parked.values()),
             errors=self.errors,
             hook_errors=self.hooks.errors,
             sections=sections,

@@ -137,7 +137,9 @@ class TransferContext(ABC):
     both in :meth:`kvxfer.CacheClient.register`). ``submit_*`` may be called from any thread;
     the transfers run in submission order. A future resolves when the bytes have arrived (in
     the server for a store, in the engine's blocks for a retrieve) or raises a
-    :class:`kvxfer.errors.KvxferError`. After :meth:`close`, ``submit_*`` raise.
+    :class:`kvxfer.errors.KvxferError`. After :meth:`close`, ``submit_*`` raise. Done-callbacks
+    run on a thread of the context (never one inside ``submit_*``), so they may submit the next
+    request; they must not call :meth:`close`, which waits for that thread.
 
     ``keys`` are chunk hashes from :func:`kvxfer.chunk_hashes`; ``block_ids`` are the engine's
     blocks for those chunks in order, ``chunk_size // block_size`` per chunk.

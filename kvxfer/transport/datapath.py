@@ -269,6 +269,7 @@ class ClientDrivenContext(TransferContextBase):
         return ArenaMapping(self.connection.arena_path, self.connection.arena_size)
 
     def on_reconnect(self) -> None:
+        self._drain()  # copies still in flight must land before their slots are unmapped
         self.unmap_arena()
         self.arena = self.map_arena()
         super().on_reconnect()
@@ -350,11 +351,11 @@ class ClientDrivenContext(TransferContextBase):
                 raise ConfigError(f"transfer context {self.instance_id} ({self.transport_name}) is closed")
             early = self._deferred == 0 and (write or self._uncommitted == 0)
             reply = self.connection.submit(name, reserve) if early else None
+            self._executor.submit(run, reply)  # its job takes self._lock: counts are in first
             if not early:
                 self._deferred += 1
             if write:
                 self._uncommitted += 1
-            self._executor.submit(run, reply)
 
     def _commit_sent(self) -> None:
         with self._lock:
@@ -381,6 +382,11 @@ class ClientDrivenContext(TransferContextBase):
             commit()
             return
 
+        def done() -> None:
+            with self._late_done:
+                self._late -= 1
+                self._late_done.notify_all()
+
         def finish() -> None:
             try:
                 try:
@@ -391,11 +397,25 @@ class ClientDrivenContext(TransferContextBase):
                 else:
                     commit()
             finally:
-                with self._late_done:
-                    self._late -= 1
-                    self._late_done.notify_all()
+                done()
 
-        self._finisher.submit(finish)
+        try:
+            self._finisher.submit(finish)
+        except RuntimeError as exc:  # no finisher any more (interpreter exit): give up the request
+            done()
+            abandon(exc)
+
+    def _resolve(self, commit_reply: Future[Any], resolve: Callable[[Future[Any]], None]) -> None:
+        """``resolve(commit_reply)`` once it is done, on the finisher: the caller's callbacks then
+        never run on a thread that holds this context's locks (replies are completed by
+        whichever thread drains the socket, e.g. one inside :meth:`_send_then`)."""
+        def later(f: Future[Any]) -> None:
+            try:
+                self._finisher.submit(resolve, f)
+            except RuntimeError:  # closed: nothing of ours is held any more
+                resolve(f)
+
+        commit_reply.add_done_callback(later)
 
     def _store(self, reserved: Callable[[], m.ReserveWriteReply], keys: list[bytes], blocks: torch.Tensor,
                outer: Future[m.StoreResult]) -> None:
@@ -422,8 +442,8 @@ class ClientDrivenContext(TransferContextBase):
 
         def commit() -> None:
             try:
-                self.connection.submit("commit_write", m.CommitWrite(self.instance_id, rep.reservation_id)) \
-                    .add_done_callback(committed)
+                self._resolve(self.connection.submit("commit_write", m.CommitWrite(self.instance_id,
+                                                                                  rep.reservation_id)), committed)
             except BaseException as exc:
                 outer.set_exception(exc)
             finally:
@@ -470,7 +490,7 @@ class ClientDrivenContext(TransferContextBase):
 
         def commit() -> None:
             try:
-                unpin().add_done_callback(committed)
+                self._resolve(unpin(), committed)
             except BaseException as exc:
                 outer.set_exception(exc)
 

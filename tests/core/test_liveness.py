@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import stat
 import subprocess
@@ -27,6 +28,7 @@ def test_tokens_are_exactly_32_lowercase_hex_digits() -> None:
 
 
 def test_a_held_lock_reads_alive_until_released(tmp_path: Path) -> None:
+    tmp_path.chmod(0o700)  # as the server's arena directory
     arena = tmp_path / "arena"
     token = liveness.new_token()
     assert not liveness.holder_alive(arena, token)  # never held
@@ -40,11 +42,21 @@ def test_a_held_lock_reads_alive_until_released(tmp_path: Path) -> None:
     assert not lock.path.exists() and not liveness.holder_alive(arena, token)
 
 
-def test_no_lock_where_the_directory_cannot_be_reached(tmp_path: Path) -> None:
+def test_no_lock_where_the_directory_cannot_be_reached_or_is_not_private(tmp_path: Path) -> None:
     assert liveness.ProcessLock.hold(tmp_path / "elsewhere" / "arena", liveness.new_token()) is None
+    tmp_path.chmod(0o755)
+    assert liveness.ProcessLock.hold(tmp_path / "arena", liveness.new_token()) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_something_else_at_the_lock_path_is_not_a_live_client(tmp_path: Path) -> None:
+    token = liveness.new_token()
+    os.mkfifo(tmp_path / f"client-{token}.lock")  # opening it for reading must not block the server
+    assert not liveness.holder_alive(tmp_path / "arena", token)
 
 
 def test_the_lock_of_a_killed_process_is_free_and_its_file_removed(tmp_path: Path) -> None:
+    tmp_path.chmod(0o700)
     token = liveness.new_token()
     arena = tmp_path / "arena"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

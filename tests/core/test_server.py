@@ -121,11 +121,21 @@ CLIENT = textwrap.dedent("""
     layers = [torch.zeros(2, 8, 16, 1, 8, dtype=torch.float16) for _ in range(2)]
     kv = c.register(layers, model_name="lost-" + mode, block_size=16, transport="cpu_gather")
     hashes = chunk_hashes(list(range(2 * 64)), 64)
-    c.request("reserve_write", m.ReserveWrite(kv.instance_id, hashes))  # never committed
+    rep = c.request("reserve_write", m.ReserveWrite(kv.instance_id, hashes))  # never committed
     print("READY", kv.instance_id, flush=True)
     if mode == "exit":
         sys.stdin.readline()  # the test has seen the reservation
         os._exit(0)  # no close, no unregister
+    if mode == "wake":  # frozen and continued by the test: reconnect, then the late commit
+        sys.stdin.readline()
+        c.reconnect(kv)
+        try:
+            c.request("commit_write", m.CommitWrite(kv.instance_id, rep.reservation_id))
+            print("COMMITTED", flush=True)
+        except Exception as exc:
+            print("REFUSED", type(exc).__name__, exc, flush=True)
+        sys.stdin.readline()
+        os._exit(0)
     time.sleep(60)
 """)
 
@@ -182,6 +192,50 @@ def test_a_lost_client_loses_its_registrations_and_reservations(short_session_se
     finally:
         if proc.poll() is None:
             proc.kill()  # SIGKILL ends a stopped process too
+        proc.wait(10)
+
+
+def test_a_woken_writer_frees_its_parked_slots_with_its_late_commit(short_session_server) -> None:
+    """A frozen writer's parked reservation is out of every context's reach: when the process
+    wakes, reconnects (same client token, same instance id) and sends its late commit, the server
+    refuses it and frees the slots; its exit later frees nothing twice."""
+    srv = short_session_server
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, srv.url, "wake"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        with CacheClient(srv.url) as observer:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line.startswith("READY"), line
+            held = observer.status().arena.used
+            os.kill(proc.pid, signal.SIGSTOP)
+            assert wait_until(lambda: not [c for c in observer.status().contexts if c.model_name == "lost-wake"],
+                              timeout=15), observer.status()
+            st = observer.status()
+            assert st.reservations == 1 and st.arena.used == held, st
+            proc.stdin.write("go\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+            os.kill(proc.pid, signal.SIGCONT)
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line.startswith("REFUSED InvalidRequest") and "silent past the session timeout" in line, line
+            st = observer.status()
+            assert st.reservations == 0 and st.arena.used == 0, st  # freed while the process lives
+            # the same chunks, stored by someone else, survive the woken client's exit
+            layers = [torch.zeros(2, 8, 16, 1, 8, dtype=torch.float16) for _ in range(2)]
+            kv = observer.register(layers, model_name="lost-wake", block_size=16, transport="cpu_gather")
+            hashes = chunk_hashes(list(range(2 * 64)), 64)
+            assert kv.submit_store(hashes, list(range(8))).result(30).stored == [0, 1]
+            proc.stdin.write("exit\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+            proc.wait(10)
+            assert wait_until(lambda: len(observer.status().contexts) == 1, timeout=15), observer.status()
+            time.sleep(1.0)  # a few ticks after its session went: nothing parked is freed twice
+            assert observer.lookup("lost-wake", hashes=hashes) == 2
+            st = observer.status()
+            assert st.reservations == 0 and st.arena.used == 2 * kv.chunk_bytes, st
+            kv.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
         proc.wait(10)
 
 

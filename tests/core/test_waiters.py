@@ -110,3 +110,64 @@ def test_close_waits_for_commits_left_to_the_finisher(client: CacheClient) -> No
     ctx.close()
     assert fut.done() and fut.result().stored == [0, 1]
     assert client.lookup("waiter-close", hashes=hashes) == 2
+
+
+EXIT_WITH_REQUESTS_QUEUED = """
+import sys, time
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+client = CacheClient(sys.argv[1], timeout=10)
+kv = flash_attn_kv(num_blocks=32)
+ctx = client.register(kv, model_name="waiter-exit", block_size=BLOCK_SIZE, transport="cpu_gather")
+copy = ctx.gather
+def slow(copies):
+    time.sleep(0.3)
+    copy(copies)
+    return lambda: time.sleep(0.05)
+ctx.gather = slow
+hashes = chunk_hashes(list(range(8 * CHUNK_SIZE)), CHUNK_SIZE, salt="exit")
+for c in range(6):
+    ctx.submit_store([hashes[c]], list(range(c * BLOCKS_PER_CHUNK, (c + 1) * BLOCKS_PER_CHUNK)))
+ctx.submit_retrieve([hashes[0]], list(range(28, 32)))
+print("leaving with requests queued", flush=True)
+"""
+
+
+def test_the_process_exits_with_requests_left_to_the_finisher(server, tmp_path) -> None:
+    """No close(): at interpreter exit the finisher takes no more work; the worker's queued
+    requests give up instead of waiting for commits that will never be sent."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    helpers = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", EXIT_WITH_REQUESTS_QUEUED, server.url], capture_output=True,
+                         text=True, timeout=60, env={**__import__("os").environ, "PYTHONPATH": str(helpers)})
+    assert "leaving with requests queued" in out.stdout, out.stderr
+
+
+def test_callbacks_may_submit_on_the_same_context(client: CacheClient) -> None:
+    """A future's callbacks run on the context's finisher, never on a thread that holds the
+    context's locks: a callback that submits the next request on the same context chains on."""
+    kv, ctx = _register(client, "waiter-chain")
+    hashes = chunk_hashes(list(range(8 * CHUNK_SIZE)), CHUNK_SIZE, salt="chain")
+    done = threading.Event()
+    results: list[object] = []
+
+    def step(i: int) -> None:
+        fut = (ctx.submit_store([hashes[i // 2]], list(range(BLOCKS_PER_CHUNK))) if i % 2 == 0 else
+               ctx.submit_retrieve([hashes[i // 2]], list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK))))
+
+        def next_step(f) -> None:
+            results.append(f.result())
+            if i + 1 < 16:
+                step(i + 1)
+            else:
+                done.set()
+
+        fut.add_done_callback(next_step)
+
+    step(0)
+    assert done.wait(60), f"the chain stopped after {len(results)} requests"
+    assert [getattr(r, "stored", None) or getattr(r, "loaded", None) for r in results] == [[0]] * 16
+    ctx.close()
