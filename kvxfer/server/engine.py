@@ -466,7 +466,7 @@ class CacheServer:
         return res
 
     def _on_commit_write(self, session: Session, msg: m.CommitWrite) -> m.StoreResult:
-        parked = self._parked.get(session.token, {}).pop(msg.reservation_id, None) if session.token else None
+        parked = self._parked.get(session.token, {}).pop(msg.reservation_id, None)
         if parked is not None:  # its copy is over: free the slots; what it wrote is not trusted
             self.index.abort(parked)
             raise _invalid("reservation_id", f"write reservation {msg.reservation_id} was dropped while this "

@@ -123,6 +123,8 @@ class TransferContextBase(TransferContext):
 
     #: The transport's Registration subclass (set by the transport's context class).
     registration_type: ClassVar[type[m.Registration]] = m.Registration
+    #: Names the second thread, which finishes requests after the worker (see each style).
+    _finisher_role: ClassVar[str] = "done"
 
     def __init__(
         self,
@@ -142,6 +144,7 @@ class TransferContextBase(TransferContext):
         self.blocks_per_chunk = layout.blocks_per_chunk(self.chunk_size)
         self.chunk_bytes = layout.chunk_bytes(self.chunk_size)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{transport_name}-{identity.rank}")
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{transport_name}-{self._finisher_role}")
         self._closed = False
         self._registered = False
         self.epoch = -1
@@ -237,6 +240,7 @@ class TransferContextBase(TransferContext):
         if detach is not None:
             detach(self)
         self.release()
+        self._finisher.shutdown(wait=True)
 
     def _drain(self) -> None:
         """Wait for transfers still in flight after the worker is idle (none by default)."""
@@ -254,6 +258,8 @@ class ClientDrivenContext(TransferContextBase):
     written becomes readable) and the future raises.
     """
 
+    _finisher_role: ClassVar[str] = "commit"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.arena = self.map_arena()
@@ -263,7 +269,6 @@ class ClientDrivenContext(TransferContextBase):
         #: Requests handed to the finisher (their copy's waiter, then their commit), not done yet.
         self._late = 0
         self._late_done = threading.Condition()
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.transport_name}-commit")
 
     def map_arena(self) -> ArenaMapping:
         return ArenaMapping(self.connection.arena_path, self.connection.arena_size)
@@ -502,10 +507,6 @@ class ClientDrivenContext(TransferContextBase):
 
         self._then(waiter, commit, abandon)
 
-    def close(self) -> None:
-        super().close()
-        self._finisher.shutdown(wait=True)
-
     def _drain(self) -> None:
         """Wait until the finisher has sent every commit left to it."""
         with self._late_done:
@@ -537,7 +538,6 @@ class ServerDrivenContext(TransferContextBase):
         self._window = threading.BoundedSemaphore(self.max_in_flight)
         self._stores_out = 0
         self._stores_answered = threading.Condition()
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{self.transport_name}-done")
 
     def store_params(self) -> msgspec.Struct | None:
         return None
@@ -657,10 +657,6 @@ class ServerDrivenContext(TransferContextBase):
 
         self._submit(start)
         return outer
-
-    def close(self) -> None:
-        super().close()
-        self._finisher.shutdown(wait=True)
 
     def _drain(self) -> None:
         """Wait until every sent request has finished (their replies have deadlines)."""
