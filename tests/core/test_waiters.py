@@ -140,9 +140,10 @@ def test_the_process_exits_with_requests_left_to_the_finisher(server, tmp_path) 
     import sys
     from pathlib import Path
 
-    helpers = Path(__file__).resolve().parent
+    from kvxfer_core_helpers import env_with
+
     out = subprocess.run([sys.executable, "-c", EXIT_WITH_REQUESTS_QUEUED, server.url], capture_output=True,
-                         text=True, timeout=60, env={**__import__("os").environ, "PYTHONPATH": str(helpers)})
+                         text=True, timeout=60, env=env_with(Path(__file__).resolve().parent))
     assert "leaving with requests queued" in out.stdout, out.stderr
 
 
