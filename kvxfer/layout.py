@@ -1,41 +1,93 @@
-"""KVLayout: how an engine's paged KV cache is shaped, and how a chunk of it sits in the server.
+"""KVLayout: how an engine's paged KV cache is laid out in memory, and how a chunk of it sits in
+the server.
 
-Supported per-layer shapes (vLLM's common layouts)::
+Per-layer tensors kvxfer understands (the logical axes; any strides)::
 
-    flash_attn   [2, num_blocks, block_size, num_heads, head_size]   K and V planes
-    flashinfer   [num_blocks, 2, block_size, num_heads, head_size]   K and V per block
-    mla          [num_blocks, block_size, latent_dim]                one plane (MLA)
+    bhnc         [num_blocks, heads, block_size, content]             current vLLM (every KVCacheLayout)
+    flash_attn   [2, num_blocks, block_size, heads, head_size]        older vLLM: K and V planes
+    flashinfer   [num_blocks, 2, block_size, heads, head_size]        older vLLM: K and V per block
+    mla          [num_blocks, block_size, latent_dim]                 older vLLM: MLA
 
-Every layout is handled through one idea, the *row view*: a layer's tensor is seen as
-``[rows, row_elems]`` where one row is one block of one plane (K or V), i.e.
-``block_size * hidden_dim_size`` contiguous elements. :meth:`KVLayout.rows` maps block ids to
-row ids in the server's canonical order, so a gather is one ``index_select`` per layer and a
-scatter one ``index_put_`` per layer, whatever the layout.
+``content`` is K and V side by side (``2 * head_size``) or, for MLA, the latent vector (then
+``heads`` is 1). The memory order is read from the tensors' strides, never guessed from shapes:
+current vLLM builds each layer with ``torch.as_strided`` over one buffer, following one of its
+``KVCacheLayout``\\ s (``LBHNC``, ``LBNHC``, ``LHBNC``, ``BLHNC``, ``BLNHC``, ``BHLNC``), so a
+layer may be strided, several layers may interleave in one buffer, and pages may be padded.
+The ``block_size`` dimension may be a *kernel* block that subdivides vLLM's block (its
+``kernel_block_size``): then ``block_size / size`` consecutive kernel blocks make one block.
 
-The server keeps a chunk of ``chunk_size`` tokens as ``[num_layers, planes, chunk_size,
-hidden_dim_size]`` contiguous (planes: K then V; MLA has one), the same for every transport,
-so a chunk stored through one transport can be retrieved through another.
+**Runs and the row view.** One block's page in one layer is a set of *runs*: maximal spans
+of contiguous memory (the innermost dense dimensions of the page; the K/V plane of the older
+5-D layouts is never merged into a run, so those keep one run per plane). For every such
+layout the start of each run lies on a lattice: with the layer's first element as its base, run
+``r`` of block ``b`` starts ``(run_offsets[r] + b * block_stride) * row_pitch`` elements in.
+So a layer is seen as a 2-D *row view* ``as_strided(layer, [span_rows, row_elems],
+[row_pitch, 1], layer.storage_offset())`` (a view: no copy), and :meth:`KVLayout.rows` maps
+block ids to row ids. A gather is one ``index_select`` per layer and a scatter one
+``index_put_`` per layer, whatever the layout. Rows may overlap in the view when
+``row_pitch < row_elems`` (padded, interleaved layouts); the rows a block's runs name never do.
+
+**Chunks.** The server keeps a chunk of ``chunk_size`` tokens as ``[num_layers, runs,
+blocks_per_chunk, row_elems]`` contiguous (runs-major), the same for every transport, so a
+chunk stored through one transport can be retrieved through another. :meth:`KVLayout.chunk_format`
+includes the page's memory order (:attr:`KVLayout.page`), so caches whose page bytes are
+ordered differently (``LBHNC`` vs ``LBNHC``, K/V planes vs side by side) never share chunks,
+while layouts that differ only in where pages sit (``LBHNC`` vs ``BLHNC``) do.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import itertools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Final
 
 import torch
 
 from kvxfer.errors import LayoutError
 
-__all__ = ["LayoutKind", "KVLayout", "dtype_from_name", "dtype_name", "as_layer_list", "copy_view"]
+__all__ = [
+    "LayoutKind",
+    "KVLayout",
+    "dtype_from_name",
+    "dtype_name",
+    "as_layer_list",
+    "copy_view",
+    "copy_dtype",
+    "MAX_RUNS",
+]
 
 
 class LayoutKind(str, enum.Enum):
+    """The logical axes of a per-layer KV tensor (see the module docstring)."""
+
+    BHNC = "bhnc"
     FLASH_ATTN = "flash_attn"
     FLASHINFER = "flashinfer"
     MLA = "mla"
 
+
+#: Axis letters of each kind: B block, P K/V plane, N token, H head, D head dim, C content
+#: (K and V side by side, or an MLA latent). Derived: S, kernel blocks inside a block.
+_AXES: Final[dict[LayoutKind, str]] = {
+    LayoutKind.BHNC: "BHNC",
+    LayoutKind.FLASH_ATTN: "PBNHD",
+    LayoutKind.FLASHINFER: "BPNHD",
+    LayoutKind.MLA: "BNC",
+}
+_SHAPES: Final[dict[LayoutKind, str]] = {
+    LayoutKind.BHNC: "[num_blocks, heads, block_size, content]",
+    LayoutKind.FLASH_ATTN: "[2, num_blocks, block_size, heads, head_size]",
+    LayoutKind.FLASHINFER: "[num_blocks, 2, block_size, heads, head_size]",
+    LayoutKind.MLA: "[num_blocks, block_size, latent_dim]",
+}
+_SUPPORTED: Final = "; ".join(f"{k.value} {s}" for k, s in _SHAPES.items())
+
+#: Most runs one block's page may have in one layer (a bound for what a registration names).
+MAX_RUNS: Final = 4096
 
 #: dtypes a KV cache may have. Byte-wise copies only: any dtype of these sizes round-trips.
 _DTYPES: Final[dict[str, torch.dtype]] = {
@@ -47,6 +99,8 @@ _DTYPES: Final[dict[str, torch.dtype]] = {
     )
     if hasattr(torch, name)
 }
+
+_PAGE_DIM: Final = re.compile(r"([A-Z])([1-9][0-9]{0,9})")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -84,57 +138,235 @@ _COPY_DTYPES: Final = ((16, torch.complex128), (8, torch.int64), (4, torch.int32
                        (2, torch.int16), (1, torch.uint8))
 
 
-def copy_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous in its last dim) reinterpreted with the widest element type that divides
-    its last dimension's bytes. For byte copies only: never compute on the result."""
-    nbytes = t.shape[-1] * t.element_size()
+def _fits(t: torch.Tensor, size: int) -> bool:
+    """Whether ``t`` (dense in its last dim) can be reinterpreted with ``size``-byte elements."""
+    item = t.element_size()
+    if item > size or (t.shape[-1] * item) % size or (t.storage_offset() * item) % size:
+        return False
+    return all((s * item) % size == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+
+
+def copy_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The widest element type every one of ``tensors`` (each dense in its last dim) can be
+    reinterpreted with by :func:`copy_view`: its last dimension's bytes, its other strides and
+    its storage offset are multiples of the element size. Use one for both sides of a copy."""
+    ts = list(tensors)
     for size, dt in _COPY_DTYPES:
-        if nbytes % size == 0 and t.element_size() <= size:
-            return t.view(dt)
-    return t.view(torch.uint8)
+        if all(_fits(t, size) for t in ts):
+            return dt
+    return torch.uint8
+
+
+def copy_view(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` (dense in its last dim) reinterpreted with element type ``dtype`` (default: the
+    widest that fits ``t``, :func:`copy_dtype`). For byte copies only: never compute on the result."""
+    return t.view(dtype if dtype is not None else copy_dtype([t]))
+
+
+@dataclass(frozen=True, slots=True)
+class _Dim:
+    axis: str
+    size: int
+    stride: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    num_blocks: int
+    hidden_dim_size: int
+    row_elems: int
+    row_pitch: int
+    run_offsets: tuple[int, ...]
+    block_stride: int
+    page: str
+
+
+def _geometry(shape: Sequence[int], strides: Sequence[int], kind: LayoutKind, block_size: int) -> _Geometry:
+    """Runs, row pitch and page order of one layer of ``kind`` with these shape and strides
+    (in elements). Raises :class:`LayoutError` saying what does not fit."""
+    axes = _AXES[kind]
+    where = f"per-layer shape {list(shape)} with strides {list(strides)} ({kind.value} {_SHAPES[kind]})"
+    if len(shape) != len(axes):
+        raise LayoutError(f"{where}: a {kind.value} layer has {len(axes)} dimensions")
+    dims = {a: _Dim(a, int(n), int(s)) for a, n, s in zip(axes, shape, strides)}
+    if "P" in dims and dims["P"].size != 2:
+        raise LayoutError(f"{where}: the K/V dimension must have size 2")
+    tokens = dims["N"].size
+    if kind is not LayoutKind.BHNC and tokens != block_size:  # no kernel blocks before bhnc
+        raise LayoutError(f"{where}: its block_size dimension is {tokens}, not block_size={block_size} "
+                          "(pass the engine's block size)")
+    if tokens <= 0 or block_size % tokens:
+        raise LayoutError(f"{where}: its block_size dimension ({tokens}) does not divide block_size={block_size} "
+                          "(pass the engine's block size)")
+    ratio = block_size // tokens
+    blocks = dims.pop("B")
+    if blocks.size <= 0 or blocks.size % ratio:
+        raise LayoutError(f"{where}: {blocks.size} kernel blocks of {tokens} tokens do not make whole blocks "
+                          f"of {block_size}")
+    num_blocks = blocks.size // ratio
+    inner = [d for d in dims.values() if d.size > 1]
+    if ratio > 1:
+        inner.append(_Dim("S", ratio, blocks.stride))
+    if any(d.stride <= 0 for d in inner) or (num_blocks > 1 and blocks.stride <= 0):
+        raise LayoutError(f"{where}: strides must be positive")
+    last = dims[axes[-1]]
+    if last.size > 1 and last.stride != 1:
+        raise LayoutError(f"{where}: the last dimension must be dense (stride 1)")
+    # the run: the innermost dimensions, each exactly as long a stride as everything inside it
+    run, content = 1, []
+    rest = sorted(inner, key=lambda d: d.stride)
+    while rest and rest[0].axis != "P" and rest[0].stride == run:
+        d = rest.pop(0)
+        content.insert(0, d)
+        run *= d.size
+    # the same bytes get the same name: kernel blocks laid end to end are one longer block, and
+    # heads next to their contents are one wider token
+    for outer_axis, inner_axes in (("S", "N"), ("H", "CD")):
+        for i in range(len(content) - 1):
+            if content[i].axis == outer_axis and content[i + 1].axis in inner_axes:
+                merged = _Dim(content[i + 1].axis, content[i].size * content[i + 1].size, content[i + 1].stride)
+                content[i:i + 2] = [merged]
+                break
+    outer = sorted(rest, key=lambda d: -d.stride)  # the runs' dimensions, outermost first
+    # pages of different blocks, and runs of one page, must not overlap
+    extent = run
+    lattice = [*rest, _Dim("B", num_blocks, blocks.stride * ratio)]
+    for d in sorted(lattice, key=lambda d: d.stride):
+        if d.size <= 1:
+            continue
+        if d.stride < extent:
+            raise LayoutError(f"{where}: its blocks' pages overlap in memory (a {d.axis} stride of {d.stride} "
+                              f"inside a span of {extent} elements); pass the engine's own KV tensors")
+        extent += d.stride * (d.size - 1)
+    block_stride = blocks.stride * ratio
+    pitch = 0
+    for d in lattice:
+        if d.size > 1:
+            pitch = math.gcd(pitch, d.stride)
+    pitch = pitch or run
+    offsets = tuple(
+        sum(i * d.stride for i, d in zip(index, outer)) // pitch
+        for index in itertools.product(*(range(d.size) for d in outer))
+    )
+    if len(offsets) > MAX_RUNS:
+        raise LayoutError(f"{where}: {len(offsets)} separate runs per page; at most {MAX_RUNS}")
+    planes = dims["P"].size if "P" in dims else 1
+    page = ",".join(f"{d.axis}{d.size}" for d in outer) + "|" + ",".join(f"{d.axis}{d.size}" for d in content)
+    return _Geometry(num_blocks, len(offsets) * run // (planes * block_size), run, pitch, offsets,
+                     block_stride // pitch, page)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return strides
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The scalar description of one registered paged KV cache (all layers alike)."""
+    """The scalar description of one registered paged KV cache (all layers alike).
+
+    ``KVLayout(kind, num_layers, num_blocks, block_size, hidden_dim_size, dtype)`` describes
+    contiguous tensors of an older kind (flash_attn, flashinfer, mla); :meth:`infer` reads any
+    layout from the tensors themselves. The geometry fields (row_elems and after) are what the
+    registration carries; a ``bhnc`` layout must give them.
+    """
 
     kind: LayoutKind
     num_layers: int
     num_blocks: int
     block_size: int
-    #: Elements per token of one plane in one layer (heads * head_size; MLA: latent dim).
+    #: Elements per token of one layer and one K/V plane (heads * head_size); for bhnc, of the
+    #: whole page (heads * content); MLA: the latent dim.
     hidden_dim_size: int
     dtype: torch.dtype
+    #: Elements of one run (one row of the row view).
+    row_elems: int = 0
+    #: Elements between consecutive rows of a layer's row view.
+    row_pitch: int = 0
+    #: Row ids of block 0's runs, in the order runs take in a chunk.
+    run_offsets: tuple[int, ...] = ()
+    #: Rows between block ``b`` and block ``b + 1``.
+    block_stride: int = 0
+    #: The page's memory order: the runs' dimensions, outermost first, ``|``, each run's
+    #: dimensions, e.g. ``"H8|N16,C256"`` (axis letter and size).
+    page: str = ""
+    _span: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for field in ("num_layers", "num_blocks", "block_size", "hidden_dim_size"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise LayoutError(f"{field} must be a positive integer, got {value!r}")
         object.__setattr__(self, "kind", LayoutKind(self.kind))
+        for name in ("num_layers", "num_blocks", "block_size", "hidden_dim_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "run_offsets", tuple(self.run_offsets))
+        given = bool(self.row_elems or self.row_pitch or self.run_offsets or self.block_stride or self.page)
+        if not given and self.kind is not LayoutKind.BHNC:  # contiguous tensors of an older kind
+            derived = self._legacy_geometry()
+            for name in ("row_elems", "row_pitch", "run_offsets", "block_stride", "page"):
+                object.__setattr__(self, name, getattr(derived, name))
+        elif not given:
+            raise LayoutError("a bhnc layout needs its geometry (row_elems, row_pitch, run_offsets, "
+                              "block_stride, page): build it with KVLayout.infer(tensors, block_size)")
+        self._check_geometry()
+        object.__setattr__(self, "_span", max(self.run_offsets) + (self.num_blocks - 1) * self.block_stride + 1)
+
+    def _legacy_geometry(self) -> _Geometry:
+        shape = self.layer_shape()
+        return _geometry(shape, _contiguous_strides(shape), self.kind, self.block_size)
+
+    def _check_geometry(self) -> None:
+        for name in ("row_elems", "row_pitch", "block_stride"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        offsets = self.run_offsets
+        if not offsets or len(offsets) > MAX_RUNS:
+            raise LayoutError(f"run_offsets must name 1 to {MAX_RUNS} runs, got {len(offsets)}")
+        if any(not isinstance(o, int) or isinstance(o, bool) or o < 0 for o in offsets) or len(set(offsets)) != len(offsets):
+            raise LayoutError(f"run_offsets must be distinct non-negative integers, got {list(offsets)[:16]}")
+        if not isinstance(self.page, str) or len(self.page) > 256 or self.page.count("|") != 1:
+            raise LayoutError(f"page must be '<run dims>|<row dims>' (e.g. 'H8|N16,C256'), got {self.page!r}")
+        sizes = []
+        for part in self.page.split("|"):
+            dims = part.split(",") if part else []
+            if not all(_PAGE_DIM.fullmatch(d) for d in dims):
+                raise LayoutError(f"page: each dimension is an axis letter and a size (e.g. 'N16'), got {self.page!r}")
+            sizes.append(math.prod(int(d[1:]) for d in dims))
+        if sizes != [len(offsets), self.row_elems]:
+            raise LayoutError(f"page {self.page!r} describes {sizes[0]} runs of {sizes[1]} elements, but the layout "
+                              f"has {len(offsets)} runs of {self.row_elems}")
+        planes = 2 if self.kind in (LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER) else 1
+        if len(offsets) * self.row_elems != planes * self.block_size * self.hidden_dim_size:
+            raise LayoutError(f"{len(offsets)} runs of {self.row_elems} elements are not a page of {self.block_size} "
+                              f"tokens x {self.hidden_dim_size} elements")
 
     # ------------------------------------------------------------------ derived sizes
 
     @property
     def use_mla(self) -> bool:
+        """Older 3-D MLA tensors (a bhnc MLA cache is a bhnc layout with one head)."""
         return self.kind is LayoutKind.MLA
 
     @property
-    def planes(self) -> int:
-        """2 (K and V) or 1 (MLA)."""
-        return 1 if self.use_mla else 2
+    def runs(self) -> int:
+        """Runs per block in one layer (the older 5-D kinds: the K and V planes)."""
+        return len(self.run_offsets)
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
     @property
-    def row_elems(self) -> int:
-        return self.block_size * self.hidden_dim_size
-
-    @property
     def row_bytes(self) -> int:
         return self.row_elems * self.itemsize
+
+    @property
+    def span_rows(self) -> int:
+        """Rows in a layer's row view."""
+        return self._span
 
     def blocks_per_chunk(self, chunk_size: int) -> int:
         if chunk_size <= 0 or chunk_size % self.block_size:
@@ -145,55 +377,53 @@ class KVLayout:
         return chunk_size // self.block_size
 
     def chunk_shape(self, chunk_size: int) -> tuple[int, int, int, int]:
-        """Shape of one chunk in the arena: ``[num_layers, planes, chunk_size, hidden]``."""
-        self.blocks_per_chunk(chunk_size)
-        return (self.num_layers, self.planes, chunk_size, self.hidden_dim_size)
+        """Shape of one chunk in the arena: ``[num_layers, runs, blocks_per_chunk, row_elems]``."""
+        return (self.num_layers, self.runs, self.blocks_per_chunk(chunk_size), self.row_elems)
 
     def chunk_bytes(self, chunk_size: int) -> int:
-        n = 1
-        for d in self.chunk_shape(chunk_size):
-            n *= d
-        return n * self.itemsize
+        return math.prod(self.chunk_shape(chunk_size)) * self.itemsize
 
     def chunk_format(self, chunk_size: int) -> str:
-        """A string that two layouts share iff their chunks are interchangeable in the arena."""
-        layers, planes, tokens, hidden = self.chunk_shape(chunk_size)
-        return f"{dtype_name(self.dtype)}:{layers}x{planes}x{tokens}x{hidden}"
+        """A string that two layouts share iff their chunks are interchangeable in the arena:
+        dtype, chunk shape and the page's memory order."""
+        layers, runs, blocks, row = self.chunk_shape(chunk_size)
+        return f"{dtype_name(self.dtype)}:{layers}x{runs}x{blocks}x{row}:{self.page}"
 
     def layer_shape(self, num_heads: int | None = None) -> tuple[int, ...]:
-        """The engine's per-layer tensor shape (with heads folded unless ``num_heads`` given)."""
+        """The per-layer tensor shape of an older kind (heads folded unless ``num_heads`` given)."""
         tail: tuple[int, ...] = (self.hidden_dim_size,)
-        if num_heads is not None and not self.use_mla:
+        if num_heads is not None and self.kind in (LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER):
             if self.hidden_dim_size % num_heads:
                 raise LayoutError(f"hidden_dim_size {self.hidden_dim_size} not divisible by {num_heads} heads")
             tail = (num_heads, self.hidden_dim_size // num_heads)
         if self.kind is LayoutKind.FLASH_ATTN:
-            return (2, self.num_blocks, self.block_size, *tail)
+            return (2, self.num_blocks, self.block_size, *(tail if len(tail) == 2 else (1, *tail)))
         if self.kind is LayoutKind.FLASHINFER:
-            return (self.num_blocks, 2, self.block_size, *tail)
-        return (self.num_blocks, self.block_size, self.hidden_dim_size)
+            return (self.num_blocks, 2, self.block_size, *(tail if len(tail) == 2 else (1, *tail)))
+        if self.kind is LayoutKind.MLA:
+            return (self.num_blocks, self.block_size, self.hidden_dim_size)
+        raise LayoutError("a bhnc layout's tensors come from the engine (vLLM's create_kv_cache_views); "
+                          "kvxfer does not make them")
 
     # ------------------------------------------------------------------ row view
 
     def rows(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Row ids (int64, on ``block_ids``' device) of ``block_ids`` in canonical chunk order:
-        all K rows of the blocks in order, then all V rows."""
-        b = block_ids.to(torch.int64)
-        if self.kind is LayoutKind.FLASH_ATTN:
-            return torch.cat((b, b + self.num_blocks))
-        if self.kind is LayoutKind.FLASHINFER:
-            return torch.cat((b * 2, b * 2 + 1))
-        return b
+        """Row ids (int64, on ``block_ids``' device) of ``block_ids`` in chunk order: run 0 of
+        every block in order, then run 1, ..."""
+        b = block_ids.to(torch.int64).reshape(1, -1)
+        runs = torch.tensor(self.run_offsets, dtype=torch.int64, device=b.device).reshape(-1, 1)
+        return (runs + b * self.block_stride).reshape(-1)
 
     def row_view(self, layer: torch.Tensor) -> torch.Tensor:
-        """One layer's tensor as ``[rows, row_elems]`` (a view; no copy)."""
-        return layer.view(self.planes * self.num_blocks, self.row_elems)
+        """One layer's tensor as ``[span_rows, row_elems]`` rows ``row_pitch`` apart (a view of
+        its memory; no copy). ``layer`` must be a layer of this layout (:meth:`check_tensors`)."""
+        return layer.as_strided((self.span_rows, self.row_elems), (self.row_pitch, 1), layer.storage_offset())
 
     def chunk_rows_view(self, slot: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        """An arena slot (uint8, ``chunk_bytes`` long) as ``[num_layers, rows, row_elems]``
-        of this layout's dtype; row ``p * blocks_per_chunk + i`` is plane ``p`` of block ``i``."""
-        bpc = self.blocks_per_chunk(chunk_size)
-        return slot.view(self.dtype).view(self.num_layers, self.planes * bpc, self.row_elems)
+        """An arena slot (uint8, ``chunk_bytes`` long) as ``[num_layers, rows, row_elems]`` of
+        this layout's dtype; row ``r * blocks_per_chunk + i`` is run ``r`` of block ``i``."""
+        layers, runs, blocks, row = self.chunk_shape(chunk_size)
+        return slot.view(self.dtype).view(layers, runs * blocks, row)
 
     # ------------------------------------------------------------------ construction
 
@@ -204,64 +434,50 @@ class KVLayout:
         block_size: int,
         kind: LayoutKind | str | None = None,
     ) -> KVLayout:
-        """The layout of ``kv_caches`` (one tensor per layer) with pages of ``block_size``.
+        """The layout of ``kv_caches`` (one tensor per layer) with blocks of ``block_size``
+        tokens, read from their shapes and strides.
 
-        ``kind`` settles the one ambiguous case (a flash-attention cache of exactly two blocks
-        looks like a flashinfer one); otherwise it is read from the shapes. Raises
-        :class:`LayoutError` naming the offending layer and what was expected.
+        4-D tensors are bhnc; ``kind`` settles the one ambiguous case of the older kinds (a
+        flash_attn cache of exactly two blocks looks like a flashinfer one). Raises
+        :class:`LayoutError` naming the offending layer, its shape and strides and what is supported.
         """
         layers = as_layer_list(kv_caches)
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise LayoutError(f"block_size must be a positive integer, got {block_size!r}")
         first = layers[0]
         for i, t in enumerate(layers):
-            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype \
+                    or t.device != first.device:
                 raise LayoutError(
-                    f"layer {i} is {tuple(t.shape)} {t.dtype} on {t.device} but layer 0 is "
-                    f"{tuple(first.shape)} {first.dtype} on {first.device}; all layers must match"
+                    f"layer {i} is {list(t.shape)} with strides {list(t.stride())}, {t.dtype} on {t.device}, but "
+                    f"layer 0 is {list(first.shape)} with strides {list(first.stride())}, {first.dtype} on "
+                    f"{first.device}; all layers of one registration must match (register each KV cache "
+                    f"group, or each set of alike layers, separately)"
                 )
-            if not t.is_contiguous():
-                raise LayoutError(f"layer {i} is not contiguous; pass the engine's own KV tensors")
-        shape = tuple(first.shape)
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise LayoutError(f"block_size must be a positive integer, got {block_size!r}")
+        shape, strides = tuple(first.shape), tuple(first.stride())
         dtype_name(first.dtype)
         kind = LayoutKind(kind) if kind is not None else cls._guess_kind(shape, block_size)
-        expected = {
-            LayoutKind.FLASH_ATTN: "[2, num_blocks, block_size, heads, head_size]",
-            LayoutKind.FLASHINFER: "[num_blocks, 2, block_size, heads, head_size]",
-            LayoutKind.MLA: "[num_blocks, block_size, latent_dim]",
-        }[kind]
-        ok = (
-            (kind is LayoutKind.MLA and len(shape) == 3 and shape[1] == block_size)
-            or (kind is LayoutKind.FLASH_ATTN and len(shape) == 5 and shape[0] == 2 and shape[2] == block_size)
-            or (kind is LayoutKind.FLASHINFER and len(shape) == 5 and shape[1] == 2 and shape[2] == block_size)
-        )
-        if not ok:
-            raise LayoutError(
-                f"KV tensors of shape {list(shape)} do not match layout {kind.value} {expected} "
-                f"with block_size={block_size}"
-            )
-        if kind is LayoutKind.MLA:
-            num_blocks, hidden = shape[0], shape[2]
-        elif kind is LayoutKind.FLASH_ATTN:
-            num_blocks, hidden = shape[1], shape[3] * shape[4]
-        else:
-            num_blocks, hidden = shape[0], shape[3] * shape[4]
-        return cls(kind, len(layers), num_blocks, block_size, hidden, first.dtype)
+        try:
+            geo = _geometry(shape, strides, kind, block_size)
+        except LayoutError as exc:
+            raise LayoutError(f"layer 0: {exc}; supported: {_SUPPORTED}") from None
+        return cls(kind, len(layers), geo.num_blocks, block_size, geo.hidden_dim_size, first.dtype,
+                   geo.row_elems, geo.row_pitch, geo.run_offsets, geo.block_stride, geo.page)
 
     @staticmethod
     def _guess_kind(shape: tuple[int, ...], block_size: int) -> LayoutKind:
-        if len(shape) == 3 and shape[1] == block_size:
+        if len(shape) == 4:
+            return LayoutKind.BHNC
+        if len(shape) == 3:
             return LayoutKind.MLA
-        if len(shape) == 5 and shape[2] == block_size:
+        if len(shape) == 5:
             if shape[0] == 2:
                 return LayoutKind.FLASH_ATTN
             if shape[1] == 2:
                 return LayoutKind.FLASHINFER
         raise LayoutError(
-            f"cannot infer a KV layout from per-layer shape {list(shape)} with "
-            f"block_size={block_size}; supported: flash_attn [2, num_blocks, block_size, heads, "
-            f"head_size], flashinfer [num_blocks, 2, block_size, heads, head_size], mla "
-            f"[num_blocks, block_size, latent_dim] (check block_size)"
+            f"cannot infer a KV layout from per-layer shape {list(shape)} with block_size={block_size}; "
+            f"supported: {_SUPPORTED}"
         )
 
     def check_tensors(self, layers: Sequence[torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one device call: the cuda_ipc and hpu tests (the conformance kit with CUDA
-# tensors included), then `kvxfer bench` for both transports (the issues' workload: 32 layers x
+# tensors included), vLLM's KV views of every layout on CUDA, then `kvxfer bench` for both transports (the issues' workload: 32 layers x
 # [2, num_blocks, 16, 8, 128] bf16, 32 MiB chunks, 8 per request; 1 and 4 requests in flight;
 # pinned D2H/H2D of the same bytes measured in the same run), then each plugin's own benchmark
 # (copy-time breakdown). Run from the repository root after ../shared/tools/device-wheels:
@@ -26,6 +26,9 @@ step() {  # label, command...: output appended to $out/log.txt
   python3 -m kvxfer plugins; } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 step "tests: cuda_ipc + hpu (kit on cuda)" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider plugins/cuda_ipc/tests plugins/hpu/tests
+# vLLM's KV views of every KVCacheLayout (recorded where vLLM runs: tests/integrations/vllm_kv_views.json),
+# rebuilt on CUDA with as_strided, through cuda_ipc, hpu and cpu_gather
+step "tests: vLLM KV views on cuda" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/integrations/test_vllm_views.py
 for t in cuda_ipc hpu; do
   step "kvxfer bench $t" timeout 120 python3 -m kvxfer bench --transport "$t" --device cuda --blocks 1024 \
     --chunks-per-request 8 --inflight 1 4 --iters 12 --json "$out/bench-$t.json"

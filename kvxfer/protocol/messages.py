@@ -87,16 +87,26 @@ class Registration(Message, frozen=True, kw_only=True):
     model_name: str
     world_size: int
     rank: int
-    #: ``"flash_attn"``, ``"flashinfer"`` or ``"mla"`` (see :class:`kvxfer.LayoutKind`).
+    #: ``"bhnc"``, ``"flash_attn"``, ``"flashinfer"`` or ``"mla"`` (see :class:`kvxfer.LayoutKind`).
     layout: str
     num_layers: int
     num_blocks: int
     block_size: int
-    #: Elements of one token of one of K or V in one layer: heads * head_size (MLA: latent dim).
+    #: Elements of one token in one layer: heads * head_size per K/V plane (bhnc: heads *
+    #: content; MLA: latent dim).
     hidden_dim_size: int
     #: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
     dtype: str
     use_mla: bool
+    #: The row geometry of each layer (see :class:`kvxfer.KVLayout`): elements per row, elements
+    #: between row starts, row ids of block 0's runs, rows between blocks, the page's memory order
+    #: (e.g. ``"H8|N16,C256"``). Required for ``bhnc``; for the older kinds, left at these
+    #: defaults, they are those of contiguous tensors.
+    row_elems: int = 0
+    row_pitch: int = 0
+    run_offsets: list[int] = []
+    block_stride: int = 0
+    page: str = ""
 
 
 class Register(Message, frozen=True):
@@ -272,6 +282,8 @@ class ContextStatus(Message, frozen=True):
     client_pid: int
     stores: int
     retrieves: int
+    #: The page's memory order (:attr:`kvxfer.KVLayout.page`).
+    page: str = ""
 
 
 class ArenaStatus(Message, frozen=True):

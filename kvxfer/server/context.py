@@ -76,4 +76,5 @@ class RegisteredContext:
             client_pid=self.client_pid,
             stores=self.stores,
             retrieves=self.retrieves,
+            page=lay.page,
         )

@@ -26,6 +26,7 @@ from kvxfer.errors import (
     ConfigError,
     InvalidRequest,
     KvxferError,
+    LayoutError,
     NoSession,
     RemoteError,
     TransportError,
@@ -115,7 +116,11 @@ def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int)
         raise _invalid("block_size", f"the server's chunk size {chunk_size} is not a multiple of "
                                      f"block_size {reg.block_size}; restart the server with --chunk-size "
                                      f"a multiple of {reg.block_size}")
-    layout = KVLayout(kind, reg.num_layers, reg.num_blocks, reg.block_size, reg.hidden_dim_size, dtype)
+    try:
+        layout = KVLayout(kind, reg.num_layers, reg.num_blocks, reg.block_size, reg.hidden_dim_size, dtype,
+                          reg.row_elems, reg.row_pitch, tuple(reg.run_offsets), reg.block_stride, reg.page)
+    except LayoutError as exc:
+        raise _invalid("layout", f"{exc} ({kind.value} layout of {reg.num_layers} layers)") from None
     if layout.chunk_bytes(chunk_size) > arena_size:
         raise _invalid("num_layers", f"one chunk takes {format_bytes(layout.chunk_bytes(chunk_size))}, more "
                                      f"than the whole arena ({format_bytes(arena_size)}); raise --l1-size")

@@ -3,7 +3,7 @@
 See docs/plugin-authoring.md for the walk-through.
 """
 
-from kvxfer.layout import KVLayout, LayoutKind, copy_view
+from kvxfer.layout import KVLayout, LayoutKind, copy_dtype, copy_view
 from kvxfer.protocol.messages import Registration, RetrieveResult, StoreResult
 from kvxfer.server.arena import Arena, ArenaMapping
 from kvxfer.transport.base import (
@@ -53,6 +53,7 @@ __all__ = [
     "TransferContextBase",
     "Transport",
     "Waiter",
+    "copy_dtype",
     "copy_view",
     "get_transport",
     "hookimpl",

@@ -312,5 +312,10 @@ class InstanceIdentity:
             hidden_dim_size=layout.hidden_dim_size,
             dtype=dtype_name(layout.dtype),
             use_mla=layout.use_mla,
+            row_elems=layout.row_elems,
+            row_pitch=layout.row_pitch,
+            run_offsets=list(layout.run_offsets),
+            block_stride=layout.block_stride,
+            page=layout.page,
         )
 

@@ -98,8 +98,8 @@ def plan_copies(
     skip_blocks: int = 0,
 ) -> list[RowCopy]:
     """RowCopies for ``slots`` (``(chunk index, uint8 slot tensor)``), skipping the first
-    ``skip_blocks`` blocks of the request. A chunk with a partial skip gives one copy per plane
-    (the slot rows it needs are not contiguous across planes); fully skipped chunks none."""
+    ``skip_blocks`` blocks of the request. A chunk with a partial skip gives one copy per run
+    (the slot rows it needs are not contiguous across runs); fully skipped chunks none."""
     bpc = layout.blocks_per_chunk(chunk_size)
     copies = []
     for index, slot in slots:
@@ -107,14 +107,14 @@ def plan_copies(
         if local_skip == bpc:
             continue
         chunk_blocks = blocks[index * bpc + local_skip:(index + 1) * bpc]
-        view = layout.chunk_rows_view(slot, chunk_size)  # [L, planes * bpc, row_elems]
+        view = layout.chunk_rows_view(slot, chunk_size)  # [L, runs * bpc, row_elems]
         if local_skip == 0:
             copies.append(RowCopy(layout.rows(chunk_blocks), view))
             continue
-        planes = view.view(layout.num_layers, layout.planes, bpc, layout.row_elems)
-        rows = layout.rows(chunk_blocks).view(layout.planes, -1)
-        for p in range(layout.planes):
-            copies.append(RowCopy(rows[p], planes[:, p, local_skip:]))
+        runs = view.view(layout.num_layers, layout.runs, bpc, layout.row_elems)
+        rows = layout.rows(chunk_blocks).view(layout.runs, -1)
+        for r in range(layout.runs):
+            copies.append(RowCopy(rows[r], runs[:, r, local_skip:]))
     return copies
 
 

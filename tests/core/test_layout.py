@@ -1,12 +1,16 @@
-"""KVLayout: inference from tensors, errors that name the shape, row mapping, chunk format."""
+"""KVLayout: inference from tensors (strides included), errors that name the layer and shape,
+the row view, the chunk format. vLLM's own views are tested in tests/integrations/test_vllm_layouts.py."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from kvxfer import KVLayout, LayoutKind
 from kvxfer.errors import LayoutError
+from kvxfer.layout import copy_dtype, copy_view
 
 L, NB, BS, HEADS, HD, LAT = 3, 10, 16, 4, 8, 72
 
@@ -16,17 +20,57 @@ def layers(shape: tuple[int, ...], n: int = L, dtype: torch.dtype = torch.bfloat
     return [torch.randn(*shape, generator=g).to(dtype) for _ in range(n)]
 
 
-@pytest.mark.parametrize(("shape", "kind", "num_blocks", "hidden"), [
-    ((2, NB, BS, HEADS, HD), LayoutKind.FLASH_ATTN, NB, HEADS * HD),
-    ((NB, 2, BS, HEADS, HD), LayoutKind.FLASHINFER, NB, HEADS * HD),
-    ((NB, BS, LAT), LayoutKind.MLA, NB, LAT),
+def bhnc(order: str, nb: int = NB, heads: int = 2, tokens: int = BS, content: int = 16, n: int = L,
+         pad: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``n`` layers ``[nb, heads, tokens, content]`` whose memory order is ``order``, a permutation
+    of ``"LBHNC"`` (as vLLM's KVCacheLayout names them), over one buffer filled with 0, 1, 2, ...
+    ``pad`` elements follow each page when L and B are the two outermost axes."""
+    sizes = {"L": n, "B": nb, "H": heads, "N": tokens, "C": content}
+    strides, step = {}, 1
+    for i, axis in enumerate(reversed(order)):
+        strides[axis] = step
+        step *= sizes[axis]
+        if pad and i == 2:  # after the page [H, N, C]
+            assert set(order[:2]) == {"L", "B"}
+            step += pad
+    buf = torch.arange(step, dtype=torch.float32)
+    views = [buf.as_strided([nb, heads, tokens, content], [strides[a] for a in "BHNC"], li * strides["L"])
+             for li in range(n)]
+    return buf, views
+
+
+def page_elems(t: torch.Tensor, b: int) -> torch.Tensor:
+    return t[b].reshape(-1).sort().values
+
+
+def check_rows_cover_pages(lay: KVLayout, views: list[torch.Tensor]) -> None:
+    """Each block's rows hold exactly that block's page elements (values are unique)."""
+    for t in views:
+        rv = lay.row_view(t)
+        for b in range(t.shape[0] // (lay.block_size // t.shape[-2])):
+            got = rv[lay.rows(torch.tensor([b]))].reshape(-1).sort().values
+            if lay.block_size == t.shape[-2]:
+                want = page_elems(t, b)
+            else:  # kernel blocks
+                r = lay.block_size // t.shape[-2]
+                want = t[b * r:(b + 1) * r].reshape(-1).sort().values
+            assert torch.equal(got, want), f"block {b}"
+
+
+@pytest.mark.parametrize(("shape", "kind", "num_blocks", "hidden", "runs"), [
+    ((2, NB, BS, HEADS, HD), LayoutKind.FLASH_ATTN, NB, HEADS * HD, 2),
+    ((NB, 2, BS, HEADS, HD), LayoutKind.FLASHINFER, NB, HEADS * HD, 2),
+    ((NB, BS, LAT), LayoutKind.MLA, NB, LAT, 1),
+    ((NB, HEADS, BS, 2 * HD), LayoutKind.BHNC, NB, HEADS * 2 * HD, 1),
 ])
-def test_inference(shape, kind, num_blocks, hidden) -> None:
+def test_inference(shape, kind, num_blocks, hidden, runs) -> None:
     lay = KVLayout.infer(layers(shape), BS)
     assert (lay.kind, lay.num_layers, lay.num_blocks, lay.block_size, lay.hidden_dim_size, lay.dtype) == \
         (kind, L, num_blocks, BS, hidden, torch.bfloat16)
-    assert lay.use_mla == (kind is LayoutKind.MLA) and lay.planes == (1 if lay.use_mla else 2)
-    assert lay.layer_shape(HEADS if not lay.use_mla else None) == shape
+    assert lay.use_mla == (kind is LayoutKind.MLA) and lay.runs == runs
+    if kind is not LayoutKind.BHNC:  # the older kinds: the same as the scalar constructor's
+        assert lay == KVLayout(kind, L, num_blocks, BS, hidden, torch.bfloat16)
+        assert lay.layer_shape(HEADS if not lay.use_mla else None) == shape
 
 
 def test_a_dict_of_layers_keeps_its_order() -> None:
@@ -42,12 +86,67 @@ def test_ambiguous_shape_needs_an_explicit_kind() -> None:
     assert torch.equal(fi.rows(torch.tensor([1])), torch.tensor([2, 3]))
 
 
+@pytest.mark.parametrize("order", ["".join(p) for p in itertools.permutations("LBHNC") if p[-1] == "C"])
+def test_every_memory_order_is_a_row_view(order) -> None:
+    _, views = bhnc(order)
+    lay = KVLayout.infer(views, BS)
+    check_rows_cover_pages(lay, views)
+
+
+@pytest.mark.parametrize(("order", "runs", "page"), [
+    ("LBHNC", 1, "|H2,N16,C16"), ("LBNHC", 1, "|N16,C32"), ("LHBNC", 2, "H2|N16,C16"),
+    ("BLHNC", 1, "|H2,N16,C16"), ("BLNHC", 1, "|N16,C32"), ("BHLNC", 2, "H2|N16,C16"),
+])
+def test_vllm_orders(order, runs, page) -> None:
+    _, views = bhnc(order)
+    lay = KVLayout.infer(views, BS)
+    assert (lay.runs, lay.page, lay.row_elems) == (runs, page, 2 * BS * 16 // runs)
+    check_rows_cover_pages(lay, views)
+
+
+def test_chunk_format_names_the_page_order() -> None:
+    fmt = {o: KVLayout.infer(bhnc(o)[1], BS).chunk_format(2 * BS) for o in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BHLNC")}
+    assert fmt["LBHNC"] == fmt["BLHNC"]  # pages alike, placed differently: interchangeable chunks
+    assert fmt["LHBNC"] == fmt["BHLNC"]
+    assert len({fmt["LBHNC"], fmt["LBNHC"], fmt["LHBNC"]}) == 3
+
+
+def test_padded_pages_have_a_pitch() -> None:
+    _, views = bhnc("LBHNC", pad=40)
+    lay = KVLayout.infer(views, BS)
+    assert lay.row_elems == 2 * BS * 16 and lay.row_pitch == 2 * BS * 16 + 40 and lay.runs == 1
+    check_rows_cover_pages(lay, views)
+
+
+def test_kernel_blocks_make_one_block() -> None:
+    _, views = bhnc("LBHNC", nb=2 * NB, tokens=BS // 2)  # vLLM's kernel_block_size = BS / 2
+    lay = KVLayout.infer(views, BS)
+    assert lay.num_blocks == NB and lay.page == "|S2,H2,N8,C16"
+    check_rows_cover_pages(lay, views)
+    _, views = bhnc("LHBNC", nb=2 * NB, tokens=BS // 2)  # kernel blocks end to end: one run per head
+    lay = KVLayout.infer(views, BS)
+    assert lay.num_blocks == NB and lay.page == "H2|N16,C16"
+    assert lay.chunk_format(2 * BS) == KVLayout.infer(bhnc("LHBNC")[1], BS).chunk_format(2 * BS)
+    check_rows_cover_pages(lay, views)
+
+
+def test_rows_write_through_to_the_tensor() -> None:
+    buf, views = bhnc("BHLNC")
+    lay = KVLayout.infer(views, BS)
+    lay.row_view(views[1])[lay.rows(torch.tensor([4]))] = -1
+    assert (views[1][4] == -1).all() and int((buf == -1).sum()) == views[1][4].numel()
+
+
 @pytest.mark.parametrize(("ts", "block_size", "kind", "needle"), [
     (layers((3, NB, BS, HEADS, HD)), BS, None, "[3, 10, 16, 4, 8]"),
     (layers((2, NB, BS, HEADS, HD)), 32, None, "block_size=32"),
-    (layers((NB, BS, LAT)), BS, "flash_attn", "[10, 16, 72] do not match layout flash_attn"),
-    (layers((2, NB, BS, HEADS, HD)), BS, "mla", "[2, 10, 16, 4, 8] do not match layout mla"),
+    (layers((NB, BS, LAT)), BS, "flash_attn", "[10, 16, 72] with strides [1152, 72, 1] (flash_attn"),
+    (layers((2, NB, BS, HEADS, HD)), BS, "mla", "has 3 dimensions"),
     (layers((NB, BS, LAT, 1, 1, 1)), BS, None, "[10, 16, 72, 1, 1, 1]"),
+    (layers((NB, 2, BS + 1, 8)), BS, None, "(17) does not divide block_size=16"),
+    ([torch.zeros(NB, 2, BS, 64).transpose(0, 3)], BS, None, "last dimension must be dense"),
+    ([torch.zeros(512).as_strided((NB, 2, BS, 2), (4, 2, 2, 1))], BS, None, "pages overlap"),
+    ([torch.zeros(64).expand(NB, 2, BS, 64)], BS, None, "strides must be positive"),
 ])
 def test_errors_name_the_shape(ts, block_size, kind, needle) -> None:
     with pytest.raises(LayoutError) as info:
@@ -59,7 +158,7 @@ def test_errors_name_the_layer() -> None:
     ts = layers((2, NB, BS, HEADS, HD))
     with pytest.raises(LayoutError, match="layer 2 is"):
         KVLayout.infer(ts[:2] + [torch.zeros(2, NB + 1, BS, HEADS, HD, dtype=torch.bfloat16)], BS)
-    with pytest.raises(LayoutError, match="layer 1 is not contiguous"):
+    with pytest.raises(LayoutError, match=r"layer 1 is \[2, 10, 16, 4, 8\] with strides \[5120, 512, 32, 1, 4\]"):
         KVLayout.infer([ts[0], torch.zeros(2, NB, BS, HD, HEADS, dtype=torch.bfloat16).transpose(3, 4)], BS)
     with pytest.raises(LayoutError, match="empty"):
         KVLayout.infer([], BS)
@@ -69,66 +168,73 @@ def test_errors_name_the_layer() -> None:
         KVLayout.infer(ts, 0)
 
 
-def reference_chunk(kind: LayoutKind, layer: torch.Tensor, blocks: list[int]) -> torch.Tensor:
-    """``[planes, len(blocks) * BS, hidden]`` by plain indexing, plane by plane, block by block."""
-    if kind is LayoutKind.FLASH_ATTN:
-        planes = [torch.cat([layer[p, b] for b in blocks]) for p in range(2)]
-    elif kind is LayoutKind.FLASHINFER:
-        planes = [torch.cat([layer[b, p] for b in blocks]) for p in range(2)]
-    else:
-        planes = [torch.cat([layer[b] for b in blocks])]
-    return torch.stack([p.reshape(len(blocks) * BS, -1) for p in planes])
+def test_strided_older_kinds_work_too() -> None:
+    """A flash_attn cache whose planes are not adjacent (each K/V plane its own allocation
+    region): the row view follows the strides."""
+    buf = torch.arange(2 * (NB * BS * HEADS * HD + 64), dtype=torch.float32)
+    t = buf.as_strided((2, NB, BS, HEADS, HD), (NB * BS * HEADS * HD + 64, BS * HEADS * HD, HEADS * HD, HD, 1))
+    lay = KVLayout.infer([t], BS)
+    # rows 64 elements apart (the gcd of the block and plane strides): they overlap in the view
+    assert (lay.runs, lay.row_elems, lay.row_pitch, lay.run_offsets, lay.block_stride) == (2, 512, 64, (0, 81), 8)
+    rows = lay.rows(torch.tensor([3]))
+    rv = lay.row_view(t)
+    assert torch.equal(rv[rows[0]], t[0, 3].reshape(-1)) and torch.equal(rv[rows[1]], t[1, 3].reshape(-1))
 
 
-@pytest.mark.parametrize("shape", [(2, NB, BS, HEADS, HD), (NB, 2, BS, HEADS, HD), (NB, BS, LAT)])
-def test_rows_match_direct_slicing(shape) -> None:
-    ts = layers(shape)
-    lay = KVLayout.infer(ts, BS)
-    blocks = [7, 0, 3, 9]
-    rows = lay.rows(torch.tensor(blocks))
-    assert rows.dtype == torch.int64 and rows.numel() == lay.planes * len(blocks)
-    for t in ts:
-        got = lay.row_view(t)[rows]  # [planes * n, row_elems]
-        want = reference_chunk(lay.kind, t, blocks)
-        assert torch.equal(got.view(lay.planes, len(blocks) * BS, -1), want)
-    # the row view is a view: writing through it writes the engine's tensor
-    lay.row_view(ts[0])[rows[0]] = 0  # plane 0 (K) of block 7
-    assert not reference_chunk(lay.kind, ts[0], [7])[0].any()
-    assert reference_chunk(lay.kind, ts[0], [0])[0].any()
-
-
-@pytest.mark.parametrize("shape", [(2, NB, BS, HEADS, HD), (NB, 2, BS, HEADS, HD), (NB, BS, LAT)])
-def test_chunk_rows_view_is_the_arena_format(shape) -> None:
-    ts = layers(shape)
-    lay = KVLayout.infer(ts, BS)
+def test_chunk_rows_view_is_the_arena_format() -> None:
+    _, views = bhnc("LHBNC")
+    lay = KVLayout.infer(views, BS)
     chunk = 2 * BS
     slot = torch.zeros(lay.chunk_bytes(chunk), dtype=torch.uint8)
     view = lay.chunk_rows_view(slot, chunk)
     blocks = [4, 1]
-    for layer, t in enumerate(ts):
+    for layer, t in enumerate(views):
         view[layer] = lay.row_view(t)[lay.rows(torch.tensor(blocks))]
-    arena = slot.view(lay.dtype).view(lay.chunk_shape(chunk))  # [layers, planes, tokens, hidden]
-    for layer, t in enumerate(ts):
-        assert torch.equal(arena[layer], reference_chunk(lay.kind, t, blocks))
+    arena = slot.view(lay.dtype).view(lay.chunk_shape(chunk))  # [layers, runs, blocks, row]
+    for layer, t in enumerate(views):
+        for r in range(lay.runs):  # run r is head r: [tokens, content] of each block
+            for i, b in enumerate(blocks):
+                assert torch.equal(arena[layer, r, i], t[b, r].reshape(-1))
 
 
 def test_chunk_format_and_sizes() -> None:
     fa = KVLayout(LayoutKind.FLASH_ATTN, 32, 100, 16, 1024, torch.bfloat16)
     fi = KVLayout(LayoutKind.FLASHINFER, 32, 7, 16, 1024, torch.bfloat16)
-    assert fa.chunk_shape(256) == (32, 2, 256, 1024)
+    assert fa.chunk_shape(256) == (32, 2, 16, 16 * 1024)
     assert fa.chunk_bytes(256) == 32 * 2 * 256 * 1024 * 2 == 32 << 20
     # block counts and engine layout differ, chunks are interchangeable
-    assert fa.chunk_format(256) == fi.chunk_format(256) == "bfloat16:32x2x256x1024"
-    assert KVLayout(LayoutKind.FLASH_ATTN, 32, 100, 32, 1024, torch.bfloat16).chunk_format(256) == \
+    assert fa.chunk_format(256) == fi.chunk_format(256) == "bfloat16:32x2x16x16384:P2|N16,D1024"
+    assert KVLayout.infer(layers((2, 4, 16, 8, 128), n=32), 16).chunk_format(256) == fa.chunk_format(256)
+    assert KVLayout(LayoutKind.FLASH_ATTN, 32, 100, 32, 1024, torch.bfloat16).chunk_format(256) != \
         fa.chunk_format(256)
     assert KVLayout(LayoutKind.FLASH_ATTN, 32, 100, 16, 1024, torch.float16).chunk_format(256) != \
         fa.chunk_format(256)
     mla = KVLayout(LayoutKind.MLA, 61, 100, 64, 576, torch.bfloat16)
-    assert mla.chunk_format(256) == "bfloat16:61x1x256x576"
+    assert mla.chunk_format(256) == "bfloat16:61x1x4x36864:|N64,C576"
+    # a 4-D MLA view of vLLM (one head) holds the same bytes as the older 3-D one
+    assert KVLayout.infer(layers((100, 1, 64, 576), n=61), 64).chunk_format(256) == mla.chunk_format(256)
     with pytest.raises(LayoutError, match="not a positive multiple of block_size 16"):
         fa.chunk_format(100)
     with pytest.raises(LayoutError, match="num_layers"):
         KVLayout(LayoutKind.MLA, 0, 1, 1, 1, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({}, "needs its geometry"),
+    ({"row_elems": 512, "row_pitch": 512, "run_offsets": (0,), "block_stride": 1, "page": "H2,N16,C16"},
+     "page must be"),
+    ({"row_elems": 512, "row_pitch": 512, "run_offsets": (0,), "block_stride": 1, "page": "|H2,N16,C8"},
+     "describes 1 runs of 256"),
+    ({"row_elems": 512, "row_pitch": 512, "run_offsets": (0, 0), "block_stride": 1, "page": "H2|N16,C16"},
+     "distinct"),
+    ({"row_elems": 512, "row_pitch": 0, "run_offsets": (0,), "block_stride": 1, "page": "|H2,N16,C16"},
+     "row_pitch must be a positive integer"),
+    ({"row_elems": 512, "row_pitch": 512, "run_offsets": (0,), "block_stride": 1, "page": "|H2,N16,c16"},
+     "axis letter and a size"),
+])
+def test_geometry_is_validated(fields, needle) -> None:
+    with pytest.raises(LayoutError, match=needle):
+        KVLayout(LayoutKind.BHNC, 2, 10, 16, 32, torch.float16, **fields)
 
 
 def test_check_tensors() -> None:
@@ -139,3 +245,16 @@ def test_check_tensors() -> None:
         lay.check_tensors(ts[:2])
     with pytest.raises(LayoutError, match="registration says"):
         lay.check_tensors([t.to(torch.float16) for t in ts])
+    _, views = bhnc("LBHNC")
+    with pytest.raises(LayoutError, match="registration says"):
+        KVLayout.infer(views, BS).check_tensors(bhnc("LBNHC")[1])
+
+
+def test_copy_dtype_fits_every_tensor() -> None:
+    dense = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert copy_dtype([dense]) is torch.complex128 and copy_view(dense).shape == (4, 8)
+    rows_12_bytes_apart = torch.zeros(64, dtype=torch.bfloat16).as_strided((4, 4), (6, 1))
+    assert copy_dtype([dense, rows_12_bytes_apart]) is torch.int32
+    at_odd_offset = torch.zeros(64, dtype=torch.bfloat16)[1:].view(7, 9)[:, :8]
+    assert copy_dtype([at_odd_offset]) is torch.int16
+    assert copy_view(dense, torch.int32).shape == (4, 32)

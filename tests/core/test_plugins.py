@@ -186,6 +186,35 @@ def test_server_driven_round_trip_and_hooks(loop_client, tmp_path: Path, hook_lo
         ["unregister", "unregister"]
 
 
+def test_server_driven_round_trip_of_interleaved_strided_layers(loop_client, tmp_path: Path) -> None:
+    """Layers interleaved in one buffer, heads outside layers (vLLM's BHLNC order): the server
+    rebuilds each layer from its registered shape, strides and offset, and moves exactly the
+    blocks' pages, nothing between them."""
+    from kvxfer_test_transport import shared_buffer
+
+    layers_n, blocks, heads, content = 2, 16, 2, 8
+    run = BLOCK_SIZE * content
+    nbytes = blocks * heads * layers_n * run * 2
+    buf = shared_buffer(tmp_path / "bhlnc", nbytes)
+    buf.copy_(torch.randint(-128, 128, (nbytes,), dtype=torch.int8))
+    fp16 = buf.view(torch.float16)
+    views = [fp16.as_strided((blocks, heads, BLOCK_SIZE, content), (heads * layers_n * run, layers_n * run, content, 1),
+                             li * run) for li in range(layers_n)]
+    ctx = loop_client.register(views, model_name="strided", block_size=BLOCK_SIZE, transport="test_loop")
+    assert ctx.layout.runs == heads
+    before = buf.clone()
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="strided")
+    src, dst = list(range(BLOCKS_PER_CHUNK)), list(range(blocks - BLOCKS_PER_CHUNK, blocks))
+    assert ctx.submit_store(hashes, src).result(30).stored == [0]
+    assert ctx.submit_retrieve(hashes, dst).result(30).loaded == [0]
+    want = before.view(torch.float16).clone()
+    for li in range(layers_n):
+        ref = want.as_strided(views[li].shape, views[li].stride(), views[li].storage_offset())
+        ref[dst] = ref[src].clone()
+    assert torch.equal(buf, want.view(torch.int8))
+    ctx.close()
+
+
 def test_eviction_hook(loop_client, tmp_path: Path, hook_log: Path) -> None:
     src = shared_kv(tmp_path, "evict", num_blocks=32)
     kv = loop_client.register(src, model_name="evict", block_size=BLOCK_SIZE, transport="test_loop")

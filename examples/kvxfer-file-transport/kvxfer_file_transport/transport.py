@@ -118,7 +118,7 @@ class FileContext(ServerDrivenContext):
 
 def _positions(file_rows: torch.Tensor, rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """Where each of ``rows`` sits among ``file_rows``; :class:`ConfigError` if one is absent."""
-    where = torch.full((layout.planes * layout.num_blocks,), -1, dtype=torch.int64)
+    where = torch.full((layout.span_rows,), -1, dtype=torch.int64)
     if file_rows.numel() and (int(file_rows.min()) < 0 or int(file_rows.max()) >= where.numel()):
         raise ConfigError(f"params.rows: row ids must be in [0, {where.numel()})")
     where[file_rows] = torch.arange(file_rows.numel())

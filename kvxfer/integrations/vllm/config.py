@@ -32,7 +32,7 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.on_server_error": "'fail' (default: raise) or 'recompute' (carry on without the cache)",
     "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server (default 5)",
     "kvxfer.model_name": "name that keys stored chunks (default: the model path and its KV dtype)",
-    "kvxfer.layout": "KV layout when ambiguous: flash_attn, flashinfer or mla (default: inferred)",
+    "kvxfer.layout": "KV layout when ambiguous: bhnc, flash_attn, flashinfer or mla (default: inferred)",
     "kvxfer.curve_dir": "directory of CURVE keys from `kvxfer keys` (required for a tcp:// server)",
     "kvxfer.curve_name": "which client key pair in kvxfer.curve_dir (default 'client')",
 }
@@ -128,8 +128,8 @@ class ConnectorConfig:
                     f"start the server with --chunk-size a multiple of {block_size}"
                 )
         layout = extra.get("kvxfer.layout")
-        if layout is not None and layout not in ("flash_attn", "flashinfer", "mla"):
-            raise ConfigError(f"kvxfer.layout must be flash_attn, flashinfer or mla, got {layout!r}")
+        if layout is not None and layout not in ("bhnc", "flash_attn", "flashinfer", "mla"):
+            raise ConfigError(f"kvxfer.layout must be bhnc, flash_attn, flashinfer or mla, got {layout!r}")
         transport = extra.get("kvxfer.transport", "auto")
         if not isinstance(transport, str) or not transport:
             raise ConfigError(f"kvxfer.transport must be a transport name or 'auto', got {transport!r}")

@@ -73,8 +73,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """NHD: kvxfer registers each layer's tensor as a contiguous paged cache."""
-        return "NHD"
+        """None: kvxfer moves the pages of every ``KVCacheLayout`` as the per-layer views lay
+        them out (strided, interleaved, padded), so the attention backend keeps its own choice."""
+        return None
 
     # ------------------------------------------------------------------ worker side
 

@@ -20,6 +20,7 @@ from kvxfer.transport import (
     ServerTransport,
     Style,
     Transport,
+    copy_dtype,
     copy_view,
 )
 
@@ -42,16 +43,19 @@ class CpuGatherContext(ClientDrivenContext):
         super().__init__(*args, **kwargs)
         self.device = self.layers[0].device
         self.on_host = self.device.type == "cpu"
-        # Each layer as [rows, row_elems] of the widest element type that fits: the indexing
-        # kernels run at memcpy speed on 16-byte elements, at a third of it on 2-byte ones.
-        self._rows = [copy_view(self.layout.row_view(t)) for t in self.layers]
+        # Each layer as [rows, row_elems] of the widest element type that fits every layer's
+        # rows (and so the slots'): the indexing kernels run at memcpy speed on 16-byte elements,
+        # at a third of it on 2-byte ones.
+        rows = [self.layout.row_view(t) for t in self.layers]
+        self._elem = copy_dtype(rows)
+        self._rows = [copy_view(r, self._elem) for r in rows]
 
     def registration_extra(self) -> dict[str, Any]:
         return {"device": self.device.type}
 
     def gather(self, copies: list[RowCopy]) -> None:
         for c in copies:
-            slot = copy_view(c.slot)
+            slot = copy_view(c.slot, self._elem)
             if self.on_host:
                 for layer, dst in zip(self._rows, slot):
                     torch.index_select(layer, 0, c.rows, out=dst)
@@ -64,7 +68,7 @@ class CpuGatherContext(ClientDrivenContext):
 
     def scatter(self, copies: list[RowCopy]) -> None:
         for c in copies:
-            slot = copy_view(c.slot)
+            slot = copy_view(c.slot, self._elem)
             rows = c.rows if self.on_host else c.rows.to(self.device, non_blocking=True)
             for layer, src in zip(self._rows, slot):
                 if self.on_host:

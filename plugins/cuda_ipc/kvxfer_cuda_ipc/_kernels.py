@@ -6,8 +6,11 @@ wait for the CPU. These kernels take a device table of the layers' base addresse
 ``layers x rows`` rows of a chunk in one launch. Without Triton (or when a kernel fails to
 compile) the server falls back to the per-layer torch ops.
 
-Rows are moved as int64 words; ``row_words`` is a row's size in 8-byte words (a KV row is
-``block_size * hidden * itemsize`` bytes, always a multiple of 16).
+Rows are moved as int64 words; ``row_words`` is a row's size in 8-byte words and
+``pitch_words`` the distance between consecutive rows of a layer's row view (see
+:class:`kvxfer.KVLayout`: rows of a strided, padded or interleaved layout are further apart than
+their length). Rows of the staging buffer or the arena slot are dense. The server uses the
+kernels only when rows, pitch and layer bases are multiples of 8 bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gather_kernel(layer_ptrs, rows, out, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _gather_kernel(layer_ptrs, rows, out, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         pid = tl.program_id(0).to(tl.int64)   # layer * n_rows + r: the row's place in the chunk
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows
@@ -41,11 +44,11 @@ if triton is not None:
         row = tl.load(rows + r)
         offs = seg * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_words
-        vals = tl.load(src + row * row_words + offs, mask=mask)
+        vals = tl.load(src + row * pitch_words + offs, mask=mask)
         tl.store(out + pid * row_words + offs, vals, mask=mask)
 
     @triton.jit
-    def _scatter_kernel(layer_ptrs, rows, src, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _scatter_kernel(layer_ptrs, rows, src, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows
@@ -55,11 +58,11 @@ if triton is not None:
         offs = seg * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_words
         vals = tl.load(src + pid * row_words + offs, mask=mask)
-        tl.store(dst + row * row_words + offs, vals, mask=mask)
+        tl.store(dst + row * pitch_words + offs, vals, mask=mask)
 
 
     @triton.jit
-    def _gather_to_kernel(layer_ptrs, rows, out_ptrs, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _gather_to_kernel(layer_ptrs, rows, out_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows
@@ -69,11 +72,11 @@ if triton is not None:
         row = tl.load(rows + r)
         offs = seg * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_words
-        vals = tl.load(src + row * row_words + offs, mask=mask)
+        vals = tl.load(src + row * pitch_words + offs, mask=mask)
         tl.store(dst + r * row_words + offs, vals, mask=mask)
 
     @triton.jit
-    def _scatter_from_kernel(layer_ptrs, rows, src_ptrs, n_rows, row_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _scatter_from_kernel(layer_ptrs, rows, src_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows
@@ -84,41 +87,48 @@ if triton is not None:
         offs = seg * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_words
         vals = tl.load(src + r * row_words + offs, mask=mask)
-        tl.store(dst + row * row_words + offs, vals, mask=mask)
+        tl.store(dst + row * pitch_words + offs, vals, mask=mask)
 
 
 def _grid(layer_ptrs: torch.Tensor, rows: torch.Tensor, row_words: int) -> tuple[int, int]:
     return (layer_ptrs.numel() * rows.numel(), (row_words + BLOCK - 1) // BLOCK)
 
 
-def gather(layer_ptrs: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, row_words: int) -> None:
+def gather(layer_ptrs: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, row_words: int,
+           pitch_words: int) -> None:
     """``out[l, i] = layer_l_rows[rows[i]]`` for every layer ``l`` (``out``: contiguous
-    ``[layers, len(rows), row]``, any dtype), on the current stream."""
+    ``[layers, len(rows), row]``, any dtype; row ``r`` of layer ``l`` starts ``r * pitch_words``
+    words after ``layer_ptrs[l]``), on the current stream."""
     n = rows.numel()
     if n:
         _gather_kernel[_grid(layer_ptrs, rows, row_words)](
-            layer_ptrs, rows, out.view(torch.int64), n, row_words, BLOCK=BLOCK)
+            layer_ptrs, rows, out.view(torch.int64), n, row_words, pitch_words, BLOCK=BLOCK)
 
 
-def scatter(layer_ptrs: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, row_words: int) -> None:
+def scatter(layer_ptrs: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, row_words: int,
+            pitch_words: int) -> None:
     """``layer_l_rows[rows[i]] = src[l, i]`` for every layer ``l``, on the current stream."""
     n = rows.numel()
     if n:
         _scatter_kernel[_grid(layer_ptrs, rows, row_words)](
-            layer_ptrs, rows, src.view(torch.int64), n, row_words, BLOCK=BLOCK)
+            layer_ptrs, rows, src.view(torch.int64), n, row_words, pitch_words, BLOCK=BLOCK)
 
 
-def gather_to(layer_ptrs: torch.Tensor, rows: torch.Tensor, out_ptrs: torch.Tensor, row_words: int) -> None:
+def gather_to(layer_ptrs: torch.Tensor, rows: torch.Tensor, out_ptrs: torch.Tensor, row_words: int,
+              pitch_words: int) -> None:
     """Like :func:`gather` into ``len(layers)`` separate ``[len(rows), row]`` destinations whose
     addresses are ``out_ptrs`` (int64, on the device): e.g. the layers of an arena slot, which the
     kernel then writes over PCIe (host memory registered as mapped)."""
     n = rows.numel()
     if n:
-        _gather_to_kernel[_grid(layer_ptrs, rows, row_words)](layer_ptrs, rows, out_ptrs, n, row_words, BLOCK=BLOCK)
+        _gather_to_kernel[_grid(layer_ptrs, rows, row_words)](
+            layer_ptrs, rows, out_ptrs, n, row_words, pitch_words, BLOCK=BLOCK)
 
 
-def scatter_from(layer_ptrs: torch.Tensor, rows: torch.Tensor, src_ptrs: torch.Tensor, row_words: int) -> None:
+def scatter_from(layer_ptrs: torch.Tensor, rows: torch.Tensor, src_ptrs: torch.Tensor, row_words: int,
+                 pitch_words: int) -> None:
     """The reverse of :func:`gather_to`."""
     n = rows.numel()
     if n:
-        _scatter_from_kernel[_grid(layer_ptrs, rows, row_words)](layer_ptrs, rows, src_ptrs, n, row_words, BLOCK=BLOCK)
+        _scatter_from_kernel[_grid(layer_ptrs, rows, row_words)](
+            layer_ptrs, rows, src_ptrs, n, row_words, pitch_words, BLOCK=BLOCK)

@@ -38,8 +38,9 @@ from kvxfer.transport import (
     RowCopy,
     ServerContext,
     ServerTransport,
-    copy_view,
     Waiter,
+    copy_dtype,
+    copy_view,
 )
 from kvxfer_cuda_ipc import _kernels
 from kvxfer_cuda_ipc.transport import (
@@ -155,15 +156,21 @@ class CudaIpcServerContext(ServerContext):
             torch.cuda.current_stream().synchronize()  # torch's own open-time event waits
         layout.check_tensors(layers)
         self.layers = layers
-        self._rows = [copy_view(layout.row_view(t)) for t in layers]
-        # one launch per chunk for all layers (Triton), else one index_select/index_copy_ per layer
-        self._fused = _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch"
+        rows = [layout.row_view(t) for t in layers]
+        #: the element type of row copies (16 bytes where every layer's rows allow), also the slots'
+        self._elem = copy_dtype(rows)
+        self._rows = [copy_view(r, self._elem) for r in rows]
+        # one launch per chunk for all layers (Triton), else one index_select/index_copy_ per layer;
+        # the kernels move 8-byte words, so rows, their pitch and every layer's base must be 8-byte aligned
+        self._fused = _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch" \
+            and self._elem.itemsize >= 8
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
         # "direct": the kernels read/write the pinned, mapped arena over PCIe themselves (no staging)
         self._direct = self._fused and os.environ.get("KVXFER_CUDA_IPC_MODE", "staged") == "direct"
         self.stats: dict[str, float] = {"store_n": 0, "store_bytes": 0, "store_s": 0.0,
                       "retrieve_n": 0, "retrieve_bytes": 0, "retrieve_s": 0.0}
         self._row_words = layout.row_bytes // 8
+        self._pitch_words = layout.row_pitch * layout.itemsize // 8
         self._compute = torch.cuda.Stream(self.device)
         self._copy = torch.cuda.Stream(self.device)
         self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
@@ -317,9 +324,9 @@ class CudaIpcServerContext(ServerContext):
             with torch.cuda.stream(self._compute):
                 for rows, addrs in self._upload_rows(copies, with_addresses=True):
                     if write_arena:
-                        _kernels.gather_to(self._layer_ptrs, rows, addrs, self._row_words)
+                        _kernels.gather_to(self._layer_ptrs, rows, addrs, self._row_words, self._pitch_words)
                     else:
-                        _kernels.scatter_from(self._layer_ptrs, rows, addrs, self._row_words)
+                        _kernels.scatter_from(self._layer_ptrs, rows, addrs, self._row_words, self._pitch_words)
         except Exception as exc:  # compile failure: no kernel of this request ran
             self._compute.synchronize()
             self._fall_back(exc)
@@ -332,7 +339,7 @@ class CudaIpcServerContext(ServerContext):
         k_n = len(self._ring)
         for i, (c, rows) in enumerate(zip(copies, idx)):
             k = i % k_n
-            slot = copy_view(c.slot)
+            slot = copy_view(c.slot, self._elem)
             stage = self._stage(k, slot)
             comp.wait_event(self._free[k])  # its previous chunk (this or an earlier request) left the GPU
             with torch.cuda.stream(comp):
@@ -349,7 +356,7 @@ class CudaIpcServerContext(ServerContext):
         k_n = len(self._ring)
         for i, (c, rows) in enumerate(zip(copies, idx)):
             k = i % k_n
-            slot = copy_view(c.slot)
+            slot = copy_view(c.slot, self._elem)
             stage = self._stage(k, slot)
             cp.wait_event(self._free[k])  # its previous chunk (this or an earlier request) is placed
             with torch.cuda.stream(cp):
@@ -365,7 +372,7 @@ class CudaIpcServerContext(ServerContext):
         """``stage[l] = layer_l[rows]`` for every layer, on the current stream."""
         if self._fused:
             try:
-                _kernels.gather(self._layer_ptrs, rows, stage, self._row_words)
+                _kernels.gather(self._layer_ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
             except Exception as exc:  # compile/launch failure: the torch ops still work
                 self._fall_back(exc)
@@ -376,7 +383,7 @@ class CudaIpcServerContext(ServerContext):
         """``layer_l[rows] = stage[l]`` for every layer, on the current stream."""
         if self._fused:
             try:
-                _kernels.scatter(self._layer_ptrs, rows, stage, self._row_words)
+                _kernels.scatter(self._layer_ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
             except Exception as exc:
                 self._fall_back(exc)

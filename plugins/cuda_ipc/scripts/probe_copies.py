@@ -88,15 +88,15 @@ def main() -> None:
 
                 def direct_store() -> None:
                     for c in range(chunks):
-                        _kernels.gather_to(ptrs, idx[c], addrs[c], row_elems * 2)
+                        _kernels.gather_to(ptrs, idx[c], addrs[c], row_elems * 2, row_elems * 2)
 
                 def direct_retrieve() -> None:
                     for c in range(chunks):
-                        _kernels.scatter_from(ptrs, idx[c], addrs[c], row_elems * 2)
+                        _kernels.scatter_from(ptrs, idx[c], addrs[c], row_elems * 2, row_elems * 2)
 
                 def staged_store() -> None:
                     for c in range(chunks):
-                        _kernels.gather(ptrs, idx[c], stage[c], row_elems * 2)
+                        _kernels.gather(ptrs, idx[c], stage[c], row_elems * 2, row_elems * 2)
                         shm[c].copy_(stage[c], non_blocking=True)
 
                 for name, fn in (("direct Triton gather into mapped shm", direct_store),

@@ -30,7 +30,7 @@ from typing import Any, ContextManager, Final, Protocol, runtime_checkable
 
 import torch
 
-from kvxfer.transport import copy_view
+from kvxfer.transport import copy_dtype
 
 __all__ = ["DeviceOps", "Pinning", "GenericOps", "HpuOps", "ops_for", "KNOWN_DEVICE_TYPES"]
 
@@ -88,9 +88,10 @@ class DeviceOps(Protocol):
         this device's DMA, if the device's API can; never raises (``Pinning(False, why)``)."""
         ...
 
-    def row_view(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (``[n, row_elems]``, last dim contiguous) reinterpreted with the element
-        type used for row copies on this device. Byte copies only."""
+    def copy_dtype(self, rows: list[torch.Tensor]) -> torch.dtype:
+        """The element type in which this device copies the rows of ``rows`` (each layer's row
+        view, ``[n, row_elems]``, dense in its last dim); the context reinterprets its rows and
+        the arena slots with it. Byte copies only."""
         ...
 
     def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -171,9 +172,10 @@ class GenericOps:
             return Pinning(False, f"{self.device_type}: torch has no in-place host registration; pageable copies")
         return _cuda_host_register(host)
 
-    def row_view(self, rows: torch.Tensor) -> torch.Tensor:
-        # 16-byte elements: torch's index kernels run at copy speed on them (see kvxfer.layout).
-        return copy_view(rows)
+    def copy_dtype(self, rows: list[torch.Tensor]) -> torch.dtype:
+        # 16-byte elements where every layer's rows allow: torch's index kernels run at copy
+        # speed on them (see kvxfer.layout).
+        return copy_dtype(rows)
 
     def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -312,8 +314,8 @@ class HpuOps(GenericOps):
         return Pinning(False, "hpu: the Habana bridge has no in-place host registration in Python; "
                               "pageable copies")
 
-    def row_view(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows
+    def copy_dtype(self, rows: list[torch.Tensor]) -> torch.dtype:
+        return rows[0].dtype
 
     def new_stream(self, device: torch.device) -> Any | None:
         return None

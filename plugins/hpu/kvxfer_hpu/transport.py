@@ -129,8 +129,10 @@ class HpuContext(ClientDrivenContext):
             raise ConfigError(f"device ops for {self.ops.device_type!r} cannot move tensors on {self.device}")
         self.pinning = Pinning(False, "arena not mapped yet")
         super().__init__(transport_name, connection, layers, layout, identity)
-        #: Each layer as [rows, row_elems] in the element type of row copies.
-        self._rows = [self.ops.row_view(layout.row_view(t)) for t in self.layers]
+        rows = [layout.row_view(t) for t in self.layers]
+        #: The element type of row copies; each layer as [rows, row_elems] of it.
+        self._elem = self.ops.copy_dtype(rows)
+        self._rows = [r.view(self._elem) for r in rows]
         self._pipe: _Pipeline | None = None
         self._ready: deque[Any | None] = deque()
         self._ready_lock = threading.Lock()
@@ -191,7 +193,7 @@ class HpuContext(ClientDrivenContext):
     def gather(self, copies: list[RowCopy]) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
-                for layer, dst in zip(self._rows, self.ops.row_view(c.slot)):
+                for layer, dst in zip(self._rows, c.slot.view(self._elem)):
                     torch.index_select(layer, 0, c.rows, out=dst)
             return None
         ops, p = self.ops, self._pipeline()
@@ -207,7 +209,7 @@ class HpuContext(ClientDrivenContext):
             for c in group:
                 n = c.rows.numel()
                 k, buf = self._chunk_buffer(p, n)
-                dst = ops.row_view(c.slot)
+                dst = c.slot.view(self._elem)
                 with ops.use_stream(p.compute):
                     _Pipeline.wait(p.compute, p.free[k])
                     buf.copy_(gathered[:, offset:offset + n])
@@ -223,7 +225,7 @@ class HpuContext(ClientDrivenContext):
     def scatter(self, copies: list[RowCopy]) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
-                for layer, src in zip(self._rows, self.ops.row_view(c.slot)):
+                for layer, src in zip(self._rows, c.slot.view(self._elem)):
                     layer.index_put_((c.rows,), src)
             return None
         ops, p = self.ops, self._pipeline()
@@ -235,7 +237,7 @@ class HpuContext(ClientDrivenContext):
             for c in group:
                 n = c.rows.numel()
                 k, buf = self._chunk_buffer(p, n)
-                src = ops.row_view(c.slot)
+                src = c.slot.view(self._elem)
                 with ops.use_stream(p.copy):
                     _Pipeline.wait(p.copy, p.free[k])
                     buf.copy_(src, non_blocking=self._async(src))
@@ -266,7 +268,7 @@ class HpuContext(ClientDrivenContext):
                 free=[ops.new_event() for _ in range(depth)],
                 chunks=[ops.staging(chunk_bytes, dev) for _ in range(depth)],
                 group=ops.staging(group_chunks * chunk_bytes, dev),
-                group_rows=group_chunks * self.layout.planes * self.blocks_per_chunk,
+                group_rows=group_chunks * self.layout.runs * self.blocks_per_chunk,
             )
         return self._pipe
 

@@ -56,9 +56,11 @@ def test_hpu_probe_without_gaudi_software() -> None:
 
 def test_hpu_copies_rows_in_the_cache_dtype_generic_in_16_byte_elements() -> None:
     rows = torch.zeros(4, 256, dtype=torch.bfloat16)
-    assert ops_for("hpu").row_view(rows) is rows
-    wide = ops_for("cuda").row_view(rows)
-    assert wide.element_size() == 16 and wide.shape == (4, 32)
+    assert ops_for("hpu").copy_dtype([rows]) is torch.bfloat16
+    assert ops_for("cuda").copy_dtype([rows]).itemsize == 16
+    # rows 24 bytes apart (a padded, interleaved layout): 8-byte elements are the widest that fit
+    strided = torch.zeros(64, dtype=torch.bfloat16).as_strided((4, 8), (12, 1))
+    assert ops_for("cuda").copy_dtype([rows, strided]) is torch.int64
 
 
 def test_pinning_release_runs_the_undo_once() -> None:
