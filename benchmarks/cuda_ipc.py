@@ -2,7 +2,7 @@
 """cuda_ipc store/retrieve throughput on an NVIDIA GPU, against the pinned host<->device copy of
 the same bytes measured in the same run (interleaved with the transfers).
 
-Workload (issue 4): 32 layers of flash-attention KV ``[2, num_blocks, 16, 8, 128]`` bf16, chunks of
+Workload (the project's standard one): 32 layers of flash-attention KV ``[2, num_blocks, 16, 8, 128]`` bf16, chunks of
 256 tokens (32 MiB each), 8 chunks per request, blocks picked at random. A store moves one
 request's blocks into the server (new keys each time); a retrieve loads those chunks back into
 other blocks. Each future is waited for; a request's time is submit -> result. The first
@@ -15,9 +15,7 @@ request of each transport is verified bit-exact and not timed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -162,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"card": card, "torch": torch.__version__, "cuda_ipc_kernel": kernel, "python": platform.python_version(),
-                       "args": vars(args), "results": results}, f, indent=2)
+        from kvxfer.bench import write_results
+
+        print("wrote", write_results(args.json, "cuda_ipc-breakdown", {"card": card, "cuda_ipc_kernel": kernel,
+                                                                     "args": vars(args), "results": results}))
     return 0
 
 

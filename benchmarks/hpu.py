@@ -6,7 +6,7 @@ denominators measured in the same run:
   the same bytes (device->host for stores, host->device for retrieves);
 * ``--device cpu``: memcpy of the same bytes, and the cpu_gather transport on the same workload.
 
-Workload (defaults = the issue's): 32 layers x ``[2, num_blocks, 16, 8, 128]`` bf16, 256-token
+Workload (defaults: the project's standard one): 32 layers x ``[2, num_blocks, 16, 8, 128]`` bf16, 256-token
 chunks (32 MiB each), 8 chunks per request. Every request stores fresh chunks (no dedupe) from
 random blocks, then retrieves them into other random blocks; the first retrieve of each
 transport is checked bit-exact. Prints a table, writes JSON (``--json``)::
@@ -18,7 +18,6 @@ transport is checked bit-exact. Prints a table, writes JSON (``--json``)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import secrets
@@ -168,10 +167,10 @@ class Bench:
     def _timed(self, fn: Any) -> Any:
         """``fn`` timed: the time queueing the copy plus the time in its waiter, if it returns
         one (which must be passed on: the core commits only once the waiter returns)."""
-        def timed(copies: Any) -> Any:
+        def timed(copies: Any, transfer: Any) -> Any:
             t = time.perf_counter()
             try:
-                waiter = fn(copies)
+                waiter = fn(copies, transfer)
             finally:
                 self._copy_t += time.perf_counter() - t
             if waiter is None:
@@ -318,9 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(table(report))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        from kvxfer.bench import write_results
+
+        print(f"wrote {write_results(args.json, f'hpu-breakdown-{device.type}', report)}")
     return 0
 
 

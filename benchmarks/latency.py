@@ -15,7 +15,6 @@ reply, one request in flight at a time.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -24,7 +23,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -225,10 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print_table(report)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {path}")
+        from kvxfer.bench import write_results
+
+        print(f"wrote {write_results(args.json, 'latency', report)}")
     return 0
 
 

@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 MiB = 1 << 20
 
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from kvxfer.cli import print_table
+    from kvxfer.text_table import print_table
 
     if len(set(args.clients)) != len(args.clients):
         p.error("--clients: give each count once")
@@ -269,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     if cpus is not None and max(args.clients) > cpus:
         print(f"note: {max(args.clients)} clients on {cpus} CPUs share cores; compare ratios, not absolutes")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"},
-                                               "cpus": cpus, "results": results}, indent=2))
-        print(f"wrote {args.json}")
+        from kvxfer.bench import write_results
+
+        payload = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "cpus": cpus, "results": results}
+        print(f"wrote {write_results(args.json, 'soak', payload)}")
     return 1 if any(r["corrupt_chunks"] for r in results) else 0
 
 

@@ -26,9 +26,45 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
-__all__ = ["main", "run", "physical_limit", "progress_bar"]
+__all__ = ["main", "run", "physical_limit", "progress_bar", "run_record", "write_results"]
 
 GB = 1e9
+
+
+def run_record() -> dict[str, Any]:
+    """What every benchmark's JSON records about its run: the git commit of the checkout it ran
+    from (``+dirty`` with uncommitted changes; ``unknown`` outside a checkout), the UTC date and
+    time, the machine, its CPUs, Python and torch."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit += "+dirty" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return {"commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def write_results(path: str | os.PathLike[str], benchmark: str, payload: dict[str, Any]) -> str:
+    """Write ``payload`` plus :func:`run_record` (key ``"run"``) as JSON. A ``path`` that is a
+    directory (or ends with ``/``) gets a file named by date, commit and benchmark:
+    ``<dir>/<YYYY-MM-DD>-<commit>-<benchmark>.json``. Returns the path written."""
+    from pathlib import Path
+
+    run = run_record()
+    out = Path(path)
+    if str(path).endswith("/") or out.is_dir():
+        out = out / f"{run['time'][:10]}-{run['commit'].replace('+', '-')}-{benchmark}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"run": run, **payload}, indent=2) + "\n")
+    return str(out)
 
 
 def progress_bar(total: int, desc: str) -> Any:
@@ -61,7 +97,7 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / GB
 
 
-def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[str, float]:
+def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[str, Any]:
     """GB/s of the copy a transfer cannot beat, for ``nbytes``: memcpy on CPU, pinned
     device<->host copies on CUDA (medians of ``repeats`` runs, warm buffers)."""
     if device.type == "cuda":
@@ -220,7 +256,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def print_results(results: list[dict[str, Any]]) -> None:
-    from kvxfer.cli import print_table
+    from kvxfer.text_table import print_table
 
     print_table(
         [(r["transport"], r["device"], r["chunk_size"], f"{r['chunk_mib']:.1f}", r["chunks_per_request"], r["inflight"],
@@ -252,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
     p.add_argument("--server-transports", default="", help="--transports of the started server (default: all)")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the results here (a directory: a file named by date and commit)")
     return p
 
 
@@ -261,11 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run(args)
     print_results(results)
     if args.json:
-        meta = {"machine": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
+        gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+        name = f"transfer-{args.transport}-{args.device}"
+        print(f"wrote {write_results(args.json, name, {'gpu': gpu, 'results': results})}")
     return 0
 
 

@@ -18,31 +18,26 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvxfer.errors import KvxferError
-from kvxfer.server.arena import format_bytes, parse_size
+from kvxfer.text_table import print_table
+from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import default_url
 
-__all__ = ["main", "print_table"]
+if TYPE_CHECKING:
+    from kvxfer.mq.client import CurveClientKeys
+    from kvxfer.mq.server import CurveServerKeys
 
-
-def print_table(rows: Sequence[Sequence[object]], headers: Sequence[str], file=None) -> None:
-    """A plain-text table, columns padded to their widest cell."""
-    out = file or sys.stdout
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for n, r in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
-        if n == 0:
-            print("  ".join("-" * w for w in widths), file=out)
+__all__ = ["main"]
 
 
 # --------------------------------------------------------------------------- serve
 
 
-def _curve_server(curve_dir: str | None):
+def _curve_server(curve_dir: str | None) -> CurveServerKeys | None:
     if curve_dir is None:
         return None
     from kvxfer.security import load_server_keys
@@ -85,7 +80,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     import dataclasses
 
     import kvxfer
-    from kvxfer.transport.base import API_VERSION
+    from kvxfer.transport.contract import API_VERSION
     from kvxfer.transport.registry import NAMESPACE, list_plugins
 
     plugins = list_plugins()
@@ -115,7 +110,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- status
 
 
-def _curve_client(curve_dir: str | None, name: str):
+def _curve_client(curve_dir: str | None, name: str) -> CurveClientKeys | None:
     if curve_dir is None:
         return None
     from kvxfer.security import load_client_keys

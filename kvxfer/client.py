@@ -22,19 +22,28 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
-
-import msgspec
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from kvxfer import liveness
-from kvxfer.errors import ConfigError, ConnectionFailed, InvalidRequest, NoSession, TransportNotFound, TransportUnavailable
-from kvxfer.layout import KVLayout, LayoutKind, as_layer_list
+from kvxfer.errors import (
+    ConfigError,
+    ConnectionFailed,
+    InvalidRequest,
+    NoSession,
+    TransportNotFound,
+    TransportUnavailable,
+)
 from kvxfer.mq.client import CurveClientKeys, MQClient
 from kvxfer.protocol import messages as m
-from kvxfer.transport import registry
-from kvxfer.transport.base import InstanceIdentity, TransferContext
 from kvxfer.urls import default_url
+
+if TYPE_CHECKING:  # loaded by register(): a client that only looks up or reports needs no torch
+    import torch
+
+    from kvxfer.layout import LayoutKind
+    from kvxfer.transport.contract import TransferContext, TransferContextBase, Transport
+
+Reply = TypeVar("Reply", bound=m.Message)
 
 __all__ = ["CacheClient"]
 
@@ -60,7 +69,7 @@ class CacheClient:
         self.connect_timeout = connect_timeout
         self.name = name
         self._lock = threading.RLock()
-        self._contexts: weakref.WeakSet[TransferContext] = weakref.WeakSet()
+        self._contexts: weakref.WeakSet[TransferContextBase] = weakref.WeakSet()
         self._mq = MQClient(self.url, default_timeout=timeout, curve=curve)
         self._epoch = 0
         self._token = liveness.new_token()
@@ -75,9 +84,8 @@ class CacheClient:
 
     def _handshake(self) -> None:
         try:
-            reply: m.HandshakeReply = self._mq.request(
-                "handshake", m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._token),
-                timeout=self.connect_timeout)
+            reply = self._mq.request(m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._token),
+                                     timeout=self.connect_timeout)
         except ConnectionFailed as exc:
             hint = ""
             if self.url.startswith("tcp://"):
@@ -116,7 +124,7 @@ class CacheClient:
         """Counts handshakes: a context registered in an older epoch must register again."""
         return self._epoch
 
-    def reconnect(self, context: TransferContext | None = None) -> None:
+    def reconnect(self, context: TransferContextBase | None = None) -> None:
         """Re-open the session if the server lost it (it restarted, or timed us out), then
         register again every context of an older epoch, and ``context`` in any case.
 
@@ -125,30 +133,33 @@ class CacheClient:
         """
         with self._lock:
             try:
-                self._mq.request("ping", m.Ping(), timeout=self.connect_timeout)
+                self._mq.request(m.Ping(), timeout=self.connect_timeout)
             except NoSession:
                 self._handshake()
-            targets = [c for c in self._contexts if getattr(c, "epoch", None) != self._epoch]
+            targets = [c for c in self._contexts if c.epoch != self._epoch]
             if context is not None and context not in targets:
                 targets.append(context)
             for ctx in targets:
                 try:
-                    ctx.on_reconnect()  # type: ignore[attr-defined]
+                    ctx.on_reconnect()
                 except InvalidRequest as exc:
                     if "already registered" not in str(exc):
                         raise
 
-    def forget(self, context: TransferContext) -> None:
+    def forget(self, context: TransferContextBase) -> None:
         """A context closed: stop re-registering it."""
         self._contexts.discard(context)
 
     # ------------------------------------------------------------------ Connection protocol
 
-    def submit(self, name: str, payload: msgspec.Struct, timeout: float | None = None) -> Future[Any]:
-        return self._mq.submit(name, payload, timeout)
+    def submit(self, payload: m.Request[Reply], timeout: float | None = None) -> Future[Reply]:
+        """Send ``payload`` (its type names the request and its reply type); the future resolves
+        to the reply or raises a :class:`kvxfer.errors.KvxferError`."""
+        return self._mq.submit(payload, timeout)
 
-    def request(self, name: str, payload: msgspec.Struct, timeout: float | None = None) -> Any:
-        return self._mq.request(name, payload, timeout)
+    def request(self, payload: m.Request[Reply], timeout: float | None = None) -> Reply:
+        """``submit(payload, timeout).result()``, without the hand-off to a future."""
+        return self._mq.request(payload, timeout)
 
     # ------------------------------------------------------------------ API
 
@@ -173,12 +184,17 @@ class CacheClient:
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in [0, world_size) with world_size > 0; got rank {rank}, "
                               f"world_size {world_size}")
+        from kvxfer.layout import KVLayout, as_layer_list
+        from kvxfer.transport._context import plugin_step
+        from kvxfer.transport.contract import InstanceIdentity
+
         layers = as_layer_list(kv_caches)
         kv_layout = KVLayout.infer(layers, block_size, layout)
         kv_layout.blocks_per_chunk(self.chunk_size)
         chosen = self._pick_transport(transport, layers[0].device)
         identity = InstanceIdentity(secrets.randbits(62) + 1, model_name, world_size, rank)
-        ctx = chosen.client_context(self, layers, kv_layout, identity)
+        with plugin_step(chosen.name, "client_context"):
+            ctx = chosen.client_context(self, layers, kv_layout, identity)
         try:
             ctx.register()
         except BaseException:
@@ -187,7 +203,9 @@ class CacheClient:
         self._contexts.add(ctx)
         return ctx
 
-    def _pick_transport(self, name: str, device: torch.device) -> Any:
+    def _pick_transport(self, name: str, device: torch.device) -> Transport:
+        from kvxfer.transport import registry
+
         if name != registry.AUTO and name not in self.server_transports:
             # unknown name -> lists installed; cannot run here -> the probe's reason
             registry.get_transport(name)
@@ -202,8 +220,7 @@ class CacheClient:
 
     def lookup(self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes]) -> int:
         """How many leading chunks of ``hashes`` the server has for every rank."""
-        reply: m.LookupReply = self.request("lookup", m.Lookup(model_name, world_size, list(hashes)))
-        return reply.hits
+        return self.request(m.Lookup(model_name, world_size, list(hashes))).hits
 
     def lookup_and_lease(
         self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes], lease_s: float = 30.0
@@ -212,21 +229,21 @@ class CacheClient:
         each rank's retrieve naming ``lease_id`` is done."""
         if lease_s <= 0:
             raise ConfigError(f"lease_s must be positive, got {lease_s}")
-        return self.request("lookup", m.Lookup(model_name, world_size, list(hashes), lease_s))
+        return self.request(m.Lookup(model_name, world_size, list(hashes), lease_s))
 
     def release_lease(self, lease_id: int) -> None:
-        self.request("release_lease", m.ReleaseLease(lease_id))
+        self.request(m.ReleaseLease(lease_id))
 
     def status(self) -> m.StatusReply:
-        return self.request("status", m.StatusRequest())
+        return self.request(m.StatusRequest())
 
     def clear(self, model_name: str = "") -> int:
         """Drop stored chunks not in use (of ``model_name`` only, when given); returns how many."""
-        return self.request("clear", m.Clear(model_name)).removed
+        return self.request(m.Clear(model_name)).removed
 
     def ping(self) -> float:
         """The server's clock; raises when it does not answer."""
-        return self.request("ping", m.Ping()).server_time
+        return self.request(m.Ping()).server_time
 
     def close(self) -> None:
         """Close every context registered through this client, then the connection."""

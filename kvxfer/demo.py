@@ -17,7 +17,7 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.hashing import chunk_hashes
 from kvxfer.layout import KVLayout, LayoutKind
-from kvxfer.server.arena import format_bytes
+from kvxfer.units import format_bytes
 
 __all__ = ["run_demo"]
 
@@ -99,8 +99,8 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     loaded = 0
     t = time.perf_counter()
     for h, n, blocks in zip(hashes, hits, dst_blocks):
-        res = ctx.submit_retrieve(h[:n], blocks[:n * bpc]).result(timeout=120)
-        loaded += len(res.loaded)
+        got = ctx.submit_retrieve(h[:n], blocks[:n * bpc]).result(timeout=120)
+        loaded += len(got.loaded)
     retrieve_s = time.perf_counter() - t
     retrieve_bytes = loaded * layout.chunk_bytes(cs)
 

@@ -8,7 +8,9 @@
     ├── TransportError              about a transport plugin (names the plugin)
     │   ├── TransportNotFound       no such name; lists the installed transports
     │   ├── TransportUnavailable    installed, but probe() says it cannot run here, and why
-    │   └── TransportBroken         fails to import, wrong api_version, or not a Transport
+    │   ├── TransportBroken         fails to import, wrong api_version, or not a Transport
+    │   └── TransportFailed         the plugin's code raised during a step (names transport
+    │                               and step; the plugin's exception is ``__cause__``)
     ├── ConnectionFailed            the server cannot be reached or stopped answering
     │   └── RequestTimeout          a request got no reply in time (names server and request)
     ├── ProtocolError               the two sides do not speak the same protocol
@@ -20,12 +22,17 @@
         ├── VersionMismatch         handshake refused: protocol versions differ
         └── ServerInternalError     a handler raised; the server keeps serving
 
-Every :class:`RemoteError` subclass has a wire ``code``; :func:`remote_error` turns a
-``(code, message)`` reply into the matching exception, so clients can catch by type.
+Every :class:`RemoteError` subclass has a wire ``code`` (one of :class:`ErrorCode`);
+:func:`remote_error` turns a ``(code, message)`` reply into the matching exception, so clients
+can catch by type. Every call into a transport plugin's code goes through one boundary that
+turns what the plugin raised into :class:`TransportFailed` (a :class:`KvxferError` raised
+``from`` the plugin's exception), so a caller that catches :class:`KvxferError` catches
+everything a transfer can fail with.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar, Final
 
 __all__ = [
@@ -36,6 +43,7 @@ __all__ = [
     "TransportNotFound",
     "TransportUnavailable",
     "TransportBroken",
+    "TransportFailed",
     "ConnectionFailed",
     "RequestTimeout",
     "ProtocolError",
@@ -46,8 +54,25 @@ __all__ = [
     "NoSession",
     "VersionMismatch",
     "ServerInternalError",
+    "ErrorCode",
     "remote_error",
 ]
+
+
+class ErrorCode(str, enum.Enum):
+    """The ``code`` of an error reply on the wire (``ErrorReply.code``)."""
+
+    #: A code this client does not know (a newer server): a plain :class:`RemoteError`.
+    ERROR = "error"
+    INVALID_REQUEST = "invalid_request"
+    UNKNOWN_REQUEST = "unknown_request"
+    UNKNOWN_INSTANCE = "unknown_instance"
+    NO_SESSION = "no_session"
+    VERSION_MISMATCH = "version_mismatch"
+    INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class KvxferError(Exception):
@@ -78,6 +103,19 @@ class TransportBroken(TransportError):
     """The plugin failed to load, declares another api_version, or is not a Transport."""
 
 
+class TransportFailed(TransportError):
+    """A transport plugin's code raised during a step of a transfer or registration.
+
+    ``transport`` and ``step`` name where (e.g. ``"cpu_gather"``, ``"gather"``); the plugin's own
+    exception is ``__cause__``. Raised by the core at its one boundary around plugin calls.
+    """
+
+    def __init__(self, transport: str, step: str, cause: BaseException) -> None:
+        self.transport = transport
+        self.step = step
+        super().__init__(f"transport {transport!r} failed in {step}: {type(cause).__name__}: {cause}")
+
+
 class ConnectionFailed(KvxferError, ConnectionError):
     """The cache server cannot be reached, or it stopped answering."""
 
@@ -96,7 +134,7 @@ class RemoteError(KvxferError):
     ``code`` is the wire code, ``message`` the server's text; ``request`` names the request.
     """
 
-    code: ClassVar[str] = "error"
+    code: ClassVar[ErrorCode] = ErrorCode.ERROR
 
     def __init__(self, message: str, *, request: str = "") -> None:
         self.message = message
@@ -108,41 +146,41 @@ class RemoteError(KvxferError):
 class InvalidRequest(RemoteError, ValueError):
     """A request's payload failed validation; the message names the field."""
 
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
 
 
 class UnknownRequest(RemoteError):
     """The server has no request of that name (client newer than server?)."""
 
-    code = "unknown_request"
+    code = ErrorCode.UNKNOWN_REQUEST
 
 
 class UnknownInstance(RemoteError, LookupError):
     """The instance id is not registered, or its client's session was dropped."""
 
-    code = "unknown_instance"
+    code = ErrorCode.UNKNOWN_INSTANCE
 
 
 class NoSession(RemoteError):
     """The server does not know this connection: handshake first (the server may have restarted)."""
 
-    code = "no_session"
+    code = ErrorCode.NO_SESSION
 
 
 class VersionMismatch(RemoteError, ProtocolError):
     """The handshake was refused because client and server protocol versions differ."""
 
-    code = "version_mismatch"
+    code = ErrorCode.VERSION_MISMATCH
 
 
 class ServerInternalError(RemoteError):
     """A server handler raised an unexpected exception; the server keeps serving."""
 
-    code = "internal"
+    code = ErrorCode.INTERNAL
 
 
 _BY_CODE: Final[dict[str, type[RemoteError]]] = {
-    cls.code: cls
+    cls.code.value: cls
     for cls in (
         InvalidRequest,
         UnknownRequest,

@@ -9,13 +9,15 @@ chunks are hashed. Stable across processes, machines and Python versions (no ``h
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Sequence
-from typing import Final
-
-import torch
+from typing import TYPE_CHECKING, Final
 
 from kvxfer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["chunk_hashes", "HASH_BYTES"]
 
@@ -24,7 +26,8 @@ _SEED: Final = hashlib.blake2b(b"kvxfer-chunk-hash-v1", digest_size=HASH_BYTES).
 
 
 def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
-    if isinstance(token_ids, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only where torch is imported already
+    if torch is not None and isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1:
             raise ConfigError(f"token_ids must be 1-D, got shape {list(token_ids.shape)}")
         return token_ids.to(device="cpu", dtype=torch.int64).to(torch.int32).numpy().astype("<u4").tobytes()

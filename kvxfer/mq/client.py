@@ -18,16 +18,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
 
-from kvxfer.errors import ConnectionFailed, ProtocolError, RequestTimeout, remote_error
+from kvxfer.errors import ConnectionFailed, ErrorCode, ProtocolError, RequestTimeout, remote_error
 from kvxfer.mq.futures import ReplyFuture
 from kvxfer.protocol import codec
-from kvxfer.protocol.messages import Ping
-from kvxfer.protocol.table import REQUESTS
+from kvxfer.protocol.messages import Message, Ping, Request
+from kvxfer.protocol.table import REQUESTS, spec_of
 
 __all__ = ["MQClient", "CurveClientKeys"]
 
@@ -51,11 +51,13 @@ class CurveClientKeys:
 
 _UNSET: Any = object()
 
+Reply = TypeVar("Reply", bound=Message)
+
 
 @dataclass(slots=True)
 class _Pending:
     #: None for the request of the leader thread (see ``request``): it reads ``ok``/``value``
-    future: ReplyFuture | None
+    future: ReplyFuture[Any] | None
     name: str
     deadline: float
     #: sent by the I/O thread to keep the session alive; nobody waits for it
@@ -93,7 +95,7 @@ class MQClient:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self._on_session_lost = on_session_lost
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         #: requests that could not be sent yet (the send queue was full): the I/O thread retries
@@ -109,7 +111,7 @@ class MQClient:
             self._sock.curve_secretkey = curve.secret
             self._sock.curve_serverkey = curve.server_public
         self._sock.connect(url)
-        self._fd = self._sock.get(zmq.FD)
+        self._fd: int = self._sock.get(zmq.FD)  # type: ignore[assignment]  # FD is an int option
         self._pending: dict[int, _Pending] = {}
         self._closed = False
         self._last_recv = time.monotonic()
@@ -130,11 +132,11 @@ class MQClient:
 
     # ------------------------------------------------------------------ public
 
-    def submit(self, name: str, payload: msgspec.Struct, timeout: float | None = None) -> ReplyFuture:
-        """Send request ``name`` with ``payload``; the future resolves to the decoded reply."""
-        fut = ReplyFuture(self.url, name)
-        if name not in REQUESTS:
-            raise ValueError(f"unknown request {name!r}")
+    def submit(self, payload: Request[Reply], timeout: float | None = None) -> ReplyFuture[Reply]:
+        """Send ``payload`` (its type names the request); the future resolves to the decoded
+        reply. ValueError for a Struct that is no request."""
+        name = spec_of(payload).name
+        fut: ReplyFuture[Reply] = ReplyFuture(self.url, name)
         rid = next(self._ids)
         frames = [codec.pack_id(rid), name.encode(), codec.encode(payload)]
         deadline = time.monotonic() + (self.default_timeout if timeout is None else timeout)
@@ -156,7 +158,7 @@ class MQClient:
         _complete(done)
         return fut
 
-    def request(self, name: str, payload: msgspec.Struct, timeout: float | None = None) -> Any:
+    def request(self, payload: Request[Reply], timeout: float | None = None) -> Reply:
         """Send and wait for the decoded reply (raises the request's error).
 
         The first thread waiting here becomes the *leader*: it receives on the socket itself
@@ -164,8 +166,7 @@ class MQClient:
         it reads; threads that come while there is a leader wait on futures.
         """
         t = self.default_timeout if timeout is None else timeout
-        if name not in REQUESTS:
-            raise ValueError(f"unknown request {name!r}")
+        name = spec_of(payload).name
         data = codec.encode(payload)
         with self._lock:
             lead = self._leader is None and not self._closed
@@ -180,7 +181,7 @@ class MQClient:
                     self._wake()
         if not lead:
             # the I/O thread (or the leader) enforces the deadline; +1 s covers scheduling
-            return self.submit(name, payload, t).result(t + 1.0)
+            return self.submit(payload, t).result(t + 1.0)
         try:
             give_up = time.monotonic() + t + 1.0
             poll = self._leader_poller.poll
@@ -245,16 +246,16 @@ class MQClient:
         self._last_send = time.monotonic()
         return True
 
-    def _drain(self, until: _Pending | None = None) -> list[tuple[ReplyFuture, bool, Any]]:
+    def _drain(self, until: _Pending | None = None) -> list[tuple[ReplyFuture[Any], bool, Any]]:
         """Receive every reply that has arrived (lock held). Whoever uses the socket must drain
         before releasing the lock: ``zmq.FD`` is edge-triggered and only signals new events.
         ``until`` is the leader's own request (no need to wake the leader for it)."""
-        done: list[tuple[ReplyFuture, bool, Any]] = []
+        done: list[tuple[ReplyFuture[Any], bool, Any]] = []
         sock = self._sock
         if sock.closed:
             return done
         woke_sync = False
-        while sock.get(_EVENTS) & _POLLIN:
+        while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # EVENTS is an int option
             try:
                 frames = [sock.recv(_NOBLOCK)]
                 while sock.get(_RCVMORE):
@@ -359,14 +360,14 @@ class MQClient:
                 return pending, True, codec.decode(frames[2], REQUESTS[name].reply)
             if frames[1] == codec.ERR:
                 err = codec.ERROR_DECODER.decode(frames[2])
-                if err.code == "no_session" and self._on_session_lost is not None:
+                if err.code == ErrorCode.NO_SESSION and self._on_session_lost is not None:
                     self._on_session_lost()
                 return pending, False, remote_error(err.code, err.message, name)
             return pending, False, ProtocolError(f"reply to {name!r} has unknown status {frames[1]!r}")
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return pending, False, ProtocolError(f"undecodable reply to {name!r} from {self.url}: {exc}")
 
-    def _expire(self, now: float) -> list[tuple[ReplyFuture, bool, Any]]:
+    def _expire(self, now: float) -> list[tuple[ReplyFuture[Any], bool, Any]]:
         late = [rid for rid, p in self._pending.items() if p.deadline < now]
         done = []
         for rid in late:
@@ -383,7 +384,7 @@ class MQClient:
                 done.append((p.future, False, exc))
         return done
 
-    def _fail_all(self, exc: Exception) -> list[tuple[ReplyFuture, bool, Any]]:
+    def _fail_all(self, exc: Exception) -> list[tuple[ReplyFuture[Any], bool, Any]]:
         pending, self._pending = self._pending, {}
         done = []
         for p in pending.values():
@@ -402,7 +403,7 @@ def _read_all(fd: int) -> None:
         pass
 
 
-def _complete(done: list[tuple[ReplyFuture, bool, Any]]) -> None:
+def _complete(done: list[tuple[ReplyFuture[Any], bool, Any]]) -> None:
     """Resolve futures (outside the socket lock: callbacks may submit)."""
     for fut, ok, value in done:
         if fut.done():

@@ -8,7 +8,7 @@ A :class:`ReplyFuture` is a :class:`concurrent.futures.Future` whose ``result(ti
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvxfer.errors import RequestTimeout
 
@@ -17,15 +17,15 @@ __all__ = ["ReplyFuture"]
 T = TypeVar("T")
 
 
-class ReplyFuture(concurrent.futures.Future):  # type: ignore[type-arg]  (generic at runtime only in 3.9+ stubs)
-    """The future of one request to one server."""
+class ReplyFuture(concurrent.futures.Future[T]):
+    """The future of one request to one server, resolving to the request's reply type."""
 
     def __init__(self, url: str, request: str) -> None:
         super().__init__()
         self.url = url
         self.request = request
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> T:
         try:
             return super().result(timeout)
         except RequestTimeout:

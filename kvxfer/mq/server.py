@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from kvxfer.errors import ConfigError
+from kvxfer.errors import ConfigError, ErrorCode
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
 
@@ -78,7 +78,7 @@ class MQServer:
         self._dispatch = dispatcher
         self._on_tick = on_tick
         self._tick_s = tick_s
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._auth = None
         self.dropped_frames = 0
         if url.startswith("tcp://"):
@@ -178,7 +178,7 @@ class MQServer:
                     # avoids the zmq.Again exception of an empty recv (~10 us a request).
                     sock = self._sock
                     for _ in range(256):
-                        if not sock.get(_EVENTS) & _POLLIN:
+                        if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # EVENTS is an int option
                             break
                         frames = [sock.recv(_NOBLOCK)]
                         while sock.get(_RCVMORE):
@@ -225,7 +225,7 @@ class MQServer:
             self.dropped_frames += 1
             log.warning("dropping a request of %d frames (no request id to answer)", len(frames))
             if len(frames) >= 2 and len(frames[1]) == 8:
-                err = codec.encode(ErrorReply("invalid_request",
+                err = codec.encode(ErrorReply(ErrorCode.INVALID_REQUEST,
                                               f"a request has 3 frames [id, name, payload], got {len(frames) - 1}"))
                 self._sock.send_multipart([frames[0], frames[1], codec.ERR, err], zmq.NOBLOCK)
             return

@@ -9,7 +9,7 @@ peer's identity in front. A reply is ``[request_id, status, payload]`` where ``s
 from __future__ import annotations
 
 import struct
-from functools import lru_cache
+from functools import cache
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -31,7 +31,7 @@ def encode(obj: Any) -> bytes:
     return _ENCODER.encode(obj)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _decoder(tp: Any) -> msgspec.msgpack.Decoder[Any]:
     return msgspec.msgpack.Decoder(tp)
 
@@ -39,7 +39,8 @@ def _decoder(tp: Any) -> msgspec.msgpack.Decoder[Any]:
 def decode(data: bytes | memoryview, tp: type[S]) -> S:
     """Decode ``data`` as ``tp``; raises :class:`msgspec.ValidationError` or
     :class:`msgspec.DecodeError` (callers turn those into typed errors)."""
-    return _decoder(tp).decode(data)
+    decoder: msgspec.msgpack.Decoder[S] = _decoder(tp)  # type: ignore[arg-type]  # a type is hashable
+    return decoder.decode(data)
 
 
 ERROR_DECODER: Final = msgspec.msgpack.Decoder(ErrorReply)

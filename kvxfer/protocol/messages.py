@@ -11,6 +11,8 @@ never sees token ids or salts.
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 import msgspec
 
 PROTOCOL_VERSION = 1
@@ -28,10 +30,18 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """Base of every wire payload."""
 
 
+ReplyT = TypeVar("ReplyT", bound=Message, covariant=True)
+
+
+class Request(Message, Generic[ReplyT], frozen=True):
+    """Base of every request payload: ``Request[R]`` is answered with an ``R`` (the request
+    table, :data:`kvxfer.protocol.REQUESTS`, names each and is checked against these)."""
+
+
 # --------------------------------------------------------------------------- handshake, ping
 
 
-class Handshake(Message, frozen=True):
+class Handshake(Request["HandshakeReply"], frozen=True):
     """First request of every connection. Refused with ``version_mismatch`` when
     ``protocol_version`` differs from the server's."""
 
@@ -59,7 +69,7 @@ class HandshakeReply(Message, frozen=True):
     max_message_size: int
 
 
-class Ping(Message, frozen=True):
+class Ping(Request["Pong"], frozen=True):
     pass
 
 
@@ -109,7 +119,7 @@ class Registration(Message, frozen=True, kw_only=True):
     page: str = ""
 
 
-class Register(Message, frozen=True):
+class Register(Request["RegisterReply"], frozen=True):
     """Register one KV cache through ``transport``; ``registration`` is that transport's
     :class:`Registration` subclass, encoded, decoded by the server with the plugin's type."""
 
@@ -123,14 +133,14 @@ class RegisterReply(Message, frozen=True):
     chunk_bytes: int
 
 
-class Unregister(Message, frozen=True):
+class Unregister(Request[Empty], frozen=True):
     instance_id: int
 
 
 # --------------------------------------------------------------------------- lookup, leases
 
 
-class Lookup(Message, frozen=True):
+class Lookup(Request["LookupReply"], frozen=True):
     """How many leading chunks of ``hashes`` are present for every rank of ``world_size``.
 
     With ``lease_s > 0`` the hits are kept from eviction for that long, or until a read that
@@ -148,7 +158,7 @@ class LookupReply(Message, frozen=True):
     lease_id: int = 0
 
 
-class ReleaseLease(Message, frozen=True):
+class ReleaseLease(Request[Empty], frozen=True):
     lease_id: int
 
 
@@ -162,7 +172,7 @@ class Slot(Message, frozen=True, array_like=True):
     offset: int
 
 
-class ReserveWrite(Message, frozen=True):
+class ReserveWrite(Request["ReserveWriteReply"], frozen=True):
     """Reserve arena slots for the chunks of ``hashes`` that the server lacks."""
 
     instance_id: int
@@ -179,7 +189,7 @@ class ReserveWriteReply(Message, frozen=True):
     no_space: list[int]
 
 
-class CommitWrite(Message, frozen=True):
+class CommitWrite(Request["StoreResult"], frozen=True):
     """The slots of a write reservation are filled, except ``failed`` (indices), which are
     dropped."""
 
@@ -188,7 +198,7 @@ class CommitWrite(Message, frozen=True):
     failed: list[int] = []
 
 
-class ReserveRead(Message, frozen=True):
+class ReserveRead(Request["ReserveReadReply"], frozen=True):
     """Pin the chunks of ``hashes`` for reading; those missing are reported, not errors."""
 
     instance_id: int
@@ -202,7 +212,7 @@ class ReserveReadReply(Message, frozen=True):
     missing: list[int]
 
 
-class CommitRead(Message, frozen=True):
+class CommitRead(Request[Empty], frozen=True):
     """The slots of a read reservation have been copied out; unpin them."""
 
     instance_id: int
@@ -212,7 +222,7 @@ class CommitRead(Message, frozen=True):
 # --------------------------------------------------------------------------- server-driven path
 
 
-class Store(Message, frozen=True):
+class Store(Request["StoreResult"], frozen=True):
     """Server-driven store: the server copies ``block_ids`` of the instance's registered
     memory into the arena. ``params`` is the transport's per-request Struct (or empty)."""
 
@@ -222,7 +232,7 @@ class Store(Message, frozen=True):
     params: msgspec.Raw = NO_PARAMS
 
 
-class Retrieve(Message, frozen=True):
+class Retrieve(Request["RetrieveResult"], frozen=True):
     """Server-driven retrieve into ``block_ids``, skipping the first
     ``skip_first_n_tokens`` tokens (a multiple of the block size)."""
 
@@ -303,7 +313,7 @@ class TransportStatus(Message, frozen=True):
     state: dict[str, str] = {}
 
 
-class StatusRequest(Message, frozen=True):
+class StatusRequest(Request["StatusReply"], frozen=True):
     pass
 
 
@@ -330,7 +340,7 @@ class StatusReply(Message, frozen=True):
     sections: dict[str, dict[str, str]] = {}
 
 
-class Clear(Message, frozen=True):
+class Clear(Request["ClearReply"], frozen=True):
     """Drop every chunk (of ``model_name`` only, when given) that is not in use."""
 
     model_name: str = ""

@@ -1,7 +1,11 @@
 """The request table: each request's name, payload type, reply type and handler kind.
 
 This is the whole wire surface of the server. ``docs/protocol.md`` documents it and a test
-checks that the two agree.
+checks that the two agree. The kind drives the server's dispatch: a control handler answers
+inline on the loop, a transfer handler's slow part runs on the instance's worker thread.
+:func:`spec_of` finds a payload's entry, so a client sends ``submit(payload)`` and gets a
+future of the reply type that the payload's class names (``Lookup`` is a
+``Request[LookupReply]``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import msgspec
 
 from kvxfer.protocol import messages as m
 
-__all__ = ["HandlerKind", "RequestSpec", "REQUESTS"]
+__all__ = ["HandlerKind", "RequestSpec", "REQUESTS", "spec_of"]
 
 
 class HandlerKind(enum.Enum):
@@ -67,4 +71,14 @@ REQUESTS: Final[dict[str, RequestSpec]] = _specs(
 )
 
 del C, T
+
+_BY_PAYLOAD: Final[dict[type[msgspec.Struct], RequestSpec]] = {s.payload: s for s in REQUESTS.values()}
+
+
+def spec_of(payload: msgspec.Struct) -> RequestSpec:
+    """The table entry of ``payload``'s request; ValueError for a Struct that is no request."""
+    try:
+        return _BY_PAYLOAD[type(payload)]
+    except KeyError:
+        raise ValueError(f"{type(payload).__name__} is not a request payload of the kvxfer protocol") from None
 

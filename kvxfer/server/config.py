@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvxfer.arena import DEFAULT_SHM_DIR
 from kvxfer.errors import ConfigError
 from kvxfer.mq.server import CurveServerKeys
-from kvxfer.server.arena import DEFAULT_SHM_DIR
 from kvxfer.urls import default_url
 
 __all__ = ["ServerConfig"]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvxfer.layout import KVLayout, dtype_name
 from kvxfer.protocol.messages import ContextStatus
 from kvxfer.server.index import ChunkKey
-from kvxfer.transport.base import ServerContext
+from kvxfer.transport.contract import ServerContext
 
 __all__ = ["RegisteredContext", "ChunkDescription"]
 
@@ -26,7 +27,8 @@ class ChunkDescription:
 @dataclass(eq=False)
 class RegisteredContext:
     """One registered KV cache. Owned by the loop thread except ``server_context``'s copies,
-    which run on ``executor`` (one thread: the instance's transfers stay in order)."""
+    which run on ``executor`` (one thread: the instance's transfers stay in order).
+    ``server_context`` is None for client-driven transports (the core serves the arena)."""
 
     instance_id: int
     model_name: str
@@ -34,7 +36,7 @@ class RegisteredContext:
     rank: int
     layout: KVLayout
     transport: str
-    server_context: ServerContext
+    server_context: ServerContext[Any, Any] | None
     session: bytes
     client_pid: int
     chunk_size: int

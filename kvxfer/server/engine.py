@@ -16,20 +16,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgspec
 
 import kvxfer
 from kvxfer import liveness
+from kvxfer.arena import Arena
+from kvxfer.copies import MAX_CHUNKS_PER_REQUEST, check_transfer, plan_copies
 from kvxfer.errors import (
     ConfigError,
+    ErrorCode,
     InvalidRequest,
     KvxferError,
     LayoutError,
     NoSession,
     RemoteError,
     TransportError,
+    TransportFailed,
     UnknownInstance,
     UnknownRequest,
     VersionMismatch,
@@ -38,15 +42,15 @@ from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 from kvxfer.mq.server import MQServer
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
-from kvxfer.protocol.table import REQUESTS
-from kvxfer.server.arena import Arena, format_bytes
+from kvxfer.protocol.table import REQUESTS, HandlerKind
 from kvxfer.server.config import ServerConfig
 from kvxfer.server.context import RegisteredContext
+from kvxfer.server.hooks import HookRelay
 from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
 from kvxfer.transport import registry
-from kvxfer.transport.base import ServerTransport, Style, Transport
-from kvxfer.transport.datapath import MAX_CHUNKS_PER_REQUEST, check_transfer, plan_copies
-from kvxfer.transport.hooks import HookRelay
+from kvxfer.transport._context import guarded, plugin_step
+from kvxfer.transport.contract import ServerContext, ServerTransport, Style, Transport
+from kvxfer.units import format_bytes
 
 __all__ = ["CacheServer", "validate_registration"]
 
@@ -73,18 +77,32 @@ class LoadedTransport:
 
 
 class _Deferred:
-    """A handler's answer when the reply comes later, from the loop, after worker ``work``."""
+    """A transfer handler's answer: ``work`` runs on the instance's worker (``executor``), then
+    ``finish(future)`` on the loop makes the reply. ``transport`` names whose code ``work`` runs
+    (for the error boundary around a waiter it returns)."""
 
-    __slots__ = ("executor", "work", "finish")
+    __slots__ = ("executor", "work", "finish", "transport")
 
-    def __init__(self, executor: ThreadPoolExecutor, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct]):
+    def __init__(self, executor: ThreadPoolExecutor, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct],
+                 transport: str = "") -> None:
         self.executor = executor
         self.work = work
         self.finish = finish
+        self.transport = transport
 
 
 def _invalid(field_name: str, message: str) -> InvalidRequest:
     return InvalidRequest(f"{field_name}: {message}")
+
+
+def plugin_step_call(transport: str, step: str, call: Callable[[], Any]) -> Any:
+    """``call()`` (plugin code of ``transport``) behind the core's error boundary, logging what it raised."""
+    try:
+        with plugin_step(transport, step):
+            return call()
+    except TransportFailed:
+        log.exception("%s", step)
+        return None
 
 
 def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int) -> KVLayout:
@@ -171,20 +189,27 @@ class CacheServer:
             self._close_transports()
             self.arena.close()
             raise
-        self._handlers: dict[str, Callable[[Session, Any], msgspec.Struct | _Deferred]] = {
-            name: getattr(self, f"_on_{name}") for name in REQUESTS if name != "handshake"
+        #: The request table's kind picks the table a handler is in, and how its answer is sent.
+        self._control: dict[str, Callable[[Session, Any], msgspec.Struct]] = {
+            name: getattr(self, f"_on_{name}") for name, spec in REQUESTS.items()
+            if spec.kind is HandlerKind.CONTROL and name != "handshake"
+        }
+        self._transfer: dict[str, Callable[[Session, Any], _Deferred]] = {
+            name: getattr(self, f"_on_{name}") for name, spec in REQUESTS.items() if spec.kind is HandlerKind.TRANSFER
         }
 
     # ------------------------------------------------------------------ set-up
 
     def _load_transports(self) -> None:
         explicit = self.config.transports is not None
-        names = list(self.config.transports) if explicit else registry.installed_names()
+        names = list(self.config.transports or ()) if explicit else registry.installed_names()
         for name in names:
             try:
                 transport = registry.get_transport(name)
-                st = transport.server_transport()
-                st.start(self.arena)
+                with plugin_step(name, "server_transport"):
+                    st = transport.server_transport()
+                with plugin_step(name, "start"):
+                    st.start(self.arena)
             except (TransportError, Exception) as exc:
                 if explicit:
                     raise
@@ -201,8 +226,9 @@ class CacheServer:
     def _close_transports(self) -> None:
         for lt in self.transports.values():
             try:
-                lt.server.close()
-            except Exception:
+                with plugin_step(lt.transport.name, "close"):
+                    lt.server.close()
+            except TransportFailed:
                 log.exception("closing transport %s failed", lt.transport.name)
 
     @property
@@ -250,31 +276,36 @@ class CacheServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
             if name == "handshake":
-                return codec.OK, codec.encode(self._on_handshake(identity, msg))
+                return codec.OK, codec.encode(self._on_handshake(identity, cast(m.Handshake, msg)))
             session = self.sessions.get(identity)
             if session is None:
                 raise NoSession("this connection has no session (the server may have restarted): "
                                 "send a handshake first")
             session.last_seen = time.monotonic()
-            out = self._handlers[name](session, msg)
-        except Exception as exc:
+            if spec.kind is HandlerKind.TRANSFER:
+                self._run_deferred(identity, rid, name, self._transfer[name](session, msg))
+                return None
+            out = self._control[name](session, msg)
+        except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
             return self._error(name, exc)
-        if isinstance(out, _Deferred):
-            self._run_deferred(identity, rid, name, out)
-            return None
         return codec.OK, codec.encode(out)
 
     def _error(self, name: str, exc: BaseException) -> tuple[bytes, bytes]:
         self.errors += 1
+        code: ErrorCode
         if isinstance(exc, RemoteError):
             code, msg = exc.code, exc.message
+        elif isinstance(exc, TransportFailed):  # the plugin's own failure: the boundary named it
+            log.error("%s: %s", name, exc, exc_info=exc.__cause__)
+            code, msg = ErrorCode.INTERNAL, f"{exc} (see the server log)"
         elif isinstance(exc, (ConfigError, ValueError)):
-            code, msg = InvalidRequest.code, str(exc)
+            code, msg = ErrorCode.INVALID_REQUEST, str(exc)
         elif isinstance(exc, KvxferError):
-            code, msg = InvalidRequest.code, f"{type(exc).__name__}: {exc}"
+            code, msg = ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}"
         else:
             log.exception("handler of %r raised", name)
-            code, msg = "internal", f"{name} failed in the server: {type(exc).__name__}: {exc} (see the server log)"
+            code = ErrorCode.INTERNAL
+            msg = f"{name} failed in the server: {type(exc).__name__}: {exc} (see the server log)"
         return codec.ERR, codec.encode(m.ErrorReply(code, msg))
 
     def _run_deferred(self, identity: bytes, rid: bytes, name: str, d: _Deferred) -> None:
@@ -285,14 +316,14 @@ class CacheServer:
             try:
                 reply = d.finish(fut)
                 out = codec.OK, codec.encode(reply)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (the deferred reply carries whatever failed)
                 out = self._error(name, exc)
             self._mq.send(identity, rid, *out)
 
         def worked(fut: Future[Any]) -> None:
             waiter = fut.result() if fut.exception() is None else None
             if callable(waiter):  # the copy is queued: wait for it off the instance's worker
-                self._waiters.submit(waiter).add_done_callback(done)
+                self._waiters.submit(guarded(waiter, d.transport, f"{name} (waiter)")).add_done_callback(done)
             else:
                 done(fut)
 
@@ -300,6 +331,14 @@ class CacheServer:
             d.executor.submit(d.work).add_done_callback(worked)
         except RuntimeError as exc:  # executor shut down: the context is being dropped
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
+
+    @staticmethod
+    def _plugin(ctx: RegisteredContext, step: str, call: Callable[[], Any]) -> Callable[[], Any]:
+        """``call`` (plugin code of ``ctx``'s transport) behind the core's error boundary."""
+        def run() -> Any:
+            with plugin_step(ctx.transport, step):
+                return call()
+        return run
 
     # ------------------------------------------------------------------ sessions
 
@@ -371,9 +410,14 @@ class CacheServer:
                             "until it exits", park_writes, len(res.entries))
             else:
                 self.index.abort(res)
-        ctx.executor.submit(ctx.server_context.close)
+        ctx.executor.submit(self._close_server_context, ctx)
         ctx.executor.shutdown(wait=wait)
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
+
+    @staticmethod
+    def _close_server_context(ctx: RegisteredContext) -> None:
+        if ctx.server_context is not None:
+            plugin_step_call(ctx.transport, "close", ctx.server_context.close)
 
     def _context(self, session: Session, instance_id: int) -> RegisteredContext:
         ctx = self.contexts.get(instance_id)
@@ -397,7 +441,8 @@ class CacheServer:
         try:
             reg = codec.decode(msg.registration, lt.transport.registration_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise _invalid("registration", f"does not decode as {lt.transport.registration_type.__name__}: {exc}") from None
+            wanted = lt.transport.registration_type.__name__
+            raise _invalid("registration", f"does not decode as {wanted}: {exc}") from None
         layout = validate_registration(reg, self.config.chunk_size, self.arena.size)
         if reg.instance_id in self.contexts:
             raise _invalid("instance_id", f"{reg.instance_id} is already registered")
@@ -410,7 +455,8 @@ class CacheServer:
                 executor.shutdown(wait=False)
                 raise
             if self.sessions.get(session.identity) is not session or reg.instance_id in self.contexts:
-                executor.submit(server_context.close)
+                if server_context is not None:
+                    executor.submit(plugin_step_call, msg.transport, "close", server_context.close)
                 executor.shutdown(wait=False)
                 raise UnknownInstance("the session ended or the id was taken while registering")
             ctx = RegisteredContext(
@@ -424,12 +470,21 @@ class CacheServer:
             self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
             return m.RegisterReply(ctx.instance_id, ctx.chunk.nbytes)
 
-        return _Deferred(executor, lambda: lt.server.open(reg, layout), finish)
+        def open_() -> ServerContext[Any, Any] | None:
+            with plugin_step(msg.transport, "open"):
+                return lt.server.open(reg, layout)
 
-    def _on_unregister(self, session: Session, msg: m.Unregister) -> m.Empty:
+        return _Deferred(executor, open_, finish, msg.transport)
+
+    def _on_unregister(self, session: Session, msg: m.Unregister) -> _Deferred:
         ctx = self._context(session, msg.instance_id)
-        self._drop_context(ctx, "unregister")
-        return m.Empty()
+
+        def finish(fut: Future[Any]) -> m.Empty:  # after the transfers queued before it
+            if self.contexts.get(ctx.instance_id) is ctx:
+                self._drop_context(ctx, "unregister")
+            return m.Empty()
+
+        return _Deferred(ctx.executor, lambda: None, finish, ctx.transport)
 
     def _on_lookup(self, session: Session, msg: m.Lookup) -> m.LookupReply:
         if msg.world_size <= 0:
@@ -441,7 +496,8 @@ class CacheServer:
         self.lookup_hits += hits
         lease_id = 0
         if msg.lease_s > 0 and hits:
-            lease_id = self.index.lease(msg.model_name, msg.world_size, msg.hashes[:hits], min(msg.lease_s, MAX_LEASE_S))
+            lease_s = min(msg.lease_s, MAX_LEASE_S)
+            lease_id = self.index.lease(msg.model_name, msg.world_size, msg.hashes[:hits], lease_s)
         return m.LookupReply(hits, lease_id)
 
     def _on_release_lease(self, session: Session, msg: m.ReleaseLease) -> m.Empty:
@@ -517,7 +573,7 @@ class CacheServer:
         return ctx
 
     def _params(self, ctx: RegisteredContext, raw: msgspec.Raw) -> Any:
-        tp = ctx.server_context.params_type
+        tp = ctx.server_context.params_type if ctx.server_context is not None else None
         if tp is None:
             return None
         if bytes(raw) in (b"", b"\xc0"):  # no params sent: the transport's defaults
@@ -549,8 +605,10 @@ class CacheServer:
             out = self._commit_write(ctx, res, [])
             return m.StoreResult(out.stored, present, sorted(no_space))
 
-        work = (lambda: ctx.server_context.store(copies, params)) if copies else (lambda: None)
-        return _Deferred(ctx.executor, work, finish)
+        server_context = ctx.server_context
+        assert server_context is not None  # server-driven: checked above
+        work = self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies else (lambda: None)
+        return _Deferred(ctx.executor, work, finish, ctx.transport)
 
     def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred:
         ctx = self._server_driven(session, msg.instance_id)
@@ -574,8 +632,11 @@ class CacheServer:
             fut.result()
             return m.RetrieveResult([i for i in range(len(msg.hashes)) if i not in lost], sorted(lost))
 
-        work = (lambda: ctx.server_context.retrieve(copies, params)) if copies else (lambda: None)
-        return _Deferred(ctx.executor, work, finish)
+        server_context = ctx.server_context
+        assert server_context is not None  # server-driven: checked above
+        work = (self._plugin(ctx, "retrieve", lambda: server_context.retrieve(copies, params)) if copies
+                else (lambda: None))
+        return _Deferred(ctx.executor, work, finish, ctx.transport)
 
     # ------------------------------------------------------------------ status, clear
 
@@ -596,7 +657,7 @@ class CacheServer:
         for name, lt in sorted(self.transports.items()):
             try:
                 state = {str(k): str(v) for k, v in lt.server.status().items()}
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (a status() that raises is reported, not fatal)
                 state = {"error": f"{type(exc).__name__}: {exc}"}
             transports.append(m.TransportStatus(
                 name, lt.transport.style.value, sum(c.transport == name for c in self.contexts.values()), state))

@@ -20,7 +20,7 @@ from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
 from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
-from kvxfer.transport.base import Capabilities, InstanceIdentity, TransferContext, Transport
+from kvxfer.transport.contract import Capabilities, InstanceIdentity, TransferContext, Transport
 
 __all__ = ["Kit", "REFERENCE", "LAYOUTS", "DTYPES", "CHUNK_SIZE", "BLOCK_SIZE", "TIMEOUT"]
 
@@ -173,7 +173,7 @@ class Kit:
         for ctx in reversed(self._contexts):
             try:
                 ctx.close()
-            except Exception as exc:  # report after closing everything else
+            except Exception as exc:  # noqa: BLE001  (report after closing everything else)
                 errors.append(exc)
         for c in self._clients:
             c.close()

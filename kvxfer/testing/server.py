@@ -60,7 +60,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         from kvxfer.client import CacheClient
 
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the server's life; closed in stop())
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.start_timeout
         while True:
@@ -69,10 +69,11 @@ class ServerProcess:
             try:
                 CacheClient(self.url, connect_timeout=0.5).close()
                 return self
-            except ConnectionFailed:
+            except ConnectionFailed as exc:
                 if time.monotonic() > deadline:
                     self.kill()
-                    raise RuntimeError(f"kvxfer server did not answer within {self.start_timeout} s:\n{self.log()}")
+                    raise RuntimeError(
+                        f"kvxfer server did not answer within {self.start_timeout} s:\n{self.log()}") from exc
 
     def log(self) -> str:
         try:

@@ -1,39 +1,37 @@
-"""The plugin contract, for transport authors. Import from here, not from submodules.
+"""The plugin contract, for transport authors: import from here (the names are those of
+:mod:`kvxfer.transport.contract`, plus the layout helpers copy code uses and the registry).
 
 See docs/plugin-authoring.md for the walk-through.
 """
 
+from kvxfer.arena import Arena, ArenaMapping
 from kvxfer.layout import KVLayout, LayoutKind, copy_dtype, copy_view
 from kvxfer.protocol.messages import Registration, RetrieveResult, StoreResult
-from kvxfer.server.arena import Arena, ArenaMapping
-from kvxfer.transport.base import (
+from kvxfer.transport.contract import (
     API_VERSION,
     Capabilities,
+    ClientDrivenContext,
     Connection,
     InstanceIdentity,
     Probe,
     RowCopy,
     ServerContext,
+    ServerDrivenContext,
     ServerTransport,
     Style,
+    Transfer,
     TransferContext,
+    TransferContextBase,
+    TransferKind,
     Transport,
     Waiter,
 )
-from kvxfer.transport.datapath import (
-    ArenaServerTransport,
-    ClientDrivenContext,
-    ServerDrivenContext,
-    TransferContextBase,
-)
-from kvxfer.transport.hooks import hookimpl
 from kvxfer.transport.registry import get_transport, list_plugins, select
 
 __all__ = [
     "API_VERSION",
     "Arena",
     "ArenaMapping",
-    "ArenaServerTransport",
     "Capabilities",
     "ClientDrivenContext",
     "Connection",
@@ -49,14 +47,15 @@ __all__ = [
     "ServerTransport",
     "StoreResult",
     "Style",
+    "Transfer",
     "TransferContext",
     "TransferContextBase",
+    "TransferKind",
     "Transport",
     "Waiter",
     "copy_dtype",
     "copy_view",
     "get_transport",
-    "hookimpl",
     "list_plugins",
     "select",
 ]

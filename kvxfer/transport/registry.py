@@ -8,18 +8,19 @@ raises :class:`TransportNotFound` listing what is installed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Final
-
-import torch
 from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, Final
 
 from stevedore import DriverManager, ExtensionManager
 
 from kvxfer.errors import TransportBroken, TransportError, TransportNotFound, TransportUnavailable
-from kvxfer.transport.base import API_VERSION, Probe, Transport
+from kvxfer.transport.contract import API_VERSION, Probe, Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NAMESPACE", "PluginInfo", "get_transport", "list_plugins", "select", "refresh"]
 
@@ -70,7 +71,8 @@ def _import(name: str) -> object:
     def fail(_mgr: object, _ep: object, exc: BaseException) -> None:
         raise exc
 
-    mgr = DriverManager(NAMESPACE, name, invoke_on_load=False, on_load_failure_callback=fail)
+
+    mgr: DriverManager[object] = DriverManager(NAMESPACE, name, invoke_on_load=False, on_load_failure_callback=fail)
     return mgr.driver
 
 
@@ -116,6 +118,10 @@ def _load(name: str) -> Transport:
             )
         if transport.name != name:
             raise TypeError(f"entry point {name!r} names a transport called {transport.name!r}")
+        wrong = transport.contract_errors()
+        if wrong:
+            raise TransportBroken(f"transport {name!r} ({_dist(ep)}) breaks the kvxfer transport contract: "
+                                  + "; ".join(wrong))
     except TransportBroken as exc:
         with _lock:
             _broken[name] = str(exc)
@@ -160,7 +166,7 @@ def list_plugins() -> list[PluginInfo]:
             continue
         try:
             probe = t.probe()
-        except Exception as exc:  # a probe must not raise; report it if it does
+        except Exception as exc:  # noqa: BLE001  (a probe must not raise; report it if it does)
             probe = Probe(False, f"probe() raised {type(exc).__name__}: {exc}")
         out.append(PluginInfo(
             **base,

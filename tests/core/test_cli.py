@@ -51,7 +51,7 @@ def test_plugins_table(capsys: pytest.CaptureFixture[str]) -> None:
     header = next(line for line in lines if line.startswith("name"))
     assert header.split() == ["name", "version", "distribution", "api", "style", "health"]
     [row] = [line for line in lines if line.startswith("cpu_gather ")]
-    assert row.split()[1:] == ["0.1.0", "kvxfer-cpu-gather", "1", "client_driven", "available"]
+    assert row.split()[1:] == ["0.1.0", "kvxfer-cpu-gather", "2", "client_driven", "available"]
     # the test-only plugin is installed only where tests/core/test_plugins.py puts it
     assert not [line for line in lines if line.startswith("test_")]
 
@@ -103,3 +103,37 @@ def test_bad_arguments(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["nonsense"])
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+TORCH_FREE = """
+import sys
+from kvxfer.cli import main
+import kvxfer
+kvxfer.CacheClient, kvxfer.chunk_hashes, kvxfer.KvxferError, kvxfer.hookimpl, kvxfer.__version__
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:  # argparse's --help
+    rc = exc.code
+assert "torch" not in sys.modules, "torch was imported"
+print("torch-free", rc)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["status"], ["status", "--json"]], ids=" ".join)
+def test_package_root_and_cli_do_not_import_torch(server, registered, args: list[str]) -> None:
+    """``import kvxfer`` and the CLI's --help and status leave torch alone (it takes about a
+    second to import): names that need it load on first use."""
+    if args[0] == "status":
+        args = [*args, "--url", server.url]
+    proc = subprocess.run([sys.executable, "-c", TORCH_FREE, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch-free 0" in proc.stdout
+    assert ("usage: kvxfer" if args == ["--help"] else "cli-model") in proc.stdout
+
+
+def test_lazy_names_still_resolve() -> None:
+    import kvxfer
+
+    assert kvxfer.KVLayout.__name__ == "KVLayout" and kvxfer.TransferContext.__name__ == "TransferContext"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        kvxfer.nope  # noqa: B018  (the access is the test)

@@ -92,5 +92,5 @@ def test_a_client_holds_its_lock_next_to_the_arena_while_it_is_open(client: Cach
 
 def test_the_server_refuses_a_token_that_is_not_one(client: CacheClient) -> None:
     with pytest.raises(InvalidRequest, match="client_token"):
-        client.request("handshake", m.Handshake(m.PROTOCOL_VERSION, "t", 1, "../../../tmp/evil"))
+        client.request(m.Handshake(m.PROTOCOL_VERSION, "t", 1, "../../../tmp/evil"))
     assert client.ping() > 0  # the session it had is untouched

@@ -47,23 +47,23 @@ def test_request_timeout_from_the_io_thread(tmp_path: Path) -> None:
     url = f"ipc://{tmp_path}/nobody.sock"
     mq = MQClient(url)
     try:
-        fut = mq.submit("ping", m.Ping(), timeout=0.2)
+        fut = mq.submit(m.Ping(), timeout=0.2)
         with pytest.raises(RequestTimeout) as info:
             fut.result(10)  # the I/O thread fails it at its deadline
         assert info.value is fut.exception(0), "result() must raise the request's own error"
         assert url in str(info.value) and "'ping'" in str(info.value)
         with pytest.raises(RequestTimeout, match="'status'"):
-            mq.request("status", m.StatusRequest(), timeout=0.2)
+            mq.request(m.StatusRequest(), timeout=0.2)
     finally:
         mq.close()
     # after close, submits fail at once instead of hanging
     with pytest.raises(ConnectionFailed, match="closed"):
-        mq.submit("ping", m.Ping()).result(1)
+        mq.submit(m.Ping()).result(1)
 
 
 def test_pending_requests_fail_when_the_client_closes(tmp_path: Path) -> None:
     mq = MQClient(f"ipc://{tmp_path}/nobody.sock")
-    futs = [mq.submit("ping", m.Ping(), timeout=60) for _ in range(5)]
+    futs = [mq.submit(m.Ping(), timeout=60) for _ in range(5)]
     mq.close()
     for f in futs:
         with pytest.raises(ConnectionFailed):
@@ -97,7 +97,7 @@ def test_submit_from_many_threads_at_once(client, stored) -> None:
                 if i % 2:
                     hits = client.lookup("msg-model", 1, hashes=stored[:k])
                 else:
-                    hits = client.submit("lookup", m.Lookup("msg-model", 1, stored[:k])).result(30).hits
+                    hits = client.submit(m.Lookup("msg-model", 1, stored[:k])).result(30).hits
                 assert hits == k, (t, i, hits, k)
         except BaseException as exc:  # noqa: BLE001  (reported below)
             errors.append(exc)
@@ -112,7 +112,7 @@ def test_submit_from_many_threads_at_once(client, stored) -> None:
 
 
 def test_many_futures_in_flight_complete_in_any_wait_order(client, stored) -> None:
-    futs = [client.submit("lookup", m.Lookup("msg-model", 1, stored[:k % 9])) for k in range(200)]
+    futs = [client.submit(m.Lookup("msg-model", 1, stored[:k % 9])) for k in range(200)]
     for k, f in reversed(list(enumerate(futs))):
         assert f.result(30).hits == k % 9
     assert all(f.done() for f in futs)
@@ -122,15 +122,15 @@ def test_callbacks_run_and_may_submit_again(client) -> None:
     second: concurrent.futures.Future[concurrent.futures.Future[m.Pong]] = concurrent.futures.Future()
 
     def again(f: concurrent.futures.Future[m.Pong]) -> None:
-        second.set_result(client.submit("ping", m.Ping()))
+        second.set_result(client.submit(m.Ping()))
 
-    client.submit("ping", m.Ping()).add_done_callback(again)
+    client.submit(m.Ping()).add_done_callback(again)
     assert second.result(10).result(10).server_time > 0
 
 
 def test_waiting_requests_and_futures_share_one_socket(client, stored) -> None:
     """A thread blocked in request() receives replies that belong to other futures too."""
-    futs = [client.submit("lookup", m.Lookup("msg-model", 1, stored[:3])) for _ in range(20)]
+    futs = [client.submit(m.Lookup("msg-model", 1, stored[:3])) for _ in range(20)]
     assert client.lookup("msg-model", 1, hashes=stored) == 8
     assert [f.result(10).hits for f in futs] == [3] * 20
 
@@ -141,7 +141,7 @@ def test_dead_server_fails_requests_with_connection_failed() -> None:
         assert c.ping() > 0
         srv.kill()
         with pytest.raises(ConnectionFailed) as info:
-            c.request("ping", m.Ping(), timeout=0.5)
+            c.request(m.Ping(), timeout=0.5)
         assert srv.url in str(info.value)
         c.close()
 
@@ -155,7 +155,7 @@ def test_close_fails_a_request_that_is_waiting(tmp_path: Path) -> None:
     def wait() -> None:
         started.set()
         try:
-            mq.request("ping", m.Ping(), timeout=60)
+            mq.request(m.Ping(), timeout=60)
         except BaseException as exc:  # noqa: BLE001  (checked below)
             outcome["exc"] = exc
 
@@ -164,7 +164,7 @@ def test_close_fails_a_request_that_is_waiting(tmp_path: Path) -> None:
     started.wait(10)
     # white box: wait until it is the receiving ("leader") thread, the case this test is about
     assert wait_until(lambda: mq._leader is not None, timeout=10)
-    others = [mq.submit("ping", m.Ping(), timeout=60) for _ in range(3)]
+    others = [mq.submit(m.Ping(), timeout=60) for _ in range(3)]
     mq.close()
     th.join(15)
     assert not th.is_alive(), "close() left a request waiting"

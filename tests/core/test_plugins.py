@@ -8,6 +8,7 @@ process (and takes it off again afterwards) so that a client here can use ``test
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -51,17 +52,17 @@ def test_plugins_json_lists_every_plugin_with_its_health(test_plugin_path: Path)
     proc = kvxfer_cmd("plugins", "--json", env=env_with(test_plugin_path))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["entry_point_group"] == "kvxfer.transports" and report["api_version"] == 1
+    assert report["entry_point_group"] == "kvxfer.transports" and report["api_version"] == 2
     by_name = {p["name"]: p for p in report["transports"]}
     loop = by_name["test_loop"]
     assert (loop["health"], loop["distribution"], loop["version"], loop["style"], loop["api_version"]) == \
-        ("available", "kvxfer-test-transport", "0.0.1", "server_driven", 1)
+        ("available", "kvxfer-test-transport", "0.0.1", "server_driven", 2)
     assert loop["target"] == "kvxfer_test_transport:LoopTransport"
     broken = by_name["test_broken"]
     assert broken["health"] == "broken" and "ImportError" in broken["detail"]
     assert "no-such-dependency" in broken["detail"] and "kvxfer-test-transport" in broken["detail"]
     old = by_name["test_oldapi"]
-    assert old["health"] == "broken" and "api_version 0" in old["detail"] and "implements 1" in old["detail"]
+    assert old["health"] == "broken" and "api_version 0" in old["detail"] and "implements 2" in old["detail"]
     nodev = by_name["test_nodevice"]
     assert nodev["health"] == "unavailable" and "no test accelerator" in nodev["detail"]
     # broken neighbours break nothing else
@@ -96,7 +97,7 @@ def test_registry_errors(on_path) -> None:
         assert name in str(info.value)
     with pytest.raises(TransportBroken, match="no-such-dependency"):
         registry.get_transport("test_broken")
-    with pytest.raises(TransportBroken, match="api_version 0, this kvxfer implements 1"):
+    with pytest.raises(TransportBroken, match="api_version 0, this kvxfer implements 2"):
         registry.get_transport("test_oldapi")
     with pytest.raises(TransportUnavailable, match="no test accelerator"):
         registry.get_transport("test_nodevice")
@@ -241,21 +242,25 @@ def test_control_requests_run_inline_while_a_transfer_runs(loop_client, tmp_path
     blocks = list(range(BLOCKS_PER_CHUNK))
     order: list[str] = []
     lock = threading.Lock()
+    release = tmp_path / "release"
+    os.mkfifo(release)
 
-    def store(i: int, delay: float):
-        params = msgspec_raw(LoopParams(delay_s=delay))
-        fut = loop_client.submit("store", m.Store(kv.instance_id, [hashes[i]], blocks, params))
+    def store(i: int, params: LoopParams):
+        fut = loop_client.submit(m.Store(kv.instance_id, [hashes[i]], blocks, msgspec_raw(params)))
         fut.add_done_callback(lambda f: (lock.acquire(), order.append(f"store{i}"), lock.release()))
         return fut
 
-    slow = store(0, 5.0)  # long enough to outlast three round trips on a loaded machine
-    fast = store(1, 0.0)  # same instance: must wait for the slow one
-    # control requests are answered while the slow store sleeps on the instance's worker
+    held = store(0, LoopParams(hold_until=str(release)))  # held at the server until we release it
+    behind = store(1, LoopParams())  # same instance: must wait for the held one
+    # control requests are answered while the held store occupies the instance's worker
     assert loop_client.ping() > 0
     assert loop_client.lookup("slow", hashes=hashes) == 0
     assert loop_client.status().sessions >= 1
-    assert not slow.done() and not fast.done()
-    assert slow.result(30).stored == [0] and fast.result(30).stored == [0]
+    assert not held.done() and not behind.done()
+    fd = os.open(release, os.O_WRONLY)  # the server's store has it open for reading
+    os.write(fd, b"x")
+    os.close(fd)
+    assert held.result(30).stored == [0] and behind.result(30).stored == [0]
     assert order == ["store0", "store1"]
     assert loop_client.lookup("slow", hashes=hashes[:2]) == 2
     kv.close()
@@ -270,14 +275,14 @@ def msgspec_raw(params: object):
 def test_a_handlers_exception_is_a_typed_error_and_the_server_keeps_serving(loop_client, tmp_path: Path) -> None:
     from kvxfer_test_transport import LoopParams
 
-    with pytest.raises(ServerInternalError, match="open\\(\\) exploded on purpose"):
+    with pytest.raises(ServerInternalError, match="transport 'test_loop' failed in open: .*exploded on purpose"):
         loop_client.register(shared_kv(tmp_path, "boom"), model_name="explode", block_size=BLOCK_SIZE,
                              transport="test_loop")
     kv = loop_client.register(shared_kv(tmp_path, "fail"), model_name="fail", block_size=BLOCK_SIZE,
                               transport="test_loop")
     kv.next_store = LoopParams(fail=True)
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="fail")
-    with pytest.raises(ServerInternalError, match="store failed on purpose"):
+    with pytest.raises(ServerInternalError, match="transport 'test_loop' failed in store: .*failed on purpose"):
         kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30)
     assert loop_client.lookup("fail", hashes=hashes) == 0  # the failed slots were dropped
     kv.next_store = LoopParams()

@@ -105,17 +105,17 @@ def mq(server):
 
 def test_handshake_with_another_version_is_refused_naming_both(mq) -> None:
     with pytest.raises(VersionMismatch) as info:
-        mq.request("handshake", m.Handshake(m.PROTOCOL_VERSION + 98))
+        mq.request(m.Handshake(m.PROTOCOL_VERSION + 98))
     msg = str(info.value)
     assert f"protocol {m.PROTOCOL_VERSION + 98}" in msg and f"speaks {m.PROTOCOL_VERSION}" in msg
     assert info.value.request == "handshake"
     # no session was opened
     with pytest.raises(NoSession, match="handshake first"):
-        mq.request("ping", m.Ping())
+        mq.request(m.Ping())
 
 
 def test_handshake_reply(mq, server) -> None:
-    reply = mq.request("handshake", m.Handshake(m.PROTOCOL_VERSION, "t", 1))
+    reply = mq.request(m.Handshake(m.PROTOCOL_VERSION, "t", 1))
     assert reply.protocol_version == m.PROTOCOL_VERSION
     assert reply.chunk_size == server.chunk_size
     assert reply.transports == ["cpu_gather"]
@@ -124,26 +124,31 @@ def test_handshake_reply(mq, server) -> None:
 
 
 def test_typed_errors_carry_the_servers_message(mq) -> None:
-    mq.request("handshake", m.Handshake(m.PROTOCOL_VERSION))
+    mq.request(m.Handshake(m.PROTOCOL_VERSION))
     with pytest.raises(UnknownInstance, match="instance 12345 is not registered"):
-        mq.request("unregister", m.Unregister(12345))
-    # a payload of the wrong type: it fails validation as the request's Struct
-    with pytest.raises(InvalidRequest, match="does not decode as Lookup"):
-        mq.request("lookup", m.Ping())
+        mq.request(m.Unregister(12345))
     with pytest.raises(InvalidRequest, match=r"hashes\[0\]"):
-        mq.request("lookup", m.Lookup("m", 1, [b"x"]))
+        mq.request(m.Lookup("m", 1, [b"x"]))
     with pytest.raises(InvalidRequest, match="world_size"):
-        mq.request("lookup", m.Lookup("m", 0, []))
+        mq.request(m.Lookup("m", 0, []))
     with pytest.raises(InvalidRequest, match="transport 'nope' is not loaded"):
-        mq.request("register", m.Register("nope", msgspec.Raw(codec.encode(m.Ping()))))
+        mq.request(m.Register("nope", msgspec.Raw(codec.encode(m.Ping()))))
     with pytest.raises(InvalidRequest, match="registration: does not decode"):
-        mq.request("register", m.Register("cpu_gather", msgspec.Raw(codec.encode(m.Ping()))))
-    assert mq.request("ping", m.Ping()).server_time > 0  # still serving
+        mq.request(m.Register("cpu_gather", msgspec.Raw(codec.encode(m.Ping()))))
+    assert mq.request(m.Ping()).server_time > 0  # still serving
 
 
-def test_unknown_request_name_through_the_client_is_refused_locally(mq) -> None:
-    with pytest.raises(ValueError, match="unknown request"):
-        mq.submit("no_such_request", m.Ping())
+def test_a_struct_that_is_no_request_is_refused_locally(mq) -> None:
+    with pytest.raises(ValueError, match="Pong is not a request payload"):
+        mq.submit(m.Pong(1.0))  # type: ignore[arg-type]  (the point: a reply is not a request)
+
+
+def test_a_payload_that_does_not_decode_as_the_named_request(raw) -> None:
+    """Only raw frames can name one request and carry another's payload: refused, naming both."""
+    raw.call(1, b"handshake", codec.encode(m.Handshake(m.PROTOCOL_VERSION)))
+    err = _error(raw.call(2, b"lookup", codec.encode(m.Ping())))
+    assert err.code == "invalid_request" and "does not decode as Lookup" in err.message
+    _assert_serving(raw)
 
 
 # --------------------------------------------------------------------------- raw frames

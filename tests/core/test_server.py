@@ -121,7 +121,7 @@ CLIENT = textwrap.dedent("""
     layers = [torch.zeros(2, 8, 16, 1, 8, dtype=torch.float16) for _ in range(2)]
     kv = c.register(layers, model_name="lost-" + mode, block_size=16, transport="cpu_gather")
     hashes = chunk_hashes(list(range(2 * 64)), 64)
-    rep = c.request("reserve_write", m.ReserveWrite(kv.instance_id, hashes))  # never committed
+    rep = c.request(m.ReserveWrite(kv.instance_id, hashes))  # never committed
     print("READY", kv.instance_id, flush=True)
     if mode == "exit":
         sys.stdin.readline()  # the test has seen the reservation
@@ -130,7 +130,7 @@ CLIENT = textwrap.dedent("""
         sys.stdin.readline()
         c.reconnect(kv)
         try:
-            c.request("commit_write", m.CommitWrite(kv.instance_id, rep.reservation_id))
+            c.request(m.CommitWrite(kv.instance_id, rep.reservation_id))
             print("COMMITTED", flush=True)
         except Exception as exc:
             print("REFUSED", type(exc).__name__, exc, flush=True)

@@ -1,7 +1,7 @@
 """Client-driven copies that return a waiter: the commit waits for it off the worker thread.
 
 A real server and a real cpu_gather context; its gather/scatter are wrapped (the real copy runs
-first) so that they return a waiter that sleeps, or fails, as a device copy still in flight
+first) so that they return a waiter that blocks, or fails, as a device copy still in flight
 would. The hpu plugin returns waiters on its staging path; the conformance kit runs it on CPU.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvxfer import CacheClient, chunk_hashes
-from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+from kvxfer import CacheClient, TransportFailed, chunk_hashes
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
 
 class CopyFailed(RuntimeError):
@@ -25,8 +25,8 @@ class CopyFailed(RuntimeError):
 def _with_waiter(ctx, name: str, wait: Callable[[], None], log: list[str] | None = None) -> None:
     copy = getattr(ctx, name)
 
-    def copy_then_wait(copies):
-        copy(copies)
+    def copy_then_wait(copies, transfer):
+        copy(copies, transfer)
         if log is not None:
             log.append(f"{name} queued")
 
@@ -53,12 +53,16 @@ def _chunk(kv: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
 def test_a_slow_waiter_delays_the_commit_not_the_next_copy(client: CacheClient) -> None:
     kv, ctx = _register(client, "waiter-slow")
     log: list[str] = []
-    _with_waiter(ctx, "gather", lambda: time.sleep(1.0), log)
+    release = threading.Event()  # the "device copy" of both stores ends only when the test says
+    _with_waiter(ctx, "gather", lambda: release.wait(30), log)
     hashes = chunk_hashes(list(range(4 * CHUNK_SIZE)), CHUNK_SIZE, salt="slow")
     first = ctx.submit_store(hashes[:2], list(range(2 * BLOCKS_PER_CHUNK)))
     second = ctx.submit_store(hashes[2:], list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)))
     dst = list(range(4 * BLOCKS_PER_CHUNK, 8 * BLOCKS_PER_CHUNK))
     back = ctx.submit_retrieve(hashes, dst)  # right away: must still see both stores
+    assert wait_until(lambda: log.count("gather queued") == 2, timeout=30, step=0.01), log  # both queued, the first still waits
+    assert not first.done() and not second.done() and not back.done()
+    release.set()
     assert first.result(30).stored == [0, 1] and second.result(30).stored == [0, 1]
     assert back.result(30).loaded == [0, 1, 2, 3]
     for c in range(4):
@@ -76,8 +80,9 @@ def test_a_failing_waiter_fails_the_store_and_stores_nothing(client: CacheClient
 
     _with_waiter(ctx, "gather", fail)
     hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="fails")
-    with pytest.raises(CopyFailed, match="device copy failed"):
+    with pytest.raises(TransportFailed, match="'cpu_gather' failed in gather \\(waiter\\): CopyFailed: device copy") as info:
         ctx.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30)
+    assert isinstance(info.value.__cause__, CopyFailed)
     assert client.lookup("waiter-fails", hashes=hashes) == 0
     assert client.status().reservations == 0
     ctx.close()
@@ -95,8 +100,9 @@ def test_a_failing_read_waiter_fails_the_retrieve_and_unpins(client: CacheClient
         raise CopyFailed("device copy failed")
 
     _with_waiter(ctx, "scatter", fail)
-    with pytest.raises(CopyFailed):
+    with pytest.raises(TransportFailed, match="failed in scatter \\(waiter\\)") as info:
         ctx.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK))).result(30)
+    assert isinstance(info.value.__cause__, CopyFailed)
     assert client.status().reservations == 0  # unpinned: the chunks can be cleared
     assert client.clear("waiter-read") == 2
     ctx.close()
@@ -114,15 +120,15 @@ def test_close_waits_for_commits_left_to_the_finisher(client: CacheClient) -> No
 
 EXIT_WITH_REQUESTS_QUEUED = """
 import sys, time
-from kvxfer import CacheClient, chunk_hashes
-from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+from kvxfer import CacheClient, TransportFailed, chunk_hashes
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 client = CacheClient(sys.argv[1], timeout=10)
 kv = flash_attn_kv(num_blocks=32)
 ctx = client.register(kv, model_name="waiter-exit", block_size=BLOCK_SIZE, transport="cpu_gather")
 copy = ctx.gather
-def slow(copies):
-    time.sleep(0.3)
-    copy(copies)
+def slow(copies, transfer):
+    time.sleep(0.3)  # a slow device copy
+    copy(copies, transfer)
     return lambda: time.sleep(0.05)
 ctx.gather = slow
 hashes = chunk_hashes(list(range(8 * CHUNK_SIZE)), CHUNK_SIZE, salt="exit")

@@ -114,7 +114,7 @@ def hold(args, write: bool) -> None:
     kv = ctx._kv
     keys = [relkit.key(args.model, args.start + j) for j in range(args.chunks)]
     if write:
-        rep = client.request("reserve_write", m.ReserveWrite(ctx.instance_id, keys))
+        rep = client.request(m.ReserveWrite(ctx.instance_id, keys))
         nbytes = shape.chunk_bytes(client.chunk_size)
         for s in rep.slots[: max(1, len(rep.slots) // 2)]:  # half written, as a copy cut short
             ctx.arena.view(s.offset, nbytes)[: nbytes // 2].fill_(0x5A)
@@ -122,7 +122,7 @@ def hold(args, write: bool) -> None:
     else:
         ids = fill(args, shape, kv, bpc, keys, 0)
         ctx.submit_store(keys, ids).result(timeout=args.timeout)
-        rep = client.request("reserve_read", m.ReserveRead(ctx.instance_id, keys))
+        rep = client.request(m.ReserveRead(ctx.instance_id, keys))
         emit("held", reservation_id=rep.reservation_id, slots=len(rep.slots), instance_id=ctx.instance_id)
     while True:
         time.sleep(3600)
@@ -138,12 +138,12 @@ def freeze(args, write: bool) -> None:
     name = "gather" if write else "scatter"
     copy = getattr(ctx, name)
 
-    def frozen_copy(copies):  # the real copy, after a freeze the test ends with SIGCONT
+    def frozen_copy(copies, transfer):  # the real copy, after a freeze the test ends with SIGCONT
         emit("freezing")
         # directed at this thread, so that it stops before the next line (a process-directed
         # SIGSTOP may be taken by another thread while this one runs on for a moment)
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-        return copy(copies)  # and its waiter, if any
+        return copy(copies, transfer)  # and its waiter, if any
 
     setattr(ctx, name, frozen_copy)
     base = args.chunks * bpc

@@ -10,7 +10,8 @@ import torch
 from relkit import Writer, expected, key
 
 from kvxfer.protocol import messages as m
-from kvxfer.transport.datapath import plan_copies
+from kvxfer.copies import plan_copies
+from kvxfer.transport import Transfer
 
 CAPACITY = 16
 
@@ -67,10 +68,10 @@ def test_chunks_being_read_or_written_are_never_evicted(small_server, client_of)
     reading = keys("reading", 4)
     w.store(reading)
     iid = w.ctx.instance_id
-    rd = w.client.request("reserve_read", m.ReserveRead(iid, reading))
+    rd = w.client.request(m.ReserveRead(iid, reading))
     assert len(rd.slots) == 4
     writing = keys("writing", 4)
-    wr = w.client.request("reserve_write", m.ReserveWrite(iid, writing))
+    wr = w.client.request(m.ReserveWrite(iid, writing))
     assert len(wr.slots) == 4
     # fill the write slots as a transport would, from blocks 40..43
     blocks = list(range(40, 44))
@@ -79,16 +80,17 @@ def test_chunks_being_read_or_written_are_never_evicted(small_server, client_of)
         for layer, b in zip(w.kv, bits):
             layer.view(torch.int16)[:, blocks[j]:blocks[j] + 1] = b
     nbytes = w.shape.chunk_bytes(w.client.chunk_size)
-    w.ctx.gather(plan_copies(w.ctx.layout, w.client.chunk_size, torch.tensor(blocks),
-                             [(s.index, w.ctx.arena.view(s.offset, nbytes)) for s in wr.slots]))
+    copies = plan_copies(w.ctx.layout, w.client.chunk_size, torch.tensor(blocks),
+                         [(s.index, w.ctx.arena.view(s.offset, nbytes)) for s in wr.slots])
+    w.ctx.gather(copies, Transfer("store", writing, torch.tensor(blocks)))
 
     for n in range(10):  # churn: 40 chunks through an arena with 8 free slots
         res = w.store(keys(f"churn{n}", 4))
         assert res.stored == [0, 1, 2, 3]
     assert w.client.status().arena.evictions >= 32
 
-    w.client.request("commit_read", m.CommitRead(iid, rd.reservation_id))
-    done = w.client.request("commit_write", m.CommitWrite(iid, wr.reservation_id))
+    w.client.request(m.CommitRead(iid, rd.reservation_id))
+    done = w.client.request(m.CommitWrite(iid, wr.reservation_id))
     assert sorted(done.stored) == [0, 1, 2, 3]
     res, bad = w.retrieve(reading + writing)
     assert res.loaded == list(range(8)) and bad == [], "a pinned chunk was evicted or overwritten"

@@ -241,7 +241,7 @@ def test_first_request_after_a_long_outage_reaches_the_restarted_server(client_o
         time.sleep(client._mq.dead_after_s + 1.0)  # longer than the client tolerates silence
         server.start()
         with pytest.raises(NoSession):
-            client.submit("ping", m.Ping(), timeout=10.0).result(15.0)
+            client.submit(m.Ping(), timeout=10.0).result(15.0)
         client.reconnect()
         assert client.lookup("m", hashes=[key("m", 0)]) == 0
         client.close()

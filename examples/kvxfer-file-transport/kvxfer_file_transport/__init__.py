@@ -11,7 +11,9 @@ debugging, and it shows the *server-driven* style with per-request parameters:
 It imports only ``kvxfer`` and ``kvxfer.transport``, like any third-party plugin must.
 """
 
-from kvxfer_file_transport.transport import FileContext, FileParams, FileRegistration, FileTransport
+from importlib.metadata import version
 
-__all__ = ["FileTransport", "FileContext", "FileParams", "FileRegistration"]
-__version__ = "0.1.0"
+from kvxfer_file_transport.transport import FileContext, FileParams, FileRegistration, FileServerContext, FileTransport
+
+__all__ = ["FileTransport", "FileContext", "FileServerContext", "FileParams", "FileRegistration"]
+__version__ = version("kvxfer-file-transport")  # defined once, in pyproject.toml

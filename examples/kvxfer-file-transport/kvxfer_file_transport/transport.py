@@ -6,7 +6,7 @@ import itertools
 import os
 import shutil
 import tempfile
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 import torch
@@ -15,21 +15,18 @@ from kvxfer import ConfigError, RetrieveResult
 from kvxfer.transport import (
     API_VERSION,
     Capabilities,
-    Connection,
-    InstanceIdentity,
     KVLayout,
     Probe,
     Registration,
     RowCopy,
     ServerContext,
     ServerDrivenContext,
-    ServerTransport,
-    Style,
+    Transfer,
     Transport,
 )
-from kvxfer_file_transport.spool import check_name, check_private_dir, read_file, write_file
+from kvxfer_file_transport.spool import check_private_dir, read_file, write_file
 
-__all__ = ["FileTransport", "FileContext", "FileRegistration", "FileParams"]
+__all__ = ["FileTransport", "FileContext", "FileServerContext", "FileRegistration", "FileParams"]
 
 #: Where clients make their spool directories (default: the system's temporary directory).
 SPOOL_ENV = "KVXFER_FILE_SPOOL"
@@ -48,24 +45,15 @@ class FileParams(msgspec.Struct, frozen=True):
     rows: list[int]
 
 
-# --------------------------------------------------------------------------- client side
+class FileContext(ServerDrivenContext[FileParams]):
+    """Client half: stage a store's rows in a file, place a retrieve's rows from one. Up to
+    ``max_in_flight`` requests are at the server at once, each with its own file."""
 
-
-class FileContext(ServerDrivenContext):
-    """Client half: stage rows in a file before a store, place them after a retrieve.
-
-    Up to ``max_in_flight`` requests are at the server at once, each with its own spool file
-    (the core sends the next request while a reply travels back); a request's file is deleted
-    once it is finished (:meth:`release_params`).
-    """
-
-    registration_type: ClassVar[type[Registration]] = FileRegistration
-    max_in_flight: ClassVar[int] = 2
+    max_in_flight = 2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        base = os.environ.get(SPOOL_ENV) or None
-        self.spool_dir = tempfile.mkdtemp(prefix="kvxfer-file-", dir=base)  # created 0700
+        self.spool_dir = tempfile.mkdtemp(prefix="kvxfer-file-", dir=os.environ.get(SPOOL_ENV) or None)  # 0700
         self._dir_fd = check_private_dir(self.spool_dir)
         self._rows = [self.layout.row_view(t) for t in self.layers]
         self._names = itertools.count()
@@ -73,125 +61,90 @@ class FileContext(ServerDrivenContext):
     def registration_extra(self) -> dict[str, Any]:
         return {"spool_dir": self.spool_dir}
 
-    def _new_file(self) -> str:
-        return f"transfer-{next(self._names)}"
-
-    def prepare_store(self, keys: list[bytes], blocks: torch.Tensor) -> FileParams:
-        rows = self.layout.rows(blocks)
-        name = self._new_file()
-        write_file(self._dir_fd, name, torch.stack([layer.index_select(0, rows) for layer in self._rows]))
+    def prepare(self, transfer: Transfer) -> FileParams:
+        name = f"transfer-{next(self._names)}"
+        rows = self.layout.rows(transfer.blocks[transfer.skip_blocks:])
+        if transfer.kind == "store":
+            write_file(self._dir_fd, name, torch.stack([layer.index_select(0, rows) for layer in self._rows]))
         return FileParams(name, rows.tolist())
 
-    def prepare_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int) -> FileParams:
-        return FileParams(self._new_file(), self.layout.rows(blocks[skip_blocks:]).tolist())
+    def finish_retrieve(self, transfer: Transfer, params: FileParams | None, result: RetrieveResult) -> None:
+        assert params is not None  # prepare() always makes them
+        bpc, blocks = self.blocks_per_chunk, transfer.blocks
+        loaded = torch.zeros(blocks.numel(), dtype=torch.bool)
+        for i in result.loaded:
+            loaded[i * bpc:(i + 1) * bpc] = True
+        loaded[:transfer.skip_blocks] = False
+        if loaded.any():
+            data = _read(self._dir_fd, params, self.layout)
+            want = self.layout.rows(blocks[loaded])
+            pos = _positions(params.rows, want, self.layout)
+            for layer, staged in zip(self._rows, data):
+                layer.index_put_((want,), staged.index_select(0, pos))
 
-    def release_params(self, params: msgspec.Struct | None) -> None:
-        if isinstance(params, FileParams):
+    def release_params(self, transfer: Transfer, params: FileParams | None) -> None:
+        if params is not None:
             try:
                 os.unlink(params.file, dir_fd=self._dir_fd)
             except FileNotFoundError:
                 pass  # a retrieve that loaded nothing leaves no file
-
-    def finish_retrieve(self, params: msgspec.Struct | None, result: RetrieveResult, blocks: torch.Tensor,
-                        skip_blocks: int) -> None:
-        assert isinstance(params, FileParams)
-        bpc = self.blocks_per_chunk
-        loaded = torch.zeros(blocks.numel(), dtype=torch.bool)
-        for i in result.loaded:
-            loaded[i * bpc:(i + 1) * bpc] = True
-        loaded[:skip_blocks] = False
-        if not loaded.any():
-            return
-        file_rows = torch.tensor(params.rows, dtype=torch.int64)
-        lay = self.layout
-        data = read_file(self._dir_fd, params.file, lay.num_layers * file_rows.numel() * lay.row_bytes)
-        data = data.view(lay.dtype).view(lay.num_layers, file_rows.numel(), lay.row_elems)
-        want = lay.rows(blocks[loaded])
-        pos = _positions(file_rows, want, lay)
-        for layer, staged in zip(self._rows, data):
-            layer.index_put_((want,), staged.index_select(0, pos))
 
     def release(self) -> None:
         os.close(self._dir_fd)
         shutil.rmtree(self.spool_dir, ignore_errors=True)
 
 
-def _positions(file_rows: torch.Tensor, rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+class FileServerContext(ServerContext[FileRegistration, FileParams]):
+    """Server half of one registration: copies between spool files and arena slots."""
+
+    def __init__(self, registration: FileRegistration, layout: KVLayout) -> None:
+        super().__init__(registration, layout)
+        self.dir_fd = check_private_dir(registration.spool_dir)
+
+    def store(self, copies: list[RowCopy], params: FileParams) -> None:
+        data = _read(self.dir_fd, params, self.layout)
+        for c in copies:
+            c.slot.copy_(data[:, _positions(params.rows, c.rows, self.layout)])
+
+    def retrieve(self, copies: list[RowCopy], params: FileParams) -> None:
+        lay = self.layout
+        data = torch.zeros(lay.num_layers, len(params.rows), lay.row_elems, dtype=lay.dtype)
+        for c in copies:
+            data[:, _positions(params.rows, c.rows, lay)] = c.slot
+        write_file(self.dir_fd, params.file, data)
+
+    def close(self) -> None:
+        os.close(self.dir_fd)
+
+
+def _read(dir_fd: int, params: FileParams, layout: KVLayout) -> torch.Tensor:
+    """The spool file of ``params`` as ``[num_layers, len(params.rows), row_elems]``."""
+    n = len(params.rows)
+    data = read_file(dir_fd, params.file, layout.num_layers * n * layout.row_bytes)
+    return data.view(layout.dtype).view(layout.num_layers, n, layout.row_elems)
+
+
+def _positions(file_rows: list[int], rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """Where each of ``rows`` sits among ``file_rows``; :class:`ConfigError` if one is absent."""
     where = torch.full((layout.span_rows,), -1, dtype=torch.int64)
-    if file_rows.numel() and (int(file_rows.min()) < 0 or int(file_rows.max()) >= where.numel()):
+    if file_rows and (min(file_rows) < 0 or max(file_rows) >= where.numel()):
         raise ConfigError(f"params.rows: row ids must be in [0, {where.numel()})")
-    where[file_rows] = torch.arange(file_rows.numel())
+    where[torch.tensor(file_rows, dtype=torch.int64)] = torch.arange(len(file_rows))
     pos = where[rows]
     if pos.numel() and int(pos.min()) < 0:
         raise ConfigError("params.rows: the spool file lacks rows that the request names")
     return pos
 
 
-# --------------------------------------------------------------------------- server side
-
-
-class FileServerContext(ServerContext):
-    """Server half of one registration: copies between spool files and arena slots."""
-
-    params_type: ClassVar[type[msgspec.Struct] | None] = FileParams
-
-    def __init__(self, dir_fd: int, layout: KVLayout) -> None:
-        self.dir_fd = dir_fd
-        self.layout = layout
-        self.files = 0
-
-    def _size(self, params: FileParams) -> int:
-        return self.layout.num_layers * len(params.rows) * self.layout.row_bytes
-
-    def store(self, copies: list[RowCopy], params: Any) -> None:
-        if not isinstance(params, FileParams):
-            raise ConfigError("params: a file_debug store needs FileParams")
-        lay = self.layout
-        rows = torch.tensor(params.rows, dtype=torch.int64)
-        data = read_file(self.dir_fd, params.file, self._size(params))
-        data = data.view(lay.dtype).view(lay.num_layers, rows.numel(), lay.row_elems)
-        for c in copies:
-            c.slot.copy_(data[:, _positions(rows, c.rows, lay)])
-        self.files += 1
-
-    def retrieve(self, copies: list[RowCopy], params: Any) -> None:
-        if not isinstance(params, FileParams):
-            raise ConfigError("params: a file_debug retrieve needs FileParams")
-        lay = self.layout
-        rows = torch.tensor(params.rows, dtype=torch.int64)
-        data = torch.zeros(lay.num_layers, rows.numel(), lay.row_elems, dtype=lay.dtype)
-        for c in copies:
-            data[:, _positions(rows, c.rows, lay)] = c.slot
-        write_file(self.dir_fd, check_name(params.file), data)
-        self.files += 1
-
-    def status(self) -> dict[str, str]:
-        return {"files": str(self.files)}
-
-    def close(self) -> None:
-        os.close(self.dir_fd)
-
-
-class FileServerTransport(ServerTransport):
-    def open(self, registration: Registration, layout: KVLayout) -> ServerContext:
-        if not isinstance(registration, FileRegistration):
-            raise ConfigError("registration: file_debug needs a FileRegistration")
-        return FileServerContext(check_private_dir(registration.spool_dir), layout)
-
-
-# --------------------------------------------------------------------------- the plugin
-
-
 class FileTransport(Transport):
-    """Entry point ``file_debug`` of group ``kvxfer.transports``."""
+    """Entry point ``file_debug``: never picked by "auto" (it exists for debugging)."""
 
     name = "file_debug"
     api_version = API_VERSION
-    style = Style.SERVER_DRIVEN
     registration_type = FileRegistration
+    context_type = FileContext
+    server_context_type = FileServerContext
     capabilities = Capabilities(device_types=frozenset({"cpu"}))
-    #: Never picked by "auto": it exists for debugging.
     auto_priority = -100
 
     def probe(self) -> Probe:
@@ -199,10 +152,3 @@ class FileTransport(Transport):
         if not os.access(base, os.W_OK | os.X_OK):
             return Probe(False, f"cannot write spool files in {base} (set {SPOOL_ENV})")
         return Probe(True, f"spool files under {base}", ("cpu",))
-
-    def client_context(self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout,
-                       identity: InstanceIdentity) -> FileContext:
-        return FileContext(self.name, connection, layers, layout, identity)
-
-    def server_transport(self) -> ServerTransport:
-        return FileServerTransport()

@@ -16,6 +16,7 @@ from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.testing import TransportConformance
 from kvxfer.testing.harness import Kit
+from kvxfer.transport import Transfer
 from kvxfer_file_transport import FileContext, FileParams
 
 
@@ -30,14 +31,14 @@ class TestFileDebug(TransportConformance):
         spool = Path(ctx.spool_dir)
         assert stat.S_IMODE(spool.stat().st_mode) == 0o700
         seen: list[int] = []
-        real_prepare = ctx.prepare_store
+        real_prepare = ctx.prepare
 
-        def prepare_and_look(keys: list[bytes], blocks: torch.Tensor) -> FileParams:
-            params = real_prepare(keys, blocks)
+        def prepare_and_look(transfer: Transfer) -> FileParams:
+            params = real_prepare(transfer)
             seen.append(stat.S_IMODE((spool / params.file).stat().st_mode))
             return params
 
-        ctx.prepare_store = prepare_and_look  # type: ignore[method-assign]  # observes, changes nothing
+        ctx.prepare = prepare_and_look  # type: ignore[method-assign]  # observes, changes nothing
         kit.store(ctx, kit.keys(1), kit.blocks(spec, 1))
         assert seen == [0o600]
         assert list(spool.iterdir()) == [], "a request's spool file is deleted once it is finished"
@@ -62,7 +63,7 @@ class TestFileDebug(TransportConformance):
             path = str(tmp_path / "nowhere")
         reg = msgspec.structs.replace(ctx.registration(), spool_dir=path)  # type: ignore[attr-defined]
         with pytest.raises(InvalidRequest, match=r"spool_dir: "):
-            kit.client().request("register", m.Register(kit.name, msgspec.Raw(codec.encode(reg))))
+            kit.client().request(m.Register(kit.name, msgspec.Raw(codec.encode(reg))))
 
     @pytest.mark.parametrize("name", ["../escape", "/etc/passwd", ".hidden", ""])
     def test_request_cannot_name_a_file_outside_the_spool_dir(self, kit: Kit, name: str) -> None:
@@ -72,7 +73,7 @@ class TestFileDebug(TransportConformance):
         rows = ctx.layout.rows(torch.tensor(blocks)).tolist()
         params = msgspec.Raw(codec.encode(FileParams(name, rows)))
         with pytest.raises(InvalidRequest, match=r"params.file: "):
-            kit.client().request("store", m.Store(ctx.instance_id, keys, blocks, params))
+            kit.client().request(m.Store(ctx.instance_id, keys, blocks, params))
         assert kit.client().lookup(kit.model, 1, hashes=keys) == 0, "a failed store must store nothing"
         assert kit.store(ctx, keys, blocks).stored == [0], "the context works on after a refused request"
 
@@ -81,9 +82,9 @@ class TestFileDebug(TransportConformance):
         ctx = kit.register(kit.kv(spec), spec)
         keys, blocks = kit.keys(1), kit.blocks(spec, 1)
         with pytest.raises(InvalidRequest, match=r"params: "):
-            kit.client().request("store", m.Store(ctx.instance_id, keys, blocks, msgspec.Raw(codec.encode([1]))))
+            kit.client().request(m.Store(ctx.instance_id, keys, blocks, msgspec.Raw(codec.encode([1]))))
         short = FileParams("transfer-999", [0])  # a file that is not there
         with pytest.raises(InvalidRequest, match=r"params"):
-            kit.client().request("store", m.Store(ctx.instance_id, keys, blocks,
+            kit.client().request(m.Store(ctx.instance_id, keys, blocks,
                                                   msgspec.Raw(codec.encode(short))))
         assert os.path.isdir(ctx.spool_dir)

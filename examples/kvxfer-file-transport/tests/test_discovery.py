@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvxfer.transport import API_VERSION
+
 BROKEN_ENTRY_POINTS = """\
 [kvxfer.transports]
 fails_on_import = kit_broken_a:Transport
@@ -44,11 +46,11 @@ def test_kvxfer_plugins_lists_the_example() -> None:
     proc = _plugins("--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["api_version"] == 1 and report["entry_point_group"] == "kvxfer.transports"
+    assert report["api_version"] == 2 and report["entry_point_group"] == "kvxfer.transports"
     info = {t["name"]: t for t in report["transports"]}["file_debug"]
     assert info["distribution"] == "kvxfer-file-transport"
     assert info["version"] == "0.1.0"
-    assert info["api_version"] == 1
+    assert info["api_version"] == 2
     assert info["style"] == "server_driven"
     assert info["health"] == "available", info
     assert info["target"] == "kvxfer_file_transport:FileTransport"
@@ -71,7 +73,7 @@ def test_broken_plugins_are_listed_with_their_error(tmp_path: Path) -> None:
         assert info[name]["health"] == "broken", info[name]
         assert info[name]["distribution"] == "kit-broken" and info[name]["api_version"] is None
     assert "libfoo.so" in info["fails_on_import"]["detail"]
-    assert "api_version 99" in info["wrong_api"]["detail"]
+    assert f"api_version {API_VERSION + 98}" in info["wrong_api"]["detail"]
     assert "not a kvxfer Transport" in info["not_a_transport"]["detail"]
 
     table = _plugins(pythonpath=tmp_path)

@@ -47,7 +47,7 @@ def register_connector() -> bool:
     it. Without vLLM it does nothing.
     """
     try:
-        from vllm.distributed.kv_transfer.kv_connector.factory import (  # type: ignore[import-not-found]
+        from vllm.distributed.kv_transfer.kv_connector.factory import (
             KVConnectorFactory,
         )
     except ImportError:

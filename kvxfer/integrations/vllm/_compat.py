@@ -44,7 +44,7 @@ HAVE_VLLM: bool = _vllm_installed()
 
 if HAVE_VLLM:
     try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorBase_V1,
             KVConnectorMetadata,
             KVConnectorRole,
@@ -64,7 +64,7 @@ if HAVE_VLLM:
         ) from exc
 else:
 
-    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]  # stand-in when vLLM is absent
         """Stand-in for vLLM's ``KVConnectorRole`` (same members and values)."""
 
         SCHEDULER = 0
@@ -73,7 +73,7 @@ else:
     class KVConnectorMetadata(ABC):  # type: ignore[no-redef]  # noqa: B024
         """Stand-in for vLLM's ``KVConnectorMetadata``: scheduler -> worker, once per step."""
 
-    class SupportsHMA(ABC):  # type: ignore[no-redef]
+    class SupportsHMA(ABC):  # type: ignore[no-redef]  # stand-in when vLLM is absent
         """Stand-in for vLLM's ``SupportsHMA`` marker ABC."""
 
         @abstractmethod

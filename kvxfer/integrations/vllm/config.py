@@ -148,7 +148,7 @@ class ConnectorConfig:
             layout=layout,
             curve_dir=str(extra["kvxfer.curve_dir"]) if extra.get("kvxfer.curve_dir") else None,
             curve_name=str(extra.get("kvxfer.curve_name") or "client"),
-            kv_role=kv_role,  # type: ignore[arg-type]
+            kv_role=kv_role,  # type: ignore[arg-type]  # validated against the Literal just above
             block_size=block_size,
             world_size=world_size,
             rank=rank,

@@ -75,7 +75,8 @@ class ServerLink:
             except (ConfigError, TransportError):
                 raise
             except KvxferError as exc:
-                return self.failed(exc, "connecting")
+                self.failed(exc, "connecting")
+                return None
             return self.client
         with self._lock:
             if self._recovered:
@@ -137,7 +138,7 @@ class ServerLink:
             log.warning("kvxfer %s: %s failed (%s); serving without the cache, retrying every %g s",
                         self.side, what, exc, self.config.retry_s)
         self._mark_down()
-        return None
+        return
 
     def _mark_down(self) -> None:
         if not self.down:

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from kvxfer.client import CacheClient
-from kvxfer.errors import ConfigError, KvxferError, TransportError
+from kvxfer.errors import ConfigError, KvxferError, TransportError, TransportFailed
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
-from kvxfer.transport.base import TransferContext
+from kvxfer.transport.contract import TransferContext
 
 __all__ = ["WorkerConnector"]
 
@@ -67,7 +67,7 @@ class WorkerConnector:
                 f"the kvxfer server at {client.url} uses chunk size {client.chunk_size} but "
                 f"kvxfer.chunk_size is {self.config.chunk_size}; make them equal"
             )
-        if self.context is not None and client.chunk_size != getattr(self.context, "chunk_size", client.chunk_size):
+        if self.context is not None and client.chunk_size != self.context.chunk_size:
             raise ConfigError(f"the kvxfer server at {client.url} restarted with another chunk size "
                               f"({client.chunk_size}); restart vLLM or the server with the same one")
 
@@ -101,9 +101,9 @@ class WorkerConnector:
 
     def _usable(self, meta: KvxferConnectorMetadata) -> TransferContext | None:
         ctx = self._context()
-        if ctx is not None and meta.chunk_size != getattr(ctx, "chunk_size", meta.chunk_size):
+        if ctx is not None and meta.chunk_size != ctx.chunk_size:
             log.error("kvxfer: scheduler planned chunks of %d tokens, the server uses %d; skipping transfers",
-                      meta.chunk_size, getattr(ctx, "chunk_size", 0))
+                      meta.chunk_size, ctx.chunk_size)
             return None
         return ctx
 
@@ -202,14 +202,13 @@ class WorkerConnector:
                 res = load.future.result()
                 bad += _unskipped(op, res.missing, bs)
                 self.stats["loaded_chunks"] += len(res.loaded)
+            except TransportFailed:  # the transport's copy failed: those blocks are recomputed
+                log.exception("kvxfer: loading request %s failed", op.req_id)
+                bad += _unskipped(op, range(len(op.keys)), bs)
             except KvxferError as exc:
                 bad += _unskipped(op, range(len(op.keys)), bs)
                 self._server_failed(exc, f"loading request {op.req_id}")
             except CancelledError:  # cancelled by _server_failed: the server is gone
-                bad += _unskipped(op, range(len(op.keys)), bs)
-            except Exception:  # noqa: BLE001  (a transport's copy failed: those blocks are recomputed)
-                log.exception("kvxfer: loading request %s failed in transport %s", op.req_id,
-                              getattr(self.context, "transport_name", "?"))
                 bad += _unskipped(op, range(len(op.keys)), bs)
         if bad:
             self.stats["failed_load_blocks"] += len(bad)
@@ -221,6 +220,9 @@ class WorkerConnector:
             return False
         try:
             res = fut.result(timeout=self.config.timeout_s * 2 + 5 if wait else None)
+        except TransportFailed:  # the transport's copy failed: the chunks are not stored
+            log.exception("kvxfer: a store failed")
+            return True
         except KvxferError as exc:  # before FutureTimeout: RequestTimeout is a TimeoutError too
             self._server_failed(exc, "storing KV")
             return True
@@ -229,9 +231,6 @@ class WorkerConnector:
             return True
         except FutureTimeout:
             log.warning("kvxfer: a store of a preempted request is still running; its blocks may be reused")
-            return True
-        except Exception:  # noqa: BLE001  (a transport's copy failed: the chunks are not stored)
-            log.exception("kvxfer: a store failed in transport %s", getattr(self.context, "transport_name", "?"))
             return True
         self.stats["stored_chunks"] += len(res.stored)
         self.stats["present_chunks"] += len(res.present)

@@ -13,7 +13,7 @@ from kvxfer.errors import TransportBroken, TransportNotFound
 from kvxfer.testing.harness import CHUNK_SIZE, REFERENCE, Kit
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import registry
-from kvxfer.transport.base import Transport
+from kvxfer.transport.contract import Transport
 
 __all__ = ["KitBase", "device_missing", "server_for"]
 
@@ -61,7 +61,7 @@ def device_missing(device: str) -> str | None:
         return f"torch has no '{kind}' backend here (is its torch extension installed and imported?)"
     try:
         ok = bool(available())
-    except Exception as exc:  # a backend that cannot even answer is missing
+    except Exception as exc:  # noqa: BLE001  (a backend that cannot even answer is missing)
         return f"torch.{kind}.is_available() raised {type(exc).__name__}: {exc}"
     return None if ok else f"no {kind} device here (torch.{kind}.is_available() is False)"
 
@@ -88,7 +88,7 @@ class KitBase:
             pytest.fail(f"conformance kit: {exc}", pytrace=False)
         try:
             registry.get_transport(REFERENCE, require_available=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (the reference missing in any way fails the kit)
             pytest.fail(f"conformance kit: the reference transport {REFERENCE!r} is needed "
                         f"(pip install kvxfer-cpu-gather): {exc}", pytrace=False)
         probe = transport.probe()

@@ -15,10 +15,10 @@ import pytest
 
 from kvxfer.errors import KvxferError
 from kvxfer.protocol.messages import RetrieveResult
-from kvxfer.transport.base import TransferContext
 from kvxfer.testing.conformance.roundtrip import assert_retrieved
 from kvxfer.testing.harness import TIMEOUT, Kit
 from kvxfer.testing.kvdata import as_bytes
+from kvxfer.transport.contract import TransferContext
 
 __all__ = ["LifecycleTests"]
 
@@ -107,7 +107,7 @@ class LifecycleTests:
             try:
                 barrier.wait()
                 ctxs[rank] = kit.register(layers[rank], spec, world_size=2, rank=rank, client=clients[rank])
-            except BaseException as exc:  # surfaced below, on the test's thread
+            except BaseException as exc:  # noqa: BLE001  (surfaced below, on the test's thread)
                 errors.append(exc)
 
         _run_threads(register, 2)
@@ -128,7 +128,7 @@ class LifecycleTests:
             try:
                 barrier.wait()
                 results[rank] = kit.retrieve((r0, r1)[rank], keys[:2], dst[rank])
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001  (surfaced below, on the test's thread)
                 errors.append(exc)
 
         _run_threads(retrieve, 2)
@@ -158,7 +158,7 @@ class LifecycleTests:
                     dst = kit.blocks(spec, 2, exclude=src)
                     assert kit.retrieve(ctxs[i], keys, dst).loaded == [0, 1]
                     assert_retrieved(kit, spec, layers[i], before, dst, kit.chunks_of(before, spec, src))
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001  (surfaced below, on the test's thread)
                 errors.append(exc)
 
         _run_threads(work, n)

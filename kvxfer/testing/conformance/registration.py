@@ -61,20 +61,20 @@ class RegistrationTests:
         reg = msgspec.structs.replace(make(), **{field: value})
         payload = m.Register(kit.name, msgspec.Raw(codec.encode(reg)))
         with pytest.raises(InvalidRequest, match=rf"register: {field}:"):
-            kit.client().request("register", payload)
+            kit.client().request(payload)
         assert not any(c.model_name == kit.model for c in kit.client().status().contexts)
 
     def test_undecodable_registration_is_refused(self, kit: Kit) -> None:
         payload = m.Register(kit.name, msgspec.Raw(codec.encode({"instance_id": 5})))
         with pytest.raises(InvalidRequest, match=r"register: registration:"):
-            kit.client().request("register", payload)
+            kit.client().request(payload)
 
     def test_duplicate_instance_id_is_refused(self, kit: Kit) -> None:
         spec = kit.spec()
         ctx = kit.register(kit.kv(spec), spec)
-        reg = ctx.registration()  # type: ignore[attr-defined]
+        reg = ctx.registration()  # type: ignore[attr-defined]  # every context built on the core has registration()
         with pytest.raises(InvalidRequest, match=r"instance_id:.*already registered"):
-            kit.client().request("register", m.Register(kit.name, msgspec.Raw(codec.encode(reg))))
+            kit.client().request(m.Register(kit.name, msgspec.Raw(codec.encode(reg))))
 
     def test_unknown_transport_lists_installed(self, kit: Kit) -> None:
         spec = kit.spec()

@@ -180,8 +180,8 @@ class RoundTripTests:
         before = as_bytes(layers)
         wanted = [0, 1, total - 2, total - 1]
         dst = kit.blocks(spec, 4)
-        res = kit.retrieve(ctx, [keys[i] for i in wanted], dst)
-        assert (res.loaded, res.missing) == ([2, 3], [0, 1])
+        got = kit.retrieve(ctx, [keys[i] for i in wanted], dst)
+        assert (got.loaded, got.missing) == ([2, 3], [0, 1])
         chunks = kit.chunks_of(before, spec, [b for i in wanted for b in blocks_of[i]])
         assert_retrieved(kit, spec, layers, before, dst, chunks, only=[2, 3])
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvxfer.errors import InvalidRequest
@@ -86,7 +88,7 @@ class SharingTests:
         layers = kit.kv(spec)
         keys, src = kit.keys(2), kit.blocks(spec, 2)
         kit.store(kit.register(layers, spec), keys, src)
-        others = [
+        others: list[dict[str, Any]] = [
             dict(model=kit.model + "-other"),
             dict(world_size=2, rank=1),
             dict(world_size=2, rank=0),

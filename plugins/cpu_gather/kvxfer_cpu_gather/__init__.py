@@ -12,7 +12,9 @@ on the device, then copied to the slot by that device's own copy.
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from kvxfer_cpu_gather.transport import CpuGatherContext, CpuGatherRegistration, CpuGatherTransport
 
 __all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration"]
-__version__ = "0.1.0"
+__version__ = version("kvxfer-cpu-gather")  # defined once, in pyproject.toml

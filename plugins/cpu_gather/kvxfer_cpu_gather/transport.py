@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from kvxfer.transport import (
     API_VERSION,
-    ArenaServerTransport,
     Capabilities,
     ClientDrivenContext,
-    Connection,
-    InstanceIdentity,
-    KVLayout,
     Probe,
     Registration,
     RowCopy,
-    ServerTransport,
-    Style,
+    Transfer,
     Transport,
     copy_dtype,
     copy_view,
@@ -37,8 +32,6 @@ class CpuGatherRegistration(Registration, frozen=True, kw_only=True):
 class CpuGatherContext(ClientDrivenContext):
     """Copies between the engine's KV tensors and arena slots in the engine's process."""
 
-    registration_type: ClassVar[type[Registration]] = CpuGatherRegistration
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.device = self.layers[0].device
@@ -51,9 +44,9 @@ class CpuGatherContext(ClientDrivenContext):
         self._rows = [copy_view(r, self._elem) for r in rows]
 
     def registration_extra(self) -> dict[str, Any]:
-        return {"device": self.device.type}
+        return {"device": self.layers[0].device.type}
 
-    def gather(self, copies: list[RowCopy]) -> None:
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
         for c in copies:
             slot = copy_view(c.slot, self._elem)
             if self.on_host:
@@ -66,42 +59,31 @@ class CpuGatherContext(ClientDrivenContext):
         if not self.on_host:
             _synchronize(self.device)
 
-    def scatter(self, copies: list[RowCopy]) -> None:
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
         for c in copies:
             slot = copy_view(c.slot, self._elem)
             rows = c.rows if self.on_host else c.rows.to(self.device, non_blocking=True)
             for layer, src in zip(self._rows, slot):
-                if self.on_host:
-                    layer.index_put_((rows,), src)
-                else:
-                    layer.index_put_((rows,), src.to(self.device))
+                layer.index_put_((rows,), src if self.on_host else src.to(self.device))
         if not self.on_host:
             _synchronize(self.device)
 
 
 def _synchronize(device: torch.device) -> None:
-    mod = getattr(torch, device.type, None)
-    sync = getattr(mod, "synchronize", None)
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
     if sync is not None:
         sync(device)
 
 
 class CpuGatherTransport(Transport):
+    """Entry point ``cpu_gather``: the fallback "auto" picks when nothing device-specific serves."""
+
     name = "cpu_gather"
     api_version = API_VERSION
-    style = Style.CLIENT_DRIVEN
     registration_type = CpuGatherRegistration
+    context_type = CpuGatherContext
     capabilities = Capabilities(device_types=frozenset({"*"}))
-    #: The fallback: chosen by "auto" when no device-specific transport serves the tensors.
     auto_priority = 10
 
     def probe(self) -> Probe:
         return Probe(True, "host shared memory; KV tensors on any torch device", ("*",))
-
-    def client_context(
-        self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout, identity: InstanceIdentity
-    ) -> CpuGatherContext:
-        return CpuGatherContext(self.name, connection, layers, layout, identity)
-
-    def server_transport(self) -> ServerTransport:
-        return ArenaServerTransport()

@@ -24,6 +24,8 @@ The engine's process must outlive the server's use of its tensors: close the tra
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from kvxfer_cuda_ipc.transport import (
     CudaIpcContext,
     CudaIpcParams,
@@ -33,4 +35,4 @@ from kvxfer_cuda_ipc.transport import (
 )
 
 __all__ = ["CudaIpcTransport", "CudaIpcContext", "CudaIpcRegistration", "CudaIpcTensor", "CudaIpcParams"]
-__version__ = "0.1.0"
+__version__ = version("kvxfer-cuda-ipc")  # defined once, in pyproject.toml

@@ -22,8 +22,8 @@ __all__ = ["available", "gather", "scatter", "gather_to", "scatter_from"]
 try:  # optional: the torch ops are the fallback
     import triton
     import triton.language as tl
-except Exception:  # ImportError, or a broken install
-    triton = None  # type: ignore[assignment]
+except Exception:  # noqa: BLE001  (ImportError, or a broken install)
+    triton = None
 
 BLOCK = 1024  # int64 words per program: 8 KiB
 
@@ -35,7 +35,7 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gather_kernel(layer_ptrs, rows, out, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _gather_kernel(layer_ptrs, rows, out, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)   # layer * n_rows + r: the row's place in the chunk
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows
@@ -48,7 +48,7 @@ if triton is not None:
         tl.store(out + pid * row_words + offs, vals, mask=mask)
 
     @triton.jit
-    def _scatter_kernel(layer_ptrs, rows, src, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _scatter_kernel(layer_ptrs, rows, src, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows
@@ -62,7 +62,7 @@ if triton is not None:
 
 
     @triton.jit
-    def _gather_to_kernel(layer_ptrs, rows, out_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _gather_to_kernel(layer_ptrs, rows, out_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows
@@ -76,7 +76,7 @@ if triton is not None:
         tl.store(dst + r * row_words + offs, vals, mask=mask)
 
     @triton.jit
-    def _scatter_from_kernel(layer_ptrs, rows, src_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _scatter_from_kernel(layer_ptrs, rows, src_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
         layer = pid // n_rows

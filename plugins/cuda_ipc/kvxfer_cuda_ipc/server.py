@@ -38,6 +38,7 @@ from kvxfer.transport import (
     RowCopy,
     ServerContext,
     ServerTransport,
+    Transport,
     Waiter,
     copy_dtype,
     copy_view,
@@ -73,7 +74,8 @@ def _staging_bytes() -> int:
 class CudaIpcServerTransport(ServerTransport):
     """One per server: pins the arena at start, unpins it at close."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(transport)
         self._pinned_ptr = 0
         self._pinned_size = 0
         self._contexts: weakref.WeakSet[CudaIpcServerContext] = weakref.WeakSet()
@@ -83,15 +85,14 @@ class CudaIpcServerTransport(ServerTransport):
         res = torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_FLAGS)
         try:
             torch.cuda.check_error(res)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (cudaHostRegister failing in any way disables the transport with the reason)
             raise TransportError(
                 f"cuda_ipc could not pin the arena ({size} bytes at {arena.path}) with cudaHostRegister: {exc}. "
                 "Check `ulimit -l` (locked memory) or pass a smaller --l1-size") from None
         self._pinned_ptr, self._pinned_size = ptr, size
 
-    def open(self, registration: Registration, layout: KVLayout) -> ServerContext:
-        if not isinstance(registration, CudaIpcRegistration):
-            raise ConfigError(f"cuda_ipc needs a CudaIpcRegistration, got {type(registration).__name__}")
+    def open(self, registration: Registration, layout: KVLayout) -> CudaIpcServerContext:
+        assert isinstance(registration, CudaIpcRegistration)  # the core decoded it as registration_type
         ctx = CudaIpcServerContext(registration, layout)
         self._contexts.add(ctx)
         return ctx
@@ -125,12 +126,11 @@ def _local_device(uuid: str) -> int | None:
     return None
 
 
-class CudaIpcServerContext(ServerContext):
+class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
     """One registration: the engine's layers opened through CUDA IPC, two streams, staging."""
 
-    params_type = CudaIpcParams
-
     def __init__(self, reg: CudaIpcRegistration, layout: KVLayout) -> None:
+        super().__init__(reg, layout)
         if reg.pid == os.getpid():
             raise ConfigError("cuda_ipc needs the cache server in another process than the engine "
                               "(CUDA IPC handles cannot be opened by the process that made them)")
@@ -203,7 +203,7 @@ class CudaIpcServerContext(ServerContext):
                 storage = torch.UntypedStorage._new_shared_cuda(
                     self.device.index, t.handle, t.storage_size_bytes, t.storage_offset_bytes,
                     t.ref_counter_handle, t.ref_counter_offset, t.event_handle, t.event_sync_required)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (any failure to open a handle refuses the registration)
                 raise ConfigError(f"layer {i}: could not open its CUDA IPC handle on {self.label}: "
                                   f"{type(exc).__name__}: {exc}") from None
             self._storages[key] = storage
@@ -218,7 +218,7 @@ class CudaIpcServerContext(ServerContext):
         if ev is None:
             try:
                 ev = torch.cuda.Event.from_ipc_handle(self.device, params.event_handle)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (any failure to open the event refuses the request)
                 raise ConfigError(f"params.event_handle: not an interprocess CUDA event of {self.label}: "
                                   f"{type(exc).__name__}: {exc}") from None
             self._events[params.event_handle] = ev
@@ -274,10 +274,10 @@ class CudaIpcServerContext(ServerContext):
 
     # ------------------------------------------------------------------ transfers
 
-    def store(self, copies: list[RowCopy], params: Any) -> Waiter | None:
+    def store(self, copies: list[RowCopy], params: CudaIpcParams) -> Waiter | None:
         return self._transfer(copies, params, write_arena=True)
 
-    def retrieve(self, copies: list[RowCopy], params: Any) -> Waiter | None:
+    def retrieve(self, copies: list[RowCopy], params: CudaIpcParams) -> Waiter | None:
         return self._transfer(copies, params, write_arena=False)
 
     def _transfer(self, copies: list[RowCopy], params: CudaIpcParams | None, write_arena: bool) -> Waiter | None:
@@ -327,7 +327,7 @@ class CudaIpcServerContext(ServerContext):
                         _kernels.gather_to(self._layer_ptrs, rows, addrs, self._row_words, self._pitch_words)
                     else:
                         _kernels.scatter_from(self._layer_ptrs, rows, addrs, self._row_words, self._pitch_words)
-        except Exception as exc:  # compile failure: no kernel of this request ran
+        except Exception as exc:  # noqa: BLE001  (compile failure: no kernel of this request ran)
             self._compute.synchronize()
             self._fall_back(exc)
             return False
@@ -374,7 +374,7 @@ class CudaIpcServerContext(ServerContext):
             try:
                 _kernels.gather(self._layer_ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
-            except Exception as exc:  # compile/launch failure: the torch ops still work
+            except Exception as exc:  # noqa: BLE001  (compile/launch failure: the torch ops still work)
                 self._fall_back(exc)
         for layer, dst in zip(self._rows, stage):
             torch.index_select(layer, 0, rows, out=dst)
@@ -385,7 +385,7 @@ class CudaIpcServerContext(ServerContext):
             try:
                 _kernels.scatter(self._layer_ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (compile/launch failure: the torch ops still work)
                 self._fall_back(exc)
         for layer, src in zip(self._rows, stage):
             layer.index_copy_(0, rows, src)
@@ -396,13 +396,7 @@ class CudaIpcServerContext(ServerContext):
         self._fused = False
         self._direct = False
 
-    # ------------------------------------------------------------------ status, close
-
-    def status(self) -> dict[str, str]:
-        staging = sum(b.numel() for b in self._ring)
-        return {"device": self.label, "ipc_allocations": str(len(self._storages)),
-                "kernel": "triton" if self._fused else "torch", "mode": "direct" if self._direct else "staged",
-                "staging_bytes": str(staging), "transfers": str(self.transfers)}
+    # ------------------------------------------------------------------ close
 
     def close(self) -> None:
         """Wait for the copies, then drop the IPC mappings (torch closes each handle when its
@@ -419,7 +413,7 @@ class CudaIpcServerContext(ServerContext):
         self._events.clear()
         self._ring = []
         self._index_buf = None
-        self._layer_ptrs = None  # type: ignore[assignment]
+        self._layer_ptrs = None  # type: ignore[assignment]  # closed: nothing may copy any more
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
 import msgspec
 import torch
 
-from kvxfer import ConfigError, RetrieveResult, StoreResult
+from kvxfer import ConfigError
 from kvxfer.transport import (
     API_VERSION,
     Capabilities,
-    Connection,
-    InstanceIdentity,
-    KVLayout,
     Probe,
     Registration,
     ServerDrivenContext,
     ServerTransport,
-    Style,
+    Transfer,
+    TransferKind,
     Transport,
 )
 
@@ -36,9 +31,6 @@ __all__ = [
     "cuda_probe",
     "device_uuid",
 ]
-
-T = TypeVar("T")
-
 
 # --------------------------------------------------------------------------- wire Structs
 
@@ -106,7 +98,7 @@ def cuda_probe() -> Probe:
             return Probe(False, f"torch {torch.__version__} lacks UntypedStorage._new_shared_cuda")
         n = torch.cuda.device_count()
         return Probe(True, f"{n} CUDA device(s), CUDA {torch.version.cuda}", ("cuda",))
-    except Exception as exc:  # a probe must not raise
+    except Exception as exc:  # noqa: BLE001  (a probe must not raise)
         return Probe(False, f"CUDA probe failed: {type(exc).__name__}: {exc}")
 
 
@@ -161,19 +153,17 @@ class _EventPool:
             self._handles.clear()
 
 
-class CudaIpcContext(ServerDrivenContext):
+class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
     """Client side: shares the KV tensors once, then sends block ids and an event per request.
 
-    ``submit_store`` / ``submit_retrieve`` record an interprocess event on the calling thread's
-    current CUDA stream (the engine's) before queueing the request: the server's copies wait
-    for everything the engine enqueued before the submit. The future completes after the server
-    has synchronized its copies.
+    :meth:`on_submit` records an interprocess event on the submitting thread's current CUDA
+    stream (the engine's): the server's copies wait for everything the engine enqueued before
+    the submit. The future completes after the server's copies are complete.
     """
 
-    registration_type: ClassVar[type[Registration]] = CudaIpcRegistration
     #: Requests at the server at once: the server copies the next request while a reply travels
     #: back, so a connector with several transfers outstanding gets the copy engine's rate.
-    max_in_flight: ClassVar[int] = 4
+    max_in_flight = 4
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -187,9 +177,6 @@ class CudaIpcContext(ServerDrivenContext):
         self.device_name = f"cuda:{index} {torch.cuda.get_device_name(index)}"
         self._shared = self._share_layers()
         self._events = _EventPool(self.device)
-        self._order = threading.Lock()
-        self._pending: dict[str, deque[torch.cuda.Event]] = {"store": deque(), "retrieve": deque()}
-        self._held: dict[int, torch.cuda.Event] = {}
 
     # ------------------------------------------------------------------ registration
 
@@ -215,7 +202,7 @@ class CudaIpcContext(ServerDrivenContext):
                 ref_counter_offset=int(ref_offset),
                 event_handle=bytes(ev_handle or b""),
                 event_sync_required=bool(ev_sync),
-                storage_offset=t.storage_offset(),
+                storage_offset=int(t.storage_offset()),
                 shape=list(t.shape),
                 stride=list(t.stride()),
                 dtype=str(t.dtype).removeprefix("torch."),
@@ -228,53 +215,18 @@ class CudaIpcContext(ServerDrivenContext):
 
     # ------------------------------------------------------------------ transfers
 
-    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[StoreResult]:
-        return self._with_event("store", lambda: super(CudaIpcContext, self).submit_store(keys, block_ids))
+    def on_submit(self, kind: TransferKind) -> torch.cuda.Event:
+        """The request's token: a pooled interprocess event recorded on the caller's stream."""
+        ev = self._events.acquire()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
-    def submit_retrieve(
-        self,
-        keys: Sequence[bytes],
-        block_ids: Sequence[int] | torch.Tensor,
-        skip_first_n_tokens: int = 0,
-        lease_id: int = 0,
-    ) -> Future[RetrieveResult]:
-        return self._with_event("retrieve", lambda: super(CudaIpcContext, self).submit_retrieve(
-            keys, block_ids, skip_first_n_tokens, lease_id))
+    def prepare(self, transfer: Transfer) -> CudaIpcParams:
+        return CudaIpcParams(event_handle=self._events.handle(transfer.token))
 
-    def _with_event(self, kind: str, submit: Callable[[], Future[T]]) -> Future[T]:
-        """Record an event on the caller's current stream and queue it in the same order as the
-        request, so that the worker pairs each request with its own event."""
-        with self._order:
-            ev = self._events.acquire()
-            ev.record(torch.cuda.current_stream(self.device))
-            queue = self._pending[kind]
-            queue.append(ev)
-            try:
-                return submit()
-            except BaseException:
-                queue.pop()
-                self._events.release(ev)
-                raise
-
-    def _take_event(self, kind: str) -> CudaIpcParams:
-        """The params of the next request of ``kind``: the event its submit recorded. Runs on the
-        worker, in submission order, so requests and events pair up; the event goes back to the
-        pool in :meth:`release_params`, once the server has answered."""
-        ev = self._pending[kind].popleft()
-        params = CudaIpcParams(event_handle=self._events.handle(ev))
-        self._held[id(params)] = ev
-        return params
-
-    def prepare_store(self, keys: list[bytes], blocks: torch.Tensor) -> msgspec.Struct | None:
-        return self._take_event("store")
-
-    def prepare_retrieve(self, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int) -> msgspec.Struct | None:
-        return self._take_event("retrieve")
-
-    def release_params(self, params: msgspec.Struct | None) -> None:
-        ev = self._held.pop(id(params), None)
-        if ev is not None:
-            self._events.release(ev)
+    def release_params(self, transfer: Transfer, params: CudaIpcParams | None) -> None:
+        """The server has answered (or the request failed): the event goes back to the pool."""
+        self._events.release(transfer.token)
 
     def release(self) -> None:
         """After unregister (the server closed its mappings): drop events and export records."""
@@ -286,25 +238,21 @@ class CudaIpcContext(ServerDrivenContext):
 
 
 class CudaIpcTransport(Transport):
-    """Entry point ``cuda_ipc`` of group ``kvxfer.transports``."""
+    """Entry point ``cuda_ipc``: preferred by "auto" for CUDA tensors (cpu_gather has 10)."""
 
     name = "cuda_ipc"
     api_version = API_VERSION
-    style = Style.SERVER_DRIVEN
     registration_type = CudaIpcRegistration
+    context_type = CudaIpcContext
     capabilities = Capabilities(device_types=frozenset({"cuda"}))
-    #: Preferred by "auto" for CUDA tensors over the generic cpu_gather (priority 10).
     auto_priority = 50
 
     def probe(self) -> Probe:
         return cuda_probe()
 
-    def client_context(
-        self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout, identity: InstanceIdentity
-    ) -> CudaIpcContext:
-        return CudaIpcContext(self.name, connection, layers, layout, identity)
-
     def server_transport(self) -> ServerTransport:
+        """The server half (pins the arena; its contexts copy through Triton kernels): imported
+        here, so that an engine's process never loads it."""
         from kvxfer_cuda_ipc.server import CudaIpcServerTransport
 
-        return CudaIpcServerTransport()
+        return CudaIpcServerTransport(self)

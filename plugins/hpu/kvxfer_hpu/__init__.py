@@ -14,6 +14,8 @@ Every device-specific step goes through :class:`DeviceOps` (:func:`ops_for` pick
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from kvxfer_hpu.ops import DeviceOps, GenericOps, HpuOps, Pinning, ops_for
 from kvxfer_hpu.transport import PRIORITY, HpuContext, HpuRegistration, HpuTransport
 
@@ -28,4 +30,4 @@ __all__ = [
     "Pinning",
     "ops_for",
 ]
-__version__ = "0.1.0"
+__version__ = version("kvxfer-hpu")  # defined once, in pyproject.toml

@@ -24,9 +24,10 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, ContextManager, Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
 
@@ -102,7 +103,7 @@ class DeviceOps(Protocol):
         """A new stream on ``device``, or None where the device has no streams."""
         ...
 
-    def use_stream(self, stream: Any | None) -> ContextManager[Any]:
+    def use_stream(self, stream: Any | None) -> AbstractContextManager[Any]:
         """Context in which work is queued on ``stream`` (nothing when None)."""
         ...
 
@@ -150,7 +151,7 @@ class GenericOps:
             return False, f"this torch ({torch.__version__}) has no torch.{self.device_type} module"
         try:
             available = bool(mod.is_available())
-        except Exception as exc:  # a broken driver install must not break probing
+        except Exception as exc:  # noqa: BLE001  (a broken driver install must not break probing)
             return False, f"torch.{self.device_type}.is_available() raised {type(exc).__name__}: {exc}"
         if not available:
             return False, f"torch.{self.device_type}.is_available() is False (no device, or torch built without it)"
@@ -183,20 +184,20 @@ class GenericOps:
     def new_stream(self, device: torch.device) -> Any | None:
         if not self._has_streams():
             return None
-        return self.module().Stream(device=device)  # type: ignore[union-attr]
+        return self.module().Stream(device=device)  # type: ignore[union-attr]  # module() is set when there are streams
 
-    def use_stream(self, stream: Any | None) -> ContextManager[Any]:
+    def use_stream(self, stream: Any | None) -> AbstractContextManager[Any]:
         if stream is None:
             return contextlib.nullcontext()
-        return self.module().stream(stream)  # type: ignore[union-attr, no-any-return]
+        return self.module().stream(stream)  # type: ignore[union-attr]  # module() is set when there are streams
 
     def new_event(self) -> Any | None:
-        return self.module().Event() if self._has_streams() else None  # type: ignore[union-attr]
+        return self.module().Event() if self._has_streams() else None  # type: ignore[union-attr]  # module() is set when there are streams
 
     def current_stream(self, device: torch.device) -> Any | None:
         if not self._has_streams():
             return None
-        return self.module().current_stream(device)  # type: ignore[union-attr]
+        return self.module().current_stream(device)  # type: ignore[union-attr]  # module() is set when there are streams
 
 
 def _cuda_host_register(host: torch.Tensor) -> Pinning:
@@ -211,7 +212,7 @@ def _cuda_host_register(host: torch.Tensor) -> Pinning:
         ptr = host.data_ptr()
         rc = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
         ok = _cuda_ok(rc)
-    except Exception as exc:  # no driver, or torch built without CUDA
+    except Exception as exc:  # noqa: BLE001  (no driver, or torch built without CUDA)
         return Pinning(False, f"cudaHostRegister unavailable: {type(exc).__name__}: {exc}")
     if not ok:
         clear = getattr(cudart, "cudaGetLastError", None)
@@ -224,7 +225,7 @@ def _cuda_host_register(host: torch.Tensor) -> Pinning:
             rc2 = cudart.cudaHostUnregister(ptr)
             if not _cuda_ok(rc2):
                 log.warning("cudaHostUnregister(%#x) failed: %s", ptr, rc2)
-        except Exception as exc:  # release must not raise (it runs in close())
+        except Exception as exc:  # noqa: BLE001  (release must not raise (it runs in close()))
             log.warning("cudaHostUnregister(%#x) raised %s: %s", ptr, type(exc).__name__, exc)
 
     return Pinning(True, f"cudaHostRegister ({nbytes} bytes)", undo)
@@ -294,7 +295,7 @@ class HpuOps(GenericOps):
         try:
             hpu, _ = self._modules()
             available = bool(hpu.is_available())
-        except Exception as exc:  # a broken Gaudi install must not break probing
+        except Exception as exc:  # noqa: BLE001  (a broken Gaudi install must not break probing)
             return False, f"habana_frameworks.torch.hpu failed: {type(exc).__name__}: {exc}"
         if not available:
             return False, "habana_frameworks.torch.hpu.is_available() is False (no Gaudi device visible)"
@@ -333,7 +334,7 @@ def _is_lazy() -> bool:
         from habana_frameworks.torch.utils.internal import is_lazy  # noqa: PLC0415
 
         return bool(is_lazy())
-    except Exception:  # older/newer bridges: fall back to the documented switch
+    except Exception:  # noqa: BLE001  (older/newer bridges: fall back to the documented switch)
         return os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
 
 

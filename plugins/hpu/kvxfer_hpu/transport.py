@@ -20,20 +20,16 @@ and the slot, as cpu_gather does.
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 import torch
 
-from kvxfer import ConfigError, StoreResult, TransportUnavailable
+from kvxfer import ConfigError, TransportUnavailable
 from kvxfer.transport import (
     API_VERSION,
     ArenaMapping,
-    ArenaServerTransport,
     Capabilities,
     ClientDrivenContext,
     Connection,
@@ -42,12 +38,11 @@ from kvxfer.transport import (
     Probe,
     Registration,
     RowCopy,
-    ServerTransport,
-    Style,
+    Transfer,
+    TransferKind,
     Transport,
     Waiter,
 )
-
 from kvxfer_hpu.ops import KNOWN_DEVICE_TYPES, DeviceOps, Pinning, ops_for
 
 __all__ = ["HpuTransport", "HpuContext", "HpuRegistration", "PRIORITY"]
@@ -100,11 +95,11 @@ class HpuContext(ClientDrivenContext):
 
     ``ops`` (default :func:`kvxfer_hpu.ops_for` of the tensors' device type) does every
     device-specific step. Stores are ordered after the work queued on the caller's current
-    stream when it called :meth:`submit_store` (on devices with streams); a retrieve's future
-    resolves once the blocks are written on the device.
+    stream when it called ``submit_store`` (on devices with streams: :meth:`on_submit` records
+    an event there, which the store's gather waits for); a retrieve's future resolves once the
+    blocks are written on the device.
     """
 
-    registration_type: ClassVar[type[Registration]] = HpuRegistration
     #: Chunk buffers in flight: 2 overlaps preparing one chunk with copying the previous.
     STAGING_DEPTH: ClassVar[int] = 2
     #: Device bytes of the gather buffer: chunks gathered per layer with one index kernel
@@ -115,7 +110,7 @@ class HpuContext(ClientDrivenContext):
 
     def __init__(
         self,
-        transport_name: str,
+        transport: Transport,
         connection: Connection,
         layers: list[torch.Tensor],
         layout: KVLayout,
@@ -128,69 +123,43 @@ class HpuContext(ClientDrivenContext):
         if self.ops.device_type != self.device.type:
             raise ConfigError(f"device ops for {self.ops.device_type!r} cannot move tensors on {self.device}")
         self.pinning = Pinning(False, "arena not mapped yet")
-        super().__init__(transport_name, connection, layers, layout, identity)
+        super().__init__(transport, connection, layers, layout, identity)
         rows = [layout.row_view(t) for t in self.layers]
         #: The element type of row copies; each layer as [rows, row_elems] of it.
         self._elem = self.ops.copy_dtype(rows)
         self._rows = [r.view(self._elem) for r in rows]
         self._pipe: _Pipeline | None = None
-        self._ready: deque[Any | None] = deque()
-        self._ready_lock = threading.Lock()
-        self._engine_ready: Any | None = None
 
-    # ------------------------------------------------------------------ arena mapping
-
-    def map_arena(self) -> ArenaMapping:
-        mapping = super().map_arena()
+    def on_arena(self, arena: ArenaMapping) -> Callable[[], None]:
+        """Pin the arena mapping for the device's DMA (unpinned before it is unmapped)."""
         if self.ops.direct:
             self.pinning = Pinning(False, "host tensors: no device DMA")
         else:
-            self.pinning = self.ops.pin(mapping.tensor)
+            self.pinning = self.ops.pin(arena.tensor)
             if not self.pinning.pinned:
                 log.info("hpu transport: arena mapping not pinned (%s)", self.pinning.note)
-        return mapping
-
-    def unmap_arena(self) -> None:
-        self.pinning.release()  # unpin before the mapping goes away
-        super().unmap_arena()
+        return self.pinning.release
 
     def release(self) -> None:
-        super().release()
         self._pipe = None
 
     def registration_extra(self) -> dict[str, Any]:
         return {"device": self.device.type, "host_pinned": self.pinning.pinned}
 
-    # ------------------------------------------------------------------ ordering after the engine
-
-    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[StoreResult]:
-        """As :meth:`TransferContext.submit_store`; the gather waits for the work queued on the
-        caller's current stream of the KV tensors' device before this call."""
-        event = None
-        if not self.ops.direct:
-            stream = self.ops.current_stream(self.device)
-            event = self.ops.new_event() if stream is not None else None
-            if event is not None:
-                event.record(stream)
-        with self._ready_lock:  # FIFO like the worker: the n-th queued store takes the n-th event
-            self._ready.append(event)
-            try:
-                return super().submit_store(keys, block_ids)
-            except BaseException:
-                self._ready.pop()
-                raise
-
-    def _store(self, *args: Any) -> None:
-        with self._ready_lock:
-            self._engine_ready = self._ready.popleft() if self._ready else None
-        try:
-            super()._store(*args)
-        finally:
-            self._engine_ready = None
+    def on_submit(self, kind: TransferKind) -> Any:
+        """A store's token: an event recorded on the caller's current stream of the device, which
+        its gather waits for (the engine's work queued before the submit); None elsewhere."""
+        if kind != "store" or self.ops.direct:
+            return None
+        stream = self.ops.current_stream(self.device)
+        event = self.ops.new_event() if stream is not None else None
+        if event is not None:
+            event.record(stream)
+        return event
 
     # ------------------------------------------------------------------ copies
 
-    def gather(self, copies: list[RowCopy]) -> Waiter | None:
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
                 for layer, dst in zip(self._rows, c.slot.view(self._elem)):
@@ -198,7 +167,7 @@ class HpuContext(ClientDrivenContext):
             return None
         ops, p = self.ops, self._pipeline()
         with ops.use_stream(p.compute):
-            _Pipeline.wait(p.compute, self._engine_ready)
+            _Pipeline.wait(p.compute, transfer.token)
             rows = self._device_rows(copies)
         for group, idx in self._groups(copies, rows, p.group_rows):
             gathered = self._rows_view(p.group, idx.numel())
@@ -222,7 +191,7 @@ class HpuContext(ClientDrivenContext):
                 offset += n
         return self._waiter(p.copy)
 
-    def scatter(self, copies: list[RowCopy]) -> Waiter | None:
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
                 for layer, src in zip(self._rows, c.slot.view(self._elem)):
@@ -333,8 +302,8 @@ class HpuTransport(Transport):
 
     name = "hpu"
     api_version = API_VERSION
-    style = Style.CLIENT_DRIVEN
     registration_type = HpuRegistration
+    context_type = HpuContext
     #: Any torch device type whose device ops say it is available here (see :meth:`serves`).
     capabilities = Capabilities(device_types=frozenset({"*"}))
     auto_priority = PRIORITY["hpu"]
@@ -364,7 +333,4 @@ class HpuTransport(Transport):
         ok, reason = ops_for(device.type).probe()
         if not ok:
             raise TransportUnavailable(f"transport 'hpu' cannot move KV tensors on {device} here: {reason}")
-        return HpuContext(self.name, connection, layers, layout, identity)
-
-    def server_transport(self) -> ServerTransport:
-        return ArenaServerTransport()
+        return HpuContext(self, connection, layers, layout, identity)

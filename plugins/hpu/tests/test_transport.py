@@ -94,7 +94,7 @@ def test_ops_of_another_device_type_are_refused(client: CacheClient) -> None:
     layers = _kv("cpu")
     layout = KVLayout.infer(layers, BLOCK)
     with pytest.raises(ConfigError, match="device ops for 'cuda'"):
-        HpuContext("hpu", client, layers, layout, InstanceIdentity(2, "m", 1, 0), ops=GenericOps("cuda"))
+        HpuContext(HpuTransport(), client, layers, layout, InstanceIdentity(2, "m", 1, 0), ops=GenericOps("cuda"))
 
 
 @pytest.mark.parametrize("group_chunks", [1, 2, 5])
@@ -103,7 +103,7 @@ def test_staging_path_over_several_groups_and_requests(client: CacheClient, grou
     retrieves with a skip that splits a chunk into per-plane copies: bit-exact every time."""
     layers = _kv("cpu", layers=3, blocks=40)
     layout = KVLayout.infer(layers, BLOCK)
-    ctx = HpuContext("hpu", client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, "groups", 1, 0),
+    ctx = HpuContext(HpuTransport(), client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, "groups", 1, 0),
                      ops=GenericOps("cpu", direct=False))
     ctx.GROUP_BYTES = group_chunks * layout.chunk_bytes(CHUNK)  # type: ignore[misc]
     ctx.register()

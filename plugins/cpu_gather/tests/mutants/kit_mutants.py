@@ -10,22 +10,15 @@ from typing import Any
 import torch
 
 from kvxfer import RetrieveResult
-from kvxfer.transport import RowCopy
+from kvxfer.transport import RowCopy, Transfer
 from kvxfer_cpu_gather import CpuGatherContext, CpuGatherTransport
-
-
-class _Mutant(CpuGatherTransport):
-    context: type[CpuGatherContext]
-
-    def client_context(self, connection: Any, layers: list[torch.Tensor], layout: Any, identity: Any) -> Any:
-        return self.context(self.name, connection, layers, layout, identity)
 
 
 class FlipContext(CpuGatherContext):
     """Stores one wrong bit."""
 
-    def gather(self, copies: list[RowCopy]) -> None:
-        super().gather(copies)
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        super().gather(copies, transfer)
         if copies:
             first = copies[0].slot.view(torch.uint8)
             first[0, 0, 0] = first[0, 0, 0] ^ 1
@@ -42,8 +35,8 @@ class IgnoreSkipContext(CpuGatherContext):
 class ThroughFloatContext(CpuGatherContext):
     """Scatters through a float64 round trip: fine for numbers, wrong for NaN payloads."""
 
-    def scatter(self, copies: list[RowCopy]) -> None:
-        super().scatter([RowCopy(c.rows, c.slot.to(torch.float64).to(c.slot.dtype)) for c in copies])
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        super().scatter([RowCopy(c.rows, c.slot.to(torch.float64).to(c.slot.dtype)) for c in copies], transfer)
 
 
 class ClobberContext(CpuGatherContext):
@@ -57,21 +50,21 @@ class ClobberContext(CpuGatherContext):
         return super().submit_retrieve(keys, block_ids, skip_first_n_tokens, lease_id)
 
 
-class FlipTransport(_Mutant):
+class FlipTransport(CpuGatherTransport):
     name = "mutant_flip"
-    context = FlipContext
+    context_type = FlipContext
 
 
-class IgnoreSkipTransport(_Mutant):
+class IgnoreSkipTransport(CpuGatherTransport):
     name = "mutant_ignore_skip"
-    context = IgnoreSkipContext
+    context_type = IgnoreSkipContext
 
 
-class ThroughFloatTransport(_Mutant):
+class ThroughFloatTransport(CpuGatherTransport):
     name = "mutant_through_float"
-    context = ThroughFloatContext
+    context_type = ThroughFloatContext
 
 
-class ClobberTransport(_Mutant):
+class ClobberTransport(CpuGatherTransport):
     name = "mutant_clobber"
-    context = ClobberContext
+    context_type = ClobberContext

@@ -1,9 +1,11 @@
 """The L1 arena: one shared-memory file that holds every stored chunk.
 
-The server creates it in a private directory (mode 0700; the file 0600), reserves its pages with
-``posix_fallocate`` (so a too-small tmpfs fails now, not with SIGBUS later) and maps it with
-``MAP_POPULATE`` (pre-faulted: first touch costs ~7x a warm copy). Client-driven transports map
-the same file with :meth:`ArenaMapping.attach` and copy straight into its slots.
+The server creates it (:class:`Arena`) in a private directory (mode 0700; the file 0600),
+reserves its pages with ``posix_fallocate`` (so a too-small tmpfs fails now, not with SIGBUS
+later) and maps it with ``MAP_POPULATE`` (pre-faulted: first touch costs ~7x a warm copy).
+Client-driven data paths map the same file (:class:`ArenaMapping`) and copy straight into its
+slots. Both halves live here, outside :mod:`kvxfer.server`, so that no client-side module
+imports the server.
 """
 
 from __future__ import annotations
@@ -21,31 +23,12 @@ from typing import Final
 import torch
 
 from kvxfer.errors import ConfigError
+from kvxfer.units import format_bytes
 
-__all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR", "format_bytes", "parse_size"]
+__all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR"]
 
 DEFAULT_SHM_DIR: Final = "/dev/shm"
 _DIR_PREFIX: Final = "kvxfer-"
-_UNITS: Final = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
-                 "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """``"4GiB"``, ``"512MiB"``, ``"1.5g"`` or a byte count -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1073741824)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -177,6 +160,6 @@ class ArenaMapping:
         return self.tensor[offset:offset + nbytes]
 
     def close(self) -> None:
-        self.tensor = None  # type: ignore[assignment]
+        self.tensor = None  # type: ignore[assignment]  # the mapping is closed: nothing may use the view
         with contextlib.suppress(BufferError):
             self._mm.close()

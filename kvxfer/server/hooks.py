@@ -1,5 +1,8 @@
 """Server hooks: pluggy hookspecs (project ``kvxfer``, entry point group ``kvxfer.hooks``).
 
+Hook plugins decorate their implementations with :data:`kvxfer.hookimpl` (this module's
+:data:`hookimpl`).
+
 Hook plugins observe and extend the server without subclassing it. Every hook is called with
 keyword arguments only, on the server's loop thread, so an implementation must be quick. An
 implementation that raises is logged and counted (``hook_errors`` in status), and the other
@@ -18,7 +21,7 @@ if TYPE_CHECKING:
     from kvxfer.server.engine import CacheServer
     from kvxfer.server.index import ChunkKey
 
-__all__ = ["PROJECT", "ENTRY_POINT_GROUP", "hookimpl", "hookspec", "KvxferHookSpec", "HookRelay"]
+__all__ = ["ENTRY_POINT_GROUP", "PROJECT", "HookRelay", "KvxferHookSpec", "hookimpl", "hookspec"]
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,511 @@
+"""The transport contract: everything a transport plugin declares, overrides or receives.
+
+A transport is a :class:`Transport` subclass named by an entry point in group
+``kvxfer.transports``. It declares, once, on that class: ``name``, ``api_version``,
+``capabilities``, ``probe()``, its :class:`Registration` subclass (``registration_type``), its
+client context class (``context_type``) and, for the server-driven style, its server context
+class (``server_context_type``). The core does the rest:
+
+* **client-driven** (cpu_gather, hpu): ``context_type`` subclasses :class:`ClientDrivenContext`
+  and implements :meth:`~ClientDrivenContext.gather` and :meth:`~ClientDrivenContext.scatter`;
+  the server side is the core's (slots in the shared-memory arena, no copies).
+* **server-driven** (cuda_ipc, the example ``file_debug``): ``context_type`` subclasses
+  :class:`ServerDrivenContext` (optional hooks: :meth:`~ServerDrivenContext.prepare`,
+  :meth:`~ServerDrivenContext.finish_retrieve`, :meth:`~ServerDrivenContext.release_params`),
+  and ``server_context_type`` subclasses :class:`ServerContext` (``store`` and ``retrieve``
+  copy on the server). A transport that needs per-server state (e.g. pinning the arena) also
+  overrides :meth:`Transport.server_transport` with a :class:`ServerTransport` subclass.
+
+The style follows from the context's base class. The threads, queues and locks behind both
+styles are the core's (private modules); a transport never sees them.
+
+**Threads and order.** Client side: each context runs its transfers on one worker thread in
+submission order; every hook of one context runs on that thread, never two at once, except
+:meth:`TransferContextBase.on_submit` (the submitting thread) and waiters (the context's
+finisher thread, in request order). Server side: :meth:`ServerTransport.start` runs on the
+server's loop; ``open``, ``store``, ``retrieve`` and ``close`` of one registration run on that
+registration's worker thread, one at a time, in arrival order; waiters on a separate thread.
+
+**Errors.** Raise :class:`kvxfer.errors.ConfigError` ("field: what is wrong, what to do") for
+input the user can fix. Anything else a hook raises is caught at the core's one boundary and
+re-raised as :class:`kvxfer.errors.TransportFailed` naming the transport and the step, with the
+original as ``__cause__`` (server side: an ``internal`` error reply with that message). Client
+futures therefore fail only with :class:`kvxfer.errors.KvxferError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, Protocol, TypeVar, get_args, get_origin
+
+import msgspec
+import torch
+
+from kvxfer.copies import RowCopy
+from kvxfer.layout import KVLayout, LayoutKind, dtype_name
+from kvxfer.protocol.messages import Message, Registration, Request, RetrieveResult, StoreResult
+
+if TYPE_CHECKING:
+    from kvxfer.arena import Arena, ArenaMapping
+
+__all__ = [
+    "API_VERSION",
+    "Capabilities",
+    "ClientDrivenContext",
+    "Connection",
+    "InstanceIdentity",
+    "Probe",
+    "RowCopy",
+    "ServerContext",
+    "ServerDrivenContext",
+    "ServerTransport",
+    "Style",
+    "Transfer",
+    "TransferContext",
+    "TransferContextBase",
+    "TransferKind",
+    "Transport",
+    "Waiter",
+]
+
+#: The contract version this core implements. A plugin declaring another is refused.
+API_VERSION: Final = 2
+
+R = TypeVar("R", bound=Registration)
+P = TypeVar("P", bound=msgspec.Struct)
+Reply = TypeVar("Reply", bound=Message)
+
+#: What a copy may return instead of waiting for it: a callable that returns once the copy is
+#: done and raises if it failed. The core calls it on another thread (see each style).
+Waiter = Callable[[], None]
+
+#: A request's kind, as the hooks see it.
+TransferKind = Literal["store", "retrieve"]
+
+
+class Style(str, enum.Enum):
+    """Who copies: the engine's process (client-driven) or the server (server-driven)."""
+
+    CLIENT_DRIVEN = "client_driven"
+    SERVER_DRIVEN = "server_driven"
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Whether a transport can run in this process, and if not, why."""
+
+    available: bool
+    #: Why not (when unavailable, with what to do), or a note such as which devices it found.
+    reason: str = ""
+    #: torch device types it can serve here (``"cpu"``, ``"cuda"``, ``"hpu"``, ``"*"``: any).
+    device_types: tuple[str, ...] = ()
+
+
+_ALL_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"})
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a transport claims to support. The conformance kit tests exactly these claims."""
+
+    #: torch device types whose KV tensors it can move (``"*"``: any).
+    device_types: frozenset[str]
+    layouts: frozenset[LayoutKind] = field(default_factory=lambda: frozenset(LayoutKind))
+    dtypes: frozenset[str] = _ALL_DTYPES
+
+    def serves(self, device: torch.device) -> bool:
+        return "*" in self.device_types or device.type in self.device_types
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceIdentity:
+    """Who a registration is: the fields of :class:`Registration` that are not layout."""
+
+    instance_id: int
+    model_name: str
+    world_size: int
+    rank: int
+
+    def registration_fields(self, layout: KVLayout) -> dict[str, Any]:
+        """Keyword arguments for a :class:`Registration` (sub)class, identity plus layout."""
+        return dict(
+            instance_id=self.instance_id, model_name=self.model_name, world_size=self.world_size,
+            rank=self.rank, layout=layout.kind.value, num_layers=layout.num_layers,
+            num_blocks=layout.num_blocks, block_size=layout.block_size,
+            hidden_dim_size=layout.hidden_dim_size, dtype=dtype_name(layout.dtype), use_mla=layout.use_mla,
+            row_elems=layout.row_elems, row_pitch=layout.row_pitch, run_offsets=list(layout.run_offsets),
+            block_stride=layout.block_stride, page=layout.page,
+        )
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One store or retrieve, as the hooks of a context see it (made by the core at submit)."""
+
+    kind: TransferKind
+    #: Chunk hashes, one per chunk.
+    keys: list[bytes]
+    #: The engine's block ids (int64, CPU), ``blocks_per_chunk`` per key, already validated.
+    blocks: torch.Tensor
+    #: Leading blocks a retrieve leaves untouched (``skip_first_n_tokens // block_size``).
+    skip_blocks: int = 0
+    #: What :meth:`TransferContextBase.on_submit` returned for this request.
+    token: Any = None
+
+
+class Connection(Protocol):
+    """What a context uses of its :class:`kvxfer.CacheClient` (one handshaked connection to the
+    server; thread-safe). The core's data paths use exactly this; a transport rarely needs it."""
+
+    url: str
+    chunk_size: int
+    arena_path: str
+    arena_size: int
+    #: Default seconds a request may take.
+    timeout: float
+
+    @property
+    def epoch(self) -> int:
+        """Counts handshakes; a context registered in an older epoch must register again."""
+        ...
+
+    def submit(self, payload: Request[Reply], timeout: float | None = None) -> Future[Reply]:
+        """Send ``payload`` (its type names the request); the future resolves to the request's
+        reply Struct or raises a :class:`kvxfer.errors.KvxferError`."""
+        ...
+
+    def request(self, payload: Request[Reply], timeout: float | None = None) -> Reply:
+        """``submit(payload).result()``."""
+        ...
+
+    def reconnect(self, context: TransferContextBase | None = None) -> None:
+        """Re-open the session if the server lost it and register ``context`` again."""
+        ...
+
+    def forget(self, context: TransferContextBase) -> None:
+        """``context`` closed: stop re-registering it."""
+        ...
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class TransferContext(ABC):
+    """One registered KV cache, client side: what a connector calls.
+
+    Made and registered by :meth:`kvxfer.CacheClient.register`. ``submit_*`` may be called from
+    any thread; the transfers run in submission order. A future resolves when the bytes have
+    arrived (in the server for a store, in the engine's blocks for a retrieve) or raises a
+    :class:`kvxfer.errors.KvxferError`. After :meth:`close`, ``submit_*`` raise. Done-callbacks
+    run on a thread of the context (never one inside ``submit_*``), so they may submit the next
+    request; they must not call :meth:`close`, which waits for that thread.
+
+    ``keys`` are chunk hashes from :func:`kvxfer.chunk_hashes`; ``block_ids`` are the engine's
+    blocks for those chunks in order, ``chunk_size // block_size`` per chunk.
+    """
+
+    transport_name: str
+    instance_id: int
+    layout: KVLayout
+    chunk_size: int
+
+    @abstractmethod
+    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[StoreResult]:
+        """Store the chunks ``keys`` from ``block_ids``; chunks the server has are skipped.
+        The engine must not overwrite those blocks before the future is done."""
+
+    @abstractmethod
+    def submit_retrieve(
+        self,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int] | torch.Tensor,
+        skip_first_n_tokens: int = 0,
+        lease_id: int = 0,
+    ) -> Future[RetrieveResult]:
+        """Load the chunks ``keys`` into ``block_ids``, leaving the blocks of the first
+        ``skip_first_n_tokens`` tokens (a multiple of the block size) untouched. Missing
+        chunks are reported in the result and their blocks left untouched. ``lease_id``
+        (from :meth:`kvxfer.CacheClient.lookup_and_lease`) is released for this rank when done."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for submitted transfers, unregister, release resources. Idempotent."""
+
+    def __enter__(self) -> TransferContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# The core's machinery behind both styles (threads, queues, locks). Imported here, after the
+# types above, because it builds Transfer records; a transport never imports these modules.
+from kvxfer.transport._client_driven import ClientDrivenCore  # noqa: E402  (needs the types above)
+from kvxfer.transport._context import ContextCore  # noqa: E402  (needs the types above)
+from kvxfer.transport._server_driven import ServerDrivenCore  # noqa: E402  (needs the types above)
+
+
+class TransferContextBase(ContextCore, TransferContext):
+    """What both styles share; a transport subclasses one of the two styles below.
+
+    Made by the core as ``context_type(transport, connection, layers, layout, identity)``
+    (override :meth:`Transport.client_context` to pass more). Attributes for the hooks:
+    ``transport``, ``connection``, ``layers`` (the KV tensors, checked against ``layout``),
+    ``layout``, ``identity``, ``chunk_size``, ``blocks_per_chunk``, ``chunk_bytes``.
+    """
+
+    def registration_extra(self) -> dict[str, Any]:
+        """The transport's own registration fields (those of its ``registration_type`` beyond
+        :class:`Registration`). Called on the caller's thread at registration, and again on the
+        worker when the context registers again after a server restart."""
+        return {}
+
+    def on_submit(self, kind: TransferKind) -> Any:
+        """Called on the submitting thread inside ``submit_store``/``submit_retrieve``, once the
+        request is validated and before it is queued; the core hands what it returns to this
+        request's hooks as ``transfer.token`` (e.g. an event recorded on the caller's current
+        device stream, which the copies then wait for). Requests and tokens pair up whatever
+        threads submit. Default: None."""
+        return None
+
+    def release(self) -> None:
+        """Free client-side resources (mappings, pinned memory, files). Called once, by
+        :meth:`close`, after the last transfer and the unregister."""
+
+
+class ClientDrivenContext(ClientDrivenCore, TransferContextBase):
+    """Client-driven style: the engine's process copies between its KV cache and the server's
+    shared-memory arena (mapped once, ``self.arena``).
+
+    Store: ``reserve_write`` -> :meth:`gather` into the reserved slots -> ``commit_write``.
+    Retrieve: ``reserve_read`` -> :meth:`scatter` out of the pinned slots -> ``commit_read``.
+    Each request's reserve is sent at submit, so its round trip overlaps earlier copies. If a
+    copy (or its waiter) raises, the reservation is committed as failed (nothing half written
+    becomes readable) and the future raises :class:`kvxfer.errors.TransportFailed`. Chunks the
+    server already has, or lacks, never reach the copy methods.
+    """
+
+    def on_arena(self, arena: ArenaMapping) -> Callable[[], None] | None:
+        """Called once the arena is mapped (when the context is made, before your ``__init__``
+        body runs, and again after a server restart); return a callable that the core calls
+        before it unmaps the arena (e.g. pin the mapping for the device's DMA, and unpin).
+        Default: nothing."""
+        return None
+
+    @abstractmethod
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
+        """Copy, for every layer ``l``, ``row_view(layers[l])[copy.rows]`` into ``copy.slot[l]``.
+
+        Return None once the bytes are in the slots, or a :data:`Waiter` that returns once they
+        are. The core calls a waiter on the context's finisher thread and commits after it, so
+        the worker can queue the next request's copies meanwhile; the transport must then order
+        consecutive requests' copies itself (e.g. on one stream)."""
+
+    @abstractmethod
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
+        """Copy, for every layer ``l``, ``copy.slot[l]`` into ``row_view(layers[l])[copy.rows]``.
+        Return None once the slots have been read and the engine can read the blocks (or its
+        stream is ordered after the copy), or a :data:`Waiter` that returns once that is so."""
+
+
+class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
+    """Server-driven style, client half: requests carry block ids (and the transport's params
+    Struct ``P``); the server's :class:`ServerContext` copies.
+
+    Per request, on the worker and in submission order, :meth:`prepare` makes the params, and
+    the request is sent. When its reply arrives, on the finisher and in the same order,
+    :meth:`finish_retrieve` runs (retrieves only), then :meth:`release_params` (every request,
+    failed or not), and only then does the future resolve.
+
+    ``max_in_flight`` requests may be at the server at once. With 1 (the default), a request is
+    prepared only after the previous one finished. With more, the server starts the next copy
+    while a reply travels back; the hooks must then tolerate overlapping requests (give each
+    its own staging resources). A retrieve is never sent before the stores ahead of it are
+    answered.
+    """
+
+    #: Requests at the server at once.
+    max_in_flight: ClassVar[int] = 1
+
+    def prepare(self, transfer: Transfer) -> P | None:
+        """The params of ``transfer`` (a Struct the server decodes with its ``params_type``), made
+        right before it is sent; stage data that depends on its blocks here. Default: None."""
+        return None
+
+    def finish_retrieve(self, transfer: Transfer, params: P | None, result: RetrieveResult) -> None:
+        """Runs once the server answered a retrieve, before its future resolves: place staged
+        bytes into the blocks of the chunks in ``result.loaded`` only. Default: nothing."""
+
+    def release_params(self, transfer: Transfer, params: P | None) -> None:
+        """Runs once after every request that reached :meth:`prepare` or got a token (answered,
+        failed or timed out), before its future resolves: free what :meth:`prepare` and
+        :meth:`on_submit` took. Default: nothing."""
+
+
+# --------------------------------------------------------------------------- server side
+
+
+def _type_args(cls: type, base: type) -> tuple[Any, ...]:
+    """The type arguments ``cls`` (or its nearest ancestor) gave the generic ``base``."""
+    for klass in cls.__mro__:
+        for orig in getattr(klass, "__orig_bases__", ()):
+            if get_origin(orig) is base:
+                return get_args(orig)
+    return ()
+
+
+class ServerContext(ABC, Generic[R, P]):
+    """One registration of a server-driven transport, server side: ``ServerContext[R, P]`` with
+    ``R`` the transport's registration Struct and ``P`` its params Struct.
+
+    The core makes it as ``server_context_type(registration, layout)`` on the registration's
+    worker thread (the registration already validated: layout, sizes, a unique instance id);
+    ``__init__`` may block (e.g. open IPC handles) and raises ``ConfigError("field: ...")`` to
+    refuse it. Then ``store``/``retrieve`` run on the same thread, one at a time, in arrival
+    order, with ``params`` decoded as ``P`` (bad params are refused before your code runs;
+    absent ones are ``P()``), and :meth:`close` once, after the last of them.
+    """
+
+    #: ``P``, read from the class's type arguments (None when it takes no params).
+    params_type: ClassVar[type[msgspec.Struct] | None] = None
+    #: ``R``, read from the class's type arguments; the core checks it matches the transport's.
+    registration_class: ClassVar[type[Registration]] = Registration
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        args = _type_args(cls, ServerContext)
+        if len(args) == 2:
+            reg, params = args
+            if isinstance(reg, type) and issubclass(reg, Registration):
+                cls.registration_class = reg
+            if isinstance(params, type) and issubclass(params, msgspec.Struct):
+                cls.params_type = params
+
+    def __init__(self, registration: R, layout: KVLayout) -> None:
+        self.registration = registration
+        self.layout = layout
+
+    @abstractmethod
+    def store(self, copies: list[RowCopy], params: P) -> Waiter | None:
+        """Copy engine rows into the arena slots of ``copies`` (``slot[l] = layer_l[rows]``).
+        Return None when the bytes are in the slots, or a :data:`Waiter`: the server runs it off
+        the worker thread and commits when it returns, so the next request's copies can be
+        queued meanwhile (the transport then orders consecutive requests' copies itself).
+        Raising fails the request; its slots are dropped."""
+
+    @abstractmethod
+    def retrieve(self, copies: list[RowCopy], params: P) -> Waiter | None:
+        """Copy arena slots into engine rows (``layer_l[rows] = slot[l]``); returns as
+        :meth:`store`."""
+
+    def close(self) -> None:
+        """Release what ``__init__`` acquired. Errors are logged, never raised to a client."""
+
+
+class ServerTransport:
+    """A transport's server half: one per transport per server process. The default serves
+    every transport; override it (:meth:`Transport.server_transport`) for per-server state."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def start(self, arena: Arena) -> None:
+        """Called once, on the server's loop, before any registration (e.g. to pin the arena
+        for DMA). Raising disables the transport in this server, with the error in its log."""
+
+    def open(self, registration: Registration, layout: KVLayout) -> ServerContext[Any, Any] | None:
+        """The server context of a registration (on its worker thread): the transport's
+        ``server_context_type(registration, layout)``; None for client-driven transports."""
+        cls = self.transport.server_context_type
+        return cls(registration, layout) if cls is not None else None
+
+    def status(self) -> dict[str, str]:
+        """A few strings for ``kvxfer status``."""
+        return {}
+
+    def close(self) -> None:
+        """Server shutdown, after every registration was closed."""
+
+
+# --------------------------------------------------------------------------- the plugin
+
+
+class Transport(ABC):
+    """The object an entry point in ``kvxfer.transports`` names (a subclass or an instance).
+
+    Declare on the class: ``name`` (what users type, equal to the entry point's name),
+    ``api_version`` (must equal :data:`API_VERSION`), ``capabilities``, ``registration_type``
+    (a :class:`Registration` subclass the server decodes registrations with; default the base),
+    ``context_type`` (a :class:`ClientDrivenContext` or :class:`ServerDrivenContext` subclass:
+    it fixes the style), ``server_context_type`` (server-driven only) and ``auto_priority``
+    (``"auto"`` picks the available transport with the highest priority for the tensors'
+    device; cpu_gather, the fallback, has 10). Implement :meth:`probe`.
+    """
+
+    name: ClassVar[str]
+    api_version: ClassVar[int]
+    capabilities: ClassVar[Capabilities]
+    registration_type: ClassVar[type[Registration]] = Registration
+    context_type: ClassVar[type[TransferContextBase]]
+    server_context_type: ClassVar[type[ServerContext[Any, Any]] | None] = None
+    auto_priority: ClassVar[int] = 0
+
+    @abstractmethod
+    def probe(self) -> Probe:
+        """Can this transport run in this process? Cheap, never raises, imports nothing heavy
+        that may be absent (answer ``Probe(False, reason)`` instead)."""
+
+    @property
+    def style(self) -> Style:
+        """Follows from ``context_type``'s base class."""
+        if issubclass(self.context_type, ServerDrivenContext):
+            return Style.SERVER_DRIVEN
+        return Style.CLIENT_DRIVEN
+
+    def priority_for(self, device: torch.device) -> int:
+        """Rank in ``"auto"`` for KV tensors on ``device`` (higher wins): ``auto_priority``,
+        unless a transport ranks device types differently."""
+        return self.auto_priority
+
+    def serves(self, device: torch.device) -> bool:
+        """Whether it can move KV tensors on ``device`` here."""
+        probe = self.probe()
+        return probe.available and self.capabilities.serves(device) and (
+            "*" in probe.device_types or device.type in probe.device_types
+        )
+
+    def client_context(
+        self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout, identity: InstanceIdentity
+    ) -> TransferContextBase:
+        """A new, unregistered client context for ``layers`` (already checked against
+        ``layout``). Raise :class:`kvxfer.errors.ConfigError` for tensors it cannot serve."""
+        return self.context_type(self, connection, layers, layout, identity)
+
+    def server_transport(self) -> ServerTransport:
+        """The server half; called once per server process."""
+        return ServerTransport(self)
+
+    def contract_errors(self) -> list[str]:
+        """What is inconsistent in the declarations (the registry refuses such a plugin)."""
+        errors = []
+        ctx = getattr(self, "context_type", None)
+        if not (isinstance(ctx, type) and issubclass(ctx, (ClientDrivenContext, ServerDrivenContext))):
+            errors.append(f"context_type must subclass ClientDrivenContext or ServerDrivenContext, got {ctx!r}")
+        elif (self.style is Style.SERVER_DRIVEN and self.server_context_type is None
+              and type(self).server_transport is Transport.server_transport):
+            errors.append("a server-driven transport declares server_context_type (a ServerContext subclass), "
+                          "or a server_transport() whose open() makes its server contexts")
+        elif self.style is Style.CLIENT_DRIVEN and self.server_context_type is not None:
+            errors.append("a client-driven transport has no server_context_type (the core serves the arena)")
+        reg = self.registration_type
+        if not (isinstance(reg, type) and issubclass(reg, Registration)):
+            errors.append(f"registration_type must subclass Registration, got {reg!r}")
+        srv = self.server_context_type
+        if srv is not None and isinstance(reg, type) and not issubclass(reg, srv.registration_class):
+            errors.append(f"{srv.__name__} takes {srv.registration_class.__name__} registrations, but "
+                          f"registration_type is {reg.__name__}")
+        return errors
