@@ -213,7 +213,7 @@ def _geometry(shape: Sequence[int], strides: Sequence[int], kind: LayoutKind, bl
     if last.size > 1 and last.stride != 1:
         raise LayoutError(f"{where}: the last dimension must be dense (stride 1)")
     # the run: the innermost dimensions, each exactly as long a stride as everything inside it
-    run, content = 1, []
+    run, content = 1, list[_Dim]()
     rest = sorted(inner, key=lambda d: d.stride)
     while rest and rest[0].axis != "P" and rest[0].stride == run:
         d = rest.pop(0)
@@ -257,7 +257,7 @@ def _geometry(shape: Sequence[int], strides: Sequence[int], kind: LayoutKind, bl
 
 
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:
-    strides, step = [], 1
+    strides, step = list[int](), 1
     for n in reversed(shape):
         strides.insert(0, step)
         step *= n
@@ -325,7 +325,8 @@ class KVLayout:
         offsets = self.run_offsets
         if not offsets or len(offsets) > MAX_RUNS:
             raise LayoutError(f"run_offsets must name 1 to {MAX_RUNS} runs, got {len(offsets)}")
-        if any(not isinstance(o, int) or isinstance(o, bool) or o < 0 for o in offsets) or len(set(offsets)) != len(offsets):
+        if (any(not isinstance(o, int) or isinstance(o, bool) or o < 0 for o in offsets)
+                or len(set(offsets)) != len(offsets)):
             raise LayoutError(f"run_offsets must be distinct non-negative integers, got {list(offsets)[:16]}")
         if not isinstance(self.page, str) or len(self.page) > 256 or self.page.count("|") != 1:
             raise LayoutError(f"page must be '<run dims>|<row dims>' (e.g. 'H8|N16,C256'), got {self.page!r}")

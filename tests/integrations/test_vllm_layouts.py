@@ -26,7 +26,7 @@ from kvxfer import CacheClient, KVLayout, chunk_hashes  # noqa: E402
 from kvxfer.errors import InvalidRequest  # noqa: E402
 from kvxfer.testing import ServerProcess  # noqa: E402
 from kvxfer.transport import InstanceIdentity  # noqa: E402
-from kvxfer_hpu import GenericOps, HpuContext  # noqa: E402
+from kvxfer_hpu import GenericOps, HpuContext, HpuTransport  # noqa: E402
 
 CHUNK = 32  # 2 blocks of 16 tokens, or 1 of 32
 
@@ -45,7 +45,7 @@ def contexts(client: CacheClient) -> dict[str, vv.MakeContext]:
 
     def hpu_staged(layers: list[torch.Tensor], bs: int, model: str) -> HpuContext:
         """hpu's device path (gather buffer, chunk buffers, events) on CPU tensors."""
-        ctx = HpuContext("hpu", client, layers, KVLayout.infer(layers, bs),
+        ctx = HpuContext(HpuTransport(), client, layers, KVLayout.infer(layers, bs),
                          InstanceIdentity(secrets.randbits(60) + 1, model, 1, 0), ops=GenericOps("cpu", direct=False))
         ctx.register()
         return ctx
