@@ -1,0 +1,265 @@
+"""The transport contract as a plugin meets it: declarations the registry refuses, the params
+type read from ServerContext[R, P], submit-time tokens paired with their requests across threads,
+release_params exactly once per request, and the one error boundary around plugin code.
+
+Real components: a real server loading cpu_gather and the example's file_debug (server-driven),
+real contexts of both; hooks are wrapped (the real hook still runs) only to observe them, and a
+hook made to raise stands for a transport with a bug.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+
+from kvxfer import CacheClient, ConfigError, TransportFailed, chunk_hashes
+from kvxfer.errors import ServerInternalError
+from kvxfer.testing.server import ServerProcess
+from kvxfer.transport import (
+    API_VERSION,
+    Capabilities,
+    ClientDrivenContext,
+    Probe,
+    Registration,
+    ServerContext,
+    ServerDrivenContext,
+    Style,
+    Transfer,
+    Transport,
+)
+
+# --------------------------------------------------------------------------- declarations
+
+
+class _Params(msgspec.Struct, frozen=True):
+    n: int = 0
+
+
+class _Reg(Registration, frozen=True, kw_only=True):
+    extra: str = ""
+
+
+class _OtherReg(Registration, frozen=True, kw_only=True):
+    other: str = ""
+
+
+class _Server(ServerContext[_Reg, _Params]):
+    def store(self, copies: list[Any], params: _Params) -> None:
+        pass
+
+    def retrieve(self, copies: list[Any], params: _Params) -> None:
+        pass
+
+
+class _ClientDriven(ClientDrivenContext):
+    def gather(self, copies: list[Any], transfer: Transfer) -> None:
+        pass
+
+    def scatter(self, copies: list[Any], transfer: Transfer) -> None:
+        pass
+
+
+class _ServerDriven(ServerDrivenContext[_Params]):
+    pass
+
+
+def _transport(**attrs: Any) -> Transport:
+    base: dict[str, Any] = dict(name="t", api_version=API_VERSION, capabilities=Capabilities(frozenset({"cpu"})),
+                                probe=lambda self: Probe(True))
+    return type("T", (Transport,), {**base, **attrs})()
+
+
+def test_server_context_type_arguments_are_read_once() -> None:
+    assert _Server.params_type is _Params and _Server.registration_class is _Reg
+
+
+def test_the_style_follows_from_the_context_class() -> None:
+    assert _transport(context_type=_ClientDriven).style is Style.CLIENT_DRIVEN
+    assert _transport(context_type=_ServerDriven, server_context_type=_Server,
+                      registration_type=_Reg).style is Style.SERVER_DRIVEN
+
+
+@pytest.mark.parametrize("attrs,wrong", [
+    (dict(context_type=_ServerDriven), "declares server_context_type"),
+    (dict(context_type=_ClientDriven, server_context_type=_Server, registration_type=_Reg),
+     "has no server_context_type"),
+    (dict(context_type=_ServerDriven, server_context_type=_Server, registration_type=_OtherReg),
+     "_Server takes _Reg registrations, but registration_type is _OtherReg"),
+    (dict(context_type=object), "context_type must subclass"),
+    (dict(context_type=_ClientDriven, registration_type=dict), "registration_type must subclass Registration"),
+], ids=["no-server-context", "client-driven-with-server", "registration-mismatch", "no-style", "bad-registration"])
+def test_inconsistent_declarations_are_named(attrs: dict[str, Any], wrong: str) -> None:
+    errors = _transport(**attrs).contract_errors()
+    assert any(wrong in e for e in errors), errors
+
+
+def test_consistent_declarations_pass() -> None:
+    assert _transport(context_type=_ClientDriven).contract_errors() == []
+    assert _transport(context_type=_ServerDriven, server_context_type=_Server, registration_type=_Reg,
+                      ).contract_errors() == []
+
+
+# --------------------------------------------------------------------------- a real server
+
+
+@pytest.fixture(scope="module")
+def both_server() -> Iterator[ServerProcess]:
+    """cpu_gather (client-driven) and the example's file_debug (server-driven)."""
+    with ServerProcess(l1_size="32MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather,file_debug") as srv:
+        yield srv
+
+
+@pytest.fixture
+def cl(both_server: ServerProcess) -> Iterator[CacheClient]:
+    c = CacheClient(both_server.url, timeout=15)
+    yield c
+    c.close()
+
+
+class Observed:
+    """Wraps a context's hooks (the real ones still run) and records what each request saw."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.lock = threading.Lock()
+        self.tokens: list[tuple[int, int]] = []
+        self.seen: dict[bytes, Any] = {}  # first key of a request -> the token its hooks got
+        self.released: list[Any] = []
+        submit, self._n = ctx.on_submit, 0
+
+        def on_submit(kind: str) -> Any:
+            submit(kind)
+            with self.lock:
+                self._n += 1
+                token = (threading.get_ident(), self._n)
+                self.tokens.append(token)
+            return token
+
+        ctx.on_submit = on_submit
+        for name in ("gather", "scatter", "prepare"):
+            real = getattr(ctx, name, None)
+            if real is not None:
+                setattr(ctx, name, self._seeing(real))
+        release = getattr(ctx, "release_params", None)
+        if release is not None:
+            def release_params(transfer: Transfer, params: Any) -> None:
+                with self.lock:
+                    self.released.append(transfer.token)
+                release(transfer, params)
+
+            ctx.release_params = release_params
+
+    def _seeing(self, real: Any) -> Any:
+        def hook(*args: Any) -> Any:
+            transfer = args[-1]
+            with self.lock:
+                self.seen.setdefault(transfer.keys[0], transfer.token)
+            return real(*args)
+
+        return hook
+
+
+def _submit_from_threads(ctx: Any, n_threads: int) -> tuple[dict[bytes, int], list[Any]]:
+    """Each thread stores its own chunk; returns first key -> submitting thread, and the futures."""
+    owner: dict[bytes, int] = {}
+    futures: list[Any] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(n_threads)
+
+    def work(i: int) -> None:
+        key = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"thread-{i}-{id(ctx)}")
+        barrier.wait(30)
+        fut = ctx.submit_store(key, list(range(i * BLOCKS_PER_CHUNK, (i + 1) * BLOCKS_PER_CHUNK)))
+        with lock:
+            owner[key[0]] = threading.get_ident()
+            futures.append(fut)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return owner, futures
+
+
+@pytest.mark.parametrize("transport", ["cpu_gather", "file_debug"])
+def test_each_request_gets_the_token_its_own_submit_made(cl: CacheClient, transport: str) -> None:
+    """Tokens are made on the submitting threads, and every hook of a request sees its own,
+    whichever threads submit at once (cuda_ipc's and hpu's stream events rely on this)."""
+    ctx = cl.register(flash_attn_kv(num_blocks=32), model_name=f"tokens-{transport}", block_size=BLOCK_SIZE,
+                      transport=transport)
+    obs = Observed(ctx)
+    owner, futures = _submit_from_threads(ctx, 6)
+    assert all(f.result(30).stored == [0] for f in futures)
+    assert len(obs.tokens) == 6 and set(obs.seen.values()) == set(obs.tokens)
+    for key, thread in owner.items():
+        assert obs.seen[key][0] == thread, "a request's hooks got another submit's token"
+    if transport == "file_debug":
+        assert sorted(obs.released, key=lambda t: t[1]) == sorted(obs.tokens, key=lambda t: t[1]), \
+            "release_params runs once per request, with its token"
+    ctx.close()
+
+
+def test_release_params_runs_once_when_prepare_fails_and_the_future_names_the_step(cl: CacheClient) -> None:
+    ctx = cl.register(flash_attn_kv(), model_name="prepare-fails", block_size=BLOCK_SIZE, transport="file_debug")
+    obs = Observed(ctx)
+
+    def broken(transfer: Transfer) -> None:
+        raise KeyError("staging buffer 7")
+
+    ctx.prepare = broken
+    key = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="prepare-fails")
+    with pytest.raises(TransportFailed, match=r"'file_debug' failed in prepare: KeyError: 'staging buffer 7'") as info:
+        ctx.submit_store(key, list(range(BLOCKS_PER_CHUNK))).result(30)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert (info.value.transport, info.value.step) == ("file_debug", "prepare")
+    assert obs.released == obs.tokens and len(obs.tokens) == 1
+    assert cl.lookup("prepare-fails", hashes=key) == 0
+    ctx.close()
+
+
+def test_a_copy_that_raises_fails_with_transport_failed_and_stores_nothing(cl: CacheClient) -> None:
+    ctx = cl.register(flash_attn_kv(), model_name="gather-raises", block_size=BLOCK_SIZE, transport="cpu_gather")
+
+    def broken(copies: list[Any], transfer: Transfer) -> None:
+        raise RuntimeError("DMA engine fault")
+
+    ctx.gather = broken
+    key = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="gather-raises")
+    with pytest.raises(TransportFailed, match=r"'cpu_gather' failed in gather: RuntimeError: DMA engine fault"):
+        ctx.submit_store(key, list(range(BLOCKS_PER_CHUNK))).result(30)
+    assert cl.lookup("gather-raises", hashes=key) == 0 and cl.status().reservations == 0
+    ctx.close()
+
+
+def test_a_config_error_from_a_hook_keeps_its_type(cl: CacheClient) -> None:
+    """A plugin's ConfigError is the user's to fix: it reaches the caller as it is."""
+    ctx = cl.register(flash_attn_kv(), model_name="config-error", block_size=BLOCK_SIZE, transport="cpu_gather")
+
+    def refuse(kind: str) -> None:
+        raise ConfigError("blocks: these are pinned by another engine")
+
+    ctx.on_submit = refuse
+    key = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="config-error")
+    with pytest.raises(ConfigError, match="pinned by another engine"):
+        ctx.submit_store(key, list(range(BLOCKS_PER_CHUNK)))
+    ctx.close()
+
+
+def test_server_side_plugin_errors_name_the_transport_and_step(cl: CacheClient) -> None:
+    """A file_debug retrieve whose spool file name is taken by a directory: the server's write of
+    the file raises IsADirectoryError inside the plugin, which the boundary names (and the server
+    serves on)."""
+    ctx = cl.register(flash_attn_kv(), model_name="server-fails", block_size=BLOCK_SIZE, transport="file_debug")
+    key = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="server-fails")
+    assert ctx.submit_store(key, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]  # transfer-0
+    (Path(ctx.spool_dir) / "transfer-1").mkdir()  # the name the retrieve's file will get
+    with pytest.raises(ServerInternalError, match=r"transport 'file_debug' failed in retrieve: IsADirectoryError"):
+        ctx.submit_retrieve(key, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK))).result(30)
+    assert cl.ping() > 0
+    ctx.close()
