@@ -84,11 +84,8 @@ class ClientDrivenCore(ContextCore):
         self.arena = self._map_arena()
         super().on_reconnect()
 
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._unmap_arena()
+    def _released(self) -> None:
+        self._unmap_arena()
 
     # Each request's reserve is sent when it is submitted (so its round trip overlaps the copies
     # of requests ahead of it); the worker waits for the reply, copies, and sends the commit

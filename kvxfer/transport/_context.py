@@ -213,7 +213,13 @@ class ContextCore:
             with self._step("release"):
                 self.release()
         finally:
-            self._finisher.shutdown(wait=True)
+            try:
+                self._released()
+            finally:
+                self._finisher.shutdown(wait=True)
+
+    def _released(self) -> None:
+        """The style's own resources, after the transport's :meth:`release` (once, by close)."""
 
     def _drain(self) -> None:
         """Wait for transfers still in flight after the worker is idle (none by default)."""
