@@ -303,7 +303,11 @@ class ClientDrivenContext(ClientDrivenCore, TransferContextBase):
         Return None once the bytes are in the slots, or a :data:`Waiter` that returns once they
         are. The core calls a waiter on the context's finisher thread and commits after it, so
         the worker can queue the next request's copies meanwhile; the transport must then order
-        consecutive requests' copies itself (e.g. on one stream)."""
+        consecutive requests' copies itself (e.g. on one stream).
+
+        The core may split one transfer's copies over several calls (in order, each call's
+        waiter covering its own copies): write copy code that depends only on the copies it is
+        given and on ``transfer``, never on seeing a whole request at once."""
 
     @abstractmethod
     def scatter(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
