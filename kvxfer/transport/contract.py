@@ -20,9 +20,10 @@ The style follows from the context's base class. The threads, queues and locks b
 styles are the core's (private modules); a transport never sees them.
 
 **Threads and order.** Client side: each context runs its transfers on one worker thread in
-submission order; every hook of one context runs on that thread, never two at once, except
-:meth:`TransferContextBase.on_submit` (the submitting thread) and waiters (the context's
-finisher thread, in request order). Server side: :meth:`ServerTransport.start` runs on the
+submission order; its hooks run on that thread, never two at once, except
+:meth:`TransferContextBase.on_submit` (the submitting thread), waiters,
+``finish_retrieve`` and ``release_params`` (the context's finisher thread, in request order)
+and ``release`` (the thread that closes the context). Server side: :meth:`ServerTransport.start` runs on the
 server's loop; ``open``, ``store``, ``retrieve`` and ``close`` of one registration run on that
 registration's worker thread, one at a time, in arrival order; waiters on a separate thread.
 
