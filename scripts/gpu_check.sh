@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one device call: the cuda_ipc and hpu tests (the conformance kit with CUDA
-# tensors included), vLLM's KV views of every layout on CUDA, then `kvxfer bench` for both transports (the issues' workload: 32 layers x
+# tensors included), vLLM's KV views of every layout on CUDA, then `kvxfer bench` for both transports (the standard workload of docs/performance.md: 32 layers x
 # [2, num_blocks, 16, 8, 128] bf16, 32 MiB chunks, 8 per request; 1 and 4 requests in flight;
 # pinned D2H/H2D of the same bytes measured in the same run), then each plugin's own benchmark
 # (copy-time breakdown). Run from the repository root after ../shared/tools/device-wheels:
