@@ -121,6 +121,12 @@ class Arena:
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset:offset + nbytes]
 
+    def memoryview(self, offset: int, nbytes: int) -> memoryview:
+        """The slot as a writable byte buffer (sockets and files read into it, ``writev`` from it)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"slot [{offset}, {offset + nbytes}) is outside the arena of {self.size} bytes")
+        return memoryview(self._mm)[offset:offset + nbytes]
+
     def close(self) -> None:
         """Unmap and delete the file. Views must no longer be used."""
         del self.tensor

@@ -3,6 +3,7 @@
 ::
 
     kvxfer serve   [--url URL] [--l1-size 4GiB] [--chunk-size 256] [--transports a,b] [--shm-dir DIR]
+                   [--l2 valkey --l2-url valkey://HOST:6379[,HOST2:6379] [--l2-admission all|hits:N] ...]
     kvxfer plugins [--json]
     kvxfer status  [--url URL] [--json]
     kvxfer keys    DIR
@@ -30,6 +31,9 @@ from kvxfer.urls import default_url
 if TYPE_CHECKING:
     from kvxfer.mq.client import CurveClientKeys
     from kvxfer.mq.server import CurveServerKeys
+    from kvxfer.protocol.messages import TierStatus
+    from kvxfer.server.tier import TierConfig
+    from kvxfer.transport.registry import PluginInfo
 
 __all__ = ["main"]
 
@@ -43,6 +47,39 @@ def _curve_server(curve_dir: str | None) -> CurveServerKeys | None:
     from kvxfer.security import load_server_keys
 
     return load_server_keys(Path(curve_dir))
+
+
+L2_PASSWORD_ENV = "KVXFER_L2_PASSWORD"
+
+
+def _l2_config(args: argparse.Namespace) -> TierConfig | None:
+    """The TierConfig of ``--l2 ...`` (None without ``--l2``). A password in
+    ``$KVXFER_L2_PASSWORD`` goes into the URL here, so it need not be on the command line."""
+    import os
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    from kvxfer.errors import ConfigError
+    from kvxfer.server.tier import TierConfig
+
+    if not args.l2:
+        if args.l2_url:
+            raise ConfigError("--l2-url needs --l2 NAME (the store backend: see `kvxfer plugins`)")
+        return None
+    url = args.l2_url or ""
+    password = os.environ.get(L2_PASSWORD_ENV)
+    if password and url:
+        parts = []
+        for part in url.split(","):
+            s = urlsplit(part)
+            if s.password is None and s.hostname:
+                user = s.username or ""
+                host = s.netloc.rpartition("@")[2]
+                part = urlunsplit((s.scheme, f"{user}:{quote(password, safe='')}@{host}", s.path, s.query, s.fragment))
+            parts.append(part)
+        url = ",".join(parts)
+    return TierConfig(store=args.l2, url=url, admission=args.l2_admission, queue=args.l2_queue,
+                      writers=args.l2_writers, readers=args.l2_readers, timeout_s=args.l2_timeout,
+                      bulk_timeout_s=args.l2_bulk_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -60,10 +97,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         heartbeat_s=min(1.0, args.session_timeout / 3),
         max_message_size=parse_size(args.max_message_size),
         curve=_curve_server(args.curve_dir),
+        l2=_l2_config(args),
     )
     server = CacheServer(config)
+    l2 = ""
+    if server.tier is not None:
+        l2 = f", L2 {server.tier.store.name} at {server.tier.url} ({server.tier.status().state})"
     print(f"kvxfer server ready at {config.url} (arena {format_bytes(server.arena.size)}, "
-          f"chunk size {config.chunk_size}, transports {', '.join(server.transports)})", flush=True)
+          f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{l2})", flush=True)
     server.serve_forever(install_signal_handlers=True)
     return 0
 
@@ -72,7 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """List every installed transport: name, version, distribution, api_version, style, health.
+    """List every installed transport and store backend: name, version, distribution,
+    api_version, style (transports), health.
 
     Health is ``available``, ``unavailable`` (its probe says why) or ``broken`` (it failed to
     load, or declares another api_version). ``--json`` prints the same as an object.
@@ -80,31 +122,52 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     import dataclasses
 
     import kvxfer
+    from kvxfer.store.base import STORE_API_VERSION
+    from kvxfer.store.registry import NAMESPACE as STORE_NAMESPACE
+    from kvxfer.store.registry import list_stores
     from kvxfer.transport.contract import API_VERSION
     from kvxfer.transport.registry import NAMESPACE, list_plugins
 
     plugins = list_plugins()
+    stores = list_stores()
     if args.json:
         print(json.dumps({
             "kvxfer": kvxfer.__version__,
             "api_version": API_VERSION,
             "entry_point_group": NAMESPACE,
             "transports": [dataclasses.asdict(p) for p in plugins],
+            "store_api_version": STORE_API_VERSION,
+            "store_entry_point_group": STORE_NAMESPACE,
+            "stores": [dataclasses.asdict(p) for p in stores],
         }, indent=2))
         return 0
     print(f"kvxfer {kvxfer.__version__}, transport api_version {API_VERSION}, entry point group {NAMESPACE}")
     if not plugins:
         print("no transports installed (pip install kvxfer-cpu-gather)")
-        return 0
-    print_table(
-        [(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-", p.style or "-",
-          p.health) for p in plugins],
-        ["name", "version", "distribution", "api", "style", "health"],
-    )
+    else:
+        print_table(
+            [(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-",
+              p.style or "-", p.health) for p in plugins],
+            ["name", "version", "distribution", "api", "style", "health"],
+        )
+        print()
+        for p in plugins:
+            print(f"{p.name}: {p.detail or p.health}")
     print()
-    for p in plugins:
-        print(f"{p.name}: {p.detail or p.health}")
+    _stores_table(stores, STORE_API_VERSION, STORE_NAMESPACE)
     return 0
+
+
+def _stores_table(stores: list[PluginInfo], api_version: int, namespace: str) -> None:
+    print(f"store backends (L2), store api_version {api_version}, entry point group {namespace}")
+    if not stores:
+        print("no store backends installed (pip install kvxfer-valkey)")
+        return
+    print_table([(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-", p.health)
+                 for p in stores], ["name", "version", "distribution", "api", "health"])
+    print()
+    for p in stores:
+        print(f"{p.name}: {p.detail or p.health}")
 
 
 # --------------------------------------------------------------------------- status
@@ -151,11 +214,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     print()
     print_table([(t.name, t.style, t.contexts, ", ".join(f"{k}={v}" for k, v in t.state.items()) or "-")
                  for t in st.transports], ["transport", "style", "contexts", "state"])
+    for t in st.tiers:
+        print()
+        print(_tier_text(t))
     for title, values in st.sections.items():
         print(f"\n[{title}]")
         for k, v in values.items():
             print(f"  {k}: {v}")
     return 0
+
+
+def _tier_text(t: TierStatus) -> str:
+    """The lines ``kvxfer status`` prints for one storage tier."""
+    rate = f"{100 * t.lookup_hits / t.lookup_chunks:.1f}%" if t.lookup_chunks else "-"
+    lines = [
+        f"{t.name}: {t.store} at {t.url}: {t.state}{' (' + t.detail + ')' if t.detail else ''}",
+        f"  size: {', '.join(f'{k} {v}' for k, v in t.store_stats.items()) or '-'}",
+        f"  lookups: {t.lookups} ({t.lookup_chunks} chunks asked, hit rate {rate}, {t.timeouts} timeouts)",
+        (f"  promotions: {t.promotions} chunks ({t.promoting} running, {t.promote_failures} failed, "
+         f"{t.integrity_failures} failed integrity checks)"),
+        (f"  writes: {t.writes} chunks ({format_bytes(t.write_bytes)}; {t.write_skipped} already stored); "
+         f"admission {t.admission}; queue {t.queue_depth}/{t.queue_capacity} "
+         f"({format_bytes(t.pinned_bytes)} pinned); drops {t.drops}"),
+        f"  errors: {t.errors}; outages: {t.outages}",
+    ]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- keys
@@ -205,10 +288,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of client silence before its registrations are dropped (default: %(default)s)")
     s.add_argument("--max-message-size", default="16MiB", help="largest request accepted (default: %(default)s)")
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (required for tcp://)")
+    g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
+    g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
+    g.add_argument("--l2-url", default="", metavar="URL",
+                   help="valkey://[USER@]HOST:PORT[,HOST2:PORT...] (a cluster is discovered), valkeys:// for TLS, "
+                        f"file:///DIR?max_size=SIZE for fs; the password may come from ${L2_PASSWORD_ENV}")
+    g.add_argument("--l2-admission", default="all", metavar="POLICY",
+                   help="which stored chunks go to L2: all, or hits:N once read N times (default: %(default)s)")
+    g.add_argument("--l2-queue", type=int, default=64, metavar="N",
+                   help="chunks waiting for an L2 writer; more are dropped (default: %(default)s)")
+    g.add_argument("--l2-writers", type=int, default=2, metavar="N", help="L2 writer threads (default: %(default)s)")
+    g.add_argument("--l2-readers", type=int, default=2, metavar="N",
+                   help="L2 connections for promotions (default: %(default)s)")
+    g.add_argument("--l2-timeout", type=float, default=0.5, metavar="S",
+                   help="longest wait for the L2 store in a lookup: what a lookup pays at most (default: %(default)s)")
+    g.add_argument("--l2-bulk-timeout", type=float, default=10.0, metavar="S",
+                   help="longest silence while chunks move to or from L2 (default: %(default)s)")
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(fn=cmd_serve)
 
-    s = sub.add_parser("plugins", help="list installed transports and their health")
+    s = sub.add_parser("plugins", help="list installed transports and store backends, and their health")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plugins)
 
@@ -234,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-tokens", type=int, default=2048)
     s.add_argument("--l1-size", default="2GiB")
     s.add_argument("--url", default=None, help="use a running server instead of starting one")
+    s.add_argument("--nodes", type=int, default=1, choices=(1, 2),
+                   help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B")
+    s.add_argument("--l2", default="valkey", help="the L2 store of --nodes 2 (default: %(default)s)")
     s.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("bench", help="transfer benchmark (see benchmarks/transfer.py --help)", add_help=False)

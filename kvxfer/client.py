@@ -218,18 +218,23 @@ class CacheClient:
         except TransportNotFound as exc:
             raise TransportUnavailable(f"no transport loaded by the server at {self.url} fits: {exc}") from None
 
-    def lookup(self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes]) -> int:
-        """How many leading chunks of ``hashes`` the server has for every rank."""
-        return self.request(m.Lookup(model_name, world_size, list(hashes))).hits
+    def lookup(self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes], promote: bool = False) -> int:
+        """How many leading chunks of ``hashes`` the server has for every rank, in its arena or
+        in its L2 tier. With ``promote``, the server starts loading the L2 ones into its arena,
+        so that a retrieve that follows finds them (it waits for those still on their way)."""
+        return self.request(m.Lookup(model_name, world_size, list(hashes), 0.0, promote)).hits
 
     def lookup_and_lease(
-        self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes], lease_s: float = 30.0
+        self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes], lease_s: float = 30.0,
+        promote: bool = True,
     ) -> m.LookupReply:
         """Like :meth:`lookup`, and keep the hits from eviction for ``lease_s`` seconds or until
-        each rank's retrieve naming ``lease_id`` is done."""
+        each rank's retrieve naming ``lease_id`` is done. Hits found in the L2 tier are promoted
+        into the arena under the lease (``reply.l2_hits`` says how many), unless ``promote`` is
+        False (then the lease covers only the hits already in the arena)."""
         if lease_s <= 0:
             raise ConfigError(f"lease_s must be positive, got {lease_s}")
-        return self.request(m.Lookup(model_name, world_size, list(hashes), lease_s))
+        return self.request(m.Lookup(model_name, world_size, list(hashes), lease_s, promote))
 
     def release_lease(self, lease_id: int) -> None:
         self.request(m.ReleaseLease(lease_id))

@@ -5,6 +5,12 @@ flash-attention layout ``[2, num_blocks, 16, 8, 128]``, bf16) through a transpor
 chunks of a few prompts (two of which share a prefix, so the second store skips the shared
 chunks), looks them up, retrieves them into other blocks, verifies every byte, prints a report
 and stops the server.
+
+``--nodes 2`` runs the two-host story on one machine: a private L2 store (Valkey, from the
+``kvxfer-valkey`` plugin's local instance) and two servers with separate arenas standing in for
+hosts A and B. The prompts are stored on A, reach L2 through A's writers, and are loaded on B
+(looked up across B's tiers, promoted into B's arena, retrieved into B's own KV cache); every
+byte is checked against A's.
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ HEADS, HEAD_SIZE = 8, 128
 def run_demo(args: argparse.Namespace) -> int:
     from kvxfer.testing.server import ServerProcess
 
+    if getattr(args, "nodes", 1) == 2:
+        return run_two_hosts(args)
+    if getattr(args, "nodes", 1) != 1:
+        from kvxfer.errors import ConfigError
+
+        raise ConfigError(f"--nodes {args.nodes}: the demo runs 1 host, or 2 sharing an L2 store")
     server = None
     url = args.url
     if url is None:
@@ -125,3 +137,103 @@ def _demo(url: str, args: argparse.Namespace) -> int:
           f"{format_bytes(st.arena.capacity)} used, lookup hit rate "
           f"{100 * st.lookup_hits / max(1, st.lookup_chunks):.0f}%")
     return 0 if ok and miss == 0 and all(n == chunks_per_prompt for n in hits) else 1
+
+
+def run_two_hosts(args: argparse.Namespace) -> int:
+    """``kvxfer demo --nodes 2``: store on host A, load on host B through a shared L2 store."""
+    import tempfile
+    from pathlib import Path
+
+    from kvxfer.errors import ConfigError
+    from kvxfer.store import LocalInstance, get_store
+    from kvxfer.testing.server import ServerProcess
+
+    store = get_store(args.l2)
+    if not store.capabilities.shared or not isinstance(store, LocalInstance):
+        raise ConfigError(f"--l2 {args.l2}: the two-host demo needs a store that several servers share and that can "
+                          "start a local instance (valkey: pip install 'kvxfer-valkey[server]')")
+    with tempfile.TemporaryDirectory(prefix="kvxfer-demo-") as tmp, store.local_instance(Path(tmp)) as url:
+        print(f"L2: a private {store.name} at {store.redact(url)}")
+        l2 = ["--l2", store.name, "--l2-url", url]
+        print(f"starting host A and host B (kvxfer servers, arena {args.l1_size} each) ...", flush=True)
+        with ServerProcess(l1_size=args.l1_size, transports=args.transport, extra_args=l2) as a, \
+                ServerProcess(l1_size=args.l1_size, transports=args.transport, extra_args=l2) as b:
+            return _two_hosts(a.url, b.url, args)
+
+
+def _wait_l2(client: CacheClient, writes: int, timeout: float = 120.0) -> float:
+    t0 = time.perf_counter()
+    while True:
+        t = client.status().tiers[0]
+        if t.writes + t.write_skipped + t.drops >= writes and t.queue_depth == 0:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"L2 writes did not finish in {timeout:.0f} s: {t}")
+        time.sleep(0.005)
+
+
+def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
+    ca, cb = CacheClient(url_a, name="demo host A"), CacheClient(url_b, name="demo host B")
+    cs = ca.chunk_size
+    bpc = cs // BLOCK_SIZE
+    tokens = args.prompt_tokens // cs * cs
+    per_prompt = tokens // cs
+    num_blocks = max(args.blocks, args.prompts * per_prompt * bpc)
+    layout = KVLayout(LayoutKind.FLASH_ATTN, args.layers, num_blocks, BLOCK_SIZE, HEADS * HEAD_SIZE, torch.bfloat16)
+    chunk_bytes = layout.chunk_bytes(cs)
+    gen = torch.Generator().manual_seed(4321)
+    kv_a = [torch.empty(layout.layer_shape(HEADS), dtype=torch.bfloat16) for _ in range(args.layers)]
+    for layer in kv_a:
+        layer.view(torch.int16).random_(generator=gen)
+    kv_b = [torch.zeros(layout.layer_shape(HEADS), dtype=torch.bfloat16) for _ in range(args.layers)]
+    model = "demo-llama-8b"
+    ctx_a = ca.register(kv_a, model_name=model, block_size=BLOCK_SIZE, transport=args.transport)
+    ctx_b = cb.register(kv_b, model_name=model, block_size=BLOCK_SIZE, transport=args.transport)
+    print(f"host A: instance {ctx_a.instance_id} through {ctx_a.transport_name}; host B: instance "
+          f"{ctx_b.instance_id} through {ctx_b.transport_name}; one chunk = {format_bytes(chunk_bytes)}")
+
+    prompts = [torch.randint(0, 128_000, (tokens,), generator=gen).tolist() for _ in range(args.prompts)]
+    hashes = [chunk_hashes(p, cs) for p in prompts]
+    perm = torch.randperm(num_blocks, generator=gen)
+    need = per_prompt * bpc
+    blocks_a = [perm[i * need:(i + 1) * need] for i in range(args.prompts)]
+    perm_b = torch.randperm(num_blocks, generator=gen)  # B's cache is fragmented its own way
+    blocks_b = [perm_b[i * need:(i + 1) * need] for i in range(args.prompts)]
+
+    t = time.perf_counter()
+    stored = sum(len(ctx_a.submit_store(h, bl).result(timeout=120).stored) for h, bl in zip(hashes, blocks_a))
+    store_s = time.perf_counter() - t
+    l2_s = _wait_l2(ca, stored)
+    tier_a = ca.status().tiers[0]
+
+    t = time.perf_counter()
+    looked = []
+    loaded = 0
+    for h, bl in zip(hashes, blocks_b):  # as an engine would: look a prompt up, then load it
+        r = cb.lookup_and_lease(model, hashes=h, lease_s=60)
+        looked.append(r)
+        res = ctx_b.submit_retrieve(h[:r.hits], bl[:r.hits * bpc], lease_id=r.lease_id).result(timeout=120)
+        loaded += len(res.loaded)
+    load_s = time.perf_counter() - t
+    ok = all(
+        torch.equal(layout.row_view(la).view(torch.uint8)[layout.rows(sa)],
+                    layout.row_view(lb).view(torch.uint8)[layout.rows(sb)])
+        for la, lb in zip(kv_a, kv_b) for sa, sb in zip(blocks_a, blocks_b)
+    )
+    tier_b = cb.status().tiers[0]
+    ctx_a.close()
+    ctx_b.close()
+    ca.close()
+    cb.close()
+    total = args.prompts * per_prompt
+    print()
+    print(f"prompts:  {args.prompts} x {tokens} tokens = {total} chunks ({format_bytes(total * chunk_bytes)})")
+    print(f"host A:   stored {stored} chunks in {store_s * 1e3:.0f} ms; its L2 writers put them in "
+          f"{tier_a.store} {l2_s * 1e3:.0f} ms later ({tier_a.writes} written, {tier_a.drops} dropped)")
+    print(f"host B:   lookups found {sum(r.hits for r in looked)} of {total} chunks "
+          f"({sum(r.l2_hits for r in looked)} in L2); promoted and loaded {loaded} chunks in {load_s * 1e3:.0f} ms "
+          f"= {loaded * chunk_bytes / load_s / 1e9:.2f} GB/s")
+    print(f"host B:   L2 {tier_b.state}: {tier_b.promotions} promotions, {tier_b.integrity_failures} integrity "
+          f"failures, {tier_b.errors} errors")
+    print(f"verify:   {'every byte on B matches A' if ok else 'MISMATCH'}")
+    return 0 if ok and loaded == total and stored == total else 1

@@ -11,6 +11,10 @@
     │   ├── TransportBroken         fails to import, wrong api_version, or not a Transport
     │   └── TransportFailed         the plugin's code raised during a step (names transport
     │                               and step; the plugin's exception is ``__cause__``)
+    ├── StoreError                  about an L2 store backend (names the backend)
+    │   ├── StoreNotFound           no such name; lists the installed store backends
+    │   ├── StoreBroken             fails to import, wrong api_version, or not a Store
+    │   └── StoreUnavailable        the store cannot be reached or failed an operation (retry later)
     ├── ConnectionFailed            the server cannot be reached or stopped answering
     │   └── RequestTimeout          a request got no reply in time (names server and request)
     ├── ProtocolError               the two sides do not speak the same protocol
@@ -44,6 +48,10 @@ __all__ = [
     "TransportUnavailable",
     "TransportBroken",
     "TransportFailed",
+    "StoreError",
+    "StoreNotFound",
+    "StoreBroken",
+    "StoreUnavailable",
     "ConnectionFailed",
     "RequestTimeout",
     "ProtocolError",
@@ -114,6 +122,23 @@ class TransportFailed(TransportError):
         self.transport = transport
         self.step = step
         super().__init__(f"transport {transport!r} failed in {step}: {type(cause).__name__}: {cause}")
+
+
+class StoreError(KvxferError):
+    """A problem with an L2 store backend (:mod:`kvxfer.store`); the message names it."""
+
+
+class StoreNotFound(StoreError, LookupError):
+    """No store backend of that name is installed. The message lists the installed ones."""
+
+
+class StoreBroken(StoreError):
+    """The store plugin failed to load, declares another api_version, or is not a Store."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached, timed out, or refused an operation; the server carries on
+    from L1 and retries with backoff."""
 
 
 class ConnectionFailed(KvxferError, ConnectionError):

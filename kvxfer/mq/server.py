@@ -112,6 +112,12 @@ class MQServer:
         self._wake_send.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
         self._stop = threading.Event()
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_recv, zmq.POLLIN)
+        #: Other file descriptors the loop polls (see watch()).
+        self._watched: dict[int, Callable[[], None]] = {}
+        self._loop_ident = 0
 
     def _bind(self) -> None:
         path = ipc_path(self.url)
@@ -156,10 +162,26 @@ class MQServer:
 
     # ------------------------------------------------------------------ loop
 
+    # ------------------------------------------------------------------ loop thread
+
+    def in_loop(self) -> bool:
+        """Whether the calling thread is the loop's."""
+        return threading.get_ident() == self._loop_ident
+
+    def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
+        """Poll ``fd`` with the ROUTER socket and call ``on_readable`` on the loop when it is
+        readable (loop thread only; the L2 tier's lookups use it). ``on_readable`` must not
+        block; :meth:`unwatch` the fd before closing it."""
+        self._poller.register(fd, zmq.POLLIN)
+        self._watched[fd] = on_readable
+
+    def unwatch(self, fd: int) -> None:
+        if self._watched.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
+        poller = self._poller
+        self._loop_ident = threading.get_ident()
         next_tick = time.monotonic() + self._tick_s
         try:
             while not self._stop.is_set():
@@ -186,6 +208,14 @@ class MQServer:
                         self._handle(frames)
                     if not self._calls.empty():
                         self._flush_replies()
+                if self._watched:
+                    for fd in [fd for fd in self._watched if fd in events]:
+                        callback = self._watched.get(fd)
+                        try:
+                            if callback is not None:
+                                callback()
+                        except Exception:  # a watcher must never stop the loop
+                            log.exception("reading watched descriptor %d failed", fd)
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_s
                     if self._on_tick is not None:

@@ -151,11 +151,16 @@ class Lookup(Request["LookupReply"], frozen=True):
     world_size: int
     hashes: list[bytes]
     lease_s: float = 0.0
+    #: Start promoting the hits found in L2 into L1, so that a retrieve that follows finds them
+    #: there (it waits for chunks still being promoted).
+    promote: bool = False
 
 
 class LookupReply(Message, frozen=True):
     hits: int
     lease_id: int = 0
+    #: How many of the ``hits`` were found in L2 (or are being promoted from it).
+    l2_hits: int = 0
 
 
 class ReleaseLease(Request[Empty], frozen=True):
@@ -313,6 +318,47 @@ class TransportStatus(Message, frozen=True):
     state: dict[str, str] = {}
 
 
+class TierStatus(Message, frozen=True):
+    """A storage tier below the L1 arena (``kvxfer serve --l2``)."""
+
+    name: str
+    #: Store backend (its entry point name) and where it is (secrets removed).
+    store: str
+    url: str
+    #: ``up``, or ``down``: the circuit breaker is open, the server serves from L1 and retries.
+    state: str
+    detail: str = ""
+    admission: str = "all"
+    #: Lookups that asked this tier, chunks asked, chunks found.
+    lookups: int = 0
+    lookup_chunks: int = 0
+    lookup_hits: int = 0
+    #: Lookups that gave up waiting for the store (answered from L1).
+    timeouts: int = 0
+    #: Chunks promoted into L1; that failed to promote (store error or gone); being promoted now.
+    promotions: int = 0
+    promote_failures: int = 0
+    promoting: int = 0
+    #: Values whose header, length or checksum did not match: counted as misses, never loaded.
+    integrity_failures: int = 0
+    #: Chunks written and their bytes; chunks the store already held.
+    writes: int = 0
+    write_bytes: int = 0
+    write_skipped: int = 0
+    #: Chunks queued or being written now, and the queue's size.
+    queue_depth: int = 0
+    queue_capacity: int = 0
+    #: Arena bytes pinned by queued writes.
+    pinned_bytes: int = 0
+    #: Writes dropped (queue full, store down or failing).
+    drops: int = 0
+    #: Store operations that failed, and times the circuit breaker opened.
+    errors: int = 0
+    outages: int = 0
+    #: The store's own figures (bytes used, values, nodes), refreshed every few seconds.
+    store_stats: dict[str, str] = {}
+
+
 class StatusRequest(Request["StatusReply"], frozen=True):
     pass
 
@@ -338,6 +384,8 @@ class StatusReply(Message, frozen=True):
     hook_errors: int
     #: Extra sections contributed by hook plugins: name -> key -> value.
     sections: dict[str, dict[str, str]] = {}
+    #: Storage tiers below the arena (``kvxfer serve --l2``); empty without one.
+    tiers: list[TierStatus] = []
 
 
 class Clear(Request["ClearReply"], frozen=True):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvxfer.arena import DEFAULT_SHM_DIR
 from kvxfer.errors import ConfigError
 from kvxfer.mq.server import CurveServerKeys
+from kvxfer.server.tier import TierConfig
 from kvxfer.urls import default_url
 
 __all__ = ["ServerConfig"]
@@ -30,6 +31,8 @@ class ServerConfig:
     #: Largest message accepted; bigger ones are dropped by ZeroMQ before decoding.
     max_message_size: int = 16 << 20
     curve: CurveServerKeys | None = None
+    #: The L2 tier under the arena (``--l2``), or None for L1 only.
+    l2: TierConfig | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:

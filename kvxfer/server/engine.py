@@ -47,6 +47,8 @@ from kvxfer.server.config import ServerConfig
 from kvxfer.server.context import RegisteredContext
 from kvxfer.server.hooks import HookRelay
 from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
+from kvxfer.server.tier import L2Tier
+from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
 from kvxfer.transport._context import guarded, plugin_step
 from kvxfer.transport.contract import ServerContext, ServerTransport, Style, Transport
@@ -74,6 +76,17 @@ class Session:
 class LoadedTransport:
     transport: Transport
     server: ServerTransport
+
+
+class _Awaiting:
+    """A handler's answer when it must first wait for ``future`` (resolved on any thread): the
+    loop then answers with ``then()``, a reply or another deferred answer."""
+
+    __slots__ = ("future", "then")
+
+    def __init__(self, future: Future[Any], then: Callable[[], msgspec.Struct | _Deferred | _Awaiting]):
+        self.future = future
+        self.then = then
 
 
 class _Deferred:
@@ -159,6 +172,8 @@ class CacheServer:
 
     def __init__(self, config: ServerConfig, hooks: HookRelay | None = None) -> None:
         self.config = config
+        if config.l2 is not None:  # an unknown store fails before anything is created
+            get_store(config.l2.store)
         self.started = time.time()
         self.hooks = hooks if hooks is not None else HookRelay()
         self.arena = Arena.create(config.l1_size, config.shm_dir)
@@ -176,6 +191,8 @@ class CacheServer:
         self._parked: dict[str, dict[int, Reservation]] = {}
         #: Runs the waiters of server-driven copies (see ServerContext.store).
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
+        #: The L2 tier under the arena (``--l2``), or None.
+        self.tier: L2Tier | None = None
         try:
             self._load_transports()
             self._mq = MQServer(
@@ -185,16 +202,23 @@ class CacheServer:
                 curve=config.curve,
                 on_tick=self._tick,
             )
+            if config.l2 is not None:
+                self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
+                                   watch=self._mq.watch, unwatch=self._mq.unwatch)
+                self.tier.start()
         except BaseException:
+            if self.tier is not None:
+                self.tier.close()
             self._close_transports()
             self.arena.close()
             raise
         #: The request table's kind picks the table a handler is in, and how its answer is sent.
-        self._control: dict[str, Callable[[Session, Any], msgspec.Struct]] = {
+        #: Either may answer later (_Awaiting): a lookup that asks L2, a read that waits for promotions.
+        self._control: dict[str, Callable[[Session, Any], msgspec.Struct | _Awaiting]] = {
             name: getattr(self, f"_on_{name}") for name, spec in REQUESTS.items()
             if spec.kind is HandlerKind.CONTROL and name != "handshake"
         }
-        self._transfer: dict[str, Callable[[Session, Any], _Deferred]] = {
+        self._transfer: dict[str, Callable[[Session, Any], _Deferred | _Awaiting]] = {
             name: getattr(self, f"_on_{name}") for name, spec in REQUESTS.items() if spec.kind is HandlerKind.TRANSFER
         }
 
@@ -258,6 +282,8 @@ class CacheServer:
         for ctx in list(self.contexts.values()):
             self._drop_context(ctx, "shutdown", wait=True)
         self._waiters.shutdown(wait=True)
+        if self.tier is not None:
+            self.tier.close()
         self.hooks.call("kvxfer_server_stopped", server=self)
         self._close_transports()
         self.arena.close()
@@ -283,12 +309,33 @@ class CacheServer:
                                 "send a handshake first")
             session.last_seen = time.monotonic()
             if spec.kind is HandlerKind.TRANSFER:
-                self._run_deferred(identity, rid, name, self._transfer[name](session, msg))
+                self._answer(identity, rid, name, self._transfer[name](session, msg))
                 return None
             out = self._control[name](session, msg)
         except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
             return self._error(name, exc)
+        if isinstance(out, _Awaiting):
+            self._answer(identity, rid, name, out)
+            return None
         return codec.OK, codec.encode(out)
+
+    def _answer(self, identity: bytes, rid: bytes, name: str, out: msgspec.Struct | _Deferred | _Awaiting) -> None:
+        """Send a handler's answer now, or once its deferred part is done (loop thread)."""
+        if isinstance(out, _Deferred):
+            self._run_deferred(identity, rid, name, out)
+        elif isinstance(out, _Awaiting):
+            def resume() -> None:
+                try:
+                    nxt = out.then()
+                except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
+                    self._mq.send(identity, rid, *self._error(name, exc))
+                    return
+                self._answer(identity, rid, name, nxt)
+
+            # resolved on the loop (a promotion, a lookup read by the loop): answer now
+            out.future.add_done_callback(lambda _f: resume() if self._mq.in_loop() else self._mq.call_soon(resume))
+        else:
+            self._mq.send(identity, rid, codec.OK, codec.encode(out))
 
     def _error(self, name: str, exc: BaseException) -> tuple[bytes, bytes]:
         self.errors += 1
@@ -372,6 +419,8 @@ class CacheServer:
     def _tick(self) -> None:
         now = time.monotonic()
         self.index.expire_leases(now)
+        if self.tier is not None:
+            self.tier.tick()
         for identity, session in list(self.sessions.items()):
             if now - session.last_seen > self.config.session_timeout_s:
                 log.info("session of pid %d (%s) timed out; dropping its %d registrations",
@@ -486,7 +535,7 @@ class CacheServer:
 
         return _Deferred(ctx.executor, lambda: None, finish, ctx.transport)
 
-    def _on_lookup(self, session: Session, msg: m.Lookup) -> m.LookupReply:
+    def _on_lookup(self, session: Session, msg: m.Lookup) -> m.LookupReply | _Awaiting:
         if msg.world_size <= 0:
             raise _invalid("world_size", f"must be positive, got {msg.world_size}")
         _check_hashes(msg.hashes)
@@ -494,11 +543,33 @@ class CacheServer:
         self.lookups += 1
         self.lookup_chunks += len(msg.hashes)
         self.lookup_hits += hits
+        if self.tier is not None and hits < len(msg.hashes):
+            keys = [[ChunkKey(msg.model_name, msg.world_size, r, h) for r in range(msg.world_size)] for h in msg.hashes]
+            sizes = self.tier.begin_lookup(keys, hits)
+            if sizes is not None:
+                return _Awaiting(sizes, lambda: self._lookup_reply(msg, *self.tier.finish_lookup(  # type: ignore[union-attr]
+                    keys, sizes.result(), msg.promote)))
+        return self._lookup_reply(msg, hits, 0, hits)
+
+    def _lookup_reply(self, msg: m.Lookup, hits: int, l2_hits: int, leasable: int) -> m.LookupReply:
+        """Lease the hits that have L1 entries (all of them when promoting) and reply."""
         lease_id = 0
-        if msg.lease_s > 0 and hits:
+        leased = min(hits, leasable)
+        if msg.lease_s > 0 and leased:
             lease_s = min(msg.lease_s, MAX_LEASE_S)
-            lease_id = self.index.lease(msg.model_name, msg.world_size, msg.hashes[:hits], lease_s)
-        return m.LookupReply(hits, lease_id)
+            lease_id = self.index.lease(msg.model_name, msg.world_size, msg.hashes[:leased], lease_s)
+        return m.LookupReply(hits, lease_id, l2_hits)
+
+    def _chunk_format(self, key: ChunkKey) -> str | None:
+        """The chunk format of a registered context whose chunks ``key`` names, if any."""
+        for ctx in self.contexts.values():
+            if ctx.key(key.chunk_hash) == key:
+                return ctx.chunk.fmt
+        return None
+
+    def _promotions_of(self, keys: list[ChunkKey]) -> Future[None] | None:
+        """Promotions from L2 still running for ``keys`` (a retrieve waits for them)."""
+        return self.tier.pending(keys) if self.tier is not None and self.tier.promoting else None
 
     def _on_release_lease(self, session: Session, msg: m.ReleaseLease) -> m.Empty:
         self.index.release_lease(msg.lease_id)
@@ -541,13 +612,18 @@ class CacheServer:
         bad = sorted(set(failed) & reserved)
         stored = self.index.commit_write(res, bad)
         ctx.stores += 1
+        if stored and self.tier is not None:
+            self.tier.offer([e for _, e in stored])
         if stored:
             self.hooks.call("kvxfer_chunks_stored", server=self, context=ctx, keys=[e.key for _, e in stored])
         return m.StoreResult([i for i, _ in stored], [], bad)
 
-    def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply:
+    def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
         ctx = self._client_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
+        promoting = self._promotions_of(ctx.keys(msg.hashes))
+        if promoting is not None:
+            return _Awaiting(promoting, lambda: self._on_reserve_read(session, msg))
         res, missing = self.index.reserve_read(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.instance_id, msg.lease_id)
         return m.ReserveReadReply(res.id, [m.Slot(i, e.offset) for i, e in res.entries], missing)
 
@@ -560,6 +636,8 @@ class CacheServer:
     def _commit_read(self, ctx: RegisteredContext, res: Reservation) -> None:
         self.index.commit_read(res)
         ctx.retrieves += 1
+        if self.tier is not None and res.entries:
+            self.tier.on_read([e.key for _, e in res.entries])
         if res.entries:
             self.hooks.call("kvxfer_chunks_retrieved", server=self, context=ctx, keys=[e.key for _, e in res.entries])
 
@@ -610,9 +688,12 @@ class CacheServer:
         work = self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies else (lambda: None)
         return _Deferred(ctx.executor, work, finish, ctx.transport)
 
-    def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred:
+    def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred | _Awaiting:
         ctx = self._server_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
+        promoting = self._promotions_of(ctx.keys(msg.hashes))
+        if promoting is not None:
+            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg))
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
@@ -682,11 +763,17 @@ class CacheServer:
             errors=self.errors,
             hook_errors=self.hooks.errors,
             sections=sections,
+            tiers=[self.tier.status()] if self.tier is not None else [],
         )
 
     def _on_clear(self, session: Session, msg: m.Clear) -> m.ClearReply:
-        return m.ClearReply(len(self.index.clear(msg.model_name)))
+        gone = self.index.clear(msg.model_name)
+        if self.tier is not None:
+            self.tier.forget(gone)
+        return m.ClearReply(len(gone))
 
     def _on_evict(self, keys: list[ChunkKey]) -> None:
+        if self.tier is not None:
+            self.tier.forget(keys)
         self.hooks.call("kvxfer_chunks_evicted", server=self, keys=keys)
 

@@ -2,6 +2,7 @@
 
 * :class:`TransportConformance`: subclass it in a test module to run every conformance test
   against your transport (see docs/plugin-authoring.md);
+* :class:`StoreConformance`: the same for an L2 store backend (see docs/l2.md);
 * :class:`ServerProcess`: a real ``kvxfer serve`` in a subprocess;
 * :mod:`kvxfer.testing.kvdata`: random-byte KV caches and the canonical chunk format,
   computed from shapes alone (a reference independent of every transport).
@@ -22,8 +23,9 @@ from kvxfer.testing.server import ServerProcess
 
 if TYPE_CHECKING:
     from kvxfer.testing.conformance import OverrideError, TransportConformance
+    from kvxfer.testing.stores import StoreConformance
 
-__all__ = ["ServerProcess", "TransportConformance", "OverrideError"]
+__all__ = ["ServerProcess", "TransportConformance", "StoreConformance", "OverrideError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -31,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from kvxfer.testing import conformance
 
         return getattr(conformance, name)
+    if name == "StoreConformance":
+        from kvxfer.testing.stores import StoreConformance
+
+        return StoreConformance
     raise AttributeError(f"module 'kvxfer.testing' has no attribute {name!r}")

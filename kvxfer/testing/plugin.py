@@ -4,6 +4,9 @@ options and markers.
 * ``--kvxfer-transport=NAME`` picks the transport of :mod:`kvxfer.testing.suite` (and of any
   :class:`~kvxfer.testing.TransportConformance` subclass that sets no ``transport``);
 * ``--kvxfer-device=TYPE`` likewise picks the torch device type of the test KV tensors;
+* ``--kvxfer-store=NAME`` and ``--kvxfer-store-url=URL`` pick the store backend of
+  :mod:`kvxfer.testing.store_suite` (and of any :class:`~kvxfer.testing.StoreConformance`
+  subclass that sets no ``store``);
 * a kit test replaced on a subclass after its definition stops the run (overriding one in
   the class body is refused when the class is defined);
 * every kit test gets the marker ``kvxfer_conformance`` (select with ``-m kvxfer_conformance``),
@@ -24,28 +27,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(pytest --kvxfer-transport=NAME --pyargs kvxfer.testing.suite)")
     group.addoption("--kvxfer-device", default=None, metavar="TYPE", dest="kvxfer_device",
                     help="torch device type of the conformance suite's KV tensors (default: cpu)")
+    group.addoption("--kvxfer-store", default=None, metavar="NAME", dest="kvxfer_store",
+                    help="run the kvxfer store conformance suite against store backend NAME "
+                         "(pytest --kvxfer-store=NAME --pyargs kvxfer.testing.store_suite)")
+    group.addoption("--kvxfer-store-url", default=None, metavar="URL", dest="kvxfer_store_url",
+                    help="the store the store conformance suite uses (default: a private local instance)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
-    config.addinivalue_line("markers", "kvxfer_conformance: a test of kvxfer's transport conformance kit")
+    config.addinivalue_line("markers", "kvxfer_conformance: a test of kvxfer's transport or store conformance kit")
 
 
 @pytest.hookimpl(tryfirst=True)  # markers added here must exist before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    kit = sys.modules.get("kvxfer.testing.conformance")
-    if kit is None:  # nothing collected uses the kit (and importing it would import torch)
-        return
-    TransportConformance = kit.TransportConformance
+    kits = []
+    for module, attr in (("kvxfer.testing.conformance", "TransportConformance"),
+                         ("kvxfer.testing.stores", "StoreConformance")):
+        mod = sys.modules.get(module)
+        if mod is not None:  # nothing collected uses a kit not imported (importing it imports torch)
+            kits.append(getattr(mod, attr))
     replaced = []
     for item in items:
         cls = getattr(item, "cls", None)
-        if cls is None or not issubclass(cls, TransportConformance):
+        kit = next((k for k in kits if cls is not None and issubclass(cls, k)), None)
+        if kit is None or cls is None:
             continue
         name = getattr(item, "originalname", item.name)
-        if name in TransportConformance.kit_names:
+        if name in kit.kit_names:
             item.add_marker(pytest.mark.kvxfer_conformance)
-            if getattr(cls, name, None) is not getattr(TransportConformance, name):
+            if getattr(cls, name, None) is not getattr(kit, name):
                 replaced.append(f"{cls.__qualname__}.{name}")
         device = getattr(cls, "device", None) or config.getoption("kvxfer_device", None) or "cpu"
         if str(device).startswith("cuda"):

@@ -1,7 +1,9 @@
-"""Finding transports: entry points in group ``kvxfer.transports``, loaded lazily by name.
+"""Finding plugins: transports (entry points in group ``kvxfer.transports``) and store backends
+(``kvxfer.stores``, see :mod:`kvxfer.store`), loaded lazily by name through one
+:class:`EntryPointGroup` each.
 
 A plugin that fails to import, declares another ``api_version`` or names something that is not
-a :class:`Transport` is reported (``kvxfer plugins``) and breaks nothing else. An unknown name
+a plugin of its group is reported (``kvxfer plugins``) and breaks nothing else. An unknown name
 raises :class:`TransportNotFound` listing what is installed.
 """
 
@@ -12,17 +14,18 @@ import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from stevedore import DriverManager, ExtensionManager
 
-from kvxfer.errors import TransportBroken, TransportError, TransportNotFound, TransportUnavailable
+from kvxfer.errors import KvxferError, TransportBroken, TransportError, TransportNotFound, TransportUnavailable
 from kvxfer.transport.contract import API_VERSION, Probe, Transport
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NAMESPACE", "PluginInfo", "get_transport", "list_plugins", "select", "refresh"]
+__all__ = ["NAMESPACE", "EntryPointGroup", "PluginInfo", "TRANSPORTS", "get_transport", "list_plugins", "select",
+           "refresh"]
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ AUTO: Final = "auto"
 
 @dataclass(frozen=True, slots=True)
 class PluginInfo:
-    """One installed transport entry point, as ``kvxfer plugins`` shows it."""
+    """One installed plugin entry point (transport or store), as ``kvxfer plugins`` shows it."""
 
     name: str
     target: str
@@ -45,95 +48,159 @@ class PluginInfo:
     style: str = ""
 
 
-_lock = threading.Lock()
-_entry_points: dict[str, EntryPoint] | None = None
-_loaded: dict[str, Transport] = {}
-_broken: dict[str, str] = {}
+class EntryPointGroup:
+    """Discovery and lazy loading of one entry point group of plugins (transports in
+    ``kvxfer.transports``, store backends in ``kvxfer.stores``): the one place both kinds are
+    found, loaded, checked against their contract version and reported.
+
+    ``kind`` names the plugin kind in messages ("transport", "store"); ``base`` is the class a
+    loaded plugin must be an instance of; ``api_version`` the contract version it must declare;
+    ``not_found`` / ``broken`` the exceptions raised for an unknown name and for a plugin that
+    fails to load. A plugin whose class has ``contract_errors()`` is refused when it returns
+    any. Thread-safe.
+    """
+
+    def __init__(self, namespace: str, kind: str, base: type, api_version: int,
+                 not_found: type[KvxferError], broken: type[KvxferError]) -> None:
+        self.namespace = namespace
+        self.kind = kind
+        self.base = base
+        self.api_version = api_version
+        self.not_found = not_found
+        self.broken = broken
+        self._lock = threading.Lock()
+        self._entry_points: dict[str, EntryPoint] | None = None
+        self._loaded: dict[str, Any] = {}
+        self._broken: dict[str, str] = {}
+
+    def entry_points(self) -> dict[str, EntryPoint]:
+        """Installed entry points by name, read from package metadata without importing them."""
+        with self._lock:
+            if self._entry_points is None:
+                found: dict[str, EntryPoint] = {}
+                for ep in entry_points(group=self.namespace):
+                    if ep.name in found:
+                        log.warning("%s %r is installed twice; using %s", self.kind, ep.name, found[ep.name].value)
+                        continue
+                    found[ep.name] = ep
+                self._entry_points = found
+            return self._entry_points
+
+    def _import(self, name: str) -> object:
+        """Import one plugin through stevedore; the plugin's own exception propagates."""
+        def fail(_mgr: object, _ep: object, exc: BaseException) -> None:
+            raise exc
+
+        mgr: DriverManager[object] = DriverManager(self.namespace, name, invoke_on_load=False,
+                                                   on_load_failure_callback=fail)
+        return mgr.driver
+
+    def refresh(self) -> None:
+        """Forget what was discovered and loaded (tests that install plugins call this)."""
+        with self._lock:
+            self._entry_points = None
+            self._loaded.clear()
+            self._broken.clear()
+            # stevedore keeps its own per-namespace list of entry points for the process' life
+            ExtensionManager.ENTRY_POINT_CACHE.pop(self.namespace, None)
+
+    def names(self) -> list[str]:
+        return sorted(self.entry_points())
+
+    def load(self, name: str) -> Any:
+        """The plugin object called ``name`` (an instance of ``base``); raises ``not_found`` or
+        ``broken`` with a message naming the group, the plugin and its distribution."""
+        with self._lock:
+            if name in self._loaded:
+                return self._loaded[name]
+            if name in self._broken:
+                raise self.broken(self._broken[name])
+        eps = self.entry_points()
+        ep = eps.get(name)
+        if ep is None:
+            installed = ", ".join(sorted(eps)) or "none"
+            raise self.not_found(
+                f"no {self.kind} named {name!r} in entry point group {self.namespace!r}; installed: {installed}. "
+                f"Install its package (e.g. pip install kvxfer-{name.replace('_', '-')}) or pick another"
+            )
+        try:
+            target = self._import(name)
+            plugin = target() if isinstance(target, type) else target
+            if not isinstance(plugin, self.base):
+                raise TypeError(f"{ep.value} is a {type(plugin).__name__}, not a kvxfer {self.base.__name__}")
+            declared = getattr(plugin, "api_version", None)
+            if declared != self.api_version:
+                raise self.broken(
+                    f"{self.kind} {name!r} ({_dist(ep)}) implements kvxfer {self.kind} api_version {declared}, "
+                    f"this kvxfer implements {self.api_version}; install matching versions of kvxfer and the plugin"
+                )
+            called = getattr(plugin, "name", None)
+            if called != name:
+                raise TypeError(f"entry point {name!r} names a {self.kind} called {called!r}")
+            check = getattr(plugin, "contract_errors", None)
+            wrong = check() if callable(check) else []
+            if wrong:
+                raise self.broken(f"{self.kind} {name!r} ({_dist(ep)}) breaks the kvxfer {self.kind} contract: "
+                                  + "; ".join(wrong))
+        except self.broken as exc:
+            with self._lock:
+                self._broken[name] = str(exc)
+            raise
+        except Exception as exc:  # noqa: BLE001  (any import-time failure of a third-party plugin)
+            msg = (f"{self.kind} plugin {name!r} ({self.namespace}: {_dist(ep)}) failed to load: "
+                   f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self._broken[name] = msg
+            log.warning("%s", msg)
+            raise self.broken(msg) from exc
+        with self._lock:
+            self._loaded[name] = plugin
+        return plugin
+
+    def list(self) -> list[PluginInfo]:
+        """Every installed plugin of the group with its health; loads each (import errors are
+        reported, not raised). ``style`` is filled by plugins that have one (transports)."""
+        out = []
+        for name, ep in sorted(self.entry_points().items()):
+            dist = getattr(ep, "dist", None)
+            base = dict(name=name, target=getattr(ep, "value", ""), distribution=dist.name if dist else "?",
+                        version=dist.version if dist else "?")
+            try:
+                plugin = self.load(name)
+            except self.broken as exc:
+                out.append(PluginInfo(**base, health="broken", detail=str(exc), api_version=None))
+                continue
+            try:
+                probe = plugin.probe()
+            except Exception as exc:  # noqa: BLE001  (a probe must not raise; report it if it does)
+                probe = Probe(False, f"probe() raised {type(exc).__name__}: {exc}")
+            style = getattr(plugin, "style", "")
+            out.append(PluginInfo(
+                **base,
+                health="available" if probe.available else "unavailable",
+                detail=probe.reason,
+                api_version=plugin.api_version,
+                style=str(getattr(style, "value", style)),
+            ))
+        return out
 
 
-def _eps() -> dict[str, EntryPoint]:
-    """Installed entry points by name, read from package metadata without importing them."""
-    global _entry_points
-    with _lock:
-        if _entry_points is None:
-            found: dict[str, EntryPoint] = {}
-            for ep in entry_points(group=NAMESPACE):
-                if ep.name in found:
-                    log.warning("transport %r is installed twice; using %s", ep.name, found[ep.name].value)
-                    continue
-                found[ep.name] = ep
-            _entry_points = found
-        return _entry_points
-
-
-def _import(name: str) -> object:
-    """Import one plugin through stevedore; the plugin's own exception propagates."""
-    def fail(_mgr: object, _ep: object, exc: BaseException) -> None:
-        raise exc
-
-
-    mgr: DriverManager[object] = DriverManager(NAMESPACE, name, invoke_on_load=False, on_load_failure_callback=fail)
-    return mgr.driver
+#: The transports' group.
+TRANSPORTS: Final = EntryPointGroup(NAMESPACE, "transport", Transport, API_VERSION, TransportNotFound,
+                                    TransportBroken)
 
 
 def refresh() -> None:
     """Forget what was discovered and loaded (tests that install plugins call this)."""
-    global _entry_points
-    with _lock:
-        _entry_points = None
-        _loaded.clear()
-        _broken.clear()
-        # stevedore keeps its own per-namespace list of entry points for the process' life
-        ExtensionManager.ENTRY_POINT_CACHE.pop(NAMESPACE, None)
+    TRANSPORTS.refresh()
 
 
 def installed_names() -> list[str]:
-    return sorted(_eps())
+    return TRANSPORTS.names()
 
 
 def _load(name: str) -> Transport:
-    with _lock:
-        if name in _loaded:
-            return _loaded[name]
-        if name in _broken:
-            raise TransportBroken(_broken[name])
-    eps = _eps()
-    ep = eps.get(name)
-    if ep is None:
-        installed = ", ".join(sorted(eps)) or "none"
-        raise TransportNotFound(
-            f"no transport named {name!r} in entry point group {NAMESPACE!r}; installed: {installed}. "
-            f"Install its package (e.g. pip install kvxfer-{name.replace('_', '-')}) or pick another"
-        )
-    try:
-        target = _import(name)
-        transport = target() if isinstance(target, type) else target
-        if not isinstance(transport, Transport):
-            raise TypeError(f"{ep.value} is a {type(transport).__name__}, not a kvxfer Transport")
-        declared = getattr(transport, "api_version", None)
-        if declared != API_VERSION:
-            raise TransportBroken(
-                f"transport {name!r} ({_dist(ep)}) implements kvxfer transport api_version {declared}, "
-                f"this kvxfer implements {API_VERSION}; install matching versions of kvxfer and the plugin"
-            )
-        if transport.name != name:
-            raise TypeError(f"entry point {name!r} names a transport called {transport.name!r}")
-        wrong = transport.contract_errors()
-        if wrong:
-            raise TransportBroken(f"transport {name!r} ({_dist(ep)}) breaks the kvxfer transport contract: "
-                                  + "; ".join(wrong))
-    except TransportBroken as exc:
-        with _lock:
-            _broken[name] = str(exc)
-        raise
-    except Exception as exc:  # any import-time failure of a third-party plugin
-        msg = f"transport plugin {name!r} ({NAMESPACE}: {_dist(ep)}) failed to load: {type(exc).__name__}: {exc}"
-        with _lock:
-            _broken[name] = msg
-        log.warning("%s", msg)
-        raise TransportBroken(msg) from exc
-    with _lock:
-        _loaded[name] = transport
+    transport: Transport = TRANSPORTS.load(name)
     return transport
 
 
@@ -154,28 +221,7 @@ def get_transport(name: str, *, require_available: bool = True) -> Transport:
 
 def list_plugins() -> list[PluginInfo]:
     """Every installed transport with its health; loads each (import errors are reported)."""
-    out = []
-    for name, ep in sorted(_eps().items()):
-        dist = getattr(ep, "dist", None)
-        base = dict(name=name, target=getattr(ep, "value", ""), distribution=dist.name if dist else "?",
-                    version=dist.version if dist else "?")
-        try:
-            t = _load(name)
-        except TransportBroken as exc:
-            out.append(PluginInfo(**base, health="broken", detail=str(exc), api_version=None))
-            continue
-        try:
-            probe = t.probe()
-        except Exception as exc:  # noqa: BLE001  (a probe must not raise; report it if it does)
-            probe = Probe(False, f"probe() raised {type(exc).__name__}: {exc}")
-        out.append(PluginInfo(
-            **base,
-            health="available" if probe.available else "unavailable",
-            detail=probe.reason,
-            api_version=t.api_version,
-            style=t.style.value,
-        ))
-    return out
+    return TRANSPORTS.list()
 
 
 def select(name: str, device: torch.device, among: Collection[str] | None = None) -> Transport:

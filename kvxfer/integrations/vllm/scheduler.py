@@ -5,9 +5,11 @@ see the Protocols below) and decides, per request:
 
 * **what to load**: :meth:`get_num_new_matched_tokens` hashes the prompt's full chunks
   (salted with the request's ``cache_salt``, LoRA and multimodal inputs), asks the server how
-  many leading chunks beyond vLLM's own prefix-cache hit it has, and leases them so they are not
-  evicted before the load; :meth:`update_state_after_alloc` turns the lease into a
-  :class:`LoadOp` on the blocks vLLM allocated;
+  many leading chunks beyond vLLM's own prefix-cache hit it has (in its arena or its L2 tier),
+  leases them so they are not evicted before the load, and has the server promote the L2 ones into
+  its arena meanwhile (the load is asynchronous; its retrieve waits for chunks still on their
+  way); :meth:`update_state_after_alloc` turns the lease into a :class:`LoadOp` on the blocks
+  vLLM allocated;
 * **what to store**: :meth:`build_connector_meta` emits a :class:`StoreOp` for every full
   prompt chunk once the step that computes it is scheduled (vLLM's prefix-cache hits included:
   the server skips chunks it has);
@@ -149,11 +151,11 @@ class SchedulerConnector:
         try:
             try:
                 reply = client.lookup_and_lease(self.config.model_name, self.config.world_size,
-                                                hashes=hashes[first:], lease_s=self.config.lease_s)
+                                                hashes=hashes[first:], lease_s=self.config.lease_s, promote=True)
             except NoSession:  # the server restarted: open a new session and ask again
                 client.reconnect()
                 reply = client.lookup_and_lease(self.config.model_name, self.config.world_size,
-                                                hashes=hashes[first:], lease_s=self.config.lease_s)
+                                                hashes=hashes[first:], lease_s=self.config.lease_s, promote=True)
         except KvxferError as exc:
             self.link.failed(exc, f"lookup for request {request.request_id}")
             return 0, False

@@ -28,7 +28,7 @@ from kvxfer.testing.conformance.registration import RegistrationTests
 from kvxfer.testing.conformance.roundtrip import RoundTripTests
 from kvxfer.testing.conformance.sharing import SharingTests
 
-__all__ = ["TransportConformance", "OverrideError"]
+__all__ = ["TransportConformance", "OverrideError", "refuse_overrides", "guard_test"]
 
 #: What a subclass may set.
 CONFIGURABLE: Final = frozenset({"transport", "device"})
@@ -49,32 +49,44 @@ class TransportConformance(RegistrationTests, RoundTripTests, SharingTests, Life
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        clash = sorted(n for n in vars(cls) if n in TransportConformance.kit_names)
-        if clash:
-            raise OverrideError(
-                f"{cls.__qualname__} overrides {', '.join(clash)} of the kvxfer conformance kit. Kit tests "
-                f"and fixtures must not be overridden: the kit skips what the transport does not claim "
-                f"(Transport.capabilities) or cannot run here (probe()). Set only "
-                f"{', '.join(sorted(CONFIGURABLE))}; add your own tests under other names."
-            )
-        silencing = [m.name for m in _marks(vars(cls).get("pytestmark")) if m.name in _SILENCING_MARKS]
-        if silencing:
-            raise OverrideError(
-                f"{cls.__qualname__} marks the whole kvxfer conformance kit with {', '.join(silencing)}; "
-                f"let probe() say why the transport cannot run here instead"
-            )
+        refuse_overrides(cls, TransportConformance, CONFIGURABLE, "transport",
+                         "(Transport.capabilities) or cannot run here (probe())")
 
     @pytest.fixture(autouse=True)
     def _kit_guard(self, request: pytest.FixtureRequest) -> Iterator[None]:
         """Fails a kit test that was replaced after the class was defined (``setattr``)."""
-        name = getattr(request.node, "originalname", request.node.name)
-        cls = request.cls
-        if cls is not None and name in TransportConformance.kit_names:
-            mine = getattr(TransportConformance, name)
-            if getattr(cls, name) is not mine:
-                pytest.fail(f"{cls.__qualname__}.{name} was replaced; kvxfer conformance tests must run "
-                            f"as the kit defines them", pytrace=False)
+        guard_test(request, TransportConformance)
         yield
+
+
+def refuse_overrides(cls: type, kit: type, configurable: frozenset[str], what: str, claims: str) -> None:
+    """Raise :class:`OverrideError` when ``cls``, a subclass of the conformance kit ``kit``,
+    overrides one of the kit's names or silences the whole kit with a mark. Both kits (transports
+    and stores) call this from ``__init_subclass__``."""
+    clash = sorted(n for n in vars(cls) if n in kit.kit_names)  # type: ignore[attr-defined]
+    if clash:
+        raise OverrideError(
+            f"{cls.__qualname__} overrides {', '.join(clash)} of the kvxfer conformance kit. Kit tests "
+            f"and fixtures must not be overridden: the kit skips what the {what} does not claim "
+            f"{claims}. Set only {', '.join(sorted(configurable))}; add your own tests under other names."
+        )
+    silencing = [m.name for m in _marks(vars(cls).get("pytestmark")) if m.name in _SILENCING_MARKS]
+    if silencing:
+        raise OverrideError(
+            f"{cls.__qualname__} marks the whole kvxfer conformance kit with {', '.join(silencing)}; "
+            f"let probe() say why the {what} cannot run here instead"
+        )
+
+
+def guard_test(request: pytest.FixtureRequest, kit: type) -> None:
+    """Fail the running test if it is a test of ``kit`` replaced after its class was defined."""
+    name = getattr(request.node, "originalname", request.node.name)
+    cls = request.cls
+    if cls is not None and name in kit.kit_names:  # type: ignore[attr-defined]
+        mine = getattr(kit, name)
+        if getattr(cls, name) is not mine:
+            pytest.fail(f"{cls.__qualname__}.{name} was replaced; kvxfer conformance tests must run "
+                        f"as the kit defines them", pytrace=False)
 
 
 def _marks(value: object) -> list[Any]:

@@ -1,0 +1,823 @@
+"""The L2 tier: a store backend (:mod:`kvxfer.store`) under the L1 arena.
+
+What it does for the server (:class:`~kvxfer.server.engine.CacheServer` calls it on the loop
+thread, at the points named below):
+
+* **write path** (:meth:`L2Tier.offer` after a store commits, :meth:`L2Tier.on_read` after a
+  retrieve): new chunks are admitted (``all``, or once read ``N`` times), *pinned* in L1 (so
+  neither eviction nor a new store can touch their slots while a writer reads them) and queued.
+  ``writers`` threads take batches off the queue, checksum them, skip those the store already
+  holds (one pipelined existence check) and put the rest straight from the arena. A full queue,
+  or a store that is down, drops the write (counted), never blocks a store.
+* **lookup** (:meth:`L2Tier.begin_lookup`, then :meth:`L2Tier.finish_lookup`): the chunks after
+  the L1 hits are checked in the store in one pipelined round trip, bounded by ``timeout_s``;
+  the hits continue through them. A backend with :class:`~kvxfer.store.LoopExists` has the
+  loop send the check and read its answer itself (the loop polls the connection); others run it
+  on a store thread. With ``promote``, each L2 hit becomes an L1
+  entry that is not yet readable (a write reservation of the tier, pinned, under the lookup's
+  lease) and the store reads the value straight into its arena slot.
+* **promotion**: when the get returns, the header (identity, format, length) and the checksum
+  are verified off the loop; on the loop the good chunks become readable and the bad ones are
+  dropped (a miss, counted, never loaded). A retrieve that names a chunk still being promoted
+  waits for it (:meth:`L2Tier.pending`), without blocking the loop.
+* **faults**: every store operation is bounded; failures feed a circuit breaker. While it is
+  open the tier does not touch the store (lookups answer from L1 at once, writes are dropped),
+  and a health thread pings it with exponential backoff, reopening the backend when it must;
+  the first good ping closes the breaker. The server serves from L1 throughout.
+
+Threads: the loop (everything that touches the index; its tick also ends lookups that outlive
+``timeout_s``), ``writers`` writer threads, the backend's own threads (promotion checks run in
+its get callbacks) and one health thread. Figures for status and metrics are plain counters on the
+:class:`L2Tier` object.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvxfer.arena import Arena
+from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
+from kvxfer.protocol.messages import TierStatus
+from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
+from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions
+from kvxfer.store.format import (
+    HEADER_SIZE,
+    IntegrityError,
+    checksum,
+    chunk_format_bytes,
+    decode_header,
+    encode_header,
+    l2_key,
+)
+from kvxfer.store.registry import get_store
+
+__all__ = ["TierConfig", "L2Tier", "Breaker", "parse_admission"]
+
+log = logging.getLogger(__name__)
+
+#: Instance id of the tier's own write reservations (promotions); no client has it.
+PROMOTER: Final = 0
+#: Format recorded for a promoted entry until its header is read (no context named one).
+_PENDING_FMT: Final = "l2-pending"
+_STATS_EVERY_S: Final = 5.0
+
+
+def parse_admission(text: str) -> int:
+    """``"all"`` -> 0; ``"hits:N"`` -> N (write a chunk to L2 once it was read N times)."""
+    if text == "all":
+        return 0
+    if text.startswith("hits:"):
+        try:
+            n = int(text[5:])
+        except ValueError:
+            n = 0
+        if n > 0:
+            return n
+    raise ConfigError(f"--l2-admission {text!r}: use 'all' (every stored chunk) or 'hits:N' (a chunk once it was "
+                      "read N times, N >= 1)")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The L2 settings of ``kvxfer serve`` (``--l2 NAME --l2-url URL`` and the ``--l2-*`` options)."""
+
+    #: Store backend (entry point name in ``kvxfer.stores``).
+    store: str
+    #: Where the store is; secrets in it are never logged (see ``Store.redact``).
+    url: str
+    #: ``all`` or ``hits:N``.
+    admission: str = "all"
+    #: Chunks waiting for a writer; more are dropped (counted).
+    queue: int = 64
+    #: Writer threads (and store connections for puts); store connections for gets.
+    writers: int = 2
+    readers: int = 2
+    #: Longest wait for the store in a lookup (and pings, deletes); a lookup pays at most this.
+    timeout_s: float = 0.5
+    #: Longest silence while values move (promotions, writes).
+    bulk_timeout_s: float = 10.0
+    #: Chunks per put batch (small: the writers' connections then share a store's load).
+    batch: int = 2
+    #: Consecutive failures that open the circuit breaker; first and longest retry delay.
+    breaker_failures: int = 3
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+    #: At shutdown, how long queued writes may still run before they are dropped.
+    drain_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        parse_admission(self.admission)
+        for name in ("queue", "writers", "readers", "batch", "breaker_failures"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--l2-{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.timeout_s <= 60:
+            raise ConfigError(f"--l2-timeout must be in (0, 60] seconds, got {self.timeout_s}")
+        if not 0 < self.bulk_timeout_s <= 600:
+            raise ConfigError(f"--l2-bulk-timeout must be in (0, 600] seconds, got {self.bulk_timeout_s}")
+        if not self.url:
+            raise ConfigError(f"--l2 {self.store} needs --l2-url (e.g. valkey://HOST:6379 or file:///DIR)")
+
+
+class Breaker:
+    """Consecutive-failure circuit breaker with exponential backoff. Thread-safe.
+
+    Closed: operations run. ``threshold`` consecutive failures open it; while open nothing
+    touches the store except the health thread's probe, due at ``retry_at``; a failed probe
+    doubles the delay (up to ``max_backoff``), a good one closes the breaker."""
+
+    def __init__(self, threshold: int, backoff: float, max_backoff: float) -> None:
+        self.threshold = threshold
+        self.base = backoff
+        self.max_backoff = max_backoff
+        self._lock = threading.Lock()
+        self.closed = True
+        self.failures = 0
+        self.delay = backoff
+        self.retry_at = 0.0
+        self.last_error = ""
+        self.opened = 0
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures = 0
+
+    def failure(self, error: str) -> bool:
+        """Count a failure; True if this one opened the breaker."""
+        with self._lock:
+            self.last_error = error
+            self.failures += 1
+            if self.closed and self.failures >= self.threshold:
+                self._open()
+                return True
+            return False
+
+    def trip(self, error: str) -> None:
+        """Open now (the store could not even be opened)."""
+        with self._lock:
+            self.last_error = error
+            if self.closed:
+                self._open()
+
+    def _open(self) -> None:
+        self.closed = False
+        self.opened += 1
+        self.delay = self.base
+        self.retry_at = time.monotonic() + self.delay
+
+    def probe_due(self) -> bool:
+        with self._lock:
+            return not self.closed and time.monotonic() >= self.retry_at
+
+    def probed(self, ok: bool, error: str = "") -> None:
+        with self._lock:
+            if ok:
+                self.closed = True
+                self.failures = 0
+                self.delay = self.base
+                return
+            self.last_error = error or self.last_error
+            self.delay = min(self.max_backoff, self.delay * 2)
+            self.retry_at = time.monotonic() + self.delay
+
+
+def _settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> bool:
+    """Resolve ``fut`` unless it already is; True if this call did."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def all_settled(futures: Sequence[Future[Any]]) -> Future[None]:
+    """A future that resolves (to None) once every one of ``futures`` is done, however."""
+    out: Future[None] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_f: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            _settle(out)
+
+    if not futures:
+        _settle(out)
+    for f in futures:
+        f.add_done_callback(one)
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class _Write:
+    key: ChunkKey
+    entry: Entry
+    fmt: str
+
+
+@dataclass(slots=True, eq=False)
+class _Promotion:
+    """One reservation's promotions: the tier's write reservation, and per reserved entry (in
+    ``res.entries`` order) the header buffer the get fills, the format expected (None: whatever
+    the header says) and, once checked, the format found (None: not loadable)."""
+
+    res: Reservation
+    headers: list[bytearray]
+    expected: list[str | None]
+    found: list[str | None]
+    done: dict[ChunkKey, Future[None]]
+    #: Gets still running (the entries are split among the store's read connections).
+    left: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class L2Tier:
+    """The L2 tier of one server. Made and started by the server; see the module docstring for
+    which of its methods run on which thread."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        index: ChunkIndex,
+        arena: Arena,
+        call_soon: Callable[[Callable[[], None]], None],
+        expected_format: Callable[[ChunkKey], str | None],
+        watch: Callable[[int, Callable[[], None]], None] | None = None,
+        unwatch: Callable[[int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.arena = arena
+        self.call_soon = call_soon
+        self.expected_format = expected_format
+        #: The loop's descriptor polling (lookups read by the loop itself: LoopExists), and the
+        #: descriptor it watches now.
+        self._watch = watch
+        self._unwatch = unwatch
+        self._watched_fd: int | None = None
+        self._loop_exists: LoopExists | None = None
+        self.admission_hits = parse_admission(config.admission)
+        self.store: Store = get_store(config.store)
+        self.url = self.store.redact(config.url)
+        self.options = StoreOptions(timeout_s=config.timeout_s, bulk_timeout_s=config.bulk_timeout_s,
+                                    read_workers=config.readers,
+                                    write_workers=config.writers)
+        self.breaker = Breaker(config.breaker_failures, config.backoff_s, config.max_backoff_s)
+        self.backend: Backend | None = None
+        #: Never pin more than this much of the arena for queued writes.
+        self.pin_limit = arena.size // 2
+        # -------- loop-thread state
+        self.promoting: dict[ChunkKey, Future[None]] = {}
+        self._from_l2: set[ChunkKey] = set()
+        self._hits: dict[ChunkKey, int] = {}
+        self.pinned_bytes = 0
+        # -------- write queue (loop appends, writers take)
+        self._queue: deque[_Write] = deque()
+        self._cond = threading.Condition()
+        self._writing = 0
+        self._stopping = False
+        self._drain_until = 0.0
+        # -------- plain counters (status and metrics read them)
+        self.lookups = self.lookup_chunks = self.lookup_hits = self.timeouts = 0
+        self.promotions = self.promoted = self.promote_failures = self.integrity_failures = 0
+        self.writes = self.write_bytes = self.write_skipped = self.write_refused = 0
+        self.drops = self.errors = 0
+        self.store_stats: dict[str, str] = {}
+        self._counters = threading.Lock()
+        #: Lookups waiting for the store: (deadline, future); the loop's tick ends late ones.
+        self._waiting: list[tuple[float, Future[dict[ChunkKey, int]]]] = []
+        self._threads: list[threading.Thread] = []
+        self._health_thread: threading.Thread | None = None
+        self._stop_health = threading.Event()
+
+    # ------------------------------------------------------------------ life
+
+    def start(self) -> None:
+        """Open the backend (a store that does not answer leaves the tier down, retrying) and
+        start the writer and health threads. Called once, before the loop serves."""
+        self._open_backend()
+        for i in range(self.config.writers):
+            t = threading.Thread(target=self._writer, name=f"kvxfer-l2-writer-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._health, name="kvxfer-l2-health", daemon=True)
+        t.start()
+        self._health_thread = t
+
+    def _open_backend(self) -> bool:
+        try:
+            backend = self.store.open(self.config.url, self.options)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (a store that cannot be opened leaves L2 down, retrying)
+            msg = self._describe(exc)
+            if self.backend is None and self.breaker.closed:
+                log.warning("L2 store %s at %s is unavailable (%s); serving from L1, retrying with backoff",
+                            self.store.name, self.url, msg)
+            self.breaker.trip(msg)
+            return False
+        #: The backend when the loop reads its lookups itself (checked once: isinstance of a
+        #: runtime-checkable Protocol is slow).
+        self._loop_exists = backend if self._watch is not None and isinstance(backend, LoopExists) else None
+        self.backend = backend
+        log.info("L2 store %s at %s is up", self.store.name, self.url)
+        return True
+
+    def close(self) -> None:
+        """Drain queued writes for at most ``drain_s``, drop the rest, wait for promotions and
+        writers, close the backend. Called by the server's shutdown, on the loop thread, before
+        the arena is released; pins are not undone (the arena goes away)."""
+        with self._cond:
+            self._stopping = True
+            self._drain_until = time.monotonic() + self.config.drain_s
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(self.config.drain_s + 2 * self.config.bulk_timeout_s + 5)
+        self._stop_health.set()
+        if self._health_thread is not None:
+            self._health_thread.join(self.config.timeout_s + 5)
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()  # pending gets finish or fail: nothing writes into the arena after this
+
+    # ------------------------------------------------------------------ write path (loop thread)
+
+    def offer(self, entries: Sequence[Entry]) -> None:
+        """Chunks just committed to L1 by a store: queue them for L2 (admission permitting)."""
+        for e in entries:
+            if e.key in self._from_l2:
+                continue
+            if self.admission_hits:
+                self._hits[e.key] = 0
+            else:
+                self._enqueue(e)
+
+    def on_read(self, keys: Sequence[ChunkKey]) -> None:
+        """Chunks just read from L1: count hits for ``hits:N`` admission."""
+        if not self.admission_hits:
+            return
+        for key in keys:
+            n = self._hits.get(key)
+            if n is None:
+                continue
+            n += 1
+            if n < self.admission_hits:
+                self._hits[key] = n
+                continue
+            del self._hits[key]
+            e = self.index.entries.get(key)
+            if e is not None and e.state is State.READY:
+                self._enqueue(e)
+
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Chunks left L1 (evicted or cleared)."""
+        for key in keys:
+            self._hits.pop(key, None)
+            self._from_l2.discard(key)
+
+    def _enqueue(self, e: Entry) -> None:
+        if not self.breaker.closed or self.backend is None:
+            self._count("drops")
+            return
+        with self._cond:
+            if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
+                self._count("drops")
+                return
+            e.readers += 1  # pinned until its write is done: not evicted, not overwritten
+            self.pinned_bytes += e.size
+            self._queue.append(_Write(e.key, e, e.fmt))
+            self._cond.notify()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        """Add to a counter that several threads update (drops, errors, timeouts, integrity
+        failures); the others change on the loop thread only."""
+        with self._counters:
+            setattr(self, name, getattr(self, name) + n)
+
+    def _unpin(self, batch: Sequence[_Write]) -> None:
+        for w in batch:
+            w.entry.readers -= 1
+            self.pinned_bytes -= w.entry.size
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue) + self._writing
+
+    # ------------------------------------------------------------------ writers (their threads)
+
+    def _writer(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                if self._stopping and time.monotonic() > self._drain_until:
+                    dropped = list(self._queue)
+                    self._queue.clear()
+                    self._count("drops", len(dropped))
+                    self._unpin(dropped)
+                    return
+                batch = [self._queue.popleft() for _ in range(min(self.config.batch, len(self._queue)))]
+                self._writing += len(batch)
+            try:
+                written, skipped, refused, nbytes = self._write(batch)
+            except Exception as exc:  # noqa: BLE001  (the store failed: these writes are lost, L1 keeps them)
+                self._failed(exc, "write")
+                written = skipped = refused = nbytes = 0
+                self._count("drops", len(batch))
+            finally:
+                with self._cond:
+                    self._writing -= len(batch)
+
+            def done(batch: list[_Write] = batch, w: int = written, s: int = skipped, r: int = refused,
+                     n: int = nbytes) -> None:
+                self._unpin(batch)
+                self.writes += w
+                self.write_skipped += s
+                self.write_refused += r
+                self._count("drops", r)  # refused by a full store that may not evict: not in L2
+                self.write_bytes += n
+
+            if self._stopping:
+                done()  # the loop no longer runs; the arena outlives this thread (close joins it)
+            else:
+                self.call_soon(done)
+
+    def _write(self, batch: list[_Write]) -> tuple[int, int, int, int]:
+        backend = self.backend
+        if backend is None or not self.breaker.closed:
+            self._count("drops", len(batch))
+            return 0, 0, 0, 0
+        keys = [l2_key(w.key) for w in batch]
+        views = [self.arena.memoryview(w.entry.offset, w.entry.size) for w in batch]
+        sizes = backend.submit_exists(keys).result()
+        todo = [i for i, (w, size) in enumerate(zip(batch, sizes)) if size != HEADER_SIZE + w.entry.size]
+        skipped = len(batch) - len(todo)
+        if not todo:
+            self.breaker.success()
+            return 0, skipped, 0, 0
+        items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]]) for i in todo]
+        stored = backend.submit_put(items).result()
+        self.breaker.success()
+        ok = sum(stored)
+        return ok, skipped, len(stored) - ok, sum(batch[i].entry.size for i, s in zip(todo, stored) if s)
+
+    def _failed(self, exc: BaseException, what: str) -> None:
+        self._count("errors")
+        msg = self._describe(exc)
+        if self.breaker.failure(msg):
+            log.warning("L2 store %s at %s is down after %d failures (last: %s during %s); serving from L1 and "
+                        "retrying with backoff", self.store.name, self.url, self.breaker.failures, msg, what)
+        else:
+            log.debug("L2 %s failed: %s", what, msg)
+
+    def _describe(self, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}"
+        return text.replace(self.config.url, self.url) if self.config.url else text
+
+    # ------------------------------------------------------------------ lookups (loop thread)
+
+    def begin_lookup(self, keys: Sequence[Sequence[ChunkKey]], l1_hits: int) -> Future[dict[ChunkKey, int]] | None:
+        """Start the existence check of the chunks after the first ``l1_hits`` (``keys``: per
+        chunk, its key for every rank). Returns a future of ``{key: value size}`` that resolves
+        on a store thread, or to ``{}`` after ``timeout_s`` (counted), or None when L2 is down."""
+        backend = self.backend
+        if backend is None or not self.breaker.closed:
+            return None
+        ask: list[ChunkKey] = []
+        for rank_keys in keys[l1_hits:]:
+            for key in rank_keys:
+                e = self.index.entries.get(key)
+                if (e is None or e.state is not State.READY) and key not in self.promoting:
+                    ask.append(key)
+        out: Future[dict[ChunkKey, int]] = Future()
+        if not ask:
+            _settle(out, {})
+            return out
+        self.lookups += 1
+        self.lookup_chunks += len(ask)
+        l2_keys = [l2_key(k) for k in ask]
+        loop = self._loop_exists
+        if loop is not None:
+            self._sync_watch(loop)
+
+            def arrived(sizes: list[int] | None) -> None:
+                if sizes is None:
+                    self._failed(ConnectionError("the store's connection failed during a lookup"), "lookup")
+                    _settle(out, {})
+                else:
+                    self.breaker.success()
+                    _settle(out, dict(zip(ask, sizes)))
+
+            if self._watched_fd is not None and loop.exists_nowait(l2_keys, arrived):
+                self._waiting.append((time.monotonic() + self.config.timeout_s, out))
+                return out
+        try:
+            fut = backend.submit_exists(l2_keys)
+        except StoreUnavailable as exc:
+            self._failed(exc, "lookup")
+            return None
+
+        def got(f: Future[list[int]]) -> None:
+            try:
+                sizes = f.result()
+            except Exception as exc:  # noqa: BLE001  (any store failure is a miss, counted)
+                self._failed(exc, "lookup")
+                _settle(out, {})
+                return
+            self.breaker.success()
+            _settle(out, dict(zip(ask, sizes)))
+
+        fut.add_done_callback(got)
+        if not out.done():
+            self._waiting.append((time.monotonic() + self.config.timeout_s, out))
+        return out
+
+    def _sync_watch(self, backend: LoopExists) -> None:
+        """Have the loop poll the backend's current loop connection (and forget an old one)."""
+        fd = backend.loop_fd()
+        if fd == self._watched_fd:
+            return
+        old, self._watched_fd = self._watched_fd, None
+        if old is not None:
+            assert self._unwatch is not None
+            self._unwatch(old)
+            backend.drop_loop_fd(old)
+        if fd is not None:
+            assert self._watch is not None
+            self._watch(fd, lambda: self._readable(backend))
+            self._watched_fd = fd
+
+    def _readable(self, backend: LoopExists) -> None:
+        backend.on_readable()
+        self._sync_watch(backend)
+
+    def tick(self) -> None:
+        """On the loop, a few times a second: poll a new loop connection of the store (so that
+        its loss is seen at once), and answer lookups whose store did not (a backstop: backends
+        bound their own operations by ``timeout_s``)."""
+        if self._loop_exists is not None:
+            self._sync_watch(self._loop_exists)
+        if not self._waiting:
+            return
+        now = time.monotonic()
+        keep = []
+        for deadline, out in self._waiting:
+            if out.done():
+                continue
+            if deadline > now:
+                keep.append((deadline, out))
+            elif _settle(out, {}):
+                self._count("timeouts")
+                self._failed(TimeoutError(f"no answer within {self.config.timeout_s:g} s"), "lookup")
+        self._waiting = keep
+
+    def finish_lookup(
+        self, keys: Sequence[Sequence[ChunkKey]], sizes: dict[ChunkKey, int], promote: bool
+    ) -> tuple[int, int, int]:
+        """Count the leading chunks present for every rank in L1, being promoted, or in L2
+        (``sizes`` from :meth:`begin_lookup`, re-checked against L1 now); with ``promote``,
+        start promoting the L2 ones. Returns ``(hits, l2_hits, leasable)``: leasable chunks
+        have an L1 entry for every rank (readable, or being promoted)."""
+        hits = 0
+        l2_hits = 0
+        wanted: list[tuple[int, ChunkKey, int]] = []
+        for i, rank_keys in enumerate(keys):
+            from_l2 = False
+            ok = True
+            for key in rank_keys:
+                e = self.index.entries.get(key)
+                if e is not None and e.state is State.READY:
+                    continue
+                if key in self.promoting:
+                    from_l2 = True
+                    continue
+                size = sizes.get(key, 0) - HEADER_SIZE
+                if e is None and size > 0 and self._plausible(key, size):
+                    from_l2 = True
+                    wanted.append((i, key, size))
+                    continue
+                ok = False
+                break
+            if not ok:
+                break
+            hits = i + 1
+            l2_hits += from_l2
+        self.lookup_hits += sum(1 for i, _, _ in wanted if i < hits)
+        wanted = [w for w in wanted if w[0] < hits]
+        if promote and wanted:
+            hits = min(hits, self._promote(wanted))
+            l2_hits = min(l2_hits, hits)
+        leasable = 0
+        for rank_keys in keys[:hits]:
+            if any(k not in self.index.entries for k in rank_keys):
+                break
+            leasable += 1
+        return hits, l2_hits, leasable
+
+    def _plausible(self, key: ChunkKey, size: int) -> bool:
+        """Whether a stored value of ``size`` chunk bytes can be this server's chunk of ``key``."""
+        fmt = self.expected_format(key)
+        if fmt is not None and chunk_format_bytes(fmt) != size:
+            self._count("integrity_failures")
+            log.warning("L2 value of chunk %s of %r has %d bytes; the registered layout %s needs %d: ignored",
+                        key.chunk_hash.hex()[:16], key.model_name, size, fmt, chunk_format_bytes(fmt))
+            return False
+        return size <= self.arena.size
+
+    # ------------------------------------------------------------------ promotion
+
+    def _promote(self, wanted: list[tuple[int, ChunkKey, int]]) -> int:
+        """Reserve L1 slots for ``wanted`` (chunk index, key, bytes) and read them from the store.
+        Returns the chunk index of the first one that found no room (or a large number)."""
+        backend = self.backend
+        limit = 1 << 62
+        if backend is None:
+            return min(i for i, _, _ in wanted)
+        by_size: dict[int, list[tuple[int, ChunkKey]]] = {}
+        for i, key, size in wanted:
+            by_size.setdefault(size, []).append((i, key))
+        for size, group in by_size.items():
+            fmt = self.expected_format(group[0][1])
+            try:
+                res, present, no_space = self.index.reserve_write([k for _, k in group], fmt or _PENDING_FMT, size,
+                                                                  PROMOTER)
+            except InvalidRequest:  # an entry appeared in another format meanwhile
+                return min(i for i, _ in group)
+            res.in_flight = True
+            for j in no_space:
+                limit = min(limit, group[j][0])
+            if not res.entries:
+                self.index.commit_write(res)
+                continue
+            n = len(res.entries)
+            p = _Promotion(res, [bytearray(HEADER_SIZE) for _ in range(n)],
+                           [self.expected_format(e.key) for _, e in res.entries], [None] * n, {})
+            for _, e in res.entries:
+                p.done[e.key] = self.promoting[e.key] = Future()
+            self.promotions += 1
+            # split among the read connections: one Valkey thread serves two sockets faster than one
+            ways = max(1, min(self.config.readers, n))
+            parts = [list(range(k, n, ways)) for k in range(ways)]
+            p.left = len(parts)
+            for idx in parts:
+                items = [(l2_key(res.entries[j][1].key),
+                          [memoryview(p.headers[j]), self.arena.memoryview(res.entries[j][1].offset,
+                                                                            res.entries[j][1].size)])
+                         for j in idx]
+                try:
+                    fut = backend.submit_get(items)
+                except StoreUnavailable as exc:
+                    self._failed(exc, "promotion")
+                    self._checked(p, idx, None)
+                    limit = min(limit, min(i for i, _ in group))
+                    continue
+                fut.add_done_callback(functools.partial(self._check, p, idx))
+        # promotions past the first chunk without room still run (their slots are taken and the
+        # bytes are on their way); they are simply not counted as hits
+        return limit
+
+    def _check(self, p: _Promotion, idx: list[int], fut: Future[list[GetStatus]]) -> None:
+        """On a store thread: verify what one get read (header, length, checksum)."""
+        try:
+            statuses = fut.result()
+        except Exception as exc:  # noqa: BLE001  (any store failure fails the promotion, counted)
+            self._failed(exc, "promotion")
+            self._checked(p, idx, None)
+            return
+        self.breaker.success()
+        found: list[str | None] = []
+        for j, status in zip(idx, statuses):
+            e = p.res.entries[j][1]
+            if status is not GetStatus.HIT:
+                found.append(None)
+                if status is GetStatus.WRONG_SIZE:
+                    self._count("integrity_failures")
+                    log.warning("L2 value of chunk %s changed size since the lookup: not loaded",
+                                e.key.chunk_hash.hex()[:16])
+                continue
+            try:
+                header = decode_header(p.headers[j], e.key, p.expected[j])
+                if header.length != e.size:
+                    raise IntegrityError(f"length {header.length}, the slot holds {e.size}")
+                if checksum(self.arena.memoryview(e.offset, e.size)) != header.checksum:
+                    raise IntegrityError("checksum mismatch: the bytes are damaged")
+            except IntegrityError as exc:
+                self._count("integrity_failures")
+                log.warning("L2 value of chunk %s of %r is not loaded: %s", e.key.chunk_hash.hex()[:16],
+                            e.key.model_name, exc)
+                found.append(None)
+                continue
+            found.append(header.fmt)
+        self._checked(p, idx, found)
+
+    def _checked(self, p: _Promotion, idx: list[int], found: list[str | None] | None) -> None:
+        """One get of ``p`` is checked (``found`` None: it failed); the last one finishes ``p``."""
+        with p.lock:
+            if found is not None:
+                for j, fmt in zip(idx, found):
+                    p.found[j] = fmt
+            p.left -= 1
+            last = p.left == 0
+        if last:
+            self.call_soon(lambda: self._promoted(p))
+
+    def _promoted(self, p: _Promotion) -> None:
+        """On the loop: make the verified chunks readable, drop the others, wake the waiters."""
+        failed = []
+        for (i, e), fmt in zip(p.res.entries, p.found):
+            if fmt is None:
+                failed.append(i)
+            else:
+                e.fmt = fmt
+                self._from_l2.add(e.key)
+        self.index.commit_write(p.res, failed)
+        self.promoted += len(p.res.entries) - len(failed)
+        self.promote_failures += len(failed)
+        for key, fut in p.done.items():
+            if self.promoting.get(key) is fut:
+                del self.promoting[key]
+            _settle(fut)
+
+    def pending(self, keys: Sequence[ChunkKey]) -> Future[None] | None:
+        """A future that resolves once every promotion among ``keys`` has ended (resolved on the
+        loop), or None when none of them is being promoted."""
+        futs = [f for f in (self.promoting.get(k) for k in keys) if f is not None]
+        return all_settled(futs) if futs else None
+
+    # ------------------------------------------------------------------ health (its thread)
+
+    def _health(self) -> None:
+        next_stats = 0.0
+        while not self._stop_health.wait(0.1):
+            if self.breaker.probe_due():
+                ok, err = self._probe()
+                self.breaker.probed(ok, err)
+                if ok:
+                    log.info("L2 store %s at %s is back", self.store.name, self.url)
+                    next_stats = 0.0
+            elif self.breaker.closed and self.backend is not None and time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + _STATS_EVERY_S
+                try:
+                    self.store_stats = {str(k): str(v) for k, v in self.backend.stats().items()}
+                except Exception as exc:  # noqa: BLE001  (figures for status only)
+                    log.debug("L2 stats failed: %s", self._describe(exc))
+
+    def _probe(self) -> tuple[bool, str]:
+        if self.backend is None:
+            try:
+                opened = self._open_backend()
+            except ConfigError as exc:  # e.g. credentials revoked while the store was away
+                return False, str(exc)
+            if not opened:
+                return False, self.breaker.last_error
+        assert self.backend is not None
+        try:
+            self.backend.ping()
+        except Exception as exc:  # noqa: BLE001  (a failed probe keeps the breaker open)
+            return False, self._describe(exc)
+        return True, ""
+
+    # ------------------------------------------------------------------ status (loop thread)
+
+    def status(self) -> TierStatus:
+        b = self.breaker
+        return TierStatus(
+            name="l2",
+            store=self.store.name,
+            url=self.url,
+            state="up" if b.closed and self.backend is not None else "down",
+            detail="" if b.closed else f"retrying in {max(0.0, b.retry_at - time.monotonic()):.1f} s; {b.last_error}",
+            admission=self.config.admission,
+            lookups=self.lookups,
+            lookup_chunks=self.lookup_chunks,
+            lookup_hits=self.lookup_hits,
+            timeouts=self.timeouts,
+            promotions=self.promoted,
+            promote_failures=self.promote_failures,
+            promoting=len(self.promoting),
+            integrity_failures=self.integrity_failures,
+            writes=self.writes,
+            write_bytes=self.write_bytes,
+            write_skipped=self.write_skipped,
+            queue_depth=self.queue_depth,
+            queue_capacity=self.config.queue,
+            pinned_bytes=self.pinned_bytes,
+            drops=self.drops,
+            errors=self.errors,
+            outages=b.opened,
+            store_stats=dict(self.store_stats),
+        )

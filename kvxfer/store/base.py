@@ -1,0 +1,339 @@
+"""The store-backend contract: what an L2 store plugin implements, who calls it, and when.
+
+A store plugin is an entry point in group ``kvxfer.stores`` whose target is a :class:`Store`
+subclass (or instance): ``name``, ``api_version`` (refused when it differs from
+:data:`STORE_API_VERSION`), ``capabilities``, ``probe()`` and ``open(url, options)``, which
+returns a :class:`Backend`: one open connection to one store (a Valkey node or cluster, a
+directory). They are found by the same machinery as transports and listed by ``kvxfer plugins``.
+
+The cache server's L2 tier (:mod:`kvxfer.server.tier`) is the only caller. What it asks of a
+backend is small and batched:
+
+* ``submit_exists(keys)``: the size of each value, for many keys in one round trip (a lookup);
+* ``submit_get(items)``: read values into caller-provided buffers (a promotion into the arena);
+* ``submit_put(items)``: write values from caller-provided buffers (the tier's writers);
+* ``submit_delete(keys)``; ``ping()`` and ``stats()`` for health and status; ``close()``.
+
+**Values are opaque and come in parts.** The core writes a value as ``[header, chunk bytes]``
+(:mod:`kvxfer.store.format`) and reads it back into ``[header buffer, arena slot]``, so a backend
+moves bytes between its medium and the caller's memory with no copy of its own (scatter/gather:
+``readv``/``writev``, or ``recv_into`` on a socket). A value is read only whole: when its size
+differs from the parts' total the backend reports :attr:`GetStatus.WRONG_SIZE` and may leave
+garbage in the parts (the core never uses them then). Keys are short ASCII byte strings made by
+the core (:func:`kvxfer.store.format.l2_key`); a backend stores them as given.
+
+**Non-blocking, with bounded waits.** Every ``submit_*`` may be called from any thread and
+returns at once with a :class:`~concurrent.futures.Future`; the backend runs the operation on its
+own threads. A future resolves to the result documented below or raises
+:class:`~kvxfer.errors.StoreUnavailable` (unreachable, timed out after ``options.timeout_s`` of
+silence, refused, full), never another exception, and never waits forever. Done-callbacks run on
+a backend thread: they must be quick and must not wait for another operation of the same
+backend. A get writes into its parts only while its future is pending; a put's parts must not
+change until its future is done.
+
+:class:`ThreadedBackend` builds the ``submit_*`` methods from blocking ones on a few threads
+(separate ones for lookups, reads and writes, so a lookup never waits behind a bulk transfer);
+both backends that ship with kvxfer use it. :class:`LoopExists` is an optional surface for
+existence checks done by the server's loop thread itself (the Valkey backend has it).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Final, Protocol, TypeVar, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
+
+from kvxfer.errors import StoreUnavailable
+from kvxfer.transport.contract import Probe
+
+__all__ = [
+    "STORE_API_VERSION",
+    "Backend",
+    "GetItem",
+    "GetStatus",
+    "LocalInstance",
+    "LoopExists",
+    "Probe",
+    "PutItem",
+    "Store",
+    "StoreCapabilities",
+    "StoreOptions",
+    "ThreadedBackend",
+    "redact_url",
+]
+
+log = logging.getLogger(__name__)
+
+#: The store contract version this core implements. A plugin declaring another is refused.
+STORE_API_VERSION: Final = 1
+
+T = TypeVar("T")
+
+
+class GetStatus(enum.Enum):
+    """What a get found for one key."""
+
+    #: The value was read whole into the parts.
+    HIT = "hit"
+    #: No value under the key: the parts are untouched.
+    MISS = "miss"
+    #: A value exists but its size differs from the parts' total: nothing usable was read.
+    WRONG_SIZE = "wrong_size"
+
+
+#: ``(key, parts)``: read the value of ``key`` into the buffers ``parts``, in order.
+GetItem = tuple[bytes, Sequence[memoryview]]
+#: ``(key, parts)``: write the concatenation of ``parts`` as the value of ``key``.
+PutItem = tuple[bytes, Sequence[memoryview]]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCapabilities:
+    """What a store claims. The conformance kit tests exactly these claims."""
+
+    #: Several kvxfer servers on several hosts can share one store (Valkey: yes; a local directory: no).
+    shared: bool
+    #: Values outlive the kvxfer server that wrote them (its restart finds them).
+    persistent: bool
+    #: The largest value it accepts, in bytes.
+    max_value_bytes: int = 512 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOptions:
+    """What the server passes to :meth:`Store.open` besides the URL."""
+
+    #: Longest wait of a lookup (``exists``), a delete or a ping for the store (seconds).
+    timeout_s: float = 0.5
+    #: Longest silence while a get or put moves values (seconds): a loaded store serving several
+    #: large values at once may pause one connection for a while without being down.
+    bulk_timeout_s: float = 10.0
+    #: Threads (and connections) for gets, and for puts.
+    read_workers: int = 2
+    write_workers: int = 2
+
+
+class Backend(ABC):
+    """One open store. Made by :meth:`Store.open`; closed by the server at shutdown."""
+
+    @abstractmethod
+    def submit_exists(self, keys: Sequence[bytes]) -> Future[list[int]]:
+        """Size in bytes of each key's value, 0 where there is none, in ``keys`` order, in one
+        round trip to the store (per node of a cluster) however many keys there are."""
+
+    @abstractmethod
+    def submit_get(self, items: Sequence[GetItem]) -> Future[list[GetStatus]]:
+        """Read each item's value into its parts; one :class:`GetStatus` per item, in order."""
+
+    @abstractmethod
+    def submit_put(self, items: Sequence[PutItem]) -> Future[list[bool]]:
+        """Write each item's value (replacing any old one, atomically: a reader sees the old
+        value or the new one, whole); per item True, or False when the store refused it for
+        lack of room that it will not make (e.g. a value larger than its budget)."""
+
+    @abstractmethod
+    def submit_delete(self, keys: Sequence[bytes]) -> Future[int]:
+        """Delete the keys; resolves to how many existed."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """One round trip to the store (the server's health check, off its loop thread).
+        Blocks at most ``timeout_s``; raises :class:`~kvxfer.errors.StoreUnavailable`."""
+
+    def stats(self) -> dict[str, str]:
+        """Figures for ``kvxfer status`` (e.g. bytes used, values, nodes); may block up to
+        ``timeout_s``, called off the loop thread every few seconds. Raises
+        :class:`~kvxfer.errors.StoreUnavailable` when the store cannot answer."""
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and threads; pending operations finish or fail. Idempotent;
+        ``submit_*`` raise :class:`~kvxfer.errors.StoreUnavailable` afterwards."""
+
+
+class Store(ABC):
+    """The object an entry point in ``kvxfer.stores`` names (a subclass or an instance).
+
+    ``name`` equals the entry point name (what users pass to ``kvxfer serve --l2``);
+    ``api_version`` must equal :data:`STORE_API_VERSION`; ``url_schemes`` lists the URL schemes
+    it opens (for messages); ``capabilities`` states what it claims.
+    """
+
+    name: ClassVar[str]
+    api_version: ClassVar[int]
+    capabilities: ClassVar[StoreCapabilities]
+    url_schemes: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def probe(self) -> Probe:
+        """Can this store's client run in this process? Cheap, never raises, contacts nothing."""
+
+    @abstractmethod
+    def open(self, url: str, options: StoreOptions) -> Backend:
+        """Connect to the store at ``url`` and return a :class:`Backend`. Called once per server,
+        at start, off any loop. Raise :class:`~kvxfer.errors.ConfigError` for a URL it cannot
+        use (the message says what a valid one looks like) and
+        :class:`~kvxfer.errors.StoreUnavailable` when the store does not answer (the server
+        then starts with L2 down and keeps retrying)."""
+
+    def redact(self, url: str) -> str:
+        """``url`` as logs and status show it: secrets (passwords) removed."""
+        return redact_url(url)
+
+
+@runtime_checkable
+class LocalInstance(Protocol):
+    """Optional: a store that can start a throwaway instance of itself on this machine (the
+    demo and the conformance kit use it when given no URL)."""
+
+    def local_instance(self, directory: Path) -> AbstractContextManager[str]:
+        """A context manager that starts a private instance (its files under ``directory``),
+        yields its URL, and stops it on exit."""
+        ...
+
+
+@runtime_checkable
+class LoopExists(Protocol):
+    """Optional: existence checks that the server's loop thread sends and reads itself, with no
+    thread hand-off (a lookup then costs about one round trip more than an L1 lookup).
+
+    Every method runs on the loop thread and never blocks. The backend keeps one connection for
+    it; the loop polls that connection's descriptor (:meth:`loop_fd`) with its own sockets and
+    calls :meth:`on_readable` when it is readable. A backend that cannot now (no healthy
+    connection, a cluster, TLS) answers False and the server uses :meth:`Backend.submit_exists`.
+    """
+
+    def loop_fd(self) -> int | None:
+        """The descriptor of the healthy loop connection, or None."""
+        ...
+
+    def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
+        """Send an existence check of ``keys`` (sizes, 0 where absent) without blocking. ``done``
+        is called later on the loop, from :meth:`on_readable`, with the sizes, or with None if the
+        connection failed. Returns False (and never calls ``done``) when it cannot send now."""
+        ...
+
+    def on_readable(self) -> None:
+        """Read what the loop connection has (never blocking) and call ``done`` of every check
+        that is complete. A connection that failed stops being :meth:`loop_fd`."""
+        ...
+
+    def drop_loop_fd(self, fd: int) -> None:
+        """Close an old loop connection, after the caller stopped polling ``fd``."""
+        ...
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user info replaced by ``***`` (for every host of a
+    comma-separated list)."""
+    out = []
+    for part in url.split(","):
+        try:
+            s = urlsplit(part)
+        except ValueError:
+            out.append("<unparsable url>")
+            continue
+        if s.password is None:
+            out.append(part)
+            continue
+        user = s.username or ""
+        host = s.hostname or ""
+        if s.port is not None:
+            host = f"{host}:{s.port}"
+        netloc = f"{user}:***@{host}" if user else f":***@{host}"
+        out.append(urlunsplit((s.scheme, netloc, s.path, s.query, s.fragment)))
+    return ",".join(out)
+
+
+class ThreadedBackend(Backend):
+    """A :class:`Backend` whose ``submit_*`` run blocking methods on the backend's threads.
+
+    Subclasses implement :meth:`exists`, :meth:`get`, :meth:`put` and :meth:`delete` (blocking,
+    each bounded by ``options.timeout_s`` per operation), plus ``ping``; they may raise
+    anything: whatever is not a :class:`~kvxfer.errors.StoreUnavailable` is wrapped in one naming
+    the store. Lookups and deletes run on a control thread pool, gets on ``read_workers``
+    threads and puts on ``write_workers`` threads.
+    """
+
+    def __init__(self, store_name: str, options: StoreOptions) -> None:
+        self.store_name = store_name
+        self.options = options
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._control = ThreadPoolExecutor(2, thread_name_prefix=f"kvxfer-l2-{store_name}-ctl")
+        self._read = ThreadPoolExecutor(max(1, options.read_workers), thread_name_prefix=f"kvxfer-l2-{store_name}-rd")
+        self._write = ThreadPoolExecutor(max(1, options.write_workers), thread_name_prefix=f"kvxfer-l2-{store_name}-wr")
+
+    # ------------------------------------------------------------------ blocking, for subclasses
+
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> list[int]:
+        """Blocking :meth:`submit_exists`."""
+
+    @abstractmethod
+    def get(self, items: Sequence[GetItem]) -> list[GetStatus]:
+        """Blocking :meth:`submit_get`."""
+
+    @abstractmethod
+    def put(self, items: Sequence[PutItem]) -> list[bool]:
+        """Blocking :meth:`submit_put`."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Blocking :meth:`submit_delete`."""
+
+    def close_connections(self) -> None:
+        """Release the subclass' connections and files (after every operation ended)."""
+
+    # ------------------------------------------------------------------ the contract
+
+    def submit_exists(self, keys: Sequence[bytes]) -> Future[list[int]]:
+        keys = list(keys)
+        return self._submit(self._control, "exists", lambda: self.exists(keys))
+
+    def submit_get(self, items: Sequence[GetItem]) -> Future[list[GetStatus]]:
+        items = list(items)
+        return self._submit(self._read, "get", lambda: self.get(items))
+
+    def submit_put(self, items: Sequence[PutItem]) -> Future[list[bool]]:
+        items = list(items)
+        return self._submit(self._write, "put", lambda: self.put(items))
+
+    def submit_delete(self, keys: Sequence[bytes]) -> Future[int]:
+        keys = list(keys)
+        return self._submit(self._control, "delete", lambda: self.delete(keys))
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for ex in (self._control, self._read, self._write):
+            ex.shutdown(wait=True)
+        self.close_connections()
+
+    def _submit(self, executor: ThreadPoolExecutor, what: str, fn: Callable[[], T]) -> Future[T]:
+        if self._closed:
+            raise StoreUnavailable(f"store {self.store_name!r} is closed")
+        try:
+            return executor.submit(self._guard, what, fn)
+        except RuntimeError:  # shut down between the check and the submit
+            raise StoreUnavailable(f"store {self.store_name!r} is closed") from None
+
+    def _guard(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            log.debug("store %s: %s failed", self.store_name, what, exc_info=True)
+            raise StoreUnavailable(f"store {self.store_name!r}: {what} failed: {type(exc).__name__}: {exc}") from exc

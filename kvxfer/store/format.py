@@ -1,0 +1,141 @@
+"""What an L2 value looks like: its key, and a fixed-size header in front of the chunk bytes.
+
+Every chunk in a store is the value ``header || chunk`` under the key :func:`l2_key` of its
+server chunk key. The header (:data:`HEADER_SIZE` bytes, little-endian)::
+
+    magic        4s   b"KVXC"
+    version      u16  FORMAT_VERSION
+    header_size  u16  HEADER_SIZE
+    length       u64  bytes of the chunk after the header
+    checksum     16s  XXH3-128 of the chunk bytes
+    fingerprint  16s  BLAKE2b-128 of (chunk key fields, chunk format): which chunk of which
+                      KV layout these bytes are (identity, world size, rank, dtype, shape)
+    fmt          128s the chunk format (``KVLayout.chunk_format``: dtype, per-chunk shape and
+                      page order), UTF-8, NUL-padded
+    reserved     8s   zeros
+    header_check u64  XXH3-64 of the 184 bytes above
+
+A value whose header, fingerprint, length or checksum does not match what the reader expects
+is an :class:`IntegrityError`: the tier counts it as a miss and never loads it. The chunk bytes
+are the arena's canonical chunk, the same for every transport, so any transport on any host
+can load a chunk stored through any other.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+import xxhash
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "IntegrityError",
+    "Header",
+    "l2_key",
+    "fingerprint",
+    "encode_header",
+    "decode_header",
+    "checksum",
+    "chunk_format_bytes",
+]
+
+FORMAT_VERSION: Final = 1
+HEADER_SIZE: Final = 192
+MAGIC: Final = b"KVXC"
+#: Prefix of every key kvxfer writes: give kvxfer's Valkey user the key pattern ``~kvxfer:*``.
+KEY_PREFIX: Final = b"kvxfer:c1:"
+
+_FMT_BYTES: Final = 128
+_FIXED: Final = struct.Struct(f"<4sHHQ16s16s{_FMT_BYTES}s8s")
+_CHECK: Final = struct.Struct("<Q")
+assert _FIXED.size + _CHECK.size == HEADER_SIZE
+#: ``dtype:AxBxCxD`` and, since layouts record their page order, ``:PAGE`` (printable ASCII)
+_FMT_RE: Final = re.compile(r"([a-z0-9_]+):(\d+)x(\d+)x(\d+)x(\d+)(?::[\x21-\x7e]*)?")
+_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+class IntegrityError(ValueError):
+    """An L2 value that is not the chunk the reader asked for, or is damaged."""
+
+
+class Header(msgspec.Struct, frozen=True):
+    length: int
+    checksum: bytes
+    fingerprint: bytes
+    fmt: str
+
+
+def _identity(key: Sequence[object]) -> bytes:
+    """The chunk key's fields, whatever they are (a NamedTuple), as stable bytes."""
+    return msgspec.msgpack.encode(list(key))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def l2_key(key: Sequence[object]) -> bytes:
+    """The store key of a server chunk key: the one place L2 keys are made, from every field of
+    the key (so a richer chunk identity changes L2 keys with it). ``key`` must be hashable (a
+    ``ChunkKey``); recent keys are remembered (lookups ask about the same chunks again)."""
+    return KEY_PREFIX + hashlib.blake2b(_identity(key), digest_size=20).hexdigest().encode()
+
+
+def fingerprint(key: Sequence[object], fmt: str) -> bytes:
+    return hashlib.blake2b(_identity(key) + b"\0" + fmt.encode(), digest_size=16).digest()
+
+
+def checksum(data: memoryview | bytes | bytearray) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def chunk_format_bytes(fmt: str) -> int:
+    """Bytes of one chunk of format ``fmt`` (``dtype:AxBxCxD[:page]``, the chunk's shape in
+    elements); IntegrityError if malformed."""
+    m = _FMT_RE.fullmatch(fmt)
+    if m is None or m.group(1) not in _ITEMSIZE:
+        raise IntegrityError(f"malformed chunk format {fmt[:80]!r}")
+    n = _ITEMSIZE[m.group(1)]
+    for g in m.groups()[1:]:
+        n *= int(g)
+    return n
+
+
+def encode_header(key: Sequence[object], fmt: str, payload: memoryview | bytes | bytearray) -> bytes:
+    """The header of ``payload``, the chunk of ``key`` in format ``fmt`` (checksums it)."""
+    raw_fmt = fmt.encode()
+    if len(raw_fmt) > _FMT_BYTES:
+        raise ValueError(f"chunk format {fmt!r} is longer than {_FMT_BYTES} bytes")
+    body = _FIXED.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, len(payload), checksum(payload),
+                       fingerprint(key, fmt), raw_fmt, b"\0" * 8)
+    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fmt: str | None = None) -> Header:
+    """Check the header of the value read for ``key``: intact, this format version, this key,
+    and (when given) this chunk format; returns it. Raises :class:`IntegrityError` saying what
+    is wrong. The payload's checksum is checked separately (:func:`checksum`)."""
+    if len(raw) != HEADER_SIZE:
+        raise IntegrityError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
+    body = bytes(raw[:_FIXED.size])
+    (check,) = _CHECK.unpack_from(raw, _FIXED.size)
+    magic, version, size, length, csum, fp, raw_fmt, _ = _FIXED.unpack(body)
+    if magic != MAGIC:
+        raise IntegrityError("not a kvxfer chunk (bad magic)")
+    if xxhash.xxh3_64_intdigest(body) != check:
+        raise IntegrityError("damaged header (header check mismatch)")
+    if version != FORMAT_VERSION or size != HEADER_SIZE:
+        raise IntegrityError(f"chunk format version {version} (header {size} bytes); this kvxfer reads "
+                             f"version {FORMAT_VERSION}")
+    value_fmt = raw_fmt.rstrip(b"\0").decode("utf-8", "replace")
+    if fmt is not None and value_fmt != fmt:
+        raise IntegrityError(f"stored in format {value_fmt!r}, the reader's layout is {fmt!r}")
+    if fp != fingerprint(key, value_fmt):
+        raise IntegrityError("fingerprint mismatch: the value belongs to another chunk or layout")
+    if length != chunk_format_bytes(value_fmt):
+        raise IntegrityError(f"length {length} does not match format {value_fmt!r}")
+    return Header(length, csum, fp, value_fmt)

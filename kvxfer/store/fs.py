@@ -1,0 +1,290 @@
+"""``fs``: an L2 tier in a local directory (an NVMe drive), built on the store contract.
+
+``kvxfer serve --l2 fs --l2-url file:///mnt/nvme/kvxfer?max_size=200GiB``
+
+* one file per value, under a two-level fan-out (``ab/abcdef...``), named by a hash of the key;
+  written to a temporary file in the same directory and renamed over the old one (atomic: a
+  reader sees a whole old value or a whole new one, never a torn one), ``fsync``'d when the URL
+  says ``fsync=1``;
+* a byte budget (``max_size``, default: 90% of the file system's free space at open) kept by
+  evicting the least recently used files; reads count as use;
+* the directory is private (0700, files 0600) and held by one server at a time (an exclusive
+  ``flock``): give each server its own directory. A restarted server finds every value again
+  (the index is rebuilt from the files, oldest first).
+
+Reads go straight into the caller's buffers (``readv``), writes straight from them (``writev``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import itertools
+import os
+import shutil
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Final
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer.store.base import (
+    STORE_API_VERSION,
+    GetItem,
+    GetStatus,
+    Probe,
+    PutItem,
+    Store,
+    StoreCapabilities,
+    StoreOptions,
+    ThreadedBackend,
+)
+from kvxfer.units import format_bytes, parse_size
+
+__all__ = ["FsStore", "FsBackend"]
+
+_LOCK_NAME: Final = ".kvxfer-fs.lock"
+_TMP_SUFFIX: Final = ".tmp"
+_OPTIONS: Final = frozenset({"max_size", "fsync"})
+
+
+def _name(key: bytes) -> str:
+    return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+
+def _readv_all(fd: int, parts: Sequence[memoryview]) -> int:
+    """Fill ``parts`` from ``fd``; returns the bytes read (less only at end of file)."""
+    total = 0
+    bufs = [p.cast("B") if p.format != "B" else p for p in parts if len(p)]
+    while bufs:
+        n = os.readv(fd, bufs)
+        if n == 0:
+            break
+        total += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+    return total
+
+
+def _writev_all(fd: int, parts: Sequence[memoryview]) -> None:
+    bufs = [p.cast("B") if p.format != "B" else p for p in parts if len(p)]
+    while bufs:
+        n = os.writev(fd, bufs)
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+
+
+class FsBackend(ThreadedBackend):
+    """An open ``fs`` store: the directory, its lock and an LRU index of its files."""
+
+    def __init__(self, root: Path, max_size: int, fsync: bool, options: StoreOptions) -> None:
+        super().__init__("fs", options)
+        self.root = root
+        self.max_size = max_size
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        #: file name -> size, least recently used first
+        self._lru: OrderedDict[str, int] = OrderedDict()
+        self.used = 0
+        self.evictions = 0
+        self._tmp_ids = itertools.count()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if root.stat().st_uid != os.getuid():
+            raise ConfigError(f"fs store directory {root} belongs to another user; choose another --l2-url")
+        os.chmod(root, 0o700)
+        self._lock_fd = os.open(root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise ConfigError(f"another kvxfer server uses the fs store {root}; give each server its own "
+                              "directory") from None
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for f in sub.iterdir():
+                if f.name.endswith(_TMP_SUFFIX):  # a write cut short by a crash
+                    f.unlink(missing_ok=True)
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    st = f.stat()
+                    found.append((st.st_mtime_ns, f.name, st.st_size))
+        for _, name, size in sorted(found):
+            self._lru[name] = size
+            self.used += size
+        self._make_room(0)
+
+    def _path(self, name: str) -> Path:
+        return self.root / name[:2] / name
+
+    def _make_room(self, size: int) -> None:
+        """Evict least recently used files until ``size`` more bytes fit (lock held or init)."""
+        while self._lru and self.used + size > self.max_size:
+            name, old = self._lru.popitem(last=False)
+            self.used -= old
+            self.evictions += 1
+            with contextlib.suppress(FileNotFoundError):
+                self._path(name).unlink()
+
+    # ------------------------------------------------------------------ blocking operations
+
+    def exists(self, keys: Sequence[bytes]) -> list[int]:
+        with self._lock:
+            return [self._lru.get(_name(k), 0) for k in keys]
+
+    def get(self, items: Sequence[GetItem]) -> list[GetStatus]:
+        out = []
+        for key, parts in items:
+            name = _name(key)
+            want = sum(len(p) for p in parts)
+            try:
+                fd = os.open(self._path(name), os.O_RDONLY)
+            except FileNotFoundError:
+                with self._lock:
+                    gone = self._lru.pop(name, None)  # removed behind our back
+                    if gone is not None:
+                        self.used -= gone
+                out.append(GetStatus.MISS)
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if size != want:
+                    out.append(GetStatus.WRONG_SIZE)
+                    continue
+                got = _readv_all(fd, parts)
+                out.append(GetStatus.HIT if got == want else GetStatus.WRONG_SIZE)
+            finally:
+                os.close(fd)
+            with self._lock:
+                if name in self._lru:
+                    self._lru.move_to_end(name)
+        return out
+
+    def put(self, items: Sequence[PutItem]) -> list[bool]:
+        out = []
+        for key, parts in items:
+            name = _name(key)
+            size = sum(len(p) for p in parts)
+            if size > self.max_size:
+                out.append(False)
+                continue
+            final = self._path(name)
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+            tmp = final.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP_SUFFIX}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                try:
+                    _writev_all(fd, parts)
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                with self._lock:
+                    old = self._lru.pop(name, 0)
+                    self.used -= old
+                    self._make_room(size)
+                    os.replace(tmp, final)
+                    self._lru[name] = size
+                    self.used += size
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StoreUnavailable(f"fs store {self.root}: the disk is full ({exc.strerror}); lower "
+                                           "max_size in --l2-url") from None
+                raise
+            out.append(True)
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            name = _name(key)
+            with self._lock:
+                size = self._lru.pop(name, None)
+                if size is None:
+                    continue
+                self.used -= size
+            with contextlib.suppress(FileNotFoundError):
+                self._path(name).unlink()
+                n += 1
+        return n
+
+    def ping(self) -> None:
+        if not self.root.is_dir():
+            raise StoreUnavailable(f"fs store directory {self.root} is gone")
+
+    def stats(self) -> dict[str, str]:
+        with self._lock:
+            return {"path": str(self.root), "values": str(len(self._lru)), "used": format_bytes(self.used),
+                    "max_size": format_bytes(self.max_size), "evictions": str(self.evictions)}
+
+    def close_connections(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+
+
+class FsStore(Store):
+    """The ``fs`` store backend (entry point ``kvxfer.stores: fs``)."""
+
+    name = "fs"
+    api_version = STORE_API_VERSION
+    capabilities = StoreCapabilities(shared=False, persistent=True, max_value_bytes=1 << 40)
+    url_schemes = ("file",)
+
+    def probe(self) -> Probe:
+        return Probe(True, "local directory store (one per server)")
+
+    def open(self, url: str, options: StoreOptions) -> FsBackend:
+        root, max_size, fsync = parse_fs_url(url)
+        return FsBackend(root, max_size, fsync, options)
+
+    @contextlib.contextmanager
+    def local_instance(self, directory: Path) -> Iterator[str]:
+        root = Path(directory) / "kvxfer-fs-l2"
+        try:
+            yield f"file://{root}"
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def parse_fs_url(url: str) -> tuple[Path, int, bool]:
+    """``file:///abs/dir?max_size=SIZE&fsync=0|1`` (or a plain absolute path) -> (dir, bytes, fsync)."""
+    hint = "expected file:///ABSOLUTE/DIR[?max_size=200GiB&fsync=1]"
+    s = urlsplit(url)
+    if s.scheme not in ("file", ""):
+        raise ConfigError(f"fs store: unsupported URL {url!r}; {hint}")
+    path = unquote(s.path)
+    if s.netloc not in ("", "localhost") or not path.startswith("/"):
+        raise ConfigError(f"fs store: {url!r} is not an absolute local path; {hint}")
+    query = parse_qs(s.query, keep_blank_values=True)
+    unknown = sorted(set(query) - _OPTIONS)
+    if unknown:
+        raise ConfigError(f"fs store: unknown option(s) {', '.join(unknown)} in {url!r}; {hint}")
+    root = Path(path)
+    fsync = query.get("fsync", ["0"])[-1] in ("1", "true", "yes")
+    if "max_size" in query:
+        max_size = parse_size(query["max_size"][-1])
+        if max_size <= 0:
+            raise ConfigError(f"fs store: max_size must be positive in {url!r}")
+    else:
+        probe_dir = root
+        while not probe_dir.exists() and probe_dir != probe_dir.parent:
+            probe_dir = probe_dir.parent
+        vfs = os.statvfs(probe_dir)
+        max_size = int(vfs.f_bavail * vfs.f_frsize * 0.9)
+    return root, max_size, fsync

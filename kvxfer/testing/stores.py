@@ -1,0 +1,313 @@
+"""The store-backend conformance kit: one umbrella class, :class:`StoreConformance`.
+
+A store backend proves it keeps the contract of :mod:`kvxfer.store` by subclassing it::
+
+    from kvxfer.testing import StoreConformance
+
+    class TestMyStore(StoreConformance):
+        store = "my_store"            # entry-point name in kvxfer.stores
+
+        @pytest.fixture(scope="class")
+        @classmethod
+        def store_url(cls):           # optional: where a store to test is
+            return "my://127.0.0.1:1234"
+
+Without a ``store_url`` fixture the kit takes ``--kvxfer-store-url``, or starts a private
+instance through the store's optional ``local_instance()`` (:class:`kvxfer.store.LocalInstance`).
+Or, for any installed store: ``pytest --kvxfer-store=NAME [--kvxfer-store-url=URL] --pyargs
+kvxfer.testing.store_suite``.
+
+The kit tests the backend directly (batched existence checks, gets into caller buffers in parts,
+puts from them, sizes that do not match, deletes, large values, threads, close) and through a
+real ``kvxfer serve --l2 NAME`` (chunks stored through the reference transport come back byte
+for byte after L1 is cleared and after a server restart; a damaged value is reported missing,
+never loaded). Like the transport kit, it refuses subclasses that override or silence its tests.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar, Final
+
+import pytest
+import torch
+
+from kvxfer.client import CacheClient
+from kvxfer.errors import StoreBroken, StoreNotFound, StoreUnavailable
+from kvxfer.layout import LayoutKind
+from kvxfer.store import Backend, GetStatus, LocalInstance, Store, StoreCapabilities, StoreOptions
+from kvxfer.store.format import HEADER_SIZE
+from kvxfer.store.registry import get_store
+from kvxfer.testing.conformance import guard_test, refuse_overrides
+from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
+from kvxfer.testing.server import ServerProcess
+
+__all__ = ["StoreConformance"]
+
+#: What a subclass may set (besides defining a ``store_url`` fixture).
+CONFIGURABLE: Final = frozenset({"store", "store_url"})
+#: Seconds any single operation of the kit may take.
+TIMEOUT: Final = 30.0
+CHUNK_SIZE: Final = 32
+
+
+def _parts(data: bytes | bytearray, cut: int = HEADER_SIZE) -> list[memoryview]:
+    mv = memoryview(data)
+    return [mv[:cut], mv[cut:]]
+
+
+class StoreConformance:
+    """Every conformance test of kvxfer's store kit. Subclass it; set ``store``; optionally
+    define a class-scoped ``store_url`` fixture; do not override the kit's tests."""
+
+    #: Entry-point name of the store under test; None takes ``--kvxfer-store``.
+    store: ClassVar[str | None] = None
+    kit_names: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_overrides(cls, StoreConformance, CONFIGURABLE, "store", "(Store.capabilities)")
+
+    @pytest.fixture(autouse=True)
+    def _kit_guard(self, request: pytest.FixtureRequest) -> Iterator[None]:
+        guard_test(request, StoreConformance)
+        yield
+
+    # ------------------------------------------------------------------ fixtures
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def kit_store(cls, request: pytest.FixtureRequest) -> Store:
+        """The store plugin under test, loaded; skips with its probe's reason when it cannot run."""
+        name = getattr(request.cls, "store", None) or request.config.getoption("kvxfer_store", None)
+        if not name:
+            pytest.skip("no store under test: set `store = \"NAME\"` on the class or pass --kvxfer-store=NAME")
+        try:
+            store = get_store(name, require_available=False)
+        except (StoreNotFound, StoreBroken) as exc:
+            pytest.fail(f"store conformance kit: {exc}", pytrace=False)
+        probe = store.probe()
+        if not probe.available:
+            pytest.skip(f"store {name!r} cannot run here: {probe.reason}")
+        return store
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, request: pytest.FixtureRequest, kit_store: Store,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+        """Where the store under test is: ``--kvxfer-store-url``, else a private local instance."""
+        url = request.config.getoption("kvxfer_store_url", None)
+        if url:
+            yield url
+            return
+        if not isinstance(kit_store, LocalInstance):
+            pytest.skip(f"store {kit_store.name!r} has no local_instance(): pass --kvxfer-store-url=URL or define "
+                        "a store_url fixture")
+        with kit_store.local_instance(tmp_path_factory.mktemp(f"kit-{kit_store.name}")) as url:
+            yield url
+
+    @pytest.fixture
+    def kit_backend(self, kit_store: Store, store_url: str) -> Iterator[Backend]:
+        backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+        try:
+            yield backend
+        finally:
+            backend.close()
+
+    @staticmethod
+    def kit_keys(n: int) -> list[bytes]:
+        prefix = f"kvxfer:kit:{uuid.uuid4().hex}:".encode()
+        return [prefix + b"%d" % i for i in range(n)]
+
+    # ------------------------------------------------------------------ the plugin
+
+    def test_kit_plugin_declares_the_contract(self, kit_store: Store) -> None:
+        from kvxfer.store import STORE_API_VERSION
+
+        assert kit_store.api_version == STORE_API_VERSION
+        assert isinstance(kit_store.capabilities, StoreCapabilities)
+        assert kit_store.capabilities.max_value_bytes >= 64 << 20, "a store must hold at least 64 MiB values"
+        assert kit_store.probe().available
+        assert "secret" not in kit_store.redact("x://user:secret@host:1")
+
+    # ------------------------------------------------------------------ the backend
+
+    def test_kit_absent_keys_have_size_zero_and_get_as_miss(self, kit_backend: Backend) -> None:
+        keys = self.kit_keys(3)
+        assert kit_backend.submit_exists(keys).result(TIMEOUT) == [0, 0, 0]
+        buf = bytearray(b"\xaa" * 300)
+        st = kit_backend.submit_get([(k, _parts(bytes(300))[:1] and [memoryview(buf)]) for k in keys[:1]])
+        assert st.result(TIMEOUT) == [GetStatus.MISS]
+        assert buf == b"\xaa" * 300, "a miss must leave the buffers untouched"
+
+    def test_kit_put_then_get_into_parts_exactly(self, kit_backend: Backend) -> None:
+        keys = self.kit_keys(5)
+        values = [os.urandom(HEADER_SIZE + 1000 * (i + 1)) for i in range(5)]
+        assert kit_backend.submit_put([(k, _parts(v)) for k, v in zip(keys, values)]).result(TIMEOUT) == [True] * 5
+        assert kit_backend.submit_exists(keys).result(TIMEOUT) == [len(v) for v in values]
+        bufs = [bytearray(len(v)) for v in values]
+        items = [(k, [memoryview(b)[:HEADER_SIZE], memoryview(b)[HEADER_SIZE:]]) for k, b in zip(keys, bufs)]
+        assert kit_backend.submit_get(items).result(TIMEOUT) == [GetStatus.HIT] * 5
+        assert [bytes(b) for b in bufs] == values
+
+    def test_kit_exists_answers_many_keys_in_one_call(self, kit_backend: Backend) -> None:
+        keys = self.kit_keys(64)
+        kit_backend.submit_put([(k, [memoryview(b"v" * (i + 1))]) for i, k in enumerate(keys) if i % 2]).result(TIMEOUT)
+        sizes = kit_backend.submit_exists(keys).result(TIMEOUT)
+        assert sizes == [(i + 1) if i % 2 else 0 for i in range(64)]
+
+    def test_kit_wrong_size_is_reported_and_the_backend_keeps_working(self, kit_backend: Backend) -> None:
+        k1, k2 = self.kit_keys(2)
+        v1, v2 = os.urandom(5000), os.urandom(3000)
+        kit_backend.submit_put([(k1, [memoryview(v1)]), (k2, [memoryview(v2)])]).result(TIMEOUT)
+        short, right = bytearray(4999), bytearray(3000)
+        got = kit_backend.submit_get([(k1, [memoryview(short)]), (k2, [memoryview(right)])]).result(TIMEOUT)
+        assert got == [GetStatus.WRONG_SIZE, GetStatus.HIT]
+        assert right == v2, "a wrong-size value must not disturb the next one"
+        again = bytearray(5000)
+        assert kit_backend.submit_get([(k1, [memoryview(again)])]).result(TIMEOUT) == [GetStatus.HIT]
+        assert again == v1
+
+    def test_kit_overwrite_replaces_the_value_whole(self, kit_backend: Backend) -> None:
+        (key,) = self.kit_keys(1)
+        kit_backend.submit_put([(key, [memoryview(b"a" * 4096)])]).result(TIMEOUT)
+        kit_backend.submit_put([(key, [memoryview(b"b" * 100)])]).result(TIMEOUT)
+        assert kit_backend.submit_exists([key]).result(TIMEOUT) == [100]
+        buf = bytearray(100)
+        assert kit_backend.submit_get([(key, [memoryview(buf)])]).result(TIMEOUT) == [GetStatus.HIT]
+        assert buf == b"b" * 100
+
+    def test_kit_delete_removes_values(self, kit_backend: Backend) -> None:
+        keys = self.kit_keys(3)
+        kit_backend.submit_put([(k, [memoryview(b"x")]) for k in keys[:2]]).result(TIMEOUT)
+        assert kit_backend.submit_delete(keys).result(TIMEOUT) == 2
+        assert kit_backend.submit_exists(keys).result(TIMEOUT) == [0, 0, 0]
+
+    def test_kit_large_value_round_trips(self, kit_backend: Backend) -> None:
+        (key,) = self.kit_keys(1)
+        value = os.urandom(HEADER_SIZE + (16 << 20))
+        assert kit_backend.submit_put([(key, _parts(value))]).result(TIMEOUT) == [True]
+        buf = bytearray(len(value))
+        assert kit_backend.submit_get([(key, _parts(buf))]).result(TIMEOUT) == [GetStatus.HIT]
+        assert buf == value
+        kit_backend.submit_delete([key]).result(TIMEOUT)
+
+    def test_kit_operations_from_many_threads(self, kit_backend: Backend) -> None:
+        errors: list[BaseException] = []
+
+        def worker(n: int) -> None:
+            try:
+                keys = self.kit_keys(4)
+                values = [os.urandom(2000 + n) for _ in keys]
+                kit_backend.submit_put([(k, [memoryview(v)]) for k, v in zip(keys, values)]).result(TIMEOUT)
+                bufs = [bytearray(len(v)) for v in values]
+                st = kit_backend.submit_get([(k, [memoryview(b)]) for k, b in zip(keys, bufs)]).result(TIMEOUT)
+                assert st == [GetStatus.HIT] * 4 and [bytes(b) for b in bufs] == values
+            except BaseException as exc:  # noqa: BLE001  (reported by the test's thread)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not errors, errors[0]
+
+    def test_kit_close_is_idempotent_and_later_submits_raise(self, kit_store: Store, store_url: str) -> None:
+        backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+        backend.ping()
+        backend.close()
+        backend.close()
+        with pytest.raises(StoreUnavailable):
+            backend.submit_exists([b"kvxfer:kit:closed"])
+
+    def test_kit_values_outlive_the_backend_that_wrote_them(self, kit_store: Store, store_url: str) -> None:
+        if not kit_store.capabilities.persistent:
+            pytest.skip(f"{kit_store.name} does not claim persistence (StoreCapabilities.persistent)")
+        (key,) = self.kit_keys(1)
+        first = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+        try:
+            first.submit_put([(key, [memoryview(b"kept")])]).result(TIMEOUT)
+        finally:
+            first.close()
+        second = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+        try:
+            assert second.submit_exists([key]).result(TIMEOUT) == [4]
+        finally:
+            second.close()
+
+    # ------------------------------------------------------------------ through a server
+
+    def test_kit_chunks_round_trip_through_a_server(self, kit_store: Store, store_url: str, tmp_path: Path) -> None:
+        """Chunks stored through the reference transport come back byte for byte from L2 after L1
+        is cleared and after a server restart; a damaged value is reported missing, never loaded."""
+        spec = KVSpec(LayoutKind.FLASH_ATTN, "bfloat16", num_blocks=32)
+        kv = make_kv(spec, "cpu", seed=11)
+        keys = [os.urandom(16) for _ in range(4)]
+        src, dst = list(range(8)), list(range(8, 16))
+        model = f"kit-store-{uuid.uuid4().hex[:8]}"
+        server = ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                               extra_args=["--l2", kit_store.name, "--l2-url", store_url])
+        with server:
+            with CacheClient(server.url, timeout=TIMEOUT) as client:
+                ctx = client.register(kv, model_name=model, block_size=spec.block_size, transport="cpu_gather")
+                assert ctx.submit_store(keys, src).result(TIMEOUT).stored == [0, 1, 2, 3]
+                _wait_l2_writes(client, 4)
+                assert client.clear(model) == 4
+                reply = client.lookup_and_lease(model, hashes=keys, lease_s=30)
+                assert (reply.hits, reply.l2_hits) == (4, 4)
+                assert ctx.submit_retrieve(keys, dst, lease_id=reply.lease_id).result(TIMEOUT).loaded == [0, 1, 2, 3]
+                ctx.close()
+            server.stop()
+            a, b = (get_chunks(as_bytes(kv), spec.kind, ids, 2) for ids in (src, dst))
+            assert torch.equal(a, b), "chunks promoted from L2 differ from those stored"
+            # damage chunk 2's value behind the server's back (a bit flipped after the header)
+            from kvxfer.server.index import ChunkKey
+            from kvxfer.store.format import l2_key
+
+            backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+            try:
+                k2 = l2_key(ChunkKey(model, 1, 0, keys[2]))
+                (size,) = backend.submit_exists([k2]).result(TIMEOUT)
+                assert size > HEADER_SIZE
+                value = bytearray(size)
+                assert backend.submit_get([(k2, [memoryview(value)])]).result(TIMEOUT) == [GetStatus.HIT]
+                value[HEADER_SIZE + 5] ^= 0x10
+                backend.submit_put([(k2, [memoryview(value)])]).result(TIMEOUT)
+            finally:
+                backend.close()
+            server.start()  # a restarted server finds its chunks in L2
+            kv2 = make_kv(spec, "cpu", seed=12)
+            with CacheClient(server.url, timeout=TIMEOUT) as client:
+                ctx = client.register(kv2, model_name=model, block_size=spec.block_size, transport="cpu_gather")
+                reply = client.lookup_and_lease(model, hashes=keys, lease_s=30)
+                assert reply.hits == 4
+                res = ctx.submit_retrieve(keys, dst, lease_id=reply.lease_id).result(TIMEOUT)
+                assert (res.loaded, res.missing) == ([0, 1, 3], [2]), "a damaged value must be reported missing"
+                tier = client.status().tiers[0]
+                assert tier.integrity_failures >= 1 and tier.promote_failures >= 1
+                ctx.close()
+            got = get_chunks(as_bytes(kv2), spec.kind, dst, 2)
+            for i in (0, 1, 3):
+                assert torch.equal(got[i], a[i])
+            untouched = get_chunks(as_bytes(make_kv(spec, "cpu", seed=12)), spec.kind, dst, 2)
+            assert torch.equal(got[2], untouched[2]), "a chunk that failed its checksum must not be loaded"
+
+
+def _wait_l2_writes(client: CacheClient, n: int, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        t = client.status().tiers[0]
+        if t.writes + t.write_skipped >= n and t.queue_depth == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"L2 writes did not finish: {t}")
+        time.sleep(0.02)
+
+
+StoreConformance.kit_names = frozenset(n for n in dir(StoreConformance) if n.startswith(("test_", "kit", "_kit")))

@@ -1,0 +1,87 @@
+"""The ``fs`` store backend: the store conformance kit, and what only a directory store does
+(byte budget with LRU, atomic files, one server per directory, its URL)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvxfer.errors import ConfigError
+from kvxfer.store import GetStatus, StoreOptions
+from kvxfer.store.fs import FsStore, parse_fs_url
+from kvxfer.testing import StoreConformance
+
+
+class TestFsConformance(StoreConformance):
+    store = "fs"
+
+
+def _put(backend, key: bytes, data: bytes) -> bool:
+    return backend.submit_put([(key, [memoryview(data)])]).result(10)[0]
+
+
+def test_budget_evicts_least_recently_used_values(tmp_path: Path) -> None:
+    b = FsStore().open(f"file://{tmp_path}/l2?max_size=12KiB", StoreOptions())
+    try:
+        for i in range(3):
+            assert _put(b, b"k%d" % i, bytes([i]) * 4096)
+        # reading k0 makes k1 the least recently used
+        assert b.submit_get([(b"k0", [memoryview(bytearray(4096))])]).result(10) == [GetStatus.HIT]
+        assert _put(b, b"k3", b"x" * 4096)
+        assert b.submit_exists([b"k0", b"k1", b"k2", b"k3"]).result(10) == [4096, 0, 4096, 4096]
+        assert not _put(b, b"big", b"y" * (13 << 10)), "a value above the whole budget is refused"
+        assert b.stats()["evictions"] == "1"
+    finally:
+        b.close()
+
+
+def test_values_are_files_written_atomically_and_privately(tmp_path: Path) -> None:
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        _put(b, b"key", b"v" * 100)
+        files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
+        assert len(files) == 1 and files[0].read_bytes() == b"v" * 100
+        assert stat.S_IMODE(files[0].stat().st_mode) == 0o600 and stat.S_IMODE(root.stat().st_mode) == 0o700
+        # a write cut short by a crash leaves a temporary file: the next open removes it
+        (files[0].parent / "dead.123.tmp").write_bytes(b"partial")
+    finally:
+        b.close()
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        assert not list(root.rglob("*.tmp"))
+        assert b.submit_exists([b"key"]).result(10) == [100]
+    finally:
+        b.close()
+
+
+def test_one_server_per_directory(tmp_path: Path) -> None:
+    b = FsStore().open(f"file://{tmp_path}/l2", StoreOptions())
+    try:
+        with pytest.raises(ConfigError, match="another kvxfer server uses the fs store"):
+            FsStore().open(f"file://{tmp_path}/l2", StoreOptions())
+    finally:
+        b.close()
+    FsStore().open(f"file://{tmp_path}/l2", StoreOptions()).close()  # free again once closed
+
+
+@pytest.mark.parametrize("url, match", [
+    ("file://relative/dir", "not an absolute local path"),
+    ("s3://bucket/x", "unsupported URL"),
+    ("file:///tmp/x?budget=1", "unknown option"),
+    ("file:///tmp/x?max_size=lots", "not a size"),
+])
+def test_bad_urls_say_what_a_good_one_is(url: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_fs_url(url)
+
+
+def test_url_options(tmp_path: Path) -> None:
+    root, size, fsync = parse_fs_url(f"file://{tmp_path}/a?max_size=2GiB&fsync=1")
+    assert (root, size, fsync) == (tmp_path / "a", 2 << 30, True)
+    root, size, fsync = parse_fs_url(str(tmp_path / "b"))
+    assert root == tmp_path / "b" and size > 0 and not fsync
+    assert os.path.isabs(root)

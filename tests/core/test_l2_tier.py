@@ -1,0 +1,236 @@
+"""The L2 tier of a real server, on the ``fs`` backend (the Valkey backend's own tests, in
+plugins/valkey, add two servers, clusters and faults): the value format, the write path, lookups
+that span tiers, promotion, admission, backpressure, configuration and what status shows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer import CacheClient
+from kvxfer.errors import ConfigError
+from kvxfer.server.index import ChunkKey
+from kvxfer.server.tier import Breaker, TierConfig, parse_admission
+from kvxfer.store.format import HEADER_SIZE, IntegrityError, decode_header, encode_header, l2_key
+from kvxfer.testing.server import ServerProcess
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
+
+pytestmark = pytest.mark.slow
+
+FMT = "bfloat16:2x2x64x16"
+TIMEOUT = 30
+
+
+# --------------------------------------------------------------------------- the value format
+
+
+def test_header_round_trip_and_every_mismatch_is_an_integrity_error() -> None:
+    key = ChunkKey("m", 2, 1, b"h" * 16)
+    payload = bytes(range(256)) * 32  # 8 KiB: 2 layers x 2 planes x 64 tokens x 16 x bf16
+    raw = encode_header(key, FMT, payload)
+    assert len(raw) == HEADER_SIZE
+    h = decode_header(raw, key, FMT)
+    assert (h.length, h.fmt) == (len(payload), FMT)
+    with pytest.raises(IntegrityError, match="another chunk"):
+        decode_header(raw, ChunkKey("m", 2, 0, b"h" * 16), None)  # another rank
+    with pytest.raises(IntegrityError, match="reader's layout"):
+        decode_header(raw, key, "float16:2x2x64x16")
+    damaged = bytearray(raw)
+    damaged[20] ^= 1
+    with pytest.raises(IntegrityError, match="damaged header"):
+        decode_header(bytes(damaged), key, FMT)
+    with pytest.raises(IntegrityError, match="bad magic"):
+        decode_header(b"X" + raw[1:], key, FMT)
+
+
+def test_header_takes_every_registered_layouts_format() -> None:
+    from kvxfer.layout import KVLayout, LayoutKind
+    from kvxfer.store.format import chunk_format_bytes
+
+    key = ChunkKey("m", 1, 0, b"h" * 16)
+    for kind, hidden in ((LayoutKind.FLASH_ATTN, 1024), (LayoutKind.FLASHINFER, 1024), (LayoutKind.MLA, 576)):
+        lay = KVLayout(kind, 4, 64, 16, hidden, torch.bfloat16)
+        fmt = lay.chunk_format(256)
+        assert chunk_format_bytes(fmt) == lay.chunk_bytes(256), fmt
+        assert decode_header(encode_header(key, fmt, bytes(lay.chunk_bytes(256))), key, fmt).fmt == fmt
+
+
+def test_l2_keys_follow_every_field_of_the_chunk_key() -> None:
+    base = ChunkKey("m", 2, 1, b"h" * 16)
+    variants = [ChunkKey("n", 2, 1, b"h" * 16), ChunkKey("m", 4, 1, b"h" * 16), ChunkKey("m", 2, 0, b"h" * 16),
+                ChunkKey("m", 2, 1, b"i" * 16)]
+    keys = {l2_key(k) for k in [base, *variants]}
+    assert len(keys) == 5 and all(k.startswith(b"kvxfer:") for k in keys)
+    assert l2_key(base) == l2_key(ChunkKey("m", 2, 1, b"h" * 16))
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_admission_and_config_are_validated_with_a_way_out() -> None:
+    assert parse_admission("all") == 0 and parse_admission("hits:3") == 3
+    for bad in ("some", "hits:0", "hits:x"):
+        with pytest.raises(ConfigError, match="'all'.*'hits:N'"):
+            parse_admission(bad)
+    with pytest.raises(ConfigError, match="needs --l2-url"):
+        TierConfig(store="fs", url="")
+    with pytest.raises(ConfigError, match="--l2-timeout"):
+        TierConfig(store="fs", url="/x", timeout_s=0)
+
+
+def test_breaker_opens_after_consecutive_failures_and_backs_off() -> None:
+    b = Breaker(threshold=2, backoff=0.01, max_backoff=0.04)
+    assert not b.failure("e1") and b.closed
+    b.success()
+    assert not b.failure("e1") and b.failure("e2") and not b.closed
+    time.sleep(0.02)
+    assert b.probe_due()
+    b.probed(False, "still down")
+    assert not b.probe_due() and b.delay == 0.02 and b.last_error == "still down"
+    b.probed(False)
+    b.probed(False)
+    assert b.delay == 0.04  # capped
+    b.probed(True)
+    assert b.closed and b.opened == 1
+
+
+def test_plugins_lists_store_backends(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.cli import main
+
+    assert main(["plugins", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["store_entry_point_group"] == "kvxfer.stores" and report["store_api_version"] == 1
+    fs = {p["name"]: p for p in report["stores"]}["fs"]
+    assert (fs["health"], fs["distribution"], fs["api_version"]) == ("available", "kvxfer", 1)
+    assert main(["plugins"]) == 0
+    table = capsys.readouterr().out
+    assert "store backends (L2)" in table and "fs: local directory store" in table
+
+
+def test_serve_refuses_unknown_store_and_url_without_store(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.cli import main
+
+    assert main(["serve", "--url", f"ipc://{tmp_path}/s.sock", "--l2", "nosuch", "--l2-url", "x://y"]) == 2
+    err = capsys.readouterr().err
+    assert "no store named 'nosuch'" in err and "installed:" in err
+    assert main(["serve", "--url", f"ipc://{tmp_path}/s.sock", "--l2-url", "file:///tmp/x"]) == 2
+    assert "--l2-url needs --l2 NAME" in capsys.readouterr().err
+    assert not (tmp_path / "s.sock").exists()
+
+
+# --------------------------------------------------------------------------- a server with an fs tier
+
+#: 256 KiB chunks (2 layers x 2 planes x 64 tokens x 4 heads x 128 x bf16): the 4 MiB arena holds 16.
+HEADS, HEAD = 4, 128
+
+
+def big_kv(seed: int, num_blocks: int = 112) -> list[torch.Tensor]:
+    return flash_attn_kv(num_layers=2, num_blocks=num_blocks, heads=HEADS, head_size=HEAD, seed=seed)
+
+
+def rows(kv: list[torch.Tensor], blocks: list[int]) -> list[torch.Tensor]:
+    return [layer[:, blocks].clone() for layer in kv]
+
+
+def blocks_of(first_chunk: int, n: int) -> list[int]:
+    return list(range(first_chunk * BLOCKS_PER_CHUNK, (first_chunk + n) * BLOCKS_PER_CHUNK))
+
+
+def settled(client: CacheClient, writes: int) -> object:
+    return wait_until(lambda: (t := client.status().tiers[0]).writes + t.write_skipped >= writes
+                      and t.queue_depth == 0, TIMEOUT, 0.02)
+
+
+@pytest.fixture(scope="module")
+def fs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    l2 = tmp_path_factory.mktemp("l2") / "store"
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--l2", "fs", "--l2-url", f"file://{l2}"]) as srv:
+        yield srv
+
+
+def test_evicted_chunks_come_back_from_l2_byte_for_byte(fs_server: ServerProcess) -> None:
+    kv = big_kv(1)
+    with CacheClient(fs_server.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="evict", block_size=BLOCK_SIZE, transport="cpu_gather")
+        keys = [bytes([i]) * 16 for i in range(24)]
+        for first in (0, 8, 16):  # 24 chunks through an arena of 16
+            assert not ctx.submit_store(keys[first:first + 8], blocks_of(first, 8)).result(TIMEOUT).failed
+            assert settled(c, first + 8)
+        st = c.status()
+        assert st.arena.evictions >= 8 and st.tiers[0].writes == 24
+        assert c.lookup("evict", hashes=keys) == 24  # L1 and then L2
+        reply = c.lookup_and_lease("evict", hashes=keys[:6], lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (6, 6)
+        want = rows(kv, blocks_of(0, 6))
+        res = ctx.submit_retrieve(keys[:6], blocks_of(16, 6), lease_id=reply.lease_id).result(TIMEOUT)
+        assert res.loaded == list(range(6))
+        got = rows(kv, blocks_of(16, 6))
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got))
+        ctx.close()
+
+
+def test_lookup_without_promotion_counts_l2_and_leases_only_l1(fs_server: ServerProcess) -> None:
+    kv = big_kv(2)
+    with CacheClient(fs_server.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="nopromo", block_size=BLOCK_SIZE, transport="cpu_gather")
+        keys = [b"n" + bytes([i]) * 15 for i in range(4)]
+        ctx.submit_store(keys, blocks_of(0, 4)).result(TIMEOUT)
+        assert settled(c, c.status().tiers[0].writes)
+        assert c.clear("nopromo") == 4
+        ctx.submit_store(keys[:2], blocks_of(0, 2)).result(TIMEOUT)  # 2 back in L1, 4 in L2
+        reply = c.lookup_and_lease("nopromo", hashes=keys, lease_s=30, promote=False)
+        assert (reply.hits, reply.l2_hits) == (4, 2)
+        res = ctx.submit_retrieve(keys, blocks_of(8, 4), lease_id=reply.lease_id).result(TIMEOUT)
+        assert (res.loaded, res.missing) == ([0, 1], [2, 3])
+        assert c.lookup("nopromo", hashes=[b"z" * 16]) == 0
+        ctx.close()
+
+
+def test_status_shows_the_tier(fs_server: ServerProcess) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--url", fs_server.url], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "l2: fs at file://" in out.stdout and ": up" in out.stdout
+    for field in ("lookups:", "promotions:", "writes:", "queue 0/64", "drops", "errors:"):
+        assert field in out.stdout
+    with CacheClient(fs_server.url) as c:
+        tier = c.status().tiers[0]
+    assert (tier.store, tier.state, tier.admission) == ("fs", "up", "all")
+
+
+def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
+    kv = big_kv(3)
+    with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--l2", "fs", "--l2-url", f"file://{tmp_path}/a", "--l2-admission", "hits:2"]) as srv:
+        with CacheClient(srv.url, timeout=TIMEOUT) as c:
+            ctx = c.register(kv, model_name="adm", block_size=BLOCK_SIZE, transport="cpu_gather")
+            keys = [b"a" + bytes([i]) * 15 for i in range(3)]
+            ctx.submit_store(keys, blocks_of(0, 3)).result(TIMEOUT)
+            time.sleep(0.3)
+            assert c.status().tiers[0].writes == 0, "hits:2 writes nothing before two reads"
+            for _ in range(2):
+                ctx.submit_retrieve(keys[:1], blocks_of(4, 1)).result(TIMEOUT)
+            assert settled(c, 1)
+            assert c.status().tiers[0].writes == 1
+            ctx.close()
+    with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--l2", "fs", "--l2-url", f"file://{tmp_path}/b", "--l2-queue", "1",
+                                   "--l2-writers", "1"]) as srv:
+        with CacheClient(srv.url, timeout=TIMEOUT) as c:
+            ctx = c.register(kv, model_name="bp", block_size=BLOCK_SIZE, transport="cpu_gather")
+            keys = [b"b" + bytes([i]) * 15 for i in range(16)]
+            res = ctx.submit_store(keys, blocks_of(0, 16)).result(TIMEOUT)
+            assert res.stored == list(range(16)), "a full L2 queue never fails or slows a store"
+            wait_until(lambda: c.status().tiers[0].queue_depth == 0, TIMEOUT, 0.02)
+            tier = c.status().tiers[0]
+            assert tier.drops >= 1 and tier.writes + tier.drops == 16, tier
+            ctx.close()
