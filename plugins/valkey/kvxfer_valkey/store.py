@@ -1,0 +1,490 @@
+"""The ``valkey`` store backend: :class:`ValkeyStore` (the plugin) and :class:`ValkeyBackend`.
+
+Who does what:
+
+* the ``valkey`` client (valkey-py with its ``libvalkey`` parser; chosen because it exposes its
+  connections, so bulk bytes can bypass its parser, and because it is the project's own Python
+  client) owns connection pools, cluster topology (``ValkeyCluster``: which node holds a key's
+  slot), MOVED/ASK redirects and failover, AUTH/ACL users and TLS (``valkeys://``);
+* this module takes a connection from the pool of the node that holds a key, sends pipelined
+  ``STRLEN`` / ``GET`` / ``SET`` commands on it, and moves the values between the socket and the
+  caller's buffers (:class:`~kvxfer_valkey.resp.RespReader`: ``recv_into`` the arena slot;
+  ``sendall`` of the slot's memoryview). A redirect reply is handed back to the client: the key
+  is fetched or written again through its own command path, which follows the redirect and
+  updates its slot map (slow, once per moved slot).
+
+Every socket operation is bounded (``options.timeout_s`` for lookups, ``bulk_timeout_s`` while
+values move; the client's own commands use ``bulk_timeout_s``); a connection that fails mid-reply is
+disconnected (the pool makes a new one next time). Errors become
+:class:`~kvxfer.errors.StoreUnavailable`; a wrong user or password is a
+:class:`~kvxfer.errors.ConfigError` at open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import valkey
+from valkey.backoff import NoBackoff
+from valkey.cluster import ClusterNode, ValkeyCluster
+from valkey.connection import Connection, ConnectionPool, SSLConnection, parse_url
+from valkey.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, ValkeyError
+from valkey.retry import Retry
+
+from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer.store import (
+    STORE_API_VERSION,
+    GetItem,
+    GetStatus,
+    Probe,
+    PutItem,
+    Store,
+    StoreCapabilities,
+    StoreOptions,
+    ThreadedBackend,
+)
+from kvxfer_valkey.resp import ErrorReply, RespReader, pack, pack_bulk_header
+
+__all__ = ["ValkeyStore", "ValkeyBackend", "parse_valkey_urls"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SCHEMES: Final = ("valkey", "valkeys", "redis", "rediss")
+_REDIRECTS: Final = frozenset({"MOVED", "ASK"})
+_HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
+
+
+def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """``valkey://[user:pass@]h1:p1[,h2:p2...][?ssl_ca_certs=...]`` -> ([(host, port)], connection
+    kwargs of the first URL: user, password, TLS options). Raises :class:`ConfigError`."""
+    parts = [p.strip() for p in url.split(",") if p.strip()]
+    if not parts:
+        raise ConfigError(f"valkey store: empty URL; {_HINT}")
+    last, sep, query = parts[-1].partition("?")
+    if sep:  # options after the last host apply to every host
+        parts = [p.partition("?")[0] for p in parts[:-1]] + [last]
+        parts = [f"{p}?{query}" for p in parts]
+    hosts = []
+    first: dict[str, Any] | None = None
+    scheme = parts[0].split("://", 1)[0].lower()
+    for i, part in enumerate(parts):
+        if "://" not in part:  # h2:p2 after the first URL inherits its scheme and options
+            part = f"{scheme}://{part}"
+        if part.split("://", 1)[0].lower() not in _SCHEMES:
+            raise ConfigError(f"valkey store: unsupported URL scheme in {part.split('://', 1)[0]!r}; {_HINT}")
+        try:
+            kw = parse_url(part)
+        except ValueError as exc:
+            raise ConfigError(f"valkey store: {exc}; {_HINT}") from None
+        if "host" not in kw:
+            raise ConfigError(f"valkey store: no host in the URL; {_HINT}")
+        hosts.append((kw.pop("host"), int(kw.pop("port", 6379))))
+        if kw.pop("connection_class", None) is not None:  # valkeys:// (the clients take ssl=True)
+            kw["ssl"] = True
+        if i == 0:
+            first = kw
+    assert first is not None
+    return hosts, first
+
+
+class _LoopConnection:
+    """The connection whose existence checks the server's loop sends and reads itself
+    (non-blocking socket; checks answered in the order they were sent)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        assert conn._sock is not None, "connect() first"
+        self.sock: socket.socket = conn._sock
+        self.sock.setblocking(False)
+        self.fd = self.sock.fileno()
+        self.buf = bytearray()
+        #: (keys asked, sizes so far, done) per check sent, oldest first
+        self.pending: deque[tuple[int, list[int], Callable[[list[int] | None], None]]] = deque()
+        self.broken = False
+
+
+class ValkeyBackend(ThreadedBackend):
+    """An open Valkey store: a ``valkey.Valkey`` (one node) or a ``ValkeyCluster``.
+
+    Implements :class:`~kvxfer.store.LoopExists` on a single node over plain TCP: one extra
+    connection on which the server's loop sends ``STRLEN`` pipelines and reads their answers
+    itself. It is (re)made off the loop: at open and by any existence check that finds it gone."""
+
+    def __init__(self, client: valkey.Valkey | ValkeyCluster, cluster: bool, options: StoreOptions) -> None:
+        super().__init__("valkey", options)
+        self.client = client
+        self.cluster = cluster
+        self.redirects = 0
+        self._stale_topology = threading.Event()
+        self._loop: _LoopConnection | None = None
+        self._old_loops: dict[int, _LoopConnection] = {}
+        self._loop_lock = threading.Lock()
+        self._new_loop_connection()
+
+    # ------------------------------------------------------------------ LoopExists
+
+    def _new_loop_connection(self) -> None:
+        """Make the loop connection (off the loop: connecting may block), when it can exist."""
+        if self.cluster or self._loop is not None or self._closed:
+            return
+        pool = self._node_pool()
+        if issubclass(pool.connection_class, SSLConnection):
+            return  # a non-blocking TLS socket may need to write to read: keep TLS on threads
+        with self._loop_lock:
+            if self._loop is not None:
+                return
+            conn = pool.make_connection()
+            try:
+                conn.connect()
+            except Exception:  # noqa: BLE001  (no loop connection now: lookups go through threads)
+                with contextlib.suppress(Exception):
+                    conn.disconnect()
+                return
+            self._loop = _LoopConnection(conn)
+
+    def loop_fd(self) -> int | None:
+        lc = self._loop
+        return lc.fd if lc is not None and not lc.broken else None
+
+    def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
+        lc = self._loop
+        if lc is None or lc.broken or self._closed:
+            return False
+        if not lc.pending:  # idle: make sure the peer did not go away meanwhile (a restarted Valkey)
+            try:
+                if lc.sock.recv(1, socket.MSG_PEEK) == b"":
+                    self._fail_loop(lc)
+                    return False
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._fail_loop(lc)
+                return False
+        data = b"".join(pack(b"STRLEN", k) for k in keys)
+        try:
+            sent = lc.sock.send(data)
+        except OSError:
+            sent = -1
+        if sent != len(data):  # the stream is no longer usable: a new connection will be made
+            self._fail_loop(lc)
+            return False
+        lc.pending.append((len(keys), [], done))
+        return True
+
+    def on_readable(self) -> None:
+        lc = self._loop
+        if lc is None:
+            return
+        try:
+            while True:
+                chunk = lc.sock.recv(65536)
+                if not chunk:
+                    raise ConnectionError("Valkey closed the connection")
+                lc.buf += chunk
+                if len(chunk) < 65536:
+                    break
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._fail_loop(lc)
+            return
+        buf = lc.buf
+        start = 0
+        while lc.pending:
+            end = buf.find(b"\r\n", start)
+            if end < 0:
+                break
+            line = bytes(buf[start:end])
+            start = end + 2
+            if line[:1] != b":":  # an error or anything unexpected: give up this connection
+                del buf[:start]
+                log.debug("valkey: unexpected reply to STRLEN on the loop connection: %r", line[:80])
+                self._fail_loop(lc)
+                return
+            n, sizes, done = lc.pending[0]
+            sizes.append(int(line[1:]))
+            if len(sizes) == n:
+                lc.pending.popleft()
+                done(sizes)
+        del buf[:start]
+
+    def _fail_loop(self, lc: _LoopConnection) -> None:
+        lc.broken = True
+        if self._loop is lc:
+            self._loop = None
+        self._old_loops[lc.fd] = lc
+        pending = list(lc.pending)
+        lc.pending.clear()
+        for _, _, done in pending:
+            done(None)
+
+    def drop_loop_fd(self, fd: int) -> None:
+        lc = self._old_loops.pop(fd, None)
+        if lc is not None:
+            with contextlib.suppress(Exception):
+                lc.conn.disconnect()
+
+    # ------------------------------------------------------------------ connections
+
+    def _node_pool(self) -> ConnectionPool:
+        """The pool of a single node's client."""
+        assert isinstance(self.client, valkey.Valkey)
+        pool: ConnectionPool = self.client.connection_pool
+        return pool
+
+    def _pool(self, key: bytes) -> ConnectionPool:
+        if not isinstance(self.client, ValkeyCluster):
+            return self._node_pool()
+        node = self.client.get_node_from_key(key)
+        pool: ConnectionPool = self.client.get_valkey_connection(node).connection_pool
+        return pool
+
+    def _by_pool(self, keys: Sequence[bytes]) -> list[tuple[ConnectionPool, list[int]]]:
+        groups: dict[int, tuple[ConnectionPool, list[int]]] = {}
+        for i, k in enumerate(keys):
+            pool = self._pool(k)
+            groups.setdefault(id(pool), (pool, []))[1].append(i)
+        return list(groups.values())
+
+    def _on(self, pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float) -> T:
+        """Run ``fn`` on an idle connection of ``pool``, each socket operation bounded by
+        ``timeout``; a failure drops the connection."""
+        conn = pool.get_connection("GET")
+        try:
+            sock = conn._sock  # the bulk path: see the module docstring
+            if sock is None:
+                raise ConnectionError("the pool gave a connection with no socket")
+            sock.settimeout(timeout)
+            reader = RespReader(sock)
+            out = fn(conn, reader)
+            if reader.buffered:
+                raise ConnectionError(f"{reader.buffered} unexpected bytes after the replies")
+            return out
+        except BaseException:
+            conn.disconnect()
+            if self.cluster:
+                self._stale_topology.set()
+            raise
+        finally:
+            pool.release(conn)
+
+    # ------------------------------------------------------------------ operations
+
+    def exists(self, keys: Sequence[bytes]) -> list[int]:
+        if self._loop is None:
+            self._new_loop_connection()  # for the next lookups
+        out = [0] * len(keys)
+        moved: list[int] = []
+        for pool, idx in self._by_pool(keys):
+            def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
+                conn.send_packed_command([b"".join(pack(b"STRLEN", keys[i]) for i in idx)], check_health=False)
+                for i in idx:
+                    try:
+                        out[i] = int(r.reply_simple() or 0)
+                    except ErrorReply as err:
+                        if err.kind not in _REDIRECTS:
+                            raise StoreUnavailable(f"valkey: STRLEN failed: {err.text}") from None
+                        moved.append(i)
+            self._on(pool, run, self.options.timeout_s)
+        for i in moved:  # the client follows the redirect and updates its slot map
+            self.redirects += 1
+            out[i] = int(_sync(self.client.strlen(keys[i])))
+        return out
+
+    def get(self, items: Sequence[GetItem]) -> list[GetStatus]:
+        keys = [k for k, _ in items]
+        out = [GetStatus.MISS] * len(items)
+        moved: list[int] = []
+        for pool, idx in self._by_pool(keys):
+            def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
+                conn.send_packed_command([b"".join(pack(b"GET", keys[i]) for i in idx)], check_health=False)
+                for i in idx:
+                    parts = items[i][1]
+                    try:
+                        n = r.bulk_into(parts)
+                    except ErrorReply as err:
+                        if err.kind not in _REDIRECTS:
+                            raise StoreUnavailable(f"valkey: GET failed: {err.text}") from None
+                        moved.append(i)
+                        continue
+                    if n is None:
+                        out[i] = GetStatus.MISS
+                    else:
+                        out[i] = GetStatus.HIT if n == sum(len(p) for p in parts) else GetStatus.WRONG_SIZE
+            self._on(pool, run, self.options.bulk_timeout_s)
+        for i in moved:
+            self.redirects += 1
+            data: bytes | None = _sync(self.client.get(keys[i]))
+            parts = items[i][1]
+            if data is None:
+                out[i] = GetStatus.MISS
+            elif len(data) != sum(len(p) for p in parts):
+                out[i] = GetStatus.WRONG_SIZE
+            else:
+                pos = 0
+                for p in parts:
+                    p[:] = data[pos:pos + len(p)]
+                    pos += len(p)
+                out[i] = GetStatus.HIT
+        return out
+
+    def put(self, items: Sequence[PutItem]) -> list[bool]:
+        keys = [k for k, _ in items]
+        out = [False] * len(items)
+        moved: list[int] = []
+        for pool, idx in self._by_pool(keys):
+            def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
+                for i in idx:
+                    key, parts = items[i]
+                    size = sum(len(p) for p in parts)
+                    conn.send_packed_command([pack_bulk_header(b"SET", key, size), *parts, b"\r\n"],
+                                             check_health=False)
+                for i in idx:
+                    try:
+                        out[i] = r.reply_simple() == b"OK"
+                    except ErrorReply as err:
+                        if err.kind in _REDIRECTS:
+                            moved.append(i)
+                        elif err.kind == "OOM":  # full and not allowed to evict: refused
+                            out[i] = False
+                        else:
+                            raise StoreUnavailable(f"valkey: SET failed: {err.text}") from None
+            self._on(pool, run, self.options.bulk_timeout_s)
+        for i in moved:
+            self.redirects += 1
+            key, parts = items[i]
+            out[i] = bool(self.client.set(key, b"".join(bytes(p) for p in parts)))
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return int(_sync(self.client.delete(*keys))) if keys else 0
+
+    def ping(self) -> None:
+        try:
+            if isinstance(self.client, ValkeyCluster) and self._stale_topology.is_set():
+                self.client.nodes_manager.initialize()
+                self._stale_topology.clear()
+            if self.cluster:
+                self.client.ping()
+            else:
+                self._on(self._node_pool(), _ping, self.options.timeout_s)
+        except ValkeyError as exc:
+            raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
+
+    def stats(self) -> dict[str, str]:
+        try:
+            if self.cluster:
+                info = _sync(self.client.info("memory", target_nodes=ValkeyCluster.PRIMARIES))
+                nodes = info if isinstance(info, dict) and all(isinstance(v, dict) for v in info.values()) else {}
+                used = sum(int(v.get("used_memory", 0)) for v in nodes.values())
+                return {"nodes": str(len(nodes)), "keys": str(_sync(self.client.dbsize())), "used": _human(used),
+                        "redirects": str(self.redirects)}
+            mem: dict[str, Any] = _sync(self.client.info("memory"))
+            st: dict[str, Any] = _sync(self.client.info("stats"))
+            return {"keys": str(_sync(self.client.dbsize())), "used": _human(int(mem.get("used_memory", 0))),
+                    "maxmemory": _human(int(mem.get("maxmemory", 0))) if mem.get("maxmemory") else "none",
+                    "policy": str(mem.get("maxmemory_policy", "?")), "evicted": str(st.get("evicted_keys", 0))}
+        except ValkeyError as exc:
+            raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
+
+    def close_connections(self) -> None:
+        loops = list(self._old_loops.values())
+        if self._loop is not None:
+            loops.append(self._loop)
+        self._loop = None
+        for lc in loops:
+            with contextlib.suppress(Exception):
+                lc.conn.disconnect()
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+def _sync(value: Any) -> Any:
+    """A reply of the synchronous client (its commands are typed for the async one too)."""
+    return value
+
+
+def _ping(conn: Connection, r: RespReader) -> None:
+    conn.send_packed_command([pack(b"PING")], check_health=False)
+    if r.reply_simple() != b"PONG":
+        raise StoreUnavailable("valkey: PING did not answer PONG")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+class ValkeyStore(Store):
+    """The ``valkey`` store backend (entry point ``kvxfer.stores: valkey``)."""
+
+    name = "valkey"
+    api_version = STORE_API_VERSION
+    capabilities = StoreCapabilities(shared=True, persistent=True, max_value_bytes=512 << 20)
+    url_schemes = _SCHEMES
+
+    def probe(self) -> Probe:
+        from valkey.utils import LIBVALKEY_AVAILABLE
+
+        parser = "libvalkey parser" if LIBVALKEY_AVAILABLE else "pure-Python parser (pip install 'valkey[libvalkey]')"
+        return Probe(True, f"valkey-py {valkey.__version__}, {parser}; single node or cluster")
+
+    def open(self, url: str, options: StoreOptions) -> ValkeyBackend:
+        hosts, kw = parse_valkey_urls(url)
+        kw.update(socket_timeout=options.bulk_timeout_s, socket_connect_timeout=options.timeout_s,
+                  retry=Retry(NoBackoff(), 0), client_name="kvxfer")
+        where = ", ".join(f"{h}:{p}" for h, p in hosts)
+        cluster = None
+        errors = []
+        for host, port in hosts:
+            probe = valkey.Valkey(host=host, port=port, **{**kw, "socket_timeout": options.timeout_s})
+            try:
+                cluster_info: dict[str, Any] = _sync(probe.info("cluster"))
+                cluster = bool(int(cluster_info.get("cluster_enabled", 0)))
+                break
+            except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
+                raise ConfigError(
+                    f"valkey at {host}:{port} refused kvxfer's credentials ({exc}): check the user and password "
+                    "in --l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run STRLEN, GET, SET, DEL, "
+                    "PING, INFO, DBSIZE and CLUSTER SLOTS on keys ~kvxfer:*") from None
+            except ValkeyError as exc:
+                errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
+            finally:
+                probe.close()
+        if cluster is None:
+            raise StoreUnavailable(f"no Valkey node answered at {where}: {'; '.join(errors)}")
+        if cluster:
+            kw.pop("db", None)
+            client: valkey.Valkey | ValkeyCluster = ValkeyCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in hosts], cluster_error_retry_attempts=1,
+                require_full_coverage=False, **kw)
+        else:
+            if len(hosts) > 1:
+                raise ConfigError(f"--l2-url lists {len(hosts)} hosts but {hosts[0][0]}:{hosts[0][1]} is not in "
+                                  "cluster mode; give one URL for a single node")
+            client = valkey.Valkey(host=hosts[0][0], port=hosts[0][1], **kw)
+        return ValkeyBackend(client, cluster, options)
+
+    @contextlib.contextmanager
+    def local_instance(self, directory: Path) -> Iterator[str]:
+        from kvxfer_valkey.local import ValkeyServer
+
+        server = ValkeyServer(Path(directory) / "valkey").start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+

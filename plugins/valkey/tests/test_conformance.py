@@ -1,0 +1,50 @@
+"""The store conformance kit against a real Valkey node and a real three-node Valkey cluster
+(made with ``valkey-cli --cluster create``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.testing import StoreConformance
+from kvxfer_valkey import ValkeyCluster, ValkeyServer
+
+
+class TestValkeyNode(StoreConformance):
+    store = "valkey"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+        with ValkeyServer(tmp_path_factory.mktemp("valkey-node")) as node:
+            yield node.url
+
+
+class TestValkeyCluster(StoreConformance):
+    store = "valkey"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+        with ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster")) as cluster:
+            yield cluster.url
+
+
+def test_a_cluster_spreads_keys_over_its_nodes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from kvxfer.store import StoreOptions
+    from kvxfer_valkey import ValkeyStore
+
+    with ValkeyCluster(tmp_path_factory.mktemp("spread")) as cluster:
+        # any one node is enough to discover the cluster
+        backend = ValkeyStore().open(cluster.nodes[1].url, StoreOptions())
+        try:
+            assert backend.cluster
+            keys = [b"kvxfer:c1:spread:%d" % i for i in range(30)]
+            backend.submit_put([(k, [memoryview(b"v")]) for k in keys]).result(30)
+            counts = [int(n.cli("dbsize").strip()) for n in cluster.nodes]
+            assert sum(counts) == 30 and all(c > 0 for c in counts), counts
+            assert backend.submit_exists(keys).result(30) == [1] * 30
+            assert backend.stats()["nodes"] == "3"
+        finally:
+            backend.close()

@@ -1,0 +1,207 @@
+"""Valkey killed mid-store and mid-promote, restarted, hung (SIGSTOP), full (maxmemory), and
+ACL users: nothing corrupt is ever loaded, the kvxfer server keeps serving from L1, no request
+hangs, and L2 comes back by itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvxfer import CacheClient
+from kvxfer.testing.server import ServerProcess
+from kvxfer_valkey import ValkeyServer
+from l2kit import BLOCK, CHUNK, TIMEOUT, blocks, chunks, kv, settle_writes, tier, wait_for
+
+#: The tier's per-operation limit in these tests, and how long a lookup may take at most while
+#: the store misbehaves (the limit plus the loop's 0.25 s tick plus a loaded machine's slack).
+L2_TIMEOUT = 0.5
+LOOKUP_BOUND = L2_TIMEOUT + 2.5
+
+
+@pytest.fixture(scope="module")
+def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    node = ValkeyServer(tmp_path_factory.mktemp("valkey"))
+    with node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def server(valkey: ValkeyServer) -> Iterator[ServerProcess]:
+    with ServerProcess(l1_size="32MiB", chunk_size=CHUNK, transports="cpu_gather",
+                       extra_args=["--l2", "valkey", "--l2-url", valkey.url, "--l2-timeout", str(L2_TIMEOUT)]) as srv:
+        yield srv
+
+
+@pytest.fixture
+def healthy(valkey: ValkeyServer, server: ServerProcess) -> Iterator[CacheClient]:
+    """A client of the server, with Valkey up and the tier back up before and after the test."""
+    if valkey.proc is None or valkey.proc.poll() is not None:
+        valkey.start()
+    with CacheClient(server.url, timeout=TIMEOUT) as c:
+        assert wait_for(lambda: tier(c).state == "up", 30), tier(c)
+        yield c
+    if valkey.proc is None or valkey.proc.poll() is not None:
+        valkey.start()
+
+
+def timed_lookup(c: CacheClient, model: str, keys: list[bytes]) -> tuple[int, float]:
+    t = time.monotonic()
+    hits = c.lookup(model, hashes=keys)
+    return hits, time.monotonic() - t
+
+
+def test_valkey_killed_mid_store_then_restarted(valkey: ValkeyServer, healthy: CacheClient,
+                                                server: ServerProcess) -> None:
+    c = healthy
+    src = kv(10)
+    ctx = c.register(src, model_name="killed-store", block_size=BLOCK, transport="cpu_gather")
+    keys = [b"k" + bytes([i]) * 15 for i in range(16)]
+    assert ctx.submit_store(keys, blocks(0, 16)).result(TIMEOUT).stored == list(range(16))
+    valkey.kill()  # while the writers are at it (or just after)
+    # the server keeps serving from L1: stores and byte-exact retrieves, lookups never hang
+    more = [b"m" + bytes([i]) * 15 for i in range(4)]
+    assert ctx.submit_store(more, blocks(20, 4)).result(TIMEOUT).stored == [0, 1, 2, 3]
+    assert ctx.submit_retrieve(keys[:4], blocks(30, 4)).result(TIMEOUT).loaded == [0, 1, 2, 3]
+    assert torch.equal(chunks(src, blocks(0, 4)), chunks(src, blocks(30, 4)))
+    unknown = [b"u" + bytes([i]) * 15 for i in range(4)]
+    for _ in range(5):
+        hits, took = timed_lookup(c, "killed-store", unknown)
+        assert hits == 0 and took < LOOKUP_BOUND, took
+    assert wait_for(lambda: tier(c).state == "down", 10), tier(c)
+    t = tier(c)
+    assert t.errors >= 1 and t.outages >= 1 and "retrying" in t.detail
+    hits, took = timed_lookup(c, "killed-store", unknown)
+    assert hits == 0 and took < LOOKUP_BOUND
+    # Valkey back (empty: no persistence): the tier finds it by itself, and new chunks reach it
+    valkey.start()
+    assert wait_for(lambda: tier(c).state == "up", 30), tier(c)
+    before = tier(c).writes
+    fresh = [b"f" + bytes([i]) * 15 for i in range(3)]
+    ctx.submit_store(fresh, blocks(40, 3)).result(TIMEOUT)
+    settle_writes(c, before + 3)
+    assert c.clear("killed-store") >= 3
+    reply = c.lookup_and_lease("killed-store", hashes=fresh, lease_s=30)
+    assert (reply.hits, reply.l2_hits) == (3, 3), (tier(c), server.log()[-3000:])
+    assert ctx.submit_retrieve(fresh, blocks(50, 3), lease_id=reply.lease_id).result(TIMEOUT).loaded == [0, 1, 2]
+    assert torch.equal(chunks(src, blocks(40, 3)), chunks(src, blocks(50, 3)))
+    ctx.close()
+
+
+def test_valkey_killed_mid_promote_loads_nothing_corrupt(valkey: ValkeyServer, healthy: CacheClient) -> None:
+    c = healthy
+    src = kv(11)
+    ctx = c.register(src, model_name="killed-promote", block_size=BLOCK, transport="cpu_gather")
+    keys = [b"p" + bytes([i]) * 15 for i in range(24)]
+    before = tier(c).writes
+    ctx.submit_store(keys, blocks(0, 24)).result(TIMEOUT)
+    settle_writes(c, before + 24)
+    c.clear("killed-promote")
+    dst = kv(12)
+    dctx = c.register(dst, model_name="killed-promote", block_size=BLOCK, transport="cpu_gather")
+    reply = c.lookup_and_lease("killed-promote", hashes=keys, lease_s=30)
+    valkey.kill()  # while the promotions read
+    res = dctx.submit_retrieve(keys[:reply.hits], blocks(30, reply.hits), lease_id=reply.lease_id).result(TIMEOUT)
+    assert sorted(res.loaded + res.missing) == list(range(reply.hits))
+    want, got, untouched = chunks(src, blocks(0, 24)), chunks(dst, blocks(30, 24)), chunks(kv(12), blocks(30, 24))
+    for i in res.loaded:
+        assert torch.equal(got[i], want[i]), f"chunk {i} loaded but not byte-exact"
+    for i in res.missing:
+        assert torch.equal(got[i], untouched[i]), f"chunk {i} reported missing but its blocks were written"
+    t = tier(c)
+    assert t.promotions + t.promote_failures >= reply.l2_hits and t.promoting == 0
+    # the server still serves from L1
+    assert ctx.submit_store([b"after" + bytes(11)], blocks(60, 1)).result(TIMEOUT).stored == [0]
+    ctx.close()
+    dctx.close()
+
+
+def test_hung_valkey_costs_lookups_at_most_the_l2_timeout(valkey: ValkeyServer, healthy: CacheClient) -> None:
+    c = healthy
+    src = kv(13)
+    ctx = c.register(src, model_name="hung", block_size=BLOCK, transport="cpu_gather")
+    keys = [b"h" + bytes([i]) * 15 for i in range(4)]
+    ctx.submit_store(keys[:2], blocks(0, 2)).result(TIMEOUT)
+    valkey.pause()
+    try:
+        for _ in range(4):
+            hits, took = timed_lookup(c, "hung", keys)
+            assert hits == 2 and took < LOOKUP_BOUND, took  # L1's hits, the L2 part given up
+        assert wait_for(lambda: tier(c).state == "down", 10)
+        hits, took = timed_lookup(c, "hung", keys)
+        assert hits == 2 and took < LOOKUP_BOUND
+        assert tier(c).timeouts + tier(c).errors >= 1
+    finally:
+        valkey.resume()
+    assert wait_for(lambda: tier(c).state == "up", 30), tier(c)
+    ctx.close()
+
+
+def test_full_valkey_evicts_or_refuses_and_nothing_breaks(tmp_path: Path) -> None:
+    src = kv(14)
+    keys = [b"x" + bytes([i]) * 15 for i in range(24)]  # 24 x 128 KiB into a 2 MiB Valkey
+    for policy in ("allkeys-lru", "noeviction"):
+        with ValkeyServer(tmp_path / policy, maxmemory="3mb", policy=policy) as node, \
+                ServerProcess(l1_size="32MiB", chunk_size=CHUNK, transports="cpu_gather",
+                              extra_args=["--l2", "valkey", "--l2-url", node.url]) as srv, \
+                CacheClient(srv.url, timeout=TIMEOUT) as c:
+            ctx = c.register(src, model_name="full", block_size=BLOCK, transport="cpu_gather")
+            for i in range(0, 24, 4):
+                assert ctx.submit_store(keys[i:i + 4], blocks(i, 4)).result(TIMEOUT).stored == [0, 1, 2, 3]
+                assert wait_for(lambda: tier(c).queue_depth == 0, TIMEOUT)
+            t = tier(c)
+            assert t.state == "up" and t.writes + t.drops == 24, t
+            if policy == "noeviction":
+                assert t.drops >= 1, "writes refused by a full Valkey are dropped and counted"
+            c.clear("full")
+            # what the store kept: the newest chunks when it evicts, the oldest when it refuses
+            order = list(range(24))[::-1] if policy == "allkeys-lru" else list(range(24))
+            in_l2 = c.lookup("full", hashes=[keys[i] for i in order])
+            assert 0 < in_l2 < 24, (policy, in_l2)
+            kept = order[:in_l2]
+            reply = c.lookup_and_lease("full", hashes=[keys[i] for i in kept], lease_s=30)
+            res = ctx.submit_retrieve([keys[i] for i in kept[:reply.hits]], blocks(30, reply.hits),
+                                      lease_id=reply.lease_id).result(TIMEOUT)
+            assert res.loaded, res
+            want = chunks(src, blocks(0, 24))
+            got = chunks(src, blocks(30, reply.hits))
+            for j in res.loaded:
+                assert torch.equal(got[j], want[kept[j]])
+            ctx.close()
+
+
+def test_acl_user_with_password_from_the_environment(valkey: ValkeyServer, tmp_path: Path) -> None:
+    # the user docs/l2.md tells operators to create: kvxfer's keys and commands only
+    valkey.cli("ACL", "SETUSER", "kvx", "on", ">s3cret-pw", "~kvxfer:*", "resetchannels", "-@all", "+get", "+set",
+               "+strlen", "+del", "+ping", "+info", "+dbsize", "+cluster|slots", "+cluster|shards", "+cluster|info",
+               "+client|setname", "+client|setinfo", "+hello", "+auth")
+    url = valkey.url.replace("valkey://", "valkey://kvx@")
+    env = {"KVXFER_L2_PASSWORD": "s3cret-pw"}
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="cpu_gather", env=env,
+                       extra_args=["--l2", "valkey", "--l2-url", url]) as srv:
+        with CacheClient(srv.url, timeout=TIMEOUT) as c:
+            t = tier(c)
+            assert t.state == "up" and t.url == url.replace("kvx@", "kvx:***@")
+            ctx = c.register(kv(15), model_name="acl", block_size=BLOCK, transport="cpu_gather")
+            ctx.submit_store([b"acl" + bytes(13)], blocks(0, 1)).result(TIMEOUT)
+            settle_writes(c, 1)
+            c.clear("acl")
+            reply = c.lookup_and_lease("acl", hashes=[b"acl" + bytes(13)], lease_s=30)
+            assert (reply.hits, reply.l2_hits) == (1, 1)
+            assert ctx.submit_retrieve([b"acl" + bytes(13)], blocks(1, 1), lease_id=reply.lease_id).result(
+                TIMEOUT).loaded == [0]
+            assert tier(c).errors == 0
+            ctx.close()
+        assert "s3cret-pw" not in srv.log()
+    assert valkey.cli("--user", "kvx", "--pass", "s3cret-pw", "--no-auth-warning", "dbsize").strip() != "0"
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/s.sock", "--l2",
+                          "valkey", "--l2-url", url.replace("kvx@", "kvx:wrong@")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "refused kvxfer's credentials" in out.stderr, out.stderr
+    assert "wrong" not in out.stderr.replace("kvx:***", "")

@@ -1,0 +1,111 @@
+"""Two kvxfer servers with separate arenas stand in for two hosts sharing one Valkey: chunks
+stored through A load byte for byte through B (cpu_gather and hpu on the CPU), and A restarted
+finds its chunks in L2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvxfer import CacheClient
+from kvxfer.testing.server import ServerProcess
+from kvxfer_valkey import ValkeyServer
+from l2kit import BLOCK, CHUNK, TIMEOUT, blocks, chunks, kv, settle_writes, tier
+
+
+@pytest.fixture(scope="module")
+def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as node:
+        yield node
+
+
+def host(valkey: ValkeyServer) -> ServerProcess:
+    return ServerProcess(l1_size="32MiB", chunk_size=CHUNK, transports="cpu_gather,hpu",
+                         extra_args=["--l2", "valkey", "--l2-url", valkey.url])
+
+
+@pytest.fixture(scope="module")
+def a(valkey: ValkeyServer) -> Iterator[ServerProcess]:
+    with host(valkey) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def b(valkey: ValkeyServer) -> Iterator[ServerProcess]:
+    with host(valkey) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("transport_b", ["cpu_gather", "hpu"])
+def test_chunks_stored_through_a_load_through_b(a: ServerProcess, b: ServerProcess, transport_b: str) -> None:
+    model = f"two-hosts-{transport_b}"
+    src_kv, dst_kv = kv(1), kv(2)
+    keys = [bytes([i + 1]) * 16 for i in range(6)]
+    with CacheClient(a.url, timeout=TIMEOUT) as ca, CacheClient(b.url, timeout=TIMEOUT) as cb:
+        ctx_a = ca.register(src_kv, model_name=model, block_size=BLOCK, transport="cpu_gather")
+        before = tier(ca).writes
+        assert ctx_a.submit_store(keys, blocks(0, 6)).result(TIMEOUT).stored == list(range(6))
+        settle_writes(ca, before + 6)
+        ctx_b = cb.register(dst_kv, model_name=model, block_size=BLOCK, transport=transport_b)
+        assert cb.lookup(model, hashes=keys) == 6, "B sees A's chunks through L2"
+        reply = cb.lookup_and_lease(model, hashes=keys, lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (6, 6)
+        res = ctx_b.submit_retrieve(keys, blocks(10, 6), lease_id=reply.lease_id).result(TIMEOUT)
+        assert res.loaded == list(range(6)) and not res.missing
+        assert torch.equal(chunks(src_kv, blocks(0, 6)), chunks(dst_kv, blocks(10, 6)))
+        # a second lookup on B finds them in its own arena now
+        assert cb.lookup_and_lease(model, hashes=keys, lease_s=1).l2_hits == 0
+        ctx_a.close()
+        ctx_b.close()
+
+
+def test_a_restarted_finds_its_chunks_in_l2(a: ServerProcess) -> None:
+    model = "restart"
+    src_kv = kv(3)
+    keys = [b"r" + bytes([i]) * 15 for i in range(4)]
+    with CacheClient(a.url, timeout=TIMEOUT) as c:
+        ctx = c.register(src_kv, model_name=model, block_size=BLOCK, transport="cpu_gather")
+        before = tier(c).writes
+        ctx.submit_store(keys, blocks(0, 4)).result(TIMEOUT)
+        settle_writes(c, before + 4)
+        ctx.close()
+    a.restart()
+    dst_kv = kv(4)
+    with CacheClient(a.url, timeout=TIMEOUT) as c:
+        assert c.status().arena.chunks == 0
+        ctx = c.register(dst_kv, model_name=model, block_size=BLOCK, transport="cpu_gather")
+        reply = c.lookup_and_lease(model, hashes=keys, lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (4, 4)
+        res = ctx.submit_retrieve(keys, blocks(20, 4), lease_id=reply.lease_id).result(TIMEOUT)
+        assert res.loaded == [0, 1, 2, 3]
+        assert torch.equal(chunks(src_kv, blocks(0, 4)), chunks(dst_kv, blocks(20, 4)))
+        ctx.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by scripts/gpu_check.sh)")
+def test_cuda_ipc_on_both_hosts(valkey: ValkeyServer) -> None:
+    """The GPU check: KV caches on the GPU, stored through cuda_ipc on A, loaded through cuda_ipc on B."""
+    from kvxfer.testing.kvdata import make_kv
+    from l2kit import SPEC
+
+    src, dst = make_kv(SPEC, "cuda", 21), make_kv(SPEC, "cuda", 22)
+    keys = [b"g" + bytes([i]) * 15 for i in range(4)]
+    servers = [ServerProcess(l1_size="32MiB", chunk_size=CHUNK, transports="cuda_ipc,cpu_gather",
+                             extra_args=["--l2", "valkey", "--l2-url", valkey.url]) for _ in range(2)]
+    with servers[0] as a, servers[1] as b, CacheClient(a.url, timeout=TIMEOUT) as ca, \
+            CacheClient(b.url, timeout=TIMEOUT) as cb:
+        ctx_a = ca.register(src, model_name="gpu", block_size=BLOCK, transport="cuda_ipc")
+        before = tier(ca).writes
+        assert ctx_a.submit_store(keys, blocks(0, 4)).result(TIMEOUT).stored == [0, 1, 2, 3]
+        settle_writes(ca, before + 4)
+        ctx_b = cb.register(dst, model_name="gpu", block_size=BLOCK, transport="cuda_ipc")
+        reply = cb.lookup_and_lease("gpu", hashes=keys, lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (4, 4)
+        assert ctx_b.submit_retrieve(keys, blocks(8, 4), lease_id=reply.lease_id).result(TIMEOUT).loaded == [0, 1, 2, 3]
+        torch.cuda.synchronize()
+        assert torch.equal(chunks([t.cpu() for t in src], blocks(0, 4)), chunks([t.cpu() for t in dst], blocks(8, 4)))
+        ctx_a.close()
+        ctx_b.close()

@@ -1,0 +1,67 @@
+"""--l2-url for Valkey: hosts, users, TLS options, what is refused and how fast."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import valkey
+from valkey.connection import SSLConnection
+
+from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer.store import StoreOptions, get_store, redact_url
+from kvxfer_valkey import ValkeyServer, ValkeyStore
+from kvxfer_valkey.local import free_port
+from kvxfer_valkey.store import parse_valkey_urls
+
+
+def test_hosts_users_and_tls_options_pass_through() -> None:
+    hosts, kw = parse_valkey_urls("valkeys://kvx:p%40ss@h1:6380,h2:6381?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required")
+    assert hosts == [("h1", 6380), ("h2", 6381)]
+    assert kw["username"] == "kvx" and kw["password"] == "p@ss"
+    assert kw["ssl"] is True and kw["ssl_ca_certs"] == "/etc/ca.pem" and kw["ssl_cert_reqs"] == "required"
+    assert valkey.Valkey(host=hosts[0][0], port=hosts[0][1], **kw).connection_pool.connection_class is SSLConnection
+    hosts, kw = parse_valkey_urls("valkey://127.0.0.1")
+    assert hosts == [("127.0.0.1", 6379)] and "password" not in kw
+
+
+@pytest.mark.parametrize("url, match", [("", "empty URL"), ("http://h:1", "unsupported URL scheme"),
+                                        ("valkey://", "no host")])
+def test_bad_urls(url: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_valkey_urls(url)
+
+
+def test_passwords_never_shown() -> None:
+    shown = redact_url("valkeys://kvx:s3cret@h1:6380,valkey://:other@h2:1?x=1")
+    assert "s3cret" not in shown and "other" not in shown and "kvx:***@h1:6380" in shown
+    assert get_store("valkey").redact("valkey://h:1") == "valkey://h:1"
+
+
+def test_nothing_listening_fails_fast_with_the_address() -> None:
+    port = free_port()
+    t = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=f"no Valkey node answered at 127.0.0.1:{port}"):
+        ValkeyStore().open(f"valkey://127.0.0.1:{port}", StoreOptions(timeout_s=0.5))
+    assert time.monotonic() - t < 5
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as n:
+        yield n
+
+
+def test_several_hosts_need_a_cluster(node: ValkeyServer) -> None:
+    with pytest.raises(ConfigError, match="not in cluster mode"):
+        ValkeyStore().open(f"{node.url},127.0.0.1:{free_port()}", StoreOptions())
+
+
+def test_tls_to_a_plain_node_is_refused_not_hung(node: ValkeyServer, tmp_path: Path) -> None:
+    t = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        ValkeyStore().open(node.url.replace("valkey://", "valkeys://") + "?ssl_cert_reqs=none",
+                           StoreOptions(timeout_s=0.5))
+    assert time.monotonic() - t < 5
