@@ -495,6 +495,7 @@ class CacheServer:
         layout = validate_registration(reg, self.config.chunk_size, self.arena.size)
         if reg.instance_id in self.contexts:
             raise _invalid("instance_id", f"{reg.instance_id} is already registered")
+        self._check_one_format(reg, layout.chunk_format(self.config.chunk_size))
         executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-ctx-{reg.instance_id}")
 
         def finish(fut: Future[Any]) -> m.RegisterReply:
@@ -524,6 +525,18 @@ class CacheServer:
                 return lt.server.open(reg, layout)
 
         return _Deferred(executor, open_, finish, msg.transport)
+
+    def _check_one_format(self, reg: m.Registration, fmt: str) -> None:
+        """Chunks stored under one identity (model_name, world_size) all have one format: refuse
+        a registration whose KV cache would write or read another."""
+        held = self.index.format_of(reg.model_name, reg.world_size)
+        if held is None:
+            held = next((c.chunk.fmt for c in self.contexts.values()
+                         if c.model_name == reg.model_name and c.world_size == reg.world_size), None)
+        if held is not None and held != fmt:
+            raise _invalid("model_name", f"chunks of {reg.model_name!r} (world size {reg.world_size}) are in format "
+                                         f"{held}, but this KV cache's are {fmt} (another layout, dtype, block size "
+                                         f"or number of layers): register it under another model_name")
 
     def _on_unregister(self, session: Session, msg: m.Unregister) -> _Deferred:
         ctx = self._context(session, msg.instance_id)

@@ -242,6 +242,15 @@ class ChunkIndex:
         self._lru.pop(e.key, None)
         self.allocator.free(e.offset, e.size)
 
+    def format_of(self, model_name: str, world_size: int) -> str | None:
+        """The chunk format of the readable entries stored under ``model_name`` and
+        ``world_size`` (writes of another format are refused, so all share one), or None. Scans
+        the index: for registrations, not for the data path."""
+        for key, e in self.entries.items():
+            if key.model_name == model_name and key.world_size == world_size and e.state is State.READY:
+                return e.fmt
+        return None
+
     def clear(self, model_name: str = "") -> list[ChunkKey]:
         """Drop READY, unpinned entries (of ``model_name`` only, when given)."""
         gone = [k for k, e in self._lru.items() if not e.pinned and (not model_name or k.model_name == model_name)]

@@ -263,3 +263,13 @@ def test_index_churn_keeps_allocator_consistent() -> None:
         index.commit_read(res)
     index.clear()
     assert index.allocator.used == 0 and index.allocator.free_extents == 1
+
+
+def test_one_format_per_identity_until_its_last_chunk_goes() -> None:
+    index = ChunkIndex(16 * SIZE)
+    assert index.format_of("m", 1) is None
+    res, _, _ = index.reserve_write([key(1), key(2)], "fmt-a", SIZE, 1)
+    assert index.format_of("m", 1) is None  # being written: not readable yet
+    index.commit_write(res, failed=[0])
+    assert index.format_of("m", 1) == "fmt-a" and index.format_of("m", 2) is None  # one entry left
+    assert index.clear("m") and index.format_of("m", 1) is None

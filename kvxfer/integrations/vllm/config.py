@@ -31,7 +31,10 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.lease_s": "seconds a lookup keeps its hits from eviction until they are loaded (default 60)",
     "kvxfer.on_server_error": "'fail' (default: raise) or 'recompute' (carry on without the cache)",
     "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server (default 5)",
-    "kvxfer.model_name": "name that keys stored chunks (default: the model path and its KV dtype)",
+    "kvxfer.model_name": "readable label of stored chunks (default: the model path and its KV dtype)",
+    "kvxfer.fingerprint": "true (default): chunks are keyed by the label plus a fingerprint of what makes KV "
+                          "bytes compatible (weights, dtypes, quantization, shapes, layout, parallelism); "
+                          "false: by the label alone",
     "kvxfer.layout": "KV layout when ambiguous: bhnc, flash_attn, flashinfer or mla (default: inferred)",
     "kvxfer.curve_dir": "directory of CURVE keys from `kvxfer keys` (required for a tcp:// server)",
     "kvxfer.curve_name": "which client key pair in kvxfer.curve_dir (default 'client')",
@@ -53,7 +56,9 @@ class ConnectorConfig:
     lease_s: float
     on_server_error: OnError
     retry_s: float
+    #: The label of stored chunks (the identity adds a fingerprint, see identity.py).
     model_name: str
+    fingerprint: bool
     layout: str | None
     curve_dir: str | None
     curve_name: str
@@ -136,6 +141,9 @@ class ConnectorConfig:
         model_name = extra.get("kvxfer.model_name") or default_model_name
         if not isinstance(model_name, str) or not model_name:
             raise ConfigError("kvxfer.model_name must be a non-empty string (or set vLLM's model)")
+        fingerprint = extra.get("kvxfer.fingerprint", True)
+        if not isinstance(fingerprint, bool):
+            raise ConfigError(f"kvxfer.fingerprint must be true or false, got {fingerprint!r}")
         return cls(
             url=str(extra.get("kvxfer.url") or default_url()),
             transport=transport,
@@ -145,6 +153,7 @@ class ConnectorConfig:
             on_server_error=on_error,
             retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0)),
             model_name=model_name,
+            fingerprint=fingerprint,
             layout=layout,
             curve_dir=str(extra["kvxfer.curve_dir"]) if extra.get("kvxfer.curve_dir") else None,
             curve_name=str(extra.get("kvxfer.curve_name") or "client"),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.errors import ConfigError
 from kvxfer.integrations.vllm._compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -31,6 +30,8 @@ from kvxfer.integrations.vllm._compat import (
     SupportsHMA,
 )
 from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.groups import plan_groups
+from kvxfer.integrations.vllm.identity import kv_identity
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import SchedulerConnector
 from kvxfer.integrations.vllm.worker import WorkerConnector
@@ -51,20 +52,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) > 1:
-            raise ConfigError(
-                f"kvxfer supports models whose attention layers share one KV cache group; this model has "
-                f"{len(groups)} (sliding-window, chunked-local or mamba layers). Start vLLM with "
-                f"--disable-hybrid-kv-cache-manager"
-            )
-        self.kvxfer_config = ConnectorConfig.from_vllm(vllm_config)
+        self.kvxfer_config = cfg = ConnectorConfig.from_vllm(vllm_config)
+        #: The identity chunks are stored under (the same on both sides: see identity.py).
+        self.identity = kv_identity(cfg.model_name, vllm_config, kv_cache_config, cfg.fingerprint)
+        #: The KV cache groups moved, each under the identity plus the group.
+        self.groups = plan_groups(kv_cache_config, self.identity, cfg.block_size)
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         if getattr(role, "name", None) == "SCHEDULER":
-            self._scheduler = SchedulerConnector(self.kvxfer_config)
+            self._scheduler = SchedulerConnector(cfg, self.groups)
         else:
-            self._worker = WorkerConnector(self.kvxfer_config)
+            self._worker = WorkerConnector(cfg, self.groups)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -152,5 +150,6 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler, with the hybrid KV cache manager: as request_finished."""
+        """Scheduler, with the hybrid KV cache manager (one block list per group): as
+        request_finished; True keeps every group's blocks until the stores are done."""
         return self.scheduler.request_finished(request, block_ids)

@@ -26,16 +26,21 @@ class LoadOp:
     skip_tokens: int = 0
     lease_id: int = 0
     failed_block_ids: list[int] = field(default_factory=list)
+    #: vLLM's KV cache group whose blocks these are.
+    group: int = 0
 
 
 @dataclass(slots=True)
 class StoreOp:
-    """Store ``keys`` (consecutive full chunks, computed by the end of this step) from
-    ``block_ids``."""
+    """Store ``keys`` (full chunks, computed by the end of this step) from ``block_ids`` of KV
+    cache group ``group``. ``sync``: vLLM may free those blocks before the request finishes
+    (a sliding-window group), so the store must be done before the next step's work starts."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    group: int = 0
+    sync: bool = False
 
 
 @dataclass

@@ -20,6 +20,9 @@ see the Protocols below) and decides, per request:
 
 Only prompt tokens are stored (generated tokens may be speculative or not yet known with async
 scheduling); the prompt's last partial chunk is never stored.
+
+Each KV cache group is looked up, loaded and stored on its own (see
+:mod:`kvxfer.integrations.vllm.groups`): a hit counts the leading chunks every group has.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, KvxferError, NoSession
 from kvxfer.hashing import chunk_hashes
 from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.groups import NULL_BLOCK, GroupPlan
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 
@@ -55,26 +59,38 @@ class RequestLike(Protocol):
 class _ReqState:
     request: Any
     prompt_len: int
+    groups: int
     hashes: list[bytes] | None = None
-    #: The request's blocks (KV cache group 0) as the workers see them.
-    block_ids: list[int] = field(default_factory=list)
-    #: Outcome of the last lookup, until update_state_after_alloc uses or drops it.
-    lease_id: int = 0
+    #: The request's blocks per KV cache group (in the order of the connector's groups).
+    block_ids: list[list[int]] = field(default_factory=list)
+    #: Outcome of the last lookup, until update_state_after_alloc uses or drops it: one lease
+    #: per group, and the chunks [lookup_first, lookup_end) every group has.
+    leases: list[int] = field(default_factory=list)
     lookup_first: int = 0
     lookup_end: int = 0
     lookup_computed: int = 0
     lookup_tokens: int = 0
-    #: Chunks [0, next_store) are stored, being stored or were loaded.
-    next_store: int = 0
+    #: Per group: chunks [0, next_store) are stored, being stored or were loaded.
+    next_store: list[int] = field(default_factory=list)
     #: Stores were sent since the request was last preempted (mirrored by the workers).
     has_stores: bool = False
+
+    def __post_init__(self) -> None:
+        self.block_ids = [[] for _ in range(self.groups)]
+        self.next_store = [0] * self.groups
+
+    @property
+    def has_blocks(self) -> bool:
+        return any(self.block_ids)
 
 
 class SchedulerConnector:
     """Scheduler-side logic; one per vLLM engine (the scheduler process)."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, groups: list[GroupPlan] | None = None) -> None:
         self.config = config
+        #: The KV cache groups moved (default: one, under kvxfer.model_name).
+        self.groups = groups or [GroupPlan(0, config.model_name, config.block_size, ())]
         check_transport_name(config.transport)
         self.chunk_size: int | None = config.chunk_size
         self._reqs: dict[str, _ReqState] = {}
@@ -92,12 +108,13 @@ class SchedulerConnector:
                 f"expects {expected} (kvxfer.chunk_size or the server it first met); restart the server "
                 f"with --chunk-size {expected} or set kvxfer.chunk_size to {client.chunk_size}"
             )
-        if client.chunk_size % self.config.block_size:
-            raise ConfigError(
-                f"the kvxfer server at {client.url} uses chunk size {client.chunk_size}, not a multiple of "
-                f"vLLM's block size {self.config.block_size}; restart it with --chunk-size a multiple "
-                f"of {self.config.block_size}"
-            )
+        for g in self.groups:
+            if client.chunk_size % g.block_size:
+                raise ConfigError(
+                    f"the kvxfer server at {client.url} uses chunk size {client.chunk_size}, not a multiple of "
+                    f"vLLM's block size {g.block_size} (KV cache group {g.index}); restart it with --chunk-size a "
+                    f"multiple of {g.block_size}"
+                )
         self.chunk_size = client.chunk_size
 
     # ------------------------------------------------------------------ helpers
@@ -106,7 +123,7 @@ class SchedulerConnector:
         st = self._reqs.get(request.request_id)
         if st is None:
             prompt = getattr(request, "prompt_token_ids", None)
-            st = _ReqState(request, len(prompt) if prompt is not None else 0)
+            st = _ReqState(request, len(prompt) if prompt is not None else 0, len(self.groups))
             self._reqs[request.request_id] = st
         return st
 
@@ -118,13 +135,14 @@ class SchedulerConnector:
         return st.hashes
 
     def _release_lease(self, st: _ReqState) -> None:
-        lease, st.lease_id = st.lease_id, 0
+        leases, st.leases = st.leases, []
         st.lookup_end = st.lookup_first = st.lookup_tokens = 0
-        if lease and self.link.client is not None and not self.link.down:
-            try:
-                self.link.client.release_lease(lease)
-            except KvxferError as exc:  # it expires on its own after kvxfer.lease_s
-                log.debug("releasing lease %d failed: %s", lease, exc)
+        for lease in leases:
+            if lease and self.link.client is not None and not self.link.down:
+                try:
+                    self.link.client.release_lease(lease)
+                except KvxferError as exc:  # it expires on its own after kvxfer.lease_s
+                    log.debug("releasing lease %d failed: %s", lease, exc)
 
     # ------------------------------------------------------------------ vLLM's scheduler calls
 
@@ -133,8 +151,8 @@ class SchedulerConnector:
 
         Leases the hits; a repeated call for the same request drops the previous lease."""
         st = self._state(request)
-        if st.block_ids:  # asked again after it had blocks: it was preempted
-            st.block_ids = []
+        if st.has_blocks:  # asked again after it had blocks: it was preempted
+            st.block_ids = [[] for _ in self.groups]
             st.has_stores = False
             self._preempted.add(request.request_id)
         self._release_lease(st)
@@ -148,30 +166,37 @@ class SchedulerConnector:
         first = num_computed_tokens // chunk
         if first >= len(hashes):
             return 0, False
-        try:
+        hits = len(hashes) - first
+        for g in self.groups:  # the chunks every group has; each group's lease keeps them
+            if hits == 0:
+                break
             try:
-                reply = client.lookup_and_lease(self.config.model_name, self.config.world_size,
-                                                hashes=hashes[first:], lease_s=self.config.lease_s, promote=True)
-            except NoSession:  # the server restarted: open a new session and ask again
-                client.reconnect()
-                reply = client.lookup_and_lease(self.config.model_name, self.config.world_size,
-                                                hashes=hashes[first:], lease_s=self.config.lease_s, promote=True)
-        except KvxferError as exc:
-            self.link.failed(exc, f"lookup for request {request.request_id}")
-            return 0, False
+                try:
+                    reply = client.lookup_and_lease(g.name, self.config.world_size, hashes=hashes[first:first + hits],
+                                                    lease_s=self.config.lease_s, promote=True)
+                except NoSession:  # the server restarted: open a new session and ask again
+                    client.reconnect()
+                    reply = client.lookup_and_lease(g.name, self.config.world_size,
+                                                    hashes=hashes[first:first + hits], lease_s=self.config.lease_s,
+                                                    promote=True)
+            except KvxferError as exc:
+                self._release_lease(st)
+                self.link.failed(exc, f"lookup for request {request.request_id}")
+                return 0, False
+            st.leases.append(reply.lease_id)
+            hits = min(hits, reply.hits)
         self.stats["lookups"] += 1
-        end = first + reply.hits
+        end = first + hits
         tokens = end * chunk
         if tokens >= request.num_tokens:
             # vLLM computes at least the last token itself. It allocates blocks for the tokens
             # we promise, so promising one token less still covers every block of the chunk,
             # except with single-token blocks: then drop the last chunk.
-            if self.config.block_size == 1:
+            if min(g.block_size for g in self.groups) == 1:
                 end -= 1
                 tokens = end * chunk
             else:
                 tokens = request.num_tokens - 1
-        st.lease_id = reply.lease_id
         if tokens <= num_computed_tokens or end <= first:
             self._release_lease(st)
             return 0, False
@@ -181,7 +206,7 @@ class SchedulerConnector:
         return tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Turn the request's lookup into a load on the blocks vLLM allocated for it."""
+        """Turn the request's lookup into a load per group on the blocks vLLM allocated for it."""
         st = self._state(request)
         if num_external_tokens <= 0:
             self._release_lease(st)
@@ -193,20 +218,28 @@ class SchedulerConnector:
         if st.lookup_computed + num_external_tokens != st.lookup_tokens:
             log.warning("kvxfer: request %s: vLLM allocated %d external tokens, kvxfer offered %d",
                         request.request_id, num_external_tokens, st.lookup_tokens - st.lookup_computed)
-        chunk, bpc = self.chunk_size, self.chunk_size // self.config.block_size
-        first, end = st.lookup_first, st.lookup_end
-        block_ids = list(first_group(blocks.get_block_ids()))
-        wanted = block_ids[first * bpc:end * bpc]
-        skip = st.lookup_computed - first * chunk
+        chunk, first, end = self.chunk_size, st.lookup_first, st.lookup_end
+        all_ids = blocks.get_block_ids()
         keys = self._hashes(st)[first:end]
-        failed: list[int] = []
-        if len(wanted) < (end - first) * bpc:  # fewer blocks than promised: load nothing, report them
-            failed = wanted[skip // self.config.block_size:]
-            keys, wanted, skip = [], [], 0
-        self._loads.append(LoadOp(request.request_id, keys, wanted, skip, st.lease_id, failed))
-        st.lease_id = 0  # the load's retrieve releases it
+        for pos, g in enumerate(self.groups):
+            bs, bpc = g.block_size, chunk // g.block_size
+            wanted = list(group_blocks(all_ids, g.index))[first * bpc:end * bpc]
+            # vLLM computed the first tokens itself; a sliding-window group holds the null block
+            # where its window no longer reaches: those blocks are not loaded
+            skip = (st.lookup_computed - first * chunk) // bs
+            while g.frees_early and skip < len(wanted) and wanted[skip] == NULL_BLOCK:
+                skip += 1
+            failed: list[int] = []
+            op_keys = keys
+            if len(wanted) < (end - first) * bpc or (g.frees_early and NULL_BLOCK in wanted[skip:]):
+                # not the blocks promised: load nothing, report them
+                failed = [b for b in wanted[skip:] if not (g.frees_early and b == NULL_BLOCK)]
+                op_keys, wanted, skip = [], [], 0
+            lease = st.leases[pos] if pos < len(st.leases) else 0
+            self._loads.append(LoadOp(request.request_id, op_keys, wanted, skip * bs, lease, failed, group=g.index))
+            st.next_store[pos] = max(st.next_store[pos], end)
+        st.leases = []  # the loads' retrieves release them
         st.lookup_end = st.lookup_first = st.lookup_tokens = 0
-        st.next_store = max(st.next_store, end)
         self.stats["loads"] += 1
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
@@ -223,14 +256,14 @@ class SchedulerConnector:
             if st is not None:
                 st.has_stores = False
                 if rid not in resumed:
-                    st.block_ids = []
+                    st.block_ids = [[] for _ in self.groups]
         meta.preempted = sorted(preempted)
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(first_group(new.block_ids))
+            st.block_ids = [list(group_blocks(new.block_ids, g.index)) for g in self.groups]
             self._plan_store(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta)
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -238,29 +271,45 @@ class SchedulerConnector:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in resumed:
-                st.block_ids = list(first_group(new_ids)) if new_ids is not None else []
+                st.block_ids = [list(group_blocks(new_ids, g.index)) if new_ids is not None else []
+                                for g in self.groups]
             elif new_ids is not None:
-                st.block_ids.extend(first_group(new_ids))
+                for pos, g in enumerate(self.groups):
+                    st.block_ids[pos].extend(group_blocks(new_ids, g.index))
             self._plan_store(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta)
         return meta
 
     def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata) -> None:
+        """Stores of the full prompt chunks that ``computed`` tokens complete, per group; chunks
+        whose blocks a sliding-window group no longer holds (the null block) are passed over."""
         if not self.config.stores or self.chunk_size is None:
             return
-        chunk, bpc = self.chunk_size, self.chunk_size // self.config.block_size
+        chunk = self.chunk_size
         hashes = self._hashes(st)
-        upto = min(min(computed, st.prompt_len) // chunk, len(hashes), len(st.block_ids) // bpc)
-        if upto <= st.next_store:
-            return
-        meta.stores.append(StoreOp(rid, hashes[st.next_store:upto], st.block_ids[st.next_store * bpc:upto * bpc]))
-        self.stats["stores"] += 1
-        self.stats["store_chunks"] += upto - st.next_store
-        st.next_store = upto
-        st.has_stores = True
+        for pos, g in enumerate(self.groups):
+            bpc = chunk // g.block_size
+            ids = st.block_ids[pos]
+            upto = min(min(computed, st.prompt_len) // chunk, len(hashes), len(ids) // bpc)
+            if upto <= st.next_store[pos]:
+                continue
+            keys: list[bytes] = []
+            blocks: list[int] = []
+            for c in range(st.next_store[pos], upto):
+                chunk_blocks = ids[c * bpc:(c + 1) * bpc]
+                if not (g.frees_early and NULL_BLOCK in chunk_blocks):
+                    keys.append(hashes[c])
+                    blocks.extend(chunk_blocks)
+            st.next_store[pos] = upto
+            if not keys:
+                continue
+            meta.stores.append(StoreOp(rid, keys, blocks, group=g.index, sync=g.frees_early))
+            self.stats["stores"] += 1
+            self.stats["store_chunks"] += len(keys)
+            st.has_stores = True
 
     def request_finished(self, request: Any, block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
         """True while the request's stores may still read its blocks (freed after the
-        workers report it in ``finished_sending``)."""
+        workers report it in ``finished_sending``). ``block_ids``: one list, or one per group."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
@@ -276,12 +325,15 @@ class SchedulerConnector:
 # --------------------------------------------------------------------------- helpers
 
 
-def first_group(block_ids: Any) -> Sequence[int]:
-    """Block ids of KV cache group 0 from vLLM's ``tuple[list[int], ...]`` (or a flat list)."""
+def group_blocks(block_ids: Any, group: int) -> Sequence[int]:
+    """Block ids of KV cache group ``group`` from vLLM's ``tuple[list[int], ...]`` (a flat list
+    is group 0's)."""
     if not block_ids:
         return []
     head = block_ids[0]
-    return head if isinstance(head, (list, tuple)) else block_ids
+    if not isinstance(head, (list, tuple)):
+        return block_ids if group == 0 else []
+    return block_ids[group] if group < len(block_ids) else []
 
 
 def resumed_req_ids(cached: Any) -> set[str]:

@@ -6,9 +6,13 @@ before vLLM reuses their blocks) -> :meth:`start_load_kv` (submit retrieves) -> 
 (poll the futures; report each finished load and each finished request's stores exactly once)
 -> :meth:`get_block_ids_with_load_errors`.
 
-Nothing here blocks on a transfer except the preemption flush: loads complete between steps
-(vLLM schedules the request once ``finished_recving`` names it) and stores in the background
-(vLLM keeps a finished request's blocks until ``finished_sending`` names it).
+Nothing here blocks on a transfer except the preemption flush and the stores of groups whose
+blocks vLLM frees mid-request (sliding window: done before the next step's loads and forward
+pass): loads complete between steps (vLLM schedules the request once ``finished_recving`` names
+it) and other stores in the background (vLLM keeps a finished request's blocks until
+``finished_sending`` names it).
+
+Each KV cache group has its own registration (:mod:`kvxfer.integrations.vllm.groups`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, KvxferError, TransportError, TransportFailed
 from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.groups import GroupPlan
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
@@ -38,18 +43,25 @@ log = logging.getLogger("kvxfer.integrations.vllm")
 class _Load:
     op: LoadOp
     future: Future[RetrieveResult] | None
+    block_size: int
 
 
 class WorkerConnector:
     """Worker-side logic; one per vLLM worker (one GPU / rank)."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, groups: list[GroupPlan] | None = None) -> None:
         self.config = config
+        #: The KV cache groups moved (default: one, under kvxfer.model_name), by vLLM group id.
+        self.groups = {g.index: g for g in (groups or [GroupPlan(0, config.model_name, config.block_size, ())])}
         check_transport_name(config.transport)
-        self.context: TransferContext | None = None
+        #: One registered context per group, by vLLM group id.
+        self.contexts: dict[int, TransferContext] = {}
         self._layers: dict[str, torch.Tensor] | None = None
-        self._loads: dict[str, _Load] = {}
+        #: Per request, one load per group; reported finished when all are done.
+        self._loads: dict[str, list[_Load]] = {}
         self._stores: dict[str, list[Future[StoreResult]]] = {}
+        #: Stores that must be done before the next step's loads and forward pass.
+        self._sync: list[Future[StoreResult]] = []
         #: Requests with stores since their last preemption (the scheduler tracks the same set).
         self._store_reqs: set[str] = set()
         #: Finished requests (from get_finished) whose stores are not all done yet.
@@ -67,51 +79,79 @@ class WorkerConnector:
                 f"the kvxfer server at {client.url} uses chunk size {client.chunk_size} but "
                 f"kvxfer.chunk_size is {self.config.chunk_size}; make them equal"
             )
-        if self.context is not None and client.chunk_size != self.context.chunk_size:
-            raise ConfigError(f"the kvxfer server at {client.url} restarted with another chunk size "
-                              f"({client.chunk_size}); restart vLLM or the server with the same one")
+        for ctx in self.contexts.values():
+            if client.chunk_size != ctx.chunk_size:
+                raise ConfigError(f"the kvxfer server at {client.url} restarted with another chunk size "
+                                  f"({client.chunk_size}); restart vLLM or the server with the same one")
 
     # ------------------------------------------------------------------ registration
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Register vLLM's per-layer KV tensors through the configured transport (at start-up;
-        in ``recompute`` mode with no server, at the first step the server answers)."""
+        """Register vLLM's per-layer KV tensors through the configured transport, one
+        registration per KV cache group (at start-up; in ``recompute`` mode with no server, at
+        the first step the server answers)."""
         self._layers = dict(kv_caches)
-        self._context(startup=True)
+        for g in self.groups.values():
+            missing = [n for n in g.layer_names if n not in self._layers]
+            if missing or not self._group_layers(g):
+                raise ConfigError(f"vLLM registered no KV tensors for layers {missing[:4] or list(g.layer_names)[:4]} "
+                                  f"of KV cache group {g.index}; registered: {list(self._layers)[:8]}")
+        self._ensure_contexts(startup=True)
 
-    def _context(self, startup: bool = False) -> TransferContext | None:
+    def _group_layers(self, g: GroupPlan) -> dict[str, torch.Tensor]:
+        assert self._layers is not None
+        if not g.layer_names:
+            return self._layers
+        return {n: self._layers[n] for n in g.layer_names if n in self._layers}
+
+    def _ensure_contexts(self, startup: bool = False) -> dict[int, TransferContext] | None:
+        """Every group's context, registering those not registered yet; None without a server."""
         client = self.link.get(startup=startup)
         if client is None or self._layers is None:
             return None
-        if self.context is None:
+        for g in self.groups.values():
+            if g.index in self.contexts:
+                continue
+            layers = self._group_layers(g)
             try:
-                self.context = client.register(
-                    self._layers, model_name=self.config.model_name, block_size=self.config.block_size,
-                    world_size=self.config.world_size, rank=self.config.rank,
-                    transport=self.config.transport, layout=self.config.layout)
+                self.contexts[g.index] = client.register(
+                    layers, model_name=g.name, block_size=g.block_size, world_size=self.config.world_size,
+                    rank=self.config.rank, transport=self.config.transport, layout=self.config.layout)
             except (ConfigError, TransportError):
                 raise
             except KvxferError as exc:
                 self.link.failed(exc, "registering the KV caches")
                 return None
-            log.info("kvxfer worker rank %d: registered %d KV layers through %s at %s (model %s, chunk %d)",
-                     self.config.rank, len(self._layers), self.context.transport_name, client.url,
-                     self.config.model_name, client.chunk_size)
-        return self.context
+            log.info("kvxfer worker rank %d: registered %d KV layers of group %d through %s at %s (%s, chunk %d)",
+                     self.config.rank, len(layers), g.index, self.contexts[g.index].transport_name, client.url,
+                     g.name, client.chunk_size)
+        return self.contexts
 
-    def _usable(self, meta: KvxferConnectorMetadata) -> TransferContext | None:
-        ctx = self._context()
-        if ctx is not None and meta.chunk_size != ctx.chunk_size:
-            log.error("kvxfer: scheduler planned chunks of %d tokens, the server uses %d; skipping transfers",
-                      meta.chunk_size, ctx.chunk_size)
+    def _usable(self, meta: KvxferConnectorMetadata) -> dict[int, TransferContext] | None:
+        ctxs = self._ensure_contexts()
+        if ctxs is None:
             return None
-        return ctx
+        for ctx in ctxs.values():
+            if meta.chunk_size != ctx.chunk_size:
+                log.error("kvxfer: scheduler planned chunks of %d tokens, the server uses %d; skipping transfers",
+                          meta.chunk_size, ctx.chunk_size)
+                return None
+        return ctxs
 
     # ------------------------------------------------------------------ per step
 
     def handle_preemptions(self, meta: KvxferConnectorMetadata) -> None:
         """Wait for the pending stores of requests preempted this step (vLLM is about to reuse
-        their blocks). Idempotent: start_load_kv calls it too, for runners that do not."""
+        their blocks), and for the stores of the previous step that read blocks vLLM may free
+        mid-request. Idempotent: start_load_kv calls it too, for runners that do not."""
+        sync, self._sync = self._sync, []
+        for fut in sync:  # accounted for in get_finished, like every store
+            try:
+                fut.result(timeout=self.config.timeout_s * 2 + 5)
+            except FutureTimeout:
+                log.warning("kvxfer: a store of a sliding-window group is still running; its blocks may be reused")
+            except Exception:  # noqa: BLE001  (reported when the store is settled in get_finished)
+                pass
         for rid in meta.preempted:
             for fut in self._stores.pop(rid, []):
                 self._settle_store(fut, wait=True)
@@ -125,8 +165,11 @@ class WorkerConnector:
         self._unsent = list(meta.stores)
         if not meta.loads:
             return
-        ctx = self._usable(meta) if self.config.loads else None
+        ctxs = self._usable(meta) if self.config.loads else None
         for op in meta.loads:
+            g = self.groups.get(op.group)
+            ctx = ctxs.get(op.group) if ctxs is not None else None
+            bs = g.block_size if g is not None else self.config.block_size
             fut = None
             if op.keys and ctx is not None:
                 try:
@@ -135,8 +178,8 @@ class WorkerConnector:
                 except ConfigError:
                     log.exception("kvxfer: cannot load request %s", op.req_id)
             if op.keys and fut is None:  # no server or a bad op: vLLM recomputes these blocks
-                op.failed_block_ids.extend(_unskipped(op, range(len(op.keys)), self.config.block_size))
-            self._loads[op.req_id] = _Load(op, fut)
+                op.failed_block_ids.extend(_unskipped(op, range(len(op.keys)), bs))
+            self._loads.setdefault(op.req_id, []).append(_Load(op, fut, bs))
             self.stats["loads"] += 1
 
     def wait_for_save(self) -> None:
@@ -145,18 +188,26 @@ class WorkerConnector:
         unsent, self._unsent = self._unsent, []
         if not unsent:
             return
-        ctx = self._context() if self.config.stores else None
-        if ctx is None:
+        ctxs = self._ensure_contexts() if self.config.stores else None
+        if ctxs is None:
             self.stats["dropped_stores"] += len(unsent)
             return
         _synchronize(next(iter(self._layers.values())).device if self._layers else torch.device("cpu"))
         for op in unsent:
+            ctx = ctxs.get(op.group)
+            if ctx is None:
+                log.error("kvxfer: a store of request %s names KV cache group %d, which has no registration",
+                          op.req_id, op.group)
+                self.stats["dropped_stores"] += 1
+                continue
             try:
                 fut = ctx.submit_store(op.keys, op.block_ids)
             except ConfigError:
                 log.exception("kvxfer: cannot store request %s", op.req_id)
                 continue
             self._stores.setdefault(op.req_id, []).append(fut)
+            if op.sync:
+                self._sync.append(fut)
             self.stats["stores"] += 1
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -169,9 +220,10 @@ class WorkerConnector:
             self.stats["dropped_stores"] += len(self._unsent)
             self._unsent = []
         recving: set[str] = set()
-        for rid, load in list(self._loads.items()):
-            if load.future is None or load.future.done():
-                self._settle_load(load)
+        for rid, loads in list(self._loads.items()):
+            if all(load.future is None or load.future.done() for load in loads):
+                for load in loads:
+                    self._settle_load(load)
                 del self._loads[rid]
                 recving.add(rid)
         for rid, futs in list(self._stores.items()):
@@ -195,7 +247,7 @@ class WorkerConnector:
     # ------------------------------------------------------------------ settling futures
 
     def _settle_load(self, load: _Load) -> None:
-        op, bs = load.op, self.config.block_size
+        op, bs = load.op, load.block_size
         bad = list(op.failed_block_ids)
         if load.future is not None:
             try:
@@ -245,15 +297,16 @@ class WorkerConnector:
         for futs in self._stores.values():
             for fut in futs:
                 fut.cancel()
-        for load in self._loads.values():
-            if load.future is not None:
-                load.future.cancel()
+        for loads in self._loads.values():
+            for load in loads:
+                if load.future is not None:
+                    load.future.cancel()
 
     def shutdown(self) -> None:
         """Let submitted transfers finish, unregister, disconnect."""
-        if self.context is not None:
-            self.context.close()
-            self.context = None
+        contexts, self.contexts = self.contexts, {}
+        for ctx in contexts.values():
+            ctx.close()
         self.link.close()
 
 

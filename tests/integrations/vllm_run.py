@@ -1,0 +1,69 @@
+"""Run real vLLM (offline ``LLM``) in this process, as a test or benchmark asks, and write what
+happened as JSON.
+
+``python vllm_run.py SPEC.json`` where the spec names the model, the connector settings (none:
+vLLM without kvxfer) and the prompts; each entry of ``"batches"`` is one ``generate`` call. The
+result (``"out"`` path of the spec) holds, per batch, each prompt's greedy tokens and vLLM's
+``num_cached_tokens``, the deltas of vLLM's own prefix-cache counters
+(``vllm:external_prefix_cache_hits`` and friends) over the batch, and its wall time. Runs the
+engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller) to start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if "prefix_cache" in m.name and isinstance(value, (int, float)):
+            out[m.name] = float(value)
+    return out
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {}
+    conn = spec.get("connector")
+    if conn is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvxferConnector",
+            # by name alone, vLLM finds it through the vllm.general_plugins entry point
+            kv_connector_module_path="kvxfer.integrations.vllm" if conn.get("by") == "module" else None,
+            kv_role=conn.get("role", "kv_both"),
+            kv_load_failure_policy=conn.get("failure_policy", "recompute"),
+            kv_connector_extra_config=conn["extra"],
+        )
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec.get("max_model_len", 2048),
+              block_size=spec.get("block_size", 32), enforce_eager=True, disable_log_stats=False,
+              enable_prefix_caching=spec.get("prefix_caching", True), seed=0, **kwargs)
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "batches": []}
+    params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8))
+    for batch in spec["batches"]:
+        before = _counters(llm)
+        t1 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        wall = time.perf_counter() - t1
+        after = _counters(llm)
+        result["batches"].append({
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+            "counters": {k: after[k] - before.get(k, 0.0) for k in after},
+            "wall_s": wall,
+        })
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
