@@ -239,7 +239,11 @@ class Store(Request["StoreResult"], frozen=True):
 
 class Retrieve(Request["RetrieveResult"], frozen=True):
     """Server-driven retrieve into ``block_ids``, skipping the first
-    ``skip_first_n_tokens`` tokens (a multiple of the block size)."""
+    ``skip_first_n_tokens`` tokens (a multiple of the block size). ``deadline`` (Unix time of
+    the client's clock; 0: none): the client stops waiting for the reply then and the blocks may
+    be the engine's again, so a server that gets to the copy later (it was stalled) copies
+    nothing and reports every chunk missing. Exact on one host; across hosts, as exact as
+    their clocks agree."""
 
     instance_id: int
     hashes: list[bytes]
@@ -247,6 +251,7 @@ class Retrieve(Request["RetrieveResult"], frozen=True):
     skip_first_n_tokens: int = 0
     lease_id: int = 0
     params: msgspec.Raw = NO_PARAMS
+    deadline: float = 0.0
 
 
 class StoreResult(Message, frozen=True):

@@ -717,19 +717,29 @@ class CacheServer:
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks)
         lost = {i + first for i in missing}
+        expired = object()
+        server_context = ctx.server_context
+        assert server_context is not None  # server-driven: checked above
+        copy = (self._plugin(ctx, "retrieve", lambda: server_context.retrieve(copies, params)) if copies
+                else (lambda: None))
+
+        def work() -> Any:
+            if msg.deadline and time.time() > msg.deadline:
+                return expired  # the client gave up on it: its blocks may be the engine's again
+            return copy()
 
         def finish(fut: Future[Any]) -> m.RetrieveResult:
             if ctx.instance_id in self.contexts:
                 self._commit_read(ctx, res)
             else:
                 self.index.abort(res)
-            fut.result()
-            return m.RetrieveResult([i for i in range(len(msg.hashes)) if i not in lost], sorted(lost))
+            gone = lost
+            if fut.result() is expired:
+                log.warning("instance %d: a retrieve reached its copy %.1f s past the deadline its client "
+                            "stopped waiting at: nothing copied", ctx.instance_id, time.time() - msg.deadline)
+                gone = set(range(first, len(msg.hashes)))
+            return m.RetrieveResult([i for i in range(len(msg.hashes)) if i not in gone], sorted(gone))
 
-        server_context = ctx.server_context
-        assert server_context is not None  # server-driven: checked above
-        work = (self._plugin(ctx, "retrieve", lambda: server_context.retrieve(copies, params)) if copies
-                else (lambda: None))
         return _Deferred(ctx.executor, work, finish, ctx.transport)
 
     # ------------------------------------------------------------------ status, clear

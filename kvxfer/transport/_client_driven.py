@@ -6,7 +6,8 @@ requests ahead of it); the worker waits for the reply, copies (the transport's `
 returns a waiter leaves the wait and the commit to the finisher thread; once one does, later
 requests commit there too until it is idle, so commits keep request order. A request resolves
 when its commit is answered: a store's chunks are then readable, a retrieve's read pins and
-lease released.
+lease released. A request's future can be cancelled until its copy starts; then it copies
+nothing and gives its reservation back.
 """
 
 from __future__ import annotations
@@ -211,6 +212,10 @@ class ClientDrivenCore(ContextCore):
         def drop() -> None:  # commit every slot as failed: nothing half written becomes readable
             self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))
 
+        if not outer.set_running_or_notify_cancel():  # cancelled before its copy: none happens
+            drop()
+            self._commit_sent()
+            return
         try:
             waiter = None
             if rep.slots:
@@ -254,6 +259,9 @@ class ClientDrivenCore(ContextCore):
         def unpin() -> Future[m.Empty]:  # and release the lease for this rank
             return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id))
 
+        if not outer.set_running_or_notify_cancel():  # cancelled before its copy: the blocks stay untouched
+            unpin()
+            return
         try:
             waiter = None
             if rep.slots:

@@ -5,12 +5,15 @@ of ``max_in_flight`` requests (a retrieve also waits until the stores ahead are 
 the transport's ``prepare``, send. When the reply arrives, on the finisher and in reply order:
 ``finish_retrieve`` (retrieves), ``release_params`` (every request), then the future resolves.
 After a server restart the request is sent once more, synchronously, once the context is
-registered again.
+registered again. A request's future can be cancelled until it is sent; then it is never sent
+(its params are released). A retrieve carries the time its client stops waiting for the reply
+(``Retrieve.deadline``): a server that reaches the copy later copies nothing.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -78,8 +81,10 @@ class ServerDrivenCore(ContextCore):
                 self._stores_answered.wait_for(lambda: self._stores_out == 0)
 
         def send(params: msgspec.Struct | None) -> m.Retrieve:
+            # the server copies nothing once this client has stopped waiting for the reply
+            wait = float(self.connection.timeout or 0.0)
             return m.Retrieve(self.instance_id, transfer.keys, transfer.blocks.tolist(), skip_tokens, lease_id,
-                              self._raw(params))
+                              self._raw(params), time.time() + wait if wait else 0.0)
 
         def finish(res: m.RetrieveResult, params: msgspec.Struct | None) -> m.RetrieveResult:
             with self._step("finish_retrieve"):
@@ -138,7 +143,14 @@ class ServerDrivenCore(ContextCore):
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 release(params)
                 self._window.release()
-                outer.set_exception(exc)
+                if outer.set_running_or_notify_cancel():
+                    outer.set_exception(exc)
+                return
+            if not outer.set_running_or_notify_cancel():  # cancelled before it was sent: no copy
+                release(params)  # prepared in order (e.g. an event per request), never sent
+                if answered is not None:
+                    answered()
+                self._window.release()
                 return
             try:
                 reply: Future[Any] = self.connection.submit(payload)

