@@ -103,6 +103,8 @@ class CacheClient:
         self.arena_path = reply.arena_path
         self.arena_size = reply.arena_size
         self.max_message_size = reply.max_message_size
+        self.session_timeout = reply.session_timeout_s
+        self.features = frozenset(reply.features)
         self._hold_liveness_lock()
         self._epoch += 1
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))

@@ -21,6 +21,10 @@ PROTOCOL_VERSION = 1
 #: MessagePack value: a message holding one encodes truncated and no peer can decode it.)
 NO_PARAMS = msgspec.Raw(b"\xc0")
 
+#: Optional features a server names in its handshake reply (``HandshakeReply.features``):
+#: ``retrieve_layers``: a ``Retrieve`` may name a range of layers (``Retrieve.layers``).
+FEATURES: tuple[str, ...] = ("retrieve_layers",)
+
 #: Bounds applied to every chunk hash on the wire.
 HASH_MIN_BYTES = 8
 HASH_MAX_BYTES = 64
@@ -67,6 +71,8 @@ class HandshakeReply(Message, frozen=True):
     heartbeat_s: float
     session_timeout_s: float
     max_message_size: int
+    #: Optional features this server implements (:data:`FEATURES`); older servers send none.
+    features: list[str] = []
 
 
 class Ping(Request["Pong"], frozen=True):
@@ -252,6 +258,9 @@ class Retrieve(Request["RetrieveResult"], frozen=True):
     lease_id: int = 0
     params: msgspec.Raw = NO_PARAMS
     deadline: float = 0.0
+    #: ``[first, stop)``: copy only these layers of every chunk (one part of a retrieve moved
+    #: layer by layer; servers with the ``retrieve_layers`` feature); empty: every layer.
+    layers: list[int] = []
 
 
 class StoreResult(Message, frozen=True):

@@ -23,7 +23,7 @@ import msgspec
 import kvxfer
 from kvxfer import liveness
 from kvxfer.arena import Arena
-from kvxfer.copies import MAX_CHUNKS_PER_REQUEST, check_transfer, plan_copies
+from kvxfer.copies import MAX_CHUNKS_PER_REQUEST, check_transfer, layer_slice, plan_copies
 from kvxfer.errors import (
     ConfigError,
     ErrorCode,
@@ -414,6 +414,7 @@ class CacheServer:
             heartbeat_s=cfg.heartbeat_s,
             session_timeout_s=cfg.session_timeout_s,
             max_message_size=cfg.max_message_size,
+            features=list(m.FEATURES),
         )
 
     def _tick(self) -> None:
@@ -677,6 +678,18 @@ class CacheServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise _invalid("params", f"do not decode as {tp.__name__}: {exc}") from None
 
+    def _layer_range(self, ctx: RegisteredContext, span: list[int]) -> range | None:
+        """``Retrieve.layers`` as a range (None: every layer), or InvalidRequest."""
+        if not span:
+            return None
+        n = ctx.layout.num_layers
+        if len(span) != 2 or not 0 <= span[0] < span[1] <= n:
+            raise _invalid("layers", f"must be [first, stop) with 0 <= first < stop <= {n}, got {span[:4]}")
+        if not self.transports[ctx.transport].transport.capabilities.layer_ranges:
+            raise _invalid("layers", f"transport {ctx.transport} copies whole chunks only (it does not claim "
+                                     "layer_ranges): retrieve every layer")
+        return range(span[0], span[1])
+
     def _on_store(self, session: Session, msg: m.Store) -> _Deferred:
         ctx = self._server_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
@@ -709,6 +722,7 @@ class CacheServer:
             return _Awaiting(promoting, lambda: self._on_retrieve(session, msg))
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
+        layers = self._layer_range(ctx, msg.layers)
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
         res, missing = self.index.reserve_read(ctx.keys(msg.hashes[first:]), ctx.chunk.fmt, ctx.instance_id,
@@ -716,6 +730,8 @@ class CacheServer:
         res.in_flight = True
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks)
+        if layers is not None:
+            copies = layer_slice(copies, layers.start, layers.stop)
         lost = {i + first for i in missing}
         expired = object()
         server_context = ctx.server_context

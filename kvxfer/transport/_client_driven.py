@@ -4,15 +4,21 @@ Each request's reserve is sent when it is submitted (so its round trip overlaps 
 requests ahead of it); the worker waits for the reply, copies (the transport's ``gather`` or
 ``scatter``), and sends the commit without waiting (so it can start the next copy). A copy that
 returns a waiter leaves the wait and the commit to the finisher thread; once one does, later
-requests commit there too until it is idle, so commits keep request order. A request resolves
-when its commit is answered: a store's chunks are then readable, a retrieve's read pins and
-lease released. A request's future can be cancelled until its copy starts; then it copies
-nothing and gives its reservation back.
+requests commit there too until it is idle, so commits keep request order. A store resolves
+when its commit is answered (its chunks are then readable); a retrieve as soon as its copy has
+landed, well within the time for which the server surely holds its pins (its commit, which
+unpins and releases the lease, is answered in the background). A layer-wise transfer is copied
+in parts, one range of layers each, in order (:meth:`ClientDrivenCore._copy_parts`). A request's
+future can be cancelled until its copy starts; then it copies nothing and gives its reservation
+back.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -20,15 +26,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvxfer.arena import ArenaMapping
-from kvxfer.copies import RowCopy, plan_copies
+from kvxfer.copies import RowCopy, layer_slice, plan_copies
 from kvxfer.errors import NoSession, UnknownInstance
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore, guarded
 
 if TYPE_CHECKING:
-    from kvxfer.transport.contract import Transfer, Waiter
+    from kvxfer.transport.contract import LayerwiseFuture, Transfer, Waiter
 
 __all__ = ["ClientDrivenCore"]
+
+log = logging.getLogger(__name__)
 
 
 class ClientDrivenCore(ContextCore):
@@ -92,16 +100,17 @@ class ClientDrivenCore(ContextCore):
     # of requests ahead of it); the worker waits for the reply, copies, and sends the commit
     # without waiting (so it can start the next copy). A copy that returns a waiter leaves the
     # wait and the commit to the finisher thread; once one does, later requests commit there too
-    # until it is idle, so commits keep request order. A request resolves when its commit is
-    # answered: a store's chunks are then readable, a retrieve's read pins and lease released.
+    # until it is idle, so commits keep request order. A store resolves when its commit is
+    # answered (its chunks are then readable); a retrieve as soon as its copy has landed, its
+    # commit (unpin, release the lease) answered in the background, unless so much time passed
+    # since its reserve that the server may have dropped its pins (then on the commit's reply).
 
-    def _start_store(self, transfer: Transfer) -> Future[m.StoreResult]:
-        outer: Future[m.StoreResult] = Future()
+    def _start_store(self, transfer: Transfer, outer: Future[m.StoreResult]) -> Future[m.StoreResult]:
         self._send_then(m.ReserveWrite(self.instance_id, transfer.keys), self._store, transfer, outer)
         return outer
 
-    def _start_retrieve(self, transfer: Transfer, lease_id: int) -> Future[m.RetrieveResult]:
-        outer: Future[m.RetrieveResult] = Future()
+    def _start_retrieve(self, transfer: Transfer, lease_id: int,
+                        outer: Future[m.RetrieveResult]) -> Future[m.RetrieveResult]:
         first = min(len(transfer.keys), transfer.skip_blocks // self.blocks_per_chunk)  # wholly skipped: no read
         self._send_then(m.ReserveRead(self.instance_id, transfer.keys[first:], lease_id), self._retrieve,
                         transfer, first, outer)
@@ -112,22 +121,29 @@ class ClientDrivenCore(ContextCore):
         that keeps submission order (no earlier request waits to send its reserve, and, for a
         read, no earlier store is uncommitted); otherwise the job sends it when it runs (a read
         once the commits left to the finisher are sent). The job always runs, and calls
-        ``reserved()`` for the reply (which raises if the reserve failed)."""
+        ``reserved()`` for ``(reply, sent_at)``: the reply (raises if the reserve failed) and a
+        ``time.monotonic()`` taken before the reserve that got it was sent."""
         write = isinstance(reserve, m.ReserveWrite)
         outer: Future[Any] = args[-1]
 
-        def run(reply: Future[Any] | None) -> None:
-            def reserved() -> Any:
+        def run(reply: Future[Any] | None, sent_at: float) -> None:
+            def reserved() -> tuple[Any, float]:
                 if reply is not None:
-                    return self._retried(reply, lambda: self._resend(reserve))
+                    try:
+                        return reply.result(), sent_at
+                    except (NoSession, UnknownInstance):
+                        again = time.monotonic()
+                        return self._resend(reserve), again
                 try:
                     if not write:  # the stores ahead must be committed before a read reserves
                         with self._late_done:
                             self._late_done.wait_for(lambda: self._late == 0)
+                    at = time.monotonic()
                     try:
-                        return self.connection.request(reserve)
+                        return self.connection.request(reserve), at
                     except (NoSession, UnknownInstance):
-                        return self._resend(reserve)
+                        at = time.monotonic()
+                        return self._resend(reserve), at
                 finally:
                     with self._lock:
                         self._deferred -= 1
@@ -143,8 +159,9 @@ class ClientDrivenCore(ContextCore):
         with self._lock:
             self._check_open()
             early = self._deferred == 0 and (write or self._uncommitted == 0)
+            sent_at = time.monotonic()
             reply: Future[Any] | None = self.connection.submit(reserve) if early else None
-            self._executor.submit(run, reply)  # its job takes self._lock: counts are in first
+            self._executor.submit(run, reply, sent_at)  # its job takes self._lock: counts are in first
             if not early:
                 self._deferred += 1
             if write:
@@ -204,10 +221,48 @@ class ClientDrivenCore(ContextCore):
 
         commit_reply.add_done_callback(later)
 
-    def _store(self, reserved: Callable[[], m.ReserveWriteReply], transfer: Transfer,
+    def _copy_parts(self, copy: Callable[[list[RowCopy], Transfer], Waiter | None], step: str,
+                    copies: list[RowCopy], transfer: Transfer, layered: LayerwiseFuture[Any] | None) -> Waiter | None:
+        """Call the transport's ``copy`` (gather or scatter) for the whole request, or, layer by
+        layer, once per layer group in order (a store's group once its layers are declared
+        ready, with the token of that declaration); returns one waiter for all the parts, which
+        marks each group's layers landed as its part completes."""
+        if layered is None:
+            with self._step(step):
+                return guarded(copy(copies, transfer), self.transport_name, f"{step} (waiter)")
+        parts: list[tuple[Waiter | None, range]] = []
+        for group in self._layer_groups():
+            part = transfer
+            if transfer.kind == "store":  # the layers must be written before they are copied
+                part = dataclasses.replace(transfer, token=layered.wait_ready(group.stop))
+            if group != range(self.layout.num_layers):
+                sliced = layer_slice(copies, group.start, group.stop)
+            else:
+                sliced = copies
+            with self._step(step):
+                waiter = guarded(copy(sliced, part), self.transport_name, f"{step} (waiter)")
+            if waiter is None and all(w is None for w, _ in parts):
+                layered.mark_landed(group)
+            else:
+                parts.append((waiter, group))
+        if not parts:
+            return None
+
+        def wait() -> None:
+            for waiter, group in parts:
+                if waiter is not None:
+                    waiter()
+                layered.mark_landed(group)
+
+        return wait
+
+    def _store(self, reserved: Callable[[], tuple[m.ReserveWriteReply, float]], transfer: Transfer,
                outer: Future[m.StoreResult]) -> None:
-        rep = reserved()
+        from kvxfer.transport.contract import LayerwiseFuture
+
+        rep, _ = reserved()
         nbytes = self.chunk_bytes
+        layered = outer if isinstance(outer, LayerwiseFuture) else None
 
         def drop() -> None:  # commit every slot as failed: nothing half written becomes readable
             self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))
@@ -220,8 +275,7 @@ class ClientDrivenCore(ContextCore):
             waiter = None
             if rep.slots:
                 copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots, nbytes))
-                with self._step("gather"):
-                    waiter = guarded(self.gather(copies, transfer), self.transport_name, "gather (waiter)")
+                waiter = self._copy_parts(self.gather, "gather", copies, transfer, layered)
         except BaseException:
             drop()
             raise
@@ -250,11 +304,14 @@ class ClientDrivenCore(ContextCore):
 
         self._then(waiter, commit, abandon)
 
-    def _retrieve(self, reserved: Callable[[], m.ReserveReadReply], transfer: Transfer, first: int,
+    def _retrieve(self, reserved: Callable[[], tuple[m.ReserveReadReply, float]], transfer: Transfer, first: int,
                   outer: Future[m.RetrieveResult]) -> None:
-        rep = reserved()
+        from kvxfer.transport.contract import LayerwiseFuture
+
+        rep, sent_at = reserved()
         nbytes = self.chunk_bytes
         keys = transfer.keys
+        layered = outer if isinstance(outer, LayerwiseFuture) else None
 
         def unpin() -> Future[m.Empty]:  # and release the lease for this rank
             return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id))
@@ -267,12 +324,12 @@ class ClientDrivenCore(ContextCore):
             if rep.slots:
                 copies = plan_copies(self.layout, self.chunk_size, transfer.blocks,
                                      self._slots(rep.slots, nbytes, first), transfer.skip_blocks)
-                with self._step("scatter"):
-                    waiter = guarded(self.scatter(copies, transfer), self.transport_name, "scatter (waiter)")
+                waiter = self._copy_parts(self.scatter, "scatter", copies, transfer, layered)
         except BaseException:
             unpin()
             raise
         lost = {i + first for i in rep.missing}
+        result = m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost))
 
         def committed(f: Future[m.Empty]) -> None:
             try:
@@ -285,13 +342,23 @@ class ClientDrivenCore(ContextCore):
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
             else:
-                outer.set_result(m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost)))
+                outer.set_result(result)
 
         def commit() -> None:
+            # The server keeps a session, and so the reservation's pins, for session_timeout after
+            # the last request it got from it, here at the latest the reserve (sent after sent_at).
+            # A copy that ended well within that cannot have read reused slots: resolve now.
+            landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
             try:
-                self._resolve(unpin(), committed)
+                reply = unpin()
+                if landed_in_time:
+                    reply.add_done_callback(self._log_late_commit)
+                    outer.set_result(result)
+                else:
+                    self._resolve(reply, committed)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
-                outer.set_exception(exc)
+                if not outer.done():
+                    outer.set_exception(exc)
 
         def abandon(exc: BaseException) -> None:
             try:
@@ -300,6 +367,13 @@ class ClientDrivenCore(ContextCore):
                 outer.set_exception(exc)
 
         self._then(waiter, commit, abandon)
+
+    def _log_late_commit(self, reply: Future[m.Empty]) -> None:
+        """A retrieve that resolved before its commit_read was answered: report a failure."""
+        exc = reply.exception()
+        if exc is not None:
+            log.warning("%s: unpinning a finished retrieve failed (the server frees its pins when the "
+                        "session or reservation goes): %s", self.transport_name, exc)
 
     def _drain(self) -> None:
         """Wait until the finisher has sent every commit left to it."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from kvxfer.transport.contract import (
         Connection,
         InstanceIdentity,
+        LayerwiseFuture,
         Transfer,
         TransferContextBase,
         TransferKind,
@@ -75,6 +77,10 @@ class ContextCore:
 
     #: Names the second thread, which finishes requests after the worker (see each style).
     _finisher_role: ClassVar[str] = "done"
+    #: At most this many parts (ranges of layers) per layer-wise transfer (see each style).
+    max_layer_parts: ClassVar[int] = 64
+    #: Whether each part of a layer-wise store gets its own token (see :meth:`_layered`).
+    _token_per_part: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -101,6 +107,8 @@ class ContextCore:
         self._registered = False
         self.epoch = -1
         self._lock = threading.Lock()
+        #: Layer-wise transfers not finished yet: close() abandons the layers never declared ready.
+        self._layer_feeds: weakref.WeakSet[LayerwiseFuture[Any]] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ hooks (see the contract)
 
@@ -154,20 +162,41 @@ class ContextCore:
         if self._closed:
             raise ConfigError(f"transfer context {self.instance_id} ({self.transport_name}) is closed")
 
-    def _transfer(self, kind: TransferKind, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int = 0) -> Transfer:
+    def _transfer(self, kind: TransferKind, keys: list[bytes], blocks: torch.Tensor, skip_blocks: int = 0,
+                  with_token: bool = True) -> Transfer:
         """The request's record for the hooks, with the token :meth:`on_submit` gives it."""
         from kvxfer.transport.contract import Transfer
 
-        with self._step("on_submit"):
-            token = self.on_submit(kind)
-        return Transfer(kind, keys, blocks, skip_blocks, token)
+        return Transfer(kind, keys, blocks, skip_blocks, self._token(kind) if with_token else None)
 
-    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[m.StoreResult]:
+    def _token(self, kind: TransferKind) -> Any:
+        with self._step("on_submit"):
+            return self.on_submit(kind)
+
+    def _layered(self, kind: TransferKind) -> LayerwiseFuture[Any]:
+        """A layer-wise transfer's future. A store's ``layer_ready`` calls make the tokens of
+        its parts (each on the thread that declares layers ready): every call for a
+        client-driven context, the last one only for a server-driven one (which sends one
+        request once every layer is ready)."""
+        from kvxfer.transport.contract import LayerwiseFuture
+
+        def on_ready(last: bool) -> Any:
+            return self._token(kind) if last or self._token_per_part else None
+
+        fut: LayerwiseFuture[Any] = LayerwiseFuture(self.layout.num_layers, on_ready if kind == "store" else None)
+        with self._lock:
+            self._layer_feeds.add(fut)
+        return fut
+
+    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor, *,
+                     by_layer: bool = False) -> Future[m.StoreResult]:
         keys = list(keys)
         blocks = check_transfer(self.layout, self.chunk_size, len(keys), block_ids)
         with self._lock:
             self._check_open()
-        return self._start_store(self._transfer("store", keys, blocks))
+        if by_layer:  # the tokens come with the layers (layer_ready)
+            return self._start_store(self._transfer("store", keys, blocks, with_token=False), self._layered("store"))
+        return self._start_store(self._transfer("store", keys, blocks), Future())
 
     def submit_retrieve(
         self,
@@ -175,21 +204,36 @@ class ContextCore:
         block_ids: Sequence[int] | torch.Tensor,
         skip_first_n_tokens: int = 0,
         lease_id: int = 0,
+        *,
+        by_layer: bool = False,
     ) -> Future[m.RetrieveResult]:
         keys = list(keys)
         blocks = check_transfer(self.layout, self.chunk_size, len(keys), block_ids, skip_first_n_tokens)
         with self._lock:
             self._check_open()
         skip = skip_first_n_tokens // self.layout.block_size
-        return self._start_retrieve(self._transfer("retrieve", keys, blocks, skip), lease_id)
+        outer: Future[m.RetrieveResult] = self._layered("retrieve") if by_layer else Future()
+        return self._start_retrieve(self._transfer("retrieve", keys, blocks, skip), lease_id, outer)
 
-    def _start_store(self, transfer: Transfer) -> Future[m.StoreResult]:
-        """Start a validated store; the style implements it."""
+    def _start_store(self, transfer: Transfer, outer: Future[m.StoreResult]) -> Future[m.StoreResult]:
+        """Start a validated store that resolves ``outer`` (a :class:`LayerwiseFuture` for a
+        layer-wise one); the style implements it."""
         raise NotImplementedError
 
-    def _start_retrieve(self, transfer: Transfer, lease_id: int) -> Future[m.RetrieveResult]:
-        """Start a validated retrieve; the style implements it."""
+    def _start_retrieve(self, transfer: Transfer, lease_id: int,
+                        outer: Future[m.RetrieveResult]) -> Future[m.RetrieveResult]:
+        """Start a validated retrieve that resolves ``outer``; the style implements it."""
         raise NotImplementedError
+
+    def _layer_groups(self) -> list[range]:
+        """The layer ranges a layer-wise transfer is copied in, in order: one per layer group
+        of at most ``ceil(num_layers / max_layer_parts)`` layers; one range of every layer when
+        the transport does not copy ranges of layers."""
+        n = self.layout.num_layers
+        if not self.transport.capabilities.layer_ranges:
+            return [range(n)]
+        size = -(-n // max(1, min(n, self.max_layer_parts)))
+        return [range(a, min(a + size, n)) for a in range(0, n, size)]
 
     # ------------------------------------------------------------------ close
 
@@ -198,6 +242,10 @@ class ContextCore:
             if self._closed:
                 return
             self._closed = True
+            feeds = list(self._layer_feeds)
+        for fut in feeds:  # a layer-wise store whose caller never declares its last layers
+            fut.abandon(ConfigError(f"transfer context {self.instance_id} ({self.transport_name}) closed before "
+                                    "every layer of a layer-wise store was declared ready"))
         self._executor.shutdown(wait=True)
         self._drain()
         if self._registered:

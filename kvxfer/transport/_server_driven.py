@@ -7,11 +7,16 @@ the transport's ``prepare``, send. When the reply arrives, on the finisher and i
 After a server restart the request is sent once more, synchronously, once the context is
 registered again. A request's future can be cancelled until it is sent; then it is never sent
 (its params are released). A retrieve carries the time its client stops waiting for the reply
-(``Retrieve.deadline``): a server that reaches the copy later copies nothing.
+(``Retrieve.deadline``): a server that reaches the copy later copies nothing. A layer-wise
+retrieve is sent as one request per group of layers (``Retrieve.layers``, servers with the
+``retrieve_layers`` feature), each layer landed when its request is answered; a layer-wise
+store as one request once every layer is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +41,10 @@ class ServerDrivenCore(ContextCore):
     """The machinery of :class:`~kvxfer.transport.contract.ServerDrivenContext`."""
 
     max_in_flight: ClassVar[int] = 1
+    #: A layer-wise retrieve is this many requests at most (each a range of layers).
+    max_layer_parts: ClassVar[int] = 8
+    #: A layer-wise store is one request, sent once every layer is written: one token.
+    _token_per_part: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -60,7 +69,15 @@ class ServerDrivenCore(ContextCore):
     def _raw(params: msgspec.Struct | None) -> msgspec.Raw:
         return msgspec.Raw(codec.encode(params)) if params is not None else m.NO_PARAMS
 
-    def _start_store(self, transfer: Transfer) -> Future[m.StoreResult]:
+    def _start_store(self, transfer: Transfer, outer: Future[m.StoreResult]) -> Future[m.StoreResult]:
+        from kvxfer.transport.contract import LayerwiseFuture
+
+        layered = outer if isinstance(outer, LayerwiseFuture) else None
+
+        def wait_for_layers() -> None:  # one request, once every layer is written (its token then)
+            if layered is not None:
+                transfer.token = layered.wait_ready(self.layout.num_layers)
+
         def send(params: msgspec.Struct | None) -> m.Store:
             with self._stores_answered:
                 self._stores_out += 1  # from here on, done() runs answered() exactly once
@@ -71,10 +88,52 @@ class ServerDrivenCore(ContextCore):
                 self._stores_out -= 1
                 self._stores_answered.notify_all()
 
-        return self._pipelined(transfer, send, lambda res, params: res, answered)
+        return self._pipelined(transfer, send, lambda res, params: res, answered, before=wait_for_layers, outer=outer)
 
-    def _start_retrieve(self, transfer: Transfer, lease_id: int) -> Future[m.RetrieveResult]:
+    def _start_retrieve(self, transfer: Transfer, lease_id: int,
+                        outer: Future[m.RetrieveResult]) -> Future[m.RetrieveResult]:
+        from kvxfer.transport.contract import LayerwiseFuture
+
+        groups = self._layer_groups() if isinstance(outer, LayerwiseFuture) else []
+        if len(groups) < 2 or "retrieve_layers" not in self.connection.features:
+            return self._retrieve_part(transfer, lease_id, outer, None)
+        # one request per group of layers, in order; each its own token (the first is the
+        # submit's); the lease goes with the last, so that it holds the chunks for every part
+        assert isinstance(outer, LayerwiseFuture)
+        parts = [transfer] + [dataclasses.replace(transfer, token=self._token("retrieve")) for _ in groups[1:]]
+        results: list[m.RetrieveResult | BaseException | None] = [None] * len(groups)
+        left = [len(groups)]
+        lock = threading.Lock()
+
+        def part_done(i: int, f: Future[m.RetrieveResult]) -> None:
+            exc = f.exception()
+            results[i] = exc if exc is not None else f.result()
+            if exc is None:
+                outer.mark_landed(groups[i])
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if not last:
+                return
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                outer.set_exception(errors[0])
+                return
+            got = [r for r in results if isinstance(r, m.RetrieveResult)]
+            missing = sorted(set().union(*(r.missing for r in got)))  # a chunk any part missed is not loaded
+            outer.set_result(m.RetrieveResult([i for i in range(len(transfer.keys)) if i not in set(missing)], missing))
+
+        started = _Started(outer)
+        for i, (part, group) in enumerate(zip(parts, groups)):
+            fut: Future[m.RetrieveResult] = _Part(started)
+            fut.add_done_callback(functools.partial(part_done, i))
+            self._retrieve_part(part, lease_id if i == len(groups) - 1 else 0, fut, group)
+        return outer
+
+    def _retrieve_part(self, transfer: Transfer, lease_id: int, outer: Future[m.RetrieveResult],
+                       layers: range | None) -> Future[m.RetrieveResult]:
         skip_tokens = transfer.skip_blocks * self.layout.block_size
+        span = [layers.start, layers.stop] if layers is not None else []
 
         def wait_for_stores() -> None:  # a retrieve must not overtake the stores ahead of it
             with self._stores_answered:
@@ -84,14 +143,14 @@ class ServerDrivenCore(ContextCore):
             # the server copies nothing once this client has stopped waiting for the reply
             wait = float(self.connection.timeout or 0.0)
             return m.Retrieve(self.instance_id, transfer.keys, transfer.blocks.tolist(), skip_tokens, lease_id,
-                              self._raw(params), time.time() + wait if wait else 0.0)
+                              self._raw(params), time.time() + wait if wait else 0.0, span)
 
         def finish(res: m.RetrieveResult, params: msgspec.Struct | None) -> m.RetrieveResult:
             with self._step("finish_retrieve"):
                 self.finish_retrieve(transfer, params, res)
             return res
 
-        return self._pipelined(transfer, send, finish, before=wait_for_stores)
+        return self._pipelined(transfer, send, finish, before=wait_for_stores, outer=outer)
 
     def _pipelined(
         self,
@@ -100,10 +159,13 @@ class ServerDrivenCore(ContextCore):
         finish: Callable[[Any, msgspec.Struct | None], T],
         answered: Callable[[], None] | None = None,
         before: Callable[[], None] | None = None,
+        outer: Future[T] | None = None,
     ) -> Future[T]:
         """Prepare and send on the worker (waiting for a free place in the window), finish on
-        the finisher thread in reply order; ``release_params`` runs exactly once either way."""
-        outer: Future[T] = Future()
+        the finisher thread in reply order, resolving ``outer`` (a new future when None);
+        ``release_params`` runs exactly once either way."""
+        if outer is None:
+            outer = Future()
 
         def release(params: msgspec.Struct | None) -> BaseException | None:
             try:
@@ -172,3 +234,32 @@ class ServerDrivenCore(ContextCore):
             self._window.acquire()
         for _ in range(self.max_in_flight):
             self._window.release()
+
+
+class _Started:
+    """Whether a layer-wise retrieve sent in parts has started: the first part about to be sent
+    makes the whole transfer running (no longer cancellable); once it was cancelled, no part is."""
+
+    def __init__(self, whole: Future[Any]) -> None:
+        self.whole = whole
+        self.lock = threading.Lock()
+        self.decided: bool | None = None
+
+    def may_send(self) -> bool:
+        with self.lock:
+            if self.decided is None:
+                self.decided = self.whole.set_running_or_notify_cancel()
+            return self.decided
+
+
+class _Part(Future[T]):
+    """The future of one part of a layer-wise retrieve (see :class:`_Started`)."""
+
+    def __init__(self, started: _Started) -> None:
+        super().__init__()
+        self._started = started
+
+    def set_running_or_notify_cancel(self) -> bool:
+        if not self._started.may_send():
+            return False  # the whole transfer was cancelled: this part is never sent
+        return super().set_running_or_notify_cancel()

@@ -37,6 +37,7 @@ futures therefore fail only with :class:`kvxfer.errors.KvxferError`.
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -59,6 +60,7 @@ __all__ = [
     "ClientDrivenContext",
     "Connection",
     "InstanceIdentity",
+    "LayerwiseFuture",
     "Probe",
     "RowCopy",
     "ServerContext",
@@ -77,6 +79,7 @@ __all__ = [
 API_VERSION: Final = 2
 
 R = TypeVar("R", bound=Registration)
+LT = TypeVar("LT")
 P = TypeVar("P", bound=msgspec.Struct)
 Reply = TypeVar("Reply", bound=Message)
 
@@ -117,6 +120,10 @@ class Capabilities:
     device_types: frozenset[str]
     layouts: frozenset[LayoutKind] = field(default_factory=lambda: frozenset(LayoutKind))
     dtypes: frozenset[str] = _ALL_DTYPES
+    #: Its copy code honours :attr:`RowCopy.first_layer` (copies of a range of layers, for
+    #: transfers moved layer by layer). Without it, a layer-by-layer transfer still works, but
+    #: each of its layers completes only when the whole transfer does.
+    layer_ranges: bool = False
 
     def serves(self, device: torch.device) -> bool:
         return "*" in self.device_types or device.type in self.device_types
@@ -168,6 +175,10 @@ class Connection(Protocol):
     arena_size: int
     #: Default seconds a request may take.
     timeout: float
+    #: Seconds of silence after which the server drops this client's session (its handshake).
+    session_timeout: float
+    #: Optional server features named in its handshake (e.g. ``"retrieve_layers"``).
+    features: frozenset[str]
 
     @property
     def epoch(self) -> int:
@@ -215,10 +226,16 @@ class TransferContext(ABC):
     chunk_size: int
 
     @abstractmethod
-    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor) -> Future[StoreResult]:
+    def submit_store(self, keys: Sequence[bytes], block_ids: Sequence[int] | torch.Tensor, *,
+                     by_layer: bool = False) -> Future[StoreResult]:
         """Store the chunks ``keys`` from ``block_ids``; chunks the server has are skipped.
         The engine must not overwrite those blocks before the future is done (or cancelled:
-        ``cancel()`` succeeds until the copy starts, and then nothing is stored)."""
+        ``cancel()`` succeeds until the copy starts, and then nothing is stored).
+
+        ``by_layer``: the blocks are still being computed, layer after layer; the future is a
+        :class:`LayerwiseFuture` and the caller tells it, with ``layer_ready(i)``, when layers
+        ``0..i`` are written (the reservation goes out at once, each layer is copied as it
+        becomes ready where the transport allows)."""
 
     @abstractmethod
     def submit_retrieve(
@@ -227,6 +244,8 @@ class TransferContext(ABC):
         block_ids: Sequence[int] | torch.Tensor,
         skip_first_n_tokens: int = 0,
         lease_id: int = 0,
+        *,
+        by_layer: bool = False,
     ) -> Future[RetrieveResult]:
         """Load the chunks ``keys`` into ``block_ids``, leaving the blocks of the first
         ``skip_first_n_tokens`` tokens (a multiple of the block size) untouched. Missing
@@ -237,7 +256,11 @@ class TransferContext(ABC):
         copy into the blocks; server-driven: before the request is sent), and a cancelled
         retrieve never writes the blocks. Once ``cancel()`` returns False the copy may be
         running: the blocks are the engine's again only when the future is done. A server-driven
-        server copies nothing once the client has stopped waiting for the reply."""
+        server copies nothing once the client has stopped waiting for the reply.
+
+        ``by_layer``: the future is a :class:`LayerwiseFuture` whose ``wait_layer(i)`` returns
+        once layer ``i`` has landed (the core copies layer after layer); it can be cancelled
+        until its first part's copy starts."""
 
     @abstractmethod
     def close(self) -> None:
@@ -248,6 +271,113 @@ class TransferContext(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LayerwiseFuture(Future[LT]):
+    """The future of a transfer submitted with ``by_layer=True``: the whole transfer's result,
+    plus per-layer progress.
+
+    Retrieve: :meth:`wait_layer` returns once layer ``i`` of every chunk that loads has landed
+    (chunks the result reports missing are left untouched in every layer). Store: the caller
+    tells the core with :meth:`layer_ready` when layers are written; a layer is copied only
+    after that call, and the transfer commits after the last layer. Layers complete in order
+    only when the transport copies ranges of layers (:attr:`Capabilities.layer_ranges`);
+    otherwise every layer completes with the whole transfer. Thread-safe.
+    """
+
+    def __init__(self, num_layers: int, on_ready: Callable[[bool], Any] | None = None) -> None:
+        super().__init__()
+        self.num_layers = num_layers
+        self._on_ready = on_ready
+        self._cond = threading.Condition()
+        self._landed = [False] * num_layers
+        #: (layers ready, the token made when they were declared ready), latest last
+        self._ready: list[tuple[int, Any]] = []
+        self._abandoned: BaseException | None = None
+
+    # ------------------------------------------------------------------ the caller
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Return once ``layer`` has landed (or the transfer finished); raise what the transfer
+        raised; :class:`kvxfer.errors.RequestTimeout` after ``timeout`` seconds."""
+        self._check(layer)
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._landed[layer] or self.done(), timeout):
+                from kvxfer.errors import RequestTimeout
+
+                raise RequestTimeout(f"layer {layer} of a layer-wise transfer did not land within {timeout} s")
+        if not self._landed[layer]:
+            self.result(0)  # raises the transfer's error (a finished transfer landed every layer)
+
+    def layer_landed(self, layer: int) -> bool:
+        self._check(layer)
+        with self._cond:
+            return self._landed[layer] or (self.done() and self.exception(0) is None)
+
+    def layer_ready(self, layer: int) -> None:
+        """Store: layers ``0..layer`` are written (call in order, on the thread whose device
+        stream wrote them: the transport may record an event there)."""
+        self._check(layer)
+        with self._cond:
+            done = self._ready[-1][0] if self._ready else 0
+            if layer + 1 <= done:
+                return
+        token = self._on_ready(layer + 1 == self.num_layers) if self._on_ready is not None else None
+        with self._cond:
+            self._ready.append((layer + 1, token))
+            self._cond.notify_all()
+
+    def all_layers_ready(self) -> None:
+        """Store: every layer is written."""
+        self.layer_ready(self.num_layers - 1)
+
+    def _check(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range: this transfer has {self.num_layers} layers")
+
+    # ------------------------------------------------------------------ the core
+
+    def set_result(self, result: Any) -> None:
+        super().set_result(result)
+        with self._cond:
+            self._landed = [True] * self.num_layers
+            self._cond.notify_all()
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        super().set_exception(exception)
+        with self._cond:
+            self._cond.notify_all()
+
+    def cancel(self) -> bool:
+        """Cancel the transfer if no part of it has started copying (``wait_layer`` then raises
+        :class:`concurrent.futures.CancelledError`)."""
+        cancelled = super().cancel()
+        if cancelled:
+            with self._cond:
+                self._cond.notify_all()
+        return cancelled
+
+    def mark_landed(self, layers: range) -> None:
+        """The core: ``layers`` have landed."""
+        with self._cond:
+            for i in layers:
+                self._landed[i] = True
+            self._cond.notify_all()
+
+    def wait_ready(self, layers: int) -> Any:
+        """The core (a worker thread): block until the first ``layers`` layers are ready; return
+        the token made by the call that declared them. Raises once the transfer is abandoned."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._abandoned is not None or (self._ready and self._ready[-1][0] >= layers))
+            if self._abandoned is not None and not (self._ready and self._ready[-1][0] >= layers):
+                raise self._abandoned
+            return next(token for n, token in self._ready if n >= layers)
+
+    def abandon(self, error: BaseException) -> None:
+        """The core: the layers still awaited will never be copied (the context closes)."""
+        with self._cond:
+            self._abandoned = error
+            self._cond.notify_all()
 
 
 # The core's machinery behind both styles (threads, queues, locks). Imported here, after the

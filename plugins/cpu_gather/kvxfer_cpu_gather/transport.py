@@ -49,12 +49,13 @@ class CpuGatherContext(ClientDrivenContext):
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
         for c in copies:
             slot = copy_view(c.slot, self._elem)
+            layers = self._rows[c.first_layer:]  # slot[i] is layer c.first_layer + i
             if self.on_host:
-                for layer, dst in zip(self._rows, slot):
+                for layer, dst in zip(layers, slot):
                     torch.index_select(layer, 0, c.rows, out=dst)
             else:
                 rows = c.rows.to(self.device, non_blocking=True)
-                for layer, dst in zip(self._rows, slot):
+                for layer, dst in zip(layers, slot):
                     dst.copy_(layer.index_select(0, rows))  # gathered on the device, then one D2H copy
         if not self.on_host:
             _synchronize(self.device)
@@ -63,7 +64,7 @@ class CpuGatherContext(ClientDrivenContext):
         for c in copies:
             slot = copy_view(c.slot, self._elem)
             rows = c.rows if self.on_host else c.rows.to(self.device, non_blocking=True)
-            for layer, src in zip(self._rows, slot):
+            for layer, src in zip(self._rows[c.first_layer:], slot):
                 layer.index_put_((rows,), src if self.on_host else src.to(self.device))
         if not self.on_host:
             _synchronize(self.device)
@@ -82,7 +83,7 @@ class CpuGatherTransport(Transport):
     api_version = API_VERSION
     registration_type = CpuGatherRegistration
     context_type = CpuGatherContext
-    capabilities = Capabilities(device_types=frozenset({"*"}))
+    capabilities = Capabilities(device_types=frozenset({"*"}), layer_ranges=True)
     auto_priority = 10
 
     def probe(self) -> Probe:

@@ -322,11 +322,12 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         False (nothing copied) when the kernels cannot run: the caller stages instead."""
         try:
             with torch.cuda.stream(self._compute):
-                for rows, addrs in self._upload_rows(copies, with_addresses=True):
+                for c, (rows, addrs) in zip(copies, self._upload_rows(copies, with_addresses=True)):
+                    ptrs = self._layer_ptrs[c.first_layer:c.first_layer + c.slot.shape[0]]
                     if write_arena:
-                        _kernels.gather_to(self._layer_ptrs, rows, addrs, self._row_words, self._pitch_words)
+                        _kernels.gather_to(ptrs, rows, addrs, self._row_words, self._pitch_words)
                     else:
-                        _kernels.scatter_from(self._layer_ptrs, rows, addrs, self._row_words, self._pitch_words)
+                        _kernels.scatter_from(ptrs, rows, addrs, self._row_words, self._pitch_words)
         except Exception as exc:  # noqa: BLE001  (compile failure: no kernel of this request ran)
             self._compute.synchronize()
             self._fall_back(exc)
@@ -343,7 +344,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             stage = self._stage(k, slot)
             comp.wait_event(self._free[k])  # its previous chunk (this or an earlier request) left the GPU
             with torch.cuda.stream(comp):
-                self._gather(rows, stage)
+                self._gather(rows, stage, c.first_layer)
             self._ready[k].record(comp)
             cp.wait_event(self._ready[k])
             with torch.cuda.stream(cp):
@@ -364,30 +365,32 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             self._ready[k].record(cp)
             comp.wait_event(self._ready[k])
             with torch.cuda.stream(comp):
-                self._scatter(rows, stage)
+                self._scatter(rows, stage, c.first_layer)
             self._free[k].record(comp)
         return _recorded(comp)
 
-    def _gather(self, rows: torch.Tensor, stage: torch.Tensor) -> None:
-        """``stage[l] = layer_l[rows]`` for every layer, on the current stream."""
+    def _gather(self, rows: torch.Tensor, stage: torch.Tensor, first: int) -> None:
+        """``stage[i] = layer_{first+i}[rows]`` for the layers of ``stage``, on the current stream."""
         if self._fused:
             try:
-                _kernels.gather(self._layer_ptrs, rows, stage, self._row_words, self._pitch_words)
+                ptrs = self._layer_ptrs[first:first + stage.shape[0]]
+                _kernels.gather(ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
             except Exception as exc:  # noqa: BLE001  (compile/launch failure: the torch ops still work)
                 self._fall_back(exc)
-        for layer, dst in zip(self._rows, stage):
+        for layer, dst in zip(self._rows[first:], stage):
             torch.index_select(layer, 0, rows, out=dst)
 
-    def _scatter(self, rows: torch.Tensor, stage: torch.Tensor) -> None:
-        """``layer_l[rows] = stage[l]`` for every layer, on the current stream."""
+    def _scatter(self, rows: torch.Tensor, stage: torch.Tensor, first: int) -> None:
+        """``layer_{first+i}[rows] = stage[i]`` for the layers of ``stage``, on the current stream."""
         if self._fused:
             try:
-                _kernels.scatter(self._layer_ptrs, rows, stage, self._row_words, self._pitch_words)
+                ptrs = self._layer_ptrs[first:first + stage.shape[0]]
+                _kernels.scatter(ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
             except Exception as exc:  # noqa: BLE001  (compile/launch failure: the torch ops still work)
                 self._fall_back(exc)
-        for layer, src in zip(self._rows, stage):
+        for layer, src in zip(self._rows[first:], stage):
             layer.index_copy_(0, rows, src)
 
     def _fall_back(self, exc: Exception) -> None:

@@ -225,8 +225,10 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
         return CudaIpcParams(event_handle=self._events.handle(transfer.token))
 
     def release_params(self, transfer: Transfer, params: CudaIpcParams | None) -> None:
-        """The server has answered (or the request failed): the event goes back to the pool."""
-        self._events.release(transfer.token)
+        """The server has answered (or the request failed): the event goes back to the pool (a
+        layer-wise store that never got its last layer has none)."""
+        if transfer.token is not None:
+            self._events.release(transfer.token)
 
     def release(self) -> None:
         """After unregister (the server closed its mappings): drop events and export records."""
@@ -244,7 +246,7 @@ class CudaIpcTransport(Transport):
     api_version = API_VERSION
     registration_type = CudaIpcRegistration
     context_type = CudaIpcContext
-    capabilities = Capabilities(device_types=frozenset({"cuda"}))
+    capabilities = Capabilities(device_types=frozenset({"cuda"}), layer_ranges=True)
     auto_priority = 50
 
     def probe(self) -> Probe:

@@ -162,22 +162,23 @@ class HpuContext(ClientDrivenContext):
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
-                for layer, dst in zip(self._rows, c.slot.view(self._elem)):
+                for layer, dst in zip(self._rows[c.first_layer:], c.slot.view(self._elem)):
                     torch.index_select(layer, 0, c.rows, out=dst)
             return None
         ops, p = self.ops, self._pipeline()
+        layers = self._layers_of(copies)
         with ops.use_stream(p.compute):
             _Pipeline.wait(p.compute, transfer.token)
             rows = self._device_rows(copies)
         for group, idx in self._groups(copies, rows, p.group_rows):
-            gathered = self._rows_view(p.group, idx.numel())
+            gathered = self._rows_view(p.group, idx.numel(), len(layers))
             with ops.use_stream(p.compute):
-                for layer, out in zip(self._rows, gathered):
+                for layer, out in zip(layers, gathered):
                     torch.index_select(layer, 0, idx, out=out)
             offset = 0
             for c in group:
                 n = c.rows.numel()
-                k, buf = self._chunk_buffer(p, n)
+                k, buf = self._chunk_buffer(p, n, len(layers))
                 dst = c.slot.view(self._elem)
                 with ops.use_stream(p.compute):
                     _Pipeline.wait(p.compute, p.free[k])
@@ -194,18 +195,19 @@ class HpuContext(ClientDrivenContext):
     def scatter(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
         if self.ops.direct:
             for c in copies:
-                for layer, src in zip(self._rows, c.slot.view(self._elem)):
+                for layer, src in zip(self._rows[c.first_layer:], c.slot.view(self._elem)):
                     layer.index_put_((c.rows,), src)
             return None
         ops, p = self.ops, self._pipeline()
+        layers = self._layers_of(copies)
         with ops.use_stream(p.compute):
             rows = self._device_rows(copies)
         for group, idx in self._groups(copies, rows, p.group_rows):
-            gathered = self._rows_view(p.group, idx.numel())
+            gathered = self._rows_view(p.group, idx.numel(), len(layers))
             offset = 0
             for c in group:
                 n = c.rows.numel()
-                k, buf = self._chunk_buffer(p, n)
+                k, buf = self._chunk_buffer(p, n, len(layers))
                 src = c.slot.view(self._elem)
                 with ops.use_stream(p.copy):
                     _Pipeline.wait(p.copy, p.free[k])
@@ -217,7 +219,7 @@ class HpuContext(ClientDrivenContext):
                     _Pipeline.record(p.free[k], p.compute)
                 offset += n
             with ops.use_stream(p.compute):
-                for layer, loaded in zip(self._rows, gathered):
+                for layer, loaded in zip(layers, gathered):
                     layer.index_copy_(0, idx, loaded)
                 ops.flush(self.device)
         return self._waiter(p.compute)
@@ -258,12 +260,19 @@ class HpuContext(ClientDrivenContext):
                 groups.append(([c], start, n))
         return [(group, rows[start:start + count]) for group, start, count in groups]
 
-    def _rows_view(self, flat: torch.Tensor, n_rows: int) -> torch.Tensor:
-        """The first bytes of ``flat`` (uint8) as ``[num_layers, n_rows, row_elems]`` of the
+    def _layers_of(self, copies: list[RowCopy]) -> list[torch.Tensor]:
+        """The row views of the layers ``copies`` move (the core passes one range per call)."""
+        span = copies[0].layers
+        if any(c.layers != span for c in copies):
+            raise ValueError("hpu copies one range of layers per call")
+        return self._rows[span.start:span.stop]
+
+    def _rows_view(self, flat: torch.Tensor, n_rows: int, n_layers: int) -> torch.Tensor:
+        """The first bytes of ``flat`` (uint8) as ``[n_layers, n_rows, row_elems]`` of the
         row-copy element type."""
         like = self._rows[0]
-        nbytes = self.layout.num_layers * n_rows * like.shape[1] * like.element_size()
-        return flat[:nbytes].view(like.dtype).view(self.layout.num_layers, n_rows, like.shape[1])
+        nbytes = n_layers * n_rows * like.shape[1] * like.element_size()
+        return flat[:nbytes].view(like.dtype).view(n_layers, n_rows, like.shape[1])
 
     def _device_rows(self, copies: list[RowCopy]) -> torch.Tensor:
         """Every copy's row ids, in order, on the device: one small host-to-device copy per
@@ -271,11 +280,11 @@ class HpuContext(ClientDrivenContext):
         rows = torch.cat([c.rows for c in copies]) if len(copies) > 1 else copies[0].rows
         return rows.to(self.device, non_blocking=True)
 
-    def _chunk_buffer(self, p: _Pipeline, n_rows: int) -> tuple[int, torch.Tensor]:
-        """The next chunk buffer (index, ``[num_layers, n_rows, row_elems]`` view)."""
+    def _chunk_buffer(self, p: _Pipeline, n_rows: int, n_layers: int) -> tuple[int, torch.Tensor]:
+        """The next chunk buffer (index, ``[n_layers, n_rows, row_elems]`` view)."""
         k = p.n % len(p.chunks)
         p.n += 1
-        return k, self._rows_view(p.chunks[k], n_rows)
+        return k, self._rows_view(p.chunks[k], n_rows, n_layers)
 
     def _async(self, host: torch.Tensor) -> bool:
         """Copy without blocking only from/to pinned, contiguous host memory (torch stages a
@@ -305,7 +314,7 @@ class HpuTransport(Transport):
     registration_type = HpuRegistration
     context_type = HpuContext
     #: Any torch device type whose device ops say it is available here (see :meth:`serves`).
-    capabilities = Capabilities(device_types=frozenset({"*"}))
+    capabilities = Capabilities(device_types=frozenset({"*"}), layer_ranges=True)
     auto_priority = PRIORITY["hpu"]
 
     def priority_for(self, device: torch.device) -> int:
