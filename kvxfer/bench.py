@@ -1,10 +1,13 @@
 """Transfer benchmark: store and retrieve throughput against a real server, with the physical
 limit of the same bytes measured in the same run as the denominator.
 
-Denominators: on CPU a memcpy (``torch.Tensor.copy_`` between warm buffers) of the bytes of one
-request; on CUDA a pinned host<->device copy of them (device->host for stores, host->device for
-retrieves). Every request stores fresh chunks (no dedupe) from random blocks, and retrieves them
-into other random blocks; the first request of each configuration is a warm-up.
+Denominators: on CPU a memcpy (``torch.Tensor.copy_``) of the bytes of one request between
+buffers that are not in the CPU's caches (as the transfer's source blocks and fresh arena slots
+are not: :class:`CopyLimit`; the warm-buffer memcpy is recorded too); on CUDA a pinned
+host<->device copy of them (device->host for stores, host->device for retrieves). Every request
+stores fresh chunks (no dedupe) from random blocks, and retrieves them into other random blocks;
+the first request of each configuration is a warm-up. ``--prefix`` runs the prefix-load
+benchmark instead (:mod:`kvxfer.bench_prefix`).
 
 Run ``kvxfer bench --help`` or ``python benchmarks/transfer.py --help``.
 """
@@ -26,7 +29,7 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
-__all__ = ["main", "run", "physical_limit", "progress_bar", "run_record", "write_results"]
+__all__ = ["CopyLimit", "main", "run", "physical_limit", "progress_bar", "run_record", "write_results"]
 
 GB = 1e9
 
@@ -97,36 +100,62 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / GB
 
 
-def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[str, Any]:
-    """GB/s of the copy a transfer cannot beat, for ``nbytes``: memcpy on CPU, pinned
-    device<->host copies on CUDA (medians of ``repeats`` runs, warm buffers)."""
-    if device.type == "cuda":
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        host.fill_(1)
-        dev.fill_(2)
-        out: dict[str, float] = {}
-        for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-            times = []
-            for _ in range(repeats + 1):
-                _sync(device)
-                t = time.perf_counter()
-                dst.copy_(src, non_blocking=True)
-                _sync(device)
-                times.append(time.perf_counter() - t)
-            out[name] = _median_gbps(nbytes, times[1:])
-        return {"store_limit": out["d2h"], "retrieve_limit": out["h2d"], "limit": "pinned D2H / H2D"}
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(1)
-    dst.fill_(2)
-    times = []
-    for _ in range(repeats + 1):
+#: A memcpy denominator copies between buffers that together hold at least this much, in turn,
+#: so that neither side is in the CPU's caches (the transfer's own source blocks and fresh
+#: arena slots are not): repeating one copy of a few MiB between two warm buffers measures the
+#: last-level cache, not memory.
+COLD_POOL_BYTES = 1 << 30
+
+
+class CopyLimit:
+    """The copy a transfer of ``nbytes`` cannot beat, timed on demand: on CUDA a pinned
+    device->host (``"store"``) or host->device (``"retrieve"``) copy; on CPU a memcpy (torch
+    ``copy_``) between buffers rotated over :data:`COLD_POOL_BYTES` (``cold=False``: between
+    the same two warm buffers every time, which the caches serve in part below ~L3 size)."""
+
+    def __init__(self, nbytes: int, device: torch.device, cold: bool = True) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.at = 0
+        if device.type == "cuda":
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            host.fill_(1)
+            dev.fill_(2)
+            self.pairs = {"store": [(host, dev)], "retrieve": [(dev, host)]}
+            self.what = "pinned D2H / H2D"
+        else:
+            n = max(1, -(-COLD_POOL_BYTES // (2 * nbytes))) if cold else 1
+            bufs = [(torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(n)]
+            self.pairs = {"store": [(d, s) for s, d in bufs], "retrieve": [(d, s) for s, d in bufs]}
+            self.what = "memcpy (cold)" if cold else "memcpy (warm buffers)"
+
+    def time(self, kind: str) -> float:
+        """Seconds of one copy for a ``kind`` ("store" or "retrieve") of ``nbytes``."""
+        pairs = self.pairs[kind]
+        dst, src = pairs[self.at % len(pairs)]
+        self.at += 1
+        _sync(self.device)
         t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    gbps = _median_gbps(nbytes, times[1:])
-    return {"store_limit": gbps, "retrieve_limit": gbps, "limit": "memcpy"}
+        dst.copy_(src, non_blocking=self.device.type == "cuda")
+        _sync(self.device)
+        return time.perf_counter() - t
+
+
+def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[str, Any]:
+    """GB/s of the copy a transfer cannot beat, for ``nbytes`` (:class:`CopyLimit`, medians of
+    ``repeats`` runs after a warm-up); on CPU also the warm-buffer memcpy, for reference."""
+    out: dict[str, Any] = {}
+    limit = CopyLimit(nbytes, device)
+    for kind in ("store", "retrieve"):
+        times = [limit.time(kind) for _ in range(repeats + 1)]
+        out[f"{kind}_limit"] = _median_gbps(nbytes, times[1:])
+    out["limit"] = limit.what
+    del limit
+    if device.type != "cuda":
+        warm = CopyLimit(nbytes, device, cold=False)
+        out["warm_memcpy"] = _median_gbps(nbytes, [warm.time("store") for _ in range(repeats + 1)][1:])
+    return out
 
 
 def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]], inflight: int,
@@ -241,6 +270,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "retrieve_p50_ms": statistics.median(retr_t) * 1e3 if inflight == 1 else None,
                         "limit": limit["limit"], "store_limit_gbps": limit["store_limit"],
                         "retrieve_limit_gbps": limit["retrieve_limit"],
+                        "warm_memcpy_gbps": limit.get("warm_memcpy"),
                         "store_ratio": store / limit["store_limit"],
                         "retrieve_ratio": retrieve / limit["retrieve_limit"],
                         "iters": args.iters,
@@ -290,10 +320,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the results here (a directory: a file named by date and commit)")
+    p.add_argument("--prefix", action="store_true",
+                   help="run the prefix-load benchmark instead (lookup + retrieve as a connector issues it; "
+                        "`kvxfer bench --prefix --help`)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--prefix" in argv:
+        from kvxfer.bench_prefix import main as prefix_main
+
+        return prefix_main([a for a in argv if a != "--prefix"])
     args = build_parser().parse_args(argv)
     results = run(args)
     print_results(results)
