@@ -29,7 +29,7 @@ from kvxfer.server.hooks import hookimpl
 
 if TYPE_CHECKING:
     from kvxfer.layout import KVLayout, LayoutKind
-    from kvxfer.transport.contract import TransferContext
+    from kvxfer.transport.contract import LayerwiseFuture, TransferContext
 
 try:  # the version is the distribution's (pyproject.toml), defined there once
     __version__ = version("kvxfer")
@@ -44,6 +44,7 @@ __all__ = [
     "KVLayout",
     "LayoutKind",
     "TransferContext",
+    "LayerwiseFuture",
     "StoreResult",
     "RetrieveResult",
     "KvxferError",
@@ -62,6 +63,7 @@ _LAZY = {
     "KVLayout": "kvxfer.layout",
     "LayoutKind": "kvxfer.layout",
     "TransferContext": "kvxfer.transport.contract",
+    "LayerwiseFuture": "kvxfer.transport.contract",
 }
 
 

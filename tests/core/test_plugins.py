@@ -12,13 +12,14 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvxfer import CacheClient, chunk_hashes
-from kvxfer.errors import ServerInternalError, TransportBroken, TransportNotFound, TransportUnavailable
+from kvxfer.errors import InvalidRequest, ServerInternalError, TransportBroken, TransportNotFound, TransportUnavailable
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
@@ -291,6 +292,72 @@ def test_a_handlers_exception_is_a_typed_error_and_the_server_keeps_serving(loop
     assert loop_client.ping() > 0
 
 
+def test_a_layerwise_retrieve_of_a_server_driven_transport_is_one_request_per_range_of_layers(
+        loop_client, tmp_path: Path) -> None:
+    """test_loop claims layer_ranges: a layer-wise retrieve is sent as one request per layer
+    (2 layers here), each landing its layer; the second is held at the server while the test
+    checks that the first layer landed and the second did not."""
+    from kvxfer_test_transport import LoopParams
+
+    assert "retrieve_layers" in loop_client.features
+    src = shared_kv(tmp_path, "lw-src", seed=3)
+    dst = shared_kv(tmp_path, "lw-dst", seed=4)
+    a = loop_client.register(src, model_name="lw", block_size=BLOCK_SIZE, transport="test_loop")
+    b = loop_client.register(dst, model_name="lw", block_size=BLOCK_SIZE, transport="test_loop")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw")
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    release = tmp_path / "release-lw"
+    os.mkfifo(release)
+    b.next_retrieves = [LoopParams(), LoopParams(hold_until=str(release))]
+    fut = b.submit_retrieve(hashes, blocks, by_layer=True)
+    fut.wait_layer(0, timeout=30)
+    assert torch.equal(dst[0][:, blocks], src[0][:, blocks])
+    assert not fut.layer_landed(1) and not fut.done()
+    assert not torch.equal(dst[1][:, blocks], src[1][:, blocks])
+    fd = os.open(release, os.O_WRONLY)
+    os.write(fd, b"x")
+    os.close(fd)
+    assert fut.result(30).loaded == [0, 1]
+    assert torch.equal(dst[1][:, blocks], src[1][:, blocks])
+    assert loop_client.status().reservations == 0
+    a.close()
+    b.close()
+
+
+def test_a_layerwise_store_of_a_server_driven_transport_is_sent_once_every_layer_is_written(
+        loop_client, tmp_path: Path) -> None:
+    src = shared_kv(tmp_path, "lws-src", seed=5)
+    dst = shared_kv(tmp_path, "lws-dst", seed=6)
+    a = loop_client.register(src, model_name="lws", block_size=BLOCK_SIZE, transport="test_loop")
+    b = loop_client.register(dst, model_name="lws", block_size=BLOCK_SIZE, transport="test_loop")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lws")
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    fut = a.submit_store(hashes, blocks, by_layer=True)
+    for i, layer in enumerate(src):
+        time.sleep(0.1)  # a store sent before its layers were written would copy the old values
+        assert loop_client.status().reservations == 0 and not fut.done()
+        layer[:, blocks] = layer[:, blocks] * 2 + 1
+        fut.layer_ready(i)
+    assert fut.result(30).stored == [0, 1]
+    assert b.submit_retrieve(hashes, blocks).result(30).loaded == [0, 1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, blocks], s[:, blocks])
+    a.close()
+    b.close()
+
+
+def test_a_retrieve_of_a_bad_range_of_layers_is_refused(loop_client, tmp_path: Path) -> None:
+    kv = loop_client.register(shared_kv(tmp_path, "lwbad"), model_name="lwbad", block_size=BLOCK_SIZE,
+                              transport="test_loop")
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="lwbad")
+    for span in ([1, 1], [0, 3], [0], [-1, 1]):
+        with pytest.raises(InvalidRequest, match=r"layers: must be \[first, stop\)"):
+            loop_client.request(m.Retrieve(kv.instance_id, hashes, list(range(BLOCKS_PER_CHUNK)), layers=span))
+    assert loop_client.status().reservations == 0
+    kv.close()
+
+
 def test_a_hook_that_raises_is_isolated(on_path: Path, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     env = env_with(on_path, KVXFER_TEST_HOOK_LOG=str(log), KVXFER_TEST_HOOK_RAISE="1")
@@ -317,3 +384,4 @@ def test_hooks_see_the_server_stop(plugin_server, hook_log: Path) -> None:
     # last test of the module on this server: stop it and look for the hook
     plugin_server.stop()
     assert wait_until(lambda: "server_stopped" in {e["event"] for e in events(hook_log)}, timeout=10)
+

@@ -1,0 +1,107 @@
+"""Layer-wise transfers of a client-driven transport: a real server and a real cpu_gather
+context (its scatter is wrapped to hold each range of layers until the test lets it run, as a
+slow copy would be).
+
+A layer-wise retrieve lands layer after layer (``wait_layer(i)`` returns before later layers
+have landed); a layer-wise store copies a layer only once the caller declared it written; a
+context closed with a layer-wise store still waiting for layers fails that store and stores
+nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvxfer import CacheClient, ConfigError, LayerwiseFuture, RequestTimeout, chunk_hashes
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
+
+LAYERS = 4
+
+
+def _register(client: CacheClient, model: str, seed: int = 0):
+    kv = flash_attn_kv(num_layers=LAYERS, num_blocks=32, seed=seed)
+    return kv, client.register(kv, model_name=model, block_size=BLOCK_SIZE, transport="cpu_gather")
+
+
+def _blocks(first_chunk: int, chunks: int) -> list[int]:
+    return list(range(first_chunk * BLOCKS_PER_CHUNK, (first_chunk + chunks) * BLOCKS_PER_CHUNK))
+
+
+def test_a_layerwise_retrieve_lands_layer_by_layer(client: CacheClient) -> None:
+    kv, ctx = _register(client, "lw-retrieve")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw")
+    src, dst = _blocks(0, 2), _blocks(2, 2)
+    assert ctx.submit_store(hashes, src).result(30).stored == [0, 1]
+    gates = [threading.Event() for _ in range(LAYERS)]
+    parts: list[list[int]] = []
+    scatter = ctx.scatter
+
+    def held(copies, transfer):
+        layers = list(copies[0].layers)
+        assert all(list(c.layers) == layers for c in copies)  # one range of layers per call
+        parts.append(layers)
+        gates[layers[0]].wait(30)
+        return scatter(copies, transfer)
+
+    ctx.scatter = held
+    fut = ctx.submit_retrieve(hashes, dst, by_layer=True)
+    assert isinstance(fut, LayerwiseFuture)
+    with pytest.raises(RequestTimeout):
+        fut.wait_layer(0, timeout=0.2)  # its part is held
+    for i in range(LAYERS):
+        gates[i].set()
+        fut.wait_layer(i, timeout=30)
+        assert torch.equal(kv[i][:, dst], kv[i][:, src]), f"layer {i} reported landed but differs"
+        if i + 1 < LAYERS:
+            assert not fut.layer_landed(i + 1)
+            assert not torch.equal(kv[i + 1][:, dst], kv[i + 1][:, src])  # not copied yet
+    assert fut.result(30).loaded == [0, 1]
+    assert parts == [[i] for i in range(LAYERS)]
+    assert client.status().reservations == 0  # its commit went out before the future resolved
+    ctx.close()
+
+
+def test_a_layerwise_store_copies_each_layer_once_it_is_declared_written(client: CacheClient) -> None:
+    kv, ctx = _register(client, "lw-store", seed=1)
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw-store")
+    src, dst = _blocks(0, 2), _blocks(2, 2)
+    fut = ctx.submit_store(hashes, src, by_layer=True)
+    assert isinstance(fut, LayerwiseFuture)
+    assert wait_until(lambda: client.status().reservations == 1, timeout=30, step=0.01)
+    time.sleep(0.2)  # a store that copied at once would have copied the old values by now
+    g = torch.Generator().manual_seed(7)
+    for i in range(LAYERS):  # the "forward pass" writes layer i, then declares it written
+        kv[i][:, src] = torch.randn(kv[i][:, src].shape, generator=g).to(kv[i].dtype)
+        assert not fut.done()
+        fut.layer_ready(i)
+    assert fut.result(30).stored == [0, 1]
+    assert ctx.submit_retrieve(hashes, dst).result(30).loaded == [0, 1]
+    for i in range(LAYERS):
+        assert torch.equal(kv[i][:, dst], kv[i][:, src]), f"layer {i} was copied before it was written"
+    ctx.close()
+
+
+def test_closing_with_a_layerwise_store_waiting_for_layers_fails_it(client: CacheClient) -> None:
+    kv, ctx = _register(client, "lw-close", seed=2)
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="lw-close")
+    fut = ctx.submit_store(hashes, _blocks(0, 1), by_layer=True)
+    fut.layer_ready(0)  # the rest never comes
+    ctx.close()
+    with pytest.raises(ConfigError, match="closed before every layer of a layer-wise store was declared ready"):
+        fut.result(30)
+    assert client.lookup("lw-close", hashes=hashes) == 0
+    assert client.status().reservations == 0
+
+
+def test_layer_indices_are_checked(client: CacheClient) -> None:
+    kv, ctx = _register(client, "lw-index", seed=3)
+    fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="ix"), _blocks(0, 1), by_layer=True)
+    with pytest.raises(IndexError, match="layer 4 out of range: this transfer has 4 layers"):
+        fut.layer_ready(LAYERS)
+    fut.all_layers_ready()
+    assert fut.result(30).stored == [0]
+    ctx.close()
