@@ -222,39 +222,102 @@ class ClientDrivenCore(ContextCore):
         commit_reply.add_done_callback(later)
 
     def _copy_parts(self, copy: Callable[[list[RowCopy], Transfer], Waiter | None], step: str,
-                    copies: list[RowCopy], transfer: Transfer, layered: LayerwiseFuture[Any] | None) -> Waiter | None:
-        """Call the transport's ``copy`` (gather or scatter) for the whole request, or, layer by
-        layer, once per layer group in order (a store's group once its layers are declared
-        ready, with the token of that declaration); returns one waiter for all the parts, which
-        marks each group's layers landed as its part completes."""
+                    copies: list[RowCopy], transfer: Transfer, layered: LayerwiseFuture[Any] | None,
+                    done: Callable[[Waiter | None], None], fail: Callable[[BaseException], None]) -> None:
+        """Call the transport's ``copy`` (gather or scatter) for the request, then ``done(waiter)``
+        with one waiter for all of it; ``fail(exc)`` instead if a copy raises.
+
+        Layer by layer (``layered``): once per layer group, in order, each group a job of its own
+        on the worker. A retrieve's next group is queued behind the jobs already waiting, so the
+        layer-wise loads of one step interleave (layer 0 of each before layer 1 of any); a store's
+        once its layers are declared ready (with the token of that declaration), so the worker
+        never waits for the caller's forward pass. The waiter marks each group's layers landed as
+        its part completes."""
         if layered is None:
-            with self._step(step):
-                return guarded(copy(copies, transfer), self.transport_name, f"{step} (waiter)")
+            try:
+                with self._step(step):
+                    waiter = guarded(copy(copies, transfer), self.transport_name, f"{step} (waiter)")
+            except BaseException as exc:  # noqa: BLE001  (fail() hands it to the caller's future)
+                fail(exc)
+                return
+            done(waiter)
+            return
+        lw = layered
+        groups = self._layer_groups()
         parts: list[tuple[Waiter | None, range]] = []
-        for group in self._layer_groups():
-            part = transfer
-            if transfer.kind == "store":  # the layers must be written before they are copied
-                part = dataclasses.replace(transfer, token=layered.wait_ready(group.stop))
-            if group != range(self.layout.num_layers):
-                sliced = layer_slice(copies, group.start, group.stop)
-            else:
-                sliced = copies
-            with self._step(step):
-                waiter = guarded(copy(sliced, part), self.transport_name, f"{step} (waiter)")
+        state = {"next": 0, "queued": False, "over": False}
+        lock = threading.Lock()
+        store = transfer.kind == "store"
+
+        def finish() -> None:
+            if not parts:
+                done(None)
+                return
+
+            def wait() -> None:
+                for waiter, group in parts:
+                    if waiter is not None:
+                        waiter()
+                    lw.mark_landed(group)
+
+            done(wait)
+
+        def advance() -> None:  # one group per job, on the worker
+            error: BaseException | None = None
+            with lock:
+                state["queued"] = False
+                if state["over"]:
+                    return
+                k = state["next"]
+                group = groups[k]
+                token: Any = transfer.token
+                if store:
+                    ready, token = lw.ready(group.stop)
+                    if not ready:
+                        if lw.abandoned is None:
+                            return  # a later layer_ready queues this again
+                        state["over"] = True
+                        error = lw.abandoned
+                if error is None:
+                    state["next"] = k + 1
+            if error is not None:
+                fail(error)
+                return
+            try:
+                sliced = copies if group == range(self.layout.num_layers) else \
+                    layer_slice(copies, group.start, group.stop)
+                part = dataclasses.replace(transfer, token=token) if store else transfer
+                with self._step(step):
+                    waiter = guarded(copy(sliced, part), self.transport_name, f"{step} (waiter)")
+            except BaseException as exc:  # noqa: BLE001  (fail() hands it to the caller's future)
+                with lock:
+                    state["over"] = True
+                fail(exc)
+                return
             if waiter is None and all(w is None for w, _ in parts):
-                layered.mark_landed(group)
+                lw.mark_landed(group)
             else:
                 parts.append((waiter, group))
-        if not parts:
-            return None
+            if k + 1 == len(groups):
+                with lock:
+                    state["over"] = True
+                finish()
+            elif not store or lw.ready(groups[k + 1].stop)[0] or lw.abandoned is not None:
+                queue()
 
-        def wait() -> None:
-            for waiter, group in parts:
-                if waiter is not None:
-                    waiter()
-                layered.mark_landed(group)
+        def queue() -> None:
+            with lock:
+                if state["queued"] or state["over"]:
+                    return
+                state["queued"] = True
+            try:
+                self._executor.submit(advance)
+            except RuntimeError:  # the context is closing: its worker takes no new jobs
+                advance()
 
-        return wait
+        if store:
+            lw.on_ready(queue)
+        advance()
 
     def _store(self, reserved: Callable[[], tuple[m.ReserveWriteReply, float]], transfer: Transfer,
                outer: Future[m.StoreResult]) -> None:
@@ -271,14 +334,6 @@ class ClientDrivenCore(ContextCore):
             drop()
             self._commit_sent()
             return
-        try:
-            waiter = None
-            if rep.slots:
-                copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots, nbytes))
-                waiter = self._copy_parts(self.gather, "gather", copies, transfer, layered)
-        except BaseException:
-            drop()
-            raise
 
         def committed(f: Future[m.StoreResult]) -> None:
             try:
@@ -302,7 +357,16 @@ class ClientDrivenCore(ContextCore):
                 outer.set_exception(exc)
                 self._commit_sent()
 
-        self._then(waiter, commit, abandon)
+        if not rep.slots:
+            self._then(None, commit, abandon)
+            return
+        try:
+            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots, nbytes))
+        except BaseException:
+            drop()
+            raise
+        self._copy_parts(self.gather, "gather", copies, transfer, layered,
+                         lambda waiter: self._then(waiter, commit, abandon), abandon)
 
     def _retrieve(self, reserved: Callable[[], tuple[m.ReserveReadReply, float]], transfer: Transfer, first: int,
                   outer: Future[m.RetrieveResult]) -> None:
@@ -319,15 +383,6 @@ class ClientDrivenCore(ContextCore):
         if not outer.set_running_or_notify_cancel():  # cancelled before its copy: the blocks stay untouched
             unpin()
             return
-        try:
-            waiter = None
-            if rep.slots:
-                copies = plan_copies(self.layout, self.chunk_size, transfer.blocks,
-                                     self._slots(rep.slots, nbytes, first), transfer.skip_blocks)
-                waiter = self._copy_parts(self.scatter, "scatter", copies, transfer, layered)
-        except BaseException:
-            unpin()
-            raise
         lost = {i + first for i in rep.missing}
         result = m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost))
 
@@ -366,7 +421,17 @@ class ClientDrivenCore(ContextCore):
             finally:
                 outer.set_exception(exc)
 
-        self._then(waiter, commit, abandon)
+        if not rep.slots:
+            self._then(None, commit, abandon)
+            return
+        try:
+            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks,
+                                 self._slots(rep.slots, nbytes, first), transfer.skip_blocks)
+        except BaseException:
+            unpin()
+            raise
+        self._copy_parts(self.scatter, "scatter", copies, transfer, layered,
+                         lambda waiter: self._then(waiter, commit, abandon), abandon)
 
     def _log_late_commit(self, reply: Future[m.Empty]) -> None:
         """A retrieve that resolved before its commit_read was answered: report a failure."""

@@ -72,12 +72,6 @@ class ServerDrivenCore(ContextCore):
     def _start_store(self, transfer: Transfer, outer: Future[m.StoreResult]) -> Future[m.StoreResult]:
         from kvxfer.transport.contract import LayerwiseFuture
 
-        layered = outer if isinstance(outer, LayerwiseFuture) else None
-
-        def wait_for_layers() -> None:  # one request, once every layer is written (its token then)
-            if layered is not None:
-                transfer.token = layered.wait_ready(self.layout.num_layers)
-
         def send(params: msgspec.Struct | None) -> m.Store:
             with self._stores_answered:
                 self._stores_out += 1  # from here on, done() runs answered() exactly once
@@ -88,7 +82,30 @@ class ServerDrivenCore(ContextCore):
                 self._stores_out -= 1
                 self._stores_answered.notify_all()
 
-        return self._pipelined(transfer, send, lambda res, params: res, answered, before=wait_for_layers, outer=outer)
+        if not isinstance(outer, LayerwiseFuture):
+            return self._pipelined(transfer, send, lambda res, params: res, answered, outer=outer)
+        layered = outer
+        started = threading.Lock()
+
+        def when_ready() -> None:  # one request, queued once every layer is written (its token then)
+            ready, token = layered.ready(self.layout.num_layers)
+            if not ready and layered.abandoned is None:
+                return
+            if not started.acquire(blocking=False):
+                return  # queued already
+            if not ready:
+                layered.set_exception(layered.abandoned)
+                return
+            transfer.token = token
+            try:
+                self._pipelined(transfer, send, lambda res, params: res, answered, outer=outer)
+            except BaseException as exc:  # noqa: BLE001  (closed meanwhile: the caller's future carries it)
+                if not outer.done():
+                    outer.set_exception(exc)
+
+        layered.on_ready(when_ready)
+        when_ready()
+        return outer
 
     def _start_retrieve(self, transfer: Transfer, lease_id: int,
                         outer: Future[m.RetrieveResult]) -> Future[m.RetrieveResult]:

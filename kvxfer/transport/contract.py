@@ -294,6 +294,7 @@ class LayerwiseFuture(Future[LT]):
         #: (layers ready, the token made when they were declared ready), latest last
         self._ready: list[tuple[int, Any]] = []
         self._abandoned: BaseException | None = None
+        self._listener: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ the caller
 
@@ -326,6 +327,8 @@ class LayerwiseFuture(Future[LT]):
         with self._cond:
             self._ready.append((layer + 1, token))
             self._cond.notify_all()
+        if self._listener is not None:
+            self._listener()
 
     def all_layers_ready(self) -> None:
         """Store: every layer is written."""
@@ -364,20 +367,32 @@ class LayerwiseFuture(Future[LT]):
                 self._landed[i] = True
             self._cond.notify_all()
 
-    def wait_ready(self, layers: int) -> Any:
-        """The core (a worker thread): block until the first ``layers`` layers are ready; return
-        the token made by the call that declared them. Raises once the transfer is abandoned."""
+    def ready(self, layers: int) -> tuple[bool, Any]:
+        """The core: whether the first ``layers`` layers are declared ready, and the token made
+        by the call that declared them."""
         with self._cond:
-            self._cond.wait_for(lambda: self._abandoned is not None or (self._ready and self._ready[-1][0] >= layers))
-            if self._abandoned is not None and not (self._ready and self._ready[-1][0] >= layers):
-                raise self._abandoned
-            return next(token for n, token in self._ready if n >= layers)
+            for n, token in self._ready:
+                if n >= layers:
+                    return True, token
+            return False, None
+
+    @property
+    def abandoned(self) -> BaseException | None:
+        """The core: why the layers still awaited will never come (None while they may)."""
+        return self._abandoned
+
+    def on_ready(self, listener: Callable[[], None]) -> None:
+        """The core: call ``listener()`` (on the declaring thread) after each declaration and
+        once the transfer is abandoned."""
+        self._listener = listener
 
     def abandon(self, error: BaseException) -> None:
         """The core: the layers still awaited will never be copied (the context closes)."""
         with self._cond:
             self._abandoned = error
             self._cond.notify_all()
+        if self._listener is not None:
+            self._listener()
 
 
 # The core's machinery behind both styles (threads, queues, locks). Imported here, after the

@@ -16,7 +16,8 @@ and long randomized call sequences checked step by step. It has:
   bind_connector_metadata -> start_load_kv -> forward -> wait_for_save ->
   get_finished(finished_req_ids) -> get_block_ids_with_load_errors -> clear_connector_metadata.
   A step without scheduled tokens skips the forward pass and wait_for_save, as vLLM's
-  ``kv_connector_no_forward`` does.
+  ``kv_connector_no_forward`` does. With ``kvxfer.layerwise`` the forward pass runs layer by
+  layer: wait_for_layer_load -> attention of that layer -> save_kv_layer.
 
 It has a block pool with a local prefix cache (so vLLM's own hits reach the connector as
 ``num_computed_tokens``), chunked prefill under a token budget, preemption when blocks run out,
@@ -242,6 +243,12 @@ class MiniEngine:
         self.to_poison: list[int] = []
         self.first_computed: dict[str, int] = {}  # num_computed_tokens when first scheduled
         self.after_build: Any = None  # hook(engine, meta) between scheduler and worker
+        #: kvxfer.layerwise: the forward pass runs layer by layer, calling wait_for_layer_load before
+        #: a layer's attention and save_kv_layer after it, as vLLM's attention layers do
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
+        self.layerwise = bool(extra.get("kvxfer.layerwise", False))
+        self.before_layer: Any = None  # hook(layer index), at the start of each layer of a layer-wise pass
+        self.layer_names = layer_names
 
     # ------------------------------------------------------------------ block pool
 
@@ -392,7 +399,7 @@ class MiniEngine:
                 req.num_computed_tokens = computed + ext
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 continue
-            req.num_computed_tokens = computed
+            req.num_computed_tokens = computed + ext  # a synchronous load: computed by the step's forward pass
             self.waiting.remove(req)
             self.running.append(req)
             num_sched[req.request_id] = n
@@ -489,6 +496,9 @@ class MiniEngine:
         return pos, blocks, toks
 
     def _forward(self, out: SchedulerOutput) -> None:
+        if self.layerwise:
+            self._forward_by_layer(out)
+            return
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             nc = req.num_computed_tokens
@@ -508,6 +518,30 @@ class MiniEngine:
             pos, blocks, toks = self._positions(req, nc, nc + n)
             for li, t in enumerate(self.kv.values()):
                 t[:, blocks, pos % self.bs] = self._expected(toks, pos, li).expand(2, n, *t.shape[3:])
+
+    def _forward_by_layer(self, out: SchedulerOutput) -> None:
+        """vLLM's order inside a forward pass: for each layer, wait_for_layer_load, attention (reads
+        the context's KV of that layer, writes the new tokens'), save_kv_layer."""
+        for li, name in enumerate(self.layer_names):
+            if self.before_layer is not None:
+                self.before_layer(li)
+            self.worker.wait_for_layer_load(name)
+            t = self.kv[name]
+            for rid, n in out.num_scheduled_tokens.items():
+                req = self.requests[rid]
+                nc = req.num_computed_tokens
+                if nc:
+                    pos, blocks, toks = self._positions(req, 0, nc)
+                    got = t[:, blocks, pos % self.bs]
+                    want = self._expected(toks, pos, li)
+                    if not torch.equal(got, want.expand_as(got)):
+                        bad = (got != want.expand_as(got)).flatten(2).any(-1).any(0).nonzero().flatten()
+                        raise HarnessError(
+                            f"request {rid}: attention of layer {li} read wrong KV at context positions "
+                            f"{bad[:8].tolist()} (of {nc}) at step {self.steps}: its blocks had not landed")
+                pos, blocks, toks = self._positions(req, nc, nc + n)
+                t[:, blocks, pos % self.bs] = self._expected(toks, pos, li).expand(2, n, *t.shape[3:])
+            self.worker.save_kv_layer(name, t, None)
 
     @staticmethod
     def _expected(toks: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:

@@ -38,6 +38,9 @@ KEYS: Final[dict[str, str]] = {
                           "bytes compatible (weights, dtypes, quantization, shapes, layout, parallelism); "
                           "false: by the label alone",
     "kvxfer.layout": "KV layout when ambiguous: bhnc, flash_attn, flashinfer or mla (default: inferred)",
+    "kvxfer.layerwise": ("true: load and store layer by layer inside the forward pass (loads are synchronous: "
+                         "attention of layer i waits only for layer i); false (default): loads finish "
+                         "between steps, stores are submitted after the pass"),
     "kvxfer.curve_dir": "directory of CURVE keys from `kvxfer keys` (required for a tcp:// server)",
     "kvxfer.curve_name": "which client key pair in kvxfer.curve_dir (default 'client')",
 }
@@ -64,6 +67,8 @@ class ConnectorConfig:
     model_name: str
     fingerprint: bool
     layout: str | None
+    #: Load and store layer by layer inside the forward pass (``kvxfer.layerwise``).
+    layerwise: bool
     curve_dir: str | None
     curve_name: str
     kv_role: KvRole
@@ -160,6 +165,7 @@ class ConnectorConfig:
             model_name=model_name,
             fingerprint=fingerprint,
             layout=layout,
+            layerwise=_bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False)),
             curve_dir=str(extra["kvxfer.curve_dir"]) if extra.get("kvxfer.curve_dir") else None,
             curve_name=str(extra.get("kvxfer.curve_name") or "client"),
             kv_role=kv_role,  # type: ignore[arg-type]  # validated against the Literal just above
@@ -185,6 +191,14 @@ def _load_timeout(value: Any) -> float:
         raise ConfigError(f"kvxfer.load_timeout_ms must be a non-negative number of milliseconds (0: no deadline), "
                           f"got {value!r}")
     return float(value) / 1000.0
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 def _positive_int(key: str, value: Any) -> int:

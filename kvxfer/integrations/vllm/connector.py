@@ -16,7 +16,7 @@ Scheduler side (``role == SCHEDULER``, one per engine):
 
 Worker side (``role == WORKER``, one per GPU): ``register_kv_caches`` once at start-up; each
 step ``bind_connector_metadata`` -> ``handle_preemptions`` -> ``start_load_kv`` -> (per layer)
-``wait_for_layer_load`` / ``save_kv_layer`` (no-ops: kvxfer moves whole chunks) ->
+``wait_for_layer_load`` / ``save_kv_layer`` (no-ops unless ``kvxfer.layerwise``) ->
 ``wait_for_save`` -> ``get_transfer_results`` (or ``get_finished``) ->
 ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata``; ``shutdown`` at exit.
 """
@@ -108,10 +108,17 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker, per attention layer: nothing to wait for (loads complete before the request runs)."""
+        """Worker, before attention of a layer reads the KV cache: with ``kvxfer.layerwise``, wait
+        until that layer of this step's loads has landed; else nothing (loads complete before the
+        request runs)."""
+        if self.kvxfer_config.layerwise:
+            self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Worker, per attention layer: nothing (whole chunks are stored in wait_for_save)."""
+        """Worker, after attention of a layer wrote its KV: with ``kvxfer.layerwise``, queue that
+        layer of this step's stores; else nothing (whole chunks are stored in wait_for_save)."""
+        if self.kvxfer_config.layerwise:
+            self.worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Worker, after the forward pass: submit stores of the chunks it computed (not awaited)."""

@@ -147,7 +147,8 @@ class SchedulerConnector:
     # ------------------------------------------------------------------ vLLM's scheduler calls
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` that can be loaded, and True (loads are async).
+        """Tokens beyond ``num_computed_tokens`` that can be loaded, and whether the load is
+        asynchronous (True; False with ``kvxfer.layerwise``: it runs in the step's forward pass).
 
         Leases the hits; a repeated call for the same request drops the previous lease."""
         st = self._state(request)
@@ -203,7 +204,8 @@ class SchedulerConnector:
         st.lookup_first, st.lookup_end = first, end
         st.lookup_computed, st.lookup_tokens = num_computed_tokens, tokens
         self.stats["lookup_hit_tokens"] += tokens - num_computed_tokens
-        return tokens - num_computed_tokens, True
+        # layer-wise: the load runs inside this step's forward pass (synchronous for vLLM)
+        return tokens - num_computed_tokens, not self.config.layerwise
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Turn the request's lookup into a load per group on the blocks vLLM allocated for it."""

@@ -13,6 +13,14 @@ it) and other stores in the background (vLLM keeps a finished request's blocks u
 ``finished_sending`` names it).
 
 Each KV cache group has its own registration (:mod:`kvxfer.integrations.vllm.groups`).
+
+With ``kvxfer.layerwise`` the loads run inside the step instead: :meth:`start_load_kv` submits
+them layer by layer (``by_layer=True``), :meth:`wait_for_layer_load` waits for one layer of
+them (attention of layer i reads nothing before it has landed), :meth:`save_kv_layer` submits
+the step's stores at its first call and declares each layer written as the pass produces it,
+and :meth:`wait_for_save` declares the rest. Layer-wise loads are synchronous for vLLM: never
+in ``finished_recving``; their failed blocks are reported by the same step's
+:meth:`get_block_ids_with_load_errors`.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from kvxfer.integrations.vllm.groups import GroupPlan
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
-from kvxfer.transport.contract import TransferContext
+from kvxfer.transport.contract import LayerwiseFuture, TransferContext
 
 __all__ = ["WorkerConnector"]
 
@@ -80,6 +88,11 @@ class WorkerConnector:
         self._unsent: list[StoreOp] = []
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
+        #: Layer-wise mode: layer name -> (KV cache group, index of the layer in its registration);
+        #: this step's loads, which the forward pass waits for layer by layer; this step's stores.
+        self._layer_index: dict[str, tuple[int, int]] = {}
+        self._step_loads: list[_Load] = []
+        self._step_stores: list[tuple[int, LayerwiseFuture[StoreResult]]] = []
         self.stats = {"loads": 0, "loaded_chunks": 0, "failed_load_blocks": 0, "expired_loads": 0, "stores": 0,
                       "stored_chunks": 0, "present_chunks": 0, "failed_store_chunks": 0, "dropped_stores": 0}
         self.link = ServerLink(config, f"worker rank {config.rank}", self._on_connect)
@@ -108,6 +121,7 @@ class WorkerConnector:
             if missing or not self._group_layers(g):
                 raise ConfigError(f"vLLM registered no KV tensors for layers {missing[:4] or list(g.layer_names)[:4]} "
                                   f"of KV cache group {g.index}; registered: {list(self._layers)[:8]}")
+            self._layer_index.update({name: (g.index, i) for i, name in enumerate(self._group_layers(g))})
         self._ensure_contexts(startup=True)
 
     def _group_layers(self, g: GroupPlan) -> dict[str, torch.Tensor]:
@@ -186,18 +200,104 @@ class WorkerConnector:
             if op.keys and ctx is not None:
                 try:
                     fut = ctx.submit_retrieve(op.keys, op.block_ids, skip_first_n_tokens=op.skip_tokens,
-                                              lease_id=op.lease_id)
+                                              lease_id=op.lease_id, by_layer=self.config.layerwise)
                 except ConfigError:
                     log.exception("kvxfer: cannot load request %s", op.req_id)
             if op.keys and fut is None:  # no server or a bad op: vLLM recomputes these blocks
                 op.failed_block_ids.extend(_unskipped(op, range(len(op.keys)), bs))
             deadline = time.monotonic() + self.config.load_timeout_s if self.config.load_timeout_s else 0.0
-            self._loads.setdefault(op.req_id, []).append(_Load(op, fut, bs, deadline))
+            if self.config.layerwise:
+                self._step_loads.append(_Load(op, fut, bs, deadline))
+            else:
+                self._loads.setdefault(op.req_id, []).append(_Load(op, fut, bs, deadline))
             self.stats["loads"] += 1
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Layer-wise mode, before attention of ``layer_name`` reads the KV cache: wait until that
+        layer of this step's loads of its KV cache group has landed. A load that fails, or misses
+        its deadline (``kvxfer.load_timeout_ms``, else twice ``kvxfer.timeout_s``), is reported
+        at the end of the step: every block it was to fill counts as failed."""
+        where = self._layer_index.get(layer_name)
+        if where is None:
+            return
+        group, i = where
+        for load in self._step_loads:
+            if load.future is None or load.abandoned or load.overdue or load.op.group != group:
+                continue
+            assert isinstance(load.future, LayerwiseFuture)
+            limit = self.config.timeout_s * 2 + 5
+            if load.deadline:
+                limit = max(0.0, load.deadline - time.monotonic())
+            try:
+                load.future.wait_layer(i, timeout=limit)
+            except KvxferError:
+                if not load.future.done():  # its deadline: cancel it, or it is read before it landed
+                    self._expire(load)
+                    load.overdue = not load.abandoned
+            except CancelledError:
+                pass  # cancelled by _server_failed: reported when the step's loads are settled
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Layer-wise mode, after attention of ``layer_name`` wrote its KV: submit the step's stores
+        (first call of the step), then declare that layer of its KV cache group written."""
+        where = self._layer_index.get(layer_name)
+        if where is None or (not self._unsent and not self._step_stores):
+            return
+        if self._unsent:
+            unsent, self._unsent = self._unsent, []
+            ctxs = self._ensure_contexts() if self.config.stores else None
+            if ctxs is None:
+                self.stats["dropped_stores"] += len(unsent)
+                return
+            for op in unsent:
+                fut = self._submit_store(ctxs, op, by_layer=True)
+                if fut is not None:
+                    assert isinstance(fut, LayerwiseFuture)
+                    self._step_stores.append((op.group, fut))
+        group, i = where
+        mine = [fut for g, fut in self._step_stores if g == group]
+        self._order_after_device(mine)
+        for fut in mine:
+            fut.layer_ready(i)
+
+    def _submit_store(self, ctxs: dict[int, TransferContext], op: StoreOp,
+                      by_layer: bool = False) -> Future[StoreResult] | None:
+        ctx = ctxs.get(op.group)
+        if ctx is None:
+            log.error("kvxfer: a store of request %s names KV cache group %d, which has no registration",
+                      op.req_id, op.group)
+            self.stats["dropped_stores"] += 1
+            return None
+        try:
+            fut = ctx.submit_store(op.keys, op.block_ids, by_layer=by_layer)
+        except ConfigError:
+            log.exception("kvxfer: cannot store request %s", op.req_id)
+            return None
+        self._stores.setdefault(op.req_id, []).append(fut)
+        if op.sync:
+            self._sync.append(fut)
+        self.stats["stores"] += 1
+        return fut
+
+    def _order_after_device(self, futures: list[LayerwiseFuture[StoreResult]]) -> None:
+        """Before declaring layers written: cuda_ipc and hpu order their copies after the work queued
+        on the caller's stream (an event recorded in layer_ready); any other transport on a device
+        copies on its own stream, so the device finishes the pass first."""
+        if not futures or not self._layers or not self.contexts:
+            return
+        device = next(iter(self._layers.values())).device
+        transport = next(iter(self.contexts.values())).transport_name
+        if device.type != "cpu" and transport not in _ORDERED_BY_EVENT:
+            _synchronize(device)
 
     def wait_for_save(self) -> None:
         """Submit the stores of chunks this step's forward pass computed (after the device has
-        finished it); returns without waiting for the stores."""
+        finished it); returns without waiting for the stores. Layer-wise: declare every layer of
+        the step's stores written (those no save_kv_layer call declared)."""
+        layered, self._step_stores = self._step_stores, []
+        self._order_after_device([fut for _, fut in layered])
+        for _, fut in layered:
+            fut.all_layers_ready()
         unsent, self._unsent = self._unsent, []
         if not unsent:
             return
@@ -207,21 +307,7 @@ class WorkerConnector:
             return
         _synchronize(next(iter(self._layers.values())).device if self._layers else torch.device("cpu"))
         for op in unsent:
-            ctx = ctxs.get(op.group)
-            if ctx is None:
-                log.error("kvxfer: a store of request %s names KV cache group %d, which has no registration",
-                          op.req_id, op.group)
-                self.stats["dropped_stores"] += 1
-                continue
-            try:
-                fut = ctx.submit_store(op.keys, op.block_ids)
-            except ConfigError:
-                log.exception("kvxfer: cannot store request %s", op.req_id)
-                continue
-            self._stores.setdefault(op.req_id, []).append(fut)
-            if op.sync:
-                self._sync.append(fut)
-            self.stats["stores"] += 1
+            self._submit_store(ctxs, op)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose stores are all done, requests whose load is done), each reported once.
@@ -232,6 +318,9 @@ class WorkerConnector:
         if self._unsent:  # a step without a forward pass computed nothing: nothing to store
             self.stats["dropped_stores"] += len(self._unsent)
             self._unsent = []
+        step_loads, self._step_loads = self._step_loads, []
+        for load in step_loads:  # layer-wise: synchronous for vLLM, only their failed blocks are reported
+            self._settle_load(load)
         recving: set[str] = set()
         now = time.monotonic()
         for rid, loads in list(self._loads.items()):
@@ -291,6 +380,13 @@ class WorkerConnector:
         bad = list(op.failed_block_ids)
         if load.abandoned:
             bad += _unskipped(op, range(len(op.keys)), bs)
+        elif load.overdue and self.config.layerwise and load.future is not None:
+            # attention read its blocks before they landed: none counts, once the copy has ended
+            try:
+                load.future.result()
+            except (KvxferError, CancelledError):
+                pass
+            bad += _unskipped(op, range(len(op.keys)), bs)
         elif load.future is not None:
             try:
                 res = load.future.result()
@@ -342,10 +438,9 @@ class WorkerConnector:
         for futs in self._stores.values():
             for fut in futs:
                 fut.cancel()
-        for loads in self._loads.values():
-            for load in loads:
-                if load.future is not None and load.future.cancel():
-                    load.abandoned = True
+        for load in [*(ld for loads in self._loads.values() for ld in loads), *self._step_loads]:
+            if load.future is not None and load.future.cancel():
+                load.abandoned = True
 
     def shutdown(self) -> None:
         """Let submitted transfers finish, unregister, disconnect."""
@@ -365,6 +460,11 @@ def _unskipped(op: LoadOp, chunk_indices: Iterable[int], block_size: int) -> lis
     for i in chunk_indices:
         out.extend(op.block_ids[max(i * bpc, skip):(i + 1) * bpc])
     return out
+
+
+#: Transports whose copies wait for an event recorded on the caller's stream when it submits or
+#: declares layers written (so a layer-wise store needs no device synchronization).
+_ORDERED_BY_EVENT = frozenset({"cuda_ipc", "hpu"})
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,0 +1,96 @@
+"""``kvxfer.layerwise``: loads inside the forward pass, layer by layer, through vLLM's call
+sequence (MiniEngine) against a real server and a real cpu_gather context.
+
+The proof that attention of layer i never reads layer i's blocks before they landed: the
+worker's copies of layer i are held until the connector's ``wait_for_layer_load`` of layer i
+is called (a real copy still in flight when attention starts), and the forward pass checks every
+context block of a layer against what computing it would have written before it writes that
+layer. With the wait skipped, the first layer's check fails.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from kvxfer_vllm_harness import HarnessError, MiniEngine, Request, feed, make_vllm_config, workload
+
+from kvxfer.testing.server import ServerProcess
+
+CHUNK = 16
+
+
+def _stored_then_loaded(server: ServerProcess, model: str, **kw: object) -> tuple[MiniEngine, list[Request]]:
+    """An engine whose first pass stored some prefixes; returns it with a second pass of the same
+    prompts (no local prefix cache: every hit comes from kvxfer, loaded in the step that uses it)."""
+    engine = MiniEngine(make_vllm_config(server.url, model_name=model, layerwise=True),
+                        enable_prefix_caching=False, **kw)  # type: ignore[arg-type]
+    first = workload(model, n=8, seed=3)
+    feed(engine, first, per_step=4)
+    return engine, [Request(f"again-{r.request_id}", list(r.prompt_token_ids)) for r in first]
+
+
+def test_layerwise_loads_run_in_the_step_and_keep_kv_correct(server: ServerProcess) -> None:
+    engine, again = _stored_then_loaded(server, "lw-replay")
+    try:
+        feed(engine, again, per_step=4)
+        engine.check_drained()
+        work = engine.worker.worker.stats
+        assert work["loaded_chunks"] > 0 and work["stored_chunks"] > 0
+        assert engine.load_error_blocks == 0 and work["failed_load_blocks"] == 0
+        assert engine.reported_recving == set()  # synchronous loads: never in finished_recving
+        loaded = {op.req_id for op in engine.loads if op.keys}
+        assert {r.request_id for r in again if len(r.prompt_token_ids) >= CHUNK} <= loaded
+    finally:
+        engine.shutdown()
+
+
+def _hold_layers_until_waited(engine: MiniEngine) -> tuple[list[threading.Event], list[int]]:
+    """Hold each layer's part of every load until the connector waits for that layer."""
+    worker = engine.worker.worker
+    ctx = worker.contexts[0]  # one KV cache group
+    gates = [threading.Event() for _ in engine.layer_names]
+    seen: list[int] = []
+    scatter, wait = ctx.scatter, worker.wait_for_layer_load
+
+    def held(copies, transfer):  # type: ignore[no-untyped-def]
+        first = copies[0].first_layer
+        seen.append(first)
+        if not gates[first].wait(30):
+            raise TimeoutError(f"layer {first} was never waited for")
+        return scatter(copies, transfer)
+
+    def opening(layer_name: str) -> None:
+        gates[engine.layer_names.index(layer_name)].set()
+        wait(layer_name)
+
+    ctx.scatter = held  # type: ignore[method-assign]
+    worker.wait_for_layer_load = opening  # type: ignore[method-assign]
+    return gates, seen
+
+
+def test_attention_of_a_layer_waits_until_its_blocks_landed(server: ServerProcess) -> None:
+    engine, again = _stored_then_loaded(server, "lw-order", num_layers=3)
+    gates, seen = _hold_layers_until_waited(engine)
+    try:
+        feed(engine, again, per_step=4)  # every forward pass checks each layer's context KV
+        engine.check_drained()
+        assert engine.worker.worker.stats["loaded_chunks"] > 0
+        assert seen and set(seen) == {0, 1, 2}  # the loads were moved one layer per copy
+    finally:
+        for g in gates:
+            g.set()
+        engine.shutdown()
+
+
+def test_without_the_wait_attention_reads_blocks_that_have_not_landed(server: ServerProcess) -> None:
+    engine, again = _stored_then_loaded(server, "lw-nowait", num_layers=3)
+    gates, _ = _hold_layers_until_waited(engine)
+    engine.worker.wait_for_layer_load = lambda layer_name: None  # type: ignore[method-assign]  # a connector that skips the wait
+    try:
+        with pytest.raises(HarnessError, match="attention of layer 0 read wrong KV .* had not landed"):
+            feed(engine, again, per_step=4)
+    finally:
+        for g in gates:
+            g.set()
+        engine.shutdown()
