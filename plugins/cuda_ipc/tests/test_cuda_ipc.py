@@ -242,3 +242,39 @@ def test_status_names_the_device_and_close_drops_the_mappings(server: ServerProc
     finally:
         client.close()
 
+
+
+@needs_cuda
+def test_layerwise_retrieve_and_store(server: ServerProcess) -> None:
+    """A layer-wise retrieve is sent as requests of a range of layers each (Retrieve.layers):
+    every layer is in the engine's blocks when wait_layer returns. A layer-wise store written
+    layer by layer on the engine's stream, declared ready without synchronizing, stores what the
+    engine wrote (its one request waits for the event of the last declaration)."""
+    spec = SPEC
+    client = CacheClient(server.url)
+    try:
+        assert "retrieve_layers" in client.features
+        src = make_kv(spec, "cuda", seed=5)
+        dst = [torch.zeros_like(t) for t in src]
+        a = client.register(src, model_name="layerwise", block_size=16, transport="cuda_ipc")
+        b = client.register(dst, model_name="layerwise", block_size=16, transport="cuda_ipc")
+        keys = _keys(3)
+        blocks = list(range(48))
+        engine = torch.cuda.Stream()
+        fut = a.submit_store(keys, blocks, by_layer=True)
+        with torch.cuda.stream(engine):
+            for i, t in enumerate(src):
+                torch.cuda._sleep(20_000_000)
+                t[:, blocks] = t[:, blocks] * 2 + 1
+                fut.layer_ready(i)
+        assert fut.result(60).stored == [0, 1, 2]
+        torch.cuda.synchronize()
+        back = b.submit_retrieve(keys, blocks[::-1], by_layer=True)
+        for i in range(spec.num_layers):
+            back.wait_layer(i, timeout=60)
+            assert torch.equal(dst[i][:, blocks[::-1]].view(torch.int16), src[i][:, blocks].view(torch.int16)), i
+        assert back.result(60).loaded == [0, 1, 2]
+        a.close()
+        b.close()
+    finally:
+        client.close()

@@ -161,3 +161,63 @@ def test_cuda_store_waits_for_work_queued_on_the_callers_stream(client: CacheCli
             assert bool((t[:, [4, 5]] == 7.0).all())
     finally:
         ctx.close()
+
+
+def _staged_context(client: CacheClient, layers: list[torch.Tensor], name: str) -> HpuContext:
+    layout = KVLayout.infer(layers, BLOCK)
+    ctx = HpuContext(HpuTransport(), client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, name, 1, 0),
+                     ops=GenericOps("cpu", direct=False))
+    ctx.register()
+    return ctx
+
+
+def test_layerwise_transfers_through_the_staging_path(client: CacheClient) -> None:
+    """One range of layers per gather/scatter call through the staging buffers: a layer-wise
+    retrieve lands every layer bit-exact (with a skip that cuts a chunk into planes), a layer-wise
+    store copies each layer as written when it was declared ready."""
+    layers = _kv("cpu", layers=4, blocks=40)
+    ctx = _staged_context(client, layers, "layerwise")
+    try:
+        bpc = CHUNK // BLOCK
+        keys = _keys(3)
+        src = list(range(3 * bpc))
+        fut = ctx.submit_store(keys, src, by_layer=True)
+        for i, t in enumerate(layers):
+            t[:, src] = t[:, src] * 3 + 1  # written by "the forward pass" before it is declared
+            fut.layer_ready(i)
+        assert fut.result(30).stored == [0, 1, 2]
+        dst = list(range(20, 20 + 3 * bpc))
+        back = ctx.submit_retrieve(keys, dst, skip_first_n_tokens=BLOCK, by_layer=True)
+        for i, t in enumerate(layers):
+            back.wait_layer(i, timeout=30)
+            assert torch.equal(t[:, dst[1:]].view(torch.int16), t[:, src[1:]].view(torch.int16)), i
+        assert back.result(30).loaded == [0, 1, 2]
+    finally:
+        ctx.close()
+
+
+@cuda
+def test_cuda_layerwise_store_waits_for_each_layer_on_the_callers_stream(client: CacheClient) -> None:
+    """Each layer is written on the engine's stream behind a long kernel and declared ready at
+    once, without synchronizing: every stored layer holds what the engine wrote; a layer-wise
+    retrieve lands each layer before wait_layer returns."""
+    layers = [torch.zeros(2, 16, BLOCK, 2, 16, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ctx = client.register(layers, model_name="lw-order", block_size=BLOCK, transport="hpu")
+    try:
+        keys = _keys(1)
+        engine = torch.cuda.Stream()
+        fut = ctx.submit_store(keys, [0, 1], by_layer=True)
+        with torch.cuda.stream(engine):
+            for i, t in enumerate(layers):
+                torch.cuda._sleep(50_000_000)
+                t[:, [0, 1]] = float(i + 1)
+                fut.layer_ready(i)
+        assert fut.result(30).stored == [0]
+        torch.cuda.synchronize()
+        back = ctx.submit_retrieve(keys, [4, 5], by_layer=True)
+        for i, t in enumerate(layers):
+            back.wait_layer(i, timeout=30)
+            assert bool((t[:, [4, 5]] == float(i + 1)).all()), i
+        back.result(30)
+    finally:
+        ctx.close()

@@ -1,0 +1,41 @@
+"""The prefix-load and layer-wise benchmarks run end to end on a tiny workload (real server
+processes), write their JSON with the run record, and the GPU check's summary reads it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--layers", "2", "--heads", "2", "--head-size", "8", "--block-size", "16", "--chunk-size", "32",
+        "--blocks", "64"]
+
+
+def _run(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_prefix_benchmark_and_the_gpu_summary(tmp_path: Path) -> None:
+    stdout = _run("-m", "kvxfer", "bench", "--prefix", *TINY, "--prefix-chunks", "1", "2", "--iters", "3",
+                  "--layerwise", "--json", str(tmp_path / "prefix-cuda_ipc.json"))
+    assert "x copy" in stdout and "load_layerwise" in stdout
+    data = json.loads((tmp_path / "prefix-cuda_ipc.json").read_text())
+    assert data["run"]["commit"] and data["run"]["time"]
+    rows = {(r["kind"], r["chunks"]): r for r in data["results"]}
+    assert set(rows) == {(k, n) for k in ("store", "load", "load_layerwise") for n in (1, 2)}
+    assert all(r["iters"] == 3 and r["p99_ms"] >= r["p50_ms"] > 0 and r["x_copy"] > 0 for r in rows.values())
+    summary = _run(str(ROOT / "benchmarks" / "gpu_summary.py"), str(tmp_path))
+    assert "cuda_ipc prefix load 32 tokens" in summary and "bench-hpu.json missing" in summary
+    assert json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_layerwise_benchmark(tmp_path: Path) -> None:
+    stdout = _run(str(ROOT / "benchmarks" / "layerwise.py"), *TINY, "--prefix-chunks", "2", "--iters", "2",
+                  "--compute-ratios", "1", "--json", str(tmp_path / "lw.json"))
+    assert "hidden" in stdout
+    row = json.loads((tmp_path / "lw.json").read_text())["rows"][0]
+    assert row["layerwise_ms"] > 0 and row["sequential_ms"] > 0 and 0 < row["best_hidden"] <= 1
