@@ -2,8 +2,11 @@
 
 Per request, on the context's worker and in submission order: wait for a place in the window
 of ``max_in_flight`` requests (a retrieve also waits until the stores ahead are answered), call
-the transport's ``prepare``, send. When the reply arrives, on the finisher and in reply order:
-``finish_retrieve`` (retrieves), ``release_params`` (every request), then the future resolves.
+the transport's ``prepare``, send; or, for a transport whose ``prepare`` is cheap
+(``prepare_inline``), on the submitting thread when nothing is queued ahead, a place is free and
+nothing needs waiting for (a lone request then skips the hand-off to the worker). When the
+reply arrives, on the finisher and in reply order: ``finish_retrieve`` (retrieves),
+``release_params`` (every request), then the future resolves.
 After a server restart the request is sent once more, synchronously, once the context is
 registered again. A request's future can be cancelled until it is sent; then it is never sent
 (its params are released). A retrieve carries the time its client stops waiting for the reply
@@ -45,10 +48,14 @@ class ServerDrivenCore(ContextCore):
     max_layer_parts: ClassVar[int] = 8
     #: A layer-wise store is one request, sent once every layer is written: one token.
     _token_per_part: ClassVar[bool] = False
+    #: See :attr:`~kvxfer.transport.contract.ServerDrivenContext.prepare_inline`.
+    prepare_inline: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._window = threading.BoundedSemaphore(self.max_in_flight)
+        #: Requests queued on the worker and not sent yet (under the context's lock).
+        self._jobs = 0
         self._stores_out = 0
         self._stores_answered = threading.Condition()
 
@@ -210,8 +217,9 @@ class ServerDrivenCore(ContextCore):
             else:
                 outer.set_result(value)
 
-        def start() -> None:
-            self._window.acquire()
+        def start(acquired: bool = False) -> None:
+            if not acquired:
+                self._window.acquire()
             params: msgspec.Struct | None = None
             try:
                 if before is not None:
@@ -238,8 +246,29 @@ class ServerDrivenCore(ContextCore):
                 reply.set_exception(exc)
             reply.add_done_callback(lambda f: self._finisher.submit(done, f, payload, params))
 
+        def queued() -> None:
+            try:
+                start()
+            finally:
+                with self._lock:
+                    self._jobs -= 1
+
         try:
-            self._submit(start)
+            with self._lock:
+                self._check_open()
+                # nothing queued or running ahead, a free place, nothing to wait for: prepare and
+                # send on this thread, in order, without the hand-off to the worker
+                inline = (self.prepare_inline and self._jobs == 0 and (before is None or self._stores_out == 0)
+                          and self._window.acquire(blocking=False))
+                if inline:
+                    start(acquired=True)
+                else:
+                    self._jobs += 1
+                    try:
+                        self._executor.submit(queued)
+                    except BaseException:
+                        self._jobs -= 1
+                        raise
         except BaseException:
             release(None)  # closed: the token on_submit made goes back now
             raise

@@ -474,7 +474,8 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
     Struct ``P``); the server's :class:`ServerContext` copies.
 
     Per request, on the worker and in submission order, :meth:`prepare` makes the params, and
-    the request is sent. When its reply arrives, on the finisher and in the same order,
+    the request is sent (on the submitting thread instead, with :attr:`prepare_inline`, when
+    nothing is queued ahead). When its reply arrives, on the finisher and in the same order,
     :meth:`finish_retrieve` runs (retrieves only), then :meth:`release_params` (every request,
     failed or not), and only then does the future resolve.
 
@@ -487,6 +488,11 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
 
     #: Requests at the server at once.
     max_in_flight: ClassVar[int] = 1
+    #: Your :meth:`prepare` is cheap and thread-safe: the core may run it (and send the request)
+    #: on the submitting thread, inside ``submit_*``, when no request of this context is queued
+    #: ahead, a place in the window is free and nothing needs waiting for; a lone request then
+    #: skips the hand-off to the worker thread. Requests keep submission order either way.
+    prepare_inline: ClassVar[bool] = False
 
     def prepare(self, transfer: Transfer) -> P | None:
         """The params of ``transfer`` (a Struct the server decodes with its ``params_type``), made

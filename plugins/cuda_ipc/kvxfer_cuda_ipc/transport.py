@@ -164,6 +164,9 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
     #: Requests at the server at once: the server copies the next request while a reply travels
     #: back, so a connector with several transfers outstanding gets the copy engine's rate.
     max_in_flight = 4
+    #: prepare() only looks up the cached IPC handle of the request's event: a lone request is
+    #: sent from the submitting thread, without the hand-off to the context's worker.
+    prepare_inline = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
