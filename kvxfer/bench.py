@@ -1,9 +1,10 @@
 """Transfer benchmark: store and retrieve throughput against a real server, with the physical
 limit of the same bytes measured in the same run as the denominator.
 
-Denominators: on CPU a memcpy (``torch.Tensor.copy_``) of the bytes of one request between
-buffers that are not in the CPU's caches (as the transfer's source blocks and fresh arena slots
-are not: :class:`CopyLimit`; the warm-buffer memcpy is recorded too); on CUDA a pinned
+Denominators: on CPU a one-thread memcpy (``torch.Tensor.copy_``) of the bytes of one request
+between buffers that are not in the CPU's caches (as the transfer's source blocks and fresh arena
+slots are not: :class:`CopyLimit`; the warm-buffer and the multi-threaded memcpy are recorded
+too); on CUDA a pinned
 host<->device copy of them (device->host for stores, host->device for retrieves). Every request
 stores fresh chunks (no dedupe) from random blocks, and retrieves them into other random blocks;
 the first request of each configuration is a warm-up. ``--prefix`` runs the prefix-load
@@ -110,12 +111,14 @@ COLD_POOL_BYTES = 1 << 30
 class CopyLimit:
     """The copy a transfer of ``nbytes`` cannot beat, timed on demand: on CUDA a pinned
     device->host (``"store"``) or host->device (``"retrieve"``) copy; on CPU a memcpy (torch
-    ``copy_``) between buffers rotated over :data:`COLD_POOL_BYTES` (``cold=False``: between
-    the same two warm buffers every time, which the caches serve in part below ~L3 size)."""
+    ``copy_`` on ``threads`` threads, default one, as a libc memcpy and as cpu_gather copies)
+    between buffers rotated over :data:`COLD_POOL_BYTES` (``cold=False``: between the same two
+    warm buffers every time, which the caches serve in part below ~L3 size)."""
 
-    def __init__(self, nbytes: int, device: torch.device, cold: bool = True) -> None:
+    def __init__(self, nbytes: int, device: torch.device, cold: bool = True, threads: int = 1) -> None:
         self.nbytes = nbytes
         self.device = device
+        self.threads = threads
         self.at = 0
         if device.type == "cuda":
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -128,18 +131,24 @@ class CopyLimit:
             n = max(1, -(-COLD_POOL_BYTES // (2 * nbytes))) if cold else 1
             bufs = [(torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(n)]
             self.pairs = {"store": [(d, s) for s, d in bufs], "retrieve": [(d, s) for s, d in bufs]}
-            self.what = "memcpy (cold)" if cold else "memcpy (warm buffers)"
+            self.what = ("memcpy (cold" if cold else "memcpy (warm") + (f", {threads} threads)" if threads > 1 else ")")
 
     def time(self, kind: str) -> float:
         """Seconds of one copy for a ``kind`` ("store" or "retrieve") of ``nbytes``."""
         pairs = self.pairs[kind]
         dst, src = pairs[self.at % len(pairs)]
         self.at += 1
-        _sync(self.device)
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=self.device.type == "cuda")
-        _sync(self.device)
-        return time.perf_counter() - t
+        before = torch.get_num_threads()
+        if self.device.type != "cuda":
+            torch.set_num_threads(self.threads)  # this thread's setting only
+        try:
+            _sync(self.device)
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=self.device.type == "cuda")
+            _sync(self.device)
+            return time.perf_counter() - t
+        finally:
+            torch.set_num_threads(before)
 
 
 def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[str, Any]:
@@ -152,9 +161,12 @@ def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[
         out[f"{kind}_limit"] = _median_gbps(nbytes, times[1:])
     out["limit"] = limit.what
     del limit
-    if device.type != "cuda":
+    if device.type != "cuda":  # for reference: warm buffers, and torch's own thread count
         warm = CopyLimit(nbytes, device, cold=False)
         out["warm_memcpy"] = _median_gbps(nbytes, [warm.time("store") for _ in range(repeats + 1)][1:])
+        del warm
+        wide = CopyLimit(nbytes, device, threads=torch.get_num_threads())
+        out["parallel_memcpy"] = _median_gbps(nbytes, [wide.time("store") for _ in range(repeats + 1)][1:])
     return out
 
 
@@ -271,6 +283,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "limit": limit["limit"], "store_limit_gbps": limit["store_limit"],
                         "retrieve_limit_gbps": limit["retrieve_limit"],
                         "warm_memcpy_gbps": limit.get("warm_memcpy"),
+                        "parallel_memcpy_gbps": limit.get("parallel_memcpy"),
                         "store_ratio": store / limit["store_limit"],
                         "retrieve_ratio": retrieve / limit["retrieve_limit"],
                         "iters": args.iters,

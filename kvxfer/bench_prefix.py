@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def limit_name(device: torch.device) -> str:
-    return "pinned D2H/H2D" if device.type == "cuda" else "memcpy (cold)"
+    return "pinned D2H/H2D" if device.type == "cuda" else "memcpy (cold, 1 thread)"
 
 
 def print_results(results: list[dict[str, Any]]) -> None:

@@ -42,6 +42,37 @@ class TestCpuGather(TransportConformance):
             isinstance(v, scalar) or (isinstance(v, list) and all(type(i) is int for i in v)) for v in wire.values()), wire
         assert wire["device"] == "cpu" and wire["layout"] == spec.kind.value and wire["dtype"] == spec.dtype
 
+    def test_copies_run_on_the_configured_threads_and_leave_the_callers_setting(
+            self, kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The copies run on the context's worker with KVXFER_CPU_GATHER_THREADS intra-op
+        threads (torch's setting is per thread); the caller's own setting stays as it was."""
+        import torch
+
+        monkeypatch.setenv("KVXFER_CPU_GATHER_THREADS", "3")
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        seen: list[int] = []
+        gather = ctx.gather
+
+        def recording(copies, transfer):  # type: ignore[no-untyped-def]
+            out = gather(copies, transfer)
+            seen.append(torch.get_num_threads())
+            return out
+
+        ctx.gather = recording
+        mine = torch.get_num_threads()
+        assert kit.store(ctx, kit.keys(1), kit.blocks(spec, 1)).stored == [0]
+        assert seen == [3] and torch.get_num_threads() == mine
+
+    def test_a_bad_thread_count_is_refused_at_registration(self, kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvxfer import ConfigError
+
+        monkeypatch.setenv("KVXFER_CPU_GATHER_THREADS", "many")
+        spec = kit.spec()
+        with pytest.raises(ConfigError, match="KVXFER_CPU_GATHER_THREADS must be a positive integer"):
+            kit.register(kit.kv(spec), spec)
+
     @pytest.mark.parametrize("block_size,heads,head_size,dtype", ODD_ROWS,
                              ids=[f"b{b}-h{h}x{d}-{t}" for b, h, d, t in ODD_ROWS])
     @pytest.mark.parametrize("kind", [LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER, LayoutKind.MLA],
