@@ -22,17 +22,22 @@ from kvxfer.transport import (
     copy_view,
 )
 
-__all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "THREADS_ENV"]
+__all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "THREADS_ENV", "copy_threads"]
 
-#: Intra-op threads of the copies on the context's worker thread (default 1).
+#: Intra-op threads of the copies on the context's worker thread (see :func:`copy_threads`).
 THREADS_ENV: Final = "KVXFER_CPU_GATHER_THREADS"
+#: Hosts with at most this many CPUs copy on one thread by default.
+SMALL_HOST_CPUS: Final = 4
 
 
-def copy_threads() -> int:
-    """The intra-op thread count for the copies (``$KVXFER_CPU_GATHER_THREADS``, default 1)."""
+def copy_threads() -> int | None:
+    """The intra-op thread count of the copies: ``$KVXFER_CPU_GATHER_THREADS``; by default 1 on
+    hosts of at most :data:`SMALL_HOST_CPUS` CPUs, else None (torch's own setting)."""
     raw = os.environ.get(THREADS_ENV, "")
+    if not raw:
+        return 1 if (os.cpu_count() or 1) <= SMALL_HOST_CPUS else None
     try:
-        n = int(raw) if raw else 1
+        n = int(raw)
     except ValueError:
         n = 0
     if n < 1:
@@ -51,11 +56,12 @@ class CpuGatherContext(ClientDrivenContext):
     """Copies between the engine's KV tensors and arena slots in the engine's process.
 
     The copies of host tensors run on the context's worker thread with ``copy_threads`` intra-op
-    threads (``$KVXFER_CPU_GATHER_THREADS``, default 1; torch's setting is per thread, so the
-    engine's own threads keep theirs). One chunk is one ``index_select``/``index_put_`` of about a
-    MiB per layer: with two threads each call forks and joins, which on a busy 2-core host made
-    the copy 3-4x slower than on one thread (measured 2.9 vs 10.3 GB/s into the arena), while one
-    thread copies at 0.65-0.77x of a one-thread memcpy.
+    threads (:func:`copy_threads`: ``$KVXFER_CPU_GATHER_THREADS``; by default one on small hosts,
+    torch's own count on larger ones; torch's setting is per thread, so the engine's own threads
+    keep theirs). One chunk is one ``index_select``/``index_put_`` of about a MiB per layer: with
+    two threads each call forks and joins, which on a busy 2-core host made the copy 3-4x slower
+    than on one thread (measured 2.9 vs 10.3 GB/s into the arena), while one thread copies at
+    0.65-0.77x of a one-thread memcpy.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -76,7 +82,7 @@ class CpuGatherContext(ClientDrivenContext):
 
     def _use_copy_threads(self) -> None:
         """Set this thread's intra-op thread count for the copies (once per thread)."""
-        if not getattr(self._threads_set, "done", False):
+        if self.copy_threads is not None and not getattr(self._threads_set, "done", False):
             torch.set_num_threads(self.copy_threads)
             self._threads_set.done = True
 
