@@ -235,7 +235,9 @@ class TransferContext(ABC):
         ``by_layer``: the blocks are still being computed, layer after layer; the future is a
         :class:`LayerwiseFuture` and the caller tells it, with ``layer_ready(i)``, when layers
         ``0..i`` are written (the reservation goes out at once, each layer is copied as it
-        becomes ready where the transport allows)."""
+        becomes ready where the transport allows). Nothing waits for those declarations on the
+        context's threads: a retrieve submitted while such a store still awaits layers is not
+        held back for it (it may not see that store's chunks)."""
 
     @abstractmethod
     def submit_retrieve(
