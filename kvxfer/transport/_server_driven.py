@@ -101,7 +101,8 @@ class ServerDrivenCore(ContextCore):
             if not started.acquire(blocking=False):
                 return  # queued already
             if not ready:
-                layered.set_exception(layered.abandoned)
+                if layered.set_running_or_notify_cancel():  # not cancelled meanwhile
+                    layered.set_exception(layered.abandoned)
                 return
             transfer.token = token
             try:
