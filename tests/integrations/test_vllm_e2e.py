@@ -149,6 +149,20 @@ def test_a_hybrid_model_loads_every_kv_cache_group(work: Path, models: dict[str,
     assert second["tokens"] == first["tokens"]
 
 
+def test_layerwise_loads_inside_the_forward_pass(work: Path, models: dict[str, Path], server: ServerProcess) -> None:
+    """kvxfer.layerwise: a first process stores a prompt layer by layer (save_kv_layer, which vLLM
+    calls after each attention layer, whatever the backend); a second loads its chunks inside its
+    prefill (load_is_async=False), attention of each layer waiting in wait_for_layer_load for
+    that layer only, and answers exactly as the first, which computed everything."""
+    prompt = vm.prompt(600, seed=7)  # stored by no other test
+    lw = connector(server.url, layerwise=True)
+    store = run_vllm(work, "layerwise-store", models["a"], [[prompt]], lw)
+    assert hits(store["batches"][0]) == 0
+    load = run_vllm(work, "layerwise-load", models["a"], [[prompt]], lw)
+    assert hits(load["batches"][0]) == 9 * CHUNK, load["batches"][0]["counters"]
+    assert load["batches"][0]["tokens"] == store["batches"][0]["tokens"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
