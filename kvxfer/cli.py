@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="valkey://[USER@]HOST:PORT[,HOST2:PORT...] (a cluster is discovered), valkeys:// for TLS, "
                         f"file:///DIR?max_size=SIZE for fs; the password may come from ${L2_PASSWORD_ENV}")
     g.add_argument("--l2-admission", default="all", metavar="POLICY",
-                   help="which stored chunks go to L2: all, or hits:N once read N times (default: %(default)s)")
+                   help="which stored chunks go to L2: all, or hits:N once N lookups found them (default: %(default)s)")
     g.add_argument("--l2-queue", type=int, default=64, metavar="N",
                    help="chunks waiting for an L2 writer; more are dropped (default: %(default)s)")
     g.add_argument("--l2-writers", type=int, default=2, metavar="N", help="L2 writer threads (default: %(default)s)")

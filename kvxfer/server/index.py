@@ -81,6 +81,8 @@ class ChunkIndex:
         self._ids = itertools.count(1)
         self._on_evict = on_evict
         self.evictions = 0
+        #: Entries removed so far, for any reason (a lookup that waited sees whether its L1 hits may be gone).
+        self.removals = 0
 
     # ------------------------------------------------------------------ lookup and leases
 
@@ -238,6 +240,7 @@ class ChunkIndex:
         return offset
 
     def _drop(self, e: Entry) -> None:
+        self.removals += 1
         del self.entries[e.key]
         self._lru.pop(e.key, None)
         self.allocator.free(e.offset, e.size)

@@ -215,10 +215,11 @@ def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
             ctx = c.register(kv, model_name="adm", block_size=BLOCK_SIZE, transport="cpu_gather")
             keys = [b"a" + bytes([i]) * 15 for i in range(3)]
             ctx.submit_store(keys, blocks_of(0, 3)).result(TIMEOUT)
+            ctx.submit_retrieve(keys[:1], blocks_of(4, 1)).result(TIMEOUT)  # a read is not a hit
+            assert c.lookup("adm", hashes=keys[:2]) == 2  # the first hit of chunks 0 and 1
             time.sleep(0.3)
-            assert c.status().tiers[0].writes == 0, "hits:2 writes nothing before two reads"
-            for _ in range(2):
-                ctx.submit_retrieve(keys[:1], blocks_of(4, 1)).result(TIMEOUT)
+            assert c.status().tiers[0].writes == 0, "hits:2 writes nothing before two lookups found it"
+            assert c.lookup("adm", hashes=keys[:1]) == 1  # the second of chunk 0
             assert settled(c, 1)
             assert c.status().tiers[0].writes == 1
             ctx.close()

@@ -60,6 +60,10 @@ T = TypeVar("T")
 
 _SCHEMES: Final = ("valkey", "valkeys", "redis", "rediss")
 _REDIRECTS: Final = frozenset({"MOVED", "ASK"})
+#: STRLEN commands remembered by key for the loop connection (then forgotten all at once).
+_STRLEN_KEPT: Final = 1 << 16
+#: Bytes read from the loop connection at a time.
+_READ: Final = 1 << 16
 _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
 
 
@@ -106,9 +110,11 @@ class _LoopConnection:
         self.sock: socket.socket = conn._sock
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
-        self.buf = bytearray()
-        #: (keys asked, sizes so far, done) per check sent, oldest first
-        self.pending: deque[tuple[int, list[int], Callable[[list[int] | None], None]]] = deque()
+        #: The start of a reply not read whole yet.
+        self.buf = b""
+        #: (keys asked, done) per check sent, oldest first, and the sizes of the oldest so far
+        self.pending: deque[tuple[int, Callable[[list[int] | None], None]]] = deque()
+        self.got: list[int] = []
         self.broken = False
 
 
@@ -128,6 +134,8 @@ class ValkeyBackend(ThreadedBackend):
         self._loop: _LoopConnection | None = None
         self._old_loops: dict[int, _LoopConnection] = {}
         self._loop_lock = threading.Lock()
+        #: Packed ``STRLEN key`` per key (loop thread only).
+        self._strlen: dict[bytes, bytes] = {}
         self._new_loop_connection()
 
     # ------------------------------------------------------------------ LoopExists
@@ -156,20 +164,21 @@ class ValkeyBackend(ThreadedBackend):
         return lc.fd if lc is not None and not lc.broken else None
 
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
+        # No check that the peer is still there first: the loop polls this connection all the
+        # time, so a closed one has already been read (on_readable) and is no longer offered.
         lc = self._loop
-        if lc is None or lc.broken or self._closed:
+        if lc is None or lc.broken or not keys:
             return False
-        if not lc.pending:  # idle: make sure the peer did not go away meanwhile (a restarted Valkey)
-            try:
-                if lc.sock.recv(1, socket.MSG_PEEK) == b"":
-                    self._fail_loop(lc)
-                    return False
-            except BlockingIOError:
-                pass
-            except OSError:
-                self._fail_loop(lc)
-                return False
-        data = b"".join(pack(b"STRLEN", k) for k in keys)
+        cmds = self._strlen
+        try:
+            data = b"".join([cmds[k] for k in keys])
+        except KeyError:
+            if len(cmds) > _STRLEN_KEPT:
+                cmds.clear()
+            for k in keys:
+                if k not in cmds:
+                    cmds[k] = pack(b"STRLEN", k)
+            data = b"".join([cmds[k] for k in keys])
         try:
             sent = lc.sock.send(data)
         except OSError:
@@ -177,7 +186,7 @@ class ValkeyBackend(ThreadedBackend):
         if sent != len(data):  # the stream is no longer usable: a new connection will be made
             self._fail_loop(lc)
             return False
-        lc.pending.append((len(keys), [], done))
+        lc.pending.append((len(keys), done))
         return True
 
     def on_readable(self) -> None:
@@ -185,37 +194,32 @@ class ValkeyBackend(ThreadedBackend):
         if lc is None:
             return
         try:
-            while True:
-                chunk = lc.sock.recv(65536)
-                if not chunk:
-                    raise ConnectionError("Valkey closed the connection")
-                lc.buf += chunk
-                if len(chunk) < 65536:
-                    break
+            data = lc.sock.recv(_READ)  # more than that stays readable: the loop calls again
         except BlockingIOError:
-            pass
+            return
         except OSError:
             self._fail_loop(lc)
             return
-        buf = lc.buf
-        start = 0
-        while lc.pending:
-            end = buf.find(b"\r\n", start)
-            if end < 0:
-                break
-            line = bytes(buf[start:end])
-            start = end + 2
-            if line[:1] != b":":  # an error or anything unexpected: give up this connection
-                del buf[:start]
+        if not data:  # Valkey closed the connection
+            self._fail_loop(lc)
+            return
+        if lc.buf:
+            data = lc.buf + data
+        # every reply to STRLEN is ":N\r\n"; what follows the last CRLF is an unfinished one
+        lines = data.split(b"\r\n")
+        lc.buf = lines.pop()
+        got = lc.got
+        for line in lines:
+            if line[:1] != b":" or not lc.pending:  # an error, or a reply nobody asked for
                 log.debug("valkey: unexpected reply to STRLEN on the loop connection: %r", line[:80])
                 self._fail_loop(lc)
                 return
-            n, sizes, done = lc.pending[0]
-            sizes.append(int(line[1:]))
-            if len(sizes) == n:
-                lc.pending.popleft()
-                done(sizes)
-        del buf[:start]
+            got.append(int(line[1:]))
+            if len(got) == lc.pending[0][0]:
+                done = lc.pending.popleft()[1]
+                lc.got = []
+                done(got)
+                got = lc.got
 
     def _fail_loop(self, lc: _LoopConnection) -> None:
         lc.broken = True
@@ -224,7 +228,8 @@ class ValkeyBackend(ThreadedBackend):
         self._old_loops[lc.fd] = lc
         pending = list(lc.pending)
         lc.pending.clear()
-        for _, _, done in pending:
+        lc.got = []
+        for _, done in pending:
             done(None)
 
     def drop_loop_fd(self, fd: int) -> None:
