@@ -81,8 +81,9 @@ class ChunkIndex:
         self._ids = itertools.count(1)
         self._on_evict = on_evict
         self.evictions = 0
-        #: Entries removed so far, for any reason (a lookup that waited sees whether its L1 hits may be gone).
-        self.removals = 0
+        #: Entries added, made readable or removed so far: a lookup that waited for L2 sees
+        #: whether what it read of the index still holds.
+        self.changes = 0
 
     # ------------------------------------------------------------------ lookup and leases
 
@@ -158,6 +159,7 @@ class ChunkIndex:
                 continue
             e = Entry(key, offset, size, fmt)
             self.entries[key] = e
+            self.changes += 1
             seen.add(key)
             res.entries.append((i, e))
         self.reservations[res.id] = res
@@ -173,6 +175,7 @@ class ChunkIndex:
                 self._drop(e)
             else:
                 e.state = State.READY
+                self.changes += 1
                 self._lru[e.key] = e
                 stored.append((i, e))
         return stored
@@ -240,7 +243,7 @@ class ChunkIndex:
         return offset
 
     def _drop(self, e: Entry) -> None:
-        self.removals += 1
+        self.changes += 1
         del self.entries[e.key]
         self._lru.pop(e.key, None)
         self.allocator.free(e.offset, e.size)

@@ -33,6 +33,7 @@ its get callbacks) and one health thread. Figures for status and metrics are pla
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
@@ -254,21 +255,29 @@ class TierLookup:
     waits for it with :meth:`add_done_callback` (callbacks run on the loop), then calls
     :meth:`L2Tier.finish_lookup`."""
 
-    __slots__ = ("tier", "model_name", "world_size", "hashes", "l1_hits", "removals", "keys", "sizes", "deadline",
-                 "_callbacks", "_done")
+    __slots__ = ("tier", "model_name", "world_size", "hashes", "l1_hits", "keys", "sizes", "deadline", "changes",
+                 "need", "stop", "l2_chunks", "_callbacks", "_done")
 
     def __init__(self, tier: L2Tier, model_name: str, world_size: int, hashes: Sequence[bytes], l1_hits: int,
-                 removals: int, keys: list[ChunkKey]) -> None:
+                 keys: list[ChunkKey]) -> None:
         self.tier = tier
         self.model_name = model_name
         self.world_size = world_size
         self.hashes = hashes
         self.l1_hits = l1_hits
-        #: The index's removal count when the L1 hits were counted.
-        self.removals = removals
         self.keys = keys
         self.sizes: list[int] = []
         self.deadline = 0.0
+        # What L1 said while the store answered (L2Tier._plan); valid while ``changes`` holds:
+        #: the index's and the promotions' change counts when it was read;
+        self.changes = (-1, -1)
+        #: the keys that only L2 can have: (chunk, position in ``keys``, key, chunk bytes of the
+        #: registered layout or 0), in order;
+        self.need: list[tuple[int, int, ChunkKey, int]] = []
+        #: the first chunk that L1 holds up (an entry being written by a client), or the count;
+        self.stop = 0
+        #: the chunks (counted from ``l1_hits``) that come from L2, in part or whole.
+        self.l2_chunks: list[int] = []
         self._callbacks: list[Callable[[TierLookup], None]] = []
         self._done = False
 
@@ -349,6 +358,8 @@ class L2Tier:
         self.pin_limit = arena.size // 2
         # -------- loop-thread state
         self.promoting: dict[ChunkKey, Future[None]] = {}
+        #: Promotions started or ended so far (see ChunkIndex.changes).
+        self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
         self._hits: dict[ChunkKey, int] = {}
         self.pinned_bytes = 0
@@ -595,7 +606,7 @@ class L2Tier:
                 known = self._chunk_keys(cache, model_name, world_size, h)
             keys += known[0]
             l2 += known[1]
-        lk = TierLookup(self, model_name, world_size, hashes, l1_hits, self.index.removals, keys)
+        lk = TierLookup(self, model_name, world_size, hashes, l1_hits, keys)
         loop = self._loop_exists
         sent = False
         if loop is not None:
@@ -612,6 +623,7 @@ class L2Tier:
         # after the send: this overlaps the store's answer
         self.lookups += 1
         self.lookup_chunks += len(keys)
+        self._plan(lk)
         if not lk.done():
             lk.deadline = time.monotonic() + self.config.timeout_s
             self._waiting.append(lk)
@@ -669,76 +681,82 @@ class L2Tier:
                 self._failed(TimeoutError(f"no answer within {self.config.timeout_s:g} s"), "lookup")
         self._waiting = keep
 
-    def finish_lookup(self, lk: TierLookup, promote: bool) -> tuple[int, int, int]:
-        """Count the leading chunks present for every rank in L1, being promoted, or in L2 (the
-        sizes the store answered, re-checked against L1 now); with ``promote``, start promoting
-        the L2 ones. Returns ``(hits, l2_hits, leasable)``: leasable chunks have an L1 entry for
-        every rank (readable, or being promoted)."""
-        hits = lk.l1_hits
-        if self.index.removals != lk.removals:  # entries left L1 while the store answered
-            hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:hits])
-            if hits < lk.l1_hits:
-                return hits, 0, hits
+    def _plan(self, lk: TierLookup) -> None:
+        """Read what L1 and the promotions say about the keys ``lk`` asked the store about, so
+        that its answer only has to be compared (see :meth:`finish_lookup`)."""
         entries = self.index.entries
         promoting = self.promoting
-        sizes = lk.sizes
-        keys = lk.keys
         ws = lk.world_size
-        l2_hits = 0
-        leasable = -1
-        wanted: list[tuple[int, ChunkKey, int]] = []
+        keys = lk.keys
+        need = lk.need
+        l2_chunks = lk.l2_chunks
         expected: dict[int, int] = {}
-        for i in range(lk.l1_hits, len(lk.hashes)):
+        n = len(keys) // ws
+        lk.stop = n
+        for c in range(n):
             from_l2 = False
-            ok = True
-            taken = len(wanted)
-            base = (i - lk.l1_hits) * ws
-            for j in range(base, base + ws):
+            for j in range(c * ws, c * ws + ws):
                 key = keys[j]
                 e = entries.get(key)
-                if e is not None:
-                    if e.state is State.READY:
-                        continue
-                    if key in promoting:
-                        from_l2 = True
-                        continue
-                    ok = False
-                    break
-                size = (sizes[j] if sizes else 0) - HEADER_SIZE
-                if size > 0 and self._plausible(key, size, expected):
+                if e is None:
+                    want = expected.get(key.rank)
+                    if want is None:
+                        fmt = self.expected_format(key)
+                        want = expected[key.rank] = chunk_format_bytes(fmt) if fmt is not None else 0
+                    need.append((c, j, key, want))
                     from_l2 = True
-                    wanted.append((i, key, size))
-                    continue
-                ok = False
+                elif e.state is not State.READY:
+                    if key not in promoting:
+                        lk.stop = c
+                        break
+                    from_l2 = True
+            if lk.stop == c:
                 break
-            if not ok:
-                del wanted[taken:]
+            if from_l2:
+                l2_chunks.append(c)
+        lk.changes = (self.index.changes, self.promoting_changes)
+
+    def finish_lookup(self, lk: TierLookup, promote: bool) -> tuple[int, int, int]:
+        """Count the leading chunks present for every rank in L1, being promoted, or in L2 (the
+        sizes the store answered); with ``promote``, start promoting the L2 ones. Returns
+        ``(hits, l2_hits, leasable)``: leasable chunks have an L1 entry for every rank (readable,
+        or being promoted). When the index or the promotions changed while the store answered,
+        L1 is read again."""
+        if lk.changes != (self.index.changes, self.promoting_changes):
+            hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:lk.l1_hits])
+            if hits < lk.l1_hits:  # L1 hits left meanwhile: answer with what is left
+                return hits, 0, hits
+            lk.need.clear()
+            lk.l2_chunks.clear()
+            self._plan(lk)
+        sizes = lk.sizes
+        end = lk.stop
+        wanted: list[tuple[int, ChunkKey, int]] = []
+        first = lk.l1_hits
+        for c, j, key, want in lk.need:
+            if c >= end:
                 break
-            if len(wanted) > taken and leasable < 0:
-                leasable = hits  # the first chunk with no L1 entry yet
-            hits = i + 1
-            l2_hits += from_l2
+            size = sizes[j] - HEADER_SIZE if sizes else 0
+            if size > 0 and (size == want if want else size <= self.arena.size):
+                wanted.append((first + c, key, size))
+                continue
+            if size > 0 and want:
+                self._wrong_size(key, size, want)
+            end = c
+        while wanted and wanted[-1][0] >= first + end:  # the other ranks of the chunk that ended it
+            wanted.pop()
+        hits = first + end
+        l2_hits = bisect.bisect_left(lk.l2_chunks, end)
         self.lookup_hits += len(wanted)
         if promote and wanted:
             hits = min(hits, self._promote(wanted))
-            return hits, min(l2_hits, hits), hits
-        return hits, l2_hits, hits if leasable < 0 else leasable
+            return hits, bisect.bisect_left(lk.l2_chunks, hits - first), hits
+        return hits, l2_hits, wanted[0][0] if wanted else hits
 
-    def _plausible(self, key: ChunkKey, size: int, expected: dict[int, int]) -> bool:
-        """Whether a stored value of ``size`` chunk bytes can be this server's chunk of ``key``
-        (``expected``: chunk bytes by rank, of the registered layouts, filled as asked: every
-        chunk of one lookup and rank has the same layout)."""
-        want = expected.get(key.rank)
-        if want is None:
-            fmt = self.expected_format(key)
-            want = expected[key.rank] = chunk_format_bytes(fmt) if fmt is not None else 0
-        if want and want != size:
-            fmt = self.expected_format(key)
-            self._count("integrity_failures")
-            log.warning("L2 value of chunk %s of %r has %d bytes; the registered layout %s needs %d: ignored",
-                        key.chunk_hash.hex()[:16], key.model_name, size, fmt, want)
-            return False
-        return size <= self.arena.size
+    def _wrong_size(self, key: ChunkKey, size: int, want: int) -> None:
+        self._count("integrity_failures")
+        log.warning("L2 value of chunk %s of %r has %d bytes; the registered layout %s needs %d: ignored",
+                    key.chunk_hash.hex()[:16], key.model_name, size, self.expected_format(key), want)
 
     # ------------------------------------------------------------------ promotion
 
@@ -770,6 +788,7 @@ class L2Tier:
                            [self.expected_format(e.key) for _, e in res.entries], [None] * n, {})
             for _, e in res.entries:
                 p.done[e.key] = self.promoting[e.key] = Future()
+            self.promoting_changes += 1
             self.promotions += 1
             # split among the read connections: one Valkey thread serves two sockets faster than one
             ways = max(1, min(self.config.readers, n))
@@ -852,6 +871,7 @@ class L2Tier:
         for key, fut in p.done.items():
             if self.promoting.get(key) is fut:
                 del self.promoting[key]
+                self.promoting_changes += 1
             _settle(fut)
 
     def pending(self, keys: Sequence[ChunkKey]) -> Future[None] | None:

@@ -63,7 +63,7 @@ _REDIRECTS: Final = frozenset({"MOVED", "ASK"})
 #: STRLEN commands remembered by key for the loop connection (then forgotten all at once).
 _STRLEN_KEPT: Final = 1 << 16
 #: Bytes read from the loop connection at a time.
-_READ: Final = 1 << 16
+_READ: Final = 1 << 14
 _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
 
 
