@@ -79,7 +79,7 @@ def _l2_config(args: argparse.Namespace) -> TierConfig | None:
         url = ",".join(parts)
     return TierConfig(store=args.l2, url=url, admission=args.l2_admission, queue=args.l2_queue,
                       writers=args.l2_writers, readers=args.l2_readers, timeout_s=args.l2_timeout,
-                      bulk_timeout_s=args.l2_bulk_timeout)
+                      bulk_timeout_s=args.l2_bulk_timeout, write_yield_s=args.l2_write_yield)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait for the L2 store in a lookup: what a lookup pays at most (default: %(default)s)")
     g.add_argument("--l2-bulk-timeout", type=float, default=10.0, metavar="S",
                    help="longest silence while chunks move to or from L2 (default: %(default)s)")
+    g.add_argument("--l2-write-yield", type=float, default=0.1, metavar="S",
+                   help="longest an L2 writer waits for stores and promotions in progress before it writes anyway; "
+                        "0: writes run beside them (default: %(default)s)")
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(fn=cmd_serve)
 

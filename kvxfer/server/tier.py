@@ -48,7 +48,7 @@ from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
 from kvxfer.protocol.messages import TierStatus
 from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
-from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions
+from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
 from kvxfer.store.format import (
     HEADER_SIZE,
     IntegrityError,
@@ -113,6 +113,9 @@ class TierConfig:
     max_backoff_s: float = 30.0
     #: At shutdown, how long queued writes may still run before they are dropped.
     drain_s: float = 5.0
+    #: Longest a writer waits for the arena to be quiet (no store copying into it, no promotion)
+    #: before it writes anyway; 0: writes run beside stores.
+    write_yield_s: float = 0.1
 
     def __post_init__(self) -> None:
         parse_admission(self.admission)
@@ -121,6 +124,8 @@ class TierConfig:
                 raise ConfigError(f"--l2-{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.timeout_s <= 60:
             raise ConfigError(f"--l2-timeout must be in (0, 60] seconds, got {self.timeout_s}")
+        if not 0 <= self.write_yield_s <= 60:
+            raise ConfigError(f"--l2-write-yield must be in [0, 60] seconds, got {self.write_yield_s}")
         if not 0 < self.bulk_timeout_s <= 600:
             raise ConfigError(f"--l2-bulk-timeout must be in (0, 600] seconds, got {self.bulk_timeout_s}")
         if not self.url:
@@ -244,6 +249,8 @@ class _Promotion:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+#: How long the arena must have had no slot being filled before an L2 writer starts (seconds).
+_QUIET_S: Final = 0.002
 #: Chunks whose keys the tier remembers for lookups (then it forgets them all and starts again).
 _KEYS_KEPT: Final = 1 << 16
 
@@ -511,6 +518,7 @@ class L2Tier:
     # ------------------------------------------------------------------ writers (their threads)
 
     def _writer(self) -> None:
+        background_thread()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
@@ -525,6 +533,7 @@ class L2Tier:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.config.batch, len(self._queue)))]
                 self._writing += len(batch)
+            self._yield_to_stores()
             try:
                 written, skipped, refused, nbytes = self._write(batch)
             except Exception as exc:  # noqa: BLE001  (the store failed: these writes are lost, L1 keeps them)
@@ -548,6 +557,19 @@ class L2Tier:
                 done()  # the loop no longer runs; the arena outlives this thread (close joins it)
             else:
                 self.call_soon(done)
+
+    def _yield_to_stores(self) -> None:
+        """Wait (at most ``write_yield_s``) until no store or promotion has been filling arena
+        slots for ``_QUIET_S``: an L2 write reads its chunks from memory once to checksum them and
+        once to send them (and the store's own receive, on the same host, twice more), which on a
+        host short of cores and memory bandwidth is taken from the copy of a store in progress."""
+        index = self.index
+        deadline = time.monotonic() + self.config.write_yield_s
+        while not self._stopping:
+            now = time.monotonic()
+            if now >= deadline or (not index.filling and now - index.filled_at >= _QUIET_S):
+                return
+            time.sleep(_QUIET_S / 2)
 
     def _write(self, batch: list[_Write]) -> tuple[int, int, int, int]:
         backend = self.backend
