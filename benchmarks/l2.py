@@ -211,6 +211,9 @@ def promotion_and_writes(args: argparse.Namespace, ctx_on, c_on: CacheClient, fr
     res["throughput_gbps"] = g
     res["promotion_vs_plain_get"] = g["promotion"] / g["plain_get"]
     res["write_vs_plain_set"] = g["l2_write"] / g["plain_set"]
+    # the same, as the median of each round's ratio (both measured back to back in the round)
+    res["round_ratios"] = {"promotion_vs_plain_get": _median([p / q for p, q in zip(pget[drop], promo[drop])]),
+                           "write_vs_plain_set": _median([p / q for p, q in zip(pset[drop], write[drop])])}
     # verify the last promotion byte for byte: retrieve into other blocks
     dst = list(range(n * CHUNK // BLOCK, 2 * n * CHUNK // BLOCK))
     c_on.clear()
@@ -437,12 +440,16 @@ def print_results(r: dict) -> None:
         print(f"{'what':<{w}}  GB/s   ratio")
         for name, v, ratio in rows:
             print(f"{name:<{w}}  {v:5.2f}  {ratio}")
+        rr = r["round_ratios"]
+        print(f"medians of the rounds' own ratios: promotion {rr['promotion_vs_plain_get']:.2f}, "
+              f"writes {rr['write_vs_plain_set']:.2f}")
         print(f"verified byte for byte after promotion: {r['verified']}")
     if "store_gbps" in r:
         s, q = r["store_gbps"], r["store_on_vs_off"]
         print(f"\nstore of {r['chunks']} chunks (cpu_gather), L2 on vs off, medians of per-round ratios (quartiles):")
         print(f"  isolated ({q['isolated_rounds']} rounds): {s['isolated_l2_on']:.2f} / {s['isolated_l2_off']:.2f} GB/s"
-              f" = {q['isolated']:.2f}x ({q['isolated_quartiles'][0]:.2f}-{q['isolated_quartiles'][1]:.2f}); floor 0.95")
+              f" = {q['isolated']:.2f}x ({q['isolated_quartiles'][0]:.2f}-{q['isolated_quartiles'][1]:.2f}); "
+              "floor 0.95")
         print(f"  sustained ({q['sustained_rounds']} bursts of {q['burst']}): {s['sustained_l2_on']:.2f} / "
               f"{s['sustained_l2_off']:.2f} GB/s = {q['sustained']:.2f}x ({q['sustained_quartiles'][0]:.2f}-"
               f"{q['sustained_quartiles'][1]:.2f}); L2 writes dropped {r['l2_drops_in_sustained']} of "
@@ -464,7 +471,7 @@ def main() -> int:
     p.add_argument("--url", default=None, help="a running Valkey (valkey://127.0.0.1:PORT); default: start one")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up)")
+    p.add_argument("--iters", type=int, default=8, help="timed rounds of promotion and writes (after one warm-up)")
     p.add_argument("--lookups", type=int, default=2000, help="lookups of each kind (and round trips)")
     p.add_argument("--store-rounds", type=int, default=24, help="isolated store rounds (one store per server each)")
     p.add_argument("--sustained", type=int, default=8, help="bursts of back-to-back stores per server")
