@@ -351,7 +351,7 @@ class L2Tier:
         #: descriptor it watches now.
         self._watch = watch
         self._unwatch = unwatch
-        self._watched_fd: int | None = None
+        self._watched_fds: Sequence[int] = ()
         self._loop_exists: LoopExists | None = None
         self.admission_hits = parse_admission(config.admission)
         self.store: Store = get_store(config.store)
@@ -632,9 +632,9 @@ class L2Tier:
         loop = self._loop_exists
         sent = False
         if loop is not None:
-            if loop.loop_fd() != self._watched_fd:
+            if loop.loop_fds() is not self._watched_fds:
                 self._sync_watch(loop)
-            sent = self._watched_fd is not None and loop.exists_nowait(l2, lk.arrived)
+            sent = bool(self._watched_fds) and loop.exists_nowait(l2, lk.arrived)
         if not sent:
             try:
                 fut = backend.submit_exists(l2)
@@ -664,23 +664,24 @@ class L2Tier:
         return known
 
     def _sync_watch(self, backend: LoopExists) -> None:
-        """Have the loop poll the backend's current loop connection (and forget an old one)."""
-        fd = backend.loop_fd()
-        if fd == self._watched_fd:
+        """Have the loop poll the backend's current loop connections (and forget old ones)."""
+        fds = backend.loop_fds()
+        if fds is self._watched_fds:
             return
-        old, self._watched_fd = self._watched_fd, None
-        if old is not None:
+        old = set(self._watched_fds)
+        for fd in old - set(fds):
             assert self._unwatch is not None
-            self._unwatch(old)
-            backend.drop_loop_fd(old)
-        if fd is not None:
-            assert self._watch is not None
-            self._watch(fd, lambda: self._readable(backend))
-            self._watched_fd = fd
+            self._unwatch(fd)
+            backend.drop_loop_fd(fd)
+        for fd in fds:
+            if fd not in old:
+                assert self._watch is not None
+                self._watch(fd, functools.partial(self._readable, backend, fd))
+        self._watched_fds = fds
 
-    def _readable(self, backend: LoopExists) -> None:
-        backend.on_readable()
-        if backend.loop_fd() != self._watched_fd:
+    def _readable(self, backend: LoopExists, fd: int) -> None:
+        backend.on_readable(fd)
+        if backend.loop_fds() is not self._watched_fds:
             self._sync_watch(backend)
 
     def tick(self) -> None:

@@ -206,25 +206,29 @@ class LoopExists(Protocol):
     """Optional: existence checks that the server's loop thread sends and reads itself, with no
     thread hand-off (a lookup then costs about one round trip more than an L1 lookup).
 
-    Every method runs on the loop thread and never blocks. The backend keeps one connection for
-    it; the loop polls that connection's descriptor (:meth:`loop_fd`) with its own sockets and
-    calls :meth:`on_readable` when it is readable. A backend that cannot now (no healthy
-    connection, a cluster, TLS) answers False and the server uses :meth:`Backend.submit_exists`.
+    Every method runs on the loop thread and never blocks. The backend keeps connections for it
+    (e.g. one per node of a cluster); the loop polls their descriptors (:meth:`loop_fds`) with
+    its own sockets and calls :meth:`on_readable` for each readable one. A backend that cannot
+    now (a connection missing or failed, TLS) answers False and the server uses
+    :meth:`Backend.submit_exists`.
     """
 
-    def loop_fd(self) -> int | None:
-        """The descriptor of the healthy loop connection, or None."""
+    def loop_fds(self) -> Sequence[int]:
+        """The descriptors of the healthy loop connections (the same object while they do not
+        change: the loop compares it with the last one it saw)."""
         ...
 
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
         """Send an existence check of ``keys`` (sizes, 0 where absent) without blocking. ``done``
-        is called later on the loop, from :meth:`on_readable`, with the sizes, or with None if the
-        connection failed. Returns False (and never calls ``done``) when it cannot send now."""
+        is called on the loop, from :meth:`on_readable`, with the sizes, or with None if a
+        connection failed (possibly before this returns, when a check going to several
+        connections could be sent on some only). Returns False (and never calls ``done``) when it
+        cannot send now."""
         ...
 
-    def on_readable(self) -> None:
-        """Read what the loop connection has (never blocking) and call ``done`` of every check
-        that is complete. A connection that failed stops being :meth:`loop_fd`."""
+    def on_readable(self, fd: int) -> None:
+        """Read what the loop connection ``fd`` has (never blocking) and call ``done`` of every
+        check that is complete. A connection that failed leaves :meth:`loop_fds`."""
         ...
 
     def drop_loop_fd(self, fd: int) -> None:

@@ -57,7 +57,7 @@ def test_the_backend_speaks_tls_and_never_reads_on_the_loop(tls: TlsTerminator) 
             assert type(sock._sock).__name__ == "SSLSocket" and sock._sock.version() in ("TLSv1.2", "TLSv1.3")
         finally:
             backend._node_pool().release(sock)
-        assert backend.loop_fd() is None, "TLS checks run on the backend's threads, not on the server's loop"
+        assert backend.loop_fds() == (), "TLS checks run on the backend's threads, not on the server's loop"
         backend.submit_put([(b"kvxfer:tls:a", [memoryview(b"h" * 5), memoryview(b"x" * 70000)])]).result(10)
         assert backend.submit_exists([b"kvxfer:tls:a", b"kvxfer:tls:none"]).result(10) == [70005, 0]
     finally:
