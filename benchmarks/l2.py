@@ -356,19 +356,22 @@ def lookups(args: argparse.Namespace, ctx_on, c_on: CacheClient, fresh, src: lis
 
 
 def run(args: argparse.Namespace) -> dict:
-    from kvxfer_valkey import ValkeyServer
+    from kvxfer_valkey import ValkeyCluster, ValkeyServer
 
     tmp = Path(tempfile.mkdtemp(prefix="kvxfer-bench-l2-"))
-    vk = None
-    if args.url:
+    vk: ValkeyServer | ValkeyCluster | None = None
+    if args.cluster:
+        vk = ValkeyCluster(tmp / "cluster").start()
+        url, port = vk.url, vk.nodes[0].port  # the round trip: a PING to one node
+    elif args.url:
         url = args.url
         port = int(url.rsplit(":", 1)[1])
     else:
-        vk = ValkeyServer(tmp / "valkey", maxmemory="3gb", policy="allkeys-lru").start()
-        url, port = vk.url, vk.port
+        node = vk = ValkeyServer(tmp / "valkey", maxmemory="3gb", policy="allkeys-lru").start()
+        url, port = node.url, node.port
         if args.valkey_nice:  # a diagnostic: Valkey's own CPU apart from kvxfer's (see --help)
-            assert vk.proc is not None
-            for tid in os.listdir(f"/proc/{vk.proc.pid}/task"):
+            assert node.proc is not None
+            for tid in os.listdir(f"/proc/{node.proc.pid}/task"):
                 os.setpriority(os.PRIO_PROCESS, int(tid), args.valkey_nice)
     n = args.chunks
     blocks = 2 * n * (CHUNK // BLOCK) + 16
@@ -383,7 +386,7 @@ def run(args: argparse.Namespace) -> dict:
     l2args = ["--l2", "valkey", "--l2-url", url, "--l2-timeout", "2"]
     on = ServerProcess(l1_size=l1, transports="cpu_gather", extra_args=l2args).start()
     off = ServerProcess(l1_size=l1, transports="cpu_gather").start()
-    res: dict = {"chunks": n, "chunk_bytes": cbytes, "valkey": url}
+    res: dict = {"chunks": n, "chunk_bytes": cbytes, "valkey": url, "cluster": args.cluster}
     try:
         c_on, c_off = CacheClient(on.url, timeout=120), CacheClient(off.url, timeout=120)
         ctx_on = c_on.register(kv, model_name="bench", block_size=BLOCK, transport="cpu_gather")
@@ -476,6 +479,8 @@ def main() -> int:
     p.add_argument("--store-rounds", type=int, default=24, help="isolated store rounds (one store per server each)")
     p.add_argument("--sustained", type=int, default=8, help="bursts of back-to-back stores per server")
     p.add_argument("--burst", type=int, default=6, help="stores per burst")
+    p.add_argument("--cluster", action="store_true",
+                   help="a local three-node Valkey cluster instead of one node (store and lookups sections only)")
     p.add_argument("--valkey-nice", type=int, default=0,
                    help="run the local Valkey at this nice value (a diagnostic: with 19, Valkey's receiving no longer "
                         "takes the 2 cores from the stores, as it would not from another host)")
@@ -484,6 +489,9 @@ def main() -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args()
     args.only = set(args.only.split(","))
+    if args.cluster and "promotion" in args.only:
+        p.error("--cluster measures the store path and lookups: add --only store,lookups (the plain-socket "
+                "denominators of promotion and writes talk to one node)")
     r = run(args)
     print_results(r)
     if args.json:
