@@ -8,12 +8,15 @@ thread, at the points named below):
   neither eviction nor a new store can touch their slots while a writer reads them) and queued.
   ``writers`` threads take batches off the queue, checksum them, skip those the store already
   holds (one pipelined existence check) and put the rest straight from the arena. A full queue,
-  or a store that is down, drops the write (counted), never blocks a store.
+  or a store that is down, drops the write (counted), never blocks a store. Writers run at nice
+  10 and start a batch only once no store or promotion has been filling arena slots for a
+  moment (at most ``write_yield_s`` later).
 * **lookup** (:meth:`L2Tier.begin_lookup`, then :meth:`L2Tier.finish_lookup`): the chunks after
   the L1 hits are checked in the store in one pipelined round trip, bounded by ``timeout_s``;
   the hits continue through them. A backend with :class:`~kvxfer.store.LoopExists` has the
-  loop send the check and read its answer itself (the loop polls the connection); others run it
-  on a store thread. With ``promote``, each L2 hit becomes an L1
+  loop send the check and read its answer itself (the loop polls its connections); others run it
+  on a store thread. The check is sent first; reading L1 for the keys asked (:meth:`_plan`)
+  overlaps the answer. With ``promote``, each L2 hit becomes an L1
   entry that is not yet readable (a write reservation of the tier, pinned, under the lookup's
   lease) and the store reads the value straight into its arena slot.
 * **promotion**: when the get returns, the header (identity, format, length) and the checksum
@@ -383,7 +386,7 @@ class L2Tier:
         self.drops = self.errors = 0
         self.store_stats: dict[str, str] = {}
         self._counters = threading.Lock()
-        #: Lookups waiting for the store: (deadline, future); the loop's tick ends late ones.
+        #: Lookups waiting for the store; the loop's tick ends those past their deadline.
         self._waiting: list[TierLookup] = []
         #: Per (model, world size), per chunk hash: every rank's chunk key and L2 key.
         self._keys: dict[tuple[str, int], dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]]] = {}
@@ -617,6 +620,9 @@ class L2Tier:
         backend = self.backend
         if backend is None or not self.breaker.closed:
             return None
+        if self._keys_kept >= _KEYS_KEPT:  # forget them all (a lookup adds at most its own chunks)
+            self._keys.clear()
+            self._keys_kept = 0
         cache = self._keys.get((model_name, world_size))
         if cache is None:
             cache = self._keys[(model_name, world_size)] = {}
@@ -653,11 +659,7 @@ class L2Tier:
 
     def _chunk_keys(self, cache: dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]], model_name: str,
                     world_size: int, chunk_hash: bytes) -> tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]:
-        """Every rank's chunk key and L2 key of one chunk, remembered (at most ``_KEYS_KEPT``)."""
-        if self._keys_kept >= _KEYS_KEPT:
-            self._keys.clear()
-            self._keys_kept = 0
-            cache = self._keys[(model_name, world_size)] = {}
+        """Every rank's chunk key and L2 key of one chunk, remembered in ``cache``."""
         ck = tuple(ChunkKey(model_name, world_size, r, chunk_hash) for r in range(world_size))
         known = cache[chunk_hash] = (ck, tuple(l2_key(k) for k in ck))
         self._keys_kept += 1
