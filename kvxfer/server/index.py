@@ -62,6 +62,8 @@ class Reservation:
     lease_id: int = 0
     #: A server-driven copy is running on it: only the request's own finish may end it.
     in_flight: bool = False
+    #: Counted in ChunkIndex.filling until committed or aborted.
+    filling: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -81,6 +83,13 @@ class ChunkIndex:
         self._ids = itertools.count(1)
         self._on_evict = on_evict
         self.evictions = 0
+        #: Entries added, made readable or removed so far: a lookup that waited for L2 sees
+        #: whether what it read of the index still holds.
+        self.changes = 0
+        #: Write reservations whose slots are being filled (a store's copy, a promotion), and when
+        #: the last one ended (time.monotonic()): the L2 writers wait for quiet. Read by other threads.
+        self.filling = 0
+        self.filled_at = 0.0
 
     # ------------------------------------------------------------------ lookup and leases
 
@@ -156,14 +165,22 @@ class ChunkIndex:
                 continue
             e = Entry(key, offset, size, fmt)
             self.entries[key] = e
+            self.changes += 1
             seen.add(key)
             res.entries.append((i, e))
         self.reservations[res.id] = res
+        if res.entries:
+            res.filling = True
+            self.filling += 1
         return res, present, no_space
 
     def commit_write(self, res: Reservation, failed: Iterable[int] = ()) -> list[tuple[int, Entry]]:
         """READY the reservation's entries except ``failed`` indices (dropped)."""
         self.reservations.pop(res.id, None)
+        if res.filling:
+            res.filling = False
+            self.filling -= 1
+            self.filled_at = time.monotonic()
         bad = set(failed)
         stored = []
         for i, e in res.entries:
@@ -171,6 +188,7 @@ class ChunkIndex:
                 self._drop(e)
             else:
                 e.state = State.READY
+                self.changes += 1
                 self._lru[e.key] = e
                 stored.append((i, e))
         return stored
@@ -238,6 +256,7 @@ class ChunkIndex:
         return offset
 
     def _drop(self, e: Entry) -> None:
+        self.changes += 1
         del self.entries[e.key]
         self._lru.pop(e.key, None)
         self.allocator.free(e.offset, e.size)

@@ -3,17 +3,20 @@
 What it does for the server (:class:`~kvxfer.server.engine.CacheServer` calls it on the loop
 thread, at the points named below):
 
-* **write path** (:meth:`L2Tier.offer` after a store commits, :meth:`L2Tier.on_read` after a
-  retrieve): new chunks are admitted (``all``, or once read ``N`` times), *pinned* in L1 (so
+* **write path** (:meth:`L2Tier.offer` after a store commits, :meth:`L2Tier.count_hits` after a
+  lookup): new chunks are admitted (``all``, or once ``N`` lookups found them), *pinned* in L1 (so
   neither eviction nor a new store can touch their slots while a writer reads them) and queued.
   ``writers`` threads take batches off the queue, checksum them, skip those the store already
   holds (one pipelined existence check) and put the rest straight from the arena. A full queue,
-  or a store that is down, drops the write (counted), never blocks a store.
+  or a store that is down, drops the write (counted), never blocks a store. Writers run at nice
+  10 and start a batch only once no store or promotion has been filling arena slots for a
+  moment (at most ``write_yield_s`` later).
 * **lookup** (:meth:`L2Tier.begin_lookup`, then :meth:`L2Tier.finish_lookup`): the chunks after
   the L1 hits are checked in the store in one pipelined round trip, bounded by ``timeout_s``;
   the hits continue through them. A backend with :class:`~kvxfer.store.LoopExists` has the
-  loop send the check and read its answer itself (the loop polls the connection); others run it
-  on a store thread. With ``promote``, each L2 hit becomes an L1
+  loop send the check and read its answer itself (the loop polls its connections); others run it
+  on a store thread. The check is sent first; reading L1 for the keys asked (:meth:`_plan`)
+  overlaps the answer. With ``promote``, each L2 hit becomes an L1
   entry that is not yet readable (a write reservation of the tier, pinned, under the lookup's
   lease) and the store reads the value straight into its arena slot.
 * **promotion**: when the get returns, the header (identity, format, length) and the checksum
@@ -33,6 +36,7 @@ its get callbacks) and one health thread. Figures for status and metrics are pla
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import threading
@@ -47,7 +51,7 @@ from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
 from kvxfer.protocol.messages import TierStatus
 from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
-from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions
+from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
 from kvxfer.store.format import (
     HEADER_SIZE,
     IntegrityError,
@@ -71,7 +75,7 @@ _STATS_EVERY_S: Final = 5.0
 
 
 def parse_admission(text: str) -> int:
-    """``"all"`` -> 0; ``"hits:N"`` -> N (write a chunk to L2 once it was read N times)."""
+    """``"all"`` -> 0; ``"hits:N"`` -> N (write a chunk to L2 once N lookups found it in L1)."""
     if text == "all":
         return 0
     if text.startswith("hits:"):
@@ -81,8 +85,8 @@ def parse_admission(text: str) -> int:
             n = 0
         if n > 0:
             return n
-    raise ConfigError(f"--l2-admission {text!r}: use 'all' (every stored chunk) or 'hits:N' (a chunk once it was "
-                      "read N times, N >= 1)")
+    raise ConfigError(f"--l2-admission {text!r}: use 'all' (every stored chunk) or 'hits:N' (a chunk once N "
+                      "lookups found it, N >= 1)")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class TierConfig:
     max_backoff_s: float = 30.0
     #: At shutdown, how long queued writes may still run before they are dropped.
     drain_s: float = 5.0
+    #: Longest a writer waits for the arena to be quiet (no store copying into it, no promotion)
+    #: before it writes anyway; 0: writes run beside stores.
+    write_yield_s: float = 0.1
 
     def __post_init__(self) -> None:
         parse_admission(self.admission)
@@ -120,6 +127,8 @@ class TierConfig:
                 raise ConfigError(f"--l2-{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.timeout_s <= 60:
             raise ConfigError(f"--l2-timeout must be in (0, 60] seconds, got {self.timeout_s}")
+        if not 0 <= self.write_yield_s <= 60:
+            raise ConfigError(f"--l2-write-yield must be in [0, 60] seconds, got {self.write_yield_s}")
         if not 0 < self.bulk_timeout_s <= 600:
             raise ConfigError(f"--l2-bulk-timeout must be in (0, 600] seconds, got {self.bulk_timeout_s}")
         if not self.url:
@@ -243,6 +252,85 @@ class _Promotion:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+#: How long the arena must have had no slot being filled before an L2 writer starts (seconds).
+_QUIET_S: Final = 0.002
+#: Chunks whose keys the tier remembers for lookups (then it forgets them all and starts again).
+_KEYS_KEPT: Final = 1 << 16
+
+
+class TierLookup:
+    """The L2 part of one lookup (:meth:`L2Tier.begin_lookup`), on the loop thread: the chunk
+    keys asked (every rank's key of each chunk after the L1 hits, chunk by chunk) and, once the
+    store answered, their value sizes (empty after a failure or a timeout: misses). The server
+    waits for it with :meth:`add_done_callback` (callbacks run on the loop), then calls
+    :meth:`L2Tier.finish_lookup`."""
+
+    __slots__ = ("tier", "model_name", "world_size", "hashes", "l1_hits", "keys", "sizes", "deadline", "changes",
+                 "need", "stop", "l2_chunks", "_callbacks", "_done")
+
+    def __init__(self, tier: L2Tier, model_name: str, world_size: int, hashes: Sequence[bytes], l1_hits: int,
+                 keys: list[ChunkKey]) -> None:
+        self.tier = tier
+        self.model_name = model_name
+        self.world_size = world_size
+        self.hashes = hashes
+        self.l1_hits = l1_hits
+        self.keys = keys
+        self.sizes: list[int] = []
+        self.deadline = 0.0
+        # What L1 said while the store answered (L2Tier._plan); valid while ``changes`` holds:
+        #: the index's and the promotions' change counts when it was read;
+        self.changes = (-1, -1)
+        #: the keys that only L2 can have: (chunk, position in ``keys``, key, chunk bytes of the
+        #: registered layout or 0), in order;
+        self.need: list[tuple[int, int, ChunkKey, int]] = []
+        #: the first chunk that L1 holds up (an entry being written by a client), or the count;
+        self.stop = 0
+        #: the chunks (counted from ``l1_hits``) that come from L2, in part or whole.
+        self.l2_chunks: list[int] = []
+        self._callbacks: list[Callable[[TierLookup], None]] = []
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def add_done_callback(self, fn: Callable[[TierLookup], None]) -> None:
+        if self._done:
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def arrived(self, sizes: list[int] | None, error: BaseException | None = None) -> None:
+        """The store's answer (None: the check failed, with ``error`` when known), on the loop."""
+        tier = self.tier
+        if sizes is None:
+            tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
+            self.resolve([])
+            return
+        if tier.breaker.failures:
+            tier.breaker.success()
+        self.resolve(sizes)
+
+    def resolve(self, sizes: list[int]) -> bool:
+        """End the lookup with ``sizes`` unless it already ended; True if this call did."""
+        if self._done:
+            return False
+        self._done = True
+        self.sizes = sizes
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+        return True
+
+
+def _answer_on_loop(lk: TierLookup, fut: Future[list[int]]) -> None:
+    """Hand a threaded existence check's outcome to its lookup, on the loop (any store failure
+    is a miss, counted)."""
+    exc = fut.exception()
+    sizes = fut.result() if exc is None else None
+    lk.tier.call_soon(lambda: lk.arrived(sizes, exc))
+
+
 class L2Tier:
     """The L2 tier of one server. Made and started by the server; see the module docstring for
     which of its methods run on which thread."""
@@ -266,7 +354,7 @@ class L2Tier:
         #: descriptor it watches now.
         self._watch = watch
         self._unwatch = unwatch
-        self._watched_fd: int | None = None
+        self._watched_fds: Sequence[int] = ()
         self._loop_exists: LoopExists | None = None
         self.admission_hits = parse_admission(config.admission)
         self.store: Store = get_store(config.store)
@@ -280,6 +368,8 @@ class L2Tier:
         self.pin_limit = arena.size // 2
         # -------- loop-thread state
         self.promoting: dict[ChunkKey, Future[None]] = {}
+        #: Promotions started or ended so far (see ChunkIndex.changes).
+        self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
         self._hits: dict[ChunkKey, int] = {}
         self.pinned_bytes = 0
@@ -296,8 +386,11 @@ class L2Tier:
         self.drops = self.errors = 0
         self.store_stats: dict[str, str] = {}
         self._counters = threading.Lock()
-        #: Lookups waiting for the store: (deadline, future); the loop's tick ends late ones.
-        self._waiting: list[tuple[float, Future[dict[ChunkKey, int]]]] = []
+        #: Lookups waiting for the store; the loop's tick ends those past their deadline.
+        self._waiting: list[TierLookup] = []
+        #: Per (model, world size), per chunk hash: every rank's chunk key and L2 key.
+        self._keys: dict[tuple[str, int], dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]]] = {}
+        self._keys_kept = 0
         self._threads: list[threading.Thread] = []
         self._health_thread: threading.Thread | None = None
         self._stop_health = threading.Event()
@@ -355,31 +448,37 @@ class L2Tier:
     # ------------------------------------------------------------------ write path (loop thread)
 
     def offer(self, entries: Sequence[Entry]) -> None:
-        """Chunks just committed to L1 by a store: queue them for L2 (admission permitting)."""
-        for e in entries:
-            if e.key in self._from_l2:
-                continue
-            if self.admission_hits:
+        """Chunks just committed to L1 by a store: queue them for L2 (admission permitting).
+        Costs the store one lock and one wake-up of a writer, whatever the number of chunks."""
+        fresh = [e for e in entries if e.key not in self._from_l2] if self._from_l2 else entries
+        if self.admission_hits:
+            for e in fresh:
                 self._hits[e.key] = 0
-            else:
-                self._enqueue(e)
+        elif fresh:
+            self._enqueue(fresh)
 
-    def on_read(self, keys: Sequence[ChunkKey]) -> None:
-        """Chunks just read from L1: count hits for ``hits:N`` admission."""
-        if not self.admission_hits:
+    def count_hits(self, model_name: str, world_size: int, hashes: Sequence[bytes]) -> None:
+        """``hits:N`` admission: a lookup found ``hashes`` in L1 for every rank; a chunk is
+        queued for L2 once N lookups found it (each lookup counts a chunk once)."""
+        if not self._hits:
             return
-        for key in keys:
-            n = self._hits.get(key)
-            if n is None:
-                continue
-            n += 1
-            if n < self.admission_hits:
-                self._hits[key] = n
-                continue
-            del self._hits[key]
-            e = self.index.entries.get(key)
-            if e is not None and e.state is State.READY:
-                self._enqueue(e)
+        ready = []
+        for h in hashes:
+            for rank in range(world_size):
+                key = ChunkKey(model_name, world_size, rank, h)
+                n = self._hits.get(key)
+                if n is None:
+                    continue
+                n += 1
+                if n < self.admission_hits:
+                    self._hits[key] = n
+                    continue
+                del self._hits[key]
+                e = self.index.entries.get(key)
+                if e is not None and e.state is State.READY:
+                    ready.append(e)
+        if ready:
+            self._enqueue(ready)
 
     def forget(self, keys: Sequence[ChunkKey]) -> None:
         """Chunks left L1 (evicted or cleared)."""
@@ -387,18 +486,22 @@ class L2Tier:
             self._hits.pop(key, None)
             self._from_l2.discard(key)
 
-    def _enqueue(self, e: Entry) -> None:
+    def _enqueue(self, entries: Sequence[Entry]) -> None:
         if not self.breaker.closed or self.backend is None:
-            self._count("drops")
+            self._count("drops", len(entries))
             return
         with self._cond:
-            if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
-                self._count("drops")
-                return
-            e.readers += 1  # pinned until its write is done: not evicted, not overwritten
-            self.pinned_bytes += e.size
-            self._queue.append(_Write(e.key, e, e.fmt))
-            self._cond.notify()
+            queued = 0
+            for e in entries:
+                if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
+                    self._count("drops", len(entries) - queued)
+                    break
+                e.readers += 1  # pinned until its write is done: not evicted, not overwritten
+                self.pinned_bytes += e.size
+                self._queue.append(_Write(e.key, e, e.fmt))
+                queued += 1
+            if queued:  # as many writers as there are batches
+                self._cond.notify(min(self.config.writers, -(-queued // self.config.batch)))
 
     def _count(self, name: str, n: int = 1) -> None:
         """Add to a counter that several threads update (drops, errors, timeouts, integrity
@@ -418,6 +521,7 @@ class L2Tier:
     # ------------------------------------------------------------------ writers (their threads)
 
     def _writer(self) -> None:
+        background_thread()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
@@ -432,6 +536,7 @@ class L2Tier:
                     return
                 batch = [self._queue.popleft() for _ in range(min(self.config.batch, len(self._queue)))]
                 self._writing += len(batch)
+            self._yield_to_stores()
             try:
                 written, skipped, refused, nbytes = self._write(batch)
             except Exception as exc:  # noqa: BLE001  (the store failed: these writes are lost, L1 keeps them)
@@ -455,6 +560,19 @@ class L2Tier:
                 done()  # the loop no longer runs; the arena outlives this thread (close joins it)
             else:
                 self.call_soon(done)
+
+    def _yield_to_stores(self) -> None:
+        """Wait (at most ``write_yield_s``) until no store or promotion has been filling arena
+        slots for ``_QUIET_S``: an L2 write reads its chunks from memory once to checksum them and
+        once to send them (and the store's own receive, on the same host, twice more), which on a
+        host short of cores and memory bandwidth is taken from the copy of a store in progress."""
+        index = self.index
+        deadline = time.monotonic() + self.config.write_yield_s
+        while not self._stopping:
+            now = time.monotonic()
+            if now >= deadline or (not index.filling and now - index.filled_at >= _QUIET_S):
+                return
+            time.sleep(_QUIET_S / 2)
 
     def _write(self, batch: list[_Write]) -> tuple[int, int, int, int]:
         backend = self.backend
@@ -490,80 +608,83 @@ class L2Tier:
 
     # ------------------------------------------------------------------ lookups (loop thread)
 
-    def begin_lookup(self, keys: Sequence[Sequence[ChunkKey]], l1_hits: int) -> Future[dict[ChunkKey, int]] | None:
-        """Start the existence check of the chunks after the first ``l1_hits`` (``keys``: per
-        chunk, its key for every rank). Returns a future of ``{key: value size}`` that resolves
-        on a store thread, or to ``{}`` after ``timeout_s`` (counted), or None when L2 is down."""
+    def begin_lookup(self, model_name: str, world_size: int, hashes: Sequence[bytes],
+                     l1_hits: int) -> TierLookup | None:
+        """Send the existence check of every rank's key of the chunks after the first ``l1_hits``
+        (one pipelined round trip). Returns the lookup, which resolves on the loop once the store
+        answered, or after ``timeout_s`` (counted; the sizes are then empty); None when L2 is down.
+
+        With a :class:`~kvxfer.store.LoopExists` backend the check is sent before anything else
+        is done, so that the rest (bookkeeping here, returning to the loop's poll) overlaps the
+        store's answer; the L2 keys of recently seen chunks are remembered, not derived again."""
         backend = self.backend
         if backend is None or not self.breaker.closed:
             return None
-        ask: list[ChunkKey] = []
-        for rank_keys in keys[l1_hits:]:
-            for key in rank_keys:
-                e = self.index.entries.get(key)
-                if (e is None or e.state is not State.READY) and key not in self.promoting:
-                    ask.append(key)
-        out: Future[dict[ChunkKey, int]] = Future()
-        if not ask:
-            _settle(out, {})
-            return out
-        self.lookups += 1
-        self.lookup_chunks += len(ask)
-        l2_keys = [l2_key(k) for k in ask]
+        if self._keys_kept >= _KEYS_KEPT:  # forget them all (a lookup adds at most its own chunks)
+            self._keys.clear()
+            self._keys_kept = 0
+        cache = self._keys.get((model_name, world_size))
+        if cache is None:
+            cache = self._keys[(model_name, world_size)] = {}
+        keys: list[ChunkKey] = []
+        l2: list[bytes] = []
+        for h in hashes[l1_hits:]:
+            known = cache.get(h)
+            if known is None:
+                known = self._chunk_keys(cache, model_name, world_size, h)
+            keys += known[0]
+            l2 += known[1]
+        lk = TierLookup(self, model_name, world_size, hashes, l1_hits, keys)
         loop = self._loop_exists
+        sent = False
         if loop is not None:
-            self._sync_watch(loop)
-
-            def arrived(sizes: list[int] | None) -> None:
-                if sizes is None:
-                    self._failed(ConnectionError("the store's connection failed during a lookup"), "lookup")
-                    _settle(out, {})
-                else:
-                    self.breaker.success()
-                    _settle(out, dict(zip(ask, sizes)))
-
-            if self._watched_fd is not None and loop.exists_nowait(l2_keys, arrived):
-                self._waiting.append((time.monotonic() + self.config.timeout_s, out))
-                return out
-        try:
-            fut = backend.submit_exists(l2_keys)
-        except StoreUnavailable as exc:
-            self._failed(exc, "lookup")
-            return None
-
-        def got(f: Future[list[int]]) -> None:
+            if loop.loop_fds() is not self._watched_fds:
+                self._sync_watch(loop)
+            sent = bool(self._watched_fds) and loop.exists_nowait(l2, lk.arrived)
+        if not sent:
             try:
-                sizes = f.result()
-            except Exception as exc:  # noqa: BLE001  (any store failure is a miss, counted)
+                fut = backend.submit_exists(l2)
+            except StoreUnavailable as exc:
                 self._failed(exc, "lookup")
-                _settle(out, {})
-                return
-            self.breaker.success()
-            _settle(out, dict(zip(ask, sizes)))
+                return None
+            fut.add_done_callback(functools.partial(_answer_on_loop, lk))
+        # after the send: this overlaps the store's answer
+        self.lookups += 1
+        self.lookup_chunks += len(keys)
+        self._plan(lk)
+        if not lk.done():
+            lk.deadline = time.monotonic() + self.config.timeout_s
+            self._waiting.append(lk)
+        return lk
 
-        fut.add_done_callback(got)
-        if not out.done():
-            self._waiting.append((time.monotonic() + self.config.timeout_s, out))
-        return out
+    def _chunk_keys(self, cache: dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]], model_name: str,
+                    world_size: int, chunk_hash: bytes) -> tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]:
+        """Every rank's chunk key and L2 key of one chunk, remembered in ``cache``."""
+        ck = tuple(ChunkKey(model_name, world_size, r, chunk_hash) for r in range(world_size))
+        known = cache[chunk_hash] = (ck, tuple(l2_key(k) for k in ck))
+        self._keys_kept += 1
+        return known
 
     def _sync_watch(self, backend: LoopExists) -> None:
-        """Have the loop poll the backend's current loop connection (and forget an old one)."""
-        fd = backend.loop_fd()
-        if fd == self._watched_fd:
+        """Have the loop poll the backend's current loop connections (and forget old ones)."""
+        fds = backend.loop_fds()
+        if fds is self._watched_fds:
             return
-        old, self._watched_fd = self._watched_fd, None
-        if old is not None:
+        old = set(self._watched_fds)
+        for fd in old - set(fds):
             assert self._unwatch is not None
-            self._unwatch(old)
-            backend.drop_loop_fd(old)
-        if fd is not None:
-            assert self._watch is not None
-            self._watch(fd, lambda: self._readable(backend))
-            self._watched_fd = fd
+            self._unwatch(fd)
+            backend.drop_loop_fd(fd)
+        for fd in fds:
+            if fd not in old:
+                assert self._watch is not None
+                self._watch(fd, functools.partial(self._readable, backend, fd))
+        self._watched_fds = fds
 
-    def _readable(self, backend: LoopExists) -> None:
-        backend.on_readable()
-        self._sync_watch(backend)
+    def _readable(self, backend: LoopExists, fd: int) -> None:
+        backend.on_readable(fd)
+        if backend.loop_fds() is not self._watched_fds:
+            self._sync_watch(backend)
 
     def tick(self) -> None:
         """On the loop, a few times a second: poll a new loop connection of the store (so that
@@ -575,68 +696,92 @@ class L2Tier:
             return
         now = time.monotonic()
         keep = []
-        for deadline, out in self._waiting:
-            if out.done():
+        for lk in self._waiting:
+            if lk.done():
                 continue
-            if deadline > now:
-                keep.append((deadline, out))
-            elif _settle(out, {}):
+            if lk.deadline > now:
+                keep.append(lk)
+            elif lk.resolve([]):
                 self._count("timeouts")
                 self._failed(TimeoutError(f"no answer within {self.config.timeout_s:g} s"), "lookup")
         self._waiting = keep
 
-    def finish_lookup(
-        self, keys: Sequence[Sequence[ChunkKey]], sizes: dict[ChunkKey, int], promote: bool
-    ) -> tuple[int, int, int]:
-        """Count the leading chunks present for every rank in L1, being promoted, or in L2
-        (``sizes`` from :meth:`begin_lookup`, re-checked against L1 now); with ``promote``,
-        start promoting the L2 ones. Returns ``(hits, l2_hits, leasable)``: leasable chunks
-        have an L1 entry for every rank (readable, or being promoted)."""
-        hits = 0
-        l2_hits = 0
-        wanted: list[tuple[int, ChunkKey, int]] = []
-        for i, rank_keys in enumerate(keys):
+    def _plan(self, lk: TierLookup) -> None:
+        """Read what L1 and the promotions say about the keys ``lk`` asked the store about, so
+        that its answer only has to be compared (see :meth:`finish_lookup`)."""
+        entries = self.index.entries
+        promoting = self.promoting
+        ws = lk.world_size
+        keys = lk.keys
+        need = lk.need
+        l2_chunks = lk.l2_chunks
+        expected: dict[int, int] = {}
+        n = len(keys) // ws
+        lk.stop = n
+        for c in range(n):
             from_l2 = False
-            ok = True
-            for key in rank_keys:
-                e = self.index.entries.get(key)
-                if e is not None and e.state is State.READY:
-                    continue
-                if key in self.promoting:
+            for j in range(c * ws, c * ws + ws):
+                key = keys[j]
+                e = entries.get(key)
+                if e is None:
+                    want = expected.get(key.rank)
+                    if want is None:
+                        fmt = self.expected_format(key)
+                        want = expected[key.rank] = chunk_format_bytes(fmt) if fmt is not None else 0
+                    need.append((c, j, key, want))
                     from_l2 = True
-                    continue
-                size = sizes.get(key, 0) - HEADER_SIZE
-                if e is None and size > 0 and self._plausible(key, size):
+                elif e.state is not State.READY:
+                    if key not in promoting:
+                        lk.stop = c
+                        break
                     from_l2 = True
-                    wanted.append((i, key, size))
-                    continue
-                ok = False
+            if lk.stop == c:
                 break
-            if not ok:
+            if from_l2:
+                l2_chunks.append(c)
+        lk.changes = (self.index.changes, self.promoting_changes)
+
+    def finish_lookup(self, lk: TierLookup, promote: bool) -> tuple[int, int, int]:
+        """Count the leading chunks present for every rank in L1, being promoted, or in L2 (the
+        sizes the store answered); with ``promote``, start promoting the L2 ones. Returns
+        ``(hits, l2_hits, leasable)``: leasable chunks have an L1 entry for every rank (readable,
+        or being promoted). When the index or the promotions changed while the store answered,
+        L1 is read again."""
+        if lk.changes != (self.index.changes, self.promoting_changes):
+            hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:lk.l1_hits])
+            if hits < lk.l1_hits:  # L1 hits left meanwhile: answer with what is left
+                return hits, 0, hits
+            lk.need.clear()
+            lk.l2_chunks.clear()
+            self._plan(lk)
+        sizes = lk.sizes
+        end = lk.stop
+        wanted: list[tuple[int, ChunkKey, int]] = []
+        first = lk.l1_hits
+        for c, j, key, want in lk.need:
+            if c >= end:
                 break
-            hits = i + 1
-            l2_hits += from_l2
-        self.lookup_hits += sum(1 for i, _, _ in wanted if i < hits)
-        wanted = [w for w in wanted if w[0] < hits]
+            size = sizes[j] - HEADER_SIZE if sizes else 0
+            if size > 0 and (size == want if want else size <= self.arena.size):
+                wanted.append((first + c, key, size))
+                continue
+            if size > 0 and want:
+                self._wrong_size(key, size, want)
+            end = c
+        while wanted and wanted[-1][0] >= first + end:  # the other ranks of the chunk that ended it
+            wanted.pop()
+        hits = first + end
+        l2_hits = bisect.bisect_left(lk.l2_chunks, end)
+        self.lookup_hits += len(wanted)
         if promote and wanted:
             hits = min(hits, self._promote(wanted))
-            l2_hits = min(l2_hits, hits)
-        leasable = 0
-        for rank_keys in keys[:hits]:
-            if any(k not in self.index.entries for k in rank_keys):
-                break
-            leasable += 1
-        return hits, l2_hits, leasable
+            return hits, bisect.bisect_left(lk.l2_chunks, hits - first), hits
+        return hits, l2_hits, wanted[0][0] if wanted else hits
 
-    def _plausible(self, key: ChunkKey, size: int) -> bool:
-        """Whether a stored value of ``size`` chunk bytes can be this server's chunk of ``key``."""
-        fmt = self.expected_format(key)
-        if fmt is not None and chunk_format_bytes(fmt) != size:
-            self._count("integrity_failures")
-            log.warning("L2 value of chunk %s of %r has %d bytes; the registered layout %s needs %d: ignored",
-                        key.chunk_hash.hex()[:16], key.model_name, size, fmt, chunk_format_bytes(fmt))
-            return False
-        return size <= self.arena.size
+    def _wrong_size(self, key: ChunkKey, size: int, want: int) -> None:
+        self._count("integrity_failures")
+        log.warning("L2 value of chunk %s of %r has %d bytes; the registered layout %s needs %d: ignored",
+                    key.chunk_hash.hex()[:16], key.model_name, size, self.expected_format(key), want)
 
     # ------------------------------------------------------------------ promotion
 
@@ -668,6 +813,7 @@ class L2Tier:
                            [self.expected_format(e.key) for _, e in res.entries], [None] * n, {})
             for _, e in res.entries:
                 p.done[e.key] = self.promoting[e.key] = Future()
+            self.promoting_changes += 1
             self.promotions += 1
             # split among the read connections: one Valkey thread serves two sockets faster than one
             ways = max(1, min(self.config.readers, n))
@@ -750,6 +896,7 @@ class L2Tier:
         for key, fut in p.done.items():
             if self.promoting.get(key) is fut:
                 del self.promoting[key]
+                self.promoting_changes += 1
             _settle(fut)
 
     def pending(self, keys: Sequence[ChunkKey]) -> Future[None] | None:

@@ -72,6 +72,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: The nice value of the threads that write to L2 (background_thread()).
+BACKGROUND_NICE: Final = 10
+
 #: The store contract version this core implements. A plugin declaring another is refused.
 STORE_API_VERSION: Final = 1
 
@@ -206,30 +209,47 @@ class LoopExists(Protocol):
     """Optional: existence checks that the server's loop thread sends and reads itself, with no
     thread hand-off (a lookup then costs about one round trip more than an L1 lookup).
 
-    Every method runs on the loop thread and never blocks. The backend keeps one connection for
-    it; the loop polls that connection's descriptor (:meth:`loop_fd`) with its own sockets and
-    calls :meth:`on_readable` when it is readable. A backend that cannot now (no healthy
-    connection, a cluster, TLS) answers False and the server uses :meth:`Backend.submit_exists`.
+    Every method runs on the loop thread and never blocks. The backend keeps connections for it
+    (e.g. one per node of a cluster); the loop polls their descriptors (:meth:`loop_fds`) with
+    its own sockets and calls :meth:`on_readable` for each readable one. A backend that cannot
+    now (a connection missing or failed, TLS) answers False and the server uses
+    :meth:`Backend.submit_exists`.
     """
 
-    def loop_fd(self) -> int | None:
-        """The descriptor of the healthy loop connection, or None."""
+    def loop_fds(self) -> Sequence[int]:
+        """The descriptors of the healthy loop connections (the same object while they do not
+        change: the loop compares it with the last one it saw)."""
         ...
 
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
         """Send an existence check of ``keys`` (sizes, 0 where absent) without blocking. ``done``
-        is called later on the loop, from :meth:`on_readable`, with the sizes, or with None if the
-        connection failed. Returns False (and never calls ``done``) when it cannot send now."""
+        is called on the loop, from :meth:`on_readable`, with the sizes, or with None if a
+        connection failed (possibly before this returns, when a check going to several
+        connections could be sent on some only). Returns False (and never calls ``done``) when it
+        cannot send now."""
         ...
 
-    def on_readable(self) -> None:
-        """Read what the loop connection has (never blocking) and call ``done`` of every check
-        that is complete. A connection that failed stops being :meth:`loop_fd`."""
+    def on_readable(self, fd: int) -> None:
+        """Read what the loop connection ``fd`` has (never blocking) and call ``done`` of every
+        check that is complete. A connection that failed leaves :meth:`loop_fds`."""
         ...
 
     def drop_loop_fd(self, fd: int) -> None:
         """Close an old loop connection, after the caller stopped polling ``fd``."""
         ...
+
+
+def background_thread() -> None:
+    """Lower the calling thread's CPU priority to nice 10: writes to L2 are off the request's
+    path and should not take cores from it on a host short of them, yet not starve next to busy
+    neighbours either (against one busy thread at nice 0, a nice-10 thread gets about a tenth of
+    a core, a nice-19 one about 1.5%). Linux only; elsewhere, and when refused, it does nothing."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def redact_url(url: str) -> str:
@@ -271,7 +291,8 @@ class ThreadedBackend(Backend):
         self._close_lock = threading.Lock()
         self._control = ThreadPoolExecutor(2, thread_name_prefix=f"kvxfer-l2-{store_name}-ctl")
         self._read = ThreadPoolExecutor(max(1, options.read_workers), thread_name_prefix=f"kvxfer-l2-{store_name}-rd")
-        self._write = ThreadPoolExecutor(max(1, options.write_workers), thread_name_prefix=f"kvxfer-l2-{store_name}-wr")
+        self._write = ThreadPoolExecutor(max(1, options.write_workers), thread_name_prefix=f"kvxfer-l2-{store_name}-wr",
+                                         initializer=background_thread)
 
     # ------------------------------------------------------------------ blocking, for subclasses
 

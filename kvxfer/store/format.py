@@ -93,6 +93,7 @@ def checksum(data: memoryview | bytes | bytearray) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+@functools.lru_cache(maxsize=256)
 def chunk_format_bytes(fmt: str) -> int:
     """Bytes of one chunk of format ``fmt`` (``dtype:AxBxCxD[:page]``, the chunk's shape in
     elements); IntegrityError if malformed."""

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from kvxfer import CacheClient
+from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError
-from kvxfer.server.index import ChunkKey
-from kvxfer.server.tier import Breaker, TierConfig, parse_admission
+from kvxfer.server.index import ChunkIndex, ChunkKey
+from kvxfer.server.tier import Breaker, L2Tier, TierConfig, parse_admission
 from kvxfer.store.format import HEADER_SIZE, IntegrityError, decode_header, encode_header, l2_key
 from kvxfer.testing.server import ServerProcess
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
@@ -215,10 +216,11 @@ def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
             ctx = c.register(kv, model_name="adm", block_size=BLOCK_SIZE, transport="cpu_gather")
             keys = [b"a" + bytes([i]) * 15 for i in range(3)]
             ctx.submit_store(keys, blocks_of(0, 3)).result(TIMEOUT)
+            ctx.submit_retrieve(keys[:1], blocks_of(4, 1)).result(TIMEOUT)  # a read is not a hit
+            assert c.lookup("adm", hashes=keys[:2]) == 2  # the first hit of chunks 0 and 1
             time.sleep(0.3)
-            assert c.status().tiers[0].writes == 0, "hits:2 writes nothing before two reads"
-            for _ in range(2):
-                ctx.submit_retrieve(keys[:1], blocks_of(4, 1)).result(TIMEOUT)
+            assert c.status().tiers[0].writes == 0, "hits:2 writes nothing before two lookups found it"
+            assert c.lookup("adm", hashes=keys[:1]) == 1  # the second of chunk 0
             assert settled(c, 1)
             assert c.status().tiers[0].writes == 1
             ctx.close()
@@ -234,3 +236,57 @@ def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
             tier = c.status().tiers[0]
             assert tier.drops >= 1 and tier.writes + tier.drops == 16, tier
             ctx.close()
+
+
+# --------------------------------------------------------------------------- a lookup that waits
+
+
+def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered(tmp_path: Path) -> None:
+    """In process, with the real fs store, arena and index: what a lookup read of L1 while its
+    check was out holds only while nothing changed; a change makes it read L1 again, and hits
+    that left L1 meanwhile are not counted."""
+    arena = Arena.create(1 << 20, tmp_path)
+    index = ChunkIndex(arena.size)
+    calls: list = []
+    tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=0), index, arena, calls.append,
+                  lambda key: None)
+    tier.start()
+
+    def pump(until) -> None:  # play the loop: run what other threads handed to it
+        deadline = time.monotonic() + TIMEOUT
+        while not until():
+            assert time.monotonic() < deadline
+            while calls:
+                calls.pop(0)()
+            time.sleep(0.005)
+
+    def store(hashes: list[bytes]) -> None:
+        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 4096, 1)
+        for _, e in res.entries:
+            arena.memoryview(e.offset, e.size)[:] = e.key.chunk_hash * 256
+        tier.offer([e for _, e in index.commit_write(res)])
+
+    try:
+        hashes = [bytes([i]) * 16 for i in range(4)]
+        store(hashes)
+        pump(lambda: tier.writes == 4)
+        assert len(index.clear()) == 4
+        store(hashes[:2])  # chunks 0 and 1 in L1 again; all four in L2
+
+        def lookup(meanwhile) -> tuple[int, int, int]:
+            hits = index.lookup("m", 1, hashes)
+            assert hits == 2
+            lk = tier.begin_lookup("m", 1, hashes, hits)
+            assert lk is not None
+            meanwhile()
+            pump(lk.done)
+            return tier.finish_lookup(lk, promote=False)
+
+        assert lookup(lambda: None) == (4, 2, 2)  # nothing changed: the answer is only compared
+        assert lookup(lambda: store([b"x" * 16])) == (4, 2, 2)  # a change elsewhere: L1 read again
+        lease = index.lease("m", 1, hashes[1:2], 30)
+        assert lookup(lambda: index.clear()) == (0, 0, 0), "chunk 0 left L1 while the store answered"
+        index.release_lease(lease)
+    finally:
+        tier.close()
+        arena.close()

