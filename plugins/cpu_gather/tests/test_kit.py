@@ -22,20 +22,23 @@ from kvxfer.layout import LayoutKind
 from kvxfer.testing import OverrideError, ServerProcess, TransportConformance
 from kvxfer.testing.harness import CHUNK_SIZE, Kit
 from kvxfer.testing.imports import private_imports
+from kvxfer.testing.kvdata import View
 from kvxfer.transport import registry
 
 MUTANTS = Path(__file__).parent / "mutants"
 LAYOUT = LayoutKind.FLASH_ATTN
+#: bhnc views whose rows are not back to back: layers interleaved in one buffer, padded pages.
+CROSS, BY_HEAD, PADDED = View("BLHNC"), View("BHLNC"), View("BLNHC", page_pad=40)
 
 #: mutant -> kit tests (with their parameters) that must fail against it.
 MUST_FAIL: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "mutant_flip": [
-        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "float16"}),
-        ("test_reference_retrieves_chunks_it_stored", {"kind": LAYOUT}),
+        ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "float16"}),
+        ("test_reference_retrieves_chunks_it_stored", {"layout": LAYOUT}),
     ],
     "mutant_through_float": [
-        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "bfloat16"}),
-        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "float32"}),
+        ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "bfloat16"}),
+        ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "float32"}),
     ],
     "mutant_ignore_skip": [
         ("test_skip_first_n_tokens", {"skip": 16}),
@@ -46,7 +49,22 @@ MUST_FAIL: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("test_retrieve_of_unknown_keys_touches_nothing", {}),
         ("test_skip_first_n_tokens", {"skip": 48}),
     ],
+    "mutant_contiguous": [
+        ("test_round_trip_is_bit_exact", {"layout": CROSS, "dtype": "float8_e4m3fn"}),
+        ("test_round_trip_is_bit_exact", {"layout": View("LBHNC", page_pad=32), "dtype": "float16"}),
+        ("test_reference_retrieves_chunks_it_stored", {"layout": BY_HEAD}),
+        ("test_retrieves_chunks_stored_by_the_reference", {"layout": PADDED}),
+        ("test_bytes_outside_the_named_blocks_are_never_written", {"view": PADDED}),
+    ],
 }
+#: mutant_contiguous passes the kit on the older layouts and on contiguous views: before the kit
+#: had vLLM's views, nothing in it caught a transport that assumes contiguity.
+CONTIGUOUS_PASSES: list[tuple[str, dict[str, Any]]] = [
+    ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "bfloat16"}),
+    ("test_reference_retrieves_chunks_it_stored", {"layout": LayoutKind.FLASHINFER}),
+    ("test_retrieves_chunks_stored_by_the_reference", {"layout": LayoutKind.MLA}),
+    ("test_round_trip_is_bit_exact", {"layout": View("LBHNC"), "dtype": "bfloat16"}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +98,11 @@ def test_kit_rejects_broken_transports(mutants_server: ServerProcess, mutant: st
         _run_kit_test(mutants_server, "cpu_gather", test, params)
         with pytest.raises(AssertionError):
             _run_kit_test(mutants_server, mutant, test, params)
+
+
+def test_only_vllms_views_catch_a_transport_that_assumes_contiguity(mutants_server: ServerProcess) -> None:
+    for test, params in CONTIGUOUS_PASSES:
+        _run_kit_test(mutants_server, "mutant_contiguous", test, params)
 
 
 def test_kit_stops_a_run_whose_test_was_replaced(tmp_path: Path) -> None:
