@@ -116,6 +116,9 @@ class Kit:
         else:
             spec = KVSpec(layout, dtype, **fields)
         self.require(spec.kind, dtype)
+        if not self.caps.strided_layers and not all(t.is_contiguous() for t in make_kv(spec)):
+            pytest.skip(f"{self.name} moves only contiguous layers (Capabilities.strided_layers), and "
+                        f"{spec.id} layers are strided")
         return spec
 
     @property

@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from kvxfer.layout import LayoutKind
+from kvxfer import CacheClient
+from kvxfer.errors import LayoutError, TransportNotFound
+from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.testing import OverrideError, ServerProcess, TransportConformance
 from kvxfer.testing.harness import CHUNK_SIZE, Kit
 from kvxfer.testing.imports import private_imports
-from kvxfer.testing.kvdata import View
+from kvxfer.testing.kvdata import KVSpec, View, make_kv
 from kvxfer.transport import registry
 
 MUTANTS = Path(__file__).parent / "mutants"
@@ -72,7 +75,7 @@ def mutants_server() -> Iterator[ServerProcess]:
     """A real server that loads cpu_gather and the mutants (found through their dist-info, as
     in-process discovery finds them while this module's tests run)."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(MUTANTS), os.environ.get("PYTHONPATH")]))}
-    names = ",".join(["cpu_gather", *MUST_FAIL])
+    names = ",".join(["cpu_gather", *MUST_FAIL, "contiguous_only"])
     sys.path.insert(0, str(MUTANTS))
     registry.refresh()
     try:
@@ -103,6 +106,29 @@ def test_kit_rejects_broken_transports(mutants_server: ServerProcess, mutant: st
 def test_only_vllms_views_catch_a_transport_that_assumes_contiguity(mutants_server: ServerProcess) -> None:
     for test, params in CONTIGUOUS_PASSES:
         _run_kit_test(mutants_server, "mutant_contiguous", test, params)
+
+
+def test_a_transport_that_moves_only_contiguous_layers_says_so(mutants_server: ServerProcess) -> None:
+    """contiguous_only has mutant_contiguous's copies and claims no strided layers: the kit runs
+    it on contiguous views and skips the rest with the reason; the core never registers a
+    strided cache with it ("auto" passes it over)."""
+    _run_kit_test(mutants_server, "contiguous_only", "test_round_trip_is_bit_exact",
+                  {"layout": View("LBHNC", kernel_blocks=2), "dtype": "bfloat16"})
+    with pytest.raises(pytest.skip.Exception, match=r"only contiguous layers \(Capabilities.strided_layers\)"):
+        _run_kit_test(mutants_server, "contiguous_only", "test_round_trip_is_bit_exact",
+                      {"layout": CROSS, "dtype": "bfloat16"})
+    strided = make_kv(KVSpec(LayoutKind.BHNC, "bfloat16", view=PADDED))
+    with CacheClient(mutants_server.url) as client:
+        with pytest.raises(LayoutError, match=r"transport 'contiguous_only' moves only contiguous layers, and "
+                                              r"layer 0 is a \[32, 2, 16, 32\] view with strides"):
+            client.register(strided, model_name="strided", block_size=16, transport="contiguous_only")
+        assert not client.status().contexts
+    layout = KVLayout.infer(strided, 16)
+    with pytest.raises(TransportNotFound, match=r"contiguous_only moves only contiguous layers"):
+        registry.select("auto", torch.device("cpu"), among=["contiguous_only"], kv=(layout, strided))
+    dense = make_kv(KVSpec(LayoutKind.BHNC, "bfloat16"))
+    assert registry.select("auto", torch.device("cpu"), among=["contiguous_only"],
+                           kv=(KVLayout.infer(dense, 16), dense)).name == "contiguous_only"
 
 
 def test_kit_stops_a_run_whose_test_was_replaced(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """Deliberately broken transports (cpu_gather with one bug each) that the conformance kit must
-reject. Installed for a test run only, through the dist-info next to this file."""
+reject, and ``contiguous_only``, the honest twin of ``mutant_contiguous``: the same copies,
+with the capabilities they have. Installed for a test run only, through the dist-info next to
+this file."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 
 from kvxfer import RetrieveResult
-from kvxfer.transport import RowCopy, Transfer, copy_view
+from kvxfer.transport import Capabilities, RowCopy, Transfer, copy_view
 from kvxfer_cpu_gather import CpuGatherContext, CpuGatherTransport
 
 
@@ -86,3 +88,12 @@ class ClobberTransport(CpuGatherTransport):
 class ContiguousTransport(CpuGatherTransport):
     name = "mutant_contiguous"
     context_type = ContiguousContext
+
+
+class ContiguousOnlyTransport(CpuGatherTransport):
+    """Says what it moves: contiguous layers only. The core hands it nothing else, and the kit
+    skips the strided views for it."""
+
+    name = "contiguous_only"
+    context_type = ContiguousContext
+    capabilities = Capabilities(device_types=frozenset({"*"}), strided_layers=False)
