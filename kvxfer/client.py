@@ -40,7 +40,7 @@ from kvxfer.urls import default_url
 if TYPE_CHECKING:  # loaded by register(): a client that only looks up or reports needs no torch
     import torch
 
-    from kvxfer.layout import LayoutKind
+    from kvxfer.layout import KVLayout, LayoutKind
     from kvxfer.transport.contract import TransferContext, TransferContextBase, Transport
 
 Reply = TypeVar("Reply", bound=m.Message)
@@ -193,7 +193,7 @@ class CacheClient:
         layers = as_layer_list(kv_caches)
         kv_layout = KVLayout.infer(layers, block_size, layout)
         kv_layout.blocks_per_chunk(self.chunk_size)
-        chosen = self._pick_transport(transport, layers[0].device)
+        chosen = self._pick_transport(transport, layers[0].device, kv_layout, layers)
         identity = InstanceIdentity(secrets.randbits(62) + 1, model_name, world_size, rank)
         with plugin_step(chosen.name, "client_context"):
             ctx = chosen.client_context(self, layers, kv_layout, identity)
@@ -205,7 +205,8 @@ class CacheClient:
         self._contexts.add(ctx)
         return ctx
 
-    def _pick_transport(self, name: str, device: torch.device) -> Transport:
+    def _pick_transport(self, name: str, device: torch.device, layout: KVLayout,
+                        layers: list[torch.Tensor]) -> Transport:
         from kvxfer.transport import registry
 
         if name != registry.AUTO and name not in self.server_transports:
@@ -216,7 +217,7 @@ class CacheClient:
                 f"{', '.join(self.server_transports)}. Restart it with --transports {name}"
             )
         try:
-            return registry.select(name, device, among=self.server_transports)
+            return registry.select(name, device, among=self.server_transports, kv=(layout, layers))
         except TransportNotFound as exc:
             raise TransportUnavailable(f"no transport loaded by the server at {self.url} fits: {exc}") from None
 

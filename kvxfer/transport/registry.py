@@ -11,18 +11,27 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Final
 
 from stevedore import DriverManager, ExtensionManager
 
-from kvxfer.errors import KvxferError, TransportBroken, TransportError, TransportNotFound, TransportUnavailable
+from kvxfer.errors import (
+    KvxferError,
+    LayoutError,
+    TransportBroken,
+    TransportError,
+    TransportNotFound,
+    TransportUnavailable,
+)
 from kvxfer.transport.contract import API_VERSION, Probe, Transport
 
 if TYPE_CHECKING:
     import torch
+
+    from kvxfer.layout import KVLayout
 
 __all__ = ["NAMESPACE", "EntryPointGroup", "PluginInfo", "TRANSPORTS", "get_transport", "list_plugins", "select",
            "refresh"]
@@ -224,10 +233,13 @@ def list_plugins() -> list[PluginInfo]:
     return TRANSPORTS.list()
 
 
-def select(name: str, device: torch.device, among: Collection[str] | None = None) -> Transport:
+def select(name: str, device: torch.device, among: Collection[str] | None = None, *,
+           kv: tuple[KVLayout, Sequence[torch.Tensor]] | None = None) -> Transport:
     """The transport for KV tensors on ``device``: ``name``, or, for ``"auto"``, the one with the
     highest :meth:`Transport.priority_for` among ``among`` (default: every installed one) that
-    can serve the device here."""
+    can serve the device here. With ``kv`` (the layout and its layers), only a transport whose
+    capabilities claim them (:meth:`Capabilities.refusal`); a named one that does not raises
+    :class:`LayoutError`."""
     if name != AUTO:
         transport = get_transport(name)
         if not transport.serves(device):
@@ -236,19 +248,28 @@ def select(name: str, device: torch.device, among: Collection[str] | None = None
                 f"(it serves {', '.join(sorted(transport.capabilities.device_types))}; here: "
                 f"{transport.probe().reason or 'see kvxfer plugins'})"
             )
+        why = None if kv is None else transport.capabilities.refusal(*kv)
+        if why is not None:
+            raise LayoutError(f"transport {name!r} {why}; register through another transport, or 'auto'")
         return transport
     names = installed_names() if among is None else list(among)
     candidates = []
+    refused = []
     for n in names:
         try:
             t = _load(n)
         except TransportError:  # not installed here, or broken: `kvxfer plugins` says which
             continue
-        if t.serves(device):
+        if not t.serves(device):
+            continue
+        why = None if kv is None else t.capabilities.refusal(*kv)
+        if why is None:
             candidates.append(t)
+        else:
+            refused.append(f"{n} {why}")
     if not candidates:
         raise TransportNotFound(
-            f"none of the transports {', '.join(names) or '(none)'} can move KV tensors on {device} here "
-            f"(see `kvxfer plugins`)"
+            f"none of the transports {', '.join(names) or '(none)'} can move KV tensors on {device} here"
+            + (f" ({'; '.join(refused)})" if refused else " (see `kvxfer plugins`)")
         )
     return max(candidates, key=lambda t: (t.priority_for(device), t.name))

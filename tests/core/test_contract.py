@@ -20,6 +20,8 @@ from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_
 
 from kvxfer import CacheClient, ConfigError, TransportFailed, chunk_hashes
 from kvxfer.errors import ServerInternalError
+from kvxfer.layout import KVLayout, LayoutKind
+from kvxfer.testing.kvdata import KVSpec, View, make_kv
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import (
     API_VERSION,
@@ -103,6 +105,25 @@ def test_consistent_declarations_pass() -> None:
     assert _transport(context_type=_ClientDriven).contract_errors() == []
     assert _transport(context_type=_ServerDriven, server_context_type=_Server, registration_type=_Reg,
                       ).contract_errors() == []
+
+
+def test_capabilities_refuse_what_they_do_not_claim() -> None:
+    """What a transport leaves out of its capabilities, the core never registers with it."""
+    cpu = frozenset({"cpu"})
+    layers = make_kv(KVSpec(LayoutKind.FLASH_ATTN, "float16"))
+    layout = KVLayout.infer(layers, BLOCK_SIZE)
+    assert Capabilities(cpu).refusal(layout, layers) is None
+    assert Capabilities(cpu, strided_layers=False).refusal(layout, layers) is None  # contiguous
+    assert Capabilities(cpu, layouts=frozenset({LayoutKind.BHNC, LayoutKind.MLA})).refusal(layout, layers) == \
+        "does not move flash_attn KV caches (it claims bhnc, mla)"
+    assert Capabilities(cpu, dtypes=frozenset({"bfloat16"})).refusal(layout, layers) == \
+        "does not move float16 KV caches (it claims bfloat16)"
+    views = make_kv(KVSpec(LayoutKind.BHNC, "float16", view=View("BLHNC")))
+    why = Capabilities(cpu, strided_layers=False).refusal(KVLayout.infer(views, BLOCK_SIZE), views)
+    assert why is not None and why.startswith("moves only contiguous layers, and layer 0 is a [32, 2, 16, 32] view "
+                                              "with strides [2048, 512, 32, 1]")
+    dense = make_kv(KVSpec(LayoutKind.BHNC, "float16"))
+    assert Capabilities(cpu, strided_layers=False).refusal(KVLayout.infer(dense, BLOCK_SIZE), dense) is None
 
 
 # --------------------------------------------------------------------------- a real server

@@ -13,9 +13,13 @@ OpenAI-compatible server), against one real ``kvxfer serve`` process:
   loads those chunks;
 * a hybrid model (sliding-window and full-attention layers: two KV cache groups) loads every
   group and answers as it did without the load;
-* ``python -m vllm.entrypoints.openai.api_server`` answers a completion on 127.0.0.1 with a hit.
+* ``python -m vllm.entrypoints.openai.api_server`` answers a completion on 127.0.0.1 with a hit;
+* a load that fails (the server stalled between the lookup that found the chunks and the load,
+  the load abandoned at ``kvxfer.load_timeout_ms``): with vLLM's ``kv_load_failure_policy``
+  ``"fail"`` (its default) the request finishes with reason ``error`` and no tokens, and the
+  engine serves the requests after it; with ``"recompute"`` the answer is vLLM's own.
 
-vLLM on 2 cores is slow to start (~10-20 s a process): six processes in all.
+vLLM on 2 cores is slow to start (~10-20 s a process): eight processes in all.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def vllm_env() -> dict[str, str]:
 
 def run_vllm(tmp: Path, name: str, model: Path, batches: list[list[list[int]]],
              connector: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
-    """One vLLM process (vllm_run.py); returns its result."""
+    """One vLLM process (vllm_run.py); returns its result, with its log as ``"log"``."""
     out = tmp / f"{name}.json"
     spec_path = tmp / f"{name}.spec.json"
     spec_path.write_text(json.dumps({"model": str(model), "batches": batches, "connector": connector,
@@ -68,7 +72,7 @@ def run_vllm(tmp: Path, name: str, model: Path, batches: list[list[list[int]]],
     proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(spec_path)], env=vllm_env(),
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"vLLM run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "log": proc.stdout + proc.stderr}
 
 
 def connector(url: str, *, transport: str = "cpu_gather", by: str = "module", **extra: Any) -> dict[str, Any]:
@@ -161,6 +165,53 @@ def test_layerwise_loads_inside_the_forward_pass(work: Path, models: dict[str, P
     load = run_vllm(work, "layerwise-load", models["a"], [[prompt]], lw)
     assert hits(load["batches"][0]) == 9 * CHUNK, load["batches"][0]["counters"]
     assert load["batches"][0]["tokens"] == store["batches"][0]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def stalled(work: Path) -> Iterator[ServerProcess]:
+    """A server of its own, for the tests that stop it (SIGSTOP) mid-request."""
+    with ServerProcess(l1_size="64MiB", chunk_size=CHUNK, transports="cpu_gather") as srv:
+        yield srv
+
+
+#: Stalled between lookup and load, a load is abandoned at this deadline: long enough that no load
+#: of a running server misses it on a loaded 2-core machine, short enough to keep the test quick,
+#: and below kvxfer.timeout_s (else the load ends as a server error, kvxfer.on_server_error's case).
+LOAD_DEADLINE_MS = 2000
+
+
+def test_a_failed_load_under_vllms_fail_policy_errors_its_request_and_vllm_serves_on(
+        work: Path, models: dict[str, Path], stalled: ServerProcess, baseline: list[list[int]]) -> None:
+    """kv_load_failure_policy="fail", vLLM 0.32's default, and kvxfer's defaults but the deadline.
+    vLLM's own prefix cache is off, so every repeat of LONG is a kvxfer load."""
+    res = run_vllm(work, "policy-fail", models["a"], [[LONG], [LONG], [LONG]],
+                   {**connector(stalled.url, load_timeout_ms=LOAD_DEADLINE_MS), "failure_policy": "fail"},
+                   prefix_caching=False, stall={"pid": stalled.pid, "batch": 1})
+    stored, failed, after = res["batches"]
+    assert stored["tokens"] == [baseline[0]] and hits(stored) == 0
+    assert failed["stalled"]
+    assert failed["finish_reasons"] == ["error"] and failed["tokens"] == [[]], failed
+    assert f"missed its {LOAD_DEADLINE_MS} ms deadline" in res["log"]  # abandoned at the deadline, not lost
+    assert "Failing 1 request(s) due to KV load failure (failure_policy=fail" in res["log"]
+    assert after["finish_reasons"] == ["length"] and after["tokens"] == [baseline[0]]
+    assert hits(after) == 9 * CHUNK, after["counters"]  # the server is back: the next request loads
+
+
+def test_a_failed_load_under_vllms_recompute_policy_answers_as_vllm_alone(
+        work: Path, models: dict[str, Path], stalled: ServerProcess, baseline: list[list[int]]) -> None:
+    """kv_load_failure_policy="recompute": the request that found the server stalled is computed,
+    its answer vLLM's own; with kvxfer.on_server_error="recompute" the lookup vLLM repeats for
+    it finds the server gone instead of failing the engine."""
+    res = run_vllm(work, "policy-recompute", models["a"], [[LONG], [LONG], [PART]],
+                   connector(stalled.url, load_timeout_ms=LOAD_DEADLINE_MS, on_server_error="recompute",
+                             timeout_s=4),
+                   prefix_caching=False, stall={"pid": stalled.pid, "batch": 1})
+    _, recomputed, later = res["batches"]
+    assert recomputed["stalled"]
+    assert recomputed["finish_reasons"] == ["length"] and recomputed["tokens"] == [baseline[0]]
+    assert f"missed its {LOAD_DEADLINE_MS} ms deadline" in res["log"]
+    assert "Recovered from KV load failure" in res["log"]
+    assert later["tokens"] == [baseline[1]]
 
 
 def _free_port() -> int:

@@ -3,17 +3,27 @@ happened as JSON.
 
 ``python vllm_run.py SPEC.json`` where the spec names the model, the connector settings (none:
 vLLM without kvxfer) and the prompts; each entry of ``"batches"`` is one ``generate`` call. The
-result (``"out"`` path of the spec) holds, per batch, each prompt's greedy tokens and vLLM's
-``num_cached_tokens``, the deltas of vLLM's own prefix-cache counters
+result (``"out"`` path of the spec) holds, per batch, each prompt's greedy tokens, finish reason
+and vLLM's ``num_cached_tokens``, the deltas of vLLM's own prefix-cache counters
 (``vllm:external_prefix_cache_hits`` and friends) over the batch, and its wall time. Runs the
 engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller) to start fast.
+
+A fault, for failed-load tests: ``"stall": {"pid": PID, "batch": I}`` stops process PID (the
+kvxfer server) with SIGSTOP the moment vLLM's scheduler has planned the first load of batch I
+(after the lookup that found the chunks, before the worker's load), and resumes it with SIGCONT
+once that batch has returned. The one thing patched is the connector's
+``build_connector_meta``, wrapped to send the signal; vLLM, the connector and the server run as
+they are.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -26,8 +36,33 @@ def _counters(llm: Any) -> dict[str, float]:
     return out
 
 
+class _Stall:
+    """Stops ``pid`` when the first load of an armed batch is planned (see the module docstring)."""
+
+    def __init__(self, pid: int) -> None:
+        from kvxfer.integrations.vllm import KvxferConnector
+
+        self.pid = pid
+        self.armed = self.stopped = False
+        build = KvxferConnector.build_connector_meta
+
+        def build_connector_meta(connector: Any, scheduler_output: Any) -> Any:
+            meta = build(connector, scheduler_output)
+            if self.armed and getattr(meta, "loads", None):
+                os.kill(self.pid, signal.SIGSTOP)
+                self.armed, self.stopped = False, True
+            return meta
+
+        KvxferConnector.build_connector_meta = build_connector_meta
+
+    def resume(self) -> None:
+        if self.stopped:
+            os.kill(self.pid, signal.SIGCONT)
+            self.stopped = False
+
+
 def main(spec_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
+    spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -49,14 +84,23 @@ def main(spec_path: str) -> None:
               enable_prefix_caching=spec.get("prefix_caching", True), seed=0, **kwargs)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "batches": []}
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8))
-    for batch in spec["batches"]:
+    stall = _Stall(spec["stall"]["pid"]) if spec.get("stall") else None
+    for i, batch in enumerate(spec["batches"]):
         before = _counters(llm)
         t1 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        if stall is not None:
+            stall.armed = i == spec["stall"]["batch"]
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        finally:
+            if stall is not None:
+                stall.resume()
         wall = time.perf_counter() - t1
         after = _counters(llm)
         result["batches"].append({
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+            "stalled": stall is not None and i == spec["stall"]["batch"] and not stall.armed,
             "cached": [o.num_cached_tokens for o in outs],
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
             "wall_s": wall,

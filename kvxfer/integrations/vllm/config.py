@@ -29,8 +29,8 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.chunk_size": "tokens per chunk; must equal the server's --chunk-size (default: the server's)",
     "kvxfer.timeout_s": "seconds to wait for any server request (default 5)",
     "kvxfer.lease_s": "seconds a lookup keeps its hits from eviction until they are loaded (default 60)",
-    "kvxfer.load_timeout_ms": "milliseconds a load may take before its blocks are reported as failed and "
-                              "recomputed (default 0: no deadline but kvxfer.timeout_s)",
+    "kvxfer.load_timeout_ms": "milliseconds a load may take before its blocks are reported as not loaded "
+                              "(default 0: no deadline but kvxfer.timeout_s)",
     "kvxfer.on_server_error": "'fail' (default: raise) or 'recompute' (carry on without the cache)",
     "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server (default 5)",
     "kvxfer.model_name": "readable label of stored chunks (default: the model path and its KV dtype)",

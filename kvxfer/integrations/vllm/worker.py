@@ -366,7 +366,8 @@ class WorkerConnector:
         if load.future.cancel():
             load.abandoned = True
             self.stats["expired_loads"] += 1
-            log.warning("kvxfer: the load of request %s missed its %.0f ms deadline; its %d chunks are recomputed",
+            log.warning("kvxfer: the load of request %s missed its %.0f ms deadline; its %d chunks are reported "
+                        "not loaded (vLLM's kv_load_failure_policy recomputes them or fails the request)",
                         load.op.req_id, self.config.load_timeout_s * 1000, len(load.op.keys))
         elif not load.overdue:
             load.overdue = True
@@ -392,7 +393,7 @@ class WorkerConnector:
                 res = load.future.result()
                 bad += _unskipped(op, res.missing, bs)
                 self.stats["loaded_chunks"] += len(res.loaded)
-            except TransportFailed:  # the transport's copy failed: those blocks are recomputed
+            except TransportFailed:  # the transport's copy failed: those blocks are reported not loaded
                 log.exception("kvxfer: loading request %s failed", op.req_id)
                 bad += _unskipped(op, range(len(op.keys)), bs)
             except KvxferError as exc:

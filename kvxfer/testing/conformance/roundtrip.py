@@ -1,46 +1,53 @@
-"""Conformance: bit-exact store/retrieve over every claimed layout and dtype, dedupe, partial
-hits, skip_first_n_tokens, ordering and request validation."""
+"""Conformance: bit-exact store/retrieve over every claimed layout (the older kinds, and current
+vLLM's bhnc views) and dtype, dedupe, partial hits, skip_first_n_tokens, ordering and request
+validation."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
 import torch
 
 from kvxfer.errors import ConfigError
-from kvxfer.layout import LayoutKind
-from kvxfer.testing.harness import BLOCK_SIZE, CHUNK_SIZE, DTYPES, LAYOUTS, Kit
-from kvxfer.testing.kvdata import KVSpec, as_bytes, describe_diff, equal_bytes, put_chunks
+from kvxfer.testing.harness import BLOCK_SIZE, CHUNK_SIZE, DTYPES, LAYOUTS, VIEWS, Kit, Layout, layout_id
+from kvxfer.testing.kvdata import KVBytes, KVSpec, View, as_bytes, describe_diff, equal_bytes, put_chunks
 
 __all__ = ["RoundTripTests", "assert_retrieved"]
 
-COMBOS = [(k, d) for k in LAYOUTS for d in DTYPES]
+#: Every older layout with every dtype, and each bhnc view with its dtype (harness.VIEWS).
+COMBOS: list[tuple[Layout, str]] = [*((k, d) for k in LAYOUTS for d in DTYPES), *VIEWS]
+#: Cross-layer buffers in which other layers' pages, and padding, lie between a layer's pages.
+OUTSIDE = [View("BLNHC", page_pad=40), View("BHLNC")]
 
 
-def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], before: Sequence[torch.Tensor],
+def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], before: KVBytes,
                      blocks: Sequence[int], chunks: torch.Tensor, skip_blocks: int = 0,
                      only: Sequence[int] | None = None) -> None:
-    """``layers`` (after a retrieve into ``blocks``) equal ``before`` with exactly ``chunks``
-    written where a correct retrieve writes them, bit for bit, and nothing else changed."""
-    want = [t.clone() for t in before]
-    put_chunks(want, spec.kind, blocks, spec.blocks_per_chunk(CHUNK_SIZE), chunks, skip_blocks, only)
+    """``layers`` (after a retrieve into ``blocks``) equal ``before`` (:func:`as_bytes` of the
+    same layers) with exactly ``chunks`` written where a correct retrieve writes them, bit for
+    bit, and nothing else changed: not another block, not a byte of the memory behind the layers
+    outside their pages (padding, the pages of layers not registered)."""
+    want = before.clone()
+    put_chunks(want, spec, blocks, spec.blocks_per_chunk(CHUNK_SIZE), chunks, skip_blocks, only)
     got = as_bytes(layers)
-    assert equal_bytes(got, want), f"KV cache after retrieve differs: {describe_diff(got, want, spec.kind)}"
+    assert equal_bytes(got, want), f"KV cache after retrieve differs: {describe_diff(got, want, spec)}"
 
 
 class RoundTripTests:
-    @pytest.mark.parametrize("kind,dtype", COMBOS, ids=[f"{k.value}-{d}" for k, d in COMBOS])
-    def test_round_trip_is_bit_exact(self, kit: Kit, kind: LayoutKind, dtype: str) -> None:
+    @pytest.mark.parametrize("layout,dtype", COMBOS, ids=[f"{layout_id(k)}-{d}" for k, d in COMBOS])
+    def test_round_trip_is_bit_exact(self, kit: Kit, layout: Layout, dtype: str) -> None:
         """Random bytes (NaN payloads included) from random blocks, stored, checked in the server
-        through the backdoor, then retrieved into other random blocks of the same cache."""
-        spec = kit.spec(kind, dtype)
+        through the backdoor, then retrieved into other random blocks of the same cache; nothing
+        else of the memory behind the layers changes."""
+        spec = kit.spec(layout, dtype)
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)
         keys = kit.keys(3)
         src = kit.blocks(spec, 3)
         before = as_bytes(layers)
-        want = kit.chunks_of(layers, spec, src)
+        want = kit.chunks_of(before, spec, src)
 
         res = kit.store(ctx, keys, src)
         assert (res.stored, res.present, res.failed) == ([0, 1, 2], [], [])
@@ -121,6 +128,30 @@ class RoundTripTests:
         res = kit.retrieve(ctx, kit.keys(3), kit.blocks(spec, 3))
         assert (res.loaded, res.missing) == ([], [0, 1, 2])
         assert equal_bytes(as_bytes(layers), before)
+
+    @pytest.mark.parametrize("view", OUTSIDE, ids=[v.id for v in OUTSIDE])
+    def test_bytes_outside_the_named_blocks_are_never_written(self, kit: Kit, view: View) -> None:
+        """Every other layer of a four-layer buffer registered (as a hybrid model's KV cache
+        groups share one buffer): a store writes nothing, and a retrieve with a missing chunk
+        and a skipped first block writes exactly the named blocks' pages of the registered
+        layers; the other layers' pages, the padding and every other block keep their bytes."""
+        spec = kit.spec(view, num_layers=4)
+        layers = kit.kv(spec)
+        mine = layers[::2]
+        group = dataclasses.replace(spec, num_layers=len(mine))
+        ctx = kit.register(mine, group)
+        keys, src = kit.keys(3), kit.blocks(spec, 3)
+        bpc = kit.blocks_per_chunk
+        before = as_bytes(mine)
+        stored = kit.store(ctx, [keys[0], keys[2]], src[:bpc] + src[2 * bpc:])
+        assert stored.stored == [0, 1]
+        assert equal_bytes(as_bytes(mine), before), \
+            f"a store wrote the KV cache: {describe_diff(as_bytes(mine), before, group)}"
+        dst = kit.blocks(spec, 3, exclude=src)
+        res = kit.retrieve(ctx, keys, dst, skip_first_n_tokens=BLOCK_SIZE)
+        assert (res.loaded, res.missing) == ([0, 2], [1])
+        assert_retrieved(kit, group, mine, before, dst, kit.chunks_of(before, group, src), skip_blocks=1,
+                         only=[0, 2])
 
     @pytest.mark.parametrize("skip", [BLOCK_SIZE, CHUNK_SIZE, CHUNK_SIZE + BLOCK_SIZE, 3 * CHUNK_SIZE],
                              ids=["one-block", "one-chunk", "chunk-and-a-block", "everything"])

@@ -9,17 +9,23 @@ import pytest
 from kvxfer.errors import InvalidRequest
 from kvxfer.layout import LayoutKind
 from kvxfer.testing.conformance.roundtrip import assert_retrieved
-from kvxfer.testing.harness import DTYPES, LAYOUTS, REFERENCE, Kit
-from kvxfer.testing.kvdata import as_bytes, equal_bytes
+from kvxfer.testing.harness import DTYPES, LAYOUTS, REFERENCE, VIEWS, Kit, Layout, layout_id
+from kvxfer.testing.kvdata import View, as_bytes, equal_bytes
 
 __all__ = ["SharingTests"]
 
+#: Every older layout and every bhnc view of the kit (in the transport's first dtype).
+EVERY_LAYOUT: list[Layout] = [*LAYOUTS, *(view for view, _ in VIEWS)]
+#: bhnc views whose pages hold the same bytes in the same order, wherever the pages sit: the
+#: first stores, the second retrieves.
+SAME_PAGES = [(View("LBHNC"), View("BLHNC", page_pad=32)), (View("BHLNC"), View("LHBNC"))]
+
 
 class SharingTests:
-    @pytest.mark.parametrize("kind", LAYOUTS, ids=[k.value for k in LAYOUTS])
-    def test_retrieves_chunks_stored_by_the_reference(self, kit: Kit, kind: LayoutKind) -> None:
+    @pytest.mark.parametrize("layout", EVERY_LAYOUT, ids=[layout_id(k) for k in EVERY_LAYOUT])
+    def test_retrieves_chunks_stored_by_the_reference(self, kit: Kit, layout: Layout) -> None:
         """cpu_gather (host tensors) stores; the transport under test retrieves, bit-exact."""
-        spec = kit.spec(kind)
+        spec = kit.spec(layout)
         host = kit.kv(spec, device="cpu")
         ref = kit.register(host, spec, transport=REFERENCE, client=kit.client(new=True))
         keys, src = kit.keys(3), kit.blocks(spec, 3)
@@ -32,10 +38,10 @@ class SharingTests:
         assert kit.retrieve(ctx, keys, dst).loaded == [0, 1, 2]
         assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(host, spec, src))
 
-    @pytest.mark.parametrize("kind", LAYOUTS, ids=[k.value for k in LAYOUTS])
-    def test_reference_retrieves_chunks_it_stored(self, kit: Kit, kind: LayoutKind) -> None:
+    @pytest.mark.parametrize("layout", EVERY_LAYOUT, ids=[layout_id(k) for k in EVERY_LAYOUT])
+    def test_reference_retrieves_chunks_it_stored(self, kit: Kit, layout: Layout) -> None:
         """The transport under test stores; cpu_gather (host tensors) retrieves, bit-exact."""
-        spec = kit.spec(kind)
+        spec = kit.spec(layout)
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)
         keys, src = kit.keys(3), kit.blocks(spec, 3)
@@ -80,6 +86,29 @@ class SharingTests:
         dst = kit.blocks(fi, 2)
         assert kit.retrieve(ctx, keys, dst).loaded == [0, 1]
         assert_retrieved(kit, fi, fi_layers, before, dst, kit.chunks_of(fa_layers, fa, src))
+
+    @pytest.mark.parametrize("stored_by,read_by", SAME_PAGES, ids=[f"{a.id}-to-{b.id}" for a, b in SAME_PAGES])
+    def test_views_with_the_same_page_order_share_chunks(self, kit: Kit, stored_by: View, read_by: View) -> None:
+        """A chunk is a page's bytes, not where the page sits: chunks stored from layer-compact
+        views are retrieved into cross-layer ones (padded, or a run per head), and back."""
+        first = kit.spec(stored_by)
+        second = kit.spec(read_by, first.dtype)
+        a_layers = kit.kv(first)
+        a = kit.register(a_layers, first)
+        keys, src = kit.keys(2), kit.blocks(first, 2)
+        assert kit.store(a, keys, src).stored == [0, 1]
+        b_layers = kit.kv(second)
+        ctx = kit.register(b_layers, second, client=kit.client(new=True))
+        before = as_bytes(b_layers)
+        dst = kit.blocks(second, 2)
+        assert kit.retrieve(ctx, keys, dst).loaded == [0, 1]
+        assert_retrieved(kit, second, b_layers, before, dst, kit.chunks_of(a_layers, first, src))
+        more, back = kit.keys(1), kit.blocks(second, 1, exclude=dst)
+        assert kit.store(ctx, more, back).stored == [0]
+        a_before = as_bytes(a_layers)
+        a_dst = kit.blocks(first, 1, exclude=src)
+        assert kit.retrieve(a, more, a_dst).loaded == [0]
+        assert_retrieved(kit, first, a_layers, a_before, a_dst, kit.chunks_of(b_layers, second, back))
 
     def test_other_model_rank_or_dtype_does_not_share(self, kit: Kit) -> None:
         """Keys are (model, world size, rank, hash): no cross-talk. A KV cache of another

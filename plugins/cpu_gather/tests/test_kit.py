@@ -17,25 +17,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from kvxfer.layout import LayoutKind
+from kvxfer import CacheClient
+from kvxfer.errors import LayoutError, TransportNotFound
+from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.testing import OverrideError, ServerProcess, TransportConformance
 from kvxfer.testing.harness import CHUNK_SIZE, Kit
 from kvxfer.testing.imports import private_imports
+from kvxfer.testing.kvdata import KVSpec, View, make_kv
 from kvxfer.transport import registry
 
 MUTANTS = Path(__file__).parent / "mutants"
 LAYOUT = LayoutKind.FLASH_ATTN
+#: bhnc views whose rows are not back to back: layers interleaved in one buffer, padded pages.
+CROSS, BY_HEAD, PADDED = View("BLHNC"), View("BHLNC"), View("BLNHC", page_pad=40)
 
 #: mutant -> kit tests (with their parameters) that must fail against it.
 MUST_FAIL: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "mutant_flip": [
-        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "float16"}),
-        ("test_reference_retrieves_chunks_it_stored", {"kind": LAYOUT}),
+        ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "float16"}),
+        ("test_reference_retrieves_chunks_it_stored", {"layout": LAYOUT}),
     ],
     "mutant_through_float": [
-        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "bfloat16"}),
-        ("test_round_trip_is_bit_exact", {"kind": LAYOUT, "dtype": "float32"}),
+        ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "bfloat16"}),
+        ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "float32"}),
     ],
     "mutant_ignore_skip": [
         ("test_skip_first_n_tokens", {"skip": 16}),
@@ -46,7 +52,22 @@ MUST_FAIL: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("test_retrieve_of_unknown_keys_touches_nothing", {}),
         ("test_skip_first_n_tokens", {"skip": 48}),
     ],
+    "mutant_contiguous": [
+        ("test_round_trip_is_bit_exact", {"layout": CROSS, "dtype": "float8_e4m3fn"}),
+        ("test_round_trip_is_bit_exact", {"layout": View("LBHNC", page_pad=32), "dtype": "float16"}),
+        ("test_reference_retrieves_chunks_it_stored", {"layout": BY_HEAD}),
+        ("test_retrieves_chunks_stored_by_the_reference", {"layout": PADDED}),
+        ("test_bytes_outside_the_named_blocks_are_never_written", {"view": PADDED}),
+    ],
 }
+#: mutant_contiguous passes the kit on the older layouts and on contiguous views: before the kit
+#: had vLLM's views, nothing in it caught a transport that assumes contiguity.
+CONTIGUOUS_PASSES: list[tuple[str, dict[str, Any]]] = [
+    ("test_round_trip_is_bit_exact", {"layout": LAYOUT, "dtype": "bfloat16"}),
+    ("test_reference_retrieves_chunks_it_stored", {"layout": LayoutKind.FLASHINFER}),
+    ("test_retrieves_chunks_stored_by_the_reference", {"layout": LayoutKind.MLA}),
+    ("test_round_trip_is_bit_exact", {"layout": View("LBHNC"), "dtype": "bfloat16"}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +75,7 @@ def mutants_server() -> Iterator[ServerProcess]:
     """A real server that loads cpu_gather and the mutants (found through their dist-info, as
     in-process discovery finds them while this module's tests run)."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(MUTANTS), os.environ.get("PYTHONPATH")]))}
-    names = ",".join(["cpu_gather", *MUST_FAIL])
+    names = ",".join(["cpu_gather", *MUST_FAIL, "contiguous_only"])
     sys.path.insert(0, str(MUTANTS))
     registry.refresh()
     try:
@@ -80,6 +101,34 @@ def test_kit_rejects_broken_transports(mutants_server: ServerProcess, mutant: st
         _run_kit_test(mutants_server, "cpu_gather", test, params)
         with pytest.raises(AssertionError):
             _run_kit_test(mutants_server, mutant, test, params)
+
+
+def test_only_vllms_views_catch_a_transport_that_assumes_contiguity(mutants_server: ServerProcess) -> None:
+    for test, params in CONTIGUOUS_PASSES:
+        _run_kit_test(mutants_server, "mutant_contiguous", test, params)
+
+
+def test_a_transport_that_moves_only_contiguous_layers_says_so(mutants_server: ServerProcess) -> None:
+    """contiguous_only has mutant_contiguous's copies and claims no strided layers: the kit runs
+    it on contiguous views and skips the rest with the reason; the core never registers a
+    strided cache with it ("auto" passes it over)."""
+    _run_kit_test(mutants_server, "contiguous_only", "test_round_trip_is_bit_exact",
+                  {"layout": View("LBHNC", kernel_blocks=2), "dtype": "bfloat16"})
+    with pytest.raises(pytest.skip.Exception, match=r"only contiguous layers \(Capabilities.strided_layers\)"):
+        _run_kit_test(mutants_server, "contiguous_only", "test_round_trip_is_bit_exact",
+                      {"layout": CROSS, "dtype": "bfloat16"})
+    strided = make_kv(KVSpec(LayoutKind.BHNC, "bfloat16", view=PADDED))
+    with CacheClient(mutants_server.url) as client:
+        with pytest.raises(LayoutError, match=r"transport 'contiguous_only' moves only contiguous layers, and "
+                                              r"layer 0 is a \[32, 2, 16, 32\] view with strides"):
+            client.register(strided, model_name="strided", block_size=16, transport="contiguous_only")
+        assert not client.status().contexts
+    layout = KVLayout.infer(strided, 16)
+    with pytest.raises(TransportNotFound, match=r"contiguous_only moves only contiguous layers"):
+        registry.select("auto", torch.device("cpu"), among=["contiguous_only"], kv=(layout, strided))
+    dense = make_kv(KVSpec(LayoutKind.BHNC, "bfloat16"))
+    assert registry.select("auto", torch.device("cpu"), among=["contiguous_only"],
+                           kv=(KVLayout.infer(dense, 16), dense)).name == "contiguous_only"
 
 
 def test_kit_stops_a_run_whose_test_was_replaced(tmp_path: Path) -> None:

@@ -114,10 +114,10 @@ def test_many_chunks_wrap_the_staging_ring_both_ways(server: ServerProcess, kind
         assert a.submit_store(keys, src_blocks).result(60).stored == list(range(n))
         res = b.submit_retrieve(keys, dst_blocks, skip_first_n_tokens=48).result(60)
         assert res.loaded == list(range(n))
-        want = get_chunks(as_bytes([t.cpu() for t in src]), kind, src_blocks[3:], 1)
-        got = get_chunks(as_bytes([t.cpu() for t in dst]), kind, dst_blocks[3:], 1)
+        want = get_chunks(as_bytes([t.cpu() for t in src]), spec, src_blocks[3:], 1)
+        got = get_chunks(as_bytes([t.cpu() for t in dst]), spec, dst_blocks[3:], 1)
         assert torch.equal(got, want)
-        untouched = get_chunks(as_bytes([t.cpu() for t in dst]), kind, dst_blocks[:3], 1)
+        untouched = get_chunks(as_bytes([t.cpu() for t in dst]), spec, dst_blocks[:3], 1)
         assert not untouched.any(), "skipped blocks were written"
     finally:
         client.close()

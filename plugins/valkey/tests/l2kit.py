@@ -29,7 +29,7 @@ def blocks(first_chunk: int, n: int) -> list[int]:
 
 def chunks(layers: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
     """The canonical bytes of the chunks held in blocks ``ids``, computed from shapes alone."""
-    return get_chunks(as_bytes(layers), SPEC.kind, ids, BPC)
+    return get_chunks(as_bytes(layers), SPEC, ids, BPC)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, step: float = 0.05) -> object:

@@ -1,5 +1,7 @@
 """Deliberately broken transports (cpu_gather with one bug each) that the conformance kit must
-reject. Installed for a test run only, through the dist-info next to this file."""
+reject, and ``contiguous_only``, the honest twin of ``mutant_contiguous``: the same copies,
+with the capabilities they have. Installed for a test run only, through the dist-info next to
+this file."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 
 from kvxfer import RetrieveResult
-from kvxfer.transport import RowCopy, Transfer
+from kvxfer.transport import Capabilities, RowCopy, Transfer, copy_view
 from kvxfer_cpu_gather import CpuGatherContext, CpuGatherTransport
 
 
@@ -50,6 +52,19 @@ class ClobberContext(CpuGatherContext):
         return super().submit_retrieve(keys, block_ids, skip_first_n_tokens, lease_id)
 
 
+class ContiguousContext(CpuGatherContext):
+    """Copies as if each layer were contiguous: the rows of its row view back to back from the
+    layer's first element (``row_pitch`` taken to be ``row_elems``). Right for the older kinds
+    and for vLLM's layer-compact views without padding (LBHNC, LBNHC, LHBNC); wrong wherever
+    pages are padded or the layers of a block interleave in one buffer."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        lay = self.layout
+        self._rows = [copy_view(t.as_strided((lay.span_rows, lay.row_elems), (lay.row_elems, 1), t.storage_offset()),
+                                self._elem) for t in self.layers]
+
+
 class FlipTransport(CpuGatherTransport):
     name = "mutant_flip"
     context_type = FlipContext
@@ -68,3 +83,17 @@ class ThroughFloatTransport(CpuGatherTransport):
 class ClobberTransport(CpuGatherTransport):
     name = "mutant_clobber"
     context_type = ClobberContext
+
+
+class ContiguousTransport(CpuGatherTransport):
+    name = "mutant_contiguous"
+    context_type = ContiguousContext
+
+
+class ContiguousOnlyTransport(CpuGatherTransport):
+    """Says what it moves: contiguous layers only. The core hands it nothing else, and the kit
+    skips the strided views for it."""
+
+    name = "contiguous_only"
+    context_type = ContiguousContext
+    capabilities = Capabilities(device_types=frozenset({"*"}), strided_layers=False)
