@@ -46,6 +46,9 @@ class PluginInfo:
     detail: str
     api_version: int | None
     style: str = ""
+    #: Whether a transport declares itself meant for production (``kvxfer serve`` loads only those
+    #: by default); False for plugins without the notion (stores).
+    production: bool = False
 
 
 class EntryPointGroup:
@@ -181,6 +184,7 @@ class EntryPointGroup:
                 detail=probe.reason,
                 api_version=plugin.api_version,
                 style=str(getattr(style, "value", style)),
+                production=bool(getattr(plugin, "production", False)),
             ))
         return out
 

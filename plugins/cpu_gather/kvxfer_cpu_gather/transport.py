@@ -84,6 +84,7 @@ class CpuGatherTransport(Transport):
     context_type = CpuGatherContext
     capabilities = Capabilities(device_types=frozenset({"*"}))
     auto_priority = 10
+    production = True
 
     def probe(self) -> Probe:
         return Probe(True, "host shared memory; KV tensors on any torch device", ("*",))

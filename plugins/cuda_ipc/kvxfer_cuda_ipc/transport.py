@@ -246,6 +246,7 @@ class CudaIpcTransport(Transport):
     context_type = CudaIpcContext
     capabilities = Capabilities(device_types=frozenset({"cuda"}))
     auto_priority = 50
+    production = True
 
     def probe(self) -> Probe:
         return cuda_probe()
