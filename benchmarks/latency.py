@@ -134,7 +134,9 @@ def run(args: argparse.Namespace) -> dict:
     hashes = chunk_hashes(list(range(chunk_size * args.chunks)), chunk_size)
     results = []
     results.append(raw_zmq(args.iters, args.warmup, hashes, progress))
-    with ServerProcess(l1_size=args.l1_size, chunk_size=chunk_size) as server:
+    # the lookup+lease row holds every lease it takes until the row ends: let one session hold them
+    held = ["--max-leases-per-session", str(args.iters + args.warmup + 16), "--max-leased-bytes-per-session", "16TiB"]
+    with ServerProcess(l1_size=args.l1_size, chunk_size=chunk_size, extra_args=held) as server:
         client = CacheClient(server.url, name="latency-bench")
         try:
             # Put 8 chunks' worth of hits in the server so the lookup does real work: store them

@@ -1,34 +1,53 @@
 """The L1 arena: one shared-memory file that holds every stored chunk.
 
-The server creates it (:class:`Arena`) in a private directory (mode 0700; the file 0600),
-reserves its pages with ``posix_fallocate`` (so a too-small tmpfs fails now, not with SIGBUS
-later) and maps it with ``MAP_POPULATE`` (pre-faulted: first touch costs ~7x a warm copy).
-Client-driven data paths map the same file (:class:`ArenaMapping`) and copy straight into its
-slots. Both halves live here, outside :mod:`kvxfer.server`, so that no client-side module
-imports the server.
+The server creates it in a private directory of its own under ``--shm-dir`` (mode 0700, made
+and checked without following links, :mod:`kvxfer.private_dirs`; the file 0600), reserves its
+pages with ``posix_fallocate`` (so a too-small tmpfs fails now, not with SIGBUS later) and maps
+it with ``MAP_POPULATE`` (pre-faulted: first touch costs ~7x a warm copy). Client-driven data
+paths map the same file (:class:`ArenaMapping`) and copy straight into its slots. Both halves
+live here, outside :mod:`kvxfer.server`, so that no client-side module imports the server.
+
+Liveness: the server holds an exclusive ``flock`` on ``server.lock`` in that directory for as
+long as it lives; the kernel drops it when the process dies, however it dies and whichever pid
+namespace it runs in. A starting server removes the directories of this user whose lock nobody
+holds (servers that died without cleaning up), and never one whose lock is held. The directory
+is named ``kvxfer-<uid>-<32 random hex digits>`` (no pid: pids repeat across namespaces) and
+gets that name only once it holds its lock and its arena (it is built under a hidden name and
+renamed), so no other server can ever see it unlocked.
+
+Nothing else in the directory is ever opened by a path a client chose: clients' liveness locks
+are ``client-<token>.lock`` with server-issued tokens, and transports get subdirectories the
+server makes for them (:meth:`Arena.transport_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
 import torch
 
 from kvxfer.errors import ConfigError
+from kvxfer.private_dirs import check_private_dir, check_trusted_parents, open_private_dir
 from kvxfer.units import format_bytes
 
-__all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR"]
+__all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR", "transport_dir_path"]
 
 DEFAULT_SHM_DIR: Final = "/dev/shm"
 _DIR_PREFIX: Final = "kvxfer-"
+_LOCK: Final = "server.lock"
+_ARENA: Final = "arena"
+_TRANSPORT_DIR: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -44,36 +63,42 @@ def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _dir_name_pattern() -> re.Pattern[str]:
+    return re.compile(rf"{_DIR_PREFIX}{os.getuid()}-[0-9a-f]{{32}}")
+
+
+def transport_dir_path(arena_path: str | os.PathLike[str], name: str) -> Path:
+    """Where :meth:`Arena.transport_dir` puts transport ``name``'s private directory (for the
+    transport's client side, which finds it next to the arena the handshake named)."""
+    if not _TRANSPORT_DIR.fullmatch(name):
+        raise ConfigError(f"transport name {name!r} cannot name a directory")
+    return Path(arena_path).parent / f"transport-{name}"
 
 
 class Arena:
     """The server's arena. ``tensor`` is a uint8 view of all of it."""
 
-    def __init__(self, path: Path, size: int, mm: mmap.mmap) -> None:
+    def __init__(self, path: Path, size: int, mm: mmap.mmap, lock_fd: int) -> None:
         self.path = path
         self.size = size
         self._mm = mm
+        self._lock_fd = lock_fd
         self.tensor = _as_tensor(mm)
 
     @classmethod
     def create(cls, size: int, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> Arena:
         """Create, reserve and pre-fault an arena of ``size`` bytes under ``shm_dir``.
 
-        Raises :class:`ConfigError` naming the size needed when ``shm_dir`` is too small.
+        Raises :class:`ConfigError` naming the size needed when ``shm_dir`` is too small, and
+        naming the directory when it cannot be trusted.
         """
         if size <= 0:
             raise ConfigError(f"the arena size must be positive, got {size}")
         base = Path(shm_dir)
         if not base.is_dir():
             raise ConfigError(f"shared-memory directory {base} does not exist; pass --shm-dir DIR")
+        hint = "pass --shm-dir with a tmpfs directory of yours (or a sticky one such as /dev/shm)"
+        check_trusted_parents(base / "x", "shared-memory directory", hint)
         cls.remove_stale(base)
         vfs = os.statvfs(base)
         free = vfs.f_bavail * vfs.f_frsize
@@ -83,11 +108,17 @@ class Arena:
                 f"Give it more (Docker: `docker run --shm-size={(size >> 30) + 1}g ...`), pass a smaller "
                 f"--l1-size, or put the arena in another tmpfs directory with --shm-dir DIR"
             )
-        directory = base / f"{_DIR_PREFIX}{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
-        directory.mkdir(mode=0o700)
-        path = directory / "arena"
+        name = f"{_DIR_PREFIX}{os.getuid()}-{secrets.token_hex(16)}"
+        building = base / f".{name}"
+        os.mkdir(building, 0o700)
+        dir_fd = lock_fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            dir_fd = open_private_dir(building, "arena directory")
+            lock_fd = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=dir_fd)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(_ARENA, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
             try:
                 os.fchmod(fd, 0o600)
                 try:
@@ -100,23 +131,39 @@ class Arena:
                 mm = _map(fd, size)
             finally:
                 os.close(fd)
+            directory = base / name
+            os.rename(building, directory)  # visible under its real name only now: locked and full
         except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
+            shutil.rmtree(building, ignore_errors=True)
+            if lock_fd >= 0:
+                os.close(lock_fd)
             raise
-        return cls(path, size, mm)
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
+        return cls(directory / _ARENA, size, mm, lock_fd)
 
     @staticmethod
     def remove_stale(base: Path) -> int:
-        """Remove arenas of this user whose server process is gone; returns how many."""
+        """Remove arena directories of this user whose server is gone (nobody holds their
+        lock); returns how many. A directory whose lock is held is never touched."""
         removed = 0
-        pattern = re.compile(rf"{_DIR_PREFIX}{os.getuid()}-(\d+)-[0-9a-f]+")
+        pattern = _dir_name_pattern()
         with contextlib.suppress(OSError):
             for entry in base.iterdir():
-                m = pattern.fullmatch(entry.name)
-                if m and not _pid_alive(int(m.group(1))):
-                    shutil.rmtree(entry, ignore_errors=True)
+                if pattern.fullmatch(entry.name) and _unlocked_then(entry, shutil.rmtree):
                     removed += 1
         return removed
+
+    def transport_dir(self, name: str) -> Path:
+        """A private directory (0700) for transport ``name``'s own files, made by the server
+        next to the arena (and removed with it). A transport keeps there what it must put in
+        files, under names it derives itself: never a path a client chose."""
+        path = transport_dir_path(self.path, name)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        check_private_dir(path, f"directory of transport {name}")
+        return path
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset:offset + nbytes]
@@ -128,11 +175,37 @@ class Arena:
         return memoryview(self._mm)[offset:offset + nbytes]
 
     def close(self) -> None:
-        """Unmap and delete the file. Views must no longer be used."""
+        """Unmap and delete the directory, then drop the lock. Views must no longer be used."""
         del self.tensor
         with contextlib.suppress(BufferError):
             self._mm.close()
         shutil.rmtree(self.path.parent, ignore_errors=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _unlocked_then(directory: Path, action: Callable[[Path], object]) -> bool:
+    """Run ``action(directory)`` while holding its server lock, if nobody else holds it and the
+    directory is ours (not a link, owner and mode checked). True when it ran."""
+    try:
+        check_private_dir(directory, "arena directory")
+        fd = os.open(directory / _LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except (ConfigError, OSError):
+        return False  # not ours, or no lock file: nothing to judge it by
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False  # its server lives
+            raise
+        action(directory)
+        return True
+    finally:
+        os.close(fd)
 
 
 class ArenaMapping:
@@ -140,19 +213,24 @@ class ArenaMapping:
 
     def __init__(self, path: str, size: int) -> None:
         p = Path(path)
-        try:
-            st = p.stat()
-        except FileNotFoundError:
+        if not p.parent.exists():
             raise ConfigError(
                 f"the server's arena {path} does not exist here: client-driven transports need "
                 "the client on the server's host and in its /dev/shm (same container)"
-            ) from None
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise ConfigError(f"refusing arena {path}: not a private file of this user")
-        if st.st_size != size:
-            raise ConfigError(f"arena {path} is {st.st_size} bytes, the server announced {size}")
-        fd = os.open(p, os.O_RDWR)
+            )
+        dir_fd = open_private_dir(p.parent, "the server's arena directory")
         try:
+            fd = os.open(p.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the server's arena {path}: {exc.strerror}") from None
+        finally:
+            os.close(dir_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise ConfigError(f"refusing arena {path}: not a private file of this user")
+            if st.st_size != size:
+                raise ConfigError(f"arena {path} is {st.st_size} bytes, the server announced {size}")
             self._mm = _map(fd, size)
         finally:
             os.close(fd)

@@ -4,6 +4,7 @@
 
     kvxfer serve   [--url URL] [--l1-size 4GiB] [--chunk-size 256] [--transports a,b] [--shm-dir DIR]
                    [--l2 valkey --l2-url valkey://HOST:6379[,HOST2:6379] [--l2-admission all|hits:N] ...]
+                   [--max-... limits, see `kvxfer serve --help` and docs/reliability.md]
     kvxfer plugins [--json]
     kvxfer status  [--url URL] [--json]
     kvxfer keys    DIR
@@ -17,7 +18,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from kvxfer.mq.client import CurveClientKeys
     from kvxfer.mq.server import CurveServerKeys
     from kvxfer.protocol.messages import TierStatus
+    from kvxfer.server.limits import Limits
     from kvxfer.server.tier import TierConfig
     from kvxfer.transport.registry import PluginInfo
 
@@ -82,6 +84,14 @@ def _l2_config(args: argparse.Namespace) -> TierConfig | None:
                       bulk_timeout_s=args.l2_bulk_timeout, write_yield_s=args.l2_write_yield)
 
 
+def _limits(args: argparse.Namespace) -> Limits:
+    """A Limits with the --max-... options given on the command line."""
+    from kvxfer.server.limits import SPECS, Limits
+
+    given = {name: getattr(args, name) for name in SPECS if getattr(args, name) is not None}
+    return Limits(**given)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvxfer.server import CacheServer, ServerConfig
 
@@ -98,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_size=parse_size(args.max_message_size),
         curve=_curve_server(args.curve_dir),
         l2=_l2_config(args),
+        limits=_limits(args),
     )
     server = CacheServer(config)
     l2 = ""
@@ -147,8 +158,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     else:
         print_table(
             [(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-",
-              p.style or "-", p.health) for p in plugins],
-            ["name", "version", "distribution", "api", "style", "health"],
+              p.style or "-", "yes" if p.production else "no", p.health) for p in plugins],
+            ["name", "version", "distribution", "api", "style", "production", "health"],
         )
         print()
         for p in plugins:
@@ -274,6 +285,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 
+def _limit_options(parser: argparse.ArgumentParser) -> None:
+    """One option per limit of kvxfer.server.limits (defaults: docs/reliability.md)."""
+    from kvxfer.server.limits import SPECS, Limits
+
+    defaults = Limits()
+    group = parser.add_argument_group("limits", "what clients can make the server hold (a request past one gets "
+                                                "the error limit_exceeded naming it)")
+    for spec in SPECS.values():
+        default = getattr(defaults, spec.name)
+        kind: Callable[[str], object]
+        if spec.unit == "bytes":
+            kind, shown = parse_size, format_bytes(default) if default is not None else "the --l1-size"
+        elif spec.unit == "seconds":
+            kind, shown = float, f"{default:g}"
+        else:
+            kind, shown = int, str(default)
+        group.add_argument(spec.option, dest=spec.name, type=kind, default=None, metavar="N",
+                           help=f"{spec.what} (default: {shown})")
+
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvxfer", description="KV cache transfer server and tools")
     sub = p.add_subparsers(dest="command", required=True)
@@ -307,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--l2-write-yield", type=float, default=0.1, metavar="S",
                    help="longest an L2 writer waits for stores and promotions in progress before it writes anyway; "
                         "0: writes run beside them (default: %(default)s)")
+    _limit_options(s)
     s.add_argument("-v", "--verbose", action="store_true")
     s.set_defaults(fn=cmd_serve)
 

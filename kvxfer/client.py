@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -33,7 +34,7 @@ from kvxfer.errors import (
     TransportNotFound,
     TransportUnavailable,
 )
-from kvxfer.mq.client import CurveClientKeys, MQClient
+from kvxfer.mq.client import CurveClientKeys, MQClient, ipc_server_ready
 from kvxfer.protocol import messages as m
 from kvxfer.urls import default_url
 
@@ -72,7 +73,9 @@ class CacheClient:
         self._contexts: weakref.WeakSet[TransferContextBase] = weakref.WeakSet()
         self._mq = MQClient(self.url, default_timeout=timeout, curve=curve)
         self._epoch = 0
-        self._token = liveness.new_token()
+        #: The server-issued secret of our session (presented to resume it) and lock token.
+        self._secret = b""
+        self._token = ""
         self._liveness: liveness.ProcessLock | None = None
         try:
             self._handshake()
@@ -83,9 +86,16 @@ class CacheClient:
     # ------------------------------------------------------------------ session
 
     def _handshake(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout
+        while not ipc_server_ready(self.url):  # checked before anything is sent
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(
+                    f"no kvxfer server at {self.url} within {self.connect_timeout:g} s (its socket does not exist); "
+                    f"start one with `kvxfer serve --url {self.url}`")
+            time.sleep(0.02)
         try:
-            reply = self._mq.request(m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._token),
-                                     timeout=self.connect_timeout)
+            reply = self._mq.request(m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._secret),
+                                     timeout=max(0.1, deadline - time.monotonic()))
         except ConnectionFailed as exc:
             hint = ""
             if self.url.startswith("tcp://"):
@@ -105,6 +115,8 @@ class CacheClient:
         self.max_message_size = reply.max_message_size
         self.session_timeout = reply.session_timeout_s
         self.features = frozenset(reply.features)
+        self._secret = reply.session_secret
+        self._token = reply.client_token
         self._hold_liveness_lock()
         self._epoch += 1
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
@@ -112,7 +124,10 @@ class CacheClient:
     def _hold_liveness_lock(self) -> None:
         """Hold the lock that tells the server this process lives (:mod:`kvxfer.liveness`), in
         the directory of the arena of the server we now talk to."""
-        if not self.arena_path:
+        if not self.arena_path or not liveness.valid_token(self._token):
+            if self._liveness is not None:
+                self._liveness.release()
+                self._liveness = None
             return
         want = liveness.lock_path(self.arena_path, self._token)
         if self._liveness is not None:

@@ -24,7 +24,8 @@
         ├── UnknownInstance         the instance id is not registered (or was dropped)
         ├── NoSession               the server does not know this connection (restarted?)
         ├── VersionMismatch         handshake refused: protocol versions differ
-        └── ServerInternalError     a handler raised; the server keeps serving
+        ├── LimitExceeded           a server limit was reached (names it and the option that raises it)
+        └── ServerInternalError     a handler raised (a bug); the server keeps serving
 
 Every :class:`RemoteError` subclass has a wire ``code`` (one of :class:`ErrorCode`);
 :func:`remote_error` turns a ``(code, message)`` reply into the matching exception, so clients
@@ -61,6 +62,7 @@ __all__ = [
     "UnknownInstance",
     "NoSession",
     "VersionMismatch",
+    "LimitExceeded",
     "ServerInternalError",
     "ErrorCode",
     "remote_error",
@@ -77,6 +79,7 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_INSTANCE = "unknown_instance"
     NO_SESSION = "no_session"
     VERSION_MISMATCH = "version_mismatch"
+    LIMIT_EXCEEDED = "limit_exceeded"
     INTERNAL = "internal"
 
     def __str__(self) -> str:
@@ -198,8 +201,16 @@ class VersionMismatch(RemoteError, ProtocolError):
     code = ErrorCode.VERSION_MISMATCH
 
 
+class LimitExceeded(RemoteError):
+    """A request would take the client (or everyone) past one of the server's limits on what a
+    session may hold. The message names the limit, its value, and the ``kvxfer serve`` option
+    that raises it; nothing of the request was done."""
+
+    code = ErrorCode.LIMIT_EXCEEDED
+
+
 class ServerInternalError(RemoteError):
-    """A server handler raised an unexpected exception; the server keeps serving."""
+    """A server handler raised an unexpected exception (a bug); the server keeps serving."""
 
     code = ErrorCode.INTERNAL
 
@@ -212,6 +223,7 @@ _BY_CODE: Final[dict[str, type[RemoteError]]] = {
         UnknownInstance,
         NoSession,
         VersionMismatch,
+        LimitExceeded,
         ServerInternalError,
     )
 }

@@ -7,6 +7,8 @@ wakes. So every client on the server's host holds an exclusive ``flock`` on
 ``client-<token>.lock`` in the arena's private directory for as long as it lives; the kernel
 drops the lock when the process dies, however it dies and in whichever pid namespace. The
 server keeps a silent client's open writes while the lock is held (:func:`holder_alive`).
+The token is issued by the server at the handshake (never chosen by the client), so a client
+can only ever be judged by its own lock; no process id is ever consulted.
 
 A client that cannot reach the arena's directory (another host, another mount namespace) holds
 no lock and is treated as dead once silent: it cannot map the arena either, so it never writes
@@ -22,6 +24,9 @@ import re
 import secrets
 import stat
 from pathlib import Path
+
+from kvxfer.errors import ConfigError
+from kvxfer.private_dirs import check_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +62,9 @@ class ProcessLock:
         cannot be reached from here (the server is elsewhere)."""
         path = lock_path(arena_path, token)
         try:
-            st = path.parent.stat()
-        except OSError as exc:
-            log.debug("no liveness lock: %s cannot be reached (%s)", path.parent, exc)
-            return None
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            log.debug("no liveness lock: %s is not a private directory of this user", path.parent)
+            check_private_dir(path.parent, "arena directory")
+        except (ConfigError, OSError) as exc:
+            log.debug("no liveness lock: %s", exc)
             return None
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import select
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -23,13 +24,15 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
-from kvxfer.errors import ConnectionFailed, ErrorCode, ProtocolError, RequestTimeout, remote_error
+from kvxfer.errors import ConfigError, ConnectionFailed, ErrorCode, ProtocolError, RequestTimeout, remote_error
 from kvxfer.mq.futures import ReplyFuture
+from kvxfer.private_dirs import check_private_dir, check_trusted_parents
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import Message, Ping, Request
 from kvxfer.protocol.table import REQUESTS, spec_of
+from kvxfer.urls import ipc_path, socket_dir_hint
 
-__all__ = ["MQClient", "CurveClientKeys"]
+__all__ = ["MQClient", "CurveClientKeys", "ipc_server_ready"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,32 @@ class CurveClientKeys:
     public: bytes
     secret: bytes
     server_public: bytes
+
+
+def ipc_server_ready(url: str) -> bool:
+    """Whether a client may send to ``url`` now. For ``ipc://``: True once the socket is there
+    in a directory that nobody else can write to (so nobody else can have put it there), and the
+    socket is this user's; False while the socket or its directory is not there yet; raises
+    :class:`kvxfer.errors.ConfigError` naming the path when either cannot be trusted (another
+    user's socket, a directory others could write to, a symbolic link). Other urls: True (tcp://
+    is authenticated by CURVE)."""
+    path = ipc_path(url)
+    if path is None:
+        return True
+    what = "the server's socket directory"
+    if not os.path.lexists(path.parent):
+        return False
+    check_trusted_parents(path.parent, what, socket_dir_hint())
+    check_private_dir(path.parent, what, socket_dir_hint(), private=False)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        kind = "socket" if stat.S_ISSOCK(st.st_mode) else "file that is not a socket"
+        raise ConfigError(f"refusing to talk to {url}: {path} is a {kind} of uid {st.st_uid}, not of you "
+                          f"(uid {os.geteuid()}); nothing was sent. {socket_dir_hint()}")
+    return True
 
 
 _UNSET: Any = object()

@@ -1,14 +1,27 @@
 """The server half of messaging: a ROUTER socket served by one loop thread.
 
-The loop receives ``[identity, request_id, name, payload]`` and hands it to a dispatcher, which
-returns the reply frames at once (control requests) or ``None`` after arranging for
-:meth:`MQServer.reply` to be called later from a worker thread (transfers). Replies from worker
-threads are queued and sent by the loop: only the loop touches the ROUTER socket. Frames that
-cannot be answered (no request id) are dropped and counted; everything else gets a reply.
+The loop receives ``[identity, request_id, name, payload]`` and hands it to a dispatcher, with
+the peer as the connection tells it (``Peer-Address``: on ``ipc://`` libzmq appends the
+connecting process's ``SO_PEERCRED`` uid, gid and pid; on CURVE connections ``|`` and the
+``User-Id`` the ZAP handler set, the client's public key), which returns the reply frames at
+once (control requests) or ``None`` after arranging for :meth:`MQServer.send` to be called later
+on the loop (transfers). Only the loop touches the ROUTER socket. Frames that cannot be answered
+(no request id) are dropped and counted; everything else gets a reply.
+
+Unread replies are bounded per connection. ZeroMQ queues at most :data:`REPLY_QUEUE` replies
+for a peer (``SNDHWM``; ``ROUTER_MANDATORY`` makes a full queue an error instead of a silent
+drop); replies beyond it wait in the server's own per-peer backlog, counted in bytes, and are
+sent as the peer reads. A peer whose backlog passes ``max_unread_reply_bytes`` has its backlog
+dropped and is reported to ``on_unread_overflow`` (the engine ends its session): what the
+server holds for one connection is bounded by that limit plus :data:`REPLY_QUEUE` replies. All
+backlogs together are bounded by :data:`BACKLOG_CONNECTIONS` times the limit: past it, the
+largest one is dropped the same way.
 """
 
 from __future__ import annotations
 
+import collections
+import errno
 import logging
 import os
 import queue
@@ -22,8 +35,10 @@ from pathlib import Path
 import zmq
 
 from kvxfer.errors import ConfigError, ErrorCode
+from kvxfer.private_dirs import ensure_private_dir
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
+from kvxfer.urls import ipc_path, socket_dir_hint
 
 __all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path"]
 
@@ -35,8 +50,15 @@ _RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 
-#: (identity, request_id frame, name, payload) -> (status, payload) now, or None (reply later)
-Dispatcher = Callable[[bytes, bytes, bytes, bytes], "tuple[bytes, bytes] | None"]
+#: (identity, peer, request_id frame, name, payload) -> (status, payload) now, or None (reply later)
+Dispatcher = Callable[[bytes, str, bytes, bytes, bytes], "tuple[bytes, bytes] | None"]
+
+#: Replies ZeroMQ queues for one peer (SNDHWM); more wait in the server's counted backlog.
+REPLY_QUEUE = 64
+#: What the backlog counts for a reply besides its bytes (Python objects, ZeroMQ frames).
+_REPLY_OVERHEAD = 256
+#: All connections' backlogs together hold at most this many times max_unread_reply_bytes.
+BACKLOG_CONNECTIONS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +81,6 @@ def _socket_is_live(path: Path) -> bool:
     return True
 
 
-def ipc_path(url: str) -> Path | None:
-    return Path(url[len("ipc://"):]) if url.startswith("ipc://") else None
-
-
 class MQServer:
     def __init__(
         self,
@@ -73,14 +91,23 @@ class MQServer:
         curve: CurveServerKeys | None = None,
         on_tick: Callable[[], None] | None = None,
         tick_s: float = 0.25,
+        max_unread_reply_bytes: int = 64 << 20,
+        on_unread_overflow: Callable[[bytes, int], None] | None = None,
     ) -> None:
         self.url = url
         self._dispatch = dispatcher
         self._on_tick = on_tick
         self._tick_s = tick_s
+        self._max_unread = max_unread_reply_bytes
+        self._on_overflow = on_unread_overflow
+        self._curve = curve is not None and url.startswith("tcp://")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._auth = None
         self.dropped_frames = 0
+        #: Replies waiting for a peer whose ZeroMQ queue is full, and their counted bytes.
+        self._backlog: dict[bytes, collections.deque[tuple[bytes, bytes, bytes, int]]] = {}
+        self._backlog_bytes: dict[bytes, int] = {}
+        self._backlog_total = 0
         if url.startswith("tcp://"):
             if curve is None:
                 raise ConfigError(
@@ -98,7 +125,8 @@ class MQServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if curve is not None and url.startswith("tcp://"):
             self._sock.curve_server = True
             self._sock.curve_publickey = curve.public
@@ -125,25 +153,22 @@ class MQServer:
             self._sock.bind(self.url)
             return
         parent = path.parent
-        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = parent.stat()
-        if st.st_uid != os.getuid():
-            raise ConfigError(f"socket directory {parent} belongs to another user; choose another --url")
-        if stat.S_IMODE(st.st_mode) & 0o022:
-            raise ConfigError(
-                f"socket directory {parent} is writable by others (mode {oct(st.st_mode & 0o777)}); "
-                "use a private directory (mode 0700)"
-            )
-        if path.exists():
+        ensure_private_dir(parent, "socket directory", socket_dir_hint())
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --url")
             if _socket_is_live(path):
                 raise ConfigError(f"a server is already listening at {self.url}; stop it or choose another --url")
             path.unlink()  # left behind by a server that died
-        old = os.umask(0o077)
+        old = os.umask(0o177)  # the socket is made 0600
         try:
             self._sock.bind(self.url)
         finally:
             os.umask(old)
-        os.chmod(path, 0o600)
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise ConfigError(f"the socket {path} is not what this server just bound (replaced?); "
+                              f"{socket_dir_hint()}")
 
     # ------------------------------------------------------------------ thread-safe
 
@@ -186,7 +211,11 @@ class MQServer:
         try:
             while not self._stop.is_set():
                 timeout = max(0.0, next_tick - time.monotonic())
+                if self._backlog:  # retry soon: ZeroMQ does not say when a peer's queue has room
+                    timeout = min(timeout, 0.005)
                 events = dict(poller.poll(int(timeout * 1000) + 1))
+                if self._backlog:
+                    self._flush_backlog()
                 if self._wake_recv in events:
                     while True:
                         try:
@@ -202,10 +231,11 @@ class MQServer:
                     for _ in range(256):
                         if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # EVENTS is an int option
                             break
-                        frames = [sock.recv(_NOBLOCK)]
+                        first = sock.recv(_NOBLOCK, copy=False)
+                        frames = [first.bytes]
                         while sock.get(_RCVMORE):
                             frames.append(sock.recv(_NOBLOCK))
-                        self._handle(frames)
+                        self._handle(frames, self._peer(first))
                     if not self._calls.empty():
                         self._flush_replies()
                 if self._watched:
@@ -227,17 +257,74 @@ class MQServer:
             self._flush_replies()
             self.close()
 
+    def _peer(self, frame: zmq.Frame) -> str:
+        """Who sent ``frame``, as its connection says (see the module docstring)."""
+        try:
+            peer = str(frame.get("Peer-Address"))
+        except zmq.ZMQError:
+            peer = ""
+        if self._curve:
+            try:
+                peer += "|" + str(frame.get("User-Id"))
+            except zmq.ZMQError:
+                peer += "|"
+        return peer
+
     def send(self, identity: bytes, request_id: bytes, status: bytes, payload: bytes) -> None:
-        """Send a reply (loop thread only)."""
+        """Send a reply (loop thread only); it waits in the peer's backlog if ZeroMQ's queue for
+        the peer is full, and is dropped if the peer is gone."""
+        backlog = self._backlog.get(identity)
+        if backlog is None and self._try_send(identity, request_id, status, payload):
+            return
+        if backlog is None:
+            backlog = self._backlog[identity] = collections.deque()
+            self._backlog_bytes[identity] = 0
+        n = len(request_id) + len(status) + len(payload) + _REPLY_OVERHEAD
+        backlog.append((request_id, status, payload, n))
+        self._backlog_bytes[identity] += n
+        self._backlog_total += n
+        if self._backlog_bytes[identity] > self._max_unread:
+            self._drop_backlog(identity)
+        elif self._backlog_total > BACKLOG_CONNECTIONS * self._max_unread:
+            self._drop_backlog(max(self._backlog_bytes, key=self._backlog_bytes.__getitem__))
+
+    def _drop_backlog(self, identity: bytes) -> None:
+        unread = self._backlog_bytes.pop(identity)
+        self._backlog_total -= unread
+        log.debug("dropped %d unread replies of a peer", len(self._backlog.pop(identity)))
+        if self._on_overflow is not None:
+            self._on_overflow(identity, unread)
+
+    def _try_send(self, identity: bytes, request_id: bytes, status: bytes, payload: bytes) -> bool:
+        """True when sent or dropped for good (peer gone); False when the peer's queue is full."""
         sock = self._sock
         try:
             # int flags and single sends: pyzmq's send_multipart does enum flag arithmetic per frame
             sock.send(identity, _MORE)  # multipart is atomic: only the first part can fail
-            sock.send(request_id, _MORE)
-            sock.send(status, _MORE)
-            sock.send(payload, _NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: nothing to do
-            log.debug("reply dropped: %s", exc)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:  # EHOSTUNREACH: the peer is gone, nobody will read it
+                log.warning("reply dropped: %s", exc)
+            return True
+        sock.send(request_id, _MORE)
+        sock.send(status, _MORE)
+        sock.send(payload, _NOBLOCK)
+        return True
+
+    def _flush_backlog(self) -> None:
+        for identity in list(self._backlog):
+            backlog = self._backlog[identity]
+            while backlog:
+                rid, status, payload, n = backlog[0]
+                if not self._try_send(identity, rid, status, payload):
+                    break
+                backlog.popleft()
+                self._backlog_bytes[identity] -= n
+                self._backlog_total -= n
+            if not backlog:
+                del self._backlog[identity]
+                del self._backlog_bytes[identity]
 
     def _flush_replies(self) -> None:
         while True:
@@ -250,17 +337,17 @@ class MQServer:
             except Exception:
                 log.exception("a deferred server task failed")
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], peer: str) -> None:
         if len(frames) != 4 or len(frames[1]) != 8:
             self.dropped_frames += 1
             log.warning("dropping a request of %d frames (no request id to answer)", len(frames))
             if len(frames) >= 2 and len(frames[1]) == 8:
                 err = codec.encode(ErrorReply(ErrorCode.INVALID_REQUEST,
                                               f"a request has 3 frames [id, name, payload], got {len(frames) - 1}"))
-                self._sock.send_multipart([frames[0], frames[1], codec.ERR, err], zmq.NOBLOCK)
+                self.send(frames[0], frames[1], codec.ERR, err)
             return
         identity, rid, name, payload = frames
-        out = self._dispatch(identity, rid, name, payload)
+        out = self._dispatch(identity, peer, rid, name, payload)
         if out is not None:
             self.send(identity, rid, out[0], out[1])
 

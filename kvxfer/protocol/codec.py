@@ -38,9 +38,20 @@ def _decoder(tp: Any) -> msgspec.msgpack.Decoder[Any]:
 
 def decode(data: bytes | memoryview, tp: type[S]) -> S:
     """Decode ``data`` as ``tp``; raises :class:`msgspec.ValidationError` or
-    :class:`msgspec.DecodeError` (callers turn those into typed errors)."""
+    :class:`msgspec.DecodeError` and nothing else (callers turn those into typed errors).
+
+    Any other failure of the decoder is a :class:`msgspec.DecodeError` too: MessagePack nested
+    deeper than the interpreter's recursion limit (msgspec raises ``RecursionError``, also while
+    it skips an unknown field or spans a ``Raw`` one), or anything else it may raise."""
     decoder: msgspec.msgpack.Decoder[S] = _decoder(tp)  # type: ignore[arg-type]  # a type is hashable
-    return decoder.decode(data)
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise
+    except RecursionError:
+        raise msgspec.DecodeError("MessagePack nested too deeply (a wire message nests a few levels)") from None
+    except Exception as exc:  # noqa: BLE001  (any other decoder failure is bad input too)
+        raise msgspec.DecodeError(f"undecodable MessagePack ({type(exc).__name__}: {exc})") from None
 
 
 ERROR_DECODER: Final = msgspec.msgpack.Decoder(ErrorReply)

@@ -51,10 +51,11 @@ class Handshake(Request["HandshakeReply"], frozen=True):
 
     protocol_version: int
     client_name: str = ""
+    #: Informational (status, logs); on ipc:// the server uses the kernel's word instead.
     pid: int = 0
-    #: Names the lock file by which the server tells a frozen client from a dead one
-    #: (:mod:`kvxfer.liveness`); empty when the client holds none.
-    client_token: str = ""
+    #: The ``session_secret`` of this client's previous session on this server, if it had one:
+    #: its open writes kept while it was silent are handed back to it (see docs/protocol.md).
+    resume: bytes = b""
 
 
 class HandshakeReply(Message, frozen=True):
@@ -73,6 +74,11 @@ class HandshakeReply(Message, frozen=True):
     max_message_size: int
     #: Optional features this server implements (:data:`FEATURES`); older servers send none.
     features: list[str] = []
+    #: A secret of this session (16 bytes): the client presents it as ``Handshake.resume``.
+    session_secret: bytes = b""
+    #: Names the lock file the client holds while it lives (``client-<token>.lock`` next to the
+    #: arena, :mod:`kvxfer.liveness`): 32 lowercase hex digits chosen by the server.
+    client_token: str = ""
 
 
 class Ping(Request["Pong"], frozen=True):
@@ -323,6 +329,9 @@ class ArenaStatus(Message, frozen=True):
     free_extents: int
     largest_free: int
     evictions: int
+    #: Chunks that cannot be evicted now (being written, being read, or leased), counted from
+    #: the chunks themselves: zero whenever no reservation or lease is open.
+    pinned_chunks: int = 0
 
 
 class TransportStatus(Message, frozen=True):
@@ -396,6 +405,8 @@ class StatusReply(Message, frozen=True):
     reservations: int
     errors: int
     hook_errors: int
+    #: Connections whose session was ended because they left too many replies unread.
+    dropped_connections: int = 0
     #: Extra sections contributed by hook plugins: name -> key -> value.
     sections: dict[str, dict[str, str]] = {}
     #: Storage tiers below the arena (``kvxfer serve --l2``); empty without one.

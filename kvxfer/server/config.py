@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvxfer.arena import DEFAULT_SHM_DIR
 from kvxfer.errors import ConfigError
 from kvxfer.mq.server import CurveServerKeys
+from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
 from kvxfer.urls import default_url
 
@@ -21,7 +22,8 @@ class ServerConfig:
     l1_size: int = 1 << 30
     #: Tokens per chunk; a multiple of every registered block size.
     chunk_size: int = 256
-    #: Transports to load; None loads every installed one that can run here.
+    #: Transports to load; None loads every installed production transport that can run here
+    #: (a transport that is not meant for production is loaded only when named).
     transports: tuple[str, ...] | None = None
     #: Directory (a tmpfs) for the arena file.
     shm_dir: str = DEFAULT_SHM_DIR
@@ -33,6 +35,8 @@ class ServerConfig:
     curve: CurveServerKeys | None = None
     #: The L2 tier under the arena (``--l2``), or None for L1 only.
     l2: TierConfig | None = None
+    #: What clients can make the server hold (kvxfer.server.limits).
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.layout import KVLayout, dtype_name
 from kvxfer.protocol.messages import ContextStatus
 from kvxfer.server.index import ChunkKey
+from kvxfer.server.workers import Lane
 from kvxfer.transport.contract import ServerContext
 
 __all__ = ["RegisteredContext", "ChunkDescription"]
@@ -27,8 +27,8 @@ class ChunkDescription:
 @dataclass(eq=False)
 class RegisteredContext:
     """One registered KV cache. Owned by the loop thread except ``server_context``'s copies,
-    which run on ``executor`` (one thread: the instance's transfers stay in order).
-    ``server_context`` is None for client-driven transports (the core serves the arena)."""
+    which run in ``executor`` (the instance's lane of the worker pool: its transfers stay in
+    order). ``server_context`` is None for client-driven transports (the core serves the arena)."""
 
     instance_id: int
     model_name: str
@@ -40,7 +40,9 @@ class RegisteredContext:
     session: bytes
     client_pid: int
     chunk_size: int
-    executor: ThreadPoolExecutor
+    executor: Lane
+    #: The session that registered it (kvxfer.server.sessions.Session).
+    owner: Any = field(default=None, repr=False)
     stores: int = 0
     retrieves: int = 0
     chunk: ChunkDescription = field(init=False)

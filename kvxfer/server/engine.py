@@ -2,20 +2,27 @@
 
 One loop thread owns all state (sessions, contexts, the index); control requests run inline
 on it. Transfer requests (register, unregister, server-driven store/retrieve) run their slow
-part on the instance's worker thread and finish back on the loop, so an instance's transfers
-stay in order and nothing blocks lookups. Every request gets exactly one reply.
+part in the instance's lane of the worker pool (kvxfer.server.workers) and finish back on the
+loop, so an instance's transfers stay in order and nothing blocks lookups. Every request gets
+exactly one reply.
+
+Clients are untrusted: sessions are bound to their connection and a server-issued secret
+(kvxfer.server.sessions), everything a session can make the server hold is bounded
+(kvxfer.server.limits), and every field of every request is validated before use.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import msgspec
@@ -43,11 +50,15 @@ from kvxfer.mq.server import MQServer
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind
+from kvxfer.server.allocator import Allocator
 from kvxfer.server.config import ServerConfig
 from kvxfer.server.context import RegisteredContext
 from kvxfer.server.hooks import HookRelay
 from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
+from kvxfer.server.limits import Limits
+from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.tier import L2Tier, TierLookup
+from kvxfer.server.workers import Lane, WorkerPool
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
 from kvxfer.transport._context import guarded, plugin_step
@@ -58,18 +69,12 @@ __all__ = ["CacheServer", "validate_registration"]
 
 log = logging.getLogger(__name__)
 
-MAX_LEASE_S: Final = 600.0
-
-
-@dataclass(eq=False)
-class Session:
-    identity: bytes
-    pid: int
-    name: str
-    last_seen: float
-    #: Names the client's liveness lock (kvxfer.liveness); "" when it holds none.
-    token: str = ""
-    instances: set[int] = field(default_factory=set)
+#: Largest world size a registration or lookup may name.
+MAX_WORLD_SIZE: Final = 1 << 16
+#: Most keys (chunks x ranks) one lookup may name: what a lookup through the L2 tier builds.
+MAX_LOOKUP_KEYS: Final = 1 << 18
+#: Longest error message sent (values a client sent are shown shortened).
+MAX_ERROR_MESSAGE: Final = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +102,7 @@ class _Deferred:
 
     __slots__ = ("executor", "work", "finish", "transport")
 
-    def __init__(self, executor: ThreadPoolExecutor, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct],
+    def __init__(self, executor: Lane, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct],
                  transport: str = "") -> None:
         self.executor = executor
         self.work = work
@@ -119,20 +124,42 @@ def plugin_step_call(transport: str, step: str, call: Callable[[], Any]) -> Any:
         return None
 
 
-def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int) -> KVLayout:
-    """The layout of a registration, or :class:`InvalidRequest` naming the bad field."""
+def _show(value: object, limit: int = 64) -> str:
+    """``repr(value)``, shortened: error messages never echo much of what a client sent."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def check_name(field_name: str, value: str, limits: Limits) -> None:
+    """A model or client name: at most ``max_name_length`` bytes of UTF-8."""
+    n = len(value.encode("utf-8", "surrogatepass"))
+    if n > limits.max_name_length:
+        raise limits.exceeded("max_name_length", f"{field_name} has {n} bytes")
+
+
+def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int, limits: Limits | None = None,
+                          addressable: int | None = None) -> KVLayout:
+    """The layout of a registration, or :class:`InvalidRequest` naming the bad field
+    (:class:`kvxfer.errors.LimitExceeded` for a name or a KV cache over the server's limits).
+
+    The KV cache a registration declares is the memory its layout spans (every field of the row
+    geometry included): it must be within ``max_kv_cache_size`` and within ``addressable``,
+    the most the transport's server side can address (:meth:`ServerTransport.addressable_bytes`;
+    None: no bound of its own)."""
+    limits = limits or Limits()
     if reg.instance_id <= 0 or reg.instance_id >= 1 << 63:
         raise _invalid("instance_id", f"must be in [1, 2**63), got {reg.instance_id}")
     if not reg.model_name:
         raise _invalid("model_name", "must not be empty")
-    if reg.world_size <= 0:
-        raise _invalid("world_size", f"must be positive, got {reg.world_size}")
+    check_name("model_name", reg.model_name, limits)
+    if not 0 < reg.world_size <= MAX_WORLD_SIZE:
+        raise _invalid("world_size", f"must be in [1, {MAX_WORLD_SIZE}], got {reg.world_size}")
     if not 0 <= reg.rank < reg.world_size:
         raise _invalid("rank", f"must be in [0, world_size={reg.world_size}), got {reg.rank}")
     try:
         kind = LayoutKind(reg.layout)
     except ValueError:
-        raise _invalid("layout", f"unknown layout {reg.layout!r}; expected one of "
+        raise _invalid("layout", f"unknown layout {_show(reg.layout)}; expected one of "
                                  f"{', '.join(k.value for k in LayoutKind)}") from None
     for name in ("num_layers", "num_blocks", "block_size", "hidden_dim_size"):
         value = getattr(reg, name)
@@ -140,8 +167,9 @@ def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int)
             raise _invalid(name, f"must be positive, got {value}")
     try:
         dtype = dtype_from_name(reg.dtype)
-    except ConfigError as exc:
-        raise _invalid("dtype", str(exc)) from None
+    except ConfigError:
+        raise _invalid("dtype", f"unsupported KV cache dtype {_show(reg.dtype)}; use a torch dtype name such as "
+                                "bfloat16, float16, float32 or float8_e4m3fn") from None
     if reg.use_mla != (kind is LayoutKind.MLA):
         raise _invalid("use_mla", f"is {reg.use_mla} but layout is {kind.value}")
     if chunk_size % reg.block_size:
@@ -152,7 +180,16 @@ def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int)
         layout = KVLayout(kind, reg.num_layers, reg.num_blocks, reg.block_size, reg.hidden_dim_size, dtype,
                           reg.row_elems, reg.row_pitch, tuple(reg.run_offsets), reg.block_stride, reg.page)
     except LayoutError as exc:
-        raise _invalid("layout", f"{exc} ({kind.value} layout of {reg.num_layers} layers)") from None
+        raise _invalid("layout", f"{str(exc)[:MAX_ERROR_MESSAGE // 2]} ({kind.value} layout of "
+                                 f"{reg.num_layers} layers)") from None
+    layer_elems = (layout.span_rows - 1) * layout.row_pitch + layout.row_elems
+    kv_bytes = layout.num_layers * layer_elems * layout.itemsize
+    if kv_bytes > limits.max_kv_cache_size:
+        raise limits.exceeded("max_kv_cache_size", f"the registration declares {format_bytes(kv_bytes)} "
+                                                   f"({reg.num_layers} layers of {reg.num_blocks} blocks)")
+    if addressable is not None and kv_bytes > addressable:
+        raise _invalid("num_blocks", f"the registration declares {format_bytes(kv_bytes)} of KV cache, more than "
+                                     f"this transport can address here ({format_bytes(addressable)})")
     if layout.chunk_bytes(chunk_size) > arena_size:
         raise _invalid("num_layers", f"one chunk takes {format_bytes(layout.chunk_bytes(chunk_size))}, more "
                                      f"than the whole arena ({format_bytes(arena_size)}); raise --l1-size")
@@ -178,18 +215,25 @@ class CacheServer:
         self.started = time.time()
         self.hooks = hooks if hooks is not None else HookRelay()
         self.arena = Arena.create(config.l1_size, config.shm_dir)
+        self.limits = config.limits.resolved(self.arena.size)
         self.index = ChunkIndex(self.arena.size, on_evict=self._on_evict)
         self.contexts: dict[int, RegisteredContext] = {}
         self.sessions: dict[bytes, Session] = {}
         self.transports: dict[str, LoadedTransport] = {}
         self.transport_errors: dict[str, str] = {}
         self.errors = 0
+        self.dropped_connections = 0
         self.lookups = self.lookup_chunks = self.lookup_hits = 0
-        #: Open writes of silent clients whose process still lives, by client token and
-        #: reservation id, out of the index's reservations (no context owns them any more):
-        #: their slots are freed once the process is gone, or once its late commit arrives (a
-        #: commit is sent only after the copy).
-        self._parked: dict[str, dict[int, Reservation]] = {}
+        #: Registrations sent to a worker and not finished yet (they count against the limits).
+        self._registering = 0
+        #: Open writes of silent clients whose process still lives, by the secret of the session
+        #: that left them (kvxfer.server.sessions.Parked). They stay in the index's reservations,
+        #: marked parked: no context reaches them; their slots are freed once the process is gone,
+        #: or once the same client resumes its session and sends its late commit (a commit is sent
+        #: only after the copy).
+        self._parked: dict[bytes, Parked] = {}
+        #: Runs the transfers of every registered instance, one lane each.
+        self._pool = WorkerPool(self.limits.workers)
         #: Runs the waiters of server-driven copies (see ServerContext.store).
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
         #: The L2 tier under the arena (``--l2``), or None.
@@ -202,6 +246,8 @@ class CacheServer:
                 max_message_size=config.max_message_size,
                 curve=config.curve,
                 on_tick=self._tick,
+                max_unread_reply_bytes=self.limits.max_unread_reply_bytes,
+                on_unread_overflow=self._on_unread_overflow,
             )
             if config.l2 is not None:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
@@ -211,6 +257,7 @@ class CacheServer:
             if self.tier is not None:
                 self.tier.close()
             self._close_transports()
+            self._pool.shutdown(wait=False)
             self.arena.close()
             raise
         #: The request table's kind picks the table a handler is in, and how its answer is sent.
@@ -231,6 +278,15 @@ class CacheServer:
         for name in names:
             try:
                 transport = registry.get_transport(name)
+                if not transport.production:
+                    if not explicit:
+                        self.transport_errors[name] = ("not meant for production; loaded only when named in "
+                                                       "--transports")
+                        log.info("transport %s not loaded: it is not meant for production (name it in --transports "
+                                 "to load it)", name)
+                        continue
+                    log.warning("transport %s is not meant for production (it may trust what clients send it); "
+                                "loaded because --transports names it", name)
                 with plugin_step(name, "server_transport"):
                     st = transport.server_transport()
                 with plugin_step(name, "start"):
@@ -282,6 +338,7 @@ class CacheServer:
     def _shutdown(self) -> None:
         for ctx in list(self.contexts.values()):
             self._drop_context(ctx, "shutdown", wait=True)
+        self._pool.shutdown(wait=True)
         self._waiters.shutdown(wait=True)
         if self.tier is not None:
             self.tier.close()
@@ -291,7 +348,8 @@ class CacheServer:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _dispatch(self, identity: bytes, rid: bytes, name_b: bytes, payload: bytes) -> tuple[bytes, bytes] | None:
+    def _dispatch(self, identity: bytes, peer: str, rid: bytes, name_b: bytes,
+                  payload: bytes) -> tuple[bytes, bytes] | None:
         name = name_b.decode("utf-8", "replace")
         spec = REQUESTS.get(name)
         try:
@@ -303,11 +361,11 @@ class CacheServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
             if name == "handshake":
-                return codec.OK, codec.encode(self._on_handshake(identity, cast(m.Handshake, msg)))
+                return codec.OK, codec.encode(self._on_handshake(identity, peer, cast(m.Handshake, msg)))
             session = self.sessions.get(identity)
-            if session is None:
-                raise NoSession("this connection has no session (the server may have restarted): "
-                                "send a handshake first")
+            if session is None or session.peer.raw != peer:
+                raise NoSession("this connection has no session (the server may have restarted, or the "
+                                "session timed out): send a handshake first")
             session.last_seen = time.monotonic()
             if spec.kind is HandlerKind.TRANSFER:
                 self._answer(identity, rid, name, self._transfer[name](session, msg))
@@ -343,6 +401,9 @@ class CacheServer:
         code: ErrorCode
         if isinstance(exc, RemoteError):
             code, msg = exc.code, exc.message
+        elif isinstance(exc, MemoryError):
+            log.warning("%s: out of memory: %s", name, exc)
+            code, msg = ErrorCode.INVALID_REQUEST, f"{name}: the server ran out of memory for this request"
         elif isinstance(exc, TransportFailed):  # the plugin's own failure: the boundary named it
             log.error("%s: %s", name, exc, exc_info=exc.__cause__)
             code, msg = ErrorCode.INTERNAL, f"{exc} (see the server log)"
@@ -354,6 +415,8 @@ class CacheServer:
             log.exception("handler of %r raised", name)
             code = ErrorCode.INTERNAL
             msg = f"{name} failed in the server: {type(exc).__name__}: {exc} (see the server log)"
+        if len(msg) > MAX_ERROR_MESSAGE:
+            msg = msg[:MAX_ERROR_MESSAGE] + "..."
         return codec.ERR, codec.encode(m.ErrorReply(code, msg))
 
     def _run_deferred(self, identity: bytes, rid: bytes, name: str, d: _Deferred) -> None:
@@ -390,20 +453,30 @@ class CacheServer:
 
     # ------------------------------------------------------------------ sessions
 
-    def _on_handshake(self, identity: bytes, msg: m.Handshake) -> m.HandshakeReply:
+    def _on_handshake(self, identity: bytes, peer: str, msg: m.Handshake) -> m.HandshakeReply:
         if msg.protocol_version != m.PROTOCOL_VERSION:
             raise VersionMismatch(
                 f"client speaks kvxfer protocol {msg.protocol_version}, this server ({kvxfer.__version__}) "
                 f"speaks {m.PROTOCOL_VERSION}; install the same kvxfer version on both sides"
             )
-        if msg.client_token and not liveness.valid_token(msg.client_token):
-            raise _invalid("client_token", "must be empty or 32 lowercase hex digits")
+        check_name("client_name", msg.client_name, self.limits)
         now = time.monotonic()
         session = self.sessions.get(identity)
-        if session is None:
-            self.sessions[identity] = Session(identity, msg.pid, msg.client_name, now, msg.client_token)
+        if session is not None and session.peer.raw == peer:
+            session.last_seen = now  # the same connection again: the same session
         else:
-            session.last_seen = now
+            if session is not None:  # its connection went away and another took its routing id
+                self._drop_session(identity, f"another connection ({Peer.parse(peer).label()}) took its routing id")
+            self.limits.check("max_connections", len(self.sessions))
+            who = Peer.parse(peer)
+            parked = self._parked.get(msg.resume) if msg.resume else None
+            if parked is not None and parked.peer.raw != peer:
+                log.warning("%s presented the secret of a session of %s: not resumed", who.label(), parked.peer.label())
+                parked = None
+            session = Session(identity, who, secrets.token_bytes(16),
+                              parked.token if parked is not None else liveness.new_token(), msg.client_name,
+                              who.pid if who.pid is not None else msg.pid, now, resumed=parked)
+            self.sessions[identity] = session
         cfg = self.config
         return m.HandshakeReply(
             protocol_version=m.PROTOCOL_VERSION,
@@ -416,6 +489,8 @@ class CacheServer:
             session_timeout_s=cfg.session_timeout_s,
             max_message_size=cfg.max_message_size,
             features=list(m.FEATURES),
+            session_secret=session.secret,
+            client_token=session.token,
         )
 
     def _tick(self) -> None:
@@ -425,40 +500,64 @@ class CacheServer:
             self.tier.tick()
         for identity, session in list(self.sessions.items()):
             if now - session.last_seen > self.config.session_timeout_s:
-                log.info("session of pid %d (%s) timed out; dropping its %d registrations",
-                         session.pid, session.name, len(session.instances))
-                self._drop_session(identity)
-        for token, parked in list(self._parked.items()):
-            if not liveness.holder_alive(self.arena.path, token):
-                del self._parked[token]
-                for res in parked.values():
-                    self.index.abort(res)
-                log.info("client %s is gone: freed the slots of its %d parked writes", token, len(parked))
+                self._drop_session(identity, "timed out")
+        for parked in list(self._parked.values()):
+            if not liveness.holder_alive(self.arena.path, parked.token):
+                self._free_parked(parked)
+                log.info("client %s is gone: freed the slots of its parked writes", parked.peer.label())
 
-    def _drop_session(self, identity: bytes) -> None:
+    def _free_parked(self, parked: Parked) -> None:
+        self._parked.pop(parked.secret, None)
+        for res in parked.reservations.values():
+            self.index.abort(res)
+        parked.reservations.clear()
+
+    def _on_unread_overflow(self, identity: bytes, unread: int) -> None:
+        """The connection left more than --max-unread-reply-bytes of replies unread (MQServer
+        dropped them): end its session."""
+        self.dropped_connections += 1
+        session = self.sessions.get(identity)
+        who = session.peer.label() if session is not None else "a connection without a session"
+        log.warning("%s does not read its replies (%s unread, more than --max-unread-reply-bytes %s): dropped "
+                    "them and ended its session", who, format_bytes(unread),
+                    format_bytes(self.limits.max_unread_reply_bytes))
+        if session is not None:
+            self._drop_session(identity, "stopped reading its replies")
+
+    def _drop_session(self, identity: bytes, reason: str) -> None:
+        """End a session: its registrations, reservations and leases go; the open writes of a
+        client whose process still lives are parked (see Parked)."""
         session = self.sessions.pop(identity)
+        log.info("session of %s (%s) ended (%s): dropping its %d registrations", session.peer.label(),
+                 session.name or "unnamed", reason, len(session.instances))
         # a silent client that still lives may wake mid-copy: keep its write slots until it dies
-        park = session.token if liveness.holder_alive(self.arena.path, session.token) else ""
+        parked = Parked(session.secret, session.peer, session.token) \
+            if liveness.holder_alive(self.arena.path, session.token) else None
         for iid in list(session.instances):
             ctx = self.contexts.get(iid)
             if ctx is not None:
-                self._drop_context(ctx, "session lost", park_writes=park)
+                self._drop_context(ctx, "session lost", park_into=parked)
+        for lease_id in list(session.usage.leases):
+            self.index.release_lease(lease_id)
+        if parked is not None and parked.reservations:
+            self._parked[parked.secret] = parked
 
-    def _drop_context(self, ctx: RegisteredContext, reason: str, wait: bool = False, park_writes: str = "") -> None:
+    def _drop_context(self, ctx: RegisteredContext, reason: str, wait: bool = False,
+                      park_into: Parked | None = None) -> None:
         """Forget a context now; close its server side after its in-flight transfers. Its open
-        reservations are aborted, except writes parked under the client token ``park_writes``."""
+        reservations are aborted, except writes parked into ``park_into``."""
         self.contexts.pop(ctx.instance_id, None)
-        session = self.sessions.get(ctx.session)
-        if session is not None:
-            session.instances.discard(ctx.instance_id)
-        for res in [r for r in self.index.reservations.values() if r.instance_id == ctx.instance_id]:
+        session: Session = ctx.owner
+        session.instances.discard(ctx.instance_id)
+        for res in [r for r in session.usage.reservations.values()
+                    if r.instance_id == ctx.instance_id and not r.parked]:
             if res.in_flight:
                 continue
-            if res.write and park_writes:
-                del self.index.reservations[res.id]
-                self._parked.setdefault(park_writes, {})[res.id] = res
+            if res.write and park_into is not None:
+                res.parked = True
+                park_into.reservations[res.id] = res
                 log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open write "
-                            "until it exits", park_writes, len(res.entries))
+                            "until it exits", session.peer.label(), len(res.entries))
             else:
                 self.index.abort(res)
         ctx.executor.submit(self._close_server_context, ctx)
@@ -472,7 +571,7 @@ class CacheServer:
 
     def _context(self, session: Session, instance_id: int) -> RegisteredContext:
         ctx = self.contexts.get(instance_id)
-        if ctx is None or ctx.session != session.identity:
+        if ctx is None or ctx.owner is not session:
             raise UnknownInstance(
                 f"instance {instance_id} is not registered on this connection (never registered, "
                 "unregistered, or dropped when its session timed out): register again"
@@ -487,20 +586,28 @@ class CacheServer:
     def _on_register(self, session: Session, msg: m.Register) -> _Deferred:
         lt = self.transports.get(msg.transport)
         if lt is None:
-            raise _invalid("transport", f"transport {msg.transport!r} is not loaded by this server; loaded: "
+            raise _invalid("transport", f"transport {_show(msg.transport)} is not loaded by this server; loaded: "
                                         f"{', '.join(sorted(self.transports))} (start it with --transports)")
         try:
             reg = codec.decode(msg.registration, lt.transport.registration_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             wanted = lt.transport.registration_type.__name__
             raise _invalid("registration", f"does not decode as {wanted}: {exc}") from None
-        layout = validate_registration(reg, self.config.chunk_size, self.arena.size)
+        with plugin_step(msg.transport, "addressable_bytes"):
+            addressable = lt.server.addressable_bytes()
+        layout = validate_registration(reg, self.config.chunk_size, self.arena.size, self.limits, addressable)
         if reg.instance_id in self.contexts:
             raise _invalid("instance_id", f"{reg.instance_id} is already registered")
         self._check_one_format(reg, layout.chunk_format(self.config.chunk_size))
-        executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-ctx-{reg.instance_id}")
+        self.limits.check("max_registrations", len(self.contexts) + self._registering)
+        self.limits.check("max_registrations_per_session", len(session.instances) + session.registering)
+        executor = self._pool.lane()
+        self._registering += 1
+        session.registering += 1
 
         def finish(fut: Future[Any]) -> m.RegisterReply:
+            self._registering -= 1
+            session.registering -= 1
             try:
                 server_context = fut.result()
             except BaseException:  # the transport refused it: nothing to close
@@ -515,7 +622,7 @@ class CacheServer:
                 instance_id=reg.instance_id, model_name=reg.model_name, world_size=reg.world_size,
                 rank=reg.rank, layout=layout, transport=msg.transport, server_context=server_context,
                 session=session.identity, client_pid=session.pid, chunk_size=self.config.chunk_size,
-                executor=executor,
+                executor=executor, owner=session,
             )
             self.contexts[ctx.instance_id] = ctx
             session.instances.add(ctx.instance_id)
@@ -551,9 +658,18 @@ class CacheServer:
         return _Deferred(ctx.executor, lambda: None, finish, ctx.transport)
 
     def _on_lookup(self, session: Session, msg: m.Lookup) -> m.LookupReply | _Awaiting:
-        if msg.world_size <= 0:
-            raise _invalid("world_size", f"must be positive, got {msg.world_size}")
+        if not 0 < msg.world_size <= MAX_WORLD_SIZE:
+            raise _invalid("world_size", f"must be in [1, {MAX_WORLD_SIZE}], got {msg.world_size}")
+        if not math.isfinite(msg.lease_s) or msg.lease_s < 0:
+            raise _invalid("lease_s", f"must be a finite number of seconds >= 0, got {msg.lease_s}")
+        check_name("model_name", msg.model_name, self.limits)
         _check_hashes(msg.hashes)
+        if len(msg.hashes) * msg.world_size > MAX_LOOKUP_KEYS:
+            raise _invalid("hashes", f"{len(msg.hashes)} chunks for world_size {msg.world_size} name "
+                                     f"{len(msg.hashes) * msg.world_size} keys; a lookup names at most "
+                                     f"{MAX_LOOKUP_KEYS}: look up fewer chunks at once")
+        if msg.lease_s > self.limits.max_lease_s:
+            raise self.limits.exceeded("max_lease_s", f"lease_s is {msg.lease_s:g}")
         hits = self.index.lookup(msg.model_name, msg.world_size, msg.hashes)
         tier = self.tier
         # the L2 check is sent first: what follows overlaps the store's answer
@@ -566,16 +682,24 @@ class CacheServer:
             if hits and tier.admission_hits:
                 tier.count_hits(msg.model_name, msg.world_size, msg.hashes[:hits])
             if pending is not None:
-                return _Awaiting(pending, lambda: self._lookup_reply(msg, *tier.finish_lookup(pending, msg.promote)))
-        return self._lookup_reply(msg, hits, 0, hits)
+                return _Awaiting(pending, lambda: self._lookup_reply(
+                    session, msg, *tier.finish_lookup(pending, msg.promote)))
+        return self._lookup_reply(session, msg, hits, 0, hits)
 
-    def _lookup_reply(self, msg: m.Lookup, hits: int, l2_hits: int, leasable: int) -> m.LookupReply:
-        """Lease the hits that have L1 entries (all of them when promoting) and reply."""
+    def _lookup_reply(self, session: Session, msg: m.Lookup, hits: int, l2_hits: int,
+                      leasable: int) -> m.LookupReply:
+        """Lease the hits that have L1 entries (all of them when promoting) and reply. The
+        lease belongs to ``session`` (its limits, its end), unless that session ended meanwhile."""
         lease_id = 0
         leased = min(hits, leasable)
-        if msg.lease_s > 0 and leased:
-            lease_s = min(msg.lease_s, MAX_LEASE_S)
-            lease_id = self.index.lease(msg.model_name, msg.world_size, msg.hashes[:leased], lease_s)
+        if msg.lease_s > 0 and leased and self.sessions.get(session.identity) is session:
+            entries = self.index.lease_keys(msg.model_name, msg.world_size, msg.hashes[:leased])
+            nbytes = sum(Allocator.rounded(e.size) for e in entries.values())
+            usage = session.usage
+            self.limits.check("max_leases", len(self.index.leases))
+            self.limits.check("max_leases_per_session", len(usage.leases))
+            self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, nbytes)
+            lease_id = self.index.lease(entries, msg.lease_s, usage)
         return m.LookupReply(hits, lease_id, l2_hits)
 
     def _chunk_format(self, key: ChunkKey) -> str | None:
@@ -600,29 +724,50 @@ class CacheServer:
                                  "use store/retrieve, not reserve/commit")
         return ctx
 
+    def _check_reservation(self, session: Session, nbytes: int) -> None:
+        """Raise LimitExceeded unless ``session`` may open one more reservation of ``nbytes``."""
+        self.limits.check("max_reservations", len(self.index.reservations))
+        self.limits.check("max_reservations_per_session", len(session.usage.reservations))
+        self.limits.check("max_reserved_bytes_per_session", session.usage.reserved_bytes, nbytes)
+
+    def _reserve_write(self, session: Session, ctx: RegisteredContext,
+                       hashes: list[bytes]) -> tuple[Reservation, list[int], list[int]]:
+        keys = ctx.keys(hashes)
+        self._check_reservation(session, self.index.write_need(keys) * Allocator.rounded(ctx.chunk.nbytes))
+        return self.index.reserve_write(keys, ctx.chunk.fmt, ctx.chunk.nbytes, ctx.instance_id, session.usage)
+
+    def _reserve_read(self, session: Session, ctx: RegisteredContext, hashes: list[bytes],
+                      lease_id: int) -> tuple[Reservation, list[int]]:
+        keys = ctx.keys(hashes)
+        self._check_reservation(session, self.index.read_pins(keys)[1])
+        return self.index.reserve_read(keys, ctx.chunk.fmt, ctx.instance_id, session.usage, lease_id)
+
     def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply:
         ctx = self._client_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
-        res, present, no_space = self.index.reserve_write(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.chunk.nbytes,
-                                                          ctx.instance_id)
+        res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
         slots = [m.Slot(i, e.offset) for i, e in res.entries]
         return m.ReserveWriteReply(res.id, slots, present, no_space)
 
-    def _reservation(self, ctx: RegisteredContext, rid: int, write: bool) -> Reservation:
-        res = self.index.reservations.get(rid)
-        if res is None or res.instance_id != ctx.instance_id or res.write != write:
+    def _reservation(self, session: Session, ctx: RegisteredContext, rid: int, write: bool) -> Reservation:
+        """One of the session's own open reservations for ``ctx``."""
+        res = session.usage.reservations.get(rid)
+        if res is None or res.instance_id != ctx.instance_id or res.write != write or res.parked or res.in_flight:
             raise _invalid("reservation_id", f"no open {'write' if write else 'read'} reservation {rid} "
-                                             f"for instance {ctx.instance_id}")
+                                             f"of instance {ctx.instance_id} on this connection")
         return res
 
     def _on_commit_write(self, session: Session, msg: m.CommitWrite) -> m.StoreResult:
-        parked = self._parked.get(session.token, {}).pop(msg.reservation_id, None)
+        resumed = session.resumed
+        parked = resumed.reservations.pop(msg.reservation_id, None) if resumed is not None else None
         if parked is not None:  # its copy is over: free the slots; what it wrote is not trusted
             self.index.abort(parked)
+            if resumed is not None and not resumed.reservations:
+                self._parked.pop(resumed.secret, None)
             raise _invalid("reservation_id", f"write reservation {msg.reservation_id} was dropped while this "
                                              "client was silent past the session timeout; nothing was stored")
         ctx = self._client_driven(session, msg.instance_id)
-        res = self._reservation(ctx, msg.reservation_id, write=True)
+        res = self._reservation(session, ctx, msg.reservation_id, write=True)
         return self._commit_write(ctx, res, msg.failed)
 
     def _commit_write(self, ctx: RegisteredContext, res: Reservation, failed: list[int]) -> m.StoreResult:
@@ -642,12 +787,12 @@ class CacheServer:
         promoting = self._promotions_of(ctx.keys(msg.hashes))
         if promoting is not None:
             return _Awaiting(promoting, lambda: self._on_reserve_read(session, msg))
-        res, missing = self.index.reserve_read(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.instance_id, msg.lease_id)
+        res, missing = self._reserve_read(session, ctx, msg.hashes, msg.lease_id)
         return m.ReserveReadReply(res.id, [m.Slot(i, e.offset) for i, e in res.entries], missing)
 
     def _on_commit_read(self, session: Session, msg: m.CommitRead) -> m.Empty:
         ctx = self._client_driven(session, msg.instance_id)
-        res = self._reservation(ctx, msg.reservation_id, write=False)
+        res = self._reservation(session, ctx, msg.reservation_id, write=False)
         self._commit_read(ctx, res)
         return m.Empty()
 
@@ -697,8 +842,7 @@ class CacheServer:
         _check_hashes(msg.hashes)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
         params = self._params(ctx, msg.params)
-        res, present, no_space = self.index.reserve_write(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.chunk.nbytes,
-                                                          ctx.instance_id)
+        res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
         res.in_flight = True
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i, self.arena.view(e.offset, e.size)) for i, e in res.entries])
@@ -727,8 +871,7 @@ class CacheServer:
         layers = self._layer_range(ctx, msg.layers)
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
-        res, missing = self.index.reserve_read(ctx.keys(msg.hashes[first:]), ctx.chunk.fmt, ctx.instance_id,
-                                               msg.lease_id)
+        res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
         res.in_flight = True
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks)
@@ -793,21 +936,24 @@ class CacheServer:
             sessions=len(self.sessions),
             contexts=[c.status() for c in sorted(self.contexts.values(), key=lambda c: (c.model_name, c.rank))],
             arena=m.ArenaStatus(str(self.arena.path), alloc.capacity, alloc.used, len(self.index.entries),
-                                alloc.free_extents, alloc.largest_free, self.index.evictions),
+                                alloc.free_extents, alloc.largest_free, self.index.evictions,
+                                self.index.pinned_chunks()),
             transports=transports,
             lookups=self.lookups,
             lookup_chunks=self.lookup_chunks,
             lookup_hits=self.lookup_hits,
             leases=len(self.index.leases),
             leased_chunks=self.index.leased_chunks,
-            reservations=len(self.index.reservations) + sum(len(p) for p in self._parked.values()),
+            reservations=len(self.index.reservations),
             errors=self.errors,
             hook_errors=self.hooks.errors,
+            dropped_connections=self.dropped_connections,
             sections=sections,
             tiers=[self.tier.status()] if self.tier is not None else [],
         )
 
     def _on_clear(self, session: Session, msg: m.Clear) -> m.ClearReply:
+        check_name("model_name", msg.model_name, self.limits)
         gone = self.index.clear(msg.model_name)
         if self.tier is not None:
             self.tier.forget(gone)

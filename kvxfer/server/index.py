@@ -7,12 +7,18 @@ fills the slot; ``commit_write`` makes it READY (and evictable, most recently us
 ``reserve_read`` pins READY entries (``readers``), ``commit_read`` unpins them. A lease pins
 entries until it expires or its readers release it. Only READY entries with no readers and no
 leases are ever evicted, least recently used first, and only to make room for a new slot.
+
+Accounting is exact by construction: an entry's ``leases`` counts the leases that hold it (a
+lease holds each key once, however often a request repeats it) and ``readers`` the read
+reservations' pins (one per occurrence, released per occurrence). Every reservation and lease
+belongs to a :class:`Usage` (the session's), updated in the one place each leaves the index.
+Reservation and lease ids are random 63-bit numbers: knowing one proves it was handed out.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -22,7 +28,7 @@ from typing import NamedTuple
 from kvxfer.errors import InvalidRequest
 from kvxfer.server.allocator import Allocator
 
-__all__ = ["ChunkKey", "Entry", "ChunkIndex", "Reservation", "Lease"]
+__all__ = ["ChunkKey", "Entry", "ChunkIndex", "Reservation", "Lease", "Usage"]
 
 
 class ChunkKey(NamedTuple):
@@ -53,24 +59,43 @@ class Entry:
 
 
 @dataclass(slots=True, eq=False)
+class Usage:
+    """What one owner (a session) holds in the index; :class:`ChunkIndex` keeps it exact."""
+
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    #: Arena bytes (allocation-rounded) of their entries, one count per pin.
+    reserved_bytes: int = 0
+    leases: dict[int, Lease] = field(default_factory=dict)
+    leased_bytes: int = 0
+
+
+@dataclass(slots=True, eq=False)
 class Reservation:
     id: int
     write: bool
     instance_id: int
+    owner: Usage
     #: (index in the request, entry)
     entries: list[tuple[int, Entry]]
     lease_id: int = 0
+    #: Arena bytes its entries take (allocation-rounded), counted in ``owner.reserved_bytes``.
+    nbytes: int = 0
     #: A server-driven copy is running on it: only the request's own finish may end it.
     in_flight: bool = False
     #: Counted in ChunkIndex.filling until committed or aborted.
     filling: bool = False
+    #: An open write of a silent client kept until its process exits (see CacheServer).
+    parked: bool = False
 
 
 @dataclass(slots=True, eq=False)
 class Lease:
     id: int
     expires: float
+    owner: Usage
     entries: dict[ChunkKey, Entry] = field(default_factory=dict)
+    #: Arena bytes of ``entries``, counted in ``owner.leased_bytes``.
+    nbytes: int = 0
 
 
 class ChunkIndex:
@@ -80,7 +105,6 @@ class ChunkIndex:
         self._lru: OrderedDict[ChunkKey, Entry] = OrderedDict()
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
-        self._ids = itertools.count(1)
         self._on_evict = on_evict
         self.evictions = 0
         #: Entries added, made readable or removed so far: a lookup that waited for L2 sees
@@ -90,6 +114,12 @@ class ChunkIndex:
         #: the last one ended (time.monotonic()): the L2 writers wait for quiet. Read by other threads.
         self.filling = 0
         self.filled_at = 0.0
+
+    def _new_id(self) -> int:
+        while True:
+            rid = secrets.randbits(63)
+            if rid and rid not in self.reservations and rid not in self.leases:
+                return rid
 
     # ------------------------------------------------------------------ lookup and leases
 
@@ -103,16 +133,25 @@ class ChunkIndex:
                     return i
         return len(hashes)
 
-    def lease(self, model_name: str, world_size: int, hashes: Sequence[bytes], ttl: float) -> int:
-        """Pin the chunks of ``hashes`` (all present) for every rank for ``ttl`` seconds."""
-        lease = Lease(next(self._ids), time.monotonic() + ttl)
+    def lease_keys(self, model_name: str, world_size: int, hashes: Sequence[bytes]) -> dict[ChunkKey, Entry]:
+        """The distinct entries a lease of ``hashes`` (all present) for every rank would hold."""
+        out: dict[ChunkKey, Entry] = {}
         for h in hashes:
             for rank in range(world_size):
                 key = ChunkKey(model_name, world_size, rank, h)
-                e = self.entries[key]
-                e.leases += 1
-                lease.entries[key] = e
+                if key not in out:
+                    out[key] = self.entries[key]
+        return out
+
+    def lease(self, entries: dict[ChunkKey, Entry], ttl: float, owner: Usage) -> int:
+        """Pin ``entries`` (from :meth:`lease_keys`) for ``ttl`` seconds; returns the lease id."""
+        lease = Lease(self._new_id(), time.monotonic() + ttl, owner, dict(entries))
+        for e in lease.entries.values():
+            e.leases += 1
+            lease.nbytes += Allocator.rounded(e.size)
         self.leases[lease.id] = lease
+        owner.leases[lease.id] = lease
+        owner.leased_bytes += lease.nbytes
         return lease.id
 
     def release_lease(self, lease_id: int, keys: Iterable[ChunkKey] | None = None) -> None:
@@ -124,8 +163,12 @@ class ChunkIndex:
             e = lease.entries.pop(key, None)
             if e is not None:
                 e.leases -= 1
+                size = Allocator.rounded(e.size)
+                lease.nbytes -= size
+                lease.owner.leased_bytes -= size
         if not lease.entries:
             del self.leases[lease_id]
+            del lease.owner.leases[lease_id]
 
     def expire_leases(self, now: float) -> int:
         expired = [lid for lid, lease in self.leases.items() if lease.expires <= now]
@@ -137,13 +180,44 @@ class ChunkIndex:
     def leased_chunks(self) -> int:
         return sum(len(lease.entries) for lease in self.leases.values())
 
+    def pinned_chunks(self) -> int:
+        """Entries that cannot be evicted now (being written, read or leased), counted from the
+        entries themselves: zero whenever no reservation or lease is open."""
+        return sum(1 for e in self.entries.values() if e.pinned)
+
+    def _open(self, res: Reservation) -> Reservation:
+        self.reservations[res.id] = res
+        res.owner.reservations[res.id] = res
+        res.owner.reserved_bytes += res.nbytes
+        return res
+
+    def _close(self, res: Reservation) -> None:
+        """The one place a reservation leaves the index."""
+        if self.reservations.pop(res.id, None) is not None:
+            del res.owner.reservations[res.id]
+            res.owner.reserved_bytes -= res.nbytes
+
+    def write_need(self, keys: Sequence[ChunkKey]) -> int:
+        """How many slots :meth:`reserve_write` of ``keys`` would allocate (no side effect)."""
+        return len({k for k in keys if k not in self.entries})
+
+    def read_pins(self, keys: Sequence[ChunkKey]) -> tuple[int, int]:
+        """(pins, bytes) that :meth:`reserve_read` of ``keys`` would take (no side effect)."""
+        n = nbytes = 0
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and e.state is State.READY:
+                n += 1
+                nbytes += Allocator.rounded(e.size)
+        return n, nbytes
+
     # ------------------------------------------------------------------ writes
 
     def reserve_write(
-        self, keys: Sequence[ChunkKey], fmt: str, size: int, instance_id: int
+        self, keys: Sequence[ChunkKey], fmt: str, size: int, instance_id: int, owner: Usage
     ) -> tuple[Reservation, list[int], list[int]]:
         """Slots for the keys not present. Returns (reservation, present, no_space)."""
-        res = Reservation(next(self._ids), True, instance_id, [])
+        res = Reservation(self._new_id(), True, instance_id, owner, [])
         present: list[int] = []
         no_space: list[int] = []
         seen: set[ChunkKey] = set()
@@ -168,15 +242,15 @@ class ChunkIndex:
             self.changes += 1
             seen.add(key)
             res.entries.append((i, e))
-        self.reservations[res.id] = res
+            res.nbytes += Allocator.rounded(size)
         if res.entries:
             res.filling = True
             self.filling += 1
-        return res, present, no_space
+        return self._open(res), present, no_space
 
     def commit_write(self, res: Reservation, failed: Iterable[int] = ()) -> list[tuple[int, Entry]]:
         """READY the reservation's entries except ``failed`` indices (dropped)."""
-        self.reservations.pop(res.id, None)
+        self._close(res)
         if res.filling:
             res.filling = False
             self.filling -= 1
@@ -196,10 +270,10 @@ class ChunkIndex:
     # ------------------------------------------------------------------ reads
 
     def reserve_read(
-        self, keys: Sequence[ChunkKey], fmt: str, instance_id: int, lease_id: int = 0
+        self, keys: Sequence[ChunkKey], fmt: str, instance_id: int, owner: Usage, lease_id: int = 0
     ) -> tuple[Reservation, list[int]]:
         """Pin the READY entries of ``keys``. Returns (reservation, missing indices)."""
-        res = Reservation(next(self._ids), False, instance_id, [], lease_id)
+        res = Reservation(self._new_id(), False, instance_id, owner, [], lease_id)
         missing = []
         for i, key in enumerate(keys):
             e = self.entries.get(key)
@@ -215,11 +289,11 @@ class ChunkIndex:
             e.readers += 1
             self._lru.move_to_end(key)
             res.entries.append((i, e))
-        self.reservations[res.id] = res
-        return res, missing
+            res.nbytes += Allocator.rounded(e.size)
+        return self._open(res), missing
 
     def commit_read(self, res: Reservation) -> None:
-        self.reservations.pop(res.id, None)
+        self._close(res)
         for _, e in res.entries:
             e.readers -= 1
         if res.lease_id:
@@ -230,7 +304,7 @@ class ChunkIndex:
         if res.write:
             self.commit_write(res, failed=[i for i, _ in res.entries])
         else:
-            self.reservations.pop(res.id, None)
+            self._close(res)
             for _, e in res.entries:
                 e.readers -= 1
 

@@ -50,7 +50,7 @@ from typing import Any, Final
 from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
 from kvxfer.protocol.messages import TierStatus
-from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
+from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State, Usage
 from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
 from kvxfer.store.format import (
     HEADER_SIZE,
@@ -347,6 +347,8 @@ class L2Tier:
     ) -> None:
         self.config = config
         self.index = index
+        #: The tier's own promotion reservations (no session's: they count in the server's total only).
+        self.usage = Usage()
         self.arena = arena
         self.call_soon = call_soon
         self.expected_format = expected_format
@@ -799,7 +801,7 @@ class L2Tier:
             fmt = self.expected_format(group[0][1])
             try:
                 res, present, no_space = self.index.reserve_write([k for _, k in group], fmt or _PENDING_FMT, size,
-                                                                  PROMOTER)
+                                                                  PROMOTER, self.usage)
             except InvalidRequest:  # an entry appeared in another format meanwhile
                 return min(i for i, _ in group)
             res.in_flight = True

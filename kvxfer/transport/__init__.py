@@ -4,7 +4,7 @@
 See docs/plugin-authoring.md for the walk-through.
 """
 
-from kvxfer.arena import Arena, ArenaMapping
+from kvxfer.arena import Arena, ArenaMapping, transport_dir_path
 from kvxfer.layout import KVLayout, LayoutKind, copy_dtype, copy_view
 from kvxfer.protocol.messages import Registration, RetrieveResult, StoreResult
 from kvxfer.transport.contract import (
@@ -58,4 +58,5 @@ __all__ = [
     "get_transport",
     "list_plugins",
     "select",
+    "transport_dir_path",
 ]

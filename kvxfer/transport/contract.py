@@ -610,6 +610,12 @@ class ServerTransport:
         cls = self.transport.server_context_type
         return cls(registration, layout) if cls is not None else None
 
+    def addressable_bytes(self) -> int | None:
+        """The most bytes of one registered KV cache this server side can address here (e.g. a
+        GPU's memory), or None when it has no bound of its own. The core refuses a registration
+        that declares more, before :meth:`open`. Called on the loop; must be quick."""
+        return None
+
     def status(self) -> dict[str, str]:
         """A few strings for ``kvxfer status``."""
         return {}
@@ -628,9 +634,9 @@ class Transport(ABC):
     ``api_version`` (must equal :data:`API_VERSION`), ``capabilities``, ``registration_type``
     (a :class:`Registration` subclass the server decodes registrations with; default the base),
     ``context_type`` (a :class:`ClientDrivenContext` or :class:`ServerDrivenContext` subclass:
-    it fixes the style), ``server_context_type`` (server-driven only) and ``auto_priority``
+    it fixes the style), ``server_context_type`` (server-driven only), ``auto_priority``
     (``"auto"`` picks the available transport with the highest priority for the tensors'
-    device; cpu_gather, the fallback, has 10). Implement :meth:`probe`.
+    device; cpu_gather, the fallback, has 10) and ``production``. Implement :meth:`probe`.
     """
 
     name: ClassVar[str]
@@ -640,6 +646,11 @@ class Transport(ABC):
     context_type: ClassVar[type[TransferContextBase]]
     server_context_type: ClassVar[type[ServerContext[Any, Any]] | None] = None
     auto_priority: ClassVar[int] = 0
+    #: Meant for production: it handles every field of its registration and params as hostile
+    #: and never opens a path a client chose. ``kvxfer serve`` loads only production transports
+    #: unless others are named in ``--transports`` (then with a warning). False by default: a
+    #: transport says so on purpose.
+    production: ClassVar[bool] = False
 
     @abstractmethod
     def probe(self) -> Probe:

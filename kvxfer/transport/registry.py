@@ -55,6 +55,9 @@ class PluginInfo:
     detail: str
     api_version: int | None
     style: str = ""
+    #: Whether a transport declares itself meant for production (``kvxfer serve`` loads only those
+    #: by default); False for plugins without the notion (stores).
+    production: bool = False
 
 
 class EntryPointGroup:
@@ -172,8 +175,8 @@ class EntryPointGroup:
         out = []
         for name, ep in sorted(self.entry_points().items()):
             dist = getattr(ep, "dist", None)
-            base = dict(name=name, target=getattr(ep, "value", ""), distribution=dist.name if dist else "?",
-                        version=dist.version if dist else "?")
+            base: dict[str, Any] = dict(name=name, target=getattr(ep, "value", ""),
+                                        distribution=dist.name if dist else "?", version=dist.version if dist else "?")
             try:
                 plugin = self.load(name)
             except self.broken as exc:
@@ -190,6 +193,7 @@ class EntryPointGroup:
                 detail=probe.reason,
                 api_version=plugin.api_version,
                 style=str(getattr(style, "value", style)),
+                production=bool(getattr(plugin, "production", False)),
             ))
         return out
 

@@ -49,9 +49,11 @@ def test_plugins_table(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert "entry point group kvxfer.transports" in lines[0]
     header = next(line for line in lines if line.startswith("name"))
-    assert header.split() == ["name", "version", "distribution", "api", "style", "health"]
+    assert header.split() == ["name", "version", "distribution", "api", "style", "production", "health"]
     [row] = [line for line in lines if line.startswith("cpu_gather ")]
-    assert row.split()[1:] == ["0.1.0", "kvxfer-cpu-gather", "2", "client_driven", "available"]
+    assert row.split()[1:] == ["0.1.0", "kvxfer-cpu-gather", "2", "client_driven", "yes", "available"]
+    [row] = [line for line in lines if line.startswith("file_debug ")]
+    assert row.split()[5:] == ["no", "available"]
     # the test-only plugin is installed only where tests/core/test_plugins.py puts it
     assert not [line for line in lines if line.startswith("test_")]
 
@@ -62,6 +64,8 @@ def test_console_script_plugins_json() -> None:
     report = json.loads(proc.stdout)
     [cpu] = [p for p in report["transports"] if p["name"] == "cpu_gather"]
     assert cpu["health"] == "available" and cpu["distribution"] == "kvxfer-cpu-gather"
+    assert cpu["production"] is True
+    assert [p["production"] for p in report["transports"] if p["name"] == "file_debug"] == [False]
 
 
 def test_status_table(server, registered) -> None:

@@ -125,8 +125,8 @@ def hook_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plugin_server(on_path: Path, hook_log: Path):
-    """All installed transports (no --transports): the broken ones are skipped."""
-    srv = ServerProcess(l1_size="2MiB", chunk_size=CHUNK_SIZE,
+    """cpu_gather and test_loop (which is not meant for production: loaded because named)."""
+    srv = ServerProcess(l1_size="2MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather,test_loop",
                         env=env_with(on_path, KVXFER_TEST_HOOK_LOG=str(hook_log)))
     with srv:
         yield srv
@@ -153,9 +153,20 @@ def shared_kv(tmp_path: Path, name: str, num_blocks: int = 32, seed: int = 0) ->
     return layers
 
 
-def test_server_loads_installed_transports_and_skips_broken_ones(loop_client) -> None:
-    assert {"test_loop", "cpu_gather"} <= set(loop_client.server_transports)
-    assert not {"test_broken", "test_oldapi", "test_nodevice"} & set(loop_client.server_transports)
+def test_a_server_loads_production_transports_unless_others_are_named(on_path: Path, plugin_server) -> None:
+    """Without --transports: every installed production transport that can run here, none of the
+    others (test_loop and the example file_debug are not meant for production), broken ones
+    skipped. Named in --transports, one that is not meant for production loads, with a warning."""
+    with ServerProcess(l1_size="2MiB", chunk_size=CHUNK_SIZE, env=env_with(on_path)) as srv:
+        with CacheClient(srv.url) as c:
+            loaded = set(c.server_transports)
+        log = srv.log()
+    assert "cpu_gather" in loaded
+    assert not {"test_loop", "file_debug", "test_broken", "test_oldapi", "test_nodevice"} & loaded, loaded
+    assert "transport test_loop not loaded: it is not meant for production" in log
+    assert "transport file_debug not loaded: it is not meant for production" in log
+    assert "transport test_loop is not meant for production" in plugin_server.log()
+    assert "WARNING" in next(line for line in plugin_server.log().splitlines() if "test_loop is not meant" in line)
 
 
 def test_server_driven_round_trip_and_hooks(loop_client, tmp_path: Path, hook_log: Path) -> None:

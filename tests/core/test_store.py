@@ -8,7 +8,7 @@ import pytest
 
 from kvxfer.errors import InvalidRequest
 from kvxfer.server.allocator import ALIGN, Allocator
-from kvxfer.server.index import ChunkIndex, ChunkKey, State
+from kvxfer.server.index import ChunkIndex, ChunkKey, State, Usage
 
 # --------------------------------------------------------------------------- allocator
 
@@ -91,6 +91,8 @@ def test_allocator_refuses_bad_frees() -> None:
 # --------------------------------------------------------------------------- index
 
 SIZE = 4 * ALIGN
+#: The owner of the reservations and leases of these tests (a session, in the server).
+OWNER = Usage()
 
 
 def key(i: int, rank: int = 0, world: int = 1, model: str = "m") -> ChunkKey:
@@ -98,13 +100,17 @@ def key(i: int, rank: int = 0, world: int = 1, model: str = "m") -> ChunkKey:
 
 
 def store(index: ChunkIndex, keys: list[ChunkKey], fmt: str = "f") -> tuple[list[int], list[int], list[int]]:
-    res, present, no_space = index.reserve_write(keys, fmt, SIZE, instance_id=1)
+    res, present, no_space = index.reserve_write(keys, fmt, SIZE, 1, OWNER)
     stored = index.commit_write(res)
     return [i for i, _ in stored], present, no_space
 
 
+def lease(index: ChunkIndex, model: str, world: int, hashes: list[bytes], ttl: float = 30) -> int:
+    return index.lease(index.lease_keys(model, world, hashes), ttl, OWNER)
+
+
 def read(index: ChunkIndex, keys: list[ChunkKey], lease_id: int = 0) -> list[int]:
-    res, missing = index.reserve_read(keys, "f", 1, lease_id)
+    res, missing = index.reserve_read(keys, "f", 1, OWNER, lease_id)
     index.commit_read(res)
     return missing
 
@@ -138,7 +144,7 @@ def test_present_and_duplicate_keys_are_not_written_twice() -> None:
     stored, present, no_space = store(index, [key(0), key(1), key(1)])
     assert (stored, present, no_space) == ([1], [0, 2], [])
     with pytest.raises(InvalidRequest, match="format"):
-        index.reserve_write([key(1)], "other-format", SIZE, 1)
+        index.reserve_write([key(1)], "other-format", SIZE, 1, OWNER)
     assert not index.reservations  # the refused reservation was undone
 
 
@@ -156,10 +162,10 @@ def test_lookup_counts_leading_chunks_present_for_every_rank() -> None:
 def test_writing_chunks_are_invisible_and_pinned() -> None:
     ev = Recorder()
     index = ChunkIndex(2 * SIZE, on_evict=ev)
-    res, _, _ = index.reserve_write([key(0), key(1)], "f", SIZE, 1)
+    res, _, _ = index.reserve_write([key(0), key(1)], "f", SIZE, 1, OWNER)
     assert index.lookup("m", 1, [key(0).chunk_hash]) == 0
-    assert index.reserve_read([key(0)], "f", 1)[1] == [0]  # WRITING: missing for readers
-    _, _, no_space = index.reserve_write([key(2)], "f", SIZE, 1)
+    assert index.reserve_read([key(0)], "f", 1, OWNER)[1] == [0]  # WRITING: missing for readers
+    _, _, no_space = index.reserve_write([key(2)], "f", SIZE, 1, OWNER)
     assert no_space == [0] and ev.evicted == []  # nothing evictable: both slots being written
     index.commit_write(res, failed=[1])
     assert index.entries[key(0)].state is State.READY and key(1) not in index.entries
@@ -170,7 +176,7 @@ def test_readers_pin_chunks() -> None:
     ev = Recorder()
     index = ChunkIndex(2 * SIZE, on_evict=ev)
     store(index, [key(0), key(1)])
-    res, missing = index.reserve_read([key(0), key(1)], "f", 1)
+    res, missing = index.reserve_read([key(0), key(1)], "f", 1, OWNER)
     assert missing == []
     assert store(index, [key(2)])[2] == [0]  # both pinned by the reader: no space
     index.commit_read(res)
@@ -182,11 +188,11 @@ def test_leases_are_honoured_until_they_expire() -> None:
     ev = Recorder()
     index = ChunkIndex(3 * SIZE, on_evict=ev)
     store(index, [key(0), key(1), key(2)])
-    lease = index.lease("m", 1, [key(0).chunk_hash, key(1).chunk_hash], ttl=30)
+    lease(index, "m", 1, [key(0).chunk_hash, key(1).chunk_hash])
     assert index.leased_chunks == 2
     assert store(index, [key(3)])[0] == [0]
     assert ev.evicted == [key(2)]  # the only unleased chunk went, although 0 and 1 are older
-    reader, _ = index.reserve_read([key(3)], "f", 1)
+    reader, _ = index.reserve_read([key(3)], "f", 1, OWNER)
     assert store(index, [key(4)])[2] == [0]  # leased or being read: nothing may go
     index.commit_read(reader)
     assert index.expire_leases(now=0.0) == 0  # not yet
@@ -203,22 +209,22 @@ def test_a_read_naming_the_lease_releases_its_rank_only() -> None:
     index = ChunkIndex(8 * SIZE)
     store(index, [key(0, 0, 2), key(1, 0, 2), key(0, 1, 2), key(1, 1, 2)])
     hashes = [key(0).chunk_hash, key(1).chunk_hash]
-    lease = index.lease("m", 2, hashes, ttl=30)
+    lease_id = lease(index, "m", 2, hashes)
     assert index.leased_chunks == 4
-    assert read(index, [key(0, 0, 2), key(1, 0, 2)], lease_id=lease) == []
+    assert read(index, [key(0, 0, 2), key(1, 0, 2)], lease_id=lease_id) == []
     assert index.leased_chunks == 2
     assert index.entries[key(0, 0, 2)].leases == 0 and index.entries[key(0, 1, 2)].leases == 1
-    assert lease in index.leases
-    read(index, [key(0, 1, 2), key(1, 1, 2)], lease_id=lease)
-    assert lease not in index.leases and index.leased_chunks == 0
-    index.release_lease(lease)  # unknown or finished ids are ignored
+    assert lease_id in index.leases
+    read(index, [key(0, 1, 2), key(1, 1, 2)], lease_id=lease_id)
+    assert lease_id not in index.leases and index.leased_chunks == 0
+    index.release_lease(lease_id)  # unknown or finished ids are ignored
 
 
 def test_abort_undoes_reservations() -> None:
     index = ChunkIndex(4 * SIZE)
     store(index, [key(0)])
-    w, _, _ = index.reserve_write([key(1), key(2)], "f", SIZE, 7)
-    r, _ = index.reserve_read([key(0)], "f", 7)
+    w, _, _ = index.reserve_write([key(1), key(2)], "f", SIZE, 7, OWNER)
+    r, _ = index.reserve_read([key(0)], "f", 7, OWNER)
     assert index.entries[key(0)].readers == 1 and len(index.reservations) == 2
     index.abort(w)
     index.abort(r)
@@ -231,7 +237,7 @@ def test_clear_drops_only_unpinned_chunks_of_the_model() -> None:
     index = ChunkIndex(8 * SIZE)
     store(index, [key(0), key(1)])
     store(index, [key(2, model="other")])
-    r, _ = index.reserve_read([key(1)], "f", 1)
+    r, _ = index.reserve_read([key(1)], "f", 1, OWNER)
     assert index.clear("m") == [key(0)]
     assert set(index.entries) == {key(1), key(2, model="other")}
     index.commit_read(r)
@@ -247,10 +253,10 @@ def test_index_churn_keeps_allocator_consistent() -> None:
         keys = [key(rng.randrange(200)) for _ in range(rng.randrange(1, 6))]
         op = rng.random()
         if op < 0.5:
-            res, _, _ = index.reserve_write(keys, "f", SIZE, 1)
+            res, _, _ = index.reserve_write(keys, "f", SIZE, 1, OWNER)
             index.commit_write(res, failed=[i for i, _ in res.entries if rng.random() < 0.1])
         elif op < 0.8:
-            res, _ = index.reserve_read(keys, "f", 1)
+            res, _ = index.reserve_read(keys, "f", 1, OWNER)
             open_reads.append(res)
         elif open_reads:
             index.commit_read(open_reads.pop(rng.randrange(len(open_reads))))
@@ -268,8 +274,55 @@ def test_index_churn_keeps_allocator_consistent() -> None:
 def test_one_format_per_identity_until_its_last_chunk_goes() -> None:
     index = ChunkIndex(16 * SIZE)
     assert index.format_of("m", 1) is None
-    res, _, _ = index.reserve_write([key(1), key(2)], "fmt-a", SIZE, 1)
+    res, _, _ = index.reserve_write([key(1), key(2)], "fmt-a", SIZE, 1, OWNER)
     assert index.format_of("m", 1) is None  # being written: not readable yet
     index.commit_write(res, failed=[0])
     assert index.format_of("m", 1) == "fmt-a" and index.format_of("m", 2) is None  # one entry left
     assert index.clear("m") and index.format_of("m", 1) is None
+
+
+def test_a_lease_of_repeated_hashes_holds_each_chunk_once() -> None:
+    """A lookup may repeat a hash: the lease pins the chunk once and releases it once, so the
+    chunk is evictable and clearable again afterwards, whichever way the lease ends."""
+    for end in ("release", "expire", "read"):
+        index = ChunkIndex(4 * SIZE)
+        owner = Usage()
+        store(index, [key(0), key(1)])
+        h0, h1 = key(0).chunk_hash, key(1).chunk_hash
+        lease_id = index.lease(index.lease_keys("m", 1, [h0, h0, h1, h0]), 30, owner)
+        assert index.entries[key(0)].leases == 1 and index.leased_chunks == 2
+        assert owner.leased_bytes == 2 * Allocator.rounded(SIZE) and list(owner.leases) == [lease_id]
+        if end == "release":
+            index.release_lease(lease_id)
+        elif end == "expire":
+            index.expire_leases(float("inf"))
+        else:
+            assert read(index, [key(0), key(0), key(1)], lease_id=lease_id) == []
+        assert index.pinned_chunks() == 0 and not index.leases, end
+        assert owner.leased_bytes == 0 and not owner.leases
+        assert sorted(index.clear()) == [key(0), key(1)], end
+
+
+def test_usage_follows_every_reservation_and_lease_exactly() -> None:
+    index = ChunkIndex(16 * SIZE)
+    a, b = Usage(), Usage()
+    store(index, [key(0), key(1)])
+    w, _, _ = index.reserve_write([key(2), key(3), key(3)], "f", SIZE, 1, a)
+    r, _ = index.reserve_read([key(0), key(0), key(9)], "f", 1, b)
+    assert index.write_need([key(4), key(4), key(0)]) == 1
+    assert index.read_pins([key(0), key(0), key(9)]) == (2, 2 * Allocator.rounded(SIZE))
+    assert (len(a.reservations), a.reserved_bytes) == (1, 2 * Allocator.rounded(SIZE))
+    assert (len(b.reservations), b.reserved_bytes) == (1, 2 * Allocator.rounded(SIZE))
+    assert index.pinned_chunks() == 3  # two being written, one being read (twice)
+    index.commit_write(w)
+    index.abort(r)
+    assert not a.reservations and not b.reservations and a.reserved_bytes == b.reserved_bytes == 0
+    assert index.pinned_chunks() == 0
+
+
+def test_reservation_and_lease_ids_are_random() -> None:
+    index = ChunkIndex(16 * SIZE)
+    store(index, [key(0)])
+    ids = {index.reserve_read([key(0)], "f", 1, OWNER)[0].id for _ in range(20)}
+    ids |= {lease(index, "m", 1, [key(0).chunk_hash]) for _ in range(20)}
+    assert len(ids) == 40 and min(ids) > 1 << 20  # not small sequential numbers

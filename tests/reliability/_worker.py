@@ -11,7 +11,11 @@ Prints one JSON object per line (``{"event": ...}``) on stdout. Modes:
   (``stored`` / ``retrieved`` / ``failed``), then exit on a line from stdin: a client frozen
   mid-copy past its session timeout;
 * ``soak``: wait for ``go`` on stdin, then ``--iters`` rounds of store + retrieve + bit-exact
-  check; reports counts, bytes, corrupted chunks and its start/end clock (``done``).
+  check; reports counts, bytes, corrupted chunks and its start/end clock (``done``);
+* ``race``: wait for ``go``, then ``--iters`` rounds of storing the same keys as the other
+  racers (same ``--model``), each with bytes of its own version (``--tag`` of ``--versions``),
+  and reading them back: every chunk read must be one whole version (``done`` counts what was
+  read as its own version, as another one, and as none of them: ``mixed``).
 """
 
 from __future__ import annotations
@@ -200,11 +204,44 @@ def soak(args) -> None:
     client.close()
 
 
+def race(args) -> None:
+    client, ctx, shape, bpc = connect(args)
+    kv = ctx._kv
+    emit("ready", instance_id=ctx.instance_id)
+    if sys.stdin.readline().strip() != "go":
+        return
+    n = args.chunks
+    own = other = mixed = loaded = stored = 0
+    base = n * bpc
+    for it in range(args.iters):
+        keys = [relkit.key(f"{args.model}/{it}", j) for j in range(n)]
+        versions = [[relkit.expected(shape, f"{args.model}#{v}", args.rank, h, bpc) for h in keys]
+                    for v in range(args.versions)]
+        ids = fill(args, shape, kv, bpc, keys, 0, versions[int(args.tag)])
+        stored += len(ctx.submit_store(keys, ids).result(timeout=args.timeout).stored)
+        for layer in kv:
+            layer[:, base:base + n * bpc].zero_()
+        r = ctx.submit_retrieve(keys, [i + base for i in ids]).result(timeout=args.timeout)
+        for j in r.loaded:
+            got = relkit.read_chunk(kv, blocks_for(j, bpc, base))
+            match = [v for v in range(args.versions) if torch.equal(got, versions[v][j])]
+            loaded += 1
+            if not match:
+                mixed += 1
+            elif match == [int(args.tag)]:
+                own += 1
+            else:
+                other += 1
+    emit("done", stored=stored, loaded=loaded, own=own, other=other, mixed=mixed)
+    ctx.close()
+    client.close()
+
+
 def main() -> None:
     torch.set_num_threads(1)  # many workers share few cores: no oversubscribed thread pools
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["store-loop", "retrieve-loop", "hold-write", "hold-read", "freeze-write",
-                                    "freeze-read", "soak"])
+                                    "freeze-read", "soak", "race"])
     p.add_argument("--url", required=True)
     p.add_argument("--curve-dir", default=None)
     p.add_argument("--model", default="m")
@@ -214,6 +251,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--versions", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--num-blocks", type=int, default=64)
@@ -222,7 +260,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     args = p.parse_args()
     try:
-        {"store-loop": store_loop, "retrieve-loop": retrieve_loop, "soak": soak,
+        {"store-loop": store_loop, "retrieve-loop": retrieve_loop, "soak": soak, "race": race,
          "hold-write": lambda a: hold(a, True), "hold-read": lambda a: hold(a, False),
          "freeze-write": lambda a: freeze(a, True), "freeze-read": lambda a: freeze(a, False)}[args.mode](args)
     except Exception as exc:

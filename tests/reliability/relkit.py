@@ -75,6 +75,91 @@ def checksum(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 
+def proc_kib(pid: int, field: str) -> int:
+    """A ``/proc/<pid>/status`` figure in KiB (``VmRSS``, ``VmHWM``: the peak of VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+class RawPeer:
+    """A bare ZeroMQ DEALER that speaks the wire protocol by hand (any payload, any fields)."""
+
+    def __init__(self, url: str, **sockopts: int) -> None:
+        import zmq
+
+        from kvxfer.protocol import codec
+
+        self.codec = codec
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        for opt, value in sockopts.items():
+            self.sock.setsockopt(getattr(zmq, opt), value)
+        self.sock.connect(url)
+        self.rid = 0
+        self.last_handshake = 0.0
+
+    def send(self, name: bytes, payload: bytes) -> int:
+        self.rid += 1
+        self.sock.send_multipart([self.codec.pack_id(self.rid), name, payload])
+        return self.rid
+
+    def recv(self, rid: int, timeout: float = 15.0) -> tuple[bytes, bytes] | None:
+        """The reply to ``rid`` (earlier replies, e.g. to dropped frames, are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+                return None
+            frames = self.sock.recv_multipart()
+            assert len(frames) == 3, f"a reply has 3 frames, got {len(frames)}"
+            got = self.codec.unpack_id(frames[0])
+            if got == rid:
+                return frames[1], frames[2]
+            assert got < rid, f"a reply to request {got}, never sent"
+
+    def call(self, name: bytes, payload: bytes, timeout: float = 15.0) -> tuple[bytes, bytes]:
+        if time.monotonic() - self.last_handshake > 0.5:
+            # keep the session: only well-formed requests count as signs of life
+            self.handshake()
+        rid = self.send(name, payload)
+        out = self.recv(rid, timeout)
+        assert out is not None, f"no reply to {name!r} ({len(payload)} bytes) within {timeout} s"
+        return out
+
+    def handshake(self, **fields: object) -> dict:
+        """Handshake with ``fields`` besides the version (any, e.g. an old client's
+        ``client_token``); returns the reply as a dict."""
+        import msgspec
+
+        from kvxfer.protocol import messages as m
+
+        payload = {"protocol_version": m.PROTOCOL_VERSION, "client_name": "raw", "pid": os.getpid(), **fields}
+        rid = self.send(b"handshake", self.codec.encode(payload))
+        out = self.recv(rid)
+        assert out is not None and out[0] == self.codec.OK, out
+        self.last_handshake = time.monotonic()
+        return msgspec.msgpack.decode(out[1])
+
+    def error(self, name: bytes, payload: bytes, timeout: float = 15.0) -> tuple[str, str] | None:
+        """``(code, message)`` of an error reply, None for an ok one."""
+        status, reply = self.call(name, payload, timeout)
+        if status == self.codec.OK:
+            return None
+        err = self.codec.ERROR_DECODER.decode(reply)
+        return err.code, err.message
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
 def shm_entries() -> set[str]:
     try:
         return set(os.listdir("/dev/shm"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -38,7 +39,9 @@ def test_ipc_socket_and_arena_are_private(server, client_of):
     arena = Path(client.arena_path)
     assert arena.is_file() and mode(arena) == 0o600
     assert mode(arena.parent) == 0o700
-    assert arena.parent.name.startswith(f"kvxfer-{os.getuid()}-{server.pid}-")
+    # named without a pid (pids repeat across pid namespaces); its server holds server.lock
+    assert re.fullmatch(rf"kvxfer-{os.getuid()}-[0-9a-f]{{32}}", arena.parent.name), arena.parent.name
+    assert sorted(p.name for p in arena.parent.iterdir() if not p.name.startswith("client-")) == ["arena", "server.lock"]
 
 
 def test_ipc_socket_in_a_shared_directory_is_refused(tmp_path):

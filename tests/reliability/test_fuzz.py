@@ -20,10 +20,9 @@ from pathlib import Path
 import msgspec
 import msgspec.inspect as mi
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relkit import Writer, key
+from relkit import RawPeer, Writer, key
 
 from kvxfer.errors import _BY_CODE
 from kvxfer.protocol import codec
@@ -38,55 +37,6 @@ TYPED_CODES = set(_BY_CODE) - {"internal"}
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
-
-
-class RawPeer:
-    """A bare ZeroMQ DEALER that speaks the wire protocol by hand."""
-
-    def __init__(self, url: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
-        self.sock.connect(url)
-        self.rid = 0
-        self.last_handshake = 0.0
-
-    def send(self, name: bytes, payload: bytes) -> int:
-        self.rid += 1
-        self.sock.send_multipart([codec.pack_id(self.rid), name, payload])
-        return self.rid
-
-    def recv(self, rid: int, timeout: float = 15.0) -> tuple[bytes, bytes] | None:
-        """The reply to ``rid`` (earlier replies, e.g. to dropped frames, are skipped)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
-                return None
-            frames = self.sock.recv_multipart()
-            assert len(frames) == 3, f"a reply has 3 frames, got {len(frames)}"
-            got = codec.unpack_id(frames[0])
-            if got == rid:
-                return frames[1], frames[2]
-            assert got < rid, f"a reply to request {got}, never sent"
-
-    def call(self, name: bytes, payload: bytes, timeout: float = 15.0) -> tuple[bytes, bytes]:
-        if time.monotonic() - self.last_handshake > 0.5:
-            # keep the session: only well-formed requests count as signs of life
-            self.handshake()
-        rid = self.send(name, payload)
-        out = self.recv(rid, timeout)
-        assert out is not None, f"no reply to {name!r} ({len(payload)} bytes) within {timeout} s"
-        return out
-
-    def handshake(self) -> None:
-        rid = self.send(b"handshake", codec.encode(m.Handshake(m.PROTOCOL_VERSION, "fuzz", os.getpid())))
-        out = self.recv(rid)
-        assert out is not None and out[0] == codec.OK
-        self.last_handshake = time.monotonic()
-
-    def close(self) -> None:
-        self.sock.close(0)
 
 
 class Env:
@@ -145,7 +95,7 @@ INTS = st.one_of(
     st.integers(-(1 << 63), (1 << 64) - 1),
     st.sampled_from([0, 1, -1, 2, 7, 16, 64, (1 << 31), (1 << 32) + 1, (1 << 62), (1 << 63) - 1, 1 << 63,
                      (1 << 64) - 1, -(1 << 63)]),
-    st.integers(0, 300),  # small ids: real reservation and lease ids live here
+    st.integers(0, 300),  # small numbers (reservation and lease ids are random 63-bit ones)
 )
 MSGPACK_ANY = st.recursive(
     st.one_of(st.none(), st.booleans(), INTS, st.floats(allow_nan=True), st.text(max_size=20),
@@ -259,6 +209,19 @@ def payloads(env: Env, name: str) -> st.SearchStrategy[bytes]:
     )
 
 
+def nested(depth: int, leaf: bytes = b"\xc0") -> bytes:
+    """MessagePack of ``depth`` arrays nested in each other around ``leaf``."""
+    return b"\x91" * depth + leaf
+
+
+def with_field(fields: dict[str, bytes]) -> bytes:
+    """A MessagePack map of already-encoded values."""
+    out = bytearray(b"\xde" + len(fields).to_bytes(2, "big"))
+    for k, v in fields.items():
+        out += codec.encode(k) + v
+    return bytes(out)
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -305,6 +268,23 @@ def test_unknown_request_names_get_typed_errors(env, name, payload):
     status, reply = env.peer.call(name, payload)
     assert status == codec.ERR
     assert codec.ERROR_DECODER.decode(reply).code == "unknown_request"
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_deeply_nested_messagepack_is_an_invalid_request(env, name):
+    """100,000 nested arrays (deeper than any decoder recursion limit), as the whole payload, in
+    an unknown field, in a known field, and for register in the embedded registration: each is
+    answered invalid_request (never internal) and the server logs no traceback."""
+    deep = nested(100_000)
+    payloads = [deep, with_field({"zz_unknown": deep}), with_field({"hashes": deep, "zz": deep})]
+    if name == "register":
+        payloads.append(with_field({"transport": codec.encode("cpu_gather"), "registration": deep}))
+    for payload in payloads:
+        status, reply = env.peer.call(name.encode(), payload)
+        assert status == codec.ERR
+        err = codec.ERROR_DECODER.decode(reply)
+        assert err.code == "invalid_request", (name, err)
+    assert env.ref.client.ping() > 0
 
 
 def test_fuzzed_requests_from_a_connection_without_session(env):

@@ -3,10 +3,15 @@
 It moves KV chunks through files, which makes every transfer visible on disk while
 debugging, and it shows the *server-driven* style with per-request parameters:
 
-* store: the client gathers the request's rows into a private spool file (0600, in a 0700
-  directory it names at registration); the server reads the file into the arena slots;
-* retrieve: the server writes the slots' rows into the spool file; the client reads it and
-  scatters the rows of the chunks that were loaded into its blocks.
+* store: the client gathers the request's rows into a spool file; the server reads the file into
+  the arena slots;
+* retrieve: the server writes the loaded chunks' rows into a spool file; the client reads it and
+  scatters them into its blocks.
+
+The spool files live in a private directory (0700) that the server makes for each registration
+next to its arena, under names the transport derives (``spool-<slot>``): no request names a path.
+It is not meant for production (``production = False``): a server loads it only when it is
+named in ``--transports``.
 
 It imports only ``kvxfer`` and ``kvxfer.transport``, like any third-party plugin must.
 """

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
-import tempfile
+import threading
 from typing import Any
 
 import msgspec
@@ -14,6 +13,7 @@ import torch
 from kvxfer import ConfigError, RetrieveResult
 from kvxfer.transport import (
     API_VERSION,
+    Arena,
     Capabilities,
     KVLayout,
     Probe,
@@ -21,134 +21,186 @@ from kvxfer.transport import (
     RowCopy,
     ServerContext,
     ServerDrivenContext,
+    ServerTransport,
     Transfer,
     Transport,
+    transport_dir_path,
 )
-from kvxfer_file_transport.spool import check_private_dir, read_file, write_file
+from kvxfer_file_transport.spool import MAX_SLOTS, file_name, open_private_dir, read_file, write_file
 
 __all__ = ["FileTransport", "FileContext", "FileServerContext", "FileRegistration", "FileParams"]
 
-#: Where clients make their spool directories (default: the system's temporary directory).
-SPOOL_ENV = "KVXFER_FILE_SPOOL"
+NAME = "file_debug"
 
 
 class FileRegistration(Registration, frozen=True, kw_only=True):
-    """The core's identity and layout fields, plus the client's private spool directory."""
-
-    spool_dir: str
+    """The core's identity and layout fields; nothing else (the server picks the directory)."""
 
 
 class FileParams(msgspec.Struct, frozen=True):
-    """Per-request params: the spool file and the engine row ids it holds, in file order."""
+    """Per-request params: which spool file (``slot``) and, for a store, the engine row ids the
+    file holds, in file order. A retrieve's file holds the loaded chunks' rows in request order."""
 
-    file: str
-    rows: list[int]
+    slot: int
+    rows: list[int] = []
+
+    def __post_init__(self) -> None:
+        file_name(self.slot)  # a slot out of range fails decoding, whatever the request does
+
+
+def spool_dir(root: str | os.PathLike[str], instance_id: int) -> str:
+    """The directory of one registration inside the transport's private directory ``root``:
+    the server makes it, the client finds it there."""
+    return os.path.join(root, f"{instance_id:016x}")
 
 
 class FileContext(ServerDrivenContext[FileParams]):
     """Client half: stage a store's rows in a file, place a retrieve's rows from one. Up to
-    ``max_in_flight`` requests are at the server at once, each with its own file."""
+    ``max_in_flight`` requests are at the server at once, each with a spool file (a slot) of its
+    own, freed once the request is finished."""
 
     max_in_flight = 2
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.spool_dir = tempfile.mkdtemp(prefix="kvxfer-file-", dir=os.environ.get(SPOOL_ENV) or None)  # 0700
-        self._dir_fd = check_private_dir(self.spool_dir)
         self._rows = [self.layout.row_view(t) for t in self.layers]
-        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self._free = list(range(self.max_in_flight))
+        self.spool_dir = ""
+        self._dir_fd = -1
 
-    def registration_extra(self) -> dict[str, Any]:
-        return {"spool_dir": self.spool_dir}
+    def _directory(self) -> int:
+        """The registration's spool directory (made by the server when it registered us; another
+        one after the server restarted and we registered again)."""
+        path = spool_dir(transport_dir_path(self.connection.arena_path, NAME), self.instance_id)
+        if path != self.spool_dir:
+            fd = open_private_dir(path)
+            with self._lock:
+                old, self._dir_fd, self.spool_dir = self._dir_fd, fd, path
+            if old >= 0:
+                os.close(old)
+        return self._dir_fd
 
     def prepare(self, transfer: Transfer) -> FileParams:
-        name = f"transfer-{next(self._names)}"
-        rows = self.layout.rows(transfer.blocks[transfer.skip_blocks:])
-        if transfer.kind == "store":
-            write_file(self._dir_fd, name, torch.stack([layer.index_select(0, rows) for layer in self._rows]))
-        return FileParams(name, rows.tolist())
+        dir_fd = self._directory()
+        with self._lock:
+            slot = self._free.pop()
+        if transfer.kind == "retrieve":
+            return FileParams(slot)
+        try:
+            rows = self.layout.rows(transfer.blocks)
+            write_file(dir_fd, file_name(slot), torch.stack([layer.index_select(0, rows) for layer in self._rows]))
+        except BaseException:
+            with self._lock:
+                self._free.append(slot)
+            raise
+        return FileParams(slot, rows.tolist())
 
     def finish_retrieve(self, transfer: Transfer, params: FileParams | None, result: RetrieveResult) -> None:
         assert params is not None  # prepare() always makes them
-        bpc, blocks = self.blocks_per_chunk, transfer.blocks
-        loaded = torch.zeros(blocks.numel(), dtype=torch.bool)
-        for i in result.loaded:
-            loaded[i * bpc:(i + 1) * bpc] = True
-        loaded[:transfer.skip_blocks] = False
-        if loaded.any():
-            data = _read(self._dir_fd, params, self.layout)
-            want = self.layout.rows(blocks[loaded])
-            pos = _positions(params.rows, want, self.layout)
-            for layer, staged in zip(self._rows, data):
-                layer.index_put_((want,), staged.index_select(0, pos))
+        bpc, lay, skip = self.blocks_per_chunk, self.layout, transfer.skip_blocks
+        # the server wrote the rows of each loaded chunk (but the skipped blocks), chunk by chunk
+        parts = [lay.rows(transfer.blocks[max(i * bpc, skip):(i + 1) * bpc])
+                 for i in result.loaded if (i + 1) * bpc > skip]
+        if not parts:
+            return
+        want = torch.cat(parts)
+        data = read_file(self._dir_fd, file_name(params.slot), lay.num_layers * want.numel() * lay.row_bytes)
+        data = data.view(lay.dtype).view(lay.num_layers, want.numel(), lay.row_elems)
+        for layer, staged in zip(self._rows, data):
+            layer.index_put_((want,), staged)
 
     def release_params(self, transfer: Transfer, params: FileParams | None) -> None:
         if params is not None:
             try:
-                os.unlink(params.file, dir_fd=self._dir_fd)
+                os.unlink(file_name(params.slot), dir_fd=self._dir_fd)
             except FileNotFoundError:
                 pass  # a retrieve that loaded nothing leaves no file
+            with self._lock:
+                self._free.append(params.slot)
 
     def release(self) -> None:
-        os.close(self._dir_fd)
-        shutil.rmtree(self.spool_dir, ignore_errors=True)
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+
+def _positions(file_rows: torch.Tensor, rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """Where each of ``rows`` sits among ``file_rows`` (nothing allocated beyond their sizes);
+    :class:`ConfigError` if one is absent."""
+    if file_rows.numel() and (int(file_rows.min()) < 0 or int(file_rows.max()) >= layout.span_rows):
+        raise ConfigError(f"params.rows: row ids must be in [0, {layout.span_rows})")
+    ordered, order = torch.sort(file_rows)
+    at = torch.searchsorted(ordered, rows).clamp_(max=max(ordered.numel() - 1, 0))
+    if rows.numel() and (ordered.numel() == 0 or not torch.equal(ordered[at], rows)):
+        raise ConfigError("params.rows: the spool file lacks rows that the request names")
+    return order[at]
 
 
 class FileServerContext(ServerContext[FileRegistration, FileParams]):
-    """Server half of one registration: copies between spool files and arena slots."""
+    """Server half of one registration: copies between spool files and arena slots, in the
+    directory ``path`` its server transport made for it."""
 
-    def __init__(self, registration: FileRegistration, layout: KVLayout) -> None:
+    def __init__(self, registration: FileRegistration, layout: KVLayout, path: str) -> None:
         super().__init__(registration, layout)
-        self.dir_fd = check_private_dir(registration.spool_dir)
+        self.path = path
+        self.dir_fd = open_private_dir(path)
 
     def store(self, copies: list[RowCopy], params: FileParams) -> None:
-        data = _read(self.dir_fd, params, self.layout)
+        lay = self.layout
+        data = read_file(self.dir_fd, file_name(params.slot), lay.num_layers * len(params.rows) * lay.row_bytes)
+        rows = torch.tensor(params.rows, dtype=torch.int64)
+        data = data.view(lay.dtype).view(lay.num_layers, rows.numel(), lay.row_elems)
         for c in copies:
-            c.slot.copy_(data[:, _positions(params.rows, c.rows, self.layout)])
+            c.slot.copy_(data[:, _positions(rows, c.rows, lay)])
 
     def retrieve(self, copies: list[RowCopy], params: FileParams) -> None:
-        lay = self.layout
-        data = torch.zeros(lay.num_layers, len(params.rows), lay.row_elems, dtype=lay.dtype)
-        for c in copies:
-            data[:, _positions(params.rows, c.rows, lay)] = c.slot
-        write_file(self.dir_fd, params.file, data)
+        data = torch.cat([c.slot for c in copies], dim=1)  # the copies' rows, in request order
+        write_file(self.dir_fd, file_name(params.slot), data)
 
     def close(self) -> None:
         os.close(self.dir_fd)
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _read(dir_fd: int, params: FileParams, layout: KVLayout) -> torch.Tensor:
-    """The spool file of ``params`` as ``[num_layers, len(params.rows), row_elems]``."""
-    n = len(params.rows)
-    data = read_file(dir_fd, params.file, layout.num_layers * n * layout.row_bytes)
-    return data.view(layout.dtype).view(layout.num_layers, n, layout.row_elems)
+class FileServerTransport(ServerTransport):
+    """Keeps every registration's spool directory in the private directory the server gives the
+    transport (:meth:`kvxfer.transport.Arena.transport_dir`)."""
 
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(transport)
+        self.root = ""
 
-def _positions(file_rows: list[int], rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """Where each of ``rows`` sits among ``file_rows``; :class:`ConfigError` if one is absent."""
-    where = torch.full((layout.span_rows,), -1, dtype=torch.int64)
-    if file_rows and (min(file_rows) < 0 or max(file_rows) >= where.numel()):
-        raise ConfigError(f"params.rows: row ids must be in [0, {where.numel()})")
-    where[torch.tensor(file_rows, dtype=torch.int64)] = torch.arange(len(file_rows))
-    pos = where[rows]
-    if pos.numel() and int(pos.min()) < 0:
-        raise ConfigError("params.rows: the spool file lacks rows that the request names")
-    return pos
+    def start(self, arena: Arena) -> None:
+        self.root = str(arena.transport_dir(NAME))
+
+    def open(self, registration: Registration, layout: KVLayout) -> FileServerContext:
+        assert isinstance(registration, FileRegistration)  # the core decoded it as registration_type
+        path = spool_dir(self.root, registration.instance_id)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            raise ConfigError(f"instance_id: {registration.instance_id} is being registered already") from None
+        return FileServerContext(registration, layout, path)
 
 
 class FileTransport(Transport):
-    """Entry point ``file_debug``: never picked by "auto" (it exists for debugging)."""
+    """Entry point ``file_debug``: never picked by "auto", and not meant for production (a
+    server loads it only when ``--transports`` names it): it exists for debugging."""
 
-    name = "file_debug"
+    name = NAME
     api_version = API_VERSION
     registration_type = FileRegistration
     context_type = FileContext
-    server_context_type = FileServerContext
     capabilities = Capabilities(device_types=frozenset({"cpu"}))
     auto_priority = -100
+    production = False
 
     def probe(self) -> Probe:
-        base = os.environ.get(SPOOL_ENV) or tempfile.gettempdir()
-        if not os.access(base, os.W_OK | os.X_OK):
-            return Probe(False, f"cannot write spool files in {base} (set {SPOOL_ENV})")
-        return Probe(True, f"spool files under {base}", ("cpu",))
+        return Probe(True, "spool files in a private directory of the server, next to its arena", ("cpu",))
+
+    def server_transport(self) -> ServerTransport:
+        return FileServerTransport(self)
+
+
+assert FileContext.max_in_flight <= MAX_SLOTS

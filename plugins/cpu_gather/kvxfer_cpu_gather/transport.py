@@ -129,6 +129,7 @@ class CpuGatherTransport(Transport):
     context_type = CpuGatherContext
     capabilities = Capabilities(device_types=frozenset({"*"}), layer_ranges=True)
     auto_priority = 10
+    production = True
 
     def probe(self) -> Probe:
         return Probe(True, "host shared memory; KV tensors on any torch device", ("*",))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -60,6 +61,10 @@ log = logging.getLogger(__name__)
 _HOST_REGISTER_FLAGS: Final = 0x01 | 0x02
 _DEFAULT_STAGING_MIB: Final = 128
 _MAX_OPEN_EVENTS: Final = 256
+#: torch's names for its CUDA IPC reference-counter files ("/torch_<pid>_<random>[_<n>]") and
+#: the number of int64 slots in one (CUDA_IPC_REF_COUNTER_FILE_SIZE in torch/csrc/CudaIPCTypes.h)
+_TORCH_REF_COUNTER: Final = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}(?:_[0-9]{1,20})?")
+_REF_COUNTER_SLOTS: Final = 10000
 
 
 def _staging_bytes() -> int:
@@ -90,6 +95,11 @@ class CudaIpcServerTransport(ServerTransport):
                 f"cuda_ipc could not pin the arena ({size} bytes at {arena.path}) with cudaHostRegister: {exc}. "
                 "Check `ulimit -l` (locked memory) or pass a smaller --l1-size") from None
         self._pinned_ptr, self._pinned_size = ptr, size
+
+    def addressable_bytes(self) -> int | None:
+        """A KV cache registered here lives on one visible GPU: at most the largest one's memory."""
+        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+        return max(sizes) if sizes else 0
 
     def open(self, registration: Registration, layout: KVLayout) -> CudaIpcServerContext:
         assert isinstance(registration, CudaIpcRegistration)  # the core decoded it as registration_type
@@ -191,6 +201,12 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             raise ConfigError(f"layer {i}: dtype {t.dtype!r} but the registration says {self.layout.dtype}")
         if len(t.shape) != len(t.stride) or any(s <= 0 for s in t.shape) or t.storage_offset < 0:
             raise ConfigError(f"layer {i}: bad geometry shape={t.shape} stride={t.stride} offset={t.storage_offset}")
+        if not _TORCH_REF_COUNTER.fullmatch(t.ref_counter_handle) or \
+                not 0 <= t.ref_counter_offset < _REF_COUNTER_SLOTS:
+            # torch opens this shared-memory name and decrements the slot when the storage is
+            # dropped: only torch's own counter files, and only a slot inside one
+            raise ConfigError(f"layer {i}: not a torch CUDA IPC reference counter: "
+                              f"{t.ref_counter_handle[:64]!r} slot {t.ref_counter_offset}")
         itemsize = torch.empty((), dtype=dtype).element_size()
         extent = t.storage_offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1
         if extent * itemsize > t.storage_size_bytes:

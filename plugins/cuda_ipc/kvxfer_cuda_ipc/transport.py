@@ -251,6 +251,7 @@ class CudaIpcTransport(Transport):
     context_type = CudaIpcContext
     capabilities = Capabilities(device_types=frozenset({"cuda"}), layer_ranges=True)
     auto_priority = 50
+    production = True
 
     def probe(self) -> Probe:
         return cuda_probe()

@@ -2,8 +2,9 @@
 
 On a host without CUDA: the probe's reason, and registration failing at once with it. With
 CUDA (through the device tool): the staging ring wrapping around (many chunks, small staging),
-realistic chunk sizes across the two transports, the engine-stream ordering of stores, and the
-refusal of a GPU the server cannot see.
+realistic chunk sizes across the two transports, the engine-stream ordering of stores, the
+refusal of a GPU the server cannot see, of reference counters that are not torch's, and of a
+declared KV cache larger than any GPU.
 """
 
 from __future__ import annotations
@@ -276,5 +277,46 @@ def test_layerwise_retrieve_and_store(server: ServerProcess) -> None:
         assert back.result(60).loaded == [0, 1, 2]
         a.close()
         b.close()
+    finally:
+        client.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("field,value", [("ref_counter_handle", b"/kvxfer-0-arena"),
+                                         ("ref_counter_handle", b"/torch_1_2/../x"),
+                                         ("ref_counter_offset", 10_000), ("ref_counter_offset", -1)])
+def test_a_reference_counter_that_is_not_torchs_is_refused(server: ServerProcess, field: str, value: object) -> None:
+    """torch opens the reference-counter name as shared memory and decrements the slot when the
+    server drops the storage: a registration may name only torch's own counter files and slots."""
+    client = CacheClient(server.url)
+    try:
+        layers = make_kv(SPEC, "cuda", seed=7)
+        ctx = get_transport("cuda_ipc").client_context(
+            client, layers, KVLayout.infer(layers, 16), InstanceIdentity(secrets.randbits(62) + 1, "refcount", 1, 0))
+        ctx._shared = [msgspec.structs.replace(t, **{field: value}) for t in ctx._shared]
+        with pytest.raises(RemoteError, match="reference counter"):
+            ctx.register()
+        ctx.close()
+        assert client.status().contexts == []
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_a_kv_cache_larger_than_the_gpu_is_refused(server: ServerProcess) -> None:
+    client = CacheClient(server.url)
+    try:
+        layers = make_kv(SPEC, "cuda", seed=8)
+        ctx = get_transport("cuda_ipc").client_context(
+            client, layers, KVLayout.infer(layers, 16), InstanceIdentity(secrets.randbits(62) + 1, "huge", 1, 0))
+        lay = ctx.layout
+        per_block = lay.num_layers * lay.planes * lay.row_bytes
+        blocks = max(torch.cuda.get_device_properties(i).total_memory
+                     for i in range(torch.cuda.device_count())) // per_block + 1
+        real = ctx.registration
+        ctx.registration = lambda: msgspec.structs.replace(real(), num_blocks=blocks)  # type: ignore[method-assign]
+        with pytest.raises(RemoteError, match="more than this transport can address"):
+            ctx.register()
+        ctx.close()
     finally:
         client.close()

@@ -316,6 +316,7 @@ class HpuTransport(Transport):
     #: Any torch device type whose device ops say it is available here (see :meth:`serves`).
     capabilities = Capabilities(device_types=frozenset({"*"}), layer_ranges=True)
     auto_priority = PRIORITY["hpu"]
+    production = True
 
     def priority_for(self, device: torch.device) -> int:
         return PRIORITY.get(device.type, _OTHER_ACCELERATORS)

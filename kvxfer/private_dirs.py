@@ -1,0 +1,108 @@
+"""Private directories, checked on the path itself: never through a symbolic link.
+
+kvxfer keeps what only its user may touch (the ``ipc://`` socket, the arena, liveness locks, a
+transport's files) in directories of that user that no one else can enter or change. Another
+local user must not be able to pre-create such a directory (a squat), plant a symbolic link in
+its place, or swap it later. So every such directory is
+
+* looked at with ``lstat``/``O_NOFOLLOW``: a symbolic link in its place is refused, never followed;
+* owned by the effective user and not writable by anyone else (modes it creates: 0700);
+* inside a trusted parent chain: every directory above it is owned by root or this user and not
+  writable by others, unless it is sticky (``/tmp``, ``/dev/shm``: others cannot rename or remove
+  what is ours there).
+
+Errors are :class:`kvxfer.errors.ConfigError` naming the path, what is wrong with it, and how to
+choose another.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from kvxfer.errors import ConfigError
+
+__all__ = ["ensure_private_dir", "check_private_dir", "check_trusted_parents", "open_private_dir"]
+
+
+def _refuse(what: str, path: Path, problem: str, hint: str) -> ConfigError:
+    return ConfigError(f"{what} {path} {problem}; {hint}" if hint else f"{what} {path} {problem}")
+
+
+def check_trusted_parents(path: Path, what: str, hint: str = "") -> None:
+    """Every directory above ``path`` (resolved) is owned by root or us, and not writable by
+    others unless sticky: nobody else can move ``path`` away or put something in its place."""
+    me = os.geteuid()
+    parent = Path(os.path.realpath(path.parent))
+    for d in (parent, *parent.parents):
+        try:
+            st = os.stat(d)
+        except OSError as exc:
+            raise _refuse(what, path, f"cannot be checked: {d}: {exc.strerror}", hint) from None
+        if st.st_uid not in (0, me):
+            raise _refuse(what, path, f"is inside {d}, which belongs to uid {st.st_uid} (others could replace "
+                                      "what kvxfer keeps there)", hint)
+        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise _refuse(what, path, f"is inside {d}, which others may write to (mode "
+                                      f"{stat.S_IMODE(st.st_mode):o}, not sticky)", hint)
+
+
+def check_private_dir(path: Path, what: str, hint: str = "", *, private: bool = True) -> os.stat_result:
+    """``lstat`` checks of an existing directory: not a link, ours, not writable by others (and,
+    with ``private``, not open to others at all). Returns its stat."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise _refuse(what, path, "does not exist", hint) from None
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(what, path, f"is a symbolic link (to {os.readlink(path)}), which kvxfer never follows "
+                                  "here: someone may have planted it", hint)
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(what, path, "is not a directory", hint)
+    if st.st_uid != me:
+        raise _refuse(what, path, f"belongs to uid {st.st_uid}, not to you (uid {me}): another user created "
+                                  "it first", hint)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise _refuse(what, path, f"is writable by others (mode {mode:o}); use a private directory (mode 0700)",
+                      hint)
+    if private and mode & 0o077:
+        raise _refuse(what, path, f"is open to others (mode {mode:o}); use a private directory (mode 0700)", hint)
+    return st
+
+
+def ensure_private_dir(path: Path, what: str, hint: str = "", *, private: bool = False) -> Path:
+    """Create ``path`` (0700, and missing parents 0700) unless it exists, then check it and its
+    parents (:func:`check_private_dir`, :func:`check_trusted_parents`). An existing directory
+    must not be writable by others; with ``private``, not open to them at all."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+    check_trusted_parents(path, what, hint)
+    check_private_dir(path, what, hint, private=private)
+    return path
+
+
+def open_private_dir(path: Path, what: str, hint: str = "") -> int:
+    """A descriptor of the private directory ``path`` (``O_NOFOLLOW``), checked again through
+    the descriptor itself, for operations relative to it (``dir_fd=``)."""
+    check_private_dir(path, what, hint)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _refuse(what, path, f"cannot be opened: {exc.strerror}", hint) from None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        os.close(fd)
+        raise _refuse(what, path, "changed while it was being opened", hint)
+    return fd

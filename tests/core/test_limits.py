@@ -1,0 +1,122 @@
+"""The limits (kvxfer.server.limits): their messages, the `kvxfer serve` options made from them,
+docs/reliability.md's table of them; and the worker pool that bounds the server's threads."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvxfer.cli import build_parser
+from kvxfer.errors import ConfigError, LimitExceeded
+from kvxfer.units import format_bytes
+from kvxfer.server.limits import SPECS, Limits
+from kvxfer.server.workers import WorkerPool
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+
+
+def test_a_limit_names_itself_its_value_and_its_option() -> None:
+    limits = Limits(max_reservations_per_session=2)
+    limits.check("max_reservations_per_session", 1)
+    with pytest.raises(LimitExceeded) as info:
+        limits.check("max_reservations_per_session", 2)
+    text = str(info.value)
+    assert info.value.code == "limit_exceeded"
+    assert "max_reservations_per_session" in text and "at most 2" in text
+    assert "kvxfer serve --max-reservations-per-session" in text
+    with pytest.raises(LimitExceeded, match=r"1\.0 MiB held, 2\.0 MiB more asked"):
+        Limits(max_reserved_bytes_per_session=2 << 20).check("max_reserved_bytes_per_session", 1 << 20, 2 << 20)
+    with pytest.raises(ConfigError, match="--workers must be a positive number"):
+        Limits(workers=0)
+
+
+def test_byte_limits_default_to_the_arena_size() -> None:
+    r = Limits().resolved(64 << 20)
+    assert r.max_reserved_bytes_per_session == r.max_leased_bytes_per_session == 64 << 20
+    assert Limits(max_leased_bytes_per_session=4096).resolved(64 << 20).max_leased_bytes_per_session == 4096
+
+
+def test_every_limit_is_a_serve_option() -> None:
+    args = build_parser().parse_args(["serve", "--max-reserved-bytes-per-session", "8MiB", "--max-lease", "30",
+                                      "--workers", "3"])
+    from kvxfer.cli import _limits
+
+    limits = _limits(args)
+    assert (limits.max_reserved_bytes_per_session, limits.max_lease_s, limits.workers) == (8 << 20, 30.0, 3)
+    assert limits.max_connections == Limits().max_connections
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for spec in SPECS.values():
+        assert spec.option in help_text
+
+
+def test_docs_list_every_limit_with_its_default_and_option() -> None:
+    doc = DOC.read_text()
+    defaults = Limits()
+    for spec in SPECS.values():
+        value = getattr(defaults, spec.name)
+        if value is None:
+            shown = "the arena's size"
+        elif spec.unit == "bytes":
+            shown = format_bytes(value) if value >= 1024 else f"{value} bytes"
+        elif spec.unit == "seconds":
+            shown = f"{value:g} s"
+        else:
+            shown = f"{value:,}"
+        row = re.search(rf"^\| [^|]+ \| ([^|]+) \| `{re.escape(spec.option)}` \|$", doc, re.M)
+        assert row, f"docs/reliability.md does not list {spec.option}"
+        assert row.group(1).startswith(shown), f"{spec.option}: the docs say {row.group(1)!r}, the default is {shown}"
+
+
+def test_the_pool_keeps_each_lanes_order_and_its_thread_count() -> None:
+    pool = WorkerPool(3)
+    lanes = [pool.lane() for _ in range(20)]
+    seen: dict[int, list[int]] = {i: [] for i in range(20)}
+    names: set[str] = set()
+    lock = threading.Lock()
+
+    def work(lane: int, n: int) -> int:
+        time.sleep(0.001)
+        with lock:
+            seen[lane].append(n)
+            names.add(threading.current_thread().name)
+        return n
+
+    futures = [lanes[i].submit(work, i, n) for n in range(15) for i in range(20)]
+    assert [f.result(30) for f in futures] == [n for n in range(15) for _ in range(20)]
+    assert all(seen[i] == list(range(15)) for i in range(20)), "a lane ran out of order"
+    assert len(names) <= 3, names
+    pool.shutdown()
+
+
+def test_a_lane_runs_one_item_at_a_time_and_shutdown_waits_for_it() -> None:
+    pool = WorkerPool(4)
+    lane = pool.lane()
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def work() -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
+
+    futures = [lane.submit(work) for _ in range(10)]
+    lane.shutdown(wait=True)
+    assert all(f.done() for f in futures) and most == 1
+    with pytest.raises(RuntimeError, match="shut down"):
+        lane.submit(work)
+
+    failing = pool.lane()
+    fut = failing.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        fut.result(10)
+    assert failing.submit(lambda: 7).result(10) == 7  # a raising item does not stop its lane
+    pool.shutdown()

@@ -1,0 +1,475 @@
+"""Hostile clients and hostile neighbours: what a client sends, what another local user plants,
+and what a session can make the server hold.
+
+Each test reproduces one way a client or a local user could hurt the server or another client,
+with real server processes, real client processes, raw frames and real files, and checks that it
+no longer can. Servers are shared per module where a test leaves them as it found them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from relkit import RawPeer, Writer, key, proc_kib, read_event, threads, wait_until
+
+from kvxfer import CacheClient
+from kvxfer.errors import KvxferError, RemoteError
+from kvxfer.protocol import codec
+from kvxfer.protocol import messages as m
+from kvxfer.testing.server import ServerProcess
+
+#: a killed or silent client's session is dropped after 3 s; the rest is slack for a loaded machine
+DROP_WITHIN_S = 30.0
+NOBODY = 65534
+
+
+def kvxfer_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxfer", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def error_of(fn) -> RemoteError:
+    with pytest.raises(RemoteError) as info:
+        fn()
+    return info.value
+
+
+def _private_shm_dir():
+    d = Path(tempfile.mkdtemp(prefix="kvxfer-hostile-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+#: Private directories under /dev/shm for the arenas of this module's servers: what a server
+#: there removes as stale can only be ours, never another test run's. The pid-namespace tests
+#: get one of their own.
+shm_dir = pytest.fixture(scope="module")(_private_shm_dir)
+ns_shm_dir = pytest.fixture(_private_shm_dir)
+
+
+@pytest.fixture(scope="module")
+def debug_server(shm_dir):
+    """cpu_gather and the example file_debug (named, so loaded although not for production)."""
+    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather,file_debug",
+                       extra_args=["--shm-dir", str(shm_dir)]) as server:
+        yield server
+
+
+def registration(ref: Writer, transport: str, instance_id: int, **extra: object) -> m.Register:
+    """A registration with ``ref``'s layout (and ``extra`` fields, of any version) as a raw map."""
+    reg = msgspec.structs.asdict(ref.ctx.registration())
+    for name in ("row_elems", "row_pitch", "run_offsets", "block_stride", "page"):
+        reg.pop(name, None)  # a contiguous flash-attention cache: the server derives its geometry
+    reg.update(instance_id=instance_id, **extra)
+    if transport != "cpu_gather":
+        reg.pop("device", None)
+    return m.Register(transport, msgspec.Raw(codec.encode(reg)))
+
+
+def file_debug_registration(ref: Writer, instance_id: int, **extra: object) -> bytes:
+    return codec.encode(registration(ref, "file_debug", instance_id, **extra))
+
+
+# --------------------------------------------------------------------------- 1. transports
+
+
+def test_a_default_server_leaves_transports_not_meant_for_production_alone(shm_dir):
+    with ServerProcess(l1_size="8MiB", chunk_size=64, extra_args=["--shm-dir", str(shm_dir)]) as server:
+        with CacheClient(server.url) as c:
+            assert "cpu_gather" in c.server_transports
+            assert "file_debug" not in c.server_transports, "loaded without being named in --transports"
+
+
+def test_no_request_can_create_truncate_or_write_a_file_of_its_choosing(debug_server, tmp_path):
+    """Through the example transport: a registration naming a directory (a home's .ssh, the
+    arena's own) and params naming files in it (authorized_keys, the arena) write nothing there,
+    and the arena keeps its size: the server lives on (no SIGBUS) and every chunk is intact."""
+    with CacheClient(debug_server.url, timeout=10) as client:
+        ref = Writer(client, model="fd")
+        keys = [key("fd", j) for j in range(2)]
+        assert ref.store(keys).stored == [0, 1]
+        arena = Path(client.arena_path)
+        size = arena.stat().st_size
+        ssh = tmp_path / "home" / ".ssh"
+        ssh.mkdir(parents=True, mode=0o700)
+        rows = ref.ctx.layout.rows(torch.tensor(ref.blocks(1))).tolist()
+        peer = RawPeer(debug_server.url)
+        try:
+            for n, (directory, name) in enumerate([(ssh, "authorized_keys"), (arena.parent, "arena")]):
+                iid = 4242_0000 + n
+                peer.call(b"register", file_debug_registration(ref, iid, spool_dir=str(directory)))
+                for params in ({"file": name, "rows": rows}, {"slot": 0, "file": name, "rows": rows}):
+                    peer.call(b"retrieve", codec.encode(m.Retrieve(iid, keys[:1], ref.blocks(1),
+                                                                   params=msgspec.Raw(codec.encode(params)))))
+        finally:
+            peer.close()
+        assert not (ssh / "authorized_keys").exists(), "a request created a file of its choosing"
+        assert arena.stat().st_size == size, "a request truncated the arena"
+        res, bad = ref.retrieve(keys)  # the server lives and its chunks are intact
+        assert res.loaded == [0, 1] and bad == []
+
+
+# --------------------------------------------------------------------------- 2. exact accounting
+
+
+@pytest.mark.parametrize("end", ["release", "expiry"])
+def test_a_lease_of_repeated_hashes_pins_nothing_once_it_ends(debug_server, end):
+    with CacheClient(debug_server.url, timeout=10) as client:
+        w = Writer(client, model=f"lease-{end}")
+        k = key(w.model, 0)
+        assert w.store([k]).stored == [0]
+        reply = client.request(m.Lookup(w.model, 1, [k, k, k], 1.0))
+        assert reply.hits == 3 and reply.lease_id
+        if end == "release":
+            client.release_lease(reply.lease_id)
+        wait_until(lambda: client.status().leases == 0, 30.0, "the lease ended")
+        assert client.clear(w.model) == 1, "the chunk stayed pinned after its lease ended"
+        assert getattr(client.status().arena, "pinned_chunks", 0) == 0
+
+
+# --------------------------------------------------------------------------- 3. forged identity
+
+
+def test_another_connection_cannot_free_the_parked_writes_of_a_frozen_client(server, client_of, workers):
+    """A client frozen mid-write keeps its slots (parked) while it lives. A second connection
+    that claims its identity (its liveness token, read from the lock file's name; its instance
+    and reservation ids, however learnt) cannot commit or abort that write: the slots stay
+    reserved, so nobody else's chunks go where the frozen writer will copy when it wakes."""
+    observer = client_of(server)
+    mine = {observer._token}
+    w = workers("hold-write", "--url", server.url, "--model", "frozen", "--chunks", "4")
+    held = read_event(w, "held")
+    locks = Path(observer.arena_path).parent.glob("client-*.lock")
+    tokens = [p.name[len("client-"):-len(".lock")] for p in locks if p.name[len("client-"):-len(".lock")] not in mine]
+    assert len(tokens) == 1, tokens
+    os.kill(w.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: all(c.client_pid != w.pid for c in observer.status().contexts), DROP_WITHIN_S,
+                   "the frozen client's registration dropped")
+        before = observer.status()
+        assert before.reservations == 1, before  # its write is parked, not freed
+        attacker = RawPeer(server.url)
+        try:
+            attacker.handshake(client_token=tokens[0], client_name="attacker")
+            for _ in range(2):
+                attacker.call(b"commit_write", codec.encode(
+                    m.CommitWrite(held["instance_id"], held["reservation_id"])))
+            attacker.call(b"commit_write", codec.encode(
+                m.CommitWrite(held["instance_id"], held["reservation_id"], list(range(4)))))
+        finally:
+            attacker.close()
+        after = observer.status()
+        assert after.reservations == 1 and after.arena.used == before.arena.used, \
+            "another connection freed the frozen client's parked slots"
+    finally:
+        os.kill(w.pid, signal.SIGKILL)
+        w.wait()
+    wait_until(lambda: observer.status().reservations == 0, DROP_WITHIN_S, "the dead client's slots freed")
+
+
+# --------------------------------------------------------------------------- 4. liveness across pid namespaces
+
+
+def _arena_dirs(shm: Path) -> set[str]:
+    return {p.name for p in shm.iterdir() if p.name.startswith("kvxfer-")}
+
+
+def _in_new_pid_namespace(server: ServerProcess) -> ServerProcess:
+    """Run ``server`` as pid 1 of a new pid namespace (killed with its ``unshare`` parent)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "true"]).returncode:
+        pytest.skip("cannot create pid namespaces here (unshare --pid needs CAP_SYS_ADMIN)")
+    server.args = ["unshare", "--pid", "--fork", "--kill-child", *server.args]
+    return server
+
+
+def test_a_server_in_another_pid_namespace_never_removes_a_live_arena(ns_shm_dir):
+    shm_dir = ns_shm_dir
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--shm-dir", str(shm_dir)]) as a, CacheClient(a.url) as client:
+        arena = Path(client.arena_path)
+        other = _in_new_pid_namespace(ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather",
+                                                    extra_args=["--shm-dir", str(shm_dir)]))
+        with other:  # started: its first act was to look for stale arenas
+            other.kill()  # (unshare --fork ignores SIGTERM: no need to wait for it)
+        assert arena.exists(), "a server in another pid namespace removed a live server's arena"
+        w = Writer(client, model="ns")
+        assert w.store([key("ns", 0)]).stored == [0]
+        res, bad = w.retrieve([key("ns", 0)])
+        assert res.loaded == [0] and bad == []
+
+
+def test_the_arena_of_a_dead_pid_1_server_is_removed(ns_shm_dir):
+    """A server that was pid 1 of its namespace, killed: the next server removes its arena."""
+    shm_dir = ns_shm_dir
+    before = _arena_dirs(shm_dir)
+    dead = _in_new_pid_namespace(ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather",
+                                               extra_args=["--shm-dir", str(shm_dir)])).start()
+    left = _arena_dirs(shm_dir) - before
+    assert len(left) == 1, left
+    dead.kill()  # SIGKILL: nothing of it cleans up
+    assert _arena_dirs(shm_dir) - before == left
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--shm-dir", str(shm_dir)]):
+        assert not left & _arena_dirs(shm_dir), "the dead server's arena was left behind"
+
+
+# --------------------------------------------------------------------------- 5. socket directories
+
+
+@pytest.fixture
+def private_tmp():
+    """A private directory whose parents only root can change (where another user's entries can
+    be planted by chown, as root)."""
+    d = Path(tempfile.mkdtemp(prefix="kvxfer-sock-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_squatted_default_socket_directory_is_refused_with_a_way_out(private_tmp, shm_dir):
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's directory needs root")
+    xdg = private_tmp / "xdg"
+    xdg.mkdir(mode=0o700)
+    squat = xdg / "kvxfer"
+    squat.mkdir(mode=0o700)
+    os.chown(squat, NOBODY, NOBODY)
+    env = {"XDG_RUNTIME_DIR": str(xdg), "KVXFER_URL": ""}
+    r = kvxfer_cli("serve", "--l1-size", "8MiB", "--transports", "cpu_gather", "--shm-dir", str(shm_dir), env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert str(squat) in r.stderr and "another user" in r.stderr
+    assert "XDG_RUNTIME_DIR" in r.stderr and "--url" in r.stderr, r.stderr
+    # a client refuses it too, before sending anything
+    r = kvxfer_cli("status", "--timeout", "2", env=env)
+    assert r.returncode == 2 and str(squat) in r.stderr and "XDG_RUNTIME_DIR" in r.stderr, r.stderr
+
+
+def test_a_planted_symlink_is_never_followed(private_tmp, shm_dir):
+    target = private_tmp / "target"
+    target.mkdir(mode=0o700)
+    link = private_tmp / "kvxfer"
+    link.symlink_to(target)
+    proc = subprocess.Popen([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{link}/kvxfer.sock",
+                             "--l1-size", "8MiB", "--transports", "cpu_gather", "--shm-dir", str(shm_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the server started on a socket directory that is a symbolic link")
+    assert proc.returncode == 2 and "symbolic link" in err, err
+    assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("planted", ["socket", "directory"])
+def test_a_client_sends_nothing_to_a_socket_of_another_user(private_tmp, planted):
+    """Another user's socket where the client expects its server's (or a directory of theirs):
+    the client refuses before it sends its handshake, naming the path."""
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's socket needs root")
+    import zmq
+
+    d = private_tmp / "run"
+    d.mkdir(mode=0o700)
+    url = f"ipc://{d}/kvxfer.sock"
+    fake = zmq.Context.instance().socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.bind(url)
+    try:
+        os.chown(d / "kvxfer.sock", NOBODY, NOBODY)
+        if planted == "directory":
+            os.chown(d, NOBODY, NOBODY)
+        with pytest.raises(KvxferError) as info:
+            CacheClient(url, connect_timeout=2.0).close()
+        assert str(d) in str(info.value), info.value
+        assert fake.poll(1000) == 0, "the client sent its handshake to another user's socket"
+    finally:
+        fake.close(0)
+
+
+# --------------------------------------------------------------------------- 6. per-session limits
+
+
+def test_open_reservations_of_a_session_are_bounded(debug_server):
+    """A session that reserves and never commits is refused once it holds the limit
+    (limit_exceeded naming the option), and others are served meanwhile; its reservations go
+    with its session."""
+    with CacheClient(debug_server.url, timeout=20) as c, CacheClient(debug_server.url) as other:
+        w = Writer(c, model="resv")
+        k = [key("resv", 0)]
+        assert w.store(k).stored == [0]
+        futures = [c.submit(m.ReserveRead(w.ctx.instance_id, k)) for _ in range(1100)]
+        codes = []
+        for f in futures:
+            try:
+                f.result(30)
+                codes.append("ok")
+            except RemoteError as exc:
+                codes.append(exc.code)
+                message = str(exc)
+        assert codes.count("ok") <= 1024 and "limit_exceeded" in codes, codes.count("ok")
+        # the arena bytes they pin (64 KiB chunks, 32 MiB arena) or their number, whichever first
+        assert "--max-reserved-bytes-per-session" in message or "--max-reservations-per-session" in message, message
+        assert other.lookup("resv", hashes=k) == 1
+    with CacheClient(debug_server.url) as c:
+        wait_until(lambda: c.status().reservations == 0, DROP_WITHIN_S, "the closed session's reservations gone")
+
+
+def test_leases_are_bounded_and_end_with_their_session(debug_server):
+    with CacheClient(debug_server.url, timeout=20) as c:
+        w = Writer(c, model="leases")
+        k = [key("leases", 0)]
+        assert w.store(k).stored == [0]
+        err = error_of(lambda: c.lookup_and_lease("leases", hashes=k, lease_s=3600))
+        assert err.code == "limit_exceeded" and "--max-lease" in str(err), err
+        assert c.lookup_and_lease("leases", hashes=k, lease_s=300).lease_id
+        assert c.status().leases >= 1
+    with CacheClient(debug_server.url) as c:
+        wait_until(lambda: c.status().leases == 0, DROP_WITHIN_S, "the closed session's lease released")
+
+
+# --------------------------------------------------------------------------- 7. threads
+
+
+def test_registrations_share_a_bounded_pool_of_threads(debug_server):
+    """180 registrations (60 from each of three clients) do not make 180 threads, and one
+    session past its registration limit gets limit_exceeded."""
+    clients = [CacheClient(debug_server.url, timeout=30) for _ in range(3)]
+    try:
+        base = threads(debug_server.pid)
+        ref = Writer(clients[0], model="threads")
+        for n, c in enumerate(clients):
+            futures = [c.submit(registration(ref, "cpu_gather", 7_000_000 + 1000 * n + j))
+                       for j in range(60)]
+            for f in futures:
+                f.result(60)
+        assert len(clients[0].status().contexts) >= 180
+        assert threads(debug_server.pid) < base + 40, (base, threads(debug_server.pid))
+        err = error_of(lambda: [clients[0].request(registration(ref, "cpu_gather", 7_900_000 + j))
+                                for j in range(10)])
+        assert err.code == "limit_exceeded" and "--max-registrations-per-session" in str(err), err
+    finally:
+        for c in clients:
+            c.close()
+
+
+# --------------------------------------------------------------------------- 8. declared sizes
+
+
+def test_a_declared_kv_cache_past_the_limit_is_refused(debug_server):
+    """num_blocks = 2**40 is refused at registration, with a typed error naming the option."""
+    with CacheClient(debug_server.url, timeout=20) as client:
+        ref = Writer(client, model="sizes")
+        err = error_of(lambda: client.request(registration(ref, "cpu_gather", 8_000_001,
+                                                                         num_blocks=1 << 40)))
+        assert err.code == "limit_exceeded" and "--max-kv-cache-size" in str(err), err
+
+
+def test_a_small_store_costs_little_whatever_the_declared_size(debug_server, tmp_path):
+    """num_blocks = 2**27 (under the limit) through file_debug: a one-chunk store allocates
+    nothing proportional to it in the server."""
+    with CacheClient(debug_server.url, timeout=20) as client:
+        ref = Writer(client, model="sizes")
+        # the spool file is put where this server's version of the transport reads it (the
+        # server's directory, or a registration-named one), so the store reaches the copy
+        iid = 8_000_002
+        spool = tmp_path / "spool"
+        spool.mkdir(mode=0o700)
+        peer = RawPeer(debug_server.url)
+        try:
+            status, reply = peer.call(b"register", file_debug_registration(ref, iid, num_blocks=1 << 27,
+                                                                           spool_dir=str(spool)))
+            assert status == codec.OK, codec.ERROR_DECODER.decode(reply)
+            lay = ref.ctx.layout
+            bpc = client.chunk_size // lay.block_size
+            rows = [*range(bpc), *range(1 << 27, (1 << 27) + bpc)]  # the K and V rows of blocks 0..bpc-1
+            data = bytes(lay.num_layers * len(rows) * lay.row_bytes)
+            server_dir = Path(client.arena_path).parent / "transport-file_debug" / f"{iid:016x}"
+            for d, name in ((spool, "transfer-0"), (server_dir, "spool-0")):
+                if d.is_dir():
+                    (d / name).write_bytes(data)
+            peak = proc_kib(debug_server.pid, "VmHWM")
+            params = {"slot": 0, "file": "transfer-0", "rows": rows}
+            status, reply = peer.call(b"store", codec.encode(m.Store(iid, [key("sizes", 1)], list(range(bpc)),
+                                                                     msgspec.Raw(codec.encode(params)))))
+            grown = proc_kib(debug_server.pid, "VmHWM") - peak
+            assert grown < 256 << 10, f"a one-chunk store grew the server's peak memory by {grown >> 10} MiB"
+            assert status == codec.OK, codec.ERROR_DECODER.decode(reply)
+            assert codec.decode(reply, m.StoreResult).stored == [0]
+        finally:
+            peer.close()
+        assert client.ping() > 0
+
+
+# --------------------------------------------------------------------------- 9. names and unread replies
+
+
+def test_names_are_bounded(debug_server):
+    with CacheClient(debug_server.url, timeout=20) as client:
+        ref = Writer(client, model="names")
+        long = "m" * (1 << 20)
+        err = error_of(lambda: client.request(registration(ref, "cpu_gather", 9_000_001,
+                                                                         model_name=long)))
+        assert err.code == "limit_exceeded" and "--max-name-length" in str(err), err
+        assert len(str(err)) < 4096, "the error echoed the name"
+        err = error_of(lambda: client.lookup(long, hashes=[key("names", 0)]))
+        assert err.code == "limit_exceeded", err
+        # and a lookup names a bounded number of keys (chunks x ranks), whatever tier it reaches
+        err = error_of(lambda: client.request(m.Lookup("names", 1 << 16, [key("names", j) for j in range(16)])))
+        assert err.code == "invalid_request" and "at most" in str(err), err
+
+
+def test_a_connection_that_never_reads_its_replies_is_cut_off(debug_server):
+    """A peer that sends requests and never reads the replies: once more than
+    --max-unread-reply-bytes (64 MiB) wait for it, the server drops them, ends its session and
+    says so in its log; its memory stays bounded and others are served throughout."""
+    with CacheClient(debug_server.url, timeout=30) as client:
+        ref = Writer(client, model="r" * 400)
+        for j in range(60):  # a status reply of ~35 KiB
+            client.request(registration(ref, "cpu_gather", 9_100_000 + j))
+        rss = proc_kib(debug_server.pid, "VmRSS")
+        peer = RawPeer(debug_server.url, RCVHWM=1, RCVBUF=4096)
+        try:
+            peer.handshake()
+            status = codec.encode(m.StatusRequest())
+            for _ in range(4000):
+                peer.send(b"status", status)
+                if _ % 500 == 0:
+                    assert client.ping() > 0  # others are served meanwhile
+            wait_until(lambda: "does not read its replies" in debug_server.log(), 60.0,
+                       "the server cut the non-reading connection off", interval=0.5)
+            grown = proc_kib(debug_server.pid, "VmRSS") - rss
+            assert grown < 400 << 10, f"the server grew by {grown >> 10} MiB for one connection"
+            assert client.status().dropped_connections >= 1
+        finally:
+            peer.close()
+        assert client.ping() > 0
+
+
+# --------------------------------------------------------------------------- 10. nesting
+
+
+def test_deeply_nested_messagepack_is_a_typed_error_without_a_traceback(debug_server):
+    deep = b"\x91" * 100_000 + b"\xc0"
+    peer = RawPeer(debug_server.url)
+    try:
+        peer.handshake()
+        register = b"\x82" + codec.encode("transport") + codec.encode("cpu_gather") + codec.encode("registration") + deep
+        unknown = b"\x83" + codec.encode("transport") + codec.encode("cpu_gather") + codec.encode("registration") + \
+            codec.encode(b"") + codec.encode("zz") + deep
+        for name, payload in ((b"register", register), (b"register", unknown), (b"lookup", deep),
+                              (b"status", b"\x81" + codec.encode("zz") + deep)):
+            code, _ = peer.error(name, payload)
+            assert code == "invalid_request", (name, code)
+    finally:
+        peer.close()
+    assert "Traceback" not in debug_server.log() and "RecursionError" not in debug_server.log()

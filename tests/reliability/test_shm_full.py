@@ -1,0 +1,96 @@
+"""The shared-memory filesystem filling up after the server started.
+
+The server's arena is reserved in full when the server starts (``posix_fallocate``) and mapped
+pre-faulted, so a tmpfs that fills up afterwards (another program's files) can no longer take
+pages from under it: no SIGBUS, stores and retrieves stay bit-exact, new clients still connect
+(their liveness lock is an empty file). What does need space there fails with a typed error and
+works again once there is room: here the example transport's spool files (their failure is the
+transport's, named by the core's error boundary).
+
+Needs a tmpfs of its own: the test mounts one (as root); elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from relkit import Writer, key
+
+from kvxfer import CacheClient
+from kvxfer.errors import KvxferError, RemoteError
+from kvxfer.testing.server import ServerProcess
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "shm"
+    mnt.mkdir(mode=0o700)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file in ``directory`` until its filesystem has no block left."""
+    path = directory / "filler"
+    block = b"\xa5" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(block)
+            except OSError:
+                block = block[: len(block) // 2]
+                if not block:
+                    break
+    vfs = os.statvfs(directory)
+    assert vfs.f_bavail == 0, vfs
+    return path
+
+
+def test_a_full_shared_memory_filesystem_after_start(small_tmpfs):
+    from kvxfer_file_transport import FileContext
+
+    with ServerProcess(l1_size="16MiB", chunk_size=64, transports="cpu_gather,file_debug",
+                       extra_args=["--shm-dir", str(small_tmpfs)]) as server:
+        client = CacheClient(server.url, timeout=20)
+        w = Writer(client, model="full")
+        before = [key("full", j) for j in range(8)]
+        assert w.store(before).stored == list(range(8))
+        debug = client.register(w.shape.make(), model_name="full", block_size=w.shape.block_size,
+                                transport="file_debug")
+        assert isinstance(debug, FileContext)
+
+        filler = fill(small_tmpfs)
+        # the arena's pages were reserved at start: stores and retrieves go on, bit-exact
+        after = [key("full", j) for j in range(8, 16)]
+        assert w.store(after).stored == list(range(8))
+        for batch in (before, after):
+            res, bad = w.retrieve(batch)
+            assert res.loaded == list(range(8)) and bad == []
+        with CacheClient(server.url) as newcomer:  # its liveness lock takes no block
+            assert newcomer.lookup("full", hashes=before) == 8
+        # the example transport's spool files need room: its failure is reported (the core's boundary
+        # names the transport and the step), not a crash
+        blocks = list(range(w.bpc))
+        with pytest.raises(RemoteError) as info:
+            debug.submit_retrieve(before[:1], blocks).result(30)
+        assert "file_debug" in str(info.value) and "No space left" in str(info.value), info.value
+        with pytest.raises(KvxferError, match="No space left"):  # nor can its client side write one
+            debug.submit_store([key("full", 99)], blocks).result(30)
+
+        filler.unlink()
+        res = debug.submit_retrieve(before[:1], blocks).result(30)
+        assert res.loaded == [0]
+        assert debug.submit_store([key("full", 99)], blocks).result(30).stored == [0]
+        debug.close()
+        client.close()
+        log = server.log()
+        assert "handler of" not in log, log[-3000:]  # no handler failed: only the plugin, as logged
+        assert log.count("Traceback") == log.count("failed in retrieve: OSError: [Errno 28]"), log[-3000:]
