@@ -98,13 +98,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_size=parse_size(args.max_message_size),
         curve=_curve_server(args.curve_dir),
         l2=_l2_config(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        metrics_max_models=args.metrics_max_models,
     )
     server = CacheServer(config)
-    l2 = ""
+    extra = ""
     if server.tier is not None:
-        l2 = f", L2 {server.tier.store.name} at {server.tier.url} ({server.tier.status().state})"
+        extra = f", L2 {server.tier.store.name} at {server.tier.url} ({server.tier.status().state})"
+    if server.metrics_url:
+        extra += f", metrics at {server.metrics_url}"
     print(f"kvxfer server ready at {config.url} (arena {format_bytes(server.arena.size)}, "
-          f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{l2})", flush=True)
+          f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
     server.serve_forever(install_signal_handlers=True)
     return 0
 
@@ -288,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of client silence before its registrations are dropped (default: %(default)s)")
     s.add_argument("--max-message-size", default="16MiB", help="largest request accepted (default: %(default)s)")
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (required for tcp://)")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics at http://HOST:N/metrics (0: any free port; default: none)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (default: %(default)s, this host only)")
+    s.add_argument("--metrics-max-models", type=int, default=32, metavar="N",
+                   help="model names with their own label in metrics; later ones share '__other__' "
+                        "(default: %(default)s)")
     g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
     g.add_argument("--l2-url", default="", metavar="URL",

@@ -15,8 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import msgspec
 
@@ -43,22 +44,31 @@ from kvxfer.mq.server import MQServer
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind
+from kvxfer.server import figures
 from kvxfer.server.config import ServerConfig
 from kvxfer.server.context import RegisteredContext
 from kvxfer.server.hooks import HookRelay
 from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
+from kvxfer.server.stats import ServerStats
 from kvxfer.server.tier import L2Tier
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
 from kvxfer.transport._context import guarded, plugin_step
-from kvxfer.transport.contract import ServerContext, ServerTransport, Style, Transport
+from kvxfer.transport.contract import ServerContext, ServerTransport, Style, Transport, Waiter
 from kvxfer.units import format_bytes
 
+if TYPE_CHECKING:
+    from kvxfer.server.metrics import MetricsExporter
+
 __all__ = ["CacheServer", "validate_registration"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 MAX_LEASE_S: Final = 600.0
+#: Largest copy time a client may report with a commit.
+MAX_COPY_S: Final = 86400.0
 
 
 @dataclass(eq=False)
@@ -158,6 +168,41 @@ def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int)
     return layout
 
 
+def _check_copy_s(copy_s: float) -> None:
+    if not 0.0 <= copy_s <= MAX_COPY_S:  # NaN fails too
+        raise _invalid("copy_s", f"must be seconds in [0, {MAX_COPY_S:.0f}], got {copy_s!r}")
+
+
+class _CopyClock:
+    """A server-driven copy as the instance's worker runs it (``work``: the transport's ``store``
+    or ``retrieve``), timed from its start to the end of its waiter: :meth:`seconds`, read by
+    the request's finish on the loop."""
+
+    __slots__ = ("_work", "_start", "_end")
+
+    def __init__(self, work: Callable[[], Waiter | None]) -> None:
+        self._work = work
+        self._start = self._end = 0.0
+
+    def __call__(self) -> Waiter | None:
+        self._start = time.perf_counter()
+        waiter = self._work()
+        if not callable(waiter):
+            self._end = time.perf_counter()
+            return waiter
+
+        def wait() -> None:
+            try:
+                waiter()
+            finally:
+                self._end = time.perf_counter()
+
+        return wait
+
+    def seconds(self) -> float:
+        return max(0.0, self._end - self._start) if self._start else 0.0
+
+
 def _check_hashes(hashes: list[bytes]) -> None:
     if len(hashes) > MAX_CHUNKS_PER_REQUEST:
         raise _invalid("hashes", f"{len(hashes)} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
@@ -182,8 +227,9 @@ class CacheServer:
         self.sessions: dict[bytes, Session] = {}
         self.transports: dict[str, LoadedTransport] = {}
         self.transport_errors: dict[str, str] = {}
-        self.errors = 0
-        self.lookups = self.lookup_chunks = self.lookup_hits = 0
+        #: Running figures (status, `kvxfer top`, Prometheus metrics); loop thread only.
+        self.stats = ServerStats(tuple(REQUESTS), config.metrics_max_models)
+        self._metrics: MetricsExporter | None = None
         #: Open writes of silent clients whose process still lives, by client token and
         #: reservation id, out of the index's reservations (no context owns them any more):
         #: their slots are freed once the process is gone, or once its late commit arrives (a
@@ -212,6 +258,18 @@ class CacheServer:
             self._close_transports()
             self.arena.close()
             raise
+        if config.metrics_port is not None:
+            from kvxfer.server.metrics import MetricsExporter
+
+            try:
+                self._metrics = MetricsExporter(self, config.metrics_host, config.metrics_port)
+            except BaseException:
+                self._mq.close()
+                if self.tier is not None:
+                    self.tier.close()
+                self._close_transports()
+                self.arena.close()
+                raise
         #: The request table's kind picks the table a handler is in, and how its answer is sent.
         #: Either may answer later (_Awaiting): a lookup that asks L2, a read that waits for promotions.
         self._control: dict[str, Callable[[Session, Any], msgspec.Struct | _Awaiting]] = {
@@ -241,6 +299,11 @@ class CacheServer:
                 log.info("transport %s not loaded: %s", name, exc)
                 continue
             self.transports[name] = LoadedTransport(transport, st)
+            try:  # its @hookimpl methods (e.g. kvxfer_metrics) take part in the server's hooks
+                self.hooks.register(st, f"kvxfer.transport.{name}")
+            except Exception:  # noqa: BLE001  (hooks that do not match the specs must not stop the server)
+                self.hooks.errors += 1
+                log.exception("the hooks of transport %s do not match the hook specs; ignoring them", name)
         if not self.transports:
             raise ConfigError(
                 "no transport could be loaded; install one (pip install kvxfer-cpu-gather) and "
@@ -278,7 +341,39 @@ class CacheServer:
         """Ask the loop to stop (any thread, or a signal handler)."""
         self._mq.stop()
 
+    @property
+    def metrics_url(self) -> str:
+        """Where Prometheus metrics are served, or "" when they are not."""
+        return self._metrics.url if self._metrics is not None else ""
+
+    @property
+    def parked_writes(self) -> int:
+        """Open writes kept for silent clients that still live (out of the index's reservations)."""
+        return sum(len(p) for p in self._parked.values())
+
+    def call_on_loop(self, fn: Callable[[], T], timeout: float) -> T:
+        """Run ``fn`` on the loop thread and return what it returns (from any other thread);
+        raises :class:`TimeoutError` if the loop does not run it within ``timeout`` seconds
+        (then it never runs)."""
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+                    fut.set_exception(exc)
+
+        self._mq.call_soon(run)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            fut.cancel()
+            raise TimeoutError(f"the server's loop did not answer within {timeout} s") from None
+
     def _shutdown(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         for ctx in list(self.contexts.values()):
             self._drop_context(ctx, "shutdown", wait=True)
         self._waiters.shutdown(wait=True)
@@ -291,8 +386,10 @@ class CacheServer:
     # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self, identity: bytes, rid: bytes, name_b: bytes, payload: bytes) -> tuple[bytes, bytes] | None:
+        t0 = time.perf_counter()
         name = name_b.decode("utf-8", "replace")
         spec = REQUESTS.get(name)
+        out: msgspec.Struct | _Deferred | _Awaiting | None = None
         try:
             if spec is None:
                 raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
@@ -302,43 +399,55 @@ class CacheServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
             if name == "handshake":
-                return codec.OK, codec.encode(self._on_handshake(identity, cast(m.Handshake, msg)))
-            session = self.sessions.get(identity)
-            if session is None:
-                raise NoSession("this connection has no session (the server may have restarted): "
-                                "send a handshake first")
-            session.last_seen = time.monotonic()
-            if spec.kind is HandlerKind.TRANSFER:
-                self._answer(identity, rid, name, self._transfer[name](session, msg))
-                return None
-            out = self._control[name](session, msg)
+                out = self._on_handshake(identity, cast(m.Handshake, msg))
+            else:
+                session = self.sessions.get(identity)
+                if session is None:
+                    raise NoSession("this connection has no session (the server may have restarted): "
+                                    "send a handshake first")
+                session.last_seen = time.monotonic()
+                handler = self._transfer[name] if spec.kind is HandlerKind.TRANSFER else self._control[name]
+                out = handler(session, msg)
+            if not isinstance(out, (_Deferred, _Awaiting)):
+                reply = codec.OK, codec.encode(out)
         except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
-            return self._error(name, exc)
-        if isinstance(out, _Awaiting):
-            self._answer(identity, rid, name, out)
+            out = None
+            reply = self._error(name, exc)
+        if isinstance(out, (_Deferred, _Awaiting)):  # answered later, by _answer
+            self.stats.in_flight += 1
+            self._answer(identity, rid, name, out, t0)
             return None
-        return codec.OK, codec.encode(out)
+        self.stats.on_request(name, time.perf_counter() - t0)
+        return reply
 
-    def _answer(self, identity: bytes, rid: bytes, name: str, out: msgspec.Struct | _Deferred | _Awaiting) -> None:
-        """Send a handler's answer now, or once its deferred part is done (loop thread)."""
+    def _answer(self, identity: bytes, rid: bytes, name: str, out: msgspec.Struct | _Deferred | _Awaiting,
+                t0: float) -> None:
+        """Send a handler's answer now, or once its deferred part is done (loop thread); the
+        request arrived at ``t0`` and counts as in flight until then."""
         if isinstance(out, _Deferred):
-            self._run_deferred(identity, rid, name, out)
+            self._run_deferred(identity, rid, name, out, t0)
         elif isinstance(out, _Awaiting):
             def resume() -> None:
                 try:
                     nxt = out.then()
                 except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
                     self._mq.send(identity, rid, *self._error(name, exc))
+                    self._answered(name, t0)
                     return
-                self._answer(identity, rid, name, nxt)
+                self._answer(identity, rid, name, nxt, t0)
 
             # resolved on the loop (a promotion, a lookup read by the loop): answer now
             out.future.add_done_callback(lambda _f: resume() if self._mq.in_loop() else self._mq.call_soon(resume))
         else:
             self._mq.send(identity, rid, codec.OK, codec.encode(out))
+            self._answered(name, t0)
+
+    def _answered(self, name: str, t0: float) -> None:
+        """A request that waited got its reply (loop thread)."""
+        self.stats.in_flight -= 1
+        self.stats.on_request(name, time.perf_counter() - t0)
 
     def _error(self, name: str, exc: BaseException) -> tuple[bytes, bytes]:
-        self.errors += 1
         code: ErrorCode
         if isinstance(exc, RemoteError):
             code, msg = exc.code, exc.message
@@ -353,9 +462,10 @@ class CacheServer:
             log.exception("handler of %r raised", name)
             code = ErrorCode.INTERNAL
             msg = f"{name} failed in the server: {type(exc).__name__}: {exc} (see the server log)"
+        self.stats.on_error(name, str(code))
         return codec.ERR, codec.encode(m.ErrorReply(code, msg))
 
-    def _run_deferred(self, identity: bytes, rid: bytes, name: str, d: _Deferred) -> None:
+    def _run_deferred(self, identity: bytes, rid: bytes, name: str, d: _Deferred, t0: float) -> None:
         def done(fut: Future[Any]) -> None:
             self._mq.call_soon(lambda: finish(fut))
 
@@ -366,6 +476,7 @@ class CacheServer:
             except Exception as exc:  # noqa: BLE001  (the deferred reply carries whatever failed)
                 out = self._error(name, exc)
             self._mq.send(identity, rid, *out)
+            self._answered(name, t0)
 
         def worked(fut: Future[Any]) -> None:
             waiter = fut.result() if fut.exception() is None else None
@@ -378,6 +489,7 @@ class CacheServer:
             d.executor.submit(d.work).add_done_callback(worked)
         except RuntimeError as exc:  # executor shut down: the context is being dropped
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
+            self._answered(name, t0)
 
     @staticmethod
     def _plugin(ctx: RegisteredContext, step: str, call: Callable[[], Any]) -> Callable[[], Any]:
@@ -517,6 +629,7 @@ class CacheServer:
             )
             self.contexts[ctx.instance_id] = ctx
             session.instances.add(ctx.instance_id)
+            self.stats.register_model(ctx.model_name)
             self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
             return m.RegisterReply(ctx.instance_id, ctx.chunk.nbytes)
 
@@ -553,9 +666,6 @@ class CacheServer:
             raise _invalid("world_size", f"must be positive, got {msg.world_size}")
         _check_hashes(msg.hashes)
         hits = self.index.lookup(msg.model_name, msg.world_size, msg.hashes)
-        self.lookups += 1
-        self.lookup_chunks += len(msg.hashes)
-        self.lookup_hits += hits
         if self.tier is not None and hits < len(msg.hashes):
             keys = [[ChunkKey(msg.model_name, msg.world_size, r, h) for r in range(msg.world_size)] for h in msg.hashes]
             sizes = self.tier.begin_lookup(keys, hits)
@@ -566,6 +676,7 @@ class CacheServer:
 
     def _lookup_reply(self, msg: m.Lookup, hits: int, l2_hits: int, leasable: int) -> m.LookupReply:
         """Lease the hits that have L1 entries (all of them when promoting) and reply."""
+        self.stats.on_lookup(msg.model_name, len(msg.hashes), hits)
         lease_id = 0
         leased = min(hits, leasable)
         if msg.lease_s > 0 and leased:
@@ -600,6 +711,7 @@ class CacheServer:
         _check_hashes(msg.hashes)
         res, present, no_space = self.index.reserve_write(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.chunk.nbytes,
                                                           ctx.instance_id)
+        self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         slots = [m.Slot(i, e.offset) for i, e in res.entries]
         return m.ReserveWriteReply(res.id, slots, present, no_space)
 
@@ -611,6 +723,7 @@ class CacheServer:
         return res
 
     def _on_commit_write(self, session: Session, msg: m.CommitWrite) -> m.StoreResult:
+        _check_copy_s(msg.copy_s)
         parked = self._parked.get(session.token, {}).pop(msg.reservation_id, None)
         if parked is not None:  # its copy is over: free the slots; what it wrote is not trusted
             self.index.abort(parked)
@@ -618,17 +731,23 @@ class CacheServer:
                                              "client was silent past the session timeout; nothing was stored")
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(ctx, msg.reservation_id, write=True)
-        return self._commit_write(ctx, res, msg.failed)
+        return self._commit_write(ctx, res, msg.failed, msg.copy_s)
 
-    def _commit_write(self, ctx: RegisteredContext, res: Reservation, failed: list[int]) -> m.StoreResult:
+    def _commit_write(self, ctx: RegisteredContext, res: Reservation, failed: list[int],
+                      copy_s: float) -> m.StoreResult:
         reserved = {i for i, _ in res.entries}
         bad = sorted(set(failed) & reserved)
         stored = self.index.commit_write(res, bad)
         ctx.stores += 1
+        seconds = time.perf_counter() - res.opened
+        self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), len(stored), len(bad),
+                            ctx.chunk.nbytes, seconds, copy_s)
         if stored and self.tier is not None:
             self.tier.offer([e for _, e in stored])
         if stored:
             self.hooks.call("kvxfer_chunks_stored", server=self, context=ctx, keys=[e.key for _, e in stored])
+        self.hooks.call("kvxfer_transfer_finished", server=self, context=ctx, op="store", chunks=len(stored),
+                        nbytes=len(stored) * ctx.chunk.nbytes, seconds=seconds, copy_seconds=copy_s)
         return m.StoreResult([i for i, _ in stored], [], bad)
 
     def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
@@ -638,21 +757,31 @@ class CacheServer:
         if promoting is not None:
             return _Awaiting(promoting, lambda: self._on_reserve_read(session, msg))
         res, missing = self.index.reserve_read(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.instance_id, msg.lease_id)
+        res.missing = len(missing)
         return m.ReserveReadReply(res.id, [m.Slot(i, e.offset) for i, e in res.entries], missing)
 
     def _on_commit_read(self, session: Session, msg: m.CommitRead) -> m.Empty:
+        _check_copy_s(msg.copy_s)
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(ctx, msg.reservation_id, write=False)
-        self._commit_read(ctx, res)
+        self._commit_read(ctx, res, msg.copy_s, msg.loaded)
         return m.Empty()
 
-    def _commit_read(self, ctx: RegisteredContext, res: Reservation) -> None:
+    def _commit_read(self, ctx: RegisteredContext, res: Reservation, copy_s: float, loaded: bool) -> None:
+        """Unpin a read's chunks; ``loaded`` is False when they were not copied (the copy failed,
+        or was cancelled or expired): the figures count them as not loaded."""
         self.index.commit_read(res)
         ctx.retrieves += 1
+        seconds = time.perf_counter() - res.opened
+        n = len(res.entries) if loaded else 0
+        self.stats.on_retrieve(self.stats.traffic_of(ctx.model_name, ctx.transport), n,
+                               res.missing + len(res.entries) - n, ctx.chunk.nbytes, seconds, copy_s)
         if self.tier is not None and res.entries:
             self.tier.on_read([e.key for _, e in res.entries])
         if res.entries:
             self.hooks.call("kvxfer_chunks_retrieved", server=self, context=ctx, keys=[e.key for _, e in res.entries])
+        self.hooks.call("kvxfer_transfer_finished", server=self, context=ctx, op="retrieve", chunks=n,
+                        nbytes=n * ctx.chunk.nbytes, seconds=seconds, copy_seconds=copy_s)
 
     # ------------------------------------------------------------------ server-driven transfers
 
@@ -684,22 +813,24 @@ class CacheServer:
         params = self._params(ctx, msg.params)
         res, present, no_space = self.index.reserve_write(ctx.keys(msg.hashes), ctx.chunk.fmt, ctx.chunk.nbytes,
                                                           ctx.instance_id)
+        self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         res.in_flight = True
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i, self.arena.view(e.offset, e.size)) for i, e in res.entries])
+        server_context = ctx.server_context
+        assert server_context is not None  # server-driven: checked above
+        copy = _CopyClock(self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies
+                          else (lambda: None))
 
         def finish(fut: Future[Any]) -> m.StoreResult:
             if fut.exception() is not None or ctx.instance_id not in self.contexts:
                 self.index.abort(res)
                 fut.result()
                 raise UnknownInstance(f"instance {ctx.instance_id} was dropped during the store")
-            out = self._commit_write(ctx, res, [])
+            out = self._commit_write(ctx, res, [], copy.seconds())
             return m.StoreResult(out.stored, present, sorted(no_space))
 
-        server_context = ctx.server_context
-        assert server_context is not None  # server-driven: checked above
-        work = self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies else (lambda: None)
-        return _Deferred(ctx.executor, work, finish, ctx.transport)
+        return _Deferred(ctx.executor, copy, finish, ctx.transport)
 
     def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred | _Awaiting:
         ctx = self._server_driven(session, msg.instance_id)
@@ -714,23 +845,25 @@ class CacheServer:
         res, missing = self.index.reserve_read(ctx.keys(msg.hashes[first:]), ctx.chunk.fmt, ctx.instance_id,
                                                msg.lease_id)
         res.in_flight = True
+        res.missing = len(missing)
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks)
         lost = {i + first for i in missing}
         expired = object()
         server_context = ctx.server_context
         assert server_context is not None  # server-driven: checked above
-        copy = (self._plugin(ctx, "retrieve", lambda: server_context.retrieve(copies, params)) if copies
-                else (lambda: None))
+        clock = _CopyClock(self._plugin(ctx, "retrieve", lambda: server_context.retrieve(copies, params)) if copies
+                           else (lambda: None))
 
         def work() -> Any:
             if msg.deadline and time.time() > msg.deadline:
                 return expired  # the client gave up on it: its blocks may be the engine's again
-            return copy()
+            return clock()
 
         def finish(fut: Future[Any]) -> m.RetrieveResult:
+            copied = fut.exception() is None and fut.result() is not expired
             if ctx.instance_id in self.contexts:
-                self._commit_read(ctx, res)
+                self._commit_read(ctx, res, clock.seconds(), copied)
             else:
                 self.index.abort(res)
             gone = lost
@@ -748,7 +881,11 @@ class CacheServer:
         return self.status()
 
     def status(self) -> m.StatusReply:
+        """The server's report (loop thread): what `kvxfer status` and `kvxfer top` show and the
+        Prometheus exporter exports."""
         alloc = self.index.allocator
+        plugin_metrics = figures.plugin_metrics(self)
+        totals = self.stats.totals()
         sections: dict[str, dict[str, str]] = {}
         for res in self.hooks.call("kvxfer_status_section", server=self):
             try:
@@ -777,16 +914,23 @@ class CacheServer:
             arena=m.ArenaStatus(str(self.arena.path), alloc.capacity, alloc.used, len(self.index.entries),
                                 alloc.free_extents, alloc.largest_free, self.index.evictions),
             transports=transports,
-            lookups=self.lookups,
-            lookup_chunks=self.lookup_chunks,
-            lookup_hits=self.lookup_hits,
+            lookups=totals.lookups,
+            lookup_chunks=totals.lookup_chunks,
+            lookup_hits=totals.lookup_hits,
             leases=len(self.index.leases),
             leased_chunks=self.index.leased_chunks,
-            reservations=len(self.index.reservations) + sum(len(p) for p in self._parked.values()),
-            errors=self.errors,
+            reservations=len(self.index.reservations) + self.parked_writes,
+            errors=self.stats.error_count,
             hook_errors=self.hooks.errors,
             sections=sections,
             tiers=[self.tier.status()] if self.tier is not None else [],
+            metrics_url=self.metrics_url,
+            requests_in_flight=self.stats.in_flight,
+            errors_by_code=self.stats.errors_by_code(),
+            models=figures.model_status(self),
+            traffic=figures.traffic_status(self),
+            latency=figures.latency_status(self.stats),
+            plugin_metrics=plugin_metrics,
         )
 
     def _on_clear(self, session: Session, msg: m.Clear) -> m.ClearReply:
@@ -796,6 +940,7 @@ class CacheServer:
         return m.ClearReply(len(gone))
 
     def _on_evict(self, keys: list[ChunkKey]) -> None:
+        self.stats.on_evicted([k.model_name for k in keys])
         if self.tier is not None:
             self.tier.forget(keys)
         self.hooks.call("kvxfer_chunks_evicted", server=self, keys=keys)

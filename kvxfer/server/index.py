@@ -62,6 +62,10 @@ class Reservation:
     lease_id: int = 0
     #: A server-driven copy is running on it: only the request's own finish may end it.
     in_flight: bool = False
+    #: When it was made (time.perf_counter), for the transfer's duration.
+    opened: float = field(default_factory=time.perf_counter)
+    #: Chunks a read asked for that were not there (for the server's figures).
+    missing: int = 0
 
 
 @dataclass(slots=True, eq=False)

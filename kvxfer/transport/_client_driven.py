@@ -13,6 +13,7 @@ nothing and gives its reservation back.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -216,6 +217,7 @@ class ClientDrivenCore(ContextCore):
             drop()
             self._commit_sent()
             return
+        started = time.perf_counter()
         try:
             waiter = None
             if rep.slots:
@@ -234,8 +236,10 @@ class ClientDrivenCore(ContextCore):
                 outer.set_exception(exc)
 
         def commit() -> None:
-            try:
-                self._resolve(self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id)), committed)
+            try:  # the copy's time (gather and its waiter) goes to the server's figures
+                copy_s = time.perf_counter() - started if rep.slots else 0.0
+                self._resolve(self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
+                                                                   copy_s=copy_s)), committed)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
             finally:
@@ -256,12 +260,13 @@ class ClientDrivenCore(ContextCore):
         nbytes = self.chunk_bytes
         keys = transfer.keys
 
-        def unpin() -> Future[m.Empty]:  # and release the lease for this rank
-            return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id))
+        def unpin(copy_s: float = 0.0, loaded: bool = False) -> Future[m.Empty]:  # and release the lease
+            return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id, copy_s, loaded))
 
         if not outer.set_running_or_notify_cancel():  # cancelled before its copy: the blocks stay untouched
             unpin()
             return
+        started = time.perf_counter()
         try:
             waiter = None
             if rep.slots:
@@ -288,8 +293,8 @@ class ClientDrivenCore(ContextCore):
                 outer.set_result(m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost)))
 
         def commit() -> None:
-            try:
-                self._resolve(unpin(), committed)
+            try:  # the copy's time (scatter and its waiter) goes to the server's figures
+                self._resolve(unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True), committed)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
 
