@@ -292,8 +292,9 @@ def test_copy_time_and_staging_reach_status_and_metrics(server: ServerProcess) -
         device = (("device", f"cuda:{torch.cuda.current_device()}"),)
         assert after[("kvxfer_cuda_ipc_staging_bytes", device)] >= 2 * chunk  # a ring of at least 2 chunks
         assert after[("kvxfer_cuda_ipc_contexts", device)] >= 1
-        assert after[("kvxfer_cuda_ipc_arena_pinned_bytes", ())] == 1 << 30
         st = client.status()
+        (tp,) = [t for t in st.transports if t.name == "cuda_ipc"]
+        assert after[("kvxfer_cuda_ipc_arena_pinned_bytes", ())] == int(tp.state["arena_pinned"].split()[0]) > 0
         (traffic,) = [t for t in st.traffic if t.model == "metrics"]
         assert (traffic.stored_chunks, traffic.loaded_chunks) == (2, 2)
         assert traffic.store_copy_s > 0 and traffic.retrieve_copy_s > 0  # timed by the core around the copy

@@ -216,3 +216,20 @@ def test_a_registration_declaring_nonsense_staging_is_refused(client: CacheClien
     bad_device = msgspec.structs.replace(reg, staging_bytes=0, device="../etc")
     with pytest.raises(InvalidRequest, match="device"):
         client.request(m.Register("hpu", msgspec.Raw(codec.encode(bad_device))))
+
+
+@cuda
+def test_cuda_contexts_report_pinned_staging_to_the_server(client: CacheClient) -> None:
+    ctx = client.register(_kv("cuda", layers=2, blocks=16), model_name="figures-cuda", block_size=BLOCK,
+                          transport="hpu")
+    try:
+        assert isinstance(ctx, HpuContext) and not ctx.ops.direct
+        keys = _keys(2)
+        assert ctx.submit_store(keys, list(range(4))).result(30).stored == [0, 1]
+        assert ctx.submit_retrieve(keys, list(range(8, 12))).result(30).loaded == [0, 1]
+        figures = _plugin_figures(client)
+        assert figures[("kvxfer_hpu_staging_bytes", (("device", "cuda"),))] == ctx.staging_bytes() > 0
+        assert figures[("kvxfer_hpu_contexts", (("device", "cuda"), ("pinned", "true")))] == 1
+        assert figures[("kvxfer_hpu_copy_seconds_total", (("device", "cuda"), ("op", "store")))] > 0
+    finally:
+        ctx.close()
