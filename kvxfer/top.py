@@ -128,6 +128,22 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
                       f"leases {st.leases} ({st.leased_chunks} chunks)  reservations {st.reservations}  "
                       f"errors {st.errors} ({errors})  hook errors {st.hook_errors}"))
 
+    prev_tiers = {t.name: t for t in prev.tiers} if prev else {}
+    for tier in st.tiers:
+        pt_ = prev_tiers.get(tier.name)
+        state = Text(tier.state, style="green" if tier.state == "up" else "bold red")
+        line = Text(f"{tier.name} {tier.store} ")
+        line.append_text(state)
+        line.append(f"  hits {_pct(tier.lookup_hits, tier.lookup_chunks)} of {tier.lookup_chunks} chunks asked  "
+                    f"promoted {_rate(tier.promotions, pt_.promotions if pt_ else None, dt)}/s "
+                    f"({tier.promotions}, {tier.promoting} now)  "
+                    f"written {_short_rate(tier.write_bytes, pt_.write_bytes if pt_ else None, dt)}/s "
+                    f"({format_bytes(tier.write_bytes)})  queue {tier.queue_depth}/{tier.queue_capacity}  "
+                    f"drops {tier.drops}  errors {tier.errors}  timeouts {tier.timeouts}")
+        if tier.detail:
+            line.append(f"  {tier.detail}", style="red")
+        parts.append(line)
+
     # one row per model, transport and op, narrow enough for 80 columns
     t = _table("stores and retrieves (skip: already stored / not found; open: in flight)",
                "model", "transport", "op", "/s", "B/s", "chunks", "bytes", "skip", "fail", "open", "copy")

@@ -61,7 +61,11 @@ CORE_FAMILIES: Final = frozenset({
     "kvxfer_transfers_in_flight", "kvxfer_arena_capacity_bytes", "kvxfer_arena_used_bytes",
     "kvxfer_arena_free_bytes", "kvxfer_arena_largest_free_bytes", "kvxfer_arena_free_extents",
     "kvxfer_arena_chunks", "kvxfer_evicted_chunks_total", "kvxfer_leases", "kvxfer_leased_chunks",
-    "kvxfer_reservations",
+    "kvxfer_reservations", *(f"kvxfer_tier_{name}" for name in (
+        "up", "lookups_total", "lookup_chunks_total", "lookup_hit_chunks_total", "lookup_timeouts_total",
+        "promoted_chunks_total", "promote_failures_total", "promoting_chunks", "integrity_failures_total",
+        "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total", "dropped_writes_total",
+        "queue_depth", "queue_capacity", "pinned_bytes", "errors_total", "outages_total")),
 })
 
 
@@ -240,7 +244,54 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         g.add_metric([kind], n)
     yield g
 
+    yield from tier_families(st.tiers)
     yield from plugin_families(st.plugin_metrics)
+
+
+def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
+    """The storage tiers below the arena (``kvxfer serve --l2``), labelled by tier and store
+    backend; families without samples when the server has none."""
+    labels = ["tier", "store"]
+    up = _gauge("kvxfer_tier_up", "1 while the tier serves, 0 while its circuit breaker is open (the server "
+                                  "then answers from L1 and retries).", labels)
+    for t in tiers:
+        up.add_metric([t.name, t.store], 1.0 if t.state == "up" else 0.0)
+    yield up
+    counters = [
+        ("kvxfer_tier_lookups", "Lookups that asked the tier (their chunks missing from L1).", lambda t: t.lookups),
+        ("kvxfer_tier_lookup_chunks", "Chunks those lookups asked the tier for.", lambda t: t.lookup_chunks),
+        ("kvxfer_tier_lookup_hit_chunks", "Chunks the tier had.", lambda t: t.lookup_hits),
+        ("kvxfer_tier_lookup_timeouts", "Lookups that gave up waiting for the tier (answered from L1).",
+         lambda t: t.timeouts),
+        ("kvxfer_tier_promoted_chunks", "Chunks copied from the tier into the arena.", lambda t: t.promotions),
+        ("kvxfer_tier_promote_failures", "Promotions that failed (store error, or the value was gone).",
+         lambda t: t.promote_failures),
+        ("kvxfer_tier_integrity_failures", ("Values whose header, length or checksum did not match: counted as "
+                                            "misses, never loaded."), lambda t: t.integrity_failures),
+        ("kvxfer_tier_written_chunks", "Chunks written to the tier.", lambda t: t.writes),
+        ("kvxfer_tier_written_bytes", "Bytes written to the tier.", lambda t: t.write_bytes),
+        ("kvxfer_tier_write_skipped_chunks", "Chunks not written: the tier had them already.",
+         lambda t: t.write_skipped),
+        ("kvxfer_tier_dropped_writes", "Writes dropped: queue full, or the tier down or failing.", lambda t: t.drops),
+        ("kvxfer_tier_errors", "Store operations that failed.", lambda t: t.errors),
+        ("kvxfer_tier_outages", "Times the circuit breaker opened.", lambda t: t.outages),
+    ]
+    for name, doc, get in counters:
+        c = _counter(name, doc, labels)
+        for t in tiers:
+            c.add_metric([t.name, t.store], get(t))
+        yield c
+    gauges = [
+        ("kvxfer_tier_promoting_chunks", "Chunks being promoted into the arena now.", lambda t: t.promoting),
+        ("kvxfer_tier_queue_depth", "Chunks queued or being written to the tier now.", lambda t: t.queue_depth),
+        ("kvxfer_tier_queue_capacity", "Size of the write queue (--l2-queue).", lambda t: t.queue_capacity),
+        ("kvxfer_tier_pinned_bytes", "Arena bytes pinned by queued writes.", lambda t: t.pinned_bytes),
+    ]
+    for name, doc, get in gauges:
+        g = _gauge(name, doc, labels)
+        for t in tiers:
+            g.add_metric([t.name, t.store], get(t))
+        yield g
 
 
 def plugin_families(samples: list[m.MetricSample]) -> Iterator[Metric]:

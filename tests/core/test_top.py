@@ -4,22 +4,22 @@ terminal (or with ``--once``) it prints one frame."""
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
 from kvxfer import CacheClient, chunk_hashes
 from kvxfer.security import make_keys
 from kvxfer.testing.server import ServerProcess
 from kvxfer.top import render
-from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -75,7 +75,7 @@ def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
     before = curve_client.status()
     _workload(curve_client, "render-model", 3)
     after = curve_client.status()
-    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # a plain 80-column terminal
+    console = Console(width=80, record=True, file=io.StringIO())  # a plain 80-column terminal
     console.print(render(after, before, 2.0))
     text = console.export_text()
     assert f"kvxfer {after.server_version}" in text and after.url in text and after.metrics_url in text
