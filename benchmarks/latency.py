@@ -5,11 +5,18 @@ DEALER/ROUTER round trip (two processes, same message size) measured in the same
 reference.
 
     python benchmarks/latency.py --iters 5000 --json results/latency.json
+    python benchmarks/latency.py --metrics --json benchmarks/results/
 
-Prints a table of p50/p99/mean in microseconds and writes the same as JSON. The server is a
-``python -m kvxfer serve`` subprocess (``kvxfer.testing.ServerProcess``); the client is the
-public ``CacheClient``. Timings are wall-clock round trips from ``request()`` call to decoded
-reply, one request in flight at a time.
+Prints a table of p50/p99/mean in microseconds and writes the same as JSON (with the run: commit,
+date, machine). The server is a ``python -m kvxfer serve`` subprocess
+(``kvxfer.testing.ServerProcess``); the client is the public ``CacheClient``. Timings are
+wall-clock round trips from ``request()`` call to decoded reply, one request in flight at a time.
+
+``--metrics`` measures what Prometheus metrics cost a lookup, in one run: two servers, one
+without and one with ``--metrics-port`` whose ``/metrics`` a thread scrapes every
+``--scrape-interval`` seconds, looked up in alternating rounds (so drift of a shared machine hits
+both alike); it reports both p50s and their ratio, and the in-process cost of the figures the
+loop keeps per lookup (``ServerStats``), which every server pays.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 
 import msgspec
@@ -169,7 +178,7 @@ def run(args: argparse.Namespace) -> dict:
             client.close()
     for r in results:
         r.setdefault("payload_bytes", None)
-    return {
+    report = {
         "benchmark": "latency",
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count()},
@@ -180,6 +189,138 @@ def run(args: argparse.Namespace) -> dict:
         "goal_lookup_p50_us": 150.0,
         "results": results,
     }
+    if args.metrics:
+        report["metrics_cost"] = metrics_cost(args, hashes, progress)
+    return report
+
+
+# --------------------------------------------------------------------------- metrics cost
+
+
+def _scraper(url: str, interval: float, stop: threading.Event, counts: dict[str, int]) -> None:
+    while not stop.wait(interval):
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            resp.read()
+        counts["scrapes"] += 1
+
+
+def bookkeeping_ns(iters: int = 200_000) -> float:
+    """In-process cost (ns) of the figures the loop keeps for one lookup: the request's
+    duration and the lookup's counts (what ``CacheServer`` calls per lookup)."""
+    from kvxfer.protocol.table import REQUESTS
+    from kvxfer.server.stats import ServerStats
+
+    stats = ServerStats(tuple(REQUESTS))
+    stats.register_model("bench-model")
+    clock = time.perf_counter
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(iters):
+            t = clock()
+            stats.on_lookup("bench-model", 8, 8)
+            stats.on_request("lookup", clock() - t)
+        best = min(best, (time.perf_counter_ns() - t0) / iters)
+    # the loop itself (two clock reads): not bookkeeping
+    t0 = time.perf_counter_ns()
+    for _ in range(iters):
+        clock()
+        clock()
+    return best - (time.perf_counter_ns() - t0) / iters
+
+
+def metrics_cost(args: argparse.Namespace, hashes: list[bytes], progress: bool) -> dict:
+    from kvxfer import CacheClient
+    from kvxfer.testing.server import ServerProcess
+
+    chunk_size = 256
+    rounds, per_round = args.rounds, args.iters
+    samples: dict[str, list[int]] = {"off": [], "on": []}
+    counts = {"scrapes": 0}
+    stop = threading.Event()
+    with ServerProcess(l1_size=args.l1_size, chunk_size=chunk_size) as off, \
+            ServerProcess(l1_size=args.l1_size, chunk_size=chunk_size, extra_args=["--metrics-port", "0"]) as on:
+        clients = {"off": CacheClient(off.url, name="metrics-cost"), "on": CacheClient(on.url, name="metrics-cost")}
+        try:
+            for c in clients.values():
+                _store_chunks(c, hashes)
+            url = clients["on"].status().metrics_url
+            scraper = threading.Thread(target=_scraper, args=(url, args.scrape_interval, stop, counts), daemon=True)
+            scraper.start()
+            clock = time.perf_counter_ns
+            for c in clients.values():
+                for _ in range(args.warmup):
+                    c.lookup("bench-model", 1, hashes=hashes)
+            bar = tqdm(total=2 * rounds * per_round, desc="metrics off/on", disable=not progress, mininterval=0.5)
+            for r in range(rounds):
+                for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    c, out = clients[name], samples[name]
+                    for _ in range(per_round):
+                        t0 = clock()
+                        c.lookup("bench-model", 1, hashes=hashes)
+                        out.append(clock() - t0)
+                    bar.update(per_round)
+            bar.close()
+            stop.set()
+            scraper.join(60)
+            scrape = _time_scrapes(url, 30)
+            scrape["status_p50_us"] = next(x.p50_s * 1e6 for x in clients["on"].status().latency if x.name == "status")
+            errors = {name: c.status().errors for name, c in clients.items()}
+        finally:
+            stop.set()
+            for c in clients.values():
+                c.close()
+    rows = {}
+    for name, ns in samples.items():
+        ns.sort()
+        rows[name] = {"p50_us": _percentile(ns, 50), "p99_us": _percentile(ns, 99),
+                      "mean_us": statistics.fmean(ns) / 1000.0, "iters": len(ns)}
+    cost_ns = bookkeeping_ns()
+    return {
+        "rounds": rounds,
+        "iters_per_round": per_round,
+        "scrape_interval_s": args.scrape_interval,
+        "scrapes": counts["scrapes"],
+        "server_errors": errors,
+        "off": rows["off"],
+        "on": rows["on"],
+        "p50_on_over_off": rows["on"]["p50_us"] / rows["off"]["p50_us"],
+        "p99_on_over_off": rows["on"]["p99_us"] / rows["off"]["p99_us"],
+        "bookkeeping_ns_per_lookup": cost_ns,
+        "bookkeeping_share_of_off_p50": cost_ns / 1000.0 / rows["off"]["p50_us"],
+        "scrape": scrape,
+        "goal_p50_ratio": 1.05,
+    }
+
+
+def _time_scrapes(url: str, n: int) -> dict:
+    """Median wall time of ``n`` scrapes of ``url`` one after another, and their size."""
+    times, body = [], b""
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            body = resp.read()
+        times.append(time.perf_counter() - t0)
+    samples = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+    return {"scrapes": n, "median_ms": statistics.median(times) * 1e3, "bytes": len(body), "samples": samples}
+
+
+def print_metrics_cost(m: dict) -> None:
+    print(f"\nmetrics cost: lookups, {m['rounds']} alternating rounds of "
+          f"{m['iters_per_round']}, /metrics scraped every {m['scrape_interval_s']:g} s ({m['scrapes']} scrapes)")
+    print(f"{'server':<24}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
+    print("-" * 54)
+    for name, label in (("off", "metrics off"), ("on", "metrics on (scraped)")):
+        r = m[name]
+        print(f"{label:<24}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{r['mean_us']:>10.1f}")
+    ok = m["p50_on_over_off"] <= m["goal_p50_ratio"]
+    print(f"p50 on / off {m['p50_on_over_off']:.3f}x (p99 {m['p99_on_over_off']:.3f}x); goal <= "
+          f"{m['goal_p50_ratio']:.2f}x: {'met' if ok else 'MISSED'}")
+    print(f"figures kept per lookup inside the server: {m['bookkeeping_ns_per_lookup']:.0f} ns "
+          f"({100 * m['bookkeeping_share_of_off_p50']:.2f}% of the p50 without metrics)")
+    sc = m["scrape"]
+    print(f"one scrape: {sc['median_ms']:.2f} ms (median of {sc['scrapes']}), {sc['samples']} samples, "
+          f"{sc['bytes']} bytes; a status on the server's loop: p50 {sc['status_p50_us']:.0f} us")
 
 
 def _store_chunks(client, hashes: list[bytes]) -> int:
@@ -218,12 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=500, help="untimed round trips first (default %(default)s)")
     p.add_argument("--chunks", type=int, default=8, help="chunk hashes per lookup (default %(default)s)")
     p.add_argument("--l1-size", default="64MiB", help="server arena (default %(default)s)")
+    p.add_argument("--metrics", action="store_true",
+                   help="also measure lookups with Prometheus metrics off and on (two servers, same run)")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="alternating rounds of --metrics, --iters lookups per server each (default %(default)s)")
+    p.add_argument("--scrape-interval", type=float, default=1.0,
+                   help="seconds between scrapes of /metrics during --metrics (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--progress", action="store_true", help="progress bars even when stderr is not a tty")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     report = run(args)
     print_table(report)
+    if "metrics_cost" in report:
+        print_metrics_cost(report["metrics_cost"])
     if args.json:
         from kvxfer.bench import write_results
 

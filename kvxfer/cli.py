@@ -7,6 +7,7 @@
                    [--max-... limits, see `kvxfer serve --help` and docs/reliability.md]
     kvxfer plugins [--json]
     kvxfer status  [--url URL] [--json]
+    kvxfer top     [--url URL] [--interval 1] [--once]
     kvxfer keys    DIR
     kvxfer demo    [--url URL] ...
     kvxfer bench   ...              (benchmarks/transfer.py)
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvxfer.errors import KvxferError
+from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.text_table import print_table
 from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import default_url
@@ -109,13 +110,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         curve=_curve_server(args.curve_dir),
         l2=_l2_config(args),
         limits=_limits(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        metrics_max_models=args.metrics_max_models,
     )
     server = CacheServer(config)
-    l2 = ""
+    extra = ""
     if server.tier is not None:
-        l2 = f", L2 {server.tier.store.name} at {server.tier.url} ({server.tier.status().state})"
+        extra = f", L2 {server.tier.store.name} at {server.tier.url} ({server.tier.status().state})"
+    if server.metrics_url:
+        extra += f", metrics at {server.metrics_url}"
     print(f"kvxfer server ready at {config.url} (arena {format_bytes(server.arena.size)}, "
-          f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{l2})", flush=True)
+          f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
     server.serve_forever(install_signal_handlers=True)
     return 0
 
@@ -228,6 +234,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     for t in st.tiers:
         print()
         print(_tier_text(t))
+    if st.traffic:
+        print()
+        print_table(
+            [(t.model, t.transport, t.stores, f"{t.stored_chunks} ({format_bytes(t.stored_bytes)})", t.present_chunks,
+              t.no_space_chunks + t.failed_chunks, t.retrieves, f"{t.loaded_chunks} ({format_bytes(t.loaded_bytes)})",
+              t.missing_chunks) for t in st.traffic],
+            ["model", "transport", "stores", "stored", "present", "failed", "retrieves", "loaded", "missing"])
+    if st.latency:
+        print()
+        print_table([(x.name, x.transport or "-", x.count, f"{x.p50_s * 1e6:.0f}", f"{x.p99_s * 1e6:.0f}")
+                     for x in st.latency], ["latency in the server", "transport", "count", "p50 us", "p99 us"])
+    if st.metrics_url:
+        print(f"\nmetrics: {st.metrics_url}")
     for title, values in st.sections.items():
         print(f"\n[{title}]")
         for k, v in values.items():
@@ -250,6 +269,22 @@ def _tier_text(t: TierStatus) -> str:
         f"  errors: {t.errors}; outages: {t.outages}",
     ]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- top
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """A live view of the server (status polled every --interval seconds); q quits."""
+    from kvxfer.client import CacheClient
+    from kvxfer.top import run_top
+
+    if not 0.1 <= args.interval <= 3600:
+        raise ConfigError(f"--interval must be in [0.1, 3600] seconds, got {args.interval}")
+    curve = _curve_client(args.curve_dir, args.curve_name)
+    with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer top",
+                     curve=curve) as client:
+        return run_top(client, interval=args.interval, once=args.once)
 
 
 # --------------------------------------------------------------------------- keys
@@ -320,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of client silence before its registrations are dropped (default: %(default)s)")
     s.add_argument("--max-message-size", default="16MiB", help="largest request accepted (default: %(default)s)")
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (required for tcp://)")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics at http://HOST:N/metrics (0: any free port; default: none)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (default: %(default)s, this host only)")
+    s.add_argument("--metrics-max-models", type=int, default=32, metavar="N",
+                   help="model names with their own label in metrics; later ones share '__other__' "
+                        "(default: %(default)s)")
     g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
     g.add_argument("--l2-url", default="", metavar="URL",
@@ -354,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
     s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
     s.set_defaults(fn=cmd_status)
+
+    s = sub.add_parser("top", help="a live view of a server's figures (q quits)")
+    s.add_argument("--url", default=default_url())
+    s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
+    s.add_argument("--once", action="store_true", help="print one frame and exit (also when stdout is not a terminal)")
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
+    s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
+    s.set_defaults(fn=cmd_top)
 
     s = sub.add_parser("keys", help="make CURVE keys for tcp:// serving")
     s.add_argument("dir", help="directory to create the keys in (made 0700)")

@@ -213,6 +213,8 @@ class CommitWrite(Request["StoreResult"], frozen=True):
     instance_id: int
     reservation_id: int
     failed: list[int] = []
+    #: Seconds the client spent copying into the slots (for the server's figures); 0 if unknown.
+    copy_s: float = 0.0
 
 
 class ReserveRead(Request["ReserveReadReply"], frozen=True):
@@ -234,6 +236,11 @@ class CommitRead(Request[Empty], frozen=True):
 
     instance_id: int
     reservation_id: int
+    #: Seconds the client spent copying out of the slots (for the server's figures); 0 if unknown.
+    copy_s: float = 0.0
+    #: False when the client copied nothing (the copy failed or was cancelled): the server's
+    #: figures count none of the chunks as loaded.
+    loaded: bool = True
 
 
 # --------------------------------------------------------------------------- server-driven path
@@ -380,6 +387,75 @@ class TierStatus(Message, frozen=True):
     outages: int = 0
     #: The store's own figures (bytes used, values, nodes), refreshed every few seconds.
     store_stats: dict[str, str] = {}
+class ModelStatus(Message, frozen=True):
+    """Lookups and evictions of one model label since the server started. Labels are bounded:
+    models beyond the server's ``--metrics-max-models`` (and lookups of models that never
+    registered) share the label ``__other__``."""
+
+    model: str
+    lookups: int = 0
+    lookup_chunks: int = 0
+    lookup_hits: int = 0
+    evicted_chunks: int = 0
+    #: Registered contexts of this model now.
+    contexts: int = 0
+
+
+class TrafficStatus(Message, frozen=True):
+    """Stores and retrieves of one (model label, transport) since the server started."""
+
+    model: str
+    transport: str
+    stores: int = 0
+    stored_chunks: int = 0
+    stored_bytes: int = 0
+    #: Chunks skipped by a store because they were stored already.
+    present_chunks: int = 0
+    #: Chunks a store found no room for.
+    no_space_chunks: int = 0
+    #: Chunks whose copy failed.
+    failed_chunks: int = 0
+    store_copy_s: float = 0.0
+    retrieves: int = 0
+    loaded_chunks: int = 0
+    loaded_bytes: int = 0
+    #: Chunks a retrieve asked for and did not load (not in the server, or the copy failed,
+    #: was cancelled or expired).
+    missing_chunks: int = 0
+    retrieve_copy_s: float = 0.0
+    #: Stores and retrieves reserved and not committed now.
+    stores_in_flight: int = 0
+    retrieves_in_flight: int = 0
+
+
+class LatencyStatus(Message, frozen=True):
+    """Durations inside the server of one request kind (``name`` is a request name, or
+    ``store``/``retrieve`` for whole transfers of ``transport``: reservation to commit)."""
+
+    name: str
+    transport: str = ""
+    #: Observations since the server started.
+    count: int = 0
+    #: The most recent observations the percentiles come from (at most 1024).
+    window: int = 0
+    p50_s: float = 0.0
+    p90_s: float = 0.0
+    p99_s: float = 0.0
+    max_s: float = 0.0
+
+
+class MetricSample(Message, frozen=True):
+    """One figure a hook plugin or transport contributes (hook ``kvxfer_metrics``): exported as a
+    Prometheus sample by ``kvxfer serve --metrics-port`` and shown by ``kvxfer top``.
+
+    ``name`` is a Prometheus metric name starting with ``kvxfer_`` (a counter's ends with
+    ``_total``); ``kind`` is ``"counter"`` or ``"gauge"``; label values must be few (no ids)."""
+
+    name: str
+    kind: str
+    value: float
+    labels: dict[str, str] = {}
+    help: str = ""
 
 
 class StatusRequest(Request["StatusReply"], frozen=True):
@@ -411,6 +487,17 @@ class StatusReply(Message, frozen=True):
     sections: dict[str, dict[str, str]] = {}
     #: Storage tiers below the arena (``kvxfer serve --l2``); empty without one.
     tiers: list[TierStatus] = []
+    #: ``http://HOST:PORT/metrics`` when the server exports Prometheus metrics, else "".
+    metrics_url: str = ""
+    #: Requests received and not answered yet (transfers running on worker threads).
+    requests_in_flight: int = 0
+    #: Error replies since start, by error code.
+    errors_by_code: dict[str, int] = {}
+    models: list[ModelStatus] = []
+    traffic: list[TrafficStatus] = []
+    latency: list[LatencyStatus] = []
+    #: Figures contributed by plugins (hook ``kvxfer_metrics``).
+    plugin_metrics: list[MetricSample] = []
 
 
 class Clear(Request["ClearReply"], frozen=True):

@@ -11,7 +11,10 @@ from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
 from kvxfer.urls import default_url
 
-__all__ = ["ServerConfig"]
+__all__ = ["ServerConfig", "MAX_METRICS_MODELS"]
+
+#: Upper bound of ``metrics_max_models``: every model label multiplies the series per metric.
+MAX_METRICS_MODELS = 1024
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,14 @@ class ServerConfig:
     l2: TierConfig | None = None
     #: What clients can make the server hold (kvxfer.server.limits).
     limits: Limits = field(default_factory=Limits)
+    #: Serve Prometheus metrics at http://metrics_host:metrics_port/metrics (0: any free port);
+    #: None serves none.
+    metrics_port: int | None = None
+    #: Address of the metrics endpoint; the default keeps it on this host.
+    metrics_host: str = "127.0.0.1"
+    #: Distinct model names that get their own label in figures and metrics; the rest share
+    #: the label "__other__".
+    metrics_max_models: int = 32
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -45,3 +56,10 @@ class ServerConfig:
             raise ConfigError(f"l1_size must be positive, got {self.l1_size}")
         if self.session_timeout_s <= self.heartbeat_s:
             raise ConfigError("session_timeout_s must be longer than heartbeat_s")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics port must be in [0, 65535] (0: any free port), got {self.metrics_port}")
+        if not self.metrics_host:
+            raise ConfigError("metrics host must not be empty (127.0.0.1 keeps the endpoint on this host)")
+        if not 0 <= self.metrics_max_models <= MAX_METRICS_MODELS:
+            raise ConfigError(f"metrics max models must be in [0, {MAX_METRICS_MODELS}], "
+                              f"got {self.metrics_max_models}")

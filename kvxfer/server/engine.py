@@ -22,8 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import msgspec
 
@@ -50,6 +51,7 @@ from kvxfer.mq.server import MQServer
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind
+from kvxfer.server import figures
 from kvxfer.server.allocator import Allocator
 from kvxfer.server.config import ServerConfig
 from kvxfer.server.context import RegisteredContext
@@ -57,15 +59,21 @@ from kvxfer.server.hooks import HookRelay
 from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
 from kvxfer.server.limits import Limits
 from kvxfer.server.sessions import Parked, Peer, Session
+from kvxfer.server.stats import ServerStats
 from kvxfer.server.tier import L2Tier, TierLookup
 from kvxfer.server.workers import Lane, WorkerPool
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
 from kvxfer.transport._context import guarded, plugin_step
-from kvxfer.transport.contract import ServerContext, ServerTransport, Style, Transport
+from kvxfer.transport.contract import ServerContext, ServerTransport, Style, Transport, Waiter
 from kvxfer.units import format_bytes
 
+if TYPE_CHECKING:
+    from kvxfer.server.metrics import MetricsExporter
+
 __all__ = ["CacheServer", "validate_registration"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,8 @@ MAX_WORLD_SIZE: Final = 1 << 16
 MAX_LOOKUP_KEYS: Final = 1 << 18
 #: Longest error message sent (values a client sent are shown shortened).
 MAX_ERROR_MESSAGE: Final = 2048
+#: Largest copy time a client may report with a commit.
+MAX_COPY_S: Final = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +206,41 @@ def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int,
     return layout
 
 
+def _check_copy_s(copy_s: float) -> None:
+    if not 0.0 <= copy_s <= MAX_COPY_S:  # NaN fails too
+        raise _invalid("copy_s", f"must be seconds in [0, {MAX_COPY_S:.0f}], got {copy_s!r}")
+
+
+class _CopyClock:
+    """A server-driven copy as the instance's worker runs it (``work``: the transport's ``store``
+    or ``retrieve``), timed from its start to the end of its waiter: :meth:`seconds`, read by
+    the request's finish on the loop."""
+
+    __slots__ = ("_work", "_start", "_end")
+
+    def __init__(self, work: Callable[[], Waiter | None]) -> None:
+        self._work = work
+        self._start = self._end = 0.0
+
+    def __call__(self) -> Waiter | None:
+        self._start = time.perf_counter()
+        waiter = self._work()
+        if not callable(waiter):
+            self._end = time.perf_counter()
+            return waiter
+
+        def wait() -> None:
+            try:
+                waiter()
+            finally:
+                self._end = time.perf_counter()
+
+        return wait
+
+    def seconds(self) -> float:
+        return max(0.0, self._end - self._start) if self._start else 0.0
+
+
 def _check_hashes(hashes: list[bytes]) -> None:
     if len(hashes) > MAX_CHUNKS_PER_REQUEST:
         raise _invalid("hashes", f"{len(hashes)} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
@@ -221,9 +266,10 @@ class CacheServer:
         self.sessions: dict[bytes, Session] = {}
         self.transports: dict[str, LoadedTransport] = {}
         self.transport_errors: dict[str, str] = {}
-        self.errors = 0
         self.dropped_connections = 0
-        self.lookups = self.lookup_chunks = self.lookup_hits = 0
+        #: Running figures (status, `kvxfer top`, Prometheus metrics); loop thread only.
+        self.stats = ServerStats(tuple(REQUESTS), config.metrics_max_models)
+        self._metrics: MetricsExporter | None = None
         #: Registrations sent to a worker and not finished yet (they count against the limits).
         self._registering = 0
         #: Open writes of silent clients whose process still lives, by the secret of the session
@@ -260,6 +306,18 @@ class CacheServer:
             self._pool.shutdown(wait=False)
             self.arena.close()
             raise
+        if config.metrics_port is not None:
+            from kvxfer.server.metrics import MetricsExporter
+
+            try:
+                self._metrics = MetricsExporter(self, config.metrics_host, config.metrics_port)
+            except BaseException:
+                self._mq.close()
+                if self.tier is not None:
+                    self.tier.close()
+                self._close_transports()
+                self.arena.close()
+                raise
         #: The request table's kind picks the table a handler is in, and how its answer is sent.
         #: Either may answer later (_Awaiting): a lookup that asks L2, a read that waits for promotions.
         self._control: dict[str, Callable[[Session, Any], msgspec.Struct | _Awaiting]] = {
@@ -298,6 +356,11 @@ class CacheServer:
                 log.info("transport %s not loaded: %s", name, exc)
                 continue
             self.transports[name] = LoadedTransport(transport, st)
+            try:  # its @hookimpl methods (e.g. kvxfer_metrics) take part in the server's hooks
+                self.hooks.register(st, f"kvxfer.transport.{name}")
+            except Exception:  # noqa: BLE001  (hooks that do not match the specs must not stop the server)
+                self.hooks.errors += 1
+                log.exception("the hooks of transport %s do not match the hook specs; ignoring them", name)
         if not self.transports:
             raise ConfigError(
                 "no transport could be loaded; install one (pip install kvxfer-cpu-gather) and "
@@ -335,7 +398,39 @@ class CacheServer:
         """Ask the loop to stop (any thread, or a signal handler)."""
         self._mq.stop()
 
+    @property
+    def metrics_url(self) -> str:
+        """Where Prometheus metrics are served, or "" when they are not."""
+        return self._metrics.url if self._metrics is not None else ""
+
+    @property
+    def parked_writes(self) -> int:
+        """Open writes kept for silent clients that still live (counted in the index's reservations)."""
+        return sum(len(p.reservations) for p in self._parked.values())
+
+    def call_on_loop(self, fn: Callable[[], T], timeout: float) -> T:
+        """Run ``fn`` on the loop thread and return what it returns (from any other thread);
+        raises :class:`TimeoutError` if the loop does not run it within ``timeout`` seconds
+        (then it never runs)."""
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+                    fut.set_exception(exc)
+
+        self._mq.call_soon(run)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            fut.cancel()
+            raise TimeoutError(f"the server's loop did not answer within {timeout} s") from None
+
     def _shutdown(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         for ctx in list(self.contexts.values()):
             self._drop_context(ctx, "shutdown", wait=True)
         self._pool.shutdown(wait=True)
@@ -350,8 +445,10 @@ class CacheServer:
 
     def _dispatch(self, identity: bytes, peer: str, rid: bytes, name_b: bytes,
                   payload: bytes) -> tuple[bytes, bytes] | None:
+        t0 = time.perf_counter()
         name = name_b.decode("utf-8", "replace")
         spec = REQUESTS.get(name)
+        out: msgspec.Struct | _Deferred | _Awaiting | None = None
         try:
             if spec is None:
                 raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
@@ -361,43 +458,55 @@ class CacheServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
             if name == "handshake":
-                return codec.OK, codec.encode(self._on_handshake(identity, peer, cast(m.Handshake, msg)))
-            session = self.sessions.get(identity)
-            if session is None or session.peer.raw != peer:
-                raise NoSession("this connection has no session (the server may have restarted, or the "
-                                "session timed out): send a handshake first")
-            session.last_seen = time.monotonic()
-            if spec.kind is HandlerKind.TRANSFER:
-                self._answer(identity, rid, name, self._transfer[name](session, msg))
-                return None
-            out = self._control[name](session, msg)
+                out = self._on_handshake(identity, peer, cast(m.Handshake, msg))
+            else:
+                session = self.sessions.get(identity)
+                if session is None or session.peer.raw != peer:
+                    raise NoSession("this connection has no session (the server may have restarted, or the "
+                                    "session timed out): send a handshake first")
+                session.last_seen = time.monotonic()
+                handler = self._transfer[name] if spec.kind is HandlerKind.TRANSFER else self._control[name]
+                out = handler(session, msg)
+            if not isinstance(out, (_Deferred, _Awaiting)):
+                reply = codec.OK, codec.encode(out)
         except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
-            return self._error(name, exc)
-        if isinstance(out, _Awaiting):
-            self._answer(identity, rid, name, out)
+            out = None
+            reply = self._error(name, exc)
+        if isinstance(out, (_Deferred, _Awaiting)):  # answered later, by _answer
+            self.stats.in_flight += 1
+            self._answer(identity, rid, name, out, t0)
             return None
-        return codec.OK, codec.encode(out)
+        self.stats.on_request(name, time.perf_counter() - t0)
+        return reply
 
-    def _answer(self, identity: bytes, rid: bytes, name: str, out: msgspec.Struct | _Deferred | _Awaiting) -> None:
-        """Send a handler's answer now, or once its deferred part is done (loop thread)."""
+    def _answer(self, identity: bytes, rid: bytes, name: str, out: msgspec.Struct | _Deferred | _Awaiting,
+                t0: float) -> None:
+        """Send a handler's answer now, or once its deferred part is done (loop thread); the
+        request arrived at ``t0`` and counts as in flight until then."""
         if isinstance(out, _Deferred):
-            self._run_deferred(identity, rid, name, out)
+            self._run_deferred(identity, rid, name, out, t0)
         elif isinstance(out, _Awaiting):
             def resume() -> None:
                 try:
                     nxt = out.then()
                 except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
                     self._mq.send(identity, rid, *self._error(name, exc))
+                    self._answered(name, t0)
                     return
-                self._answer(identity, rid, name, nxt)
+                self._answer(identity, rid, name, nxt, t0)
 
             # resolved on the loop (a promotion, a lookup read by the loop): answer now
             out.future.add_done_callback(lambda _f: resume() if self._mq.in_loop() else self._mq.call_soon(resume))
         else:
             self._mq.send(identity, rid, codec.OK, codec.encode(out))
+            self._answered(name, t0)
+
+    def _answered(self, name: str, t0: float) -> None:
+        """A request that waited got its reply (loop thread)."""
+        self.stats.in_flight -= 1
+        self.stats.on_request(name, time.perf_counter() - t0)
 
     def _error(self, name: str, exc: BaseException) -> tuple[bytes, bytes]:
-        self.errors += 1
         code: ErrorCode
         if isinstance(exc, RemoteError):
             code, msg = exc.code, exc.message
@@ -417,9 +526,10 @@ class CacheServer:
             msg = f"{name} failed in the server: {type(exc).__name__}: {exc} (see the server log)"
         if len(msg) > MAX_ERROR_MESSAGE:
             msg = msg[:MAX_ERROR_MESSAGE] + "..."
+        self.stats.on_error(name, str(code))
         return codec.ERR, codec.encode(m.ErrorReply(code, msg))
 
-    def _run_deferred(self, identity: bytes, rid: bytes, name: str, d: _Deferred) -> None:
+    def _run_deferred(self, identity: bytes, rid: bytes, name: str, d: _Deferred, t0: float) -> None:
         def done(fut: Future[Any]) -> None:
             self._mq.call_soon(lambda: finish(fut))
 
@@ -430,6 +540,7 @@ class CacheServer:
             except Exception as exc:  # noqa: BLE001  (the deferred reply carries whatever failed)
                 out = self._error(name, exc)
             self._mq.send(identity, rid, *out)
+            self._answered(name, t0)
 
         def worked(fut: Future[Any]) -> None:
             waiter = fut.result() if fut.exception() is None else None
@@ -442,6 +553,7 @@ class CacheServer:
             d.executor.submit(d.work).add_done_callback(worked)
         except RuntimeError as exc:  # executor shut down: the context is being dropped
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
+            self._answered(name, t0)
 
     @staticmethod
     def _plugin(ctx: RegisteredContext, step: str, call: Callable[[], Any]) -> Callable[[], Any]:
@@ -626,6 +738,7 @@ class CacheServer:
             )
             self.contexts[ctx.instance_id] = ctx
             session.instances.add(ctx.instance_id)
+            self.stats.register_model(ctx.model_name)
             self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
             return m.RegisterReply(ctx.instance_id, ctx.chunk.nbytes)
 
@@ -675,9 +788,6 @@ class CacheServer:
         # the L2 check is sent first: what follows overlaps the store's answer
         pending = tier.begin_lookup(msg.model_name, msg.world_size, msg.hashes, hits) if (
             tier is not None and hits < len(msg.hashes)) else None
-        self.lookups += 1
-        self.lookup_chunks += len(msg.hashes)
-        self.lookup_hits += hits
         if tier is not None:
             if hits and tier.admission_hits:
                 tier.count_hits(msg.model_name, msg.world_size, msg.hashes[:hits])
@@ -690,6 +800,7 @@ class CacheServer:
                       leasable: int) -> m.LookupReply:
         """Lease the hits that have L1 entries (all of them when promoting) and reply. The
         lease belongs to ``session`` (its limits, its end), unless that session ended meanwhile."""
+        self.stats.on_lookup(msg.model_name, len(msg.hashes), hits)
         lease_id = 0
         leased = min(hits, leasable)
         if msg.lease_s > 0 and leased and self.sessions.get(session.identity) is session:
@@ -746,6 +857,7 @@ class CacheServer:
         ctx = self._client_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
+        self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         slots = [m.Slot(i, e.offset) for i, e in res.entries]
         return m.ReserveWriteReply(res.id, slots, present, no_space)
 
@@ -758,6 +870,7 @@ class CacheServer:
         return res
 
     def _on_commit_write(self, session: Session, msg: m.CommitWrite) -> m.StoreResult:
+        _check_copy_s(msg.copy_s)
         resumed = session.resumed
         parked = resumed.reservations.pop(msg.reservation_id, None) if resumed is not None else None
         if parked is not None:  # its copy is over: free the slots; what it wrote is not trusted
@@ -768,17 +881,23 @@ class CacheServer:
                                              "client was silent past the session timeout; nothing was stored")
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(session, ctx, msg.reservation_id, write=True)
-        return self._commit_write(ctx, res, msg.failed)
+        return self._commit_write(ctx, res, msg.failed, msg.copy_s)
 
-    def _commit_write(self, ctx: RegisteredContext, res: Reservation, failed: list[int]) -> m.StoreResult:
+    def _commit_write(self, ctx: RegisteredContext, res: Reservation, failed: list[int],
+                      copy_s: float) -> m.StoreResult:
         reserved = {i for i, _ in res.entries}
         bad = sorted(set(failed) & reserved)
         stored = self.index.commit_write(res, bad)
         ctx.stores += 1
+        seconds = time.perf_counter() - res.opened
+        self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), len(stored), len(bad),
+                            ctx.chunk.nbytes, seconds, copy_s)
         if stored and self.tier is not None:
             self.tier.offer([e for _, e in stored])
         if stored:
             self.hooks.call("kvxfer_chunks_stored", server=self, context=ctx, keys=[e.key for _, e in stored])
+        self.hooks.call("kvxfer_transfer_finished", server=self, context=ctx, op="store", chunks=len(stored),
+                        nbytes=len(stored) * ctx.chunk.nbytes, seconds=seconds, copy_seconds=copy_s)
         return m.StoreResult([i for i, _ in stored], [], bad)
 
     def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
@@ -788,19 +907,29 @@ class CacheServer:
         if promoting is not None:
             return _Awaiting(promoting, lambda: self._on_reserve_read(session, msg))
         res, missing = self._reserve_read(session, ctx, msg.hashes, msg.lease_id)
+        res.missing = len(missing)
         return m.ReserveReadReply(res.id, [m.Slot(i, e.offset) for i, e in res.entries], missing)
 
     def _on_commit_read(self, session: Session, msg: m.CommitRead) -> m.Empty:
+        _check_copy_s(msg.copy_s)
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(session, ctx, msg.reservation_id, write=False)
-        self._commit_read(ctx, res)
+        self._commit_read(ctx, res, msg.copy_s, msg.loaded)
         return m.Empty()
 
-    def _commit_read(self, ctx: RegisteredContext, res: Reservation) -> None:
+    def _commit_read(self, ctx: RegisteredContext, res: Reservation, copy_s: float, loaded: bool) -> None:
+        """Unpin a read's chunks; ``loaded`` is False when they were not copied (the copy failed,
+        or was cancelled or expired): the figures count them as not loaded."""
         self.index.commit_read(res)
         ctx.retrieves += 1
+        seconds = time.perf_counter() - res.opened
+        n = len(res.entries) if loaded else 0
+        self.stats.on_retrieve(self.stats.traffic_of(ctx.model_name, ctx.transport), n,
+                               res.missing + len(res.entries) - n, ctx.chunk.nbytes, seconds, copy_s)
         if res.entries:
             self.hooks.call("kvxfer_chunks_retrieved", server=self, context=ctx, keys=[e.key for _, e in res.entries])
+        self.hooks.call("kvxfer_transfer_finished", server=self, context=ctx, op="retrieve", chunks=n,
+                        nbytes=n * ctx.chunk.nbytes, seconds=seconds, copy_seconds=copy_s)
 
     # ------------------------------------------------------------------ server-driven transfers
 
@@ -843,22 +972,24 @@ class CacheServer:
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
         params = self._params(ctx, msg.params)
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
+        self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         res.in_flight = True
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i, self.arena.view(e.offset, e.size)) for i, e in res.entries])
+        server_context = ctx.server_context
+        assert server_context is not None  # server-driven: checked above
+        copy = _CopyClock(self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies
+                          else (lambda: None))
 
         def finish(fut: Future[Any]) -> m.StoreResult:
             if fut.exception() is not None or ctx.instance_id not in self.contexts:
                 self.index.abort(res)
                 fut.result()
                 raise UnknownInstance(f"instance {ctx.instance_id} was dropped during the store")
-            out = self._commit_write(ctx, res, [])
+            out = self._commit_write(ctx, res, [], copy.seconds())
             return m.StoreResult(out.stored, present, sorted(no_space))
 
-        server_context = ctx.server_context
-        assert server_context is not None  # server-driven: checked above
-        work = self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies else (lambda: None)
-        return _Deferred(ctx.executor, work, finish, ctx.transport)
+        return _Deferred(ctx.executor, copy, finish, ctx.transport)
 
     def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred | _Awaiting:
         ctx = self._server_driven(session, msg.instance_id)
@@ -873,6 +1004,7 @@ class CacheServer:
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
         res.in_flight = True
+        res.missing = len(missing)
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks)
         if layers is not None:
@@ -881,17 +1013,18 @@ class CacheServer:
         expired = object()
         server_context = ctx.server_context
         assert server_context is not None  # server-driven: checked above
-        copy = (self._plugin(ctx, "retrieve", lambda: server_context.retrieve(copies, params)) if copies
-                else (lambda: None))
+        clock = _CopyClock(self._plugin(ctx, "retrieve", lambda: server_context.retrieve(copies, params)) if copies
+                           else (lambda: None))
 
         def work() -> Any:
             if msg.deadline and time.time() > msg.deadline:
                 return expired  # the client gave up on it: its blocks may be the engine's again
-            return copy()
+            return clock()
 
         def finish(fut: Future[Any]) -> m.RetrieveResult:
+            copied = fut.exception() is None and fut.result() is not expired
             if ctx.instance_id in self.contexts:
-                self._commit_read(ctx, res)
+                self._commit_read(ctx, res, clock.seconds(), copied)
             else:
                 self.index.abort(res)
             gone = lost
@@ -909,7 +1042,11 @@ class CacheServer:
         return self.status()
 
     def status(self) -> m.StatusReply:
+        """The server's report (loop thread): what `kvxfer status` and `kvxfer top` show and the
+        Prometheus exporter exports."""
         alloc = self.index.allocator
+        plugin_metrics = figures.plugin_metrics(self)
+        totals = self.stats.totals()
         sections: dict[str, dict[str, str]] = {}
         for res in self.hooks.call("kvxfer_status_section", server=self):
             try:
@@ -939,17 +1076,24 @@ class CacheServer:
                                 alloc.free_extents, alloc.largest_free, self.index.evictions,
                                 self.index.pinned_chunks()),
             transports=transports,
-            lookups=self.lookups,
-            lookup_chunks=self.lookup_chunks,
-            lookup_hits=self.lookup_hits,
+            lookups=totals.lookups,
+            lookup_chunks=totals.lookup_chunks,
+            lookup_hits=totals.lookup_hits,
             leases=len(self.index.leases),
             leased_chunks=self.index.leased_chunks,
             reservations=len(self.index.reservations),
-            errors=self.errors,
+            errors=self.stats.error_count,
             hook_errors=self.hooks.errors,
             dropped_connections=self.dropped_connections,
             sections=sections,
             tiers=[self.tier.status()] if self.tier is not None else [],
+            metrics_url=self.metrics_url,
+            requests_in_flight=self.stats.in_flight,
+            errors_by_code=self.stats.errors_by_code(),
+            models=figures.model_status(self),
+            traffic=figures.traffic_status(self),
+            latency=figures.latency_status(self.stats),
+            plugin_metrics=plugin_metrics,
         )
 
     def _on_clear(self, session: Session, msg: m.Clear) -> m.ClearReply:
@@ -960,6 +1104,7 @@ class CacheServer:
         return m.ClearReply(len(gone))
 
     def _on_evict(self, keys: list[ChunkKey]) -> None:
+        self.stats.on_evicted([k.model_name for k in keys])
         if self.tier is not None:
             self.tier.forget(keys)
         self.hooks.call("kvxfer_chunks_evicted", server=self, keys=keys)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 import pluggy
 
 if TYPE_CHECKING:
+    from kvxfer.protocol.messages import MetricSample
     from kvxfer.server.context import RegisteredContext
     from kvxfer.server.engine import CacheServer
     from kvxfer.server.index import ChunkKey
@@ -67,6 +68,25 @@ class KvxferHookSpec:
     @hookspec
     def kvxfer_status_section(self, server: CacheServer) -> tuple[str, dict[str, str]] | None:
         """A section of the status report: ``(title, {key: value})``, or None."""
+
+    # Metrics. A loaded transport's server half (its ServerTransport object) is registered as a
+    # hook plugin too, so a transport implements these on it with ``@hookimpl`` methods.
+
+    @hookspec
+    def kvxfer_transfer_finished(
+        self, server: CacheServer, context: RegisteredContext, op: str, chunks: int, nbytes: int,
+        seconds: float, copy_seconds: float,
+    ) -> None:
+        """A store or retrieve was committed: ``op`` is ``"store"`` or ``"retrieve"``; ``chunks``
+        and ``nbytes`` were written (store) or read (retrieve); ``seconds`` went from the
+        reservation to the commit; ``copy_seconds`` is the copy's share (measured by the client
+        for client-driven transports, 0.0 when it sent none)."""
+
+    @hookspec
+    def kvxfer_metrics(self, server: CacheServer) -> list[MetricSample] | None:
+        """Figures to export, read at each scrape and status request: a list of
+        :class:`kvxfer.transport.MetricSample` (names ``kvxfer_<plugin>_...``, counters ending
+        ``_total``, few label values). Invalid samples are dropped and counted as hook errors."""
 
 
 class HookRelay:

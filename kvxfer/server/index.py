@@ -86,6 +86,10 @@ class Reservation:
     filling: bool = False
     #: An open write of a silent client kept until its process exits (see CacheServer).
     parked: bool = False
+    #: When it was made (time.perf_counter), for the transfer's duration.
+    opened: float = field(default_factory=time.perf_counter)
+    #: Chunks a read asked for that were not there (for the server's figures).
+    missing: int = 0
 
 
 @dataclass(slots=True, eq=False)

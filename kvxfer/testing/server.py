@@ -6,7 +6,9 @@
         client = CacheClient(server.url)
 
 The server is ``python -m kvxfer serve`` in its own process with a private socket under a fresh
-temporary directory; ``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``).
+temporary directory; ``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``). With
+``curve_dir`` (keys made by ``kvxfer keys``) it serves ``url`` (a ``tcp://`` address) with CURVE,
+and waits for it with the keys of client ``curve_client``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvxfer.errors import ConnectionFailed
+
+if TYPE_CHECKING:
+    from kvxfer.mq.client import CurveClientKeys
 
 __all__ = ["ServerProcess"]
 
@@ -36,6 +42,8 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        curve_dir: str | os.PathLike[str] | None = None,
+        curve_client: str = "client",
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvxfer-test-")
         sock_dir = Path(self._tmp.name) / "run"
@@ -46,6 +54,10 @@ class ServerProcess:
                      "--chunk-size", str(chunk_size)]
         if transports:
             self.args += ["--transports", transports]
+        self.curve_dir = Path(curve_dir) if curve_dir is not None else None
+        self.curve_client = curve_client
+        if self.curve_dir is not None:
+            self.args += ["--curve-dir", str(self.curve_dir)]
         self.args += extra_args or []
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
@@ -67,13 +79,21 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvxfer server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                CacheClient(self.url, connect_timeout=0.5).close()
+                CacheClient(self.url, connect_timeout=0.5, curve=self.client_keys()).close()
                 return self
             except ConnectionFailed as exc:
                 if time.monotonic() > deadline:
                     self.kill()
                     raise RuntimeError(
                         f"kvxfer server did not answer within {self.start_timeout} s:\n{self.log()}") from exc
+
+    def client_keys(self) -> CurveClientKeys | None:
+        """The CURVE keys a client of this server needs (None for an ipc:// server)."""
+        if self.curve_dir is None:
+            return None
+        from kvxfer.security import load_client_keys
+
+        return load_client_keys(self.curve_dir, self.curve_client)
 
     def log(self) -> str:
         try:

@@ -6,7 +6,7 @@ See docs/plugin-authoring.md for the walk-through.
 
 from kvxfer.arena import Arena, ArenaMapping, transport_dir_path
 from kvxfer.layout import KVLayout, LayoutKind, copy_dtype, copy_view
-from kvxfer.protocol.messages import Registration, RetrieveResult, StoreResult
+from kvxfer.protocol.messages import MetricSample, Registration, RetrieveResult, StoreResult
 from kvxfer.transport.contract import (
     API_VERSION,
     Capabilities,
@@ -38,6 +38,7 @@ __all__ = [
     "InstanceIdentity",
     "KVLayout",
     "LayoutKind",
+    "MetricSample",
     "Probe",
     "Registration",
     "RetrieveResult",

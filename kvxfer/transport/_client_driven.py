@@ -334,6 +334,7 @@ class ClientDrivenCore(ContextCore):
             drop()
             self._commit_sent()
             return
+        started = time.perf_counter()
 
         def committed(f: Future[m.StoreResult]) -> None:
             try:
@@ -343,8 +344,10 @@ class ClientDrivenCore(ContextCore):
                 outer.set_exception(exc)
 
         def commit() -> None:
-            try:
-                self._resolve(self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id)), committed)
+            try:  # the copy's time (gather and its waiter) goes to the server's figures
+                copy_s = time.perf_counter() - started if rep.slots else 0.0
+                self._resolve(self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
+                                                                   copy_s=copy_s)), committed)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
             finally:
@@ -377,12 +380,13 @@ class ClientDrivenCore(ContextCore):
         keys = transfer.keys
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
-        def unpin() -> Future[m.Empty]:  # and release the lease for this rank
-            return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id))
+        def unpin(copy_s: float = 0.0, loaded: bool = False) -> Future[m.Empty]:  # and release the lease
+            return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id, copy_s, loaded))
 
         if not outer.set_running_or_notify_cancel():  # cancelled before its copy: the blocks stay untouched
             unpin()
             return
+        started = time.perf_counter()
         lost = {i + first for i in rep.missing}
         result = m.RetrieveResult([i for i in range(len(keys)) if i not in lost], sorted(lost))
 
@@ -404,8 +408,8 @@ class ClientDrivenCore(ContextCore):
             # the last request it got from it, here at the latest the reserve (sent after sent_at).
             # A copy that ended well within that cannot have read reused slots: resolve now.
             landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
-            try:
-                reply = unpin()
+            try:  # the copy's time (scatter and its waiter) goes to the server's figures
+                reply = unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True)
                 if landed_in_time:
                     reply.add_done_callback(self._log_late_commit)
                     outer.set_result(result)

@@ -123,11 +123,11 @@ print("torch-free", rc)
 """
 
 
-@pytest.mark.parametrize("args", [["--help"], ["status"], ["status", "--json"]], ids=" ".join)
+@pytest.mark.parametrize("args", [["--help"], ["status"], ["status", "--json"], ["top", "--once"]], ids=" ".join)
 def test_package_root_and_cli_do_not_import_torch(server, registered, args: list[str]) -> None:
     """``import kvxfer`` and the CLI's --help and status leave torch alone (it takes about a
     second to import): names that need it load on first use."""
-    if args[0] == "status":
+    if args[0] in ("status", "top"):
         args = [*args, "--url", server.url]
     proc = subprocess.run([sys.executable, "-c", TORCH_FREE, *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

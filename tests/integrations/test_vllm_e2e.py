@@ -121,6 +121,10 @@ def test_a_second_process_loads_the_prefix_the_first_stored(work: Path, models: 
     store = run_vllm(work, "store", models["a"], [[LONG]], connector(server.url, transport="cpu_gather", by="module"))
     assert store["batches"][0]["tokens"] == [baseline[0]], "the storing run must answer as vLLM alone"
     assert hits(store["batches"][0]) == 0
+    # kvxfer's figures in vLLM's own metrics (the connector's stats API) and its log line
+    stored = store["batches"][0]["counters"]
+    assert stored["vllm:kvxfer_stored_chunks"] == 9 and stored["vllm:kvxfer_stored_bytes"] > 0, stored
+    assert any("Stored chunks=9" in line for line in store["batches"][0]["kv_transfer_log"]), store["batches"][0]
     before = lookup_hits(server)
     load = run_vllm(work, "load", models["a"], [[PART], [LONG]], connector(server.url, transport="auto", by="name"))
     part, full = load["batches"]
@@ -130,6 +134,13 @@ def test_a_second_process_loads_the_prefix_the_first_stored(work: Path, models: 
     assert full["counters"]["vllm:prefix_cache_hits"] == 3 * CHUNK, full["counters"]
     assert hits(full) == 6 * CHUNK, full["counters"]  # every full chunk but the prompt's last partial one
     assert full["tokens"] == [baseline[0]]
+    for batch, chunks in ((part, 3), (full, 6)):  # what vLLM loaded, in vLLM's metrics and log line
+        c = batch["counters"]
+        assert c["vllm:kvxfer_hit_tokens"] == chunks * CHUNK == hits(batch), c
+        assert c["vllm:kvxfer_loaded_chunks"] == chunks and c["vllm:kvxfer_loaded_bytes"] > 0, c
+        assert c["vllm:kvxfer_load_failures"] == 0, c
+        log = " ".join(batch["kv_transfer_log"])
+        assert f"Hit tokens={chunks * CHUNK}" in log and f"Loaded chunks={chunks}" in log, batch["kv_transfer_log"]
     assert lookup_hits(server) - before >= 3 + 6  # kvxfer's own count of chunks found
 
 
@@ -261,6 +272,12 @@ def test_the_openai_server_answers_a_completion_with_a_hit(work: Path, models: d
         metrics = _get(f"{base}/metrics").decode()
         external = [line for line in metrics.splitlines() if line.startswith("vllm:external_prefix_cache_hits_total")]
         assert external and float(external[0].split()[-1]) == 9 * CHUNK, external
+        # and kvxfer's own figures (the connector's stats API: workers -> engine core -> this server)
+        kvxfer = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:kvxfer_") and "_created" not in line}
+        assert kvxfer["vllm:kvxfer_hit_tokens_total"] == 9 * CHUNK, kvxfer
+        assert kvxfer["vllm:kvxfer_loaded_chunks_total"] == 9 and kvxfer["vllm:kvxfer_loaded_bytes_total"] > 0
+        assert kvxfer["vllm:kvxfer_load_failures_total"] == kvxfer["vllm:kvxfer_failed_load_blocks_total"] == 0
     finally:
         proc.terminate()
         try:

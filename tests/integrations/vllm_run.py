@@ -4,8 +4,11 @@ happened as JSON.
 ``python vllm_run.py SPEC.json`` where the spec names the model, the connector settings (none:
 vLLM without kvxfer) and the prompts; each entry of ``"batches"`` is one ``generate`` call. The
 result (``"out"`` path of the spec) holds, per batch, each prompt's greedy tokens, finish reason
-and vLLM's ``num_cached_tokens``, the deltas of vLLM's own prefix-cache counters
-(``vllm:external_prefix_cache_hits`` and friends) over the batch, and its wall time. Runs the
+and vLLM's
+``num_cached_tokens``, the deltas of vLLM's own prefix-cache counters
+(``vllm:external_prefix_cache_hits`` and friends) and of kvxfer's counters in vLLM's metrics
+(``vllm:kvxfer_*``) over the batch, the ``KV Transfer metrics`` lines vLLM's stat logger writes
+for it, and its wall time. Runs the
 engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller) to start fast.
 
 A fault, for failed-load tests: ``"stall": {"pid": PID, "batch": I}`` stops process PID (the
@@ -19,6 +22,7 @@ they are.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -31,7 +35,7 @@ def _counters(llm: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in llm.get_metrics():
         value = getattr(m, "value", None)
-        if "prefix_cache" in m.name and isinstance(value, (int, float)):
+        if ("prefix_cache" in m.name or m.name.startswith("vllm:kvxfer_")) and isinstance(value, (int, float)):
             out[m.name] = float(value)
     return out
 
@@ -83,6 +87,13 @@ def main(spec_path: str) -> None:
               block_size=spec.get("block_size", 32), enforce_eager=True, disable_log_stats=False,
               enable_prefix_caching=spec.get("prefix_caching", True), seed=0, **kwargs)
     result: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "batches": []}
+    # vLLM's stat logger; the handler goes on after the engine set up vLLM's logging (which drops it)
+    transfer_log: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda r: transfer_log.append(r.getMessage())  # type: ignore[method-assign]
+    stat_log = logging.getLogger("vllm.v1.metrics.loggers")
+    stat_log.addHandler(handler)
+    stat_log.setLevel(logging.DEBUG)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8))
     stall = _Stall(spec["stall"]["pid"]) if spec.get("stall") else None
     for i, batch in enumerate(spec["batches"]):
@@ -97,6 +108,8 @@ def main(spec_path: str) -> None:
                 stall.resume()
         wall = time.perf_counter() - t1
         after = _counters(llm)
+        transfer_log.clear()
+        llm.llm_engine.do_log_stats()  # the periodic log line, now
         result["batches"].append({
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "finish_reasons": [o.outputs[0].finish_reason for o in outs],
@@ -104,6 +117,7 @@ def main(spec_path: str) -> None:
             "cached": [o.num_cached_tokens for o in outs],
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
             "wall_s": wall,
+            "kv_transfer_log": [line for line in transfer_log if line.startswith("KV Transfer metrics:")],
         })
     with open(spec["out"], "w") as f:
         json.dump(result, f)

@@ -37,6 +37,13 @@ from kvxfer.integrations.vllm.groups import plan_groups
 from kvxfer.integrations.vllm.identity import kv_identity
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import SchedulerConnector
+from kvxfer.integrations.vllm.stats import (
+    SCHEDULER_FIELDS,
+    WORKER_FIELDS,
+    KvxferConnectorStats,
+    KvxferPromMetrics,
+    StatsDelta,
+)
 from kvxfer.integrations.vllm.worker import WorkerConnector
 
 if TYPE_CHECKING:
@@ -64,8 +71,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerConnector | None = None
         if getattr(role, "name", None) == "SCHEDULER":
             self._scheduler = SchedulerConnector(cfg, self.groups)
+            self._stats = StatsDelta(SCHEDULER_FIELDS)
         else:
             self._worker = WorkerConnector(cfg, self.groups)
+            self._stats = StatsDelta(WORKER_FIELDS)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -173,3 +182,21 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler, with the hybrid KV cache manager (one block list per group): as
         request_finished; True keeps every group's blocks until the stores are done."""
         return self.scheduler.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ vLLM's metrics (kvxfer.integrations.vllm.stats)
+
+    def get_kv_connector_stats(self) -> KvxferConnectorStats | None:
+        """Either side, once per step: what this side counted since the last call (None: nothing)."""
+        side = self._worker if self._worker is not None else self._scheduler
+        return self._stats.take(side.stats) if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferConnectorStats:
+        """vLLM's front end rebuilds the stats it received as a dict (for its log line)."""
+        return KvxferConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxferPromMetrics:
+        """vLLM's Prometheus logger: the ``vllm:kvxfer_*`` counters of its /metrics."""
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

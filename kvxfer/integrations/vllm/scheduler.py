@@ -96,7 +96,8 @@ class SchedulerConnector:
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadOp] = []
         self._preempted: set[str] = set()
-        self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "loads": 0, "stores": 0, "store_chunks": 0}
+        self.stats = {"lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0, "loads": 0, "stores": 0,
+                      "store_chunks": 0}
         self.link = ServerLink(config, "scheduler", self._on_connect)
         self.link.get(startup=True)
 
@@ -187,6 +188,7 @@ class SchedulerConnector:
             st.leases.append(reply.lease_id)
             hits = min(hits, reply.hits)
         self.stats["lookups"] += 1
+        self.stats["lookup_tokens"] += (len(hashes) - first) * chunk
         end = first + hits
         tokens = end * chunk
         if tokens >= request.num_tokens:

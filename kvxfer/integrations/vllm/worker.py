@@ -93,8 +93,11 @@ class WorkerConnector:
         self._layer_index: dict[str, tuple[int, int]] = {}
         self._step_loads: list[_Load] = []
         self._step_stores: list[tuple[int, LayerwiseFuture[StoreResult]]] = []
-        self.stats = {"loads": 0, "loaded_chunks": 0, "failed_load_blocks": 0, "expired_loads": 0, "stores": 0,
-                      "stored_chunks": 0, "present_chunks": 0, "failed_store_chunks": 0, "dropped_stores": 0}
+        self.stats = {"loads": 0, "loaded_chunks": 0, "loaded_bytes": 0, "load_failures": 0, "failed_load_blocks": 0,
+                      "expired_loads": 0, "stores": 0, "stored_chunks": 0, "stored_bytes": 0, "present_chunks": 0,
+                      "failed_store_chunks": 0, "dropped_stores": 0}
+        #: bytes of one chunk of the KV cache group each pending store is of
+        self._store_chunk_bytes: dict[Future[StoreResult], int] = {}
         self.link = ServerLink(config, f"worker rank {config.rank}", self._on_connect)
         self.link.get(startup=True)
 
@@ -274,6 +277,7 @@ class WorkerConnector:
             log.exception("kvxfer: cannot store request %s", op.req_id)
             return None
         self._stores.setdefault(op.req_id, []).append(fut)
+        self._store_chunk_bytes[fut] = self._chunk_bytes(op.group)
         if op.sync:
             self._sync.append(fut)
         self.stats["stores"] += 1
@@ -393,6 +397,7 @@ class WorkerConnector:
                 res = load.future.result()
                 bad += _unskipped(op, res.missing, bs)
                 self.stats["loaded_chunks"] += len(res.loaded)
+                self.stats["loaded_bytes"] += len(res.loaded) * self._chunk_bytes(op.group)
             except TransportFailed:  # the transport's copy failed: those blocks are reported not loaded
                 log.exception("kvxfer: loading request %s failed", op.req_id)
                 bad += _unskipped(op, range(len(op.keys)), bs)
@@ -402,6 +407,7 @@ class WorkerConnector:
             except CancelledError:  # cancelled by _server_failed: the server is gone
                 bad += _unskipped(op, range(len(op.keys)), bs)
         if bad:
+            self.stats["load_failures"] += 1
             self.stats["failed_load_blocks"] += len(bad)
             if len(self.groups) > 1:
                 self._failed_reqs.add(op.req_id)
@@ -412,6 +418,7 @@ class WorkerConnector:
         """Account for a done store (waiting for it when ``wait``); False if still pending."""
         if not wait and not fut.done():
             return False
+        chunk_bytes = self._store_chunk_bytes.pop(fut, 0)
         try:
             res = fut.result(timeout=self.config.timeout_s * 2 + 5 if wait else None)
         except TransportFailed:  # the transport's copy failed: the chunks are not stored
@@ -427,9 +434,15 @@ class WorkerConnector:
             log.warning("kvxfer: a store of a preempted request is still running; its blocks may be reused")
             return True
         self.stats["stored_chunks"] += len(res.stored)
+        self.stats["stored_bytes"] += len(res.stored) * chunk_bytes
         self.stats["present_chunks"] += len(res.present)
         self.stats["failed_store_chunks"] += len(res.failed)
         return True
+
+    def _chunk_bytes(self, group: int) -> int:
+        """Bytes of one chunk of KV cache group ``group`` (0 while it has no registration)."""
+        ctx = self.contexts.get(group)
+        return ctx.layout.chunk_bytes(ctx.chunk_size) if ctx is not None else 0
 
     def _server_failed(self, exc: BaseException, what: str) -> None:
         """The server failed a transfer: raise (``fail``), or go degraded and cancel the

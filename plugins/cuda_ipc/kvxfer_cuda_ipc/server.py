@@ -31,10 +31,11 @@ from typing import Any, Final
 
 import torch
 
-from kvxfer import ConfigError, TransportError
+from kvxfer import ConfigError, TransportError, hookimpl
 from kvxfer.transport import (
     Arena,
     KVLayout,
+    MetricSample,
     Registration,
     RowCopy,
     ServerContext,
@@ -45,6 +46,7 @@ from kvxfer.transport import (
     copy_view,
 )
 from kvxfer_cuda_ipc import _kernels
+from kvxfer_cuda_ipc.metrics import CopyTotals, metric_samples
 from kvxfer_cuda_ipc.transport import (
     CudaIpcParams,
     CudaIpcRegistration,
@@ -77,13 +79,16 @@ def _staging_bytes() -> int:
 
 
 class CudaIpcServerTransport(ServerTransport):
-    """One per server: pins the arena at start, unpins it at close."""
+    """One per server: pins the arena at start, unpins it at close. The server registers it as
+    a hook plugin: :meth:`kvxfer_metrics` adds cuda_ipc's figures to the server's metrics."""
 
     def __init__(self, transport: Transport) -> None:
         super().__init__(transport)
         self._pinned_ptr = 0
         self._pinned_size = 0
         self._contexts: weakref.WeakSet[CudaIpcServerContext] = weakref.WeakSet()
+        self._contexts_lock = threading.Lock()  # open() runs on workers, readers on the loop
+        self.totals = CopyTotals()
 
     def start(self, arena: Arena) -> None:
         ptr, size = arena.tensor.data_ptr(), arena.size
@@ -103,9 +108,14 @@ class CudaIpcServerTransport(ServerTransport):
 
     def open(self, registration: Registration, layout: KVLayout) -> CudaIpcServerContext:
         assert isinstance(registration, CudaIpcRegistration)  # the core decoded it as registration_type
-        ctx = CudaIpcServerContext(registration, layout)
-        self._contexts.add(ctx)
+        ctx = CudaIpcServerContext(registration, layout, self.totals)
+        with self._contexts_lock:
+            self._contexts.add(ctx)
         return ctx
+
+    def _open_contexts(self) -> list[CudaIpcServerContext]:
+        with self._contexts_lock:
+            return [c for c in self._contexts if c.layers]
 
     def status(self) -> dict[str, str]:
         n = torch.cuda.device_count()
@@ -116,11 +126,21 @@ class CudaIpcServerTransport(ServerTransport):
             "kernel": "triton" if _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch"
                       else "torch",
         }
-        # copy time inside the server (worker thread, from the request's start to the stream sync)
-        contexts = list(self._contexts)
-        for key in ("store_n", "store_bytes", "store_s", "retrieve_n", "retrieve_bytes", "retrieve_s"):
-            out[key] = str(sum(c.stats[key] for c in contexts))
+        # copy time inside the server since it started (from the request's start on its worker
+        # to the end of its copies on the GPU)
+        for op, (n, nbytes, seconds) in self.totals.read().items():
+            out[f"{op}_n"], out[f"{op}_bytes"], out[f"{op}_s"] = str(n), str(nbytes), str(seconds)
         return out
+
+    @hookimpl
+    def kvxfer_metrics(self) -> list[MetricSample]:
+        staging: dict[str, int] = {}
+        contexts: dict[str, int] = {}
+        for c in self._open_contexts():
+            name = str(c.device)
+            staging[name] = staging.get(name, 0) + c.staging_bytes()
+            contexts[name] = contexts.get(name, 0) + 1
+        return metric_samples(self.totals.read(), staging, contexts, self._pinned_size if self._pinned_ptr else 0)
 
     def close(self) -> None:
         if self._pinned_ptr:
@@ -139,7 +159,7 @@ def _local_device(uuid: str) -> int | None:
 class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
     """One registration: the engine's layers opened through CUDA IPC, two streams, staging."""
 
-    def __init__(self, reg: CudaIpcRegistration, layout: KVLayout) -> None:
+    def __init__(self, reg: CudaIpcRegistration, layout: KVLayout, totals: CopyTotals | None = None) -> None:
         super().__init__(reg, layout)
         if reg.pid == os.getpid():
             raise ConfigError("cuda_ipc needs the cache server in another process than the engine "
@@ -177,8 +197,8 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
         # "direct": the kernels read/write the pinned, mapped arena over PCIe themselves (no staging)
         self._direct = self._fused and os.environ.get("KVXFER_CUDA_IPC_MODE", "staged") == "direct"
-        self.stats: dict[str, float] = {"store_n": 0, "store_bytes": 0, "store_s": 0.0,
-                      "retrieve_n": 0, "retrieve_bytes": 0, "retrieve_s": 0.0}
+        #: copies of every context of the server (they outlive this one); None: not counted
+        self._totals = totals
         self._row_words = layout.row_bytes // 8
         self._pitch_words = layout.row_pitch * layout.itemsize // 8
         self._compute = torch.cuda.Stream(self.device)
@@ -190,8 +210,6 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._index_buf: torch.Tensor | None = None
         #: recorded after each upload of _index_buf: its host memory is rewritten only after that
         self._index_uploaded: torch.cuda.Event | None = None
-        self._stats_lock = threading.Lock()
-        self.transfers = 0
 
     # ------------------------------------------------------------------ opening
 
@@ -322,11 +340,8 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         def wait() -> None:
             if finished is not None:
                 finished.synchronize()
-            with self._stats_lock:
-                self.stats[f"{kind}_n"] += 1
-                self.stats[f"{kind}_bytes"] += nbytes
-                self.stats[f"{kind}_s"] += time.perf_counter() - t0
-                self.transfers += 1
+            if self._totals is not None:
+                self._totals.add(kind, nbytes, time.perf_counter() - t0)
 
         if finished is None:
             wait()
@@ -415,7 +430,11 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._fused = False
         self._direct = False
 
-    # ------------------------------------------------------------------ close
+    # ------------------------------------------------------------------ figures, close
+
+    def staging_bytes(self) -> int:
+        """Device bytes of the staging ring (any thread: the worker replaces the list whole)."""
+        return sum(b.numel() for b in list(self._ring))
 
     def close(self) -> None:
         """Wait for the copies, then drop the IPC mappings (torch closes each handle when its

@@ -320,3 +320,62 @@ def test_a_kv_cache_larger_than_the_gpu_is_refused(server: ServerProcess) -> Non
         ctx.close()
     finally:
         client.close()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_metric_samples_are_exportable_and_totals_only_grow() -> None:
+    from kvxfer.server.figures import check_sample
+    from kvxfer_cuda_ipc.metrics import CopyTotals, metric_samples
+
+    totals = CopyTotals()
+    totals.add("store", 1 << 20, 0.5)
+    totals.add("store", 1 << 20, 0.25)
+    totals.add("retrieve", 4096, 0.125)
+    samples = metric_samples(totals.read(), {"cuda:0": 2 << 20}, {"cuda:0": 3}, 1 << 30)
+    assert [check_sample(s) for s in samples] == [""] * len(samples)
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}
+    assert got[("kvxfer_cuda_ipc_copies_total", (("op", "store"),))] == 2
+    assert got[("kvxfer_cuda_ipc_copied_bytes_total", (("op", "store"),))] == 2 << 20
+    assert got[("kvxfer_cuda_ipc_copy_seconds_total", (("op", "retrieve"),))] == 0.125
+    assert got[("kvxfer_cuda_ipc_staging_bytes", (("device", "cuda:0"),))] == 2 << 20
+    assert got[("kvxfer_cuda_ipc_contexts", (("device", "cuda:0"),))] == 3
+    assert got[("kvxfer_cuda_ipc_arena_pinned_bytes", ())] == 1 << 30
+
+
+@needs_cuda
+def test_copy_time_and_staging_reach_status_and_metrics(server: ServerProcess) -> None:
+    client = CacheClient(server.url)
+    try:
+        def figures() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in client.status().plugin_metrics}
+
+        before = figures()
+        src = make_kv(SPEC, "cuda", seed=7)
+        ctx = client.register(src, model_name="metrics", block_size=16, transport="cuda_ipc")
+        keys = _keys(2)
+        assert ctx.submit_store(keys, list(range(32))).result(60).stored == [0, 1]
+        assert ctx.submit_retrieve(keys, list(range(32, 64))).result(60).loaded == [0, 1]
+        after = figures()
+        chunk = KVLayout.infer(src, 16).chunk_bytes(256)
+        store, retrieve = (("op", "store"),), (("op", "retrieve"),)
+        for key, want in ((("kvxfer_cuda_ipc_copies_total", store), 1),
+                          (("kvxfer_cuda_ipc_copied_bytes_total", store), 2 * chunk),
+                          (("kvxfer_cuda_ipc_copies_total", retrieve), 1),
+                          (("kvxfer_cuda_ipc_copied_bytes_total", retrieve), 2 * chunk)):
+            assert after[key] - before.get(key, 0.0) == want, key
+        assert after[("kvxfer_cuda_ipc_copy_seconds_total", store)] > before.get(
+            ("kvxfer_cuda_ipc_copy_seconds_total", store), 0.0)
+        device = (("device", f"cuda:{torch.cuda.current_device()}"),)
+        assert after[("kvxfer_cuda_ipc_staging_bytes", device)] >= 2 * chunk  # a ring of at least 2 chunks
+        assert after[("kvxfer_cuda_ipc_contexts", device)] >= 1
+        st = client.status()
+        (tp,) = [t for t in st.transports if t.name == "cuda_ipc"]
+        assert after[("kvxfer_cuda_ipc_arena_pinned_bytes", ())] == int(tp.state["arena_pinned"].split()[0]) > 0
+        (traffic,) = [t for t in st.traffic if t.model == "metrics"]
+        assert (traffic.stored_chunks, traffic.loaded_chunks) == (2, 2)
+        assert traffic.store_copy_s > 0 and traffic.retrieve_copy_s > 0  # timed by the core around the copy
+        ctx.close()
+    finally:
+        client.close()

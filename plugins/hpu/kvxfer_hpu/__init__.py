@@ -4,8 +4,8 @@ To store, the engine's process gathers each chunk's blocks of every layer on the
 staging buffer (one ``index_select`` per layer), then copies the buffer once into the chunk's
 reserved slot of the server's shared-memory arena, which it pinned in place for the device's DMA
 where the device API allows (CUDA: ``cudaHostRegister``). A retrieve is the reverse: one copy
-into staging, then one ``index_copy_`` per layer. The server side is the core's
-:class:`kvxfer.transport.ArenaServerTransport`, shared with cpu_gather.
+into staging, then one ``index_copy_`` per layer. The server side is the core's (as for
+cpu_gather), plus hpu's figures for the server's metrics (:mod:`kvxfer_hpu.server`).
 
 Every device-specific step goes through :class:`DeviceOps` (:func:`ops_for` picks
 :class:`HpuOps` for Gaudi, :class:`GenericOps` for any other torch device). Gaudi software

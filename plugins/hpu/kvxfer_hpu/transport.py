@@ -38,12 +38,14 @@ from kvxfer.transport import (
     Probe,
     Registration,
     RowCopy,
+    ServerTransport,
     Transfer,
     TransferKind,
     Transport,
     Waiter,
 )
 from kvxfer_hpu.ops import KNOWN_DEVICE_TYPES, DeviceOps, Pinning, ops_for
+from kvxfer_hpu.server import HpuServerTransport
 
 __all__ = ["HpuTransport", "HpuContext", "HpuRegistration", "PRIORITY"]
 
@@ -64,6 +66,8 @@ class HpuRegistration(Registration, frozen=True, kw_only=True):
     device: str = "cpu"
     #: Whether the client pinned its arena mapping for the device's DMA.
     host_pinned: bool = False
+    #: Device bytes the context's staging buffers take once it has run a transfer (0: none).
+    staging_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -144,7 +148,16 @@ class HpuContext(ClientDrivenContext):
         self._pipe = None
 
     def registration_extra(self) -> dict[str, Any]:
-        return {"device": self.device.type, "host_pinned": self.pinning.pinned}
+        return {"device": self.device.type, "host_pinned": self.pinning.pinned,
+                "staging_bytes": 0 if self.ops.direct else self.staging_bytes()}
+
+    def staging_bytes(self) -> int:
+        """Device memory of the staging buffers (made at the first transfer): the gather buffer
+        and ``STAGING_DEPTH`` chunk buffers."""
+        return (self._group_chunks() + self.STAGING_DEPTH) * self.chunk_bytes
+
+    def _group_chunks(self) -> int:
+        return max(1, self.GROUP_BYTES // self.chunk_bytes)
 
     def on_submit(self, kind: TransferKind) -> Any:
         """A store's token: an event recorded on the caller's current stream of the device, which
@@ -231,7 +244,7 @@ class HpuContext(ClientDrivenContext):
         if self._pipe is None:
             ops, dev = self.ops, self.device
             chunk_bytes = self.chunk_bytes
-            group_chunks = max(1, self.GROUP_BYTES // chunk_bytes)
+            group_chunks = self._group_chunks()
             depth = self.STAGING_DEPTH
             self._pipe = _Pipeline(
                 ops.new_stream(dev), ops.new_stream(dev),
@@ -344,3 +357,6 @@ class HpuTransport(Transport):
         if not ok:
             raise TransportUnavailable(f"transport 'hpu' cannot move KV tensors on {device} here: {reason}")
         return HpuContext(self, connection, layers, layout, identity)
+
+    def server_transport(self) -> ServerTransport:
+        return HpuServerTransport(self)

@@ -221,3 +221,75 @@ def test_cuda_layerwise_store_waits_for_each_layer_on_the_callers_stream(client:
         back.result(30)
     finally:
         ctx.close()
+
+
+def _plugin_figures(client: CacheClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in client.status().plugin_metrics}
+
+
+def test_copy_time_and_staging_reach_the_servers_figures(client: CacheClient) -> None:
+    """The staging path on cpu: each commit carries the client's copy time, the registration its
+    staging; the server's hpu hooks turn them into figures (status and /metrics)."""
+    layers = _kv("cpu", layers=2, blocks=16)
+    layout = KVLayout.infer(layers, BLOCK)
+    before = _plugin_figures(client)
+    ctx = HpuContext(HpuTransport(), client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, "figures", 1, 0),
+                     ops=GenericOps("cpu", direct=False))
+    ctx.register()
+    try:
+        keys = _keys(2)
+        assert ctx.submit_store(keys, list(range(4))).result(30).stored == [0, 1]
+        assert ctx.submit_retrieve(keys, list(range(8, 12))).result(30).loaded == [0, 1]
+        after = _plugin_figures(client)
+        chunk = layout.chunk_bytes(CHUNK)
+        for op in ("store", "retrieve"):
+            labels = (("device", "cpu"), ("op", op))
+            assert after[("kvxfer_hpu_copies_total", labels)] - before.get(("kvxfer_hpu_copies_total", labels), 0) == 1
+            assert after[("kvxfer_hpu_copied_bytes_total", labels)] - before.get(
+                ("kvxfer_hpu_copied_bytes_total", labels), 0) == 2 * chunk
+            assert after[("kvxfer_hpu_copy_seconds_total", labels)] > before.get(
+                ("kvxfer_hpu_copy_seconds_total", labels), 0.0)
+        assert ctx.staging_bytes() == (max(1, HpuContext.GROUP_BYTES // chunk) + HpuContext.STAGING_DEPTH) * chunk
+        assert after[("kvxfer_hpu_staging_bytes", (("device", "cpu"),))] == ctx.staging_bytes()
+        assert after[("kvxfer_hpu_contexts", (("device", "cpu"), ("pinned", "false")))] == 1
+        (traffic,) = [t for t in client.status().traffic if t.model == "figures"]
+        assert traffic.store_copy_s > 0 and traffic.transport == "hpu"
+    finally:
+        ctx.close()
+    gone = _plugin_figures(client)
+    assert ("kvxfer_hpu_staging_bytes", (("device", "cpu"),)) not in gone  # the context closed
+
+
+def test_a_registration_declaring_nonsense_staging_is_refused(client: CacheClient) -> None:
+    import msgspec
+
+    from kvxfer.errors import InvalidRequest
+    from kvxfer.protocol import codec
+    from kvxfer.protocol import messages as m
+    from kvxfer_hpu import HpuRegistration
+
+    reg = HpuRegistration(instance_id=secrets.randbits(60) + 1, model_name="bad", world_size=1, rank=0,
+                          layout="flash_attn", num_layers=2, num_blocks=16, block_size=BLOCK, hidden_dim_size=32,
+                          dtype="bfloat16", use_mla=False, device="cpu", staging_bytes=-1)
+    with pytest.raises(InvalidRequest, match="staging_bytes"):
+        client.request(m.Register("hpu", msgspec.Raw(codec.encode(reg))))
+    bad_device = msgspec.structs.replace(reg, staging_bytes=0, device="../etc")
+    with pytest.raises(InvalidRequest, match="device"):
+        client.request(m.Register("hpu", msgspec.Raw(codec.encode(bad_device))))
+
+
+@cuda
+def test_cuda_contexts_report_pinned_staging_to_the_server(client: CacheClient) -> None:
+    ctx = client.register(_kv("cuda", layers=2, blocks=16), model_name="figures-cuda", block_size=BLOCK,
+                          transport="hpu")
+    try:
+        assert isinstance(ctx, HpuContext) and not ctx.ops.direct
+        keys = _keys(2)
+        assert ctx.submit_store(keys, list(range(4))).result(30).stored == [0, 1]
+        assert ctx.submit_retrieve(keys, list(range(8, 12))).result(30).loaded == [0, 1]
+        figures = _plugin_figures(client)
+        assert figures[("kvxfer_hpu_staging_bytes", (("device", "cuda"),))] == ctx.staging_bytes() > 0
+        assert figures[("kvxfer_hpu_contexts", (("device", "cuda"), ("pinned", "true")))] == 1
+        assert figures[("kvxfer_hpu_copy_seconds_total", (("device", "cuda"), ("op", "store")))] > 0
+    finally:
+        ctx.close()

@@ -1,0 +1,166 @@
+"""The figures of ``status`` beyond the basics: per model, per (model, transport), latency
+percentiles, and what plugins contribute through the ``kvxfer_metrics`` hook.
+
+Every function here reads server state and runs on the server's loop thread (``status`` runs
+there; the Prometheus exporter hops there to read). The Prometheus exporter
+(:mod:`kvxfer.server.metrics`) builds its samples from the same :class:`~kvxfer.protocol.messages.StatusReply`,
+so ``kvxfer status``, ``kvxfer top`` and ``/metrics`` show the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import TYPE_CHECKING, Final
+
+from kvxfer.protocol import messages as m
+from kvxfer.server.stats import OTHER_MODEL, Histogram, ServerStats
+
+if TYPE_CHECKING:
+    from kvxfer.server.engine import CacheServer
+
+__all__ = ["model_status", "traffic_status", "latency_status", "plugin_metrics", "check_sample",
+           "MAX_PLUGIN_SAMPLES"]
+
+log = logging.getLogger(__name__)
+
+#: Most samples one plugin's ``kvxfer_metrics`` may return (more are dropped).
+MAX_PLUGIN_SAMPLES: Final = 512
+_MAX_LABELS: Final = 8
+_MAX_LABEL_VALUE: Final = 128
+_NAME: Final = re.compile(r"kvxfer_[a-z0-9_]*[a-z0-9]")
+_LABEL: Final = re.compile(r"[a-zA-Z][a-zA-Z0-9_]*")
+_KINDS: Final = ("counter", "gauge")
+
+
+def model_status(server: CacheServer) -> list[m.ModelStatus]:
+    stats = server.stats
+    contexts: dict[str, int] = {}
+    for ctx in server.contexts.values():
+        label = stats.model_label(ctx.model_name)
+        contexts[label] = contexts.get(label, 0) + 1
+    out = []
+    for label in sorted(set(stats.models) | set(contexts), key=_model_order):
+        st = stats.models.get(label)
+        out.append(m.ModelStatus(label, st.lookups, st.lookup_chunks, st.lookup_hits, st.evicted_chunks,
+                                 contexts.get(label, 0)) if st is not None
+                   else m.ModelStatus(label, contexts=contexts.get(label, 0)))
+    return out
+
+
+def traffic_status(server: CacheServer) -> list[m.TrafficStatus]:
+    stats = server.stats
+    open_: dict[tuple[str, str], list[int]] = {}
+    for res in server.index.reservations.values():
+        ctx = server.contexts.get(res.instance_id)
+        if ctx is not None:
+            counts = open_.setdefault((stats.model_label(ctx.model_name), ctx.transport), [0, 0])
+            counts[0 if res.write else 1] += 1
+    out = []
+    for key in sorted(set(stats.traffic) | set(open_), key=lambda k: (_model_order(k[0]), k[1])):
+        t = stats.traffic.get(key)
+        stores, retrieves = open_.get(key, (0, 0))
+        if t is None:
+            out.append(m.TrafficStatus(key[0], key[1], stores_in_flight=stores, retrieves_in_flight=retrieves))
+            continue
+        out.append(m.TrafficStatus(
+            key[0], key[1], t.stores, t.stored_chunks, t.stored_bytes, t.present_chunks, t.no_space_chunks,
+            t.failed_chunks, t.store_copy_s, t.retrieves, t.loaded_chunks, t.loaded_bytes, t.missing_chunks,
+            t.retrieve_copy_s, stores, retrieves))
+    return out
+
+
+def _latency(name: str, transport: str, h: Histogram) -> m.LatencyStatus:
+    p50, p90, p99, top = h.percentiles(50, 90, 99, 100)
+    return m.LatencyStatus(name, transport, h.count, len(h.recent), p50, p90, p99, top)
+
+
+def latency_status(stats: ServerStats) -> list[m.LatencyStatus]:
+    """Requests that were seen at least once, then whole stores and retrieves per transport."""
+    out = [_latency(name, "", h) for name, h in stats.requests.items() if h.recent]
+    per_transport: dict[str, tuple[Histogram, Histogram]] = {}
+    for (_, transport), t in stats.traffic.items():
+        if transport not in per_transport:
+            per_transport[transport] = (Histogram(t.store.bounds), Histogram(t.retrieve.bounds))
+        for merged, h in zip(per_transport[transport], (t.store, t.retrieve)):
+            _merge(merged, h)
+    for transport, (store, retrieve) in sorted(per_transport.items()):
+        for name, h in (("store", store), ("retrieve", retrieve)):
+            if h.recent:
+                out.append(_latency(name, transport, h))
+    return out
+
+
+def _merge(into: Histogram, h: Histogram) -> None:
+    into.counts = [a + b for a, b in zip(into.counts, h.counts)]
+    into.sum += h.sum
+    into.recent.extend(h.recent)  # the most recent of the merged windows (order is per model)
+
+
+def _model_order(label: str) -> tuple[bool, str]:
+    return (label == OTHER_MODEL, label)
+
+
+# --------------------------------------------------------------------------- plugin figures
+
+
+def check_sample(sample: object) -> str:
+    """Why ``sample`` cannot be exported, or "" when it can."""
+    if not isinstance(sample, m.MetricSample):
+        return f"not a kvxfer.transport.MetricSample: {type(sample).__name__}"
+    if not _NAME.fullmatch(sample.name):
+        return f"name {sample.name[:80]!r} is not kvxfer_[a-z0-9_]+"
+    if sample.kind not in _KINDS:
+        return f"{sample.name}: kind {sample.kind!r} is not one of {_KINDS}"
+    if (sample.kind == "counter") != sample.name.endswith("_total"):
+        return f"{sample.name}: a counter's name, and only a counter's, ends with _total"
+    if not isinstance(sample.value, (int, float)) or not math.isfinite(sample.value):
+        return f"{sample.name}: value {sample.value!r} is not a finite number"
+    if len(sample.labels) > _MAX_LABELS:
+        return f"{sample.name}: {len(sample.labels)} labels, at most {_MAX_LABELS}"
+    for k, v in sample.labels.items():
+        if not isinstance(k, str) or not _LABEL.fullmatch(k):
+            return f"{sample.name}: label name {k!r} is not [a-zA-Z][a-zA-Z0-9_]*"
+        if not isinstance(v, str) or len(v) > _MAX_LABEL_VALUE:
+            return f"{sample.name}: label {k} must be a string of at most {_MAX_LABEL_VALUE} characters"
+    return ""
+
+
+def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
+    """What the ``kvxfer_metrics`` hook implementations return, checked: a sample that cannot be
+    exported, or a second sample of a name with another kind or label names, is dropped and
+    counted as a hook error (logged once per name)."""
+    out: list[m.MetricSample] = []
+    shapes: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for result in server.hooks.call("kvxfer_metrics", server=server):
+        try:
+            samples = list(result)
+        except TypeError:
+            samples = [result]
+        if len(samples) > MAX_PLUGIN_SAMPLES:
+            _reject(server, "kvxfer_metrics", f"{len(samples)} samples from one plugin, at most "
+                                              f"{MAX_PLUGIN_SAMPLES}; the rest are dropped")
+            samples = samples[:MAX_PLUGIN_SAMPLES]
+        for sample in samples:
+            why = check_sample(sample)
+            if not why:
+                shape = (sample.kind, tuple(sorted(sample.labels)))
+                known = shapes.setdefault(sample.name, shape)
+                if known != shape:
+                    why = f"{sample.name}: kind/labels {shape} differ from an earlier sample's {known}"
+            if why:
+                _reject(server, getattr(sample, "name", "?"), why)
+                continue
+            out.append(sample)
+    return out
+
+
+_warned: set[str] = set()
+
+
+def _reject(server: CacheServer, key: str, why: str) -> None:
+    server.hooks.errors += 1
+    if key not in _warned and len(_warned) < 1000:
+        _warned.add(key)
+        log.warning("a kvxfer_metrics hook returned a sample that cannot be exported (%s); dropping it", why)

@@ -1,0 +1,360 @@
+"""Prometheus metrics of a cache server: ``kvxfer serve --metrics-port N`` serves ``/metrics``.
+
+:class:`MetricsExporter` runs prometheus-client's HTTP server on a thread of its own, over a
+private :class:`~prometheus_client.CollectorRegistry` that holds two collectors:
+
+* :class:`ServerCollector`: at each scrape it asks the server's loop thread for one snapshot (the
+  :class:`~kvxfer.protocol.messages.StatusReply` that ``kvxfer status`` shows, plus copies of
+  the duration histograms and error counts) and turns it into metric families. Nothing is
+  updated for Prometheus on the request path: the loop keeps plain numbers
+  (:class:`kvxfer.server.stats.ServerStats`) and the scrape reads them, so all figures of one
+  scrape come from the same instant. A scrape fails (HTTP 500) if the loop does not answer
+  within :data:`SCRAPE_TIMEOUT_S`: a stuck server shows as a failed scrape, not as old numbers.
+* prometheus-client's ``ProcessCollector`` (``process_*``: CPU, memory, open files).
+
+The server is one process with a private registry: ``PROMETHEUS_MULTIPROC_DIR`` plays no part
+and nothing is written to disk. Every family is documented in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvxfer.errors import ConfigError
+from kvxfer.protocol import messages as m
+from kvxfer.server.stats import Histogram
+
+if TYPE_CHECKING:
+    from kvxfer.server.engine import CacheServer
+
+__all__ = ["MetricsExporter", "ServerCollector", "Snapshot", "SCRAPE_TIMEOUT_S", "CORE_FAMILIES"]
+
+log = logging.getLogger(__name__)
+
+#: How long a scrape waits for the server's loop thread.
+SCRAPE_TIMEOUT_S: Final = 5.0
+
+#: Every metric family the core exports (names as exposed, without ``_bucket``/``_sum``/
+#: ``_count`` suffixes). Plugin samples may not reuse these names.
+CORE_FAMILIES: Final = frozenset({
+    "kvxfer_build_info", "kvxfer_start_time_seconds", "kvxfer_sessions", "kvxfer_contexts",
+    "kvxfer_requests_in_flight", "kvxfer_request_duration_seconds", "kvxfer_errors_total",
+    "kvxfer_hook_errors_total", "kvxfer_lookups_total", "kvxfer_lookup_chunks_total",
+    "kvxfer_lookup_hit_chunks_total", "kvxfer_lookup_miss_chunks_total", "kvxfer_lookup_hit_ratio",
+    "kvxfer_stored_chunks_total", "kvxfer_stored_bytes_total", "kvxfer_store_present_chunks_total",
+    "kvxfer_store_failed_chunks_total", "kvxfer_loaded_chunks_total", "kvxfer_loaded_bytes_total",
+    "kvxfer_retrieve_missing_chunks_total", "kvxfer_copy_seconds_total", "kvxfer_transfer_duration_seconds",
+    "kvxfer_transfers_in_flight", "kvxfer_arena_capacity_bytes", "kvxfer_arena_used_bytes",
+    "kvxfer_arena_free_bytes", "kvxfer_arena_largest_free_bytes", "kvxfer_arena_free_extents",
+    "kvxfer_arena_chunks", "kvxfer_evicted_chunks_total", "kvxfer_leases", "kvxfer_leased_chunks",
+    "kvxfer_reservations", *(f"kvxfer_tier_{name}" for name in (
+        "up", "lookups_total", "lookup_chunks_total", "lookup_hit_chunks_total", "lookup_timeouts_total",
+        "promoted_chunks_total", "promote_failures_total", "promoting_chunks", "integrity_failures_total",
+        "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total", "dropped_writes_total",
+        "queue_depth", "queue_capacity", "pinned_bytes", "errors_total", "outages_total")),
+})
+
+
+@dataclass(frozen=True, slots=True)
+class _Hist:
+    counts: tuple[int, ...]
+    bounds: tuple[float, ...]
+    sum: float
+
+    @staticmethod
+    def of(h: Histogram) -> _Hist:
+        return _Hist(tuple(h.counts), h.bounds, h.sum)
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, None), self.counts):
+            total += n
+            out.append(("+Inf" if bound is None else repr(float(bound)), total))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What one scrape reads, taken on the loop thread."""
+
+    status: m.StatusReply
+    started: float
+    requests: dict[str, _Hist]
+    #: (model label, transport, "store"|"retrieve") -> durations
+    transfers: dict[tuple[str, str, str], _Hist]
+    #: (request, code) -> error replies
+    errors: dict[tuple[str, str], int]
+    #: (model label, transport) -> registered contexts
+    contexts: dict[tuple[str, str], int]
+    #: "write" | "read" | "parked" -> open reservations
+    reservations: dict[str, int]
+
+    @staticmethod
+    def take(server: CacheServer) -> Snapshot:
+        stats = server.stats
+        contexts: dict[tuple[str, str], int] = {}
+        for ctx in server.contexts.values():
+            key = (stats.model_label(ctx.model_name), ctx.transport)
+            contexts[key] = contexts.get(key, 0) + 1
+        writes = sum(r.write for r in server.index.reservations.values())
+        return Snapshot(
+            status=server.status(),
+            started=server.started,
+            requests={name: _Hist.of(h) for name, h in stats.requests.items()},
+            transfers={(model, transport, op): _Hist.of(h)
+                       for (model, transport), t in stats.traffic.items()
+                       for op, h in (("store", t.store), ("retrieve", t.retrieve))},
+            errors=dict(stats.errors),
+            contexts=contexts,
+            reservations={"write": writes, "read": len(server.index.reservations) - writes,
+                          "parked": server.parked_writes},
+        )
+
+
+def _counter(name: str, doc: str, labels: Iterable[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=list(labels))
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def families(snap: Snapshot) -> Iterator[Metric]:
+    """The metric families of one snapshot (see docs/metrics.md)."""
+    st = snap.status
+    yield InfoMetricFamily("kvxfer_build", "kvxfer version and wire protocol of this server.",
+                           value={"version": st.server_version, "protocol": str(st.protocol_version)})
+    yield GaugeMetricFamily("kvxfer_start_time_seconds", "Unix time the server started.", value=snap.started)
+    yield GaugeMetricFamily("kvxfer_sessions", "Connected clients (sessions).", value=st.sessions)
+    g = _gauge("kvxfer_contexts", "Registered KV caches (engine instances).", ["model", "transport"])
+    for (model, transport), n in sorted(snap.contexts.items()):
+        g.add_metric([model, transport], n)
+    yield g
+    yield GaugeMetricFamily("kvxfer_requests_in_flight",
+                            "Requests received and not answered yet (transfers on worker threads).",
+                            value=st.requests_in_flight)
+    h = HistogramMetricFamily("kvxfer_request_duration_seconds",
+                              "Time from a request's arrival to its reply, inside the server.", labels=["request"])
+    for name, hist in sorted(snap.requests.items()):
+        if hist.counts and sum(hist.counts):
+            h.add_metric([name], hist.buckets(), hist.sum)
+    yield h
+    c = _counter("kvxfer_errors", "Error replies, by request and error code.", ["request", "code"])
+    for (request, code), n in sorted(snap.errors.items()):
+        c.add_metric([request, code], n)
+    yield c
+    yield CounterMetricFamily("kvxfer_hook_errors", "Hook implementations that raised or returned "
+                                                    "something unusable (see the server log).",
+                              value=st.hook_errors)
+
+    # lookups, per model
+    per_model = [
+        ("kvxfer_lookups", "Lookup requests.", lambda x: x.lookups),
+        ("kvxfer_lookup_chunks", "Chunks named by lookups.", lambda x: x.lookup_chunks),
+        ("kvxfer_lookup_hit_chunks", "Chunks lookups found (leading chunks present for every rank).",
+         lambda x: x.lookup_hits),
+        ("kvxfer_lookup_miss_chunks", "Chunks lookups did not find (after the first missing one).",
+         lambda x: x.lookup_chunks - x.lookup_hits),
+        ("kvxfer_evicted_chunks", "Chunks evicted (least recently used) to make room.", lambda x: x.evicted_chunks),
+    ]
+    for name, doc, get in per_model:
+        c = _counter(name, doc, ["model"])
+        for ms in st.models:
+            c.add_metric([ms.model], get(ms))
+        yield c
+    g = _gauge("kvxfer_lookup_hit_ratio", "Hit chunks / looked-up chunks since the server started.", ["model"])
+    for ms in st.models:
+        if ms.lookup_chunks:
+            g.add_metric([ms.model], ms.lookup_hits / ms.lookup_chunks)
+    yield g
+
+    # stores and retrieves, per model and transport
+    mt = ["model", "transport"]
+    per_traffic = [
+        ("kvxfer_stored_chunks", "Chunks stored (readable after their store).", lambda t: t.stored_chunks),
+        ("kvxfer_stored_bytes", "Bytes of the chunks stored.", lambda t: t.stored_bytes),
+        ("kvxfer_store_present_chunks", "Chunks a store skipped: already stored.", lambda t: t.present_chunks),
+        ("kvxfer_loaded_chunks", "Chunks read by retrieves.", lambda t: t.loaded_chunks),
+        ("kvxfer_loaded_bytes", "Bytes of the chunks read by retrieves (a chunk partly skipped counts whole).",
+         lambda t: t.loaded_bytes),
+        ("kvxfer_retrieve_missing_chunks", ("Chunks a retrieve asked for and did not load (not there, or the "
+                                            "copy failed, was cancelled or expired)."),
+         lambda t: t.missing_chunks),
+    ]
+    for name, doc, get in per_traffic:
+        c = _counter(name, doc, mt)
+        for t in st.traffic:
+            c.add_metric([t.model, t.transport], get(t))
+        yield c
+    c = _counter("kvxfer_store_failed_chunks", "Chunks a store did not store: no room (reason=no_space) "
+                                               "or the copy failed (reason=copy).", [*mt, "reason"])
+    for t in st.traffic:
+        c.add_metric([t.model, t.transport, "no_space"], t.no_space_chunks)
+        c.add_metric([t.model, t.transport, "copy"], t.failed_chunks)
+    yield c
+    c = _counter("kvxfer_copy_seconds", "Time spent copying bytes: by the client (client-driven "
+                                        "transports, reported with each commit) or by the server.", [*mt, "op"])
+    for t in st.traffic:
+        c.add_metric([t.model, t.transport, "store"], t.store_copy_s)
+        c.add_metric([t.model, t.transport, "retrieve"], t.retrieve_copy_s)
+    yield c
+    h = HistogramMetricFamily("kvxfer_transfer_duration_seconds",
+                              "Stores and retrieves, from the reservation of their slots to their commit.",
+                              labels=[*mt, "op"])
+    for (model, transport, op), hist in sorted(snap.transfers.items()):
+        h.add_metric([model, transport, op], hist.buckets(), hist.sum)
+    yield h
+    g = _gauge("kvxfer_transfers_in_flight", "Stores and retrieves reserved and not committed yet.", [*mt, "op"])
+    for t in st.traffic:
+        g.add_metric([t.model, t.transport, "store"], t.stores_in_flight)
+        g.add_metric([t.model, t.transport, "retrieve"], t.retrieves_in_flight)
+    yield g
+
+    # the arena and its index
+    a = st.arena
+    yield GaugeMetricFamily("kvxfer_arena_capacity_bytes", "Size of the shared-memory arena.", value=a.capacity)
+    yield GaugeMetricFamily("kvxfer_arena_used_bytes", "Arena bytes allocated to chunks.", value=a.used)
+    yield GaugeMetricFamily("kvxfer_arena_free_bytes", "Arena bytes not allocated.", value=a.capacity - a.used)
+    yield GaugeMetricFamily("kvxfer_arena_largest_free_bytes", "Largest free extent of the arena.",
+                            value=a.largest_free)
+    yield GaugeMetricFamily("kvxfer_arena_free_extents", "Free extents of the arena (fragmentation).",
+                            value=a.free_extents)
+    yield GaugeMetricFamily("kvxfer_arena_chunks", "Chunks in the arena (stored or being written).", value=a.chunks)
+    yield GaugeMetricFamily("kvxfer_leases", "Open leases (lookups that keep their hits from eviction).",
+                            value=st.leases)
+    yield GaugeMetricFamily("kvxfer_leased_chunks", "Chunks held by leases (a chunk in two leases counts twice).",
+                            value=st.leased_chunks)
+    g = _gauge("kvxfer_reservations", "Open reservations: writes and reads between reserve and commit, and "
+                                      "writes parked for a silent client that still lives.", ["kind"])
+    for kind, n in snap.reservations.items():
+        g.add_metric([kind], n)
+    yield g
+
+    yield from tier_families(st.tiers)
+    yield from plugin_families(st.plugin_metrics)
+
+
+def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
+    """The storage tiers below the arena (``kvxfer serve --l2``), labelled by tier and store
+    backend; families without samples when the server has none."""
+    labels = ["tier", "store"]
+    up = _gauge("kvxfer_tier_up", "1 while the tier serves, 0 while its circuit breaker is open (the server "
+                                  "then answers from L1 and retries).", labels)
+    for t in tiers:
+        up.add_metric([t.name, t.store], 1.0 if t.state == "up" else 0.0)
+    yield up
+    counters = [
+        ("kvxfer_tier_lookups", "Lookups that asked the tier (their chunks missing from L1).", lambda t: t.lookups),
+        ("kvxfer_tier_lookup_chunks", "Chunks those lookups asked the tier for.", lambda t: t.lookup_chunks),
+        ("kvxfer_tier_lookup_hit_chunks", "Chunks the tier had.", lambda t: t.lookup_hits),
+        ("kvxfer_tier_lookup_timeouts", "Lookups that gave up waiting for the tier (answered from L1).",
+         lambda t: t.timeouts),
+        ("kvxfer_tier_promoted_chunks", "Chunks copied from the tier into the arena.", lambda t: t.promotions),
+        ("kvxfer_tier_promote_failures", "Promotions that failed (store error, or the value was gone).",
+         lambda t: t.promote_failures),
+        ("kvxfer_tier_integrity_failures", ("Values whose header, length or checksum did not match: counted as "
+                                            "misses, never loaded."), lambda t: t.integrity_failures),
+        ("kvxfer_tier_written_chunks", "Chunks written to the tier.", lambda t: t.writes),
+        ("kvxfer_tier_written_bytes", "Bytes written to the tier.", lambda t: t.write_bytes),
+        ("kvxfer_tier_write_skipped_chunks", "Chunks not written: the tier had them already.",
+         lambda t: t.write_skipped),
+        ("kvxfer_tier_dropped_writes", "Writes dropped: queue full, or the tier down or failing.", lambda t: t.drops),
+        ("kvxfer_tier_errors", "Store operations that failed.", lambda t: t.errors),
+        ("kvxfer_tier_outages", "Times the circuit breaker opened.", lambda t: t.outages),
+    ]
+    for name, doc, get in counters:
+        c = _counter(name, doc, labels)
+        for t in tiers:
+            c.add_metric([t.name, t.store], get(t))
+        yield c
+    gauges = [
+        ("kvxfer_tier_promoting_chunks", "Chunks being promoted into the arena now.", lambda t: t.promoting),
+        ("kvxfer_tier_queue_depth", "Chunks queued or being written to the tier now.", lambda t: t.queue_depth),
+        ("kvxfer_tier_queue_capacity", "Size of the write queue (--l2-queue).", lambda t: t.queue_capacity),
+        ("kvxfer_tier_pinned_bytes", "Arena bytes pinned by queued writes.", lambda t: t.pinned_bytes),
+    ]
+    for name, doc, get in gauges:
+        g = _gauge(name, doc, labels)
+        for t in tiers:
+            g.add_metric([t.name, t.store], get(t))
+        yield g
+
+
+def plugin_families(samples: list[m.MetricSample]) -> Iterator[Metric]:
+    """Samples contributed through the ``kvxfer_metrics`` hook (already checked by
+    :func:`kvxfer.server.figures.plugin_metrics`), grouped into families; a name the core uses is
+    skipped."""
+    grouped: dict[str, list[m.MetricSample]] = {}
+    for s in samples:
+        if s.name in CORE_FAMILIES:
+            log.warning("a plugin sample named %s collides with a core metric; skipping it", s.name)
+            continue
+        grouped.setdefault(s.name, []).append(s)
+    for name, group in grouped.items():
+        first = group[0]
+        labels = sorted(first.labels)
+        doc = first.help or "Contributed by a plugin (kvxfer_metrics hook)."
+        fam: CounterMetricFamily | GaugeMetricFamily = (
+            _counter(name, doc, labels) if first.kind == "counter" else _gauge(name, doc, labels))
+        for s in group:
+            fam.add_metric([s.labels[k] for k in labels], s.value)
+        yield fam
+
+
+class ServerCollector(Collector):
+    """Reads one :class:`Snapshot` from the server's loop per scrape."""
+
+    def __init__(self, server: CacheServer) -> None:
+        self._server = server
+        self.closed = False
+
+    def describe(self) -> list[Metric]:
+        return []  # the registry must not collect (and wait for the loop) at registration
+
+    def collect(self) -> Iterator[Metric]:
+        if self.closed:
+            raise RuntimeError("the kvxfer server is stopping")
+        snap = self._server.call_on_loop(lambda: Snapshot.take(self._server), SCRAPE_TIMEOUT_S)
+        yield from families(snap)
+
+
+class MetricsExporter:
+    """prometheus-client's HTTP server for one :class:`CacheServer`, bound at construction
+    (raises :class:`ConfigError` if the address is unusable); :meth:`close` stops it."""
+
+    def __init__(self, server: CacheServer, host: str, port: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = ServerCollector(server)
+        self.registry.register(self.collector)
+        ProcessCollector(registry=self.registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}; choose another --metrics-port "
+                              "(0 picks a free one) or --metrics-host") from None
+        self.host = host
+        self.port = int(self._httpd.server_port)
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}/metrics"
+        log.info("metrics at %s", self.url)
+
+    def close(self) -> None:
+        self.collector.closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)

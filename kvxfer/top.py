@@ -1,0 +1,307 @@
+"""``kvxfer top``: a live terminal view of a server's figures.
+
+It polls ``status`` (the same report as ``kvxfer status`` and the Prometheus exporter) once per
+``--interval`` and draws it with ``rich``: the server, the arena, lookups and hit rates, stores
+and retrieves per model and transport (rates between two polls, totals since the server
+started), latency percentiles inside the server, transports and plugin figures. ``q`` quits
+(``Ctrl-C`` too). When stdout is not a terminal, or with ``--once``, it prints one frame and
+exits. A server that stops answering is shown as such and polled again; a restarted server is
+reconnected to.
+
+Runs on the calling thread; :func:`render` is a pure function of two reports, which the tests
+use directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Final
+
+from kvxfer.protocol import messages as m
+from kvxfer.units import format_bytes
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+__all__ = ["render", "run_top"]
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _duration(s: float) -> str:
+    if s <= 0:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def _uptime(s: float) -> str:
+    s = int(s)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    mi, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + (f"{h}h{mi:02d}m" if d or h else f"{mi}m{s:02d}s")
+
+
+def _rate(now: float, before: float | None, dt: float | None) -> str:
+    if before is None or not dt:
+        return "-"
+    r = max(0.0, now - before) / dt
+    return f"{r:.1f}" if r < 100 else f"{r:.0f}"
+
+
+def _short_bytes(n: float) -> str:
+    """``n`` bytes in at most 5 characters: 512, 16K, 1.5M, 12G (binary units)."""
+    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
+    return f"{n:.0f}"
+
+
+def _short_rate(now: float, before: float | None, dt: float | None) -> str:
+    if before is None or not dt:
+        return "-"
+    return _short_bytes(max(0.0, now - before) / dt)
+
+
+def _pct(num: float, den: float) -> str:
+    return f"{100 * num / den:.1f}%" if den else "-"
+
+
+def _bar(fraction: float, width: int = 24) -> str:
+    n = max(0, min(width, round(fraction * width)))
+    return "█" * n + "░" * (width - n)
+
+
+def _sample_key(s: m.MetricSample) -> str:
+    return s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+
+
+# --------------------------------------------------------------------------- one frame
+
+
+def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | None = None,
+           error: str = "") -> RenderableType:
+    """One frame: ``st`` now, ``prev`` the report ``dt`` seconds earlier (rates), ``error`` a
+    line to show when the last poll failed."""
+    from rich.console import Group
+    from rich.text import Text
+
+    prev_models = {x.model: x for x in prev.models} if prev else {}
+    prev_traffic = {(x.model, x.transport): x for x in prev.traffic} if prev else {}
+    parts: list[Any] = []
+
+    head = Text()
+    head.append(f"kvxfer {st.server_version}", style="bold")
+    head.append(f"  {st.url}  pid {st.pid}  up {_uptime(st.uptime_s)}  chunk {st.chunk_size} tokens  "
+                f"{st.sessions} sessions  {st.requests_in_flight} in flight")
+    head.append("  (q quits)", style="dim")
+    parts.append(head)
+    if st.metrics_url:
+        parts.append(Text(f"metrics {st.metrics_url}", style="dim"))
+    if error:
+        parts.append(Text(error, style="bold red"))
+
+    a = st.arena
+    used = a.used / a.capacity if a.capacity else 0.0
+    evictions = _rate(a.evictions, prev.arena.evictions if prev else None, dt)
+    parts.append(Text(f"arena  {_bar(used)} {format_bytes(a.used)} of {format_bytes(a.capacity)} ({100 * used:.1f}%)  "
+                      f"{a.chunks} chunks  largest free {format_bytes(a.largest_free)}  {a.free_extents} free extents  "
+                      f"evictions {evictions}/s ({a.evictions} total)"))
+    hit_now = "-"
+    if prev is not None and st.lookup_chunks > prev.lookup_chunks:
+        hit_now = _pct(st.lookup_hits - prev.lookup_hits, st.lookup_chunks - prev.lookup_chunks)
+    errors = ", ".join(f"{code} {n}" for code, n in sorted(st.errors_by_code.items())) or "none"
+    parts.append(Text(f"lookups {_rate(st.lookups, prev.lookups if prev else None, dt)}/s ({st.lookups} total)  "
+                      f"hit rate {hit_now} now, {_pct(st.lookup_hits, st.lookup_chunks)} total  "
+                      f"leases {st.leases} ({st.leased_chunks} chunks)  reservations {st.reservations}  "
+                      f"errors {st.errors} ({errors})  hook errors {st.hook_errors}"))
+
+    prev_tiers = {t.name: t for t in prev.tiers} if prev else {}
+    for tier in st.tiers:
+        pt_ = prev_tiers.get(tier.name)
+        state = Text(tier.state, style="green" if tier.state == "up" else "bold red")
+        line = Text(f"{tier.name} {tier.store} ")
+        line.append_text(state)
+        line.append(f"  hits {_pct(tier.lookup_hits, tier.lookup_chunks)} of {tier.lookup_chunks} chunks asked  "
+                    f"promoted {_rate(tier.promotions, pt_.promotions if pt_ else None, dt)}/s "
+                    f"({tier.promotions}, {tier.promoting} now)  "
+                    f"written {_short_rate(tier.write_bytes, pt_.write_bytes if pt_ else None, dt)}/s "
+                    f"({format_bytes(tier.write_bytes)})  queue {tier.queue_depth}/{tier.queue_capacity}  "
+                    f"drops {tier.drops}  errors {tier.errors}  timeouts {tier.timeouts}")
+        if tier.detail:
+            line.append(f"  {tier.detail}", style="red")
+        parts.append(line)
+
+    # one row per model, transport and op, narrow enough for 80 columns
+    t = _table("stores and retrieves (skip: already stored / not found; open: in flight)",
+               "model", "transport", "op", "/s", "B/s", "chunks", "bytes", "skip", "fail", "open", "copy")
+    for tr in st.traffic:
+        pt = prev_traffic.get((tr.model, tr.transport), m.TrafficStatus(tr.model, tr.transport) if prev else None)
+        t.add_row(tr.model, tr.transport, "store", _rate(tr.stores, pt.stores if pt else None, dt),
+                  _short_rate(tr.stored_bytes, pt.stored_bytes if pt else None, dt), str(tr.stored_chunks),
+                  _short_bytes(tr.stored_bytes), str(tr.present_chunks), str(tr.no_space_chunks + tr.failed_chunks),
+                  str(tr.stores_in_flight), _duration(tr.store_copy_s))
+        t.add_row(tr.model, tr.transport, "retrieve", _rate(tr.retrieves, pt.retrieves if pt else None, dt),
+                  _short_rate(tr.loaded_bytes, pt.loaded_bytes if pt else None, dt), str(tr.loaded_chunks),
+                  _short_bytes(tr.loaded_bytes), str(tr.missing_chunks), "", str(tr.retrieves_in_flight),
+                  _duration(tr.retrieve_copy_s))
+    parts += [Text(""), t if st.traffic else Text("no stores or retrieves yet", style="dim")]
+
+    t = _table("models", "model", "contexts", "lookups/s", "lookups", "hit now", "hit total", "evicted/s", "evicted")
+    for md in st.models:
+        pm = prev_models.get(md.model, m.ModelStatus(md.model) if prev else None)
+        now = (_pct(md.lookup_hits - pm.lookup_hits, md.lookup_chunks - pm.lookup_chunks)
+               if pm is not None and md.lookup_chunks > pm.lookup_chunks else "-")
+        t.add_row(md.model, str(md.contexts), _rate(md.lookups, pm.lookups if pm else None, dt), str(md.lookups),
+                  now, _pct(md.lookup_hits, md.lookup_chunks),
+                  _rate(md.evicted_chunks, pm.evicted_chunks if pm else None, dt), str(md.evicted_chunks))
+    parts += [Text(""), t if st.models else Text("no models yet", style="dim")]
+
+    t = _table("latency inside the server (most recent requests)", "request", "transport", "count", "window",
+               "p50", "p90", "p99", "max")
+    for la in st.latency:
+        t.add_row(la.name, la.transport or "", str(la.count), str(la.window), _duration(la.p50_s), _duration(la.p90_s),
+                  _duration(la.p99_s), _duration(la.max_s))
+    parts += [Text(""), t]
+
+    t = _table("transports", "transport", "style", "contexts", "state")
+    for tp in st.transports:
+        t.add_row(tp.name, tp.style, str(tp.contexts), " ".join(f"{k}={v}" for k, v in tp.state.items()) or "-")
+    parts += [Text(""), t]
+
+    if st.plugin_metrics:
+        before = {_sample_key(s): s.value for s in prev.plugin_metrics} if prev else {}
+        if prev:  # a counter that appeared since the last poll counted from zero
+            before = {_sample_key(s): 0.0 for s in st.plugin_metrics if s.kind == "counter"} | before
+        t = _table("plugin figures", "metric", "value", "per second")
+        for s in st.plugin_metrics:
+            key = _sample_key(s)
+            per_s = _rate(s.value, before.get(key), dt) if s.kind == "counter" else ""
+            t.add_row(key, f"{s.value:.6g}", per_s)
+        parts += [Text(""), t]
+    for title, values in st.sections.items():
+        parts += [Text(""), Text(f"[{title}] " + "  ".join(f"{k}={v}" for k, v in values.items()))]
+    return Group(*parts)
+
+
+_TEXT_COLUMNS: Final = frozenset({"model", "transport", "op", "request", "style", "state", "metric"})
+
+
+def _table(title: str, *columns: str) -> Any:
+    """A borderless table, one space between columns, text left and numbers right."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=None, pad_edge=False, padding=(0, 1, 0, 0))
+    for col in columns:
+        t.add_column(col, justify="left" if col in _TEXT_COLUMNS else "right")
+    return t
+
+
+# --------------------------------------------------------------------------- the live loop
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[bool]:
+    """stdin in cbreak mode (keys arrive one by one, unechoed) while in the block; yields
+    whether keys can be read at all."""
+    if not sys.stdin.isatty():
+        yield False
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield True
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _wait_for_quit(seconds: float, keys: bool) -> bool:
+    """Wait up to ``seconds``; True if ``q`` was pressed."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if not keys:
+            time.sleep(left)
+            return False
+        ready, _, _ = select.select([sys.stdin], [], [], left)
+        if ready:
+            ch = os.read(sys.stdin.fileno(), 1)
+            if ch in (b"q", b"Q", b"\x03"):
+                return True
+
+
+def _poll(client: Any) -> m.StatusReply:
+    from kvxfer.errors import NoSession
+
+    try:
+        return client.status()
+    except NoSession:  # the server restarted: open a new session and ask again
+        client.reconnect()
+        return client.status()
+
+
+def _frames(client: Any, st: m.StatusReply, interval: float, keys: bool) -> Iterator[RenderableType]:
+    """A frame every ``interval`` seconds (rates against the previous poll) until ``q``."""
+    from kvxfer.errors import KvxferError
+
+    prev: m.StatusReply | None = None
+    t_st = prev_t = time.monotonic()
+    while not _wait_for_quit(max(0.0, t_st + interval - time.monotonic()), keys):
+        error = ""
+        try:
+            new = _poll(client)
+            prev, prev_t, st, t_st = st, t_st, new, time.monotonic()
+        except KvxferError as exc:
+            error = f"no answer from {client.url}: {exc} (retrying every {interval:g} s)"
+            t_st = time.monotonic()
+        yield render(st, prev, t_st - prev_t if prev is not None else None, error)
+
+
+def run_top(client: Any, interval: float = 1.0, once: bool = False) -> int:
+    """Show ``client``'s server until ``q`` (or one frame with ``once`` or without a terminal).
+    A terminal that cannot move its cursor (``TERM=dumb``) gets one frame after another."""
+    from rich.console import Console
+    from rich.live import Live
+
+    if sys.stdout.isatty():
+        # a shell exports the size the terminal had when it started; the live view follows the
+        # terminal's real size instead (rich would take these as fixed)
+        os.environ.pop("COLUMNS", None)
+        os.environ.pop("LINES", None)
+    console = Console()
+    if console.is_dumb_terminal and console.is_terminal:  # rich assumes 80 columns there
+        console = Console(width=shutil.get_terminal_size().columns)
+    st = _poll(client)
+    if once or not console.is_terminal:
+        console.print(render(st))
+        return 0
+    with _keys() as keys:
+        if console.is_dumb_terminal:
+            console.print(render(st))
+            for frame in _frames(client, st, interval, keys):
+                console.print()
+                console.print(frame)
+            return 0
+        with Live(render(st), console=console, screen=True, auto_refresh=False, redirect_stdout=False,
+                  redirect_stderr=False) as live:
+            for frame in _frames(client, st, interval, keys):
+                live.update(frame, refresh=True)
+    return 0

@@ -1,0 +1,345 @@
+"""Prometheus metrics of a real server (``kvxfer serve --metrics-port 0``), scraped over HTTP:
+counters move by exactly what a scripted workload did, model labels stay bounded, status shows
+the same figures, every family is documented, and plugins' samples are checked."""
+
+from __future__ import annotations
+
+import io
+import re
+import secrets
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, env_with, flash_attn_kv, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.errors import InvalidRequest
+from kvxfer.protocol import messages as m
+from kvxfer.testing.server import ServerProcess
+from kvxfer.transport import registry
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    """At most 2 model labels, so the third model lands in __other__."""
+    with ServerProcess(l1_size="32MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--metrics-port", "0", "--metrics-max-models", "2"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def url(server: ServerProcess) -> str:
+    with CacheClient(server.url) as c:
+        return c.status().metrics_url
+
+
+def scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return resp.read().decode()
+
+
+def scrape(url: str) -> Samples:
+    out: Samples = {}
+    for fam in text_string_to_metric_families(scrape_text(url)):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def test_metrics_url_is_local_and_announced(server: ServerProcess, url: str) -> None:
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url)
+    assert f"metrics at {url}" in server.log()
+
+
+def test_counters_move_by_exactly_what_the_workload_did(client: CacheClient, url: str) -> None:
+    kv = client.register(flash_attn_kv(), model_name="alpha", block_size=BLOCK_SIZE, transport="cpu_gather")
+    chunk = kv.layout.chunk_bytes(CHUNK_SIZE)
+    hashes = chunk_hashes(list(range(5 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+    before = scrape(url)
+    blocks = list(range(3 * BLOCKS_PER_CHUNK))
+    assert kv.submit_store(hashes[:3], blocks).result(30).stored == [0, 1, 2]
+    assert kv.submit_store(hashes[:3], blocks).result(30).present == [0, 1, 2]  # nothing new
+    assert client.lookup("alpha", hashes=hashes) == 3
+    res = kv.submit_retrieve(hashes[:4], list(range(16, 16 + 4 * BLOCKS_PER_CHUNK))).result(30)
+    assert (res.loaded, res.missing) == ([0, 1, 2], [3])
+    with pytest.raises(InvalidRequest):
+        client.request(m.CommitWrite(kv.instance_id, 1 << 40))
+    after = scrape(url)
+    kv.close()
+
+    mt = {"model": "alpha", "transport": "cpu_gather"}
+    assert delta(before, after, "kvxfer_lookups_total", model="alpha") == 1
+    assert delta(before, after, "kvxfer_lookup_chunks_total", model="alpha") == 5
+    assert delta(before, after, "kvxfer_lookup_hit_chunks_total", model="alpha") == 3
+    assert delta(before, after, "kvxfer_lookup_miss_chunks_total", model="alpha") == 2
+    assert delta(before, after, "kvxfer_stored_chunks_total", **mt) == 3
+    assert delta(before, after, "kvxfer_stored_bytes_total", **mt) == 3 * chunk
+    assert delta(before, after, "kvxfer_store_present_chunks_total", **mt) == 3
+    assert delta(before, after, "kvxfer_store_failed_chunks_total", **mt, reason="no_space") == 0
+    assert delta(before, after, "kvxfer_loaded_chunks_total", **mt) == 3
+    assert delta(before, after, "kvxfer_loaded_bytes_total", **mt) == 3 * chunk
+    assert delta(before, after, "kvxfer_retrieve_missing_chunks_total", **mt) == 1
+    assert delta(before, after, "kvxfer_transfer_duration_seconds_count", **mt, op="store") == 2
+    assert delta(before, after, "kvxfer_transfer_duration_seconds_count", **mt, op="retrieve") == 1
+    assert delta(before, after, "kvxfer_transfer_duration_seconds_bucket", **mt, op="store", le="+Inf") == 2
+    assert delta(before, after, "kvxfer_copy_seconds_total", **mt, op="store") > 0  # reported by the client
+    assert delta(before, after, "kvxfer_request_duration_seconds_count", request="lookup") == 1
+    assert delta(before, after, "kvxfer_request_duration_seconds_count", request="reserve_write") == 2
+    assert delta(before, after, "kvxfer_errors_total", request="commit_write", code="invalid_request") == 1
+    assert value(after, "kvxfer_contexts", **mt) == 1
+    assert value(after, "kvxfer_lookup_hit_ratio", model="alpha") == pytest.approx(
+        value(after, "kvxfer_lookup_hit_chunks_total", model="alpha")
+        / value(after, "kvxfer_lookup_chunks_total", model="alpha"))
+    assert value(after, "kvxfer_arena_used_bytes") + value(after, "kvxfer_arena_free_bytes") == \
+        value(after, "kvxfer_arena_capacity_bytes") == 32 << 20
+    assert value(after, "kvxfer_sessions") >= 1
+    assert value(after, "kvxfer_build_info", version=client.server_version, protocol=str(m.PROTOCOL_VERSION)) == 1
+    assert value(after, "process_resident_memory_bytes") > 0
+    # the histogram's buckets are cumulative and end with every observation
+    le = [(k[1], v) for k, v in after.items() if k[0] == "kvxfer_request_duration_seconds_bucket"
+          and dict(k[1])["request"] == "lookup"]
+    counts = [v for _, v in sorted(le, key=lambda kv: float(dict(kv[0])["le"]))]
+    assert counts == sorted(counts) and counts[-1] == value(after, "kvxfer_request_duration_seconds_count",
+                                                            request="lookup")
+
+
+def test_in_flight_reservations_and_status_agree(client: CacheClient, url: str) -> None:
+    kv = client.register(flash_attn_kv(), model_name="alpha", block_size=BLOCK_SIZE, transport="cpu_gather")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+    rep = client.request(m.ReserveWrite(kv.instance_id, hashes))  # no commit yet
+    open_ = scrape(url)
+    st = client.status()
+    mt = {"model": "alpha", "transport": "cpu_gather"}
+    assert value(open_, "kvxfer_transfers_in_flight", **mt, op="store") == 1
+    assert value(open_, "kvxfer_reservations", kind="write") == 1
+    assert [t.stores_in_flight for t in st.traffic if t.model == "alpha"] == [1]
+    client.request(m.CommitWrite(kv.instance_id, rep.reservation_id, copy_s=0.25))
+    done = scrape(url)
+    assert value(done, "kvxfer_transfers_in_flight", **mt, op="store") == 0
+    assert value(done, "kvxfer_reservations", kind="write") == 0
+    assert delta(open_, done, "kvxfer_copy_seconds_total", **mt, op="store") == pytest.approx(0.25)
+    st = client.status()
+    traffic = {(t.model, t.transport): t for t in st.traffic}[("alpha", "cpu_gather")]
+    assert traffic.stored_chunks == value(done, "kvxfer_stored_chunks_total", **mt)
+    assert traffic.stored_bytes == value(done, "kvxfer_stored_bytes_total", **mt)
+    lookup = {(x.name, x.transport): x for x in st.latency}[("lookup", "")]
+    assert lookup.count == value(done, "kvxfer_request_duration_seconds_count", request="lookup")
+    assert 0 < lookup.p50_s <= lookup.p90_s <= lookup.p99_s <= lookup.max_s
+    assert ("store", "cpu_gather") in {(x.name, x.transport) for x in st.latency}
+    for bad in (-1.0, float("nan"), 1e9):
+        with pytest.raises(InvalidRequest, match="copy_s"):
+            client.request(m.CommitRead(kv.instance_id, 1, copy_s=bad))
+    kv.close()
+
+
+def test_a_read_the_client_did_not_copy_counts_nothing_loaded(client: CacheClient, url: str) -> None:
+    kv = client.register(flash_attn_kv(), model_name="alpha", block_size=BLOCK_SIZE, transport="cpu_gather")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+    assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+    before = scrape(url)
+    rep = client.request(m.ReserveRead(kv.instance_id, hashes))
+    client.request(m.CommitRead(kv.instance_id, rep.reservation_id, loaded=False))  # e.g. cancelled
+    after = scrape(url)
+    kv.close()
+    mt = {"model": "alpha", "transport": "cpu_gather"}
+    assert delta(before, after, "kvxfer_loaded_chunks_total", **mt) == 0
+    assert delta(before, after, "kvxfer_retrieve_missing_chunks_total", **mt) == 2
+    assert delta(before, after, "kvxfer_transfer_duration_seconds_count", **mt, op="retrieve") == 1
+
+
+def test_model_labels_are_bounded(client: CacheClient, url: str) -> None:
+    names = ["alpha", "beta", "gamma"]  # the server keeps 2 labels; alpha registered first
+    ctxs = [client.register(flash_attn_kv(), model_name=n, block_size=BLOCK_SIZE, transport="cpu_gather")
+            for n in names]
+    before = scrape(url)
+    for kv in ctxs:
+        hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+        assert kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+    client.lookup("never-registered", hashes=[secrets.token_bytes(16)])
+    after = scrape(url)
+    for kv in ctxs:
+        kv.close()
+    models = {dict(k[1]).get("model") for k in after if "model" in dict(k[1])}
+    assert models == {"alpha", "beta", "__other__"}
+    for model in ("alpha", "beta", "__other__"):
+        assert delta(before, after, "kvxfer_stored_chunks_total", model=model, transport="cpu_gather") == 1
+    assert delta(before, after, "kvxfer_lookups_total", model="__other__") == 1
+    assert {x.model for x in client.status().models} == {"alpha", "beta", "__other__"}
+
+
+def test_evictions_are_counted_per_model(client: CacheClient, url: str) -> None:
+    layers = flash_attn_kv(num_layers=4, heads=8, head_size=64)  # 512 KiB chunks: 64 fill the arena
+    # another layout needs another model name: "delta" counts under __other__ (2 labels, taken)
+    kv = client.register(layers, model_name="delta", block_size=BLOCK_SIZE, transport="cpu_gather")
+    n = (32 << 20) // kv.layout.chunk_bytes(CHUNK_SIZE) + 6
+    hashes = chunk_hashes(list(range(n * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+    before, evictions_before = scrape(url), client.status().arena.evictions
+    for i in range(0, n, 16):
+        part = hashes[i:i + 16]
+        assert kv.submit_store(part, [j % 32 for j in range(len(part) * BLOCKS_PER_CHUNK)]).result(60).ok
+    after, evictions_after = scrape(url), client.status().arena.evictions
+    kv.close()
+    per_model = {mo: delta(before, after, "kvxfer_evicted_chunks_total", model=mo)
+                 for mo in ("alpha", "beta", "__other__")}
+    assert sum(per_model.values()) == evictions_after - evictions_before >= 6
+    assert per_model["__other__"] >= 1  # its own first chunks went last: least recently used
+    client.clear()
+
+
+def test_every_family_is_documented_and_every_documented_core_family_is_exported(url: str) -> None:
+    exported = {fam.name for fam in text_string_to_metric_families(scrape_text(url))}
+    documented = set(re.findall(r"^\| `(kvxfer_\w+?)(?:\{[^`]*\})?` \|", (DOCS / "metrics.md").read_text(), re.M))
+    # the parser names families without _total (counters) and _info (info)
+    for name in exported:
+        if not name.startswith("kvxfer_"):
+            continue
+        assert {name, f"{name}_total", f"{name}_info"} & documented, f"{name} is exported but not in docs/metrics.md"
+    plugin = {d for d in documented if d.startswith(("kvxfer_cuda_ipc_", "kvxfer_hpu_"))}
+    for name in documented - plugin:
+        assert {name, name.removesuffix("_total"), name.removesuffix("_info")} & exported, \
+            f"{name} is documented but this server does not export it"
+
+
+def test_grafana_dashboard_uses_only_existing_metrics(url: str) -> None:
+    import json
+
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 12
+    assert dashboard["uid"] and dashboard["schemaVersion"] >= 30
+    assert {p["type"] for p in dashboard["panels"]} <= {"row", "timeseries", "stat"}
+    exported = set()
+    for fam in text_string_to_metric_families(scrape_text(url)):
+        exported |= {s.name for s in fam.samples} | {fam.name}
+    documented = set(re.findall(r"`(kvxfer_\w+?)(?:\{[^`]*\})?`", (DOCS / "metrics.md").read_text()))
+    for expr in exprs:
+        names = set(re.findall(r"\b((?:kvxfer|process)_[a-z0-9_]+)", expr))
+        assert names, f"panel expression names no metric of the server: {expr}"
+        for name in names:
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if name.startswith(("kvxfer_cuda_ipc_", "kvxfer_hpu_")):
+                assert name in documented, f"{name} (in {expr!r}) is not a documented plugin metric"
+            else:
+                assert {name, base, name.removesuffix("_total")} & exported, f"{name} (in {expr!r}) is not exported"
+
+
+@pytest.fixture
+def on_path(test_plugin_path: Path) -> Iterator[Path]:
+    """The test plugin importable and discoverable in this process, for one test."""
+    sys.path.insert(0, str(test_plugin_path))
+    registry.refresh()
+    yield test_plugin_path
+    sys.path.remove(str(test_plugin_path))
+    registry.refresh()
+    for name in [n for n in sys.modules if n.startswith("kvxfer_test_transport")]:
+        del sys.modules[name]
+
+
+def test_plugins_metrics_are_exported_and_bad_samples_dropped(on_path: Path, tmp_path: Path) -> None:
+    from kvxfer_test_transport import shared_layers
+
+    env = env_with(on_path, KVXFER_TEST_BAD_METRICS="1")
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="test_loop", env=env,
+                       extra_args=["--metrics-port", "0"]) as srv:
+        with CacheClient(srv.url) as c:
+            layers = shared_layers(tmp_path / "kv", 2, (2, 16, BLOCK_SIZE, 2, 8), torch.float16)
+            kv = c.register(layers, model_name="loop", block_size=BLOCK_SIZE, transport="test_loop")
+            hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE)
+            assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+            assert kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).loaded == [0, 1]
+            errors_before = c.status().hook_errors
+            samples = scrape(c.status().metrics_url)
+            st = c.status()
+            kv.close()
+        assert "cannot be exported" in srv.log()
+    chunk = kv.layout.chunk_bytes(CHUNK_SIZE)
+    # the transport's server half took part in the hooks: it saw both transfers, with their bytes
+    assert value(samples, "kvxfer_test_loop_transfers_total", op="store") == 1
+    assert value(samples, "kvxfer_test_loop_bytes_total", op="retrieve") == 2 * chunk
+    assert value(samples, "kvxfer_test_loop_copy_seconds_total", op="store") > 0  # measured by the server
+    assert value(samples, "kvxfer_copy_seconds_total", model="loop", transport="test_loop", op="store") > 0
+    assert value(samples, "kvxfer_test_recorder_calls") > 0
+    names = {k[0] for k in samples}
+    assert not {"test_no_prefix", "kvxfer_test_counter_without_suffix", "kvxfer_test_not_finite"} & names
+    # each scrape and status call dropped the three bad samples, counting each
+    assert st.hook_errors >= errors_before + 6
+    assert {s.name for s in st.plugin_metrics} >= {"kvxfer_test_recorder_calls", "kvxfer_test_loop_transfers_total"}
+
+
+def test_metrics_port_in_use_is_refused_with_advice(url: str) -> None:
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", "inproc://x", "--l1-size", "1MiB",
+                           "--transports", "cpu_gather", "--metrics-port", port],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr and "--metrics-port" in proc.stderr
+
+
+def test_without_metrics_port_nothing_is_served() -> None:
+    with ServerProcess(l1_size="1MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as srv, \
+            CacheClient(srv.url) as c:
+        assert c.status().metrics_url == ""
+        assert "metrics at" not in srv.log()
+
+
+def test_an_l2_tier_is_exported_per_tier(tmp_path: Path) -> None:
+    """A server with an fs L2 tier: writes, lookups that find chunks only in L2 and their
+    promotion move the tier's figures by what happened; top shows the tier."""
+    from rich.console import Console
+
+    from kvxfer.top import render
+
+    with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--metrics-port", "0", "--l2", "fs", "--l2-url", f"file://{tmp_path}/l2"]) as srv, \
+            CacheClient(srv.url, timeout=30) as c:
+        url = c.status().metrics_url
+        before = scrape(url)
+        tier = {"tier": "l2", "store": "fs"}
+        assert value(before, "kvxfer_tier_up", **tier) == 1
+        assert value(before, "kvxfer_tier_queue_capacity", **tier) == 64
+        kv = c.register(flash_attn_kv(), model_name="tiered", block_size=BLOCK_SIZE, transport="cpu_gather")
+        hashes = chunk_hashes(list(range(3 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+        assert kv.submit_store(hashes, list(range(3 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1, 2]
+        assert wait_until(lambda: c.status().tiers[0].writes == 3 and c.status().tiers[0].queue_depth == 0, 30)
+        assert c.clear("tiered") == 3  # now only in L2
+        reply = c.lookup_and_lease("tiered", hashes=hashes, lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (3, 3)
+        assert kv.submit_retrieve(hashes, list(range(16, 16 + 3 * BLOCKS_PER_CHUNK)),
+                                  lease_id=reply.lease_id).result(30).loaded == [0, 1, 2]
+        after = scrape(url)
+        st = c.status()
+        kv.close()
+    chunk = kv.layout.chunk_bytes(CHUNK_SIZE)
+    assert delta(before, after, "kvxfer_tier_written_chunks_total", **tier) == 3
+    assert delta(before, after, "kvxfer_tier_written_bytes_total", **tier) >= 3 * chunk  # values carry a header
+    assert delta(before, after, "kvxfer_tier_lookup_hit_chunks_total", **tier) == 3
+    assert delta(before, after, "kvxfer_tier_promoted_chunks_total", **tier) == 3
+    assert delta(before, after, "kvxfer_lookup_hit_chunks_total", model="tiered") == 3  # hits in either tier
+    assert delta(before, after, "kvxfer_loaded_chunks_total", model="tiered", transport="cpu_gather") == 3
+    assert value(after, "kvxfer_tier_dropped_writes_total", **tier) == value(after, "kvxfer_tier_errors_total",
+                                                                            **tier) == 0
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(render(st))
+    line = next(x for x in console.export_text().splitlines() if x.startswith("l2 fs up"))
+    assert "hits 100.0% of 3 chunks asked" in line and "queue 0/64" in line

@@ -1,0 +1,153 @@
+"""``kvxfer top`` in a real terminal (tmux) against a real CURVE server over tcp://: it shows the
+figures of a scripted workload, refreshes as the workload goes on, and quits on ``q``; without a
+terminal (or with ``--once``) it prints one frame."""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.security import make_keys
+from kvxfer.testing.server import ServerProcess
+from kvxfer.top import render
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def curve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    keys = tmp_path_factory.mktemp("curve") / "keys"
+    make_keys(keys)
+    with ServerProcess(l1_size="32MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       url=f"tcp://127.0.0.1:{_free_port()}", curve_dir=keys,
+                       extra_args=["--metrics-port", "0"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def curve_client(curve_server: ServerProcess) -> Iterator[CacheClient]:
+    with CacheClient(curve_server.url, curve=curve_server.client_keys(), timeout=20) as c:
+        yield c
+
+
+def _workload(client: CacheClient, model: str, n: int) -> None:
+    """Store ``n`` chunks, look up ``n + 1`` (n hits), load them back."""
+    kv = client.register(flash_attn_kv(), model_name=model, block_size=BLOCK_SIZE, transport="cpu_gather")
+    try:
+        hashes = chunk_hashes(list(range((n + 1) * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+        assert kv.submit_store(hashes[:n], list(range(n * BLOCKS_PER_CHUNK))).result(30).stored == list(range(n))
+        assert client.lookup(model, hashes=hashes) == n
+        assert kv.submit_retrieve(hashes[:n], list(range(16, 16 + n * BLOCKS_PER_CHUNK))).result(30).ok
+    finally:
+        kv.close()
+
+
+def traffic_row(text: str, model: str, op: str) -> list[str]:
+    """The cells of the stores-and-retrieves row of ``model`` and ``op`` (the last one shown):
+    model, transport, op, /s, B/s, chunks, bytes, skip, [fail,] open, copy."""
+    rows = [line.split() for line in text.splitlines() if line.startswith(f"{model} ")]
+    rows = [r for r in rows if len(r) > 3 and r[1] == "cpu_gather" and r[2] == op]
+    assert rows, f"no {op} row of {model}:\n{text}"
+    return rows[-1]
+
+
+def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
+    from rich.console import Console
+
+    before = curve_client.status()
+    _workload(curve_client, "render-model", 3)
+    after = curve_client.status()
+    console = Console(width=80, record=True, file=io.StringIO())  # a plain 80-column terminal
+    console.print(render(after, before, 2.0))
+    text = console.export_text()
+    assert f"kvxfer {after.server_version}" in text and after.url in text and after.metrics_url in text
+    # 1 store and 1 retrieve in 2 s: 0.5/s each; 3 chunks (24 KiB) stored and loaded
+    assert traffic_row(text, "render-model", "store")[3:8] == ["0.5", "12K", "3", "24K", "0"]
+    assert traffic_row(text, "render-model", "retrieve")[3:8] == ["0.5", "12K", "3", "24K", "0"]
+    assert max(len(line) for line in text.splitlines() if "render-model" in line) <= 80
+    assert "hit rate 75.0% now" in text  # 3 of 4 chunks, the only lookup between the two reports
+    assert "lookup" in text and "store" in text and "retrieve" in text
+    console.print(render(after, None, None, error="no answer from tcp://x: gone"))
+    assert "no answer from tcp://x: gone" in console.export_text()
+
+
+def test_once_without_a_terminal_prints_one_frame(curve_server: ServerProcess, curve_client: CacheClient) -> None:
+    _workload(curve_client, "once-model", 2)
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "top", "--url", curve_server.url,
+                           "--curve-dir", str(curve_server.curve_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "once-model" in proc.stdout and "stores and retrieves" in proc.stdout
+    no_keys = subprocess.run([sys.executable, "-m", "kvxfer", "top", "--url", curve_server.url, "--timeout", "1"],
+                             capture_output=True, text=True, timeout=120)
+    assert no_keys.returncode == 2 and "--curve-dir" in no_keys.stderr
+
+
+class Tmux:
+    """A private tmux server (its own socket) with one 220x60 window."""
+
+    def __init__(self, name: str) -> None:
+        self.sock = f"kvxfer-test-{name}-{os.getpid()}"
+
+    def __call__(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.sock, *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout
+
+    def start(self, command: str) -> None:
+        self("new-session", "-d", "-x", "220", "-y", "60", "-s", "top", command)
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", "top")
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True, timeout=30)
+
+
+@needs_tmux
+@pytest.mark.parametrize("term", ["xterm-256color", "dumb"])
+def test_live_view_in_a_real_terminal_refreshes_and_quits_on_q(curve_server: ServerProcess, curve_client: CacheClient,
+                                                               tmp_path: Path, term: str) -> None:
+    """A terminal that moves its cursor redraws one screen; TERM=dumb gets frame after frame."""
+    model = f"live-{term}"
+    _workload(curve_client, model, 2)
+    tmux = Tmux(term)
+    done = tmp_path / "exit-code"
+    cmd = (f"TERM={term} {sys.executable} -m kvxfer top --url {curve_server.url} "
+           f"--curve-dir {curve_server.curve_dir} --interval 0.5; echo $? > {done}; sleep 60")
+    tmux.start(f"bash -c '{cmd}'")
+    try:
+        # a whole frame (the pane may start at 80x24 and grow to 220x60 under the first one)
+        assert wait_until(lambda: model in (s := tmux.screen()) and "q quits" in s, timeout=60), \
+            f"top never showed the model:\n{tmux.screen()}"
+        screen = tmux.screen()
+        assert "stores and retrieves" in screen
+        assert traffic_row(screen, model, "store")[5] == traffic_row(screen, model, "retrieve")[5] == "2"
+        # more work: the totals on screen follow
+        _workload(curve_client, model, 4)
+        assert wait_until(lambda: traffic_row(tmux.screen(), model, "retrieve")[5] == "6", timeout=30), \
+            tmux.screen()
+        tmux("send-keys", "-t", "top", "q")
+        assert wait_until(lambda: done.exists() and done.read_text().strip(), timeout=30), tmux.screen()
+        assert done.read_text().strip() == "0"
+        if term != "dumb":
+            assert "q quits" not in tmux.screen()  # the alternate screen is gone
+    finally:
+        tmux.kill()
