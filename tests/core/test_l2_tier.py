@@ -17,7 +17,7 @@ import torch
 from kvxfer import CacheClient
 from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError
-from kvxfer.server.index import ChunkIndex, ChunkKey
+from kvxfer.server.index import ChunkIndex, ChunkKey, Usage
 from kvxfer.server.tier import Breaker, L2Tier, TierConfig, parse_admission
 from kvxfer.store.format import HEADER_SIZE, IntegrityError, decode_header, encode_header, l2_key
 from kvxfer.testing.server import ServerProcess
@@ -261,7 +261,7 @@ def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered
             time.sleep(0.005)
 
     def store(hashes: list[bytes]) -> None:
-        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 4096, 1)
+        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 4096, 1, Usage())
         for _, e in res.entries:
             arena.memoryview(e.offset, e.size)[:] = e.key.chunk_hash * 256
         tier.offer([e for _, e in index.commit_write(res)])
@@ -284,7 +284,7 @@ def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered
 
         assert lookup(lambda: None) == (4, 2, 2)  # nothing changed: the answer is only compared
         assert lookup(lambda: store([b"x" * 16])) == (4, 2, 2)  # a change elsewhere: L1 read again
-        lease = index.lease("m", 1, hashes[1:2], 30)
+        lease = index.lease(index.lease_keys("m", 1, hashes[1:2]), 30, Usage())
         assert lookup(lambda: index.clear()) == (0, 0, 0), "chunk 0 left L1 while the store answered"
         index.release_lease(lease)
     finally:
