@@ -805,11 +805,10 @@ class CacheServer:
         leased = min(hits, leasable)
         if msg.lease_s > 0 and leased and self.sessions.get(session.identity) is session:
             entries = self.index.lease_keys(msg.model_name, msg.world_size, msg.hashes[:leased])
-            nbytes = sum(Allocator.rounded(e.size) for e in entries.values())
             usage = session.usage
             self.limits.check("max_leases", len(self.index.leases))
             self.limits.check("max_leases_per_session", len(usage.leases))
-            self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, nbytes)
+            self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(entries.values()))
             lease_id = self.index.lease(entries, msg.lease_s, usage)
         return m.LookupReply(hits, lease_id, l2_hits)
 
@@ -850,7 +849,7 @@ class CacheServer:
     def _reserve_read(self, session: Session, ctx: RegisteredContext, hashes: list[bytes],
                       lease_id: int) -> tuple[Reservation, list[int]]:
         keys = ctx.keys(hashes)
-        self._check_reservation(session, self.index.read_pins(keys)[1])
+        self._check_reservation(session, self.index.read_pins(keys, session.usage)[1])
         return self.index.reserve_read(keys, ctx.chunk.fmt, ctx.instance_id, session.usage, lease_id)
 
     def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply:

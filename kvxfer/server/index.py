@@ -63,10 +63,22 @@ class Usage:
     """What one owner (a session) holds in the index; :class:`ChunkIndex` keeps it exact."""
 
     reservations: dict[int, Reservation] = field(default_factory=dict)
-    #: Arena bytes (allocation-rounded) of their entries, one count per pin.
+    #: Arena bytes (allocation-rounded) its open reservations hold: the slots of its writes, and
+    #: each entry its reads pin, once however many of its reads pin it (a layer-wise read pins
+    #: the same chunks once per range of layers in flight).
     reserved_bytes: int = 0
+    #: Entries its open reads pin -> how many of them pin each.
+    read_pins: dict[Entry, int] = field(default_factory=dict)
     leases: dict[int, Lease] = field(default_factory=dict)
+    #: Arena bytes its leases pin, each entry once however many of its leases hold it (a
+    #: scheduler looks the same prefix up again while its request waits).
     leased_bytes: int = 0
+    #: Entries its leases hold -> how many of them hold each.
+    lease_pins: dict[Entry, int] = field(default_factory=dict)
+
+    def lease_need(self, entries: Iterable[Entry]) -> int:
+        """Bytes a lease of ``entries`` would add to :attr:`leased_bytes`."""
+        return sum(Allocator.rounded(e.size) for e in entries if e not in self.lease_pins)
 
 
 @dataclass(slots=True, eq=False)
@@ -98,8 +110,6 @@ class Lease:
     expires: float
     owner: Usage
     entries: dict[ChunkKey, Entry] = field(default_factory=dict)
-    #: Arena bytes of ``entries``, counted in ``owner.leased_bytes``.
-    nbytes: int = 0
 
 
 class ChunkIndex:
@@ -150,12 +160,15 @@ class ChunkIndex:
     def lease(self, entries: dict[ChunkKey, Entry], ttl: float, owner: Usage) -> int:
         """Pin ``entries`` (from :meth:`lease_keys`) for ``ttl`` seconds; returns the lease id."""
         lease = Lease(self._new_id(), time.monotonic() + ttl, owner, dict(entries))
+        pins = owner.lease_pins
         for e in lease.entries.values():
             e.leases += 1
-            lease.nbytes += Allocator.rounded(e.size)
+            n = pins.get(e, 0)
+            if not n:
+                owner.leased_bytes += Allocator.rounded(e.size)
+            pins[e] = n + 1
         self.leases[lease.id] = lease
         owner.leases[lease.id] = lease
-        owner.leased_bytes += lease.nbytes
         return lease.id
 
     def release_lease(self, lease_id: int, keys: Iterable[ChunkKey] | None = None) -> None:
@@ -167,9 +180,13 @@ class ChunkIndex:
             e = lease.entries.pop(key, None)
             if e is not None:
                 e.leases -= 1
-                size = Allocator.rounded(e.size)
-                lease.nbytes -= size
-                lease.owner.leased_bytes -= size
+                pins = lease.owner.lease_pins
+                n = pins[e] - 1
+                if n:
+                    pins[e] = n
+                else:
+                    del pins[e]
+                    lease.owner.leased_bytes -= Allocator.rounded(e.size)
         if not lease.entries:
             del self.leases[lease_id]
             del lease.owner.leases[lease_id]
@@ -191,28 +208,51 @@ class ChunkIndex:
 
     def _open(self, res: Reservation) -> Reservation:
         self.reservations[res.id] = res
-        res.owner.reservations[res.id] = res
-        res.owner.reserved_bytes += res.nbytes
+        owner = res.owner
+        owner.reservations[res.id] = res
+        if res.write:
+            owner.reserved_bytes += res.nbytes
+        else:
+            for _, e in res.entries:
+                n = owner.read_pins.get(e, 0)
+                if not n:
+                    owner.reserved_bytes += Allocator.rounded(e.size)
+                owner.read_pins[e] = n + 1
         return res
 
     def _close(self, res: Reservation) -> None:
         """The one place a reservation leaves the index."""
-        if self.reservations.pop(res.id, None) is not None:
-            del res.owner.reservations[res.id]
-            res.owner.reserved_bytes -= res.nbytes
+        if self.reservations.pop(res.id, None) is None:
+            return
+        owner = res.owner
+        del owner.reservations[res.id]
+        if res.write:
+            owner.reserved_bytes -= res.nbytes
+            return
+        for _, e in res.entries:
+            n = owner.read_pins[e] - 1
+            if n:
+                owner.read_pins[e] = n
+            else:
+                del owner.read_pins[e]
+                owner.reserved_bytes -= Allocator.rounded(e.size)
 
     def write_need(self, keys: Sequence[ChunkKey]) -> int:
         """How many slots :meth:`reserve_write` of ``keys`` would allocate (no side effect)."""
         return len({k for k in keys if k not in self.entries})
 
-    def read_pins(self, keys: Sequence[ChunkKey]) -> tuple[int, int]:
-        """(pins, bytes) that :meth:`reserve_read` of ``keys`` would take (no side effect)."""
+    def read_pins(self, keys: Sequence[ChunkKey], owner: Usage) -> tuple[int, int]:
+        """(pins, bytes) that :meth:`reserve_read` of ``keys`` by ``owner`` would take (no side
+        effect): bytes of the entries ``owner`` does not pin yet, each once."""
         n = nbytes = 0
+        new: set[ChunkKey] = set()
         for k in keys:
             e = self.entries.get(k)
             if e is not None and e.state is State.READY:
                 n += 1
-                nbytes += Allocator.rounded(e.size)
+                if e not in owner.read_pins and k not in new:
+                    new.add(k)
+                    nbytes += Allocator.rounded(e.size)
         return n, nbytes
 
     # ------------------------------------------------------------------ writes

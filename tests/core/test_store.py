@@ -310,13 +310,19 @@ def test_usage_follows_every_reservation_and_lease_exactly() -> None:
     w, _, _ = index.reserve_write([key(2), key(3), key(3)], "f", SIZE, 1, a)
     r, _ = index.reserve_read([key(0), key(0), key(9)], "f", 1, b)
     assert index.write_need([key(4), key(4), key(0)]) == 1
-    assert index.read_pins([key(0), key(0), key(9)]) == (2, 2 * Allocator.rounded(SIZE))
+    assert index.read_pins([key(0), key(0), key(9)], a) == (2, Allocator.rounded(SIZE))
+    assert index.read_pins([key(0), key(1)], b) == (2, Allocator.rounded(SIZE))  # key 0 is b's already
     assert (len(a.reservations), a.reserved_bytes) == (1, 2 * Allocator.rounded(SIZE))
-    assert (len(b.reservations), b.reserved_bytes) == (1, 2 * Allocator.rounded(SIZE))
-    assert index.pinned_chunks() == 3  # two being written, one being read (twice)
+    assert (len(b.reservations), b.reserved_bytes) == (1, Allocator.rounded(SIZE))  # one entry, pinned twice
+    r2, _ = index.reserve_read([key(0), key(1)], "f", 1, b)  # as a layer-wise read's next range does
+    assert (len(b.reservations), b.reserved_bytes) == (2, 2 * Allocator.rounded(SIZE))
+    assert index.pinned_chunks() == 4  # two being written, two being read (key 0 three times)
     index.commit_write(w)
     index.abort(r)
+    assert b.reserved_bytes == 2 * Allocator.rounded(SIZE)  # r2 still pins both
+    index.commit_read(r2)
     assert not a.reservations and not b.reservations and a.reserved_bytes == b.reserved_bytes == 0
+    assert not b.read_pins
     assert index.pinned_chunks() == 0
 
 
@@ -326,3 +332,29 @@ def test_reservation_and_lease_ids_are_random() -> None:
     ids = {index.reserve_read([key(0)], "f", 1, OWNER)[0].id for _ in range(20)}
     ids |= {lease(index, "m", 1, [key(0).chunk_hash]) for _ in range(20)}
     assert len(ids) == 40 and min(ids) > 1 << 20  # not small sequential numbers
+
+
+def test_a_session_pinning_the_same_chunks_again_holds_no_more_bytes() -> None:
+    """Leases of the same prefix (a scheduler looking up a waiting request again) and reads of the
+    same chunks (a layer-wise read's ranges in flight) count each entry once toward the session's
+    byte limits, and the count falls back to zero exactly."""
+    index = ChunkIndex(16 * SIZE)
+    owner = Usage()
+    store(index, [key(0), key(1)])
+    one = Allocator.rounded(SIZE)
+    entries = index.lease_keys("m", 1, [key(0).chunk_hash, key(1).chunk_hash])
+    assert owner.lease_need(entries.values()) == 2 * one
+    leases = [index.lease(entries, 30, owner) for _ in range(3)]
+    assert owner.leased_bytes == 2 * one and owner.lease_need(entries.values()) == 0
+    index.release_lease(leases[0])
+    index.release_lease(leases[1], [key(0)])
+    assert owner.leased_bytes == 2 * one
+    index.release_lease(leases[2])
+    assert owner.leased_bytes == one  # key 1 is still in leases[1]
+    index.release_lease(leases[1])
+    assert owner.leased_bytes == 0 and not owner.lease_pins and not owner.leases
+    reads = [index.reserve_read([key(0), key(1)], "f", 1, owner)[0] for _ in range(4)]
+    assert owner.reserved_bytes == 2 * one and index.read_pins([key(0)], owner) == (1, 0)
+    for r in reads:
+        index.commit_read(r)
+    assert owner.reserved_bytes == 0 and not owner.read_pins
