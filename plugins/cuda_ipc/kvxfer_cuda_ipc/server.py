@@ -5,7 +5,8 @@ per plane for a chunk cut by ``skip_first_n_tokens``), on two CUDA streams of th
 
 store     compute: wait client event | per chunk: gather all layers' rows -> staging[k]
           copy:                                  \\-> one D2H DMA staging[k] -> arena slot
-retrieve  copy:    per chunk: one H2D DMA arena slot -> staging[k]
+retrieve  copy:    per chunk: one H2D DMA arena slot -> staging[k] (the first K queued before
+                   the row ids are uploaded: they do not need them)
           compute: wait client event |           \\-> scatter into all layers' blocks
 
 The gather/scatter of a chunk is one Triton kernel launch for every layer (:mod:`._kernels`), or,
@@ -329,8 +330,10 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
                     self._compute.wait_event(client)  # the engine's work before the submit
                 if not (self._direct and self._direct_copy(copies, write_arena)):
                     self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in copies))
-                    idx = self._upload_rows(copies)
-                    finished = self._store(copies, idx) if write_arena else self._retrieve(copies, idx)
+                    if write_arena:
+                        finished = self._store(copies, self._upload_rows(copies))
+                    else:
+                        finished = self._retrieve(copies)
             except BaseException:
                 torch.cuda.synchronize(self.device)  # leave no copy running into reused buffers
                 raise
@@ -383,17 +386,26 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             self._free[k].record(cp)
         return _recorded(cp)
 
-    def _retrieve(self, copies: list[RowCopy], idx: list[torch.Tensor]) -> torch.cuda.Event:
+    def _retrieve(self, copies: list[RowCopy]) -> torch.cuda.Event:
+        """The DMAs into the first ring buffers are queued before the row ids are uploaded (they
+        do not need them): the copy engine starts while this thread prepares the scatters."""
         comp, cp = self._compute, self._copy
         k_n = len(self._ring)
-        for i, (c, rows) in enumerate(zip(copies, idx)):
+
+        def dma(i: int) -> tuple[torch.Tensor, int]:
             k = i % k_n
-            slot = copy_view(c.slot, self._elem)
+            slot = copy_view(copies[i].slot, self._elem)
             stage = self._stage(k, slot)
             cp.wait_event(self._free[k])  # its previous chunk (this or an earlier request) is placed
             with torch.cuda.stream(cp):
                 _copy(stage, slot)
             self._ready[k].record(cp)
+            return stage, k
+
+        staged = [dma(i) for i in range(min(k_n, len(copies)))]
+        idx = self._upload_rows(copies)
+        for i, (c, rows) in enumerate(zip(copies, idx)):
+            stage, k = staged[i] if i < len(staged) else dma(i)
             comp.wait_event(self._ready[k])
             with torch.cuda.stream(comp):
                 self._scatter(rows, stage, c.first_layer)
