@@ -17,7 +17,9 @@ CHUNKS = 8  # per request; 64 KiB each
 
 def test_eight_ranks_store_and_retrieve_at_once(workers):
     # 32 MiB of arena for 8 x 60 x 8 x 64 KiB = 240 MiB stored: eviction runs during the soak
-    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather") as server:
+    # a session timeout far above any stall of a loaded machine: this test is about concurrency, not timeouts
+    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--session-timeout", "30"]) as server:
         procs = [workers("soak", "--url", server.url, "--model", "soak", "--world", str(RANKS), "--rank", str(r),
                          "--iters", str(ITERS), "--chunks", str(CHUNKS)) for r in range(RANKS)]
         for p in procs:
