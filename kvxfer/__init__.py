@@ -1,8 +1,10 @@
 """kvxfer: store LLM KV cache in a host-memory cache server and load it back, over pluggable
 transports (see docs/architecture.md).
 
-Names that need torch (``KVLayout``, ``LayoutKind``, ``TransferContext``) are loaded on first
-use, so ``import kvxfer`` and the ``kvxfer`` command start without importing torch.
+The data path's names (``KVLayout``, ``LayoutKind``, ``TransferContext``, ``LayerwiseFuture``)
+are loaded on first use, so that ``import kvxfer`` stays small. No module a plugin's entry point,
+``kvxfer plugins`` or ``kvxfer status`` imports imports torch: torch is imported where tensors are
+handled (it takes about a second).
 """
 
 from __future__ import annotations

@@ -33,13 +33,14 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
-
-import torch
+from typing import TYPE_CHECKING, Final
 
 from kvxfer.errors import ConfigError
 from kvxfer.private_dirs import check_private_dir, check_trusted_parents, open_private_dir
 from kvxfer.units import format_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR", "transport_dir_path"]
 
@@ -57,6 +58,8 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
     import warnings
+
+    import torch
 
     with warnings.catch_warnings():  # the mmap is writable; torch warns for any buffer
         warnings.simplefilter("ignore")

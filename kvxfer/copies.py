@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
-
-import torch
+from typing import TYPE_CHECKING, Final
 
 from kvxfer.errors import ConfigError
-from kvxfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvxfer.layout import KVLayout
 
 __all__ = ["MAX_CHUNKS_PER_REQUEST", "RowCopy", "check_transfer", "layer_slice", "plan_copies"]
 
@@ -60,6 +62,8 @@ def check_transfer(
 
     Raises :class:`ConfigError` (client side) naming what is wrong: block count, range, skip.
     """
+    import torch
+
     bpc = layout.blocks_per_chunk(chunk_size)
     if n_keys > MAX_CHUNKS_PER_REQUEST:
         raise ConfigError(f"{n_keys} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
@@ -96,6 +100,8 @@ def plan_copies(
     (the slot rows it needs are not contiguous across runs); fully skipped chunks none."""
     if not slots:
         return []
+    import torch
+
     bpc = layout.blocks_per_chunk(chunk_size)
     n_chunks = blocks.numel() // bpc
     # every chunk's row ids at once: [chunks, runs, bpc] (run-major inside a chunk, as the slot)

@@ -38,16 +38,18 @@ while layouts that differ only in where pages sit (``LBHNC`` vs ``BLHNC``) do.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
-
-import torch
+from typing import TYPE_CHECKING, Final
 
 from kvxfer.errors import LayoutError
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: importing this module needs none
+    import torch
 
 __all__ = [
     "LayoutKind",
@@ -89,16 +91,17 @@ _SUPPORTED: Final = "; ".join(f"{k.value} {s}" for k, s in _SHAPES.items())
 #: Most runs one block's page may have in one layer (a bound for what a registration names).
 MAX_RUNS: Final = 4096
 
-#: dtypes a KV cache may have. Byte-wise copies only: any dtype of these sizes round-trips.
-_DTYPES: Final[dict[str, torch.dtype]] = {
-    name: getattr(torch, name)
-    for name in (
-        "float16", "bfloat16", "float32", "float64",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-        "int8", "uint8",
-    )
-    if hasattr(torch, name)
-}
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """The dtypes a KV cache may have, by name. Byte-wise copies only: any dtype of these sizes
+    round-trips."""
+    import torch
+
+    names = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+             "float8_e5m2fnuz", "int8", "uint8")
+    return {name: getattr(torch, name) for name in names if hasattr(torch, name)}
 
 _PAGE_DIM: Final = re.compile(r"([A-Z])([1-9][0-9]{0,9})")
 
@@ -106,11 +109,12 @@ _PAGE_DIM: Final = re.compile(r"([A-Z])([1-9][0-9]{0,9})")
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (``"bfloat16"`` or ``"torch.bfloat16"``)."""
     key = name.removeprefix("torch.")
+    dtypes = _dtypes()
     try:
-        return _DTYPES[key]
+        return dtypes[key]
     except KeyError:
         raise LayoutError(
-            f"unsupported KV cache dtype {name!r}; supported: {', '.join(sorted(_DTYPES))}"
+            f"unsupported KV cache dtype {name!r}; supported: {', '.join(sorted(dtypes))}"
         ) from None
 
 
@@ -123,6 +127,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def as_layer_list(kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """Per-layer tensors in layer order, from a list or a dict (vLLM's ``{layer_name: tensor}``,
     whose insertion order is layer order)."""
+    import torch
+
     layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
     if not layers:
         raise LayoutError("kv_caches is empty: pass one tensor per layer")
@@ -132,10 +138,14 @@ def as_layer_list(kv_caches: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
     return layers
 
 
-#: Widest element types first: scatter/gather kernels run near memcpy speed on 16-byte elements
-#: and far below it on 2-byte ones (measured: bf16 index_put_ 0.38x memcpy, complex128 1.0x).
-_COPY_DTYPES: Final = ((16, torch.complex128), (8, torch.int64), (4, torch.int32),
-                       (2, torch.int16), (1, torch.uint8))
+@functools.cache
+def _copy_dtypes() -> tuple[tuple[int, torch.dtype], ...]:
+    """Element types for row copies by size, widest first: scatter/gather kernels run near
+    memcpy speed on 16-byte elements and far below it on 2-byte ones (measured: bf16 index_put_
+    0.38x memcpy, complex128 1.0x)."""
+    import torch
+
+    return ((16, torch.complex128), (8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 def _fits(t: torch.Tensor, size: int) -> bool:
@@ -151,10 +161,10 @@ def copy_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     reinterpreted with by :func:`copy_view`: its last dimension's bytes, its other strides and
     its storage offset are multiples of the element size. Use one for both sides of a copy."""
     ts = list(tensors)
-    for size, dt in _COPY_DTYPES:
+    for size, dt in _copy_dtypes():
         if all(_fits(t, size) for t in ts):
             return dt
-    return torch.uint8
+    return _copy_dtypes()[-1][1]  # bytes
 
 
 def copy_view(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -411,6 +421,8 @@ class KVLayout:
     def rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Row ids (int64, on ``block_ids``' device) of ``block_ids`` in chunk order: run 0 of
         every block in order, then run 1, ..."""
+        import torch
+
         b = block_ids.to(torch.int64).reshape(1, -1)
         runs = torch.tensor(self.run_offsets, dtype=torch.int64, device=b.device).reshape(-1, 1)
         return (runs + b * self.block_stride).reshape(-1)

@@ -1,9 +1,11 @@
 """The plugin contract, for transport authors: import from here (the names are those of
-:mod:`kvxfer.transport.contract`, plus the layout helpers copy code uses and the registry).
+:mod:`kvxfer.transport.contract`, plus the layout helpers copy code uses, what ``probe()`` may
+ask without importing torch (:mod:`kvxfer.accelerators`) and the registry).
 
 See docs/plugin-authoring.md for the walk-through.
 """
 
+from kvxfer.accelerators import TorchBuild, cuda_devices, torch_build
 from kvxfer.arena import Arena, ArenaMapping, transport_dir_path
 from kvxfer.layout import KVLayout, LayoutKind, copy_dtype, copy_view
 from kvxfer.protocol.messages import MetricSample, Registration, RetrieveResult, StoreResult
@@ -48,6 +50,7 @@ __all__ = [
     "ServerTransport",
     "StoreResult",
     "Style",
+    "TorchBuild",
     "Transfer",
     "TransferContext",
     "TransferContextBase",
@@ -56,8 +59,10 @@ __all__ = [
     "Waiter",
     "copy_dtype",
     "copy_view",
+    "cuda_devices",
     "get_transport",
     "list_plugins",
     "select",
+    "torch_build",
     "transport_dir_path",
 ]

@@ -23,8 +23,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
 from kvxfer.arena import ArenaMapping
 from kvxfer.copies import RowCopy, layer_slice, plan_copies
 from kvxfer.errors import NoSession, UnknownInstance
@@ -32,6 +30,8 @@ from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore, guarded
 
 if TYPE_CHECKING:
+    import torch
+
     from kvxfer.transport.contract import LayerwiseFuture, Transfer, Waiter
 
 __all__ = ["ClientDrivenCore"]

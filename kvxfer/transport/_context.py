@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 
 import msgspec
-import torch
 
 from kvxfer.copies import check_transfer
 from kvxfer.errors import ConfigError, KvxferError, NoSession, TransportFailed, UnknownInstance
@@ -25,6 +24,8 @@ from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 
 if TYPE_CHECKING:
+    import torch
+
     from kvxfer.transport.contract import (
         Connection,
         InstanceIdentity,

@@ -45,13 +45,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, Protocol, TypeVar, get_args, get_origin
 
 import msgspec
-import torch
 
 from kvxfer.copies import RowCopy
 from kvxfer.layout import KVLayout, LayoutKind, dtype_name
 from kvxfer.protocol.messages import Message, Registration, Request, RetrieveResult, StoreResult
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the contract names tensors and devices; importing it imports no torch
+    import torch
+
     from kvxfer.arena import Arena, ArenaMapping
 
 __all__ = [
