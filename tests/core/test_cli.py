@@ -109,30 +109,46 @@ def test_bad_arguments(capsys) -> None:
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
-TORCH_FREE = """
-import sys
-from kvxfer.cli import main
-import kvxfer
-kvxfer.CacheClient, kvxfer.chunk_hashes, kvxfer.KvxferError, kvxfer.hookimpl, kvxfer.__version__
-try:
-    rc = main(sys.argv[1:])
-except SystemExit as exc:  # argparse's --help
-    rc = exc.code
-assert "torch" not in sys.modules, "torch was imported"
-print("torch-free", rc)
-"""
+def _imported(importtime: str) -> set[str]:
+    """Every module ``python -X importtime`` reported importing (its stderr)."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime.splitlines() if line.startswith("import time:")}
 
 
-@pytest.mark.parametrize("args", [["--help"], ["status"], ["status", "--json"], ["top", "--once"]], ids=" ".join)
-def test_package_root_and_cli_do_not_import_torch(server, registered, args: list[str]) -> None:
-    """``import kvxfer`` and the CLI's --help and status leave torch alone (it takes about a
-    second to import): names that need it load on first use."""
+@pytest.mark.parametrize("args", [["--help"], ["plugins"], ["plugins", "--json"], ["status"], ["status", "--json"],
+                                  ["top", "--once"]], ids=" ".join)
+def test_cli_does_not_import_torch(server, registered, args: list[str]) -> None:
+    """``python -m kvxfer`` lists every installed plugin (loading and probing each) and reports
+    a real server without importing torch (it takes about a second to import)."""
     if args[0] in ("status", "top"):
         args = [*args, "--url", server.url]
-    proc = subprocess.run([sys.executable, "-c", TORCH_FREE, *args], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvxfer", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = _imported(proc.stderr)
+    assert "kvxfer.cli" in imported  # what -X importtime reports is read right
+    assert not sorted(m for m in imported if m.split(".")[0] == "torch"), "torch was imported"
+    if args[0] == "plugins":
+        assert {"kvxfer_cpu_gather", "kvxfer_cuda_ipc", "kvxfer_hpu", "kvxfer_file_transport",
+                "kvxfer_valkey"} <= {m.split(".")[0] for m in imported}  # every plugin was loaded
+    if args == ["plugins", "--json"]:
+        listed = json.loads(proc.stdout)
+        from kvxfer.store.registry import list_stores
+        from kvxfer.transport.registry import list_plugins
+
+        here = {p.name: (p.health, p.style, p.production) for p in [*list_plugins(), *list_stores()]}  # torch imported
+        assert {p["name"]: (p["health"], p["style"], p["production"]) for p in [*listed["transports"], *listed["stores"]]
+                } == {name: here[name] for name in here if not name.startswith("test_")}
+    else:
+        assert {"--help": "usage: kvxfer", "plugins": "cpu_gather"}.get(args[0], "cli-model") in proc.stdout
+
+
+def test_package_root_does_not_import_torch() -> None:
+    """``import kvxfer`` and its eager names leave torch alone; the data path's load on first use."""
+    code = ("import sys, kvxfer; kvxfer.CacheClient, kvxfer.chunk_hashes, kvxfer.KvxferError, kvxfer.hookimpl, "
+            "kvxfer.__version__; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "torch-free 0" in proc.stdout
-    assert ("usage: kvxfer" if args == ["--help"] else "cli-model") in proc.stdout
+    assert proc.stdout.strip() == "[]"
 
 
 def test_lazy_names_still_resolve() -> None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import stat
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvxfer import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MAX_SLOTS", "open_private_dir", "file_name", "write_file", "read_file"]
 
@@ -51,6 +53,8 @@ def file_name(slot: int) -> str:
 
 def write_file(dir_fd: int, name: str, data: torch.Tensor) -> None:
     """Write ``data`` (a contiguous CPU tensor) as a new file ``name`` (0600), replacing any."""
+    import torch
+
     raw = memoryview(bytearray(data.numel() * data.element_size()))
     if len(raw):
         torch.frombuffer(raw, dtype=torch.uint8).copy_(data.reshape(-1).view(torch.uint8))
@@ -70,6 +74,8 @@ def write_file(dir_fd: int, name: str, data: torch.Tensor) -> None:
 def read_file(dir_fd: int, name: str, nbytes: int) -> torch.Tensor:
     """The file ``name`` as a uint8 tensor; :class:`ConfigError` unless it is a plain private file
     of this user with one link and ``nbytes`` bytes (checked before anything is allocated)."""
+    import torch
+
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:

@@ -1,14 +1,17 @@
-"""The file_debug transport: plugin object, registration and params Structs, both halves."""
+"""The file_debug transport: plugin object, registration and params Structs, both halves.
+
+Like every module a plugin's entry point imports, it imports torch only where tensors are
+handled: ``kvxfer plugins`` then lists the plugin without importing torch.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from kvxfer import ConfigError, RetrieveResult
 from kvxfer.transport import (
@@ -27,6 +30,9 @@ from kvxfer.transport import (
     transport_dir_path,
 )
 from kvxfer_file_transport.spool import MAX_SLOTS, file_name, open_private_dir, read_file, write_file
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FileTransport", "FileContext", "FileServerContext", "FileRegistration", "FileParams"]
 
@@ -82,6 +88,8 @@ class FileContext(ServerDrivenContext[FileParams]):
         return self._dir_fd
 
     def prepare(self, transfer: Transfer) -> FileParams:
+        import torch
+
         dir_fd = self._directory()
         with self._lock:
             slot = self._free.pop()
@@ -97,6 +105,8 @@ class FileContext(ServerDrivenContext[FileParams]):
         return FileParams(slot, rows.tolist())
 
     def finish_retrieve(self, transfer: Transfer, params: FileParams | None, result: RetrieveResult) -> None:
+        import torch
+
         assert params is not None  # prepare() always makes them
         bpc, lay, skip = self.blocks_per_chunk, self.layout, transfer.skip_blocks
         # the server wrote the rows of each loaded chunk (but the skipped blocks), chunk by chunk
@@ -128,6 +138,8 @@ class FileContext(ServerDrivenContext[FileParams]):
 def _positions(file_rows: torch.Tensor, rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """Where each of ``rows`` sits among ``file_rows`` (nothing allocated beyond their sizes);
     :class:`ConfigError` if one is absent."""
+    import torch
+
     if file_rows.numel() and (int(file_rows.min()) < 0 or int(file_rows.max()) >= layout.span_rows):
         raise ConfigError(f"params.rows: row ids must be in [0, {layout.span_rows})")
     ordered, order = torch.sort(file_rows)
@@ -147,6 +159,8 @@ class FileServerContext(ServerContext[FileRegistration, FileParams]):
         self.dir_fd = open_private_dir(path)
 
     def store(self, copies: list[RowCopy], params: FileParams) -> None:
+        import torch
+
         lay = self.layout
         data = read_file(self.dir_fd, file_name(params.slot), lay.num_layers * len(params.rows) * lay.row_bytes)
         rows = torch.tensor(params.rows, dtype=torch.int64)
@@ -155,6 +169,8 @@ class FileServerContext(ServerContext[FileRegistration, FileParams]):
             c.slot.copy_(data[:, _positions(rows, c.rows, lay)])
 
     def retrieve(self, copies: list[RowCopy], params: FileParams) -> None:
+        import torch
+
         data = torch.cat([c.slot for c in copies], dim=1)  # the copies' rows, in request order
         write_file(self.dir_fd, file_name(params.slot), data)
 

@@ -1,12 +1,13 @@
-"""The cpu_gather transport: plugin object, registration Struct and client context."""
+"""The cpu_gather transport: plugin object, registration Struct and client context.
+
+Importing it imports no torch (``kvxfer plugins`` loads it to probe it): the copy methods do.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Final
-
-import torch
+from typing import TYPE_CHECKING, Any, Final
 
 from kvxfer import ConfigError
 from kvxfer.transport import (
@@ -21,6 +22,9 @@ from kvxfer.transport import (
     copy_dtype,
     copy_view,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "THREADS_ENV", "copy_threads"]
 
@@ -83,10 +87,14 @@ class CpuGatherContext(ClientDrivenContext):
     def _use_copy_threads(self) -> None:
         """Set this thread's intra-op thread count for the copies (once per thread)."""
         if self.copy_threads is not None and not getattr(self._threads_set, "done", False):
+            import torch
+
             torch.set_num_threads(self.copy_threads)
             self._threads_set.done = True
 
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        import torch
+
         if self.on_host:
             self._use_copy_threads()
         for c in copies:
@@ -115,6 +123,8 @@ class CpuGatherContext(ClientDrivenContext):
 
 
 def _synchronize(device: torch.device) -> None:
+    import torch
+
     sync = getattr(getattr(torch, device.type, None), "synchronize", None)
     if sync is not None:
         sync(device)

@@ -92,6 +92,9 @@ class CudaIpcServerTransport(ServerTransport):
         self.totals = CopyTotals()
 
     def start(self, arena: Arena) -> None:
+        if not hasattr(torch.UntypedStorage, "_new_shared_cuda"):  # how the server opens the engine's memory
+            raise TransportError(f"cuda_ipc needs torch.UntypedStorage._new_shared_cuda, which torch "
+                                 f"{torch.__version__} lacks: install torch>=2.4 (a CUDA build)")
         ptr, size = arena.tensor.data_ptr(), arena.size
         res = torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_FLAGS)
         try:

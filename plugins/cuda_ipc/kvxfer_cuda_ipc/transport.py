@@ -1,13 +1,16 @@
-"""The cuda_ipc transport: wire Structs, probe, the client context and the plugin object."""
+"""The cuda_ipc transport: wire Structs, probe, the client context and the plugin object.
+
+Importing it imports no torch (``kvxfer plugins`` loads it to probe it): torch is imported where
+tensors are handled.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from kvxfer import ConfigError
 from kvxfer.transport import (
@@ -20,7 +23,12 @@ from kvxfer.transport import (
     Transfer,
     TransferKind,
     Transport,
+    cuda_devices,
+    torch_build,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CudaIpcTensor",
@@ -82,32 +90,27 @@ class CudaIpcParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def cuda_probe() -> Probe:
-    """Whether this process can share or open CUDA IPC memory. Never raises."""
-    try:
-        if not torch.cuda.is_available():
-            if torch.version.cuda is None:
-                why = f"torch {torch.__version__} was built without CUDA (install a CUDA build of torch)"
-            else:
-                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-                why = (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
-                       + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
-            return Probe(False, f"no usable NVIDIA GPU: {why}")
-        if getattr(torch.version, "hip", None):
-            return Probe(False, "ROCm/HIP build of torch: cuda_ipc needs NVIDIA CUDA IPC")
-        if not hasattr(torch.UntypedStorage, "_new_shared_cuda"):
-            return Probe(False, f"torch {torch.__version__} lacks UntypedStorage._new_shared_cuda")
-        n = torch.cuda.device_count()
-        return Probe(True, f"{n} CUDA device(s), CUDA {torch.version.cuda}", ("cuda",))
-    except Exception as exc:  # noqa: BLE001  (a probe must not raise)
-        return Probe(False, f"CUDA probe failed: {type(exc).__name__}: {exc}")
+    """Whether this process can share or open CUDA IPC memory: torch's build and the CUDA
+    driver, asked without importing torch. Never raises."""
+    build = torch_build()
+    if build is not None and build.hip is not None:
+        return Probe(False, f"torch {build.version} is a ROCm/HIP build: cuda_ipc needs NVIDIA CUDA IPC")
+    n, note = cuda_devices()
+    if not n:
+        return Probe(False, f"no usable NVIDIA GPU: {note}")
+    return Probe(True, f"{n} CUDA device(s), {note}", ("cuda",))
 
 
 def device_uuid(index: int) -> str:
     """The UUID of local CUDA device ``index``, in the form both sides compare."""
+    import torch
+
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def device_label(index: int) -> str:
+    import torch
+
     return f"cuda:{index} {torch.cuda.get_device_name(index)} (UUID {device_uuid(index)})"
 
 
@@ -128,6 +131,8 @@ class _EventPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
+        import torch
+
         ev = torch.cuda.Event(interprocess=True)  # implies disable_timing
         with self._lock:
             self._all.append(ev)
@@ -141,6 +146,8 @@ class _EventPool:
         """The event's IPC handle (the event must have been recorded once)."""
         h = self._handles.get(id(ev))
         if h is None:
+            import torch
+
             with torch.cuda.device(self.device):
                 h = bytes(ev.ipc_handle())
             self._handles[id(ev)] = h
@@ -169,6 +176,8 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
     prepare_inline = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import torch
+
         super().__init__(*args, **kwargs)
         dev = self.layers[0].device
         if dev.type != "cuda":
@@ -220,6 +229,8 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
 
     def on_submit(self, kind: TransferKind) -> torch.cuda.Event:
         """The request's token: a pooled interprocess event recorded on the caller's stream."""
+        import torch
+
         ev = self._events.acquire()
         ev.record(torch.cuda.current_stream(self.device))
         return ev

@@ -12,7 +12,9 @@ place, staging buffers, the element type of row copies, streams and events.
   ``mark_step`` and synchronizes through the Habana bridge. Nothing of it has run on Gaudi
   hardware: see docs/hpu.md.
 
-:func:`ops_for` picks the implementation for a device type.
+:func:`ops_for` picks the implementation for a device type. Importing this module imports no
+torch, and neither does probing cpu, hpu, or cuda and xpu where torch was built without them or
+(cuda) the CUDA driver answers (:mod:`kvxfer.accelerators`): ``kvxfer plugins`` probes hpu.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
-import torch
+from kvxfer.transport import copy_dtype, cuda_devices, torch_build
 
-from kvxfer.transport import copy_dtype
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DeviceOps", "Pinning", "GenericOps", "HpuOps", "ops_for", "KNOWN_DEVICE_TYPES"]
 
@@ -133,6 +136,8 @@ class GenericOps:
 
     def module(self) -> ModuleType | None:
         """``torch.<device_type>`` (e.g. ``torch.cuda``), or None if torch has none."""
+        import torch
+
         mod = getattr(torch, self.device_type, None)
         return mod if isinstance(mod, ModuleType) else None
 
@@ -146,6 +151,28 @@ class GenericOps:
     def probe(self) -> tuple[bool, str]:
         if self.device_type == "cpu":
             return True, "host memory: rows copied straight into the arena slots"
+        known = self._probe_without_torch()
+        return known if known is not None else self._probe_with_torch()
+
+    def _probe_without_torch(self) -> tuple[bool, str] | None:
+        """The answer from torch's build and the CUDA driver, or None where only torch can tell
+        (cuda on ROCm, xpu on a torch built with it, other device types)."""
+        build = torch_build()
+        if build is None:
+            return False, "torch is not installed"
+        if self.device_type == "cuda" and build.hip is None:
+            n, note = cuda_devices()
+            if not n:
+                return False, note
+            # torch.cuda always has streams and events
+            return True, f"{n} device(s) ({note}), streams: yes, host pinning: cudaHostRegister"
+        if self.device_type == "xpu" and build.xpu is None:
+            return False, f"torch {build.version} was built without XPU"
+        return None
+
+    def _probe_with_torch(self) -> tuple[bool, str]:
+        import torch
+
         mod = self.module()
         if mod is None or not callable(getattr(mod, "is_available", None)):
             return False, f"this torch ({torch.__version__}) has no torch.{self.device_type} module"
@@ -179,6 +206,8 @@ class GenericOps:
         return copy_dtype(rows)
 
     def staging(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        import torch
+
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def new_stream(self, device: torch.device) -> Any | None:
@@ -208,6 +237,8 @@ def _cuda_host_register(host: torch.Tensor) -> Pinning:
     if nbytes == 0:
         return Pinning(False, "nothing to pin (empty)")
     try:
+        import torch
+
         cudart = torch.cuda.cudart()
         ptr = host.data_ptr()
         rc = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)

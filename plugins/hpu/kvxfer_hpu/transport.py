@@ -22,9 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from kvxfer import ConfigError, TransportUnavailable
 from kvxfer.transport import (
@@ -46,6 +44,9 @@ from kvxfer.transport import (
 )
 from kvxfer_hpu.ops import KNOWN_DEVICE_TYPES, DeviceOps, Pinning, ops_for
 from kvxfer_hpu.server import HpuServerTransport
+
+if TYPE_CHECKING:  # imported where tensors are handled: `kvxfer plugins` imports this module
+    import torch
 
 __all__ = ["HpuTransport", "HpuContext", "HpuRegistration", "PRIORITY"]
 
@@ -173,6 +174,8 @@ class HpuContext(ClientDrivenContext):
     # ------------------------------------------------------------------ copies
 
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
+        import torch
+
         if self.ops.direct:
             for c in copies:
                 for layer, dst in zip(self._rows[c.first_layer:], c.slot.view(self._elem)):
@@ -290,6 +293,8 @@ class HpuContext(ClientDrivenContext):
     def _device_rows(self, copies: list[RowCopy]) -> torch.Tensor:
         """Every copy's row ids, in order, on the device: one small host-to-device copy per
         request (a copy from pageable memory waits for the stream, so only one, up front)."""
+        import torch
+
         rows = torch.cat([c.rows for c in copies]) if len(copies) > 1 else copies[0].rows
         return rows.to(self.device, non_blocking=True)
 

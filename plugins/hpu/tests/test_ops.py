@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvxfer.transport import cuda_devices
 from kvxfer_hpu import DeviceOps, GenericOps, HpuOps, Pinning, ops_for
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -40,10 +41,18 @@ def test_unknown_device_type_says_why() -> None:
     assert not ok and "no torch.nosuchdevice module" in reason
 
 
+def test_probes_agree_with_torch_without_importing_it() -> None:
+    """cuda and xpu are probed from torch's build and the CUDA driver (kvxfer plugins lists hpu
+    without importing torch); the answer is torch's own."""
+    for t in ("cuda", "xpu"):
+        ok, reason = ops_for(t).probe()
+        assert ok == getattr(torch, t).is_available(), reason
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_cuda_probe_without_a_device() -> None:
     ok, reason = ops_for("cuda").probe()
-    assert not ok and "torch.cuda.is_available() is False" in reason
+    assert not ok and reason == cuda_devices()[1] and f"torch {torch.__version__}" in reason
     pin = ops_for("cuda").pin(torch.zeros(4096, dtype=torch.uint8))
     assert not pin.pinned and "cudaHostRegister" in pin.note
 
