@@ -498,6 +498,11 @@ class StatusReply(Message, frozen=True):
     latency: list[LatencyStatus] = []
     #: Figures contributed by plugins (hook ``kvxfer_metrics``).
     plugin_metrics: list[MetricSample] = []
+    #: Periodic passes of the server's loop completed since it started (about 4 a second: leases
+    #: expired, silent sessions dropped, parked writes of gone clients freed). They run on the
+    #: thread that answers status: a reply with more ``ticks`` than an earlier one means a whole
+    #: pass ran after the earlier reply was made.
+    ticks: int = 0
 
 
 class Clear(Request["ClearReply"], frozen=True):

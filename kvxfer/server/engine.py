@@ -278,6 +278,8 @@ class CacheServer:
         #: or once the same client resumes its session and sends its late commit (a commit is sent
         #: only after the copy).
         self._parked: dict[bytes, Parked] = {}
+        #: Periodic passes (:meth:`_tick`) completed: status ``ticks``.
+        self.ticks = 0
         #: Runs the transfers of every registered instance, one lane each.
         self._pool = WorkerPool(self.limits.workers)
         #: Runs the waiters of server-driven copies (see ServerContext.store).
@@ -606,6 +608,8 @@ class CacheServer:
         )
 
     def _tick(self) -> None:
+        """The loop's periodic pass (MQServer's ``on_tick``, about every 0.25 s); ``ticks`` counts
+        the passes completed (status)."""
         now = time.monotonic()
         self.index.expire_leases(now)
         if self.tier is not None:
@@ -617,6 +621,7 @@ class CacheServer:
             if not liveness.holder_alive(self.arena.path, parked.token):
                 self._free_parked(parked)
                 log.info("client %s is gone: freed the slots of its parked writes", parked.peer.label())
+        self.ticks += 1
 
     def _free_parked(self, parked: Parked) -> None:
         self._parked.pop(parked.secret, None)
@@ -1093,6 +1098,7 @@ class CacheServer:
             traffic=figures.traffic_status(self),
             latency=figures.latency_status(self.stats),
             plugin_metrics=plugin_metrics,
+            ticks=self.ticks,
         )
 
     def _on_clear(self, session: Session, msg: m.Clear) -> m.ClearReply:

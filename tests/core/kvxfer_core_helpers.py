@@ -6,8 +6,13 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvxfer import CacheClient
+    from kvxfer.protocol.messages import StatusReply
 
 #: Small enough for this 2-core machine; 64 tokens per chunk = 4 blocks of 16.
 CHUNK_SIZE = 64
@@ -31,6 +36,16 @@ def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.
         if value or time.monotonic() > deadline:
             return value
         time.sleep(step)
+
+
+def after_ticks(client: CacheClient, n: int = 3, timeout: float = 30.0) -> StatusReply:
+    """The server's status once it has run ``n`` whole periodic passes (status ``ticks``) after
+    this call: what those passes would do (expire leases, drop silent sessions, free parked
+    writes) has been done. Fails after ``timeout``."""
+    first = client.status().ticks
+    st = wait_until(lambda: (s := client.status()).ticks >= first + n and s, timeout, step=0.05)
+    assert st, f"the server ran fewer than {n} periodic passes in {timeout} s"
+    return st  # type: ignore[return-value]  # the status wait_until saw last
 
 
 def env_with(path: Path, **extra: str) -> dict[str, str]:

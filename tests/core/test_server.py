@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from kvxfer import CacheClient, chunk_hashes
 from kvxfer.server.allocator import Allocator
 from kvxfer.testing.server import ServerProcess
-from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, after_ticks, flash_attn_kv, wait_until
 
 
 def tokens(n_chunks: int, seed: int) -> list[int]:
@@ -182,8 +181,7 @@ def test_a_lost_client_loses_its_registrations_and_reservations(short_session_se
 
             if mode == "silent":
                 assert wait_until(registration_gone, timeout=15), observer.status()
-                time.sleep(1.0)  # a few server ticks: the frozen writer's slots stay reserved
-                st = observer.status()
+                st = after_ticks(observer)  # periodic passes after its session went: its slots stay reserved
                 assert st.reservations == 1 and st.arena.used == held, st
                 proc.kill()  # dies while frozen: the kernel drops its lock
             assert wait_until(everything_gone, timeout=15), observer.status()
@@ -228,7 +226,7 @@ def test_a_woken_writer_frees_its_parked_slots_with_its_late_commit(short_sessio
             proc.stdin.flush()  # type: ignore[union-attr]
             proc.wait(10)
             assert wait_until(lambda: len(observer.status().contexts) == 1, timeout=15), observer.status()
-            time.sleep(1.0)  # a few ticks after its session went: nothing parked is freed twice
+            after_ticks(observer)  # periodic passes after its session went: nothing parked is freed twice
             assert observer.lookup("lost-wake", hashes=hashes) == 2
             st = observer.status()
             assert st.reservations == 0 and st.arena.used == 2 * kv.chunk_bytes, st
