@@ -11,7 +11,6 @@ nothing.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -65,18 +64,27 @@ def test_a_layerwise_retrieve_lands_layer_by_layer(client: CacheClient) -> None:
     ctx.close()
 
 
+def _worker_caught_up(ctx, salt: str) -> None:
+    """Returns once the context's worker has run every job submitted before this call: a plain
+    store submitted now is copied on that worker behind them (a layer-wise store's job goes as
+    far as it may without more layers, and is not waited for)."""
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=salt)
+    assert ctx.submit_store(hashes, _blocks(4, 1)).result(30).stored == [0]
+
+
 def test_a_layerwise_store_copies_each_layer_once_it_is_declared_written(client: CacheClient) -> None:
     kv, ctx = _register(client, "lw-store", seed=1)
     hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw-store")
     src, dst = _blocks(0, 2), _blocks(2, 2)
     fut = ctx.submit_store(hashes, src, by_layer=True)
     assert isinstance(fut, LayerwiseFuture)
-    assert wait_until(lambda: client.status().reservations == 1, timeout=30, step=0.01)
-    time.sleep(0.2)  # a store that copied at once would have copied the old values by now
+    assert wait_until(lambda: client.status().reservations == 1, timeout=30, step=0.01)  # reserved at once
     g = torch.Generator().manual_seed(7)
     for i in range(LAYERS):  # the "forward pass" writes layer i, then declares it written
-        kv[i][:, src] = torch.randn(kv[i][:, src].shape, generator=g).to(kv[i].dtype)
+        # a layer copied before it is declared written would have been copied (old values) by now
+        _worker_caught_up(ctx, f"lw-store-probe-{i}")
         assert not fut.done()
+        kv[i][:, src] = torch.randn(kv[i][:, src].shape, generator=g).to(kv[i].dtype)
         fut.layer_ready(i)
     assert fut.result(30).stored == [0, 1]
     assert ctx.submit_retrieve(hashes, dst).result(30).loaded == [0, 1]

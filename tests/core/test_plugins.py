@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -346,7 +345,10 @@ def test_a_layerwise_store_of_a_server_driven_transport_is_sent_once_every_layer
     blocks = list(range(2 * BLOCKS_PER_CHUNK))
     fut = a.submit_store(hashes, blocks, by_layer=True)
     for i, layer in enumerate(src):
-        time.sleep(0.1)  # a store sent before its layers were written would copy the old values
+        # a store sent before its layers were written (copying the old values) would be answered
+        # before a plain store submitted behind it on the same context
+        probe = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"lws-probe-{i}")
+        assert a.submit_store(probe, list(range(4 * BLOCKS_PER_CHUNK, 5 * BLOCKS_PER_CHUNK))).result(30).stored == [0]
         assert loop_client.status().reservations == 0 and not fut.done()
         layer[:, blocks] = layer[:, blocks] * 2 + 1
         fut.layer_ready(i)

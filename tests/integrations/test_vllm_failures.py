@@ -29,6 +29,21 @@ def srv(victim: ServerProcess) -> ServerProcess:
     return victim
 
 
+def _until_up(engine: MiniEngine, probes: int, limit_s: float = 15) -> int:
+    """Steps one-chunk probe requests (tokens no other request has) until both connector
+    halves use the server again: a link that lost it looks for it in the background when a step
+    asks for it. Returns the number of probes sent so far."""
+    links = (engine.scheduler.scheduler.link, engine.worker.worker.link)
+    deadline = time.monotonic() + limit_s
+    while any(link.down for link in links):
+        assert time.monotonic() < deadline, f"the connector did not use the server again within {limit_s} s"
+        probes += 1
+        first = 1_000_000 + probes * (CHUNK + 1)
+        feed(engine, [Request(f"probe-{probes}", list(range(first, first + CHUNK + 1)))], per_step=1)
+        time.sleep(0.05)  # a polling interval: the reconnect runs on a thread of its own
+    return probes
+
+
 def test_server_dies_mid_run_recompute_mode_carries_on_and_recovers(srv: ServerProcess) -> None:
     cfg = make_vllm_config(srv.url, model_name="dies", on_server_error="recompute", timeout_s=1, retry_s=0.2)
     engine = MiniEngine(cfg, enable_prefix_caching=False)
@@ -43,13 +58,7 @@ def test_server_dies_mid_run_recompute_mode_carries_on_and_recovers(srv: ServerP
         assert sched.link.down and work.link.down
 
         srv.start()  # same address, empty cache: the connector finds it again by itself
-        deadline = time.monotonic() + 15
-        i = 0
-        while (sched.link.down or work.link.down) and time.monotonic() < deadline:
-            i += 1
-            feed(engine, [Request(f"probe-{i}", list(range(i, i + CHUNK + 1)))], per_step=1)
-            time.sleep(0.05)
-        assert not sched.link.down and not work.link.down
+        probes = _until_up(engine, 0)
         before = work.stats["loaded_chunks"]
         # a request slower than timeout_s=1 on a loaded machine sends the link back to recompute
         # mode; it recovers by itself, so a few rounds of store-then-load must load something
@@ -61,7 +70,7 @@ def test_server_dies_mid_run_recompute_mode_carries_on_and_recovers(srv: ServerP
             engine.check_drained()
             if work.stats["loaded_chunks"] > before:
                 break
-            time.sleep(0.5)
+            probes = _until_up(engine, probes)
         assert work.stats["loaded_chunks"] > before
     finally:
         engine.shutdown()
