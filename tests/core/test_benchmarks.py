@@ -1,5 +1,5 @@
-"""The prefix-load and layer-wise benchmarks run end to end on a tiny workload (real server
-processes), write their JSON with the run record, and the GPU check's summary reads it."""
+"""The prefix-load, layer-wise and start-up benchmarks run end to end on a tiny workload (real
+server processes), write their JSON with the run record, and the GPU check's summary reads it."""
 
 from __future__ import annotations
 
@@ -39,3 +39,13 @@ def test_layerwise_benchmark(tmp_path: Path) -> None:
     assert "hidden" in stdout
     row = json.loads((tmp_path / "lw.json").read_text())["rows"][0]
     assert row["layerwise_ms"] > 0 and row["sequential_ms"] > 0 and 0 < row["best_hidden"] <= 1
+
+
+def test_startup_benchmark(tmp_path: Path) -> None:
+    stdout = _run(str(ROOT / "benchmarks" / "startup.py"), "--runs", "1", "--no-progress", "--json",
+                  str(tmp_path / "startup.json"))
+    assert "kvxfer plugins" in stdout and "x python" in stdout
+    rows = {r["command"]: r for r in json.loads((tmp_path / "startup.json").read_text())["rows"]}
+    assert set(rows) == {"python -c pass", "kvxfer --help", "kvxfer plugins", "kvxfer plugins --json",
+                         "kvxfer status"}
+    assert all(r["median_s"] > 0 and r["variant"] == "current" and not r["imports_torch"] for r in rows.values())
