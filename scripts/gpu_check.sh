@@ -53,8 +53,11 @@ step() {  # label, seconds it may take at most, command...: output appended to $
 cat "$out/env.txt"
 
 if [[ ${GPU_CHECK_TESTS:-1} == 1 ]]; then
-step "tests: cuda_ipc + hpu (kit on cuda, layer-wise)" 150 \
-  python3 -m pytest -q -rs -p no:cacheprovider plugins/cuda_ipc/tests plugins/hpu/tests
+# the probes' torch-free answers (torch's build, the CUDA driver through ctypes) against torch's own, and
+# `kvxfer plugins` / `status` without importing torch, on a machine where cuda_ipc is available
+step "tests: cuda_ipc + hpu (kit on cuda, layer-wise), probes without torch" 170 \
+  python3 -m pytest -q -rs -p no:cacheprovider plugins/cuda_ipc/tests plugins/hpu/tests \
+    tests/core/test_accelerators.py tests/core/test_cli.py::test_cli_does_not_import_torch
 # vLLM's KV views of every KVCacheLayout (recorded where vLLM runs: tests/integrations/vllm_kv_views.json),
 # rebuilt on CUDA with as_strided, through cuda_ipc, hpu and cpu_gather; the conformance kit's own views
 # (kvxfer.testing.kvdata, which the kit runs above on CUDA) checked against that record
