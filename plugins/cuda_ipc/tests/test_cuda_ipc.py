@@ -310,7 +310,7 @@ def test_a_kv_cache_larger_than_the_gpu_is_refused(server: ServerProcess) -> Non
         ctx = get_transport("cuda_ipc").client_context(
             client, layers, KVLayout.infer(layers, 16), InstanceIdentity(secrets.randbits(62) + 1, "huge", 1, 0))
         lay = ctx.layout
-        per_block = lay.num_layers * lay.runs * lay.row_bytes
+        per_block = lay.num_layers * lay.row_bytes  # at least one row of every layer per block
         blocks = max(torch.cuda.get_device_properties(i).total_memory
                      for i in range(torch.cuda.device_count())) // per_block + 1
         real = ctx.registration
