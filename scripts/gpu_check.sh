@@ -89,4 +89,6 @@ if [[ ${GPU_CHECK_BREAKDOWN:-0} == 1 ]]; then
 fi
 python3 benchmarks/gpu_summary.py "$out" 2>&1 | tee "$out/summary.txt"
 echo "overall rc=$rc ($(( $(date +%s) - start )) s)" | tee -a "$out/log.txt"
+# everything in one file too (the device tool returns a limited number of files, in name order)
+tar -czf "$out/00-gpu-check.tgz" -C "$out" --exclude 00-gpu-check.tgz . 2>/dev/null || true
 exit $rc
