@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvxfer.errors import ConfigError, KvxferError
-from kvxfer.text_table import print_table
+from kvxfer.text_table import print_table, printable
 from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import default_url
 
@@ -233,7 +233,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                  for t in st.transports], ["transport", "style", "contexts", "state"])
     for t in st.tiers:
         print()
-        print(_tier_text(t))
+        print("\n".join(printable(line) for line in _tier_text(t).split("\n")))
     if st.traffic:
         print()
         print_table(
@@ -248,9 +248,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.metrics_url:
         print(f"\nmetrics: {st.metrics_url}")
     for title, values in st.sections.items():
-        print(f"\n[{title}]")
+        print()
+        print(printable(f"[{title}]"))
         for k, v in values.items():
-            print(f"  {k}: {v}")
+            print(printable(f"  {k}: {v}"))
     return 0
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from kvxfer.protocol import messages as m
+from kvxfer.text_table import printable
 from kvxfer.units import format_bytes
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     for tier in st.tiers:
         pt_ = prev_tiers.get(tier.name)
         state = Text(tier.state, style="green" if tier.state == "up" else "bold red")
-        line = Text(f"{tier.name} {tier.store} ")
+        line = Text(printable(f"{tier.name} {tier.store} "))
         line.append_text(state)
         line.append(f"  hits {_pct(tier.lookup_hits, tier.lookup_chunks)} of {tier.lookup_chunks} chunks asked  "
                     f"promoted {_rate(tier.promotions, pt_.promotions if pt_ else None, dt)}/s "
@@ -141,7 +142,7 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
                     f"({format_bytes(tier.write_bytes)})  queue {tier.queue_depth}/{tier.queue_capacity}  "
                     f"drops {tier.drops}  errors {tier.errors}  timeouts {tier.timeouts}")
         if tier.detail:
-            line.append(f"  {tier.detail}", style="red")
+            line.append(printable(f"  {tier.detail}"), style="red")
         parts.append(line)
 
     # one row per model, transport and op, narrow enough for 80 columns
@@ -149,11 +150,11 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
                "model", "transport", "op", "/s", "B/s", "chunks", "bytes", "skip", "fail", "open", "copy")
     for tr in st.traffic:
         pt = prev_traffic.get((tr.model, tr.transport), m.TrafficStatus(tr.model, tr.transport) if prev else None)
-        t.add_row(tr.model, tr.transport, "store", _rate(tr.stores, pt.stores if pt else None, dt),
+        _row(t, tr.model, tr.transport, "store", _rate(tr.stores, pt.stores if pt else None, dt),
                   _short_rate(tr.stored_bytes, pt.stored_bytes if pt else None, dt), str(tr.stored_chunks),
                   _short_bytes(tr.stored_bytes), str(tr.present_chunks), str(tr.no_space_chunks + tr.failed_chunks),
                   str(tr.stores_in_flight), _duration(tr.store_copy_s))
-        t.add_row(tr.model, tr.transport, "retrieve", _rate(tr.retrieves, pt.retrieves if pt else None, dt),
+        _row(t, tr.model, tr.transport, "retrieve", _rate(tr.retrieves, pt.retrieves if pt else None, dt),
                   _short_rate(tr.loaded_bytes, pt.loaded_bytes if pt else None, dt), str(tr.loaded_chunks),
                   _short_bytes(tr.loaded_bytes), str(tr.missing_chunks), "", str(tr.retrieves_in_flight),
                   _duration(tr.retrieve_copy_s))
@@ -164,7 +165,7 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
         pm = prev_models.get(md.model, m.ModelStatus(md.model) if prev else None)
         now = (_pct(md.lookup_hits - pm.lookup_hits, md.lookup_chunks - pm.lookup_chunks)
                if pm is not None and md.lookup_chunks > pm.lookup_chunks else "-")
-        t.add_row(md.model, str(md.contexts), _rate(md.lookups, pm.lookups if pm else None, dt), str(md.lookups),
+        _row(t, md.model, str(md.contexts), _rate(md.lookups, pm.lookups if pm else None, dt), str(md.lookups),
                   now, _pct(md.lookup_hits, md.lookup_chunks),
                   _rate(md.evicted_chunks, pm.evicted_chunks if pm else None, dt), str(md.evicted_chunks))
     parts += [Text(""), t if st.models else Text("no models yet", style="dim")]
@@ -172,13 +173,13 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     t = _table("latency inside the server (most recent requests)", "request", "transport", "count", "window",
                "p50", "p90", "p99", "max")
     for la in st.latency:
-        t.add_row(la.name, la.transport or "", str(la.count), str(la.window), _duration(la.p50_s), _duration(la.p90_s),
+        _row(t, la.name, la.transport or "", str(la.count), str(la.window), _duration(la.p50_s), _duration(la.p90_s),
                   _duration(la.p99_s), _duration(la.max_s))
     parts += [Text(""), t]
 
     t = _table("transports", "transport", "style", "contexts", "state")
     for tp in st.transports:
-        t.add_row(tp.name, tp.style, str(tp.contexts), " ".join(f"{k}={v}" for k, v in tp.state.items()) or "-")
+        _row(t, tp.name, tp.style, str(tp.contexts), " ".join(f"{k}={v}" for k, v in tp.state.items()) or "-")
     parts += [Text(""), t]
 
     if st.plugin_metrics:
@@ -189,14 +190,23 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
         for s in st.plugin_metrics:
             key = _sample_key(s)
             per_s = _rate(s.value, before.get(key), dt) if s.kind == "counter" else ""
-            t.add_row(key, f"{s.value:.6g}", per_s)
+            _row(t, key, f"{s.value:.6g}", per_s)
         parts += [Text(""), t]
     for title, values in st.sections.items():
-        parts += [Text(""), Text(f"[{title}] " + "  ".join(f"{k}={v}" for k, v in values.items()))]
+        parts += [Text(""), Text(printable(f"[{title}] " + "  ".join(f"{k}={v}" for k, v in values.items())))]
     return Group(*parts)
 
 
 _TEXT_COLUMNS: Final = frozenset({"model", "transport", "op", "request", "style", "state", "metric"})
+
+
+def _row(table: Any, *cells: str) -> None:
+    """One row of plain text: names come from clients and plugins, so a cell is never read as
+    rich markup (``[/]`` would raise, ``[link=...]`` would be obeyed) and its control characters
+    are shown escaped, never sent to the terminal."""
+    from rich.text import Text
+
+    table.add_row(*(Text(printable(c)) for c in cells))
 
 
 def _table(title: str, *columns: str) -> Any:

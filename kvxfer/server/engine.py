@@ -62,6 +62,7 @@ from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.stats import ServerStats
 from kvxfer.server.tier import L2Tier, TierLookup
 from kvxfer.server.workers import Lane, WorkerPool
+from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
 from kvxfer.transport._context import guarded, plugin_step
@@ -141,10 +142,16 @@ def _show(value: object, limit: int = 64) -> str:
 
 
 def check_name(field_name: str, value: str, limits: Limits) -> None:
-    """A model or client name: at most ``max_name_length`` bytes of UTF-8."""
+    """A model or client name: at most ``max_name_length`` bytes of UTF-8, printable characters
+    only (names reach terminals through ``kvxfer status`` and ``kvxfer top``, and the server's
+    log: no control, format or separator character other than the space)."""
     n = len(value.encode("utf-8", "surrogatepass"))
     if n > limits.max_name_length:
         raise limits.exceeded("max_name_length", f"{field_name} has {n} bytes")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise _invalid(field_name, f"must be printable text; it holds the character U+{ord(bad):04X} (control, "
+                                   "format and separator characters other than the space are refused)")
 
 
 def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int, limits: Limits | None = None,
@@ -200,6 +207,11 @@ def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int,
     if addressable is not None and kv_bytes > addressable:
         raise _invalid("num_blocks", f"the registration declares {format_bytes(kv_bytes)} of KV cache, more than "
                                      f"this transport can address here ({format_bytes(addressable)})")
+    fmt = layout.chunk_format(chunk_size)
+    if len(fmt.encode()) > CHUNK_FORMAT_MAX_BYTES:
+        raise _invalid("page", f"the chunk format {_show(fmt)} takes {len(fmt.encode())} bytes, at most "
+                               f"{CHUNK_FORMAT_MAX_BYTES} (a chunk's header in an L2 store records it): describe the "
+                               "page with fewer dimensions")
     if layout.chunk_bytes(chunk_size) > arena_size:
         raise _invalid("num_layers", f"one chunk takes {format_bytes(layout.chunk_bytes(chunk_size))}, more "
                                      f"than the whole arena ({format_bytes(arena_size)}); raise --l1-size")

@@ -44,6 +44,7 @@ __all__ = [
     "decode_header",
     "checksum",
     "chunk_format_bytes",
+    "CHUNK_FORMAT_MAX_BYTES",
 ]
 
 FORMAT_VERSION: Final = 1
@@ -52,7 +53,10 @@ MAGIC: Final = b"KVXC"
 #: Prefix of every key kvxfer writes: give kvxfer's Valkey user the key pattern ``~kvxfer:*``.
 KEY_PREFIX: Final = b"kvxfer:c1:"
 
-_FMT_BYTES: Final = 128
+#: Longest chunk format a header records (UTF-8): the server refuses registrations whose
+#: format is longer (kvxfer.server.engine.validate_registration).
+CHUNK_FORMAT_MAX_BYTES: Final = 128
+_FMT_BYTES: Final = CHUNK_FORMAT_MAX_BYTES
 _FIXED: Final = struct.Struct(f"<4sHHQ16s16s{_FMT_BYTES}s8s")
 _CHECK: Final = struct.Struct("<Q")
 assert _FIXED.size + _CHECK.size == HEADER_SIZE
