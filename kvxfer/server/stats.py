@@ -119,7 +119,9 @@ class ServerStats:
         if max_models < 0:
             raise ValueError(f"max_models must be >= 0, got {max_models}")
         self.max_models = max_models
-        #: model name -> its label (the name, cut to MAX_MODEL_LABEL, or OTHER_MODEL)
+        #: model name -> its label (the name, cut to MAX_MODEL_LABEL), for the first
+        #: ``max_models`` names only: every other name is OTHER_MODEL and is not remembered (a
+        #: client registering ever new names must not grow the server)
         self._labels: dict[str, str] = {}
         self.models: dict[str, ModelStats] = {}
         self.traffic: dict[tuple[str, str], TrafficStats] = {}
@@ -141,10 +143,17 @@ class ServerStats:
         reported from now on, zeros included); returns its label."""
         label = self._labels.get(model_name)
         if label is None:
-            label = model_name[:MAX_MODEL_LABEL] if len(self._labels) < self.max_models else OTHER_MODEL
-            self._labels[model_name] = label
+            if len(self._labels) >= self.max_models:
+                label = OTHER_MODEL
+            else:
+                label = self._labels[model_name] = model_name[:MAX_MODEL_LABEL]
             self._model(label)
         return label
+
+    @property
+    def named_models(self) -> int:
+        """Model names that have a label of their own (at most ``max_models``)."""
+        return len(self._labels)
 
     def _model(self, label: str) -> ModelStats:
         st = self.models.get(label)

@@ -622,7 +622,7 @@ class L2Tier:
         backend = self.backend
         if backend is None or not self.breaker.closed:
             return None
-        if self._keys_kept >= _KEYS_KEPT:  # forget them all (a lookup adds at most its own chunks)
+        if self._keys_kept >= _KEYS_KEPT:  # forget them all (a lookup adds at most its own keys)
             self._keys.clear()
             self._keys_kept = 0
         cache = self._keys.get((model_name, world_size))
@@ -664,7 +664,7 @@ class L2Tier:
         """Every rank's chunk key and L2 key of one chunk, remembered in ``cache``."""
         ck = tuple(ChunkKey(model_name, world_size, r, chunk_hash) for r in range(world_size))
         known = cache[chunk_hash] = (ck, tuple(l2_key(k) for k in ck))
-        self._keys_kept += 1
+        self._keys_kept += len(ck)  # keys, not chunks: a chunk of world_size 65536 has as many
         return known
 
     def _sync_watch(self, backend: LoopExists) -> None:
