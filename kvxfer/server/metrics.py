@@ -14,17 +14,27 @@ private :class:`~prometheus_client.CollectorRegistry` that holds two collectors:
 
 The server is one process with a private registry: ``PROMETHEUS_MULTIPROC_DIR`` plays no part
 and nothing is written to disk. Every family is documented in ``docs/metrics.md``.
+
+The HTTP endpoint listens on TCP, where any local user (or anyone who can reach
+``--metrics-host``) may connect, so what a connection can hold is bounded
+(:class:`_BoundedHttpServer`): at most :data:`MAX_SCRAPERS` connections are served at once
+(more are closed as they come), and each is closed :data:`SCRAPE_CONNECTION_S` after it was
+accepted, whatever it is doing (sending its request slowly, or not reading the reply).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -41,12 +51,17 @@ from kvxfer.server.stats import Histogram
 if TYPE_CHECKING:
     from kvxfer.server.engine import CacheServer
 
-__all__ = ["MetricsExporter", "ServerCollector", "Snapshot", "SCRAPE_TIMEOUT_S", "CORE_FAMILIES"]
+__all__ = ["MetricsExporter", "ServerCollector", "Snapshot", "SCRAPE_TIMEOUT_S", "CORE_FAMILIES", "MAX_SCRAPERS",
+           "SCRAPE_CONNECTION_S"]
 
 log = logging.getLogger(__name__)
 
 #: How long a scrape waits for the server's loop thread.
 SCRAPE_TIMEOUT_S: Final = 5.0
+#: Connections to the metrics endpoint served at once (one thread each); more are closed at once.
+MAX_SCRAPERS: Final = 8
+#: Longest life of one connection to the metrics endpoint, from its accept to its close.
+SCRAPE_CONNECTION_S: Final = 15.0
 
 #: Every metric family the core exports (names as exposed, without ``_bucket``/``_sum``/
 #: ``_count`` suffixes). Plugin samples may not reuse these names.
@@ -332,6 +347,79 @@ class ServerCollector(Collector):
         yield from families(snap)
 
 
+class _QuietHandler(WSGIRequestHandler):
+    """Logs nothing per request (a scrape a second would flood the log)."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
+        pass
+
+
+class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``max_connections`` at once, each shut down
+    ``lifetime_s`` after its accept (checked by the accept loop every half second).
+
+    Threads: the accept loop's own (``serve_forever``) and one per connection served."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler], *,
+                 family: int, max_connections: int, lifetime_s: float) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lifetime_s = lifetime_s
+        self._lock = threading.Lock()
+        #: connection -> monotonic time past which it is shut down
+        self._open: dict[socket.socket, float] = {}
+        #: Connections closed at once because every slot was taken, and those cut at their deadline.
+        self.refused = 0
+        self.expired = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._open[request] = time.monotonic() + self._lifetime_s
+        try:
+            request.settimeout(self._lifetime_s)
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._forget(request)
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            known = self._open.pop(request, None) is not None
+        if known:
+            self._slots.release()
+
+    def service_actions(self) -> None:
+        """On the accept loop, between polls: shut down connections past their deadline (their
+        thread then sees the connection closed, finishes and frees the slot)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [r for r, deadline in self._open.items() if deadline <= now]
+        for request in late:
+            self.expired += 1
+            try:
+                request.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed (closed, timed out, cut): one debug line, no traceback."""
+        log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
+
+
 class MetricsExporter:
     """prometheus-client's HTTP server for one :class:`CacheServer`, bound at construction
     (raises :class:`ConfigError` if the address is unusable); :meth:`close` stops it."""
@@ -342,10 +430,17 @@ class MetricsExporter:
         self.registry.register(self.collector)
         ProcessCollector(registry=self.registry)
         try:
-            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+            self._httpd = _BoundedHttpServer((str(sockaddr[0]), port), _QuietHandler, family=family,
+                                             max_connections=MAX_SCRAPERS, lifetime_s=SCRAPE_CONNECTION_S)
+            self._httpd.set_app(make_wsgi_app(self.registry))
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}; choose another --metrics-port "
                               "(0 picks a free one) or --metrics-host") from None
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="kvxfer-metrics", daemon=True)
+        self._thread.start()
         self.host = host
         self.port = int(self._httpd.server_port)
         shown = f"[{host}]" if ":" in host else host
