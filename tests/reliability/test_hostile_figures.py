@@ -1,0 +1,203 @@
+"""Hostile clients and neighbours against what the server shows and remembers: the Prometheus
+endpoint (any local user can open TCP connections to it), the names that ``kvxfer status`` and
+``kvxfer top`` print on an operator's terminal, the figures kept per model name, the lookup keys
+the L2 tier remembers, and the chunk format an L2 header records.
+
+Each test reproduces something that worked on an earlier server (real server processes, raw
+frames, real sockets, the real CLI) and checks that it no longer does. One server serves them
+all: metrics on, an fs L2 store, names up to 64 KiB (so that a leak per name shows in RSS).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from relkit import RawPeer, Writer, proc_kib, threads, wait_until
+
+from kvxfer import CacheClient
+from kvxfer.protocol import codec
+from kvxfer.protocol import messages as m
+from kvxfer.server.metrics import MAX_SCRAPERS, SCRAPE_CONNECTION_S
+from kvxfer.testing.server import ServerProcess
+
+NAME_LIMIT = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    l2 = tmp_path_factory.mktemp("l2")
+    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather", extra_args=[
+            "--metrics-port", "0", "--metrics-max-models", "2", "--max-name-length", str(NAME_LIMIT),
+            "--l2", "fs", "--l2-url", f"file://{l2}?max_size=64MiB"]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[CacheClient]:
+    with CacheClient(server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref(client: CacheClient) -> Writer:
+    return Writer(client, model="ref")
+
+
+def registration(ref: Writer, instance_id: int, **fields: object) -> bytes:
+    """A Register of ``ref``'s layout with ``fields`` replaced, as raw bytes."""
+    reg = {**msgspec.structs.asdict(ref.ctx.registration()), "instance_id": instance_id, **fields}
+    return codec.encode(m.Register("cpu_gather", msgspec.Raw(codec.encode(reg))))
+
+
+def kvxfer_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxfer", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+# --------------------------------------------------------------------------- the metrics endpoint
+
+
+def test_the_metrics_endpoint_holds_a_bounded_number_of_connections(server: ServerProcess, client: CacheClient):
+    """Any local user can connect to the metrics port. 200 connections that send nothing once
+    took 200 threads of the server (one each, waiting forever); now at most MAX_SCRAPERS are
+    served at once, the others are closed as they come, and a served one is cut after
+    SCRAPE_CONNECTION_S: scrapes work again afterwards."""
+    url = client.status().metrics_url
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    before = threads(server.pid)
+    idle = [socket.create_connection((host, int(port)), timeout=60) for _ in range(200)]
+    try:
+        wait_until(lambda: threads(server.pid) >= before + min(MAX_SCRAPERS, 1), 30, "a connection served")
+        time.sleep(1.0)  # the accept loop has seen them all
+        # (+2: the store's own threads may start one meanwhile, e.g. to refresh its figures)
+        assert threads(server.pid) <= before + MAX_SCRAPERS + 2, "a thread per idle metrics connection"
+        # the server cuts a connection that never sent its request
+        served = idle[0]
+        served.settimeout(SCRAPE_CONNECTION_S + 30)
+        assert served.recv(1) == b"", "the idle connection was not closed"
+    finally:
+        for s in idle:
+            s.close()
+    text = wait_until(lambda: _scrape(url), 30, "a scrape after the idle connections")
+    assert "kvxfer_sessions" in text
+
+
+def _scrape(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.read().decode()
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- names on terminals
+
+
+BAD_NAMES = ["evil\x1b]0;owned\x07\x1b[2J", "two\nlines", "tab\there", "bidi\u202eeman", "del\x7f", "c1\x9b31m",
+             "zero\u200bwidth", "nul\x00byte", "line\u2028sep"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=lambda n: repr(n)[1:12])
+def test_names_with_control_or_format_characters_are_refused(server: ServerProcess, ref: Writer, name: str):
+    """A model name with terminal escapes once went into `kvxfer status` (and the log) as is: a
+    client could clear the operator's screen, retitle the window or forge lines. Names must now
+    be printable text, in a registration, a lookup, a clear and a handshake's client name."""
+    peer = RawPeer(server.url)
+    try:
+        assert peer.error(b"register", registration(ref, 7001, model_name=name))[0] == "invalid_request"
+        for req, payload in ((b"lookup", m.Lookup(name, 1, [os.urandom(16)])), (b"clear", m.Clear(name))):
+            code, message = peer.error(req, codec.encode(payload))
+            assert code == "invalid_request" and "model_name" in message and "U+" in message
+        rid = peer.send(b"handshake", codec.encode({"protocol_version": m.PROTOCOL_VERSION, "client_name": name}))
+        status, reply = peer.recv(rid)
+        assert status != codec.OK and codec.ERROR_DECODER.decode(reply).code == "invalid_request"
+    finally:
+        peer.close()
+
+
+def test_kvxfer_top_and_status_print_names_as_text(server: ServerProcess, ref: Writer):
+    """A printable model name that is rich markup (``[/]``) made `kvxfer top` crash, and one
+    with ``[link=...]`` was obeyed: names are shown as plain text, exactly as registered."""
+    name = "[/]x[link=file:///etc/passwd]y[/link] [bold]日本語 é"
+    peer = RawPeer(server.url)
+    try:
+        assert peer.error(b"register", registration(ref, 7002, model_name=name)) is None
+        top = kvxfer_cli("top", "--url", server.url, "--once")
+        status = kvxfer_cli("status", "--url", server.url)
+    finally:
+        peer.close()
+    assert top.returncode == 0, top.stderr[-2000:]
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert name in status.stdout
+    assert "[/]x[link=file:///etc/passwd]y" in top.stdout
+
+
+# --------------------------------------------------------------------------- what the server remembers
+
+
+def test_model_names_do_not_grow_the_server(server: ServerProcess, client: CacheClient, ref: Writer):
+    """The figures kept a label for every model name ever registered, past the
+    --metrics-max-models that get their own: registering ever new names grew the server for good
+    (here 2,000 names of 64 KiB, 125 MiB). Only the labelled names are remembered now."""
+    peer = RawPeer(server.url)
+    try:
+        for j in range(40):  # warm up: the server's buffers for 64 KiB requests
+            assert peer.error(b"register", registration(ref, 8000 + j, model_name=f"w{j:05d}" + "w" * 60000)) is None
+            assert peer.error(b"unregister", codec.encode(m.Unregister(8000 + j))) is None
+        rss0 = proc_kib(server.pid, "VmRSS")
+        for j in range(2000):
+            assert peer.error(b"register", registration(ref, 9000 + j, model_name=f"{j:05d}" + "n" * 65000)) is None
+            assert peer.error(b"unregister", codec.encode(m.Unregister(9000 + j))) is None
+        grown = (proc_kib(server.pid, "VmRSS") - rss0) / 1024
+    finally:
+        peer.close()
+    assert grown < 40, f"the server grew by {grown:.0f} MiB for 2,000 model names it no longer serves"
+    assert len(client.status().models) <= 3  # two labels of their own and __other__
+
+
+def test_wide_lookups_do_not_grow_the_l2_key_cache(server: ServerProcess):
+    """The L2 tier remembers the keys of recently looked-up chunks, and forgot them after 65,536
+    chunks: a chunk of world_size 65,536 has that many keys, so lookups of 4 new chunks of that
+    world size each left 262,144 keys behind (about 64 MiB). It counts keys now."""
+    peer = RawPeer(server.url)
+    try:
+        def lookup() -> None:
+            assert peer.error(b"lookup", codec.encode(m.Lookup("wide", 65536, [os.urandom(16) for _ in range(4)])),
+                              timeout=120) is None
+        for _ in range(2):
+            lookup()
+        rss0 = proc_kib(server.pid, "VmRSS")
+        for _ in range(10):
+            lookup()
+        grown = (proc_kib(server.pid, "VmRSS") - rss0) / 1024
+    finally:
+        peer.close()
+    assert grown < 200, f"the server grew by {grown:.0f} MiB for lookups it answered"
+
+
+# --------------------------------------------------------------------------- the L2 header
+
+
+def test_a_page_too_long_for_the_l2_header_is_refused(server: ServerProcess, client: CacheClient, ref: Writer):
+    """A registration whose page named 60 extra dimensions of size 1 (a legal layout) has a chunk
+    format longer than an L2 header holds: each write of its chunks failed, the failures opened
+    the tier's circuit breaker, and every client's L2 writes were dropped. It is refused now."""
+    reg = ref.ctx.registration()
+    outer, inner = reg.page.split("|")
+    page = ",".join(["X1"] * 60 + [outer]) + "|" + inner
+    peer = RawPeer(server.url)
+    try:
+        code, message = peer.error(b"register", registration(ref, 7003, model_name="long-page", page=page))
+    finally:
+        peer.close()
+    assert code == "invalid_request" and "page" in message, message
+    tier = client.status().tiers[0]
+    assert tier.outages == 0 and tier.state == "up"
