@@ -30,6 +30,8 @@ __all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "T
 
 #: Intra-op threads of the copies on the context's worker thread (see :func:`copy_threads`).
 THREADS_ENV: Final = "KVXFER_CPU_GATHER_THREADS"
+#: Most intra-op threads ``$KVXFER_CPU_GATHER_THREADS`` may ask for.
+MAX_THREADS: Final = 1024
 #: Hosts with at most this many CPUs copy on one thread by default.
 SMALL_HOST_CPUS: Final = 4
 
@@ -44,8 +46,8 @@ def copy_threads() -> int | None:
         n = int(raw)
     except ValueError:
         n = 0
-    if n < 1:
-        raise ConfigError(f"{THREADS_ENV} must be a positive integer (threads per copy), got {raw!r}")
+    if not 1 <= n <= MAX_THREADS:
+        raise ConfigError(f"{THREADS_ENV} must be an integer in [1, {MAX_THREADS}] (threads per copy), got {raw!r}")
     return n
 
 

@@ -70,13 +70,52 @@ _TORCH_REF_COUNTER: Final = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}(?:_[0-9
 _REF_COUNTER_SLOTS: Final = 10000
 
 
+#: Most device staging per registration that KVXFER_CUDA_IPC_STAGING_MIB may ask for.
+_MAX_STAGING_MIB: Final = 64 << 10
+#: Accepted values of the mode and kernel variables (the first is the default).
+MODES: Final = ("staged", "direct")
+KERNELS: Final = ("triton", "torch")
+
+
 def _staging_bytes() -> int:
+    """``$KVXFER_CUDA_IPC_STAGING_MIB`` in bytes (default 128 MiB); ConfigError unless an integer
+    in [1, 65536]."""
     raw = os.environ.get("KVXFER_CUDA_IPC_STAGING_MIB", "")
     try:
         mib = int(raw) if raw else _DEFAULT_STAGING_MIB
     except ValueError:
-        raise ConfigError(f"KVXFER_CUDA_IPC_STAGING_MIB must be an integer (MiB), got {raw!r}") from None
-    return max(mib, 1) << 20
+        mib = 0
+    if not 1 <= mib <= _MAX_STAGING_MIB:
+        raise ConfigError(f"KVXFER_CUDA_IPC_STAGING_MIB must be an integer number of MiB in [1, {_MAX_STAGING_MIB}] "
+                          f"(device staging per registration), got {raw!r}")
+    return mib << 20
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """``$name``, one of ``choices`` (default: the first); ConfigError naming them otherwise, so
+    that a misspelt value is not silently taken for the default."""
+    value = os.environ.get(name, "") or choices[0]
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def mode() -> str:
+    """``$KVXFER_CUDA_IPC_MODE``: ``staged`` (default) or ``direct``."""
+    return _choice("KVXFER_CUDA_IPC_MODE", MODES)
+
+
+def kernel() -> str:
+    """``$KVXFER_CUDA_IPC_KERNEL``: ``triton`` (default) or ``torch``."""
+    return _choice("KVXFER_CUDA_IPC_KERNEL", KERNELS)
+
+
+def check_environment() -> None:
+    """Raise ConfigError for a KVXFER_CUDA_IPC_* variable that is set to something unusable (the
+    server transport checks them as it starts, before a registration would)."""
+    _staging_bytes()
+    mode()
+    kernel()
 
 
 class CudaIpcServerTransport(ServerTransport):
@@ -92,6 +131,7 @@ class CudaIpcServerTransport(ServerTransport):
         self.totals = CopyTotals()
 
     def start(self, arena: Arena) -> None:
+        check_environment()
         if not hasattr(torch.UntypedStorage, "_new_shared_cuda"):  # how the server opens the engine's memory
             raise TransportError(f"cuda_ipc needs torch.UntypedStorage._new_shared_cuda, which torch "
                                  f"{torch.__version__} lacks: install torch>=2.4 (a CUDA build)")
@@ -126,9 +166,8 @@ class CudaIpcServerTransport(ServerTransport):
         out = {
             "arena_pinned": f"{self._pinned_size} bytes" if self._pinned_ptr else "no",
             "devices": "; ".join(device_label(i) for i in range(n)),
-            "mode": os.environ.get("KVXFER_CUDA_IPC_MODE", "staged"),
-            "kernel": "triton" if _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch"
-                      else "torch",
+            "mode": mode(),
+            "kernel": "triton" if _kernels.available() and kernel() != "torch" else "torch",
         }
         # copy time inside the server since it started (from the request's start on its worker
         # to the end of its copies on the GPU)
@@ -196,11 +235,11 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._rows = [copy_view(r, self._elem) for r in rows]
         # one launch per chunk for all layers (Triton), else one index_select/index_copy_ per layer;
         # the kernels move 8-byte words, so rows, their pitch and every layer's base must be 8-byte aligned
-        self._fused = _kernels.available() and os.environ.get("KVXFER_CUDA_IPC_KERNEL", "triton") != "torch" \
+        self._fused = _kernels.available() and kernel() != "torch" \
             and self._elem.itemsize >= 8
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
         # "direct": the kernels read/write the pinned, mapped arena over PCIe themselves (no staging)
-        self._direct = self._fused and os.environ.get("KVXFER_CUDA_IPC_MODE", "staged") == "direct"
+        self._direct = self._fused and mode() == "direct"
         #: copies of every context of the server (they outlive this one); None: not counted
         self._totals = totals
         self._row_words = layout.row_bytes // 8
