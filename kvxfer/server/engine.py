@@ -275,6 +275,9 @@ class CacheServer:
         self.limits = config.limits.resolved(self.arena.size)
         self.index = ChunkIndex(self.arena.size, on_evict=self._on_evict)
         self.contexts: dict[int, RegisteredContext] = {}
+        #: (model_name, world_size, rank) -> chunk format of the contexts registered now (built on
+        #: demand by _chunk_format, dropped whenever a context comes or goes)
+        self._formats: dict[tuple[str, int, int], str] | None = None
         self.sessions: dict[bytes, Session] = {}
         self.transports: dict[str, LoadedTransport] = {}
         self.transport_errors: dict[str, str] = {}
@@ -676,6 +679,7 @@ class CacheServer:
         """Forget a context now; close its server side after its in-flight transfers. Its open
         reservations are aborted, except writes parked into ``park_into``."""
         self.contexts.pop(ctx.instance_id, None)
+        self._formats = None
         session: Session = ctx.owner
         session.instances.discard(ctx.instance_id)
         for res in [r for r in session.usage.reservations.values()
@@ -754,6 +758,7 @@ class CacheServer:
                 executor=executor, owner=session,
             )
             self.contexts[ctx.instance_id] = ctx
+            self._formats = None
             session.instances.add(ctx.instance_id)
             self.stats.register_model(ctx.model_name)
             self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
@@ -830,11 +835,13 @@ class CacheServer:
         return m.LookupReply(hits, lease_id, l2_hits)
 
     def _chunk_format(self, key: ChunkKey) -> str | None:
-        """The chunk format of a registered context whose chunks ``key`` names, if any."""
-        for ctx in self.contexts.values():
-            if ctx.key(key.chunk_hash) == key:
-                return ctx.chunk.fmt
-        return None
+        """The chunk format of a registered context whose chunks ``key`` names, if any. The
+        tier asks once per rank of a lookup: one dict read, not a walk of every context."""
+        formats = self._formats
+        if formats is None:
+            formats = self._formats = {(c.model_name, c.world_size, c.rank): c.chunk.fmt
+                                       for c in self.contexts.values()}
+        return formats.get((key.model_name, key.world_size, key.rank))
 
     def _promotions_of(self, keys: list[ChunkKey]) -> Future[None] | None:
         """Promotions from L2 still running for ``keys`` (a retrieve waits for them)."""

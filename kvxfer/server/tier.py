@@ -254,8 +254,12 @@ class _Promotion:
 
 #: How long the arena must have had no slot being filled before an L2 writer starts (seconds).
 _QUIET_S: Final = 0.002
-#: Chunks whose keys the tier remembers for lookups (then it forgets them all and starts again).
+#: Chunk keys the tier remembers for lookups (then it forgets them all and starts again).
 _KEYS_KEPT: Final = 1 << 16
+#: Most keys one lookup asks the store about (every rank's key of the chunks after L1's hits):
+#: the chunks past them count as misses. Each key costs the loop a few microseconds, and a lookup
+#: names up to 262,144 keys in a hundred bytes (kvxfer.server.engine.MAX_LOOKUP_KEYS).
+L2_LOOKUP_KEYS: Final = 1 << 15
 
 
 class TierLookup:
@@ -612,15 +616,17 @@ class L2Tier:
 
     def begin_lookup(self, model_name: str, world_size: int, hashes: Sequence[bytes],
                      l1_hits: int) -> TierLookup | None:
-        """Send the existence check of every rank's key of the chunks after the first ``l1_hits``
-        (one pipelined round trip). Returns the lookup, which resolves on the loop once the store
-        answered, or after ``timeout_s`` (counted; the sizes are then empty); None when L2 is down.
+        """Send the existence check of every rank's key of the chunks after the first ``l1_hits``,
+        at most :data:`L2_LOOKUP_KEYS` keys (one pipelined round trip). Returns the lookup, which
+        resolves on the loop once the store answered, or after ``timeout_s`` (counted; the sizes
+        are then empty); None when L2 is down or no chunk can be asked about.
 
         With a :class:`~kvxfer.store.LoopExists` backend the check is sent before anything else
         is done, so that the rest (bookkeeping here, returning to the loop's poll) overlaps the
         store's answer; the L2 keys of recently seen chunks are remembered, not derived again."""
         backend = self.backend
-        if backend is None or not self.breaker.closed:
+        asked = hashes[l1_hits:l1_hits + L2_LOOKUP_KEYS // world_size]
+        if backend is None or not self.breaker.closed or not asked:
             return None
         if self._keys_kept >= _KEYS_KEPT:  # forget them all (a lookup adds at most its own keys)
             self._keys.clear()
@@ -630,7 +636,7 @@ class L2Tier:
             cache = self._keys[(model_name, world_size)] = {}
         keys: list[ChunkKey] = []
         l2: list[bytes] = []
-        for h in hashes[l1_hits:]:
+        for h in asked:
             known = cache.get(h)
             if known is None:
                 known = self._chunk_keys(cache, model_name, world_size, h)
