@@ -16,6 +16,12 @@ dropped and is reported to ``on_unread_overflow`` (the engine ends its session):
 server holds for one connection is bounded by that limit plus :data:`REPLY_QUEUE` replies. All
 backlogs together are bounded by :data:`BACKLOG_CONNECTIONS` times the limit: past it, the
 largest one is dropped the same way.
+
+Requests waiting to be read are bounded per connection too: ZeroMQ queues at most
+:func:`request_queue` requests of a peer (``RCVHWM``; then it stops reading that peer's socket,
+so the peer's sends wait: backpressure, nothing is dropped), about ``max_unread_reply_bytes`` of
+requests of the largest size. With ZeroMQ's default (1,000 per peer) a peer that sent 16 MiB
+requests while the loop was busy made the server hold gigabytes.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
 from kvxfer.urls import ipc_path, socket_dir_hint
 
-__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path"]
+__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path", "request_queue"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,18 @@ Dispatcher = Callable[[bytes, str, bytes, bytes, bytes], "tuple[bytes, bytes] | 
 
 #: Replies ZeroMQ queues for one peer (SNDHWM); more wait in the server's counted backlog.
 REPLY_QUEUE = 64
+#: Bounds of the requests ZeroMQ queues for one peer (RCVHWM), see request_queue().
+REQUEST_QUEUE_MIN = 4
+REQUEST_QUEUE_MAX = 1000
+
+
+def request_queue(max_message_size: int, max_unread_reply_bytes: int) -> int:
+    """Requests ZeroMQ queues for one peer (``RCVHWM``): as many of the largest size as fit in
+    ``max_unread_reply_bytes``, within [REQUEST_QUEUE_MIN, REQUEST_QUEUE_MAX] (4 at the defaults:
+    64 MiB of 16 MiB requests)."""
+    return max(REQUEST_QUEUE_MIN, min(REQUEST_QUEUE_MAX, max_unread_reply_bytes // max(1, max_message_size)))
+
+
 #: What the backlog counts for a reply besides its bytes (Python objects, ZeroMQ frames).
 _REPLY_OVERHEAD = 256
 #: All connections' backlogs together hold at most this many times max_unread_reply_bytes.
@@ -126,6 +144,7 @@ class MQServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         self._sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
+        self._sock.setsockopt(zmq.RCVHWM, request_queue(max_message_size, max_unread_reply_bytes))
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if curve is not None and url.startswith("tcp://"):
             self._sock.curve_server = True

@@ -183,6 +183,50 @@ def test_wide_lookups_do_not_grow_the_l2_key_cache(server: ServerProcess):
     assert grown < 200, f"the server grew by {grown:.0f} MiB for lookups it answered"
 
 
+def test_a_wide_lookup_asks_the_l2_tier_about_a_bounded_number_of_keys(server: ServerProcess, client: CacheClient):
+    """A lookup of 32 chunks at world size 8,192 (262,144 keys, in a request of a few hundred
+    bytes) had the loop build and check every key, and look up the chunk format of each of the
+    8,192 ranks among all contexts: about 1.6 s of the loop with 60 contexts. The tier now asks
+    about at most L2_LOOKUP_KEYS keys per lookup (the chunks past them count as misses)."""
+    from kvxfer.server.tier import L2_LOOKUP_KEYS
+
+    before = client.status().tiers[0].lookup_chunks
+    peer = RawPeer(server.url)
+    try:
+        assert peer.error(b"lookup", codec.encode(m.Lookup("wide", 8192, [os.urandom(16) for _ in range(32)])),
+                          timeout=120) is None
+    finally:
+        peer.close()
+    asked = client.status().tiers[0].lookup_chunks - before
+    assert 0 < asked <= L2_LOOKUP_KEYS, asked
+
+
+def test_requests_queued_for_a_busy_loop_are_bounded_per_connection(server: ServerProcess, client: CacheClient):
+    """ZeroMQ queued up to 1,000 requests per connection while the server's loop was busy: 40
+    requests of 16 MiB, each keeping the loop busy for a while (a wide lookup, padded), all
+    landed in the server's memory at once (640 MiB). It now queues a few per connection
+    (RCVHWM, kvxfer.mq.server.request_queue) and the sender waits for the rest."""
+    peer = RawPeer(server.url, SNDHWM=1000)
+    try:
+        peer.handshake()
+        pad = b"\0" * ((16 << 20) - (64 << 10))
+        frame = codec.encode({"model_name": "wide", "world_size": 4096,
+                              "hashes": [os.urandom(16) for _ in range(64)], "pad": pad})
+        del pad
+        peak0 = proc_kib(server.pid, "VmHWM")
+        rids = {peer.send(b"lookup", frame) for _ in range(40)}
+        del frame
+        while rids:  # (lookups that ask L2 may be answered out of order)
+            assert peer.sock.poll(300_000), f"no reply to {len(rids)} lookups"
+            rid, status, reply = peer.sock.recv_multipart()
+            assert status == codec.OK, codec.ERROR_DECODER.decode(reply)
+            rids.discard(codec.unpack_id(rid))
+        grown = (proc_kib(server.pid, "VmHWM") - peak0) / 1024
+    finally:
+        peer.close()
+    assert grown < 320, f"the server's peak memory grew by {grown:.0f} MiB for 40 requests of 16 MiB"
+
+
 # --------------------------------------------------------------------------- the L2 header
 
 
