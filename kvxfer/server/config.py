@@ -11,10 +11,16 @@ from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
 from kvxfer.urls import default_url
 
-__all__ = ["ServerConfig", "MAX_METRICS_MODELS"]
+__all__ = ["ServerConfig", "MAX_METRICS_MODELS", "MIN_MESSAGE_SIZE", "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S"]
 
 #: Upper bound of ``metrics_max_models``: every model label multiplies the series per metric.
 MAX_METRICS_MODELS = 1024
+#: Bounds of ``max_message_size``: a registration of a large cache through CUDA IPC takes some
+#: hundreds of KiB; ZeroMQ's limit is a signed 64-bit count, a Python bytes object far less.
+MIN_MESSAGE_SIZE = 64 << 10
+MAX_MESSAGE_SIZE = 1 << 31
+#: Longest ``session_timeout_s``: a dead client's registrations and reservations wait this long.
+MAX_SESSION_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,15 @@ class ServerConfig:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.l1_size <= 0:
             raise ConfigError(f"l1_size must be positive, got {self.l1_size}")
-        if self.session_timeout_s <= self.heartbeat_s:
-            raise ConfigError("session_timeout_s must be longer than heartbeat_s")
+        if not 0 < self.session_timeout_s <= MAX_SESSION_TIMEOUT_S:  # NaN fails too
+            raise ConfigError(f"--session-timeout must be in (0, {MAX_SESSION_TIMEOUT_S:g}] seconds, got "
+                              f"{self.session_timeout_s!r}")
+        if not 0 < self.heartbeat_s < self.session_timeout_s:
+            raise ConfigError(f"heartbeat_s must be positive and shorter than session_timeout_s "
+                              f"({self.session_timeout_s:g} s), got {self.heartbeat_s!r}")
+        if not MIN_MESSAGE_SIZE <= self.max_message_size <= MAX_MESSAGE_SIZE:
+            raise ConfigError(f"--max-message-size must be in [{MIN_MESSAGE_SIZE >> 10} KiB, "
+                              f"{MAX_MESSAGE_SIZE >> 30} GiB], got {self.max_message_size} bytes")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port must be in [0, 65535] (0: any free port), got {self.metrics_port}")
         if not self.metrics_host:

@@ -70,6 +70,10 @@ SPECS: Final[dict[str, LimitSpec]] = {s.name: s for s in (
 )}
 
 
+#: Most transfer threads ``--workers`` may ask for.
+MAX_WORKERS: Final = 1024
+
+
 def _fmt(spec: LimitSpec, value: float) -> str:
     if spec.unit == "bytes":
         from kvxfer.units import format_bytes
@@ -110,6 +114,8 @@ class Limits:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ConfigError(f"{SPECS[f.name].option} must be a positive number, got {value!r}")
+        if self.workers > MAX_WORKERS:
+            raise ConfigError(f"--workers must be at most {MAX_WORKERS} (threads), got {self.workers}")
 
     def resolved(self, arena_size: int) -> Limits:
         """A copy whose ``None`` limits are set from the arena's size."""

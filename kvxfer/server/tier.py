@@ -125,6 +125,9 @@ class TierConfig:
         for name in ("queue", "writers", "readers", "batch", "breaker_failures"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--l2-{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("writers", "readers"):  # a thread and a store connection each
+            if getattr(self, name) > MAX_L2_CONNECTIONS:
+                raise ConfigError(f"--l2-{name} must be at most {MAX_L2_CONNECTIONS}, got {getattr(self, name)}")
         if not 0 < self.timeout_s <= 60:
             raise ConfigError(f"--l2-timeout must be in (0, 60] seconds, got {self.timeout_s}")
         if not 0 <= self.write_yield_s <= 60:
@@ -254,6 +257,8 @@ class _Promotion:
 
 #: How long the arena must have had no slot being filled before an L2 writer starts (seconds).
 _QUIET_S: Final = 0.002
+#: Most ``writers`` and ``readers`` (each is a thread and a connection to the store).
+MAX_L2_CONNECTIONS: Final = 64
 #: Chunk keys the tier remembers for lookups (then it forgets them all and starts again).
 _KEYS_KEPT: Final = 1 << 16
 #: Most keys one lookup asks the store about (every rank's key of the chunks after L1's hits):

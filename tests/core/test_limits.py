@@ -1,9 +1,13 @@
 """The limits (kvxfer.server.limits): their messages, the `kvxfer serve` options made from them,
-docs/reliability.md's table of them; and the worker pool that bounds the server's threads."""
+docs/reliability.md's table of them; the worker pool that bounds the server's threads; and the
+server options that must be in range (a NaN session timeout once made sessions immortal)."""
 
 from __future__ import annotations
 
+import math
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +17,9 @@ import pytest
 from kvxfer.cli import build_parser
 from kvxfer.errors import ConfigError, LimitExceeded
 from kvxfer.units import format_bytes
+from kvxfer.server.config import ServerConfig
 from kvxfer.server.limits import SPECS, Limits
+from kvxfer.server.tier import TierConfig
 from kvxfer.server.workers import WorkerPool
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
@@ -120,3 +126,31 @@ def test_a_lane_runs_one_item_at_a_time_and_shutdown_waits_for_it() -> None:
         fut.result(10)
     assert failing.submit(lambda: 7).result(10) == 7  # a raising item does not stop its lane
     pool.shutdown()
+
+
+@pytest.mark.parametrize(("kwargs", "option"), [
+    ({"session_timeout_s": math.nan}, "--session-timeout"),  # no session would ever time out
+    ({"session_timeout_s": math.inf}, "--session-timeout"),
+    ({"session_timeout_s": 0.0}, "--session-timeout"),
+    ({"session_timeout_s": 7200.0}, "--session-timeout"),
+    ({"max_message_size": 0}, "--max-message-size"),  # ZeroMQ dropped every request unanswered
+    ({"max_message_size": 1}, "--max-message-size"),
+    ({"max_message_size": 1 << 40}, "--max-message-size"),
+])
+def test_server_options_out_of_range_are_refused(kwargs: dict, option: str) -> None:
+    with pytest.raises(ConfigError, match=option):
+        ServerConfig(url="ipc:///nonexistent/kvxfer.sock", **kwargs)
+
+
+def test_thread_counts_are_bounded() -> None:
+    with pytest.raises(ConfigError, match="--workers must be at most"):
+        Limits(workers=100_000)
+    for name in ("writers", "readers"):
+        with pytest.raises(ConfigError, match=f"--l2-{name} must be at most"):
+            TierConfig(store="fs", url="file:///tmp/x", **{name: 100_000})
+
+
+def test_kvxfer_serve_names_a_bad_session_timeout() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", "ipc:///nonexistent/kvxfer.sock",
+                          "--session-timeout", "nan"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--session-timeout must be in" in out.stderr, out.stderr[-2000:]
