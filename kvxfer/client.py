@@ -16,6 +16,7 @@ requests in flight at the time fail with :class:`kvxfer.errors.ConnectionFailed`
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import threading
@@ -36,7 +37,7 @@ from kvxfer.errors import (
 )
 from kvxfer.mq.client import CurveClientKeys, MQClient, ipc_server_ready
 from kvxfer.protocol import messages as m
-from kvxfer.urls import default_url
+from kvxfer.urls import check_url, default_url
 
 if TYPE_CHECKING:  # loaded by register(): a client that only looks up or reports needs no torch
     import torch
@@ -65,7 +66,10 @@ class CacheClient:
         name: str = "",
         curve: CurveClientKeys | None = None,
     ) -> None:
-        self.url = url or default_url()
+        self.url = check_url(url or default_url())
+        for what, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+            if not 0 < seconds < math.inf:  # NaN fails too
+                raise ConfigError(f"{what} must be a positive number of seconds, got {seconds!r}")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.name = name

@@ -11,7 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["default_url", "ipc_path", "private_runtime_dir", "socket_dir_hint"]
+from kvxfer.errors import ConfigError
+
+__all__ = ["default_url", "ipc_path", "private_runtime_dir", "socket_dir_hint", "check_url", "URL_ENV"]
+
+#: The environment variable that names the server's address for clients and `kvxfer serve`.
+URL_ENV = "KVXFER_URL"
 
 
 def private_runtime_dir() -> Path:
@@ -24,7 +29,7 @@ def private_runtime_dir() -> Path:
 
 def default_url() -> str:
     """``$KVXFER_URL``, or ``ipc://<private runtime dir>/kvxfer.sock``."""
-    return os.environ.get("KVXFER_URL") or f"ipc://{private_runtime_dir() / 'kvxfer.sock'}"
+    return os.environ.get(URL_ENV) or f"ipc://{private_runtime_dir() / 'kvxfer.sock'}"
 
 
 def socket_dir_hint() -> str:
@@ -40,3 +45,23 @@ def socket_dir_hint() -> str:
 def ipc_path(url: str) -> Path | None:
     """The socket path of an ``ipc://`` url, else None."""
     return Path(url[len("ipc://"):]) if url.startswith("ipc://") else None
+
+
+def check_url(url: str) -> str:
+    """``url`` if a client can connect to it: ``ipc://PATH`` or ``tcp://HOST:PORT`` (port 1 to
+    65535; ``inproc://NAME`` too); else ConfigError saying what is wrong and, when the url came
+    from ``$KVXFER_URL``, that it did."""
+    scheme, sep, rest = url.partition("://")
+    why = ""
+    if not sep or scheme not in ("ipc", "tcp", "inproc"):
+        why = "use ipc://PATH or tcp://HOST:PORT"
+    elif not rest or "\0" in rest:
+        why = "it names no address"
+    elif scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            why = "a tcp:// url is tcp://HOST:PORT with a port from 1 to 65535"
+    if not why:
+        return url
+    where = f" (from ${URL_ENV})" if os.environ.get(URL_ENV) == url else ""
+    raise ConfigError(f"not a kvxfer server address: {url[:200]!r}{where}: {why}")

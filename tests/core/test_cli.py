@@ -158,3 +158,30 @@ def test_lazy_names_still_resolve() -> None:
     assert kvxfer.KVLayout.__name__ == "KVLayout" and kvxfer.TransferContext.__name__ == "TransferContext"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvxfer.nope  # noqa: B018  (the access is the test)
+
+
+@pytest.mark.parametrize("url", ["http://x", "ipc://", "tcp://", "tcp://host", "tcp://127.0.0.1:99999",
+                                 "tcp://127.0.0.1:0", "redis://127.0.0.1:6379"])
+def test_a_bad_kvxfer_url_is_named_not_a_traceback(url: str) -> None:
+    """$KVXFER_URL (and --url) once reached ZeroMQ unchecked: a traceback of ZMQError."""
+    out = subprocess.run([str(KVXFER), "status", "--timeout", "1"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "KVXFER_URL": url})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "not a kvxfer server address" in out.stderr
+    assert "$KVXFER_URL" in out.stderr
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
+def test_a_bad_client_timeout_is_named(timeout: str) -> None:
+    assert main(["status", "--url", "ipc:///nonexistent/kvxfer.sock", "--timeout", timeout]) == 2
+
+
+def test_the_vllm_connector_checks_its_url() -> None:
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    args = dict(kv_role="kv_both", block_size=16, world_size=1, rank=0, default_model_name="m")
+    for bad in ("http://x", "tcp://host", 5):
+        with pytest.raises(ConfigError, match="kvxfer.url"):
+            ConnectorConfig.from_mapping({"kvxfer.url": bad}, **args)
+    assert ConnectorConfig.from_mapping({"kvxfer.url": "tcp://10.0.0.5:5555"}, **args).url == "tcp://10.0.0.5:5555"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from kvxfer.errors import ConfigError
-from kvxfer.urls import default_url
+from kvxfer.urls import check_url, default_url
 
 __all__ = ["ConnectorConfig", "KEYS"]
 
@@ -153,8 +153,15 @@ class ConnectorConfig:
         fingerprint = extra.get("kvxfer.fingerprint", True)
         if not isinstance(fingerprint, bool):
             raise ConfigError(f"kvxfer.fingerprint must be true or false, got {fingerprint!r}")
+        url = extra.get("kvxfer.url") or default_url()
+        if not isinstance(url, str):
+            raise ConfigError(f"kvxfer.url must be a string (ipc://PATH or tcp://HOST:PORT), got {url!r}")
+        try:
+            check_url(url)
+        except ConfigError as exc:
+            raise ConfigError(f"kvxfer.url: {exc}") from None
         return cls(
-            url=str(extra.get("kvxfer.url") or default_url()),
+            url=url,
             transport=transport,
             chunk_size=chunk_size,
             timeout_s=_positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0)),
