@@ -334,11 +334,11 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         if spec.unit == "bytes":
             kind, shown = parse_size, format_bytes(default) if default is not None else "the --l1-size"
         elif spec.unit == "seconds":
-            kind, shown = float, f"{default:g}"
+            kind, shown = float, f"{default:g} s"
         else:
             kind, shown = int, str(default)
-        group.add_argument(spec.option, dest=spec.name, type=kind, default=None, metavar="N",
-                           help=f"{spec.what} (default: {shown})")
+        group.add_argument(spec.option, dest=spec.name, type=kind, default=None,
+                           metavar="S" if spec.unit == "seconds" else "N", help=f"{spec.what} (default: {shown})")
 
 
 
