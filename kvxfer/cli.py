@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--url", default=default_url(), help="ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
     s.add_argument("--l1-size", default="1GiB", help="host memory for chunks, e.g. 4GiB (default: %(default)s)")
     s.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default: %(default)s)")
-    s.add_argument("--transports", default="", help="comma-separated transports to load (default: all available)")
+    s.add_argument("--transports", default="", help="comma-separated transports to load (default: every installed "
+                                                    "one meant for production that can run here)")
     s.add_argument("--shm-dir", default="/dev/shm", help="tmpfs directory for the arena (default: %(default)s)")
     s.add_argument("--session-timeout", type=float, default=3.0,
                    help="seconds of client silence before its registrations are dropped (default: %(default)s)")
