@@ -415,13 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_keys)
 
     s = sub.add_parser("demo", help="start a server, store and load a real paged KV cache, report, stop")
-    s.add_argument("--transport", default="cpu_gather")
-    s.add_argument("--layers", type=int, default=32)
-    s.add_argument("--blocks", type=int, default=512)
-    s.add_argument("--prompts", type=int, default=4)
-    s.add_argument("--prompt-tokens", type=int, default=2048)
-    s.add_argument("--l1-size", default="2GiB")
-    s.add_argument("--url", default=None, help="use a running server instead of starting one")
+    s.add_argument("--transport", default="cpu_gather", help="transport to register through (default: %(default)s)")
+    s.add_argument("--layers", type=int, default=32, help="layers of the KV cache (default: %(default)s)")
+    s.add_argument("--blocks", type=int, default=512,
+                   help="blocks of 16 tokens per layer, raised to what the prompts need (default: %(default)s)")
+    s.add_argument("--prompts", type=int, default=4, help="prompts stored and loaded (default: %(default)s)")
+    s.add_argument("--prompt-tokens", type=int, default=2048,
+                   help="tokens per prompt, rounded down to whole chunks (default: %(default)s)")
+    s.add_argument("--l1-size", default="2GiB", help="arena of each server the demo starts (default: %(default)s)")
+    s.add_argument("--url", default=None, help="use a running server instead of starting one (one host only)")
     s.add_argument("--nodes", type=int, default=1, choices=(1, 2),
                    help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B")
     s.add_argument("--l2", default="valkey", help="the L2 store of --nodes 2 (default: %(default)s)")
