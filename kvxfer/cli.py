@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -443,7 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
+        code = int(args.fn(args) or 0)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`kvxfer status | head`): stop quietly, as a process killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KvxferError as exc:
         print(f"kvxfer {args.command}: error: {exc}", file=sys.stderr)
         return 2
