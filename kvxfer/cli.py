@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -334,11 +335,11 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         if spec.unit == "bytes":
             kind, shown = parse_size, format_bytes(default) if default is not None else "the --l1-size"
         elif spec.unit == "seconds":
-            kind, shown = float, f"{default:g}"
+            kind, shown = float, f"{default:g} s"
         else:
             kind, shown = int, str(default)
-        group.add_argument(spec.option, dest=spec.name, type=kind, default=None, metavar="N",
-                           help=f"{spec.what} (default: {shown})")
+        group.add_argument(spec.option, dest=spec.name, type=kind, default=None,
+                           metavar="S" if spec.unit == "seconds" else "N", help=f"{spec.what} (default: {shown})")
 
 
 
@@ -350,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--url", default=default_url(), help="ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
     s.add_argument("--l1-size", default="1GiB", help="host memory for chunks, e.g. 4GiB (default: %(default)s)")
     s.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default: %(default)s)")
-    s.add_argument("--transports", default="", help="comma-separated transports to load (default: all available)")
+    s.add_argument("--transports", default="", help="comma-separated transports to load (default: every installed "
+                                                    "one meant for production that can run here)")
     s.add_argument("--shm-dir", default="/dev/shm", help="tmpfs directory for the arena (default: %(default)s)")
     s.add_argument("--session-timeout", type=float, default=3.0,
                    help="seconds of client silence before its registrations are dropped (default: %(default)s)")
@@ -414,13 +416,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_keys)
 
     s = sub.add_parser("demo", help="start a server, store and load a real paged KV cache, report, stop")
-    s.add_argument("--transport", default="cpu_gather")
-    s.add_argument("--layers", type=int, default=32)
-    s.add_argument("--blocks", type=int, default=512)
-    s.add_argument("--prompts", type=int, default=4)
-    s.add_argument("--prompt-tokens", type=int, default=2048)
-    s.add_argument("--l1-size", default="2GiB")
-    s.add_argument("--url", default=None, help="use a running server instead of starting one")
+    s.add_argument("--transport", default="cpu_gather", help="transport to register through (default: %(default)s)")
+    s.add_argument("--layers", type=int, default=32, help="layers of the KV cache (default: %(default)s)")
+    s.add_argument("--blocks", type=int, default=512,
+                   help="blocks of 16 tokens per layer, raised to what the prompts need (default: %(default)s)")
+    s.add_argument("--prompts", type=int, default=4, help="prompts stored and loaded (default: %(default)s)")
+    s.add_argument("--prompt-tokens", type=int, default=2048,
+                   help="tokens per prompt, rounded down to whole chunks (default: %(default)s)")
+    s.add_argument("--l1-size", default="2GiB", help="arena of each server the demo starts (default: %(default)s)")
+    s.add_argument("--url", default=None, help="use a running server instead of starting one (one host only)")
     s.add_argument("--nodes", type=int, default=1, choices=(1, 2),
                    help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B")
     s.add_argument("--l2", default="valkey", help="the L2 store of --nodes 2 (default: %(default)s)")
@@ -440,7 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
+        code = int(args.fn(args) or 0)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`kvxfer status | head`): stop quietly, as a process killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KvxferError as exc:
         print(f"kvxfer {args.command}: error: {exc}", file=sys.stderr)
         return 2

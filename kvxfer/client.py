@@ -32,6 +32,7 @@ from kvxfer.errors import (
     ConnectionFailed,
     InvalidRequest,
     NoSession,
+    RequestTimeout,
     TransportNotFound,
     TransportUnavailable,
 )
@@ -101,15 +102,18 @@ class CacheClient:
             reply = self._mq.request(m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._secret),
                                      timeout=max(0.1, deadline - time.monotonic()))
         except ConnectionFailed as exc:
-            hint = ""
+            hint, serve = "", f"kvxfer serve --url {self.url}"
             if self.url.startswith("tcp://"):
+                serve += " --curve-dir DIR"
                 # ZeroMQ drops a CURVE handshake it refuses without a word: say so
                 hint = ("; a tcp:// server only answers clients with an authorized CURVE key: pass "
                         "curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR) with the "
                         "server's public key and a client key pair listed in its authorized/ folder")
+            # a timed-out handshake says no more than this message; anything else is added
+            cause = "" if isinstance(exc, RequestTimeout) else f" ({exc})"
             raise ConnectionFailed(
                 f"no kvxfer server answered at {self.url} within {self.connect_timeout:g} s; "
-                f"start one with `kvxfer serve --url {self.url}`{hint} ({exc})"
+                f"start one with `{serve}`{hint}{cause}"
             ) from None
         self.server_version = reply.server_version
         self.chunk_size = reply.chunk_size

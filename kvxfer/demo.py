@@ -135,7 +135,8 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     print(f"verify:   {'every byte matches' if ok else 'MISMATCH'}")
     print(f"server:   {st.arena.chunks} chunks, {format_bytes(st.arena.used)} of "
           f"{format_bytes(st.arena.capacity)} used, lookup hit rate "
-          f"{100 * st.lookup_hits / max(1, st.lookup_chunks):.0f}%")
+          f"{100 * st.lookup_hits / max(1, st.lookup_chunks):.0f}% of every chunk it was asked for "
+          "(the unseen prompt's too)")
     return 0 if ok and miss == 0 and all(n == chunks_per_prompt for n in hits) else 1
 
 

@@ -80,6 +80,11 @@ def _pct(num: float, den: float) -> str:
     return f"{100 * num / den:.1f}%" if den else "-"
 
 
+#: Width of a frame printed to a pipe or a file (``$COLUMNS`` overrides it): wide enough that no
+#: line of a frame wraps.
+_FILE_COLUMNS = 200
+
+
 def _bar(fraction: float, width: int = 24) -> str:
     n = max(0, min(width, round(fraction * width)))
     return "█" * n + "░" * (width - n)
@@ -93,9 +98,10 @@ def _sample_key(s: m.MetricSample) -> str:
 
 
 def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | None = None,
-           error: str = "") -> RenderableType:
+           error: str = "", live: bool = True) -> RenderableType:
     """One frame: ``st`` now, ``prev`` the report ``dt`` seconds earlier (rates), ``error`` a
-    line to show when the last poll failed."""
+    line to show when the last poll failed; ``live`` False for a frame printed once (no key
+    hint)."""
     from rich.console import Group
     from rich.text import Text
 
@@ -107,7 +113,8 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     head.append(f"kvxfer {st.server_version}", style="bold")
     head.append(f"  {st.url}  pid {st.pid}  up {_uptime(st.uptime_s)}  chunk {st.chunk_size} tokens  "
                 f"{st.sessions} sessions  {st.requests_in_flight} in flight")
-    head.append("  (q quits)", style="dim")
+    if live:
+        head.append("  (q quits)", style="dim")
     parts.append(head)
     if st.metrics_url:
         parts.append(Text(f"metrics {st.metrics_url}", style="dim"))
@@ -301,7 +308,9 @@ def run_top(client: Any, interval: float = 1.0, once: bool = False) -> int:
         console = Console(width=shutil.get_terminal_size().columns)
     st = _poll(client)
     if once or not console.is_terminal:
-        console.print(render(st))
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            console = Console(width=_FILE_COLUMNS)  # a pipe or a file: not wrapped at rich's 80
+        console.print(render(st, live=False))
         return 0
     with _keys() as keys:
         if console.is_dumb_terminal:

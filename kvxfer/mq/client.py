@@ -1,9 +1,11 @@
-"""The client half of messaging: a DEALER socket owned by one background I/O thread.
+"""The client half of messaging: a DEALER socket, used under a lock, and a background I/O thread.
 
-``submit`` may be called from any thread: it queues the frames and wakes the I/O thread, which
-sends them, matches replies to futures by request id, fails requests that pass their deadline,
-and sends a heartbeat (``ping``) when the connection has been quiet for ``heartbeat_s``. When
-the server stops answering heartbeats for ``dead_after_s`` every pending future fails with
+``submit`` may be called from any thread: it sends the frames at once (what the socket cannot
+take yet waits in a backlog the I/O thread sends). The I/O thread matches replies to futures by
+request id, fails requests that pass their deadline, and sends a heartbeat (``ping``) when the
+connection has been quiet for ``heartbeat_s``; while a thread waits in :meth:`MQClient.request`
+as the *leader*, that thread reads the socket instead. When the server stops answering
+heartbeats for ``dead_after_s`` every pending future fails with
 :class:`kvxfer.errors.ConnectionFailed`.
 """
 

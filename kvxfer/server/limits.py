@@ -60,7 +60,7 @@ SPECS: Final[dict[str, LimitSpec]] = {s.name: s for s in (
     LimitSpec("max_name_length", "--max-name-length", "bytes", "longest model or client name (UTF-8)",
               "use a shorter name"),
     LimitSpec("max_kv_cache_size", "--max-kv-cache-size", "bytes",
-              "KV cache one registration may declare (layers x planes x blocks x block_size x hidden x dtype)",
+              "KV cache one registration may declare (layers x the bytes each layer's view spans, padding included)",
               "check num_blocks and the other sizes of the registration"),
     LimitSpec("max_unread_reply_bytes", "--max-unread-reply-bytes", "bytes",
               "reply bytes kept for a connection that does not read them (past it the connection's session "

@@ -45,7 +45,7 @@ class ServerProcess:
         curve_dir: str | os.PathLike[str] | None = None,
         curve_client: str = "client",
     ) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvxfer-test-")
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvxfer-server-")
         sock_dir = Path(self._tmp.name) / "run"
         self.url = url or f"ipc://{sock_dir / 'kvxfer.sock'}"
         self.chunk_size = chunk_size

@@ -44,6 +44,16 @@ def test_console_script_is_installed() -> None:
     assert KVXFER.exists(), f"{KVXFER} missing: is the core installed (scripts/setup.sh)?"
 
 
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    """``kvxfer plugins | head -1``: the reader is gone before the table is written."""
+    proc = subprocess.Popen([str(KVXFER), "plugins"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # long before the interpreter has started
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_plugins_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plugins"]) == 0
     lines = capsys.readouterr().out.splitlines()

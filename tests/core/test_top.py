@@ -91,11 +91,15 @@ def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
 
 def test_once_without_a_terminal_prints_one_frame(curve_server: ServerProcess, curve_client: CacheClient) -> None:
     _workload(curve_client, "once-model", 2)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     proc = subprocess.run([sys.executable, "-m", "kvxfer", "top", "--url", curve_server.url,
                            "--curve-dir", str(curve_server.curve_dir)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "once-model" in proc.stdout and "stores and retrieves" in proc.stdout
+    head = proc.stdout.splitlines()[0]  # a pipe gets whole lines, and no hint of keys to press
+    assert head.startswith("kvxfer ") and head.rstrip().endswith("in flight"), proc.stdout
+    assert "q quits" not in proc.stdout
     no_keys = subprocess.run([sys.executable, "-m", "kvxfer", "top", "--url", curve_server.url, "--timeout", "1"],
                              capture_output=True, text=True, timeout=120)
     assert no_keys.returncode == 2 and "--curve-dir" in no_keys.stderr

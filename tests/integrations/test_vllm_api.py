@@ -336,6 +336,7 @@ def test_missing_server_fails_clearly_by_default(tmp_path: Path) -> None:
         with pytest.raises(ConnectionFailed, match=r"kvxfer serve --url .*on_server_error") as info:
             KvxferConnector(make_vllm_config(url, timeout_s=0.3), role, _groups())
         assert url in str(info.value)
+        assert str(info.value).count("`kvxfer serve --url") == 1, str(info.value)  # said once
 
 
 def test_missing_server_in_recompute_mode_serves_without_the_cache(tmp_path: Path) -> None:

@@ -172,6 +172,9 @@ def test_tcp_client_without_the_key_is_refused(tcp_server, who):
         with pytest.raises(ConnectionFailed, match="no kvxfer server answered") as info:
             CacheClient(tcp_server.url, curve=curve, connect_timeout=1.0)
         assert "authorized CURVE key" in str(info.value)
+        # one message: the serve command it suggests works for tcp://, and the timeout is not repeated
+        assert f"`kvxfer serve --url {tcp_server.url} --curve-dir DIR`" in str(info.value)
+        assert "got no reply" not in str(info.value)
     if who == "no keys":
         r = kvxfer_cli("status", "--url", tcp_server.url, "--timeout", "1")
         assert r.returncode == 2 and "--curve-dir" in r.stderr

@@ -128,11 +128,13 @@ class ServerLink:
     def failed(self, exc: BaseException, what: str) -> None:
         """``what`` failed because of the server: raise (``fail``) or go degraded (``recompute``)."""
         if self.config.on_server_error == "fail":
+            url = self.config.url
+            # the client's own errors name the server and what to run; others get it said here
+            check = "" if url in str(exc) else (f" Check the kvxfer server at {url} (`kvxfer status --url {url}`; "
+                                                f"start one with `kvxfer serve --url {url}`).")
             raise ConnectionFailed(
-                f"kvxfer {self.side}: {what} failed: {exc}. Check the kvxfer server at {self.config.url} "
-                f"(`kvxfer status --url {self.config.url}`; start one with `kvxfer serve --url "
-                f"{self.config.url}`), or set kv_connector_extra_config "
-                f"{{\"kvxfer.on_server_error\": \"recompute\"}} to serve without the cache while it is down"
+                f"kvxfer {self.side}: {what} failed: {exc}.{check} To serve without the cache while it is down, "
+                f"set kv_connector_extra_config {{\"kvxfer.on_server_error\": \"recompute\"}}"
             ) from exc
         if not self.down:
             log.warning("kvxfer %s: %s failed (%s); serving without the cache, retrying every %g s",

@@ -15,8 +15,10 @@ per layer, rows moved as 16-byte elements. ``staging`` is a ring of ``K`` chunk-
 buffers (``KVXFER_CUDA_IPC_STAGING_MIB``, default 128 MiB, at least 2 chunks); events order each
 buffer's reuse, so the DMA engine never waits for the CPU. ``KVXFER_CUDA_IPC_MODE=direct`` skips
 staging: the kernels read and write the pinned, mapped arena over PCIe themselves (measured
-slower on an H200: docs/cuda_ipc.md). The worker thread synchronizes before returning: the
-reply means the copies are complete.
+slower on an H200: docs/cuda_ipc.md). ``store``/``retrieve`` queue the copies and return a
+waiter for their end, which the server runs off the worker thread (the direct mode synchronizes
+on the worker); it commits and replies once the waiter returns: the reply means the copies are
+complete.
 """
 
 from __future__ import annotations

