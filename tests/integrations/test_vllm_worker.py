@@ -29,9 +29,15 @@ def _step(worker: KvxferConnector, meta: KvxferConnectorMetadata, finished: set[
     return sending, recving, errors
 
 
-def _until(worker: KvxferConnector, finished: set[str], want_send: set[str], want_recv: set[str]) -> set[int]:
-    """Empty steps until the wanted reports came, each exactly once; returns the load errors."""
+def _until(worker: KvxferConnector, finished: set[str], want_send: set[str], want_recv: set[str],
+           first: tuple[set[str] | None, set[str] | None, set[int]] | None = None) -> set[int]:
+    """Empty steps until the wanted reports came, each exactly once; returns the load errors.
+    ``first``: what the step that submitted the transfer returned (a load may land within it)."""
     sent, recv, errors = set(), set(), set()
+    if first is not None:
+        sent |= set(first[0] or ())
+        recv |= set(first[1] or ())
+        errors |= first[2]
     for _ in range(2000):
         s, r, e = _step(worker, KvxferConnectorMetadata(CHUNK), finished, forward=False)
         finished = set()
@@ -66,16 +72,16 @@ def test_stores_report_once_after_finish_and_loads_report_errors(server: ServerP
         # load chunks 0-1 into blocks 8-15, vLLM having computed the first block itself
         before = {n: t[:, 8].clone() for n, t in kv.items()}
         meta = KvxferConnectorMetadata(CHUNK, loads=[LoadOp("b", keys[:2], list(range(8, 16)), skip_tokens=BS)])
-        _step(worker, meta, set())
-        assert _until(worker, set(), set(), {"b"}) == set()
+        first = _step(worker, meta, set())
+        assert _until(worker, set(), set(), {"b"}, first) == set()
         for n, t in kv.items():
             assert torch.equal(t[:, 8], before[n]), "the skipped block was written"
             assert torch.equal(t[:, 9:16], t[:, 1:8])
 
         # chunk 2 was never stored: its blocks are reported, the loaded chunk's are not
         meta = KvxferConnectorMetadata(CHUNK, loads=[LoadOp("c", keys[1:3], list(range(16, 24)))])
-        _step(worker, meta, set())
-        assert _until(worker, set(), set(), {"c"}) == set(range(20, 24))
+        first = _step(worker, meta, set())
+        assert _until(worker, set(), set(), {"c"}, first) == set(range(20, 24))
         # a finished request without stores is never reported
         assert _step(worker, KvxferConnectorMetadata(CHUNK), {"c", "zzz"}, forward=False)[:2] == (None, None)
     finally:
