@@ -30,7 +30,7 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
-__all__ = ["CopyLimit", "main", "run", "physical_limit", "progress_bar", "run_record", "write_results"]
+__all__ = ["CopyLimit", "main", "run", "physical_limit", "progress_bar", "run_record", "save_results", "write_results"]
 
 GB = 1e9
 
@@ -54,6 +54,15 @@ def run_record() -> dict[str, Any]:
     return {"commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__}
+
+
+def save_results(args: argparse.Namespace, kind: str, payload: dict[str, Any]) -> None:
+    """With ``--json``: write ``payload`` and the GPU's name as ``<kind>-<transport>-<device>``
+    (:func:`write_results`) and say where."""
+    if args.json:
+        gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+        name = f"{kind}-{args.transport}-{args.device}"
+        print(f"wrote {write_results(args.json, name, {'gpu': gpu, **payload})}")
 
 
 def write_results(path: str | os.PathLike[str], benchmark: str, payload: dict[str, Any]) -> str:
@@ -348,10 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     results = run(args)
     print_results(results)
-    if args.json:
-        gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-        name = f"transfer-{args.transport}-{args.device}"
-        print(f"wrote {write_results(args.json, name, {'gpu': gpu, 'results': results})}")
+    save_results(args, "transfer", {"results": results})
     return 0
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvxfer.bench import CopyLimit, _sync, progress_bar, write_results
+from kvxfer.bench import CopyLimit, _sync, progress_bar, save_results
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
 __all__ = ["main", "run"]
@@ -199,10 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     results = run(args)
     print_results(results)
-    if args.json:
-        gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-        name = f"prefix-{args.transport}-{args.device}"
-        print(f"wrote {write_results(args.json, name, {'gpu': gpu, 'args': vars(args), 'results': results})}")
+    save_results(args, "prefix", {"args": vars(args), "results": results})
     return 0
 
 

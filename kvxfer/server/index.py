@@ -333,7 +333,6 @@ class ChunkIndex:
             e.readers += 1
             self._lru.move_to_end(key)
             res.entries.append((i, e))
-            res.nbytes += Allocator.rounded(e.size)
         return self._open(res), missing
 
     def commit_read(self, res: Reservation) -> None:

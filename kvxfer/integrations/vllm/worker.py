@@ -357,10 +357,10 @@ class WorkerConnector:
         thread waiting for it gets it only at the interpreter's switch interval (5 ms). Measured
         with vLLM's CPU backend on a 2-core machine, a 28 MiB load then took ~0.3 s instead of
         a few ms. Waiting here releases the GIL, and costs a step nothing once a load has landed."""
-        pending = [load.future for loads in self._loads.values() for load in loads
-                   if load.future is not None and not load.done]
-        if pending and len(pending) == sum(len(loads) for loads in self._loads.values()):
-            wait(pending, timeout=LOAD_YIELD_S, return_when=FIRST_COMPLETED)
+        loads = [load for loads in self._loads.values() for load in loads]
+        if loads and not any(load.done for load in loads):  # (a load without a future is done)
+            wait([load.future for load in loads if load.future is not None], timeout=LOAD_YIELD_S,
+                 return_when=FIRST_COMPLETED)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of finished loads that hold no valid KV (missing chunks, failed or abandoned

