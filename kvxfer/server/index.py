@@ -90,7 +90,8 @@ class Reservation:
     #: (index in the request, entry)
     entries: list[tuple[int, Entry]]
     lease_id: int = 0
-    #: Arena bytes its entries take (allocation-rounded), counted in ``owner.reserved_bytes``.
+    #: A write's arena bytes (allocation-rounded), counted in ``owner.reserved_bytes`` (a read's pins
+    #: are counted per entry: Usage.read_pins).
     nbytes: int = 0
     #: A server-driven copy is running on it: only the request's own finish may end it.
     in_flight: bool = False
