@@ -66,7 +66,7 @@ from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
 from kvxfer.transport._context import guarded, plugin_step
-from kvxfer.transport.contract import ServerContext, ServerTransport, Style, Transport, Waiter
+from kvxfer.transport.contract import Queued, ServerContext, ServerTransport, Style, Transport, Waiter
 from kvxfer.units import format_bytes
 
 if TYPE_CHECKING:
@@ -109,16 +109,23 @@ class _Awaiting:
 class _Deferred:
     """A transfer handler's answer: ``work`` runs on the instance's worker (``executor``), then
     ``finish(future)`` on the loop makes the reply. ``transport`` names whose code ``work`` runs
-    (for the error boundary around a waiter it returns)."""
+    (for the error boundary around a waiter it returns). ``early`` (retrieves): the reply to send
+    as soon as ``work`` returns :class:`Queued` (the client waits for the copies itself);
+    ``finish`` then still runs once the copies are done, and its reply is dropped. ``quick``:
+    the server context of ``work`` only queues copies (:attr:`ServerContext.queues_only`), so
+    that a lone request's ``work`` may run on the loop itself."""
 
-    __slots__ = ("executor", "work", "finish", "transport")
+    __slots__ = ("executor", "work", "finish", "transport", "early", "quick")
 
     def __init__(self, executor: Lane, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct],
-                 transport: str = "") -> None:
+                 transport: str = "", early: Callable[[], msgspec.Struct] | None = None,
+                 quick: ServerContext[Any, Any] | None = None) -> None:
         self.executor = executor
         self.work = work
         self.finish = finish
         self.transport = transport
+        self.early = early
+        self.quick = quick
 
 
 def _invalid(field_name: str, message: str) -> InvalidRequest:
@@ -230,16 +237,19 @@ class _CopyClock:
 
     __slots__ = ("_work", "_start", "_end")
 
-    def __init__(self, work: Callable[[], Waiter | None]) -> None:
+    def __init__(self, work: Callable[[], Waiter | Queued | None]) -> None:
         self._work = work
         self._start = self._end = 0.0
 
-    def __call__(self) -> Waiter | None:
+    def __call__(self) -> Waiter | Queued | None:
         self._start = time.perf_counter()
-        waiter = self._work()
+        out = self._work()
+        waiter = out.waiter if isinstance(out, Queued) else out
         if not callable(waiter):
             self._end = time.perf_counter()
-            return waiter
+            if waiter is not None:
+                raise TypeError(f"a server context's copy returned {type(waiter).__name__}, not a waiter or None")
+            return None
 
         def wait() -> None:
             try:
@@ -247,7 +257,7 @@ class _CopyClock:
             finally:
                 self._end = time.perf_counter()
 
-        return wait
+        return Queued(wait) if isinstance(out, Queued) else wait
 
     def seconds(self) -> float:
         return max(0.0, self._end - self._start) if self._start else 0.0
@@ -559,13 +569,49 @@ class CacheServer:
             self._mq.send(identity, rid, *out)
             self._answered(name, t0)
 
+        def answer_early() -> None:  # the client waits for the copies itself
+            assert d.early is not None
+            try:
+                out = codec.OK, codec.encode(d.early())
+            except Exception as exc:  # noqa: BLE001  (the reply carries whatever failed)
+                out = self._error(name, exc)
+            self._mq.send(identity, rid, *out)
+            self._answered(name, t0)
+
+        def settle(fut: Future[Any]) -> None:  # after an early answer: commit, and say if the copy failed
+            try:
+                d.finish(fut)
+            except Exception:  # noqa: BLE001  (answered already: nothing to send it to)
+                log.exception("%s: finishing a request answered before its copies ended failed", name)
+            if fut.exception() is not None:
+                log.error("%s: copies failed after the request was answered (the client was told they were "
+                          "queued; its chunks are counted as not loaded): %s", name, fut.exception())
+
         def worked(fut: Future[Any]) -> None:
             waiter = fut.result() if fut.exception() is None else None
+            if isinstance(waiter, Queued):
+                if d.early is not None:  # answer now, commit once the copies are done
+                    self._mq.call_soon(answer_early)
+                    self._waiters.submit(guarded(waiter.waiter, d.transport, f"{name} (waiter)")).add_done_callback(
+                        lambda f: self._mq.call_soon(lambda: settle(f)))
+                    return
+                waiter = waiter.waiter  # only a retrieve may be answered early: wait, then answer
             if callable(waiter):  # the copy is queued: wait for it off the instance's worker
                 self._waiters.submit(guarded(waiter, d.transport, f"{name} (waiter)")).add_done_callback(done)
             else:
                 done(fut)
 
+        if d.quick is not None and d.quick.queues_only and self.stats.in_flight == 1 and d.executor.idle():
+            # a lone request of a context whose copies only queue work: no hand-off to the
+            # worker (the lane is idle, and only this loop submits to it)
+            ran: Future[Any] = Future()
+            ran.set_running_or_notify_cancel()
+            try:
+                ran.set_result(d.work())
+            except BaseException as exc:  # noqa: BLE001  (handed on as the worker's future would)
+                ran.set_exception(exc)
+            worked(ran)
+            return
         try:
             d.executor.submit(d.work).add_done_callback(worked)
         except RuntimeError as exc:  # executor shut down: the context is being dropped
@@ -1012,7 +1058,7 @@ class CacheServer:
             out = self._commit_write(ctx, res, [], copy.seconds())
             return m.StoreResult(out.stored, present, sorted(no_space))
 
-        return _Deferred(ctx.executor, copy, finish, ctx.transport)
+        return _Deferred(ctx.executor, copy, finish, ctx.transport, quick=server_context)
 
     def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred | _Awaiting:
         ctx = self._server_driven(session, msg.instance_id)
@@ -1044,6 +1090,9 @@ class CacheServer:
                 return expired  # the client gave up on it: its blocks may be the engine's again
             return clock()
 
+        def result(gone: set[int]) -> m.RetrieveResult:
+            return m.RetrieveResult([i for i in range(len(msg.hashes)) if i not in gone], sorted(gone))
+
         def finish(fut: Future[Any]) -> m.RetrieveResult:
             copied = fut.exception() is None and fut.result() is not expired
             if ctx.instance_id in self.contexts:
@@ -1055,9 +1104,9 @@ class CacheServer:
                 log.warning("instance %d: a retrieve reached its copy %.1f s past the deadline its client "
                             "stopped waiting at: nothing copied", ctx.instance_id, time.time() - msg.deadline)
                 gone = set(range(first, len(msg.hashes)))
-            return m.RetrieveResult([i for i in range(len(msg.hashes)) if i not in gone], sorted(gone))
+            return result(gone)
 
-        return _Deferred(ctx.executor, work, finish, ctx.transport)
+        return _Deferred(ctx.executor, work, finish, ctx.transport, early=lambda: result(lost), quick=server_context)
 
     # ------------------------------------------------------------------ status, clear
 

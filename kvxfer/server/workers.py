@@ -63,6 +63,11 @@ class Lane:
             self._executor.submit(self._run_one)
         return fut
 
+    def idle(self) -> bool:
+        """Nothing queued or running (a snapshot: true until the next ``submit``)."""
+        with self._lock:
+            return not self._running and not self._closed
+
     def _run_one(self) -> None:
         with self._lock:
             fut, work = self._queue.popleft()

@@ -66,6 +66,7 @@ __all__ = [
     "RowCopy",
     "ServerContext",
     "ServerDrivenContext",
+    "Queued",
     "ServerTransport",
     "Style",
     "Transfer",
@@ -87,6 +88,24 @@ Reply = TypeVar("Reply", bound=Message)
 #: What a copy may return instead of waiting for it: a callable that returns once the copy is
 #: done and raises if it failed. The core calls it on another thread (see each style).
 Waiter = Callable[[], None]
+
+
+
+class Queued:
+    """What :meth:`ServerContext.retrieve` returns, instead of a :data:`Waiter`, when the copies
+    are queued and the request's params gave the client a way to wait for their end itself (e.g.
+    an interprocess event of the engine's that the copies record): the core then answers the
+    request at once, and runs ``waiter`` on another thread to unpin the chunks once the copies
+    are done. The client transport's :meth:`ServerDrivenContext.finish_retrieve` must wait for
+    that end before it returns. A copy that fails after the answer can no longer fail the
+    request: the server logs it and counts the chunks as not loaded. Return it only when the
+    copies are certain to end (queued on a device, nothing left that may raise)."""
+
+    __slots__ = ("waiter",)
+
+    def __init__(self, waiter: Waiter) -> None:
+        self.waiter = waiter
+
 
 #: A request's kind, as the hooks see it.
 TransferKind = Literal["store", "retrieve"]
@@ -526,7 +545,9 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
 
     def finish_retrieve(self, transfer: Transfer, params: P | None, result: RetrieveResult) -> None:
         """Runs once the server answered a retrieve, before its future resolves: place staged
-        bytes into the blocks of the chunks in ``result.loaded`` only. Default: nothing."""
+        bytes into the blocks of the chunks in ``result.loaded`` only; where the server context
+        may answer before its copies end (:class:`Queued`), wait here for their end, as ``params``
+        told the server to signal it. Default: nothing."""
 
     def release_params(self, transfer: Transfer, params: P | None) -> None:
         """Runs once after every request that reached :meth:`prepare` or got a token (answered,
@@ -553,15 +574,22 @@ class ServerContext(ABC, Generic[R, P]):
     The core makes it as ``server_context_type(registration, layout)`` on the registration's
     worker thread (the registration already validated: layout, sizes, a unique instance id);
     ``__init__`` may block (e.g. open IPC handles) and raises ``ConfigError("field: ...")`` to
-    refuse it. Then ``store``/``retrieve`` run on the same thread, one at a time, in arrival
-    order, with ``params`` decoded as ``P`` (bad params are refused before your code runs;
-    absent ones are ``P()``), and :meth:`close` once, after the last of them.
+    refuse it. Then ``store``/``retrieve`` run on the same thread (or the server's loop, see
+    :attr:`queues_only`), one at a time, in arrival order, with ``params`` decoded as ``P`` (bad
+    params are refused before your code runs; absent ones are ``P()``), and :meth:`close` once,
+    after the last of them.
     """
 
     #: ``P``, read from the class's type arguments (None when it takes no params).
     params_type: ClassVar[type[msgspec.Struct] | None] = None
     #: ``R``, read from the class's type arguments; the core checks it matches the transport's.
     registration_class: ClassVar[type[Registration]] = Registration
+    #: Set it (per instance, any time) while ``store``/``retrieve`` only queue work that runs on
+    #: a device and return at once: no blocking wait, no compilation, no file or network I/O.
+    #: A request that finds the server otherwise idle may then run on the server's loop thread
+    #: instead of this registration's worker (still one at a time, in arrival order), saving
+    #: the hand-off to the worker.
+    queues_only: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -586,9 +614,10 @@ class ServerContext(ABC, Generic[R, P]):
         Raising fails the request; its slots are dropped."""
 
     @abstractmethod
-    def retrieve(self, copies: list[RowCopy], params: P) -> Waiter | None:
+    def retrieve(self, copies: list[RowCopy], params: P) -> Waiter | Queued | None:
         """Copy arena slots into engine rows (``layer_l[rows] = slot[l]``); returns as
-        :meth:`store`."""
+        :meth:`store`, or :class:`Queued` when ``params`` let the client wait for the copies
+        itself (the answer then goes out before they end)."""
 
     def close(self) -> None:
         """Release what ``__init__`` acquired. Errors are logged, never raised to a client."""

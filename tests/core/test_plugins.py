@@ -393,8 +393,61 @@ def test_a_hook_that_raises_is_isolated(on_path: Path, tmp_path: Path) -> None:
     assert "server_stopped" in {e["event"] for e in events(log)}
 
 
+def test_a_retrieve_whose_copies_are_queued_is_answered_before_they_end(loop_client, tmp_path: Path) -> None:
+    """A server context that returns Queued (cuda_ipc, when the client gives it an event to
+    record) gets its request answered at once: the client's finish_retrieve waits for the copy,
+    the future resolves only after it, and the server keeps the chunks pinned until it ends."""
+    from kvxfer_test_transport import LoopParams
+
+    src = shared_kv(tmp_path, "q-src", seed=7)
+    dst = shared_kv(tmp_path, "q-dst", seed=8)
+    a = loop_client.register(src, model_name="queued", block_size=BLOCK_SIZE, transport="test_loop")
+    b = loop_client.register(dst, model_name="queued", block_size=BLOCK_SIZE, transport="test_loop")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="queued")
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    release = tmp_path / "release-queued"
+    os.mkfifo(release)
+    b.next_retrieves = [LoopParams(queued_until=str(release))]
+    fut = b.submit_retrieve(hashes, blocks)
+    assert b.answered.wait(30)  # answered while the copy waits for the release
+    assert not fut.done()
+    assert not torch.equal(dst[0][:, blocks], src[0][:, blocks])
+    assert loop_client.status().reservations == 1  # the chunks stay pinned until the copy ends
+    fd = os.open(release, os.O_WRONLY)
+    os.write(fd, b"x")
+    os.close(fd)
+    assert fut.result(30).loaded == [0, 1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, blocks], s[:, blocks])
+    wait_until(lambda: loop_client.status().reservations == 0, timeout=30)
+    assert next(c for c in loop_client.status().contexts if c.instance_id == b.instance_id).retrieves == 1
+    a.close()
+    b.close()
+
+
+def test_a_lone_request_of_a_context_that_only_queues_copies_runs_on_the_servers_loop(
+        loop_client, tmp_path: Path) -> None:
+    """A server context that declares queues_only has a lone request's copy called on the
+    server's loop thread (no hand-off to the worker); others, on the instance's worker."""
+    src = shared_kv(tmp_path, "quick-src", seed=9)
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="quick")
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    for model in ("quick", "slowpath"):
+        kv = loop_client.register(src, model_name=model, block_size=BLOCK_SIZE, transport="test_loop")
+        assert kv.submit_store(hashes, blocks).result(30).stored == [0, 1]
+        assert kv.submit_retrieve(hashes, blocks).result(30).loaded == [0, 1]
+        kv.close()
+    threads: dict[str, dict[str, float]] = {}
+    for s in loop_client.status().plugin_metrics:
+        if s.name == "kvxfer_test_loop_copy_threads_total":
+            threads.setdefault(s.labels["model"], {})[s.labels["thread"]] = s.value
+    assert sum(threads["quick"].values()) == 2 and sum(threads["slowpath"].values()) == 2
+    assert all(t.startswith("kvxfer-worker") for t in threads["slowpath"])
+    assert not any(t.startswith("kvxfer-worker") for t in threads["quick"])
+
+
 def test_hooks_see_the_server_stop(plugin_server, hook_log: Path) -> None:
     # last test of the module on this server: stop it and look for the hook
     plugin_server.stop()
     assert wait_until(lambda: "server_stopped" in {e["event"] for e in events(hook_log)}, timeout=10)
-

@@ -18,7 +18,9 @@ staging: the kernels read and write the pinned, mapped arena over PCIe themselve
 slower on an H200: docs/cuda_ipc.md). ``store``/``retrieve`` queue the copies and return a
 waiter for their end, which the server runs off the worker thread (the direct mode synchronizes
 on the worker); it commits and replies once the waiter returns: the reply means the copies are
-complete.
+complete. A retrieve whose params carry a ``done_event`` (the client's interprocess event) is
+answered as soon as its copies are queued instead: that event is recorded after them, and the
+client waits for it before the retrieve completes; the server still commits after its waiter.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvxfer.transport import (
     Arena,
     KVLayout,
     MetricSample,
+    Queued,
     Registration,
     RowCopy,
     ServerContext,
@@ -255,6 +258,15 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._index_buf: torch.Tensor | None = None
         #: recorded after each upload of _index_buf: its host memory is rewritten only after that
         self._index_uploaded: torch.cuda.Event | None = None
+        #: the kinds of copy that have run once (their kernels compiled, the staging made)
+        self._warm: set[bool] = set()
+
+    @property
+    def queues_only(self) -> bool:  # type: ignore[override]  # read-only here: derived from the state
+        """Once a store and a retrieve have run (kernels compiled, staging made), a staged copy
+        only queues work, as long as the last row-id upload is done (the next reuses its buffer)."""
+        return len(self._warm) == 2 and not self._direct and \
+            (self._index_uploaded is None or self._index_uploaded.query())
 
     # ------------------------------------------------------------------ opening
 
@@ -290,21 +302,23 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         out.set_(storage, t.storage_offset, t.shape, t.stride)
         return out
 
-    def _client_event(self, params: CudaIpcParams | None) -> torch.cuda.Event | None:
-        if params is None or not params.event_handle:
+    def _client_event(self, handle: bytes, field: str) -> torch.cuda.Event | None:
+        """The client's interprocess event of ``handle`` (params.``field``), opened once and
+        kept among the last _MAX_OPEN_EVENTS; None for an empty handle."""
+        if not handle:
             return None
-        ev = self._events.get(params.event_handle)
+        ev = self._events.get(handle)
         if ev is None:
             try:
-                ev = torch.cuda.Event.from_ipc_handle(self.device, params.event_handle)
+                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
             except Exception as exc:  # noqa: BLE001  (any failure to open the event refuses the request)
-                raise ConfigError(f"params.event_handle: not an interprocess CUDA event of {self.label}: "
+                raise ConfigError(f"params.{field}: not an interprocess CUDA event of {self.label}: "
                                   f"{type(exc).__name__}: {exc}") from None
-            self._events[params.event_handle] = ev
+            self._events[handle] = ev
             if len(self._events) > _MAX_OPEN_EVENTS:
                 self._events.popitem(last=False)
         else:
-            self._events.move_to_end(params.event_handle)
+            self._events.move_to_end(handle)
         return ev
 
     # ------------------------------------------------------------------ staging
@@ -354,12 +368,17 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
     # ------------------------------------------------------------------ transfers
 
     def store(self, copies: list[RowCopy], params: CudaIpcParams) -> Waiter | None:
-        return self._transfer(copies, params, write_arena=True)
+        out = self._transfer(copies, params, write_arena=True)
+        assert not isinstance(out, Queued)  # only a retrieve's done_event makes one
+        return out
 
-    def retrieve(self, copies: list[RowCopy], params: CudaIpcParams) -> Waiter | None:
+    def retrieve(self, copies: list[RowCopy], params: CudaIpcParams) -> Waiter | Queued | None:
+        """As :meth:`store`; with ``params.done_event``, that event is recorded after the copies
+        and the waiter comes as :class:`Queued`: the core answers at once, the client waits on it."""
         return self._transfer(copies, params, write_arena=False)
 
-    def _transfer(self, copies: list[RowCopy], params: CudaIpcParams | None, write_arena: bool) -> Waiter | None:
+    def _transfer(self, copies: list[RowCopy], params: CudaIpcParams | None,
+                  write_arena: bool) -> Waiter | Queued | None:
         """Queue the copies on the two streams and return a waiter for their end (the server
         waits off this worker thread, so the next request's copies queue behind these without
         the GPU going idle in between); the direct mode still synchronizes here."""
@@ -367,9 +386,12 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             return None
         t0 = time.perf_counter()
         finished: torch.cuda.Event | None = None
+        done: torch.cuda.Event | None = None
         with torch.cuda.device(self.device):
             try:
-                client = self._client_event(params)
+                client = self._client_event(params.event_handle, "event_handle") if params is not None else None
+                if not write_arena and params is not None:
+                    done = self._client_event(params.done_event, "done_event")
                 if client is not None:
                     self._compute.wait_event(client)  # the engine's work before the submit
                 if not (self._direct and self._direct_copy(copies, write_arena)):
@@ -378,6 +400,9 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
                         finished = self._store(copies, self._upload_rows(copies))
                     else:
                         finished = self._retrieve(copies)
+                if done is not None:
+                    done.record(self._compute)  # after the scatters (the direct mode: after its sync)
+                self._warm.add(write_arena)
             except BaseException:
                 torch.cuda.synchronize(self.device)  # leave no copy running into reused buffers
                 raise
@@ -393,7 +418,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         if finished is None:
             wait()
             return None
-        return wait
+        return Queued(wait) if done is not None else wait
 
     def _direct_copy(self, copies: list[RowCopy], write_arena: bool) -> bool:
         """One kernel per chunk between the engine's blocks and the slot's layers in host memory.

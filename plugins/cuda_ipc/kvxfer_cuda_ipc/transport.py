@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -18,6 +19,7 @@ from kvxfer.transport import (
     Capabilities,
     Probe,
     Registration,
+    RetrieveResult,
     ServerDrivenContext,
     ServerTransport,
     Transfer,
@@ -84,6 +86,11 @@ class CudaIpcParams(msgspec.Struct, frozen=True, kw_only=True):
     #: IPC handle of an interprocess event the client recorded on the engine's current stream
     #: when it submitted the request; the server's copies wait on it. Empty: no wait.
     event_handle: bytes = b""
+    #: Retrieves: IPC handle of an interprocess event of the client's that the server records
+    #: after the request's copies. The server may then answer as soon as the copies are queued,
+    #: and the client waits for this event before the retrieve is complete. Empty: the server
+    #: answers once the copies are done.
+    done_event: bytes = b""
 
 
 # --------------------------------------------------------------------------- CUDA helpers
@@ -115,6 +122,13 @@ def device_label(index: int) -> str:
 
 
 # --------------------------------------------------------------------------- client side
+
+
+#: How often finish_retrieve looks at a retrieve's done event (the sleep releases the GIL; Linux
+#: wakes the thread ~50 us later than asked).
+_DONE_POLL_S = 20e-6
+#: Longest finish_retrieve waits for the copies when the connection has no timeout.
+_DONE_WAIT_S = 60.0
 
 
 class _EventPool:
@@ -153,6 +167,18 @@ class _EventPool:
             self._handles[id(ev)] = h
         return h
 
+    def acquire_shared(self) -> tuple[torch.cuda.Event, bytes]:
+        """An event and its IPC handle, for the server to record (a new one is recorded once on
+        the current stream first: only a recorded event has a handle)."""
+        import torch
+
+        with self._lock:
+            ev = self._free.pop() if self._free else None
+        if ev is None:
+            ev = self.acquire()
+            ev.record(torch.cuda.current_stream(self.device))
+        return ev, self.handle(ev)
+
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
@@ -189,6 +215,9 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
         self.device_name = f"cuda:{index} {torch.cuda.get_device_name(index)}"
         self._shared = self._share_layers()
         self._events = _EventPool(self.device)
+        #: retrieves in flight: the IPC handle of each one's done event -> the event
+        self._done: dict[bytes, torch.cuda.Event] = {}
+        self._done_lock = threading.Lock()
 
     # ------------------------------------------------------------------ registration
 
@@ -236,13 +265,42 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
         return ev
 
     def prepare(self, transfer: Transfer) -> CudaIpcParams:
-        return CudaIpcParams(event_handle=self._events.handle(transfer.token))
+        """The submit's event; a retrieve also gets an event for the server to record after its
+        copies, so that the server answers once they are queued (see :meth:`finish_retrieve`)."""
+        event = self._events.handle(transfer.token)
+        if transfer.kind != "retrieve":
+            return CudaIpcParams(event_handle=event)
+        done, handle = self._events.acquire_shared()
+        with self._done_lock:
+            self._done[handle] = done
+        return CudaIpcParams(event_handle=event, done_event=handle)
+
+    def finish_retrieve(self, transfer: Transfer, params: CudaIpcParams | None, result: RetrieveResult) -> None:
+        """Wait for the server's copies: it may answer once they are queued, having recorded the
+        request's ``done_event`` after them (a server that answered after its copies recorded it
+        before, or never: then the event is complete already). Polled, so that a server that dies
+        mid-copy costs at most the client's timeout, not a wait forever."""
+        done = self._done.get(params.done_event) if params is not None and params.done_event else None
+        if done is None or done.query():
+            return
+        limit = float(self.connection.timeout or 0.0) or _DONE_WAIT_S
+        deadline = time.monotonic() + limit
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server's copies of a retrieve did not end within {limit:.0f} s "
+                                   "of its answer (the server may have failed mid-copy)")
+            time.sleep(_DONE_POLL_S)
 
     def release_params(self, transfer: Transfer, params: CudaIpcParams | None) -> None:
-        """The server has answered (or the request failed): the event goes back to the pool (a
+        """The server has answered (or the request failed): the events go back to the pool (a
         layer-wise store that never got its last layer has none)."""
         if transfer.token is not None:
             self._events.release(transfer.token)
+        if params is not None and params.done_event:
+            with self._done_lock:
+                done = self._done.pop(params.done_event, None)
+            if done is not None:
+                self._events.release(done)
 
     def release(self) -> None:
         """After unregister (the server closed its mappings): drop events and export records."""
