@@ -211,7 +211,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     a = st.arena
     print(f"kvxfer {st.server_version} (protocol {st.protocol_version}) at {st.url}, pid {st.pid}, "
-          f"up {st.uptime_s:.0f} s, chunk size {st.chunk_size}, {st.sessions} sessions")
+          f"up {st.uptime_s:.0f} s, chunk size {st.chunk_size}, {st.sessions} session{'' if st.sessions == 1 else 's'}")
     print(f"arena: {format_bytes(a.used)} of {format_bytes(a.capacity)} used, {a.chunks} chunks, "
           f"{a.free_extents} free extents (largest {format_bytes(a.largest_free)}), {a.evictions} evictions; {a.path}")
     rate = f"{100 * st.lookup_hits / st.lookup_chunks:.1f}%" if st.lookup_chunks else "-"

@@ -112,7 +112,7 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     head = Text()
     head.append(f"kvxfer {st.server_version}", style="bold")
     head.append(f"  {st.url}  pid {st.pid}  up {_uptime(st.uptime_s)}  chunk {st.chunk_size} tokens  "
-                f"{st.sessions} sessions  {st.requests_in_flight} in flight")
+                f"{st.sessions} session{'' if st.sessions == 1 else 's'}  {st.requests_in_flight} in flight")
     if live:
         head.append("  (q quits)", style="dim")
     parts.append(head)

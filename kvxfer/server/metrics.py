@@ -444,8 +444,7 @@ class MetricsExporter:
         self.host = host
         self.port = int(self._httpd.server_port)
         shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{self.port}/metrics"
-        log.info("metrics at %s", self.url)
+        self.url = f"http://{shown}:{self.port}/metrics"  # `kvxfer serve` prints it in its ready line
 
     def close(self) -> None:
         self.collector.closed = True
