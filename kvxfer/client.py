@@ -31,6 +31,7 @@ from kvxfer.errors import (
     ConfigError,
     ConnectionFailed,
     InvalidRequest,
+    KvxferError,
     NoSession,
     RequestTimeout,
     TransportNotFound,
@@ -49,6 +50,9 @@ if TYPE_CHECKING:  # loaded by register(): a client that only looks up or report
 Reply = TypeVar("Reply", bound=m.Message)
 
 __all__ = ["CacheClient"]
+
+#: Longest close() waits for the server to acknowledge the end of the session.
+_GOODBYE_S = 1.0
 
 
 class CacheClient:
@@ -277,9 +281,15 @@ class CacheClient:
         return self.request(m.Ping()).server_time
 
     def close(self) -> None:
-        """Close every context registered through this client, then the connection."""
+        """Close every context registered through this client, end the session (so the server
+        frees what it held at once, not after its session timeout), then the connection."""
         for ctx in list(self._contexts):
             ctx.close()
+        try:
+            if ipc_server_ready(self.url):  # (a stopped server's ipc socket is gone: nobody to tell)
+                self.request(m.Goodbye(), timeout=min(_GOODBYE_S, float(self.timeout or _GOODBYE_S)))
+        except (KvxferError, ConnectionError, TimeoutError):
+            pass  # gone already, or a server without goodbye: its session times out instead
         self._mq.close()
         if self._liveness is not None:
             self._liveness.release()

@@ -89,6 +89,11 @@ class Pong(Message, frozen=True):
     server_time: float
 
 
+class Goodbye(Request["Empty"], frozen=True):
+    """The client is closing: the server ends its session now, as when it times out (its
+    registrations, reservations and leases go), instead of ``session_timeout_s`` later."""
+
+
 class Empty(Message, frozen=True):
     """A reply with nothing to say but success."""
 

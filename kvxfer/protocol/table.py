@@ -47,6 +47,7 @@ REQUESTS: Final[dict[str, RequestSpec]] = _specs(
     RequestSpec("handshake", m.Handshake, m.HandshakeReply, C,
                 "First request of a connection; checks protocol versions, opens a session."),
     RequestSpec("ping", m.Ping, m.Pong, C, "Liveness; also the client's heartbeat."),
+    RequestSpec("goodbye", m.Goodbye, m.Empty, C, "The client is closing: end its session now."),
     RequestSpec("register", m.Register, m.RegisterReply, T,
                 "Register one KV cache through a transport."),
     RequestSpec("unregister", m.Unregister, m.Empty, T,

@@ -759,6 +759,10 @@ class CacheServer:
 
     # ------------------------------------------------------------------ control requests
 
+    def _on_goodbye(self, session: Session, msg: m.Goodbye) -> m.Empty:
+        self._drop_session(session.identity, "closed by the client")
+        return m.Empty()
+
     def _on_ping(self, session: Session, msg: m.Ping) -> m.Pong:
         return m.Pong(time.time())
 

@@ -28,6 +28,7 @@ EXAMPLES: dict[str, tuple[msgspec.Struct, msgspec.Struct]] = {
         m.HandshakeReply(1, "0.1.0", 256, ["cpu_gather"], "/dev/shm/a", 1 << 20, 1.0, 3.0, 16 << 20),
     ),
     "ping": (m.Ping(), m.Pong(123.5)),
+    "goodbye": (m.Goodbye(), m.Empty()),
     "register": (
         m.Register("cpu_gather", msgspec.Raw(codec.encode(m.Registration(
             instance_id=7, model_name="m", world_size=2, rank=1, layout="flash_attn", num_layers=4,

@@ -99,6 +99,19 @@ def test_clear(client) -> None:
     kv.close()
 
 
+def test_a_client_that_closes_ends_its_session_at_once(server, client) -> None:
+    """close() says goodbye: the server drops the session (and its registrations) right away,
+    not after its session timeout, and says why in its log."""
+    before = client.status().sessions
+    other = CacheClient(server.url, name="goodbye-test")
+    other.register(flash_attn_kv(), model_name="goodbye", block_size=BLOCK_SIZE, transport="cpu_gather")
+    assert client.status().sessions == before + 1
+    other.close()
+    st = client.status()  # answered after the goodbye: the same loop handled that first
+    assert st.sessions == before and not [c for c in st.contexts if c.model_name == "goodbye"]
+    assert "(goodbye-test) ended (closed by the client)" in server.log()
+
+
 def test_socket_and_arena_are_private(server, client) -> None:
     sock = Path(server.url.removeprefix("ipc://"))
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600
