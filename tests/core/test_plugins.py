@@ -152,6 +152,33 @@ def shared_kv(tmp_path: Path, name: str, num_blocks: int = 32, seed: int = 0) ->
     return layers
 
 
+def fifo(tmp_path: Path, name: str) -> Path:
+    """A FIFO for LoopParams' hold_until / queued_until: the server's copy waits on it."""
+    path = tmp_path / name
+    os.mkfifo(path)
+    return path
+
+
+def release(path: Path) -> None:
+    """Let the server's copy waiting on ``path`` go on (it has the FIFO open for reading)."""
+    fd = os.open(path, os.O_WRONLY)
+    os.write(fd, b"x")
+    os.close(fd)
+
+
+def stored_pair(client: CacheClient, tmp_path: Path, name: str, seed: int):
+    """Two test_loop contexts of model ``name`` (source, destination) and two chunks stored
+    from the source: (src layers, dst layers, source ctx, destination ctx, hashes, blocks)."""
+    src = shared_kv(tmp_path, f"{name}-src", seed=seed)
+    dst = shared_kv(tmp_path, f"{name}-dst", seed=seed + 1)
+    a = client.register(src, model_name=name, block_size=BLOCK_SIZE, transport="test_loop")
+    b = client.register(dst, model_name=name, block_size=BLOCK_SIZE, transport="test_loop")
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=name)
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    return src, dst, a, b, hashes, blocks
+
+
 def test_a_server_loads_production_transports_unless_others_are_named(on_path: Path, plugin_server) -> None:
     """Without --transports: every installed production transport that can run here, none of the
     others (test_loop and the example file_debug are not meant for production), broken ones
@@ -253,24 +280,21 @@ def test_control_requests_run_inline_while_a_transfer_runs(loop_client, tmp_path
     blocks = list(range(BLOCKS_PER_CHUNK))
     order: list[str] = []
     lock = threading.Lock()
-    release = tmp_path / "release"
-    os.mkfifo(release)
+    gate = fifo(tmp_path, "release")
 
     def store(i: int, params: LoopParams):
         fut = loop_client.submit(m.Store(kv.instance_id, [hashes[i]], blocks, msgspec_raw(params)))
         fut.add_done_callback(lambda f: (lock.acquire(), order.append(f"store{i}"), lock.release()))
         return fut
 
-    held = store(0, LoopParams(hold_until=str(release)))  # held at the server until we release it
+    held = store(0, LoopParams(hold_until=str(gate)))  # held at the server until we release it
     behind = store(1, LoopParams())  # same instance: must wait for the held one
     # control requests are answered while the held store occupies the instance's worker
     assert loop_client.ping() > 0
     assert loop_client.lookup("slow", hashes=hashes) == 0
     assert loop_client.status().sessions >= 1
     assert not held.done() and not behind.done()
-    fd = os.open(release, os.O_WRONLY)  # the server's store has it open for reading
-    os.write(fd, b"x")
-    os.close(fd)
+    release(gate)
     assert held.result(30).stored == [0] and behind.result(30).stored == [0]
     assert order == ["store0", "store1"]
     assert loop_client.lookup("slow", hashes=hashes[:2]) == 2
@@ -310,24 +334,15 @@ def test_a_layerwise_retrieve_of_a_server_driven_transport_is_one_request_per_ra
     from kvxfer_test_transport import LoopParams
 
     assert "retrieve_layers" in loop_client.features
-    src = shared_kv(tmp_path, "lw-src", seed=3)
-    dst = shared_kv(tmp_path, "lw-dst", seed=4)
-    a = loop_client.register(src, model_name="lw", block_size=BLOCK_SIZE, transport="test_loop")
-    b = loop_client.register(dst, model_name="lw", block_size=BLOCK_SIZE, transport="test_loop")
-    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw")
-    blocks = list(range(2 * BLOCKS_PER_CHUNK))
-    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
-    release = tmp_path / "release-lw"
-    os.mkfifo(release)
-    b.next_retrieves = [LoopParams(), LoopParams(hold_until=str(release))]
+    src, dst, a, b, hashes, blocks = stored_pair(loop_client, tmp_path, "lw", seed=3)
+    gate = fifo(tmp_path, "release-lw")
+    b.next_retrieves = [LoopParams(), LoopParams(hold_until=str(gate))]
     fut = b.submit_retrieve(hashes, blocks, by_layer=True)
     fut.wait_layer(0, timeout=30)
     assert torch.equal(dst[0][:, blocks], src[0][:, blocks])
     assert not fut.layer_landed(1) and not fut.done()
     assert not torch.equal(dst[1][:, blocks], src[1][:, blocks])
-    fd = os.open(release, os.O_WRONLY)
-    os.write(fd, b"x")
-    os.close(fd)
+    release(gate)
     assert fut.result(30).loaded == [0, 1]
     assert torch.equal(dst[1][:, blocks], src[1][:, blocks])
     assert loop_client.status().reservations == 0
@@ -399,24 +414,15 @@ def test_a_retrieve_whose_copies_are_queued_is_answered_before_they_end(loop_cli
     the future resolves only after it, and the server keeps the chunks pinned until it ends."""
     from kvxfer_test_transport import LoopParams
 
-    src = shared_kv(tmp_path, "q-src", seed=7)
-    dst = shared_kv(tmp_path, "q-dst", seed=8)
-    a = loop_client.register(src, model_name="queued", block_size=BLOCK_SIZE, transport="test_loop")
-    b = loop_client.register(dst, model_name="queued", block_size=BLOCK_SIZE, transport="test_loop")
-    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="queued")
-    blocks = list(range(2 * BLOCKS_PER_CHUNK))
-    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
-    release = tmp_path / "release-queued"
-    os.mkfifo(release)
-    b.next_retrieves = [LoopParams(queued_until=str(release))]
+    src, dst, a, b, hashes, blocks = stored_pair(loop_client, tmp_path, "queued", seed=7)
+    gate = fifo(tmp_path, "release-queued")
+    b.next_retrieves = [LoopParams(queued_until=str(gate))]
     fut = b.submit_retrieve(hashes, blocks)
     assert b.answered.wait(30)  # answered while the copy waits for the release
     assert not fut.done()
     assert not torch.equal(dst[0][:, blocks], src[0][:, blocks])
     assert loop_client.status().reservations == 1  # the chunks stay pinned until the copy ends
-    fd = os.open(release, os.O_WRONLY)
-    os.write(fd, b"x")
-    os.close(fd)
+    release(gate)
     assert fut.result(30).loaded == [0, 1]
     for s, d in zip(src, dst):
         assert torch.equal(d[:, blocks], s[:, blocks])
