@@ -48,6 +48,8 @@ class Lane:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._running = False
+        #: The running item's work has returned (its future is being resolved).
+        self._finishing = False
         self._closed = False
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -64,9 +66,10 @@ class Lane:
         return fut
 
     def idle(self) -> bool:
-        """Nothing queued or running (a snapshot: true until the next ``submit``)."""
+        """Nothing queued, and no work running: none started, or the last one has returned and
+        only its future is being resolved (a snapshot: true until the next ``submit``)."""
         with self._lock:
-            return not self._running and not self._closed
+            return not self._closed and not self._queue and (not self._running or self._finishing)
 
     def _run_one(self) -> None:
         with self._lock:
@@ -75,16 +78,23 @@ class Lane:
             try:
                 result = work()
             except BaseException as exc:  # noqa: BLE001 -- handed to the caller through its future
+                self._finished()
                 fut.set_exception(exc)
             else:
+                self._finished()
                 fut.set_result(result)
         with self._lock:
+            self._finishing = False
             more = bool(self._queue)
             if not more:
                 self._running = False
                 self._idle.notify_all()
         if more:  # back of the pool's queue: other lanes get their turn
             self._executor.submit(self._run_one)
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._finishing = True
 
     def shutdown(self, wait: bool = True) -> None:
         """Take no more work; with ``wait``, return once the work already queued has run."""

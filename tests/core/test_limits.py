@@ -128,6 +128,29 @@ def test_a_lane_runs_one_item_at_a_time_and_shutdown_waits_for_it() -> None:
     pool.shutdown()
 
 
+def test_a_lane_is_idle_once_its_work_has_returned() -> None:
+    """idle() (the server may then run a lone request on its loop): false while an item runs
+    or waits, true from the moment the last item's work returned, callbacks of its future
+    included (they send the reply that the next request follows)."""
+    pool = WorkerPool(2)
+    lane = pool.lane()
+    assert lane.idle()
+    first_go, second_go = threading.Event(), threading.Event()
+    seen: list[tuple[str, bool]] = []
+    first = lane.submit(first_go.wait, 30)
+    second = lane.submit(lambda: (second_go.wait(30), seen.append(("running", lane.idle()))))
+    second.add_done_callback(lambda _f: seen.append(("callback", lane.idle())))  # runs on the worker
+    assert not lane.idle()  # one running, one queued
+    first_go.set()
+    first.result(30)
+    second_go.set()
+    second.result(30)
+    lane.shutdown(wait=True)
+    assert seen == [("running", False), ("callback", True)]
+    assert not lane.idle()  # shut down: takes nothing
+    pool.shutdown()
+
+
 @pytest.mark.parametrize(("kwargs", "option"), [
     ({"session_timeout_s": math.nan}, "--session-timeout"),  # no session would ever time out
     ({"session_timeout_s": math.inf}, "--session-timeout"),
