@@ -57,13 +57,13 @@ def set_thread_intra_op_threads(n: int) -> None:
     the process's default, which threads take at their first use of torch, as it was.
 
     Calls ``torch._C.set_num_threads``, torch's own setter: vLLM's CPU worker replaces
-    ``torch.set_num_threads`` with a no-op that logs a warning (it binds its OpenMP threads to
-    cores). A copy left on the default count forks an OpenMP team of its own beside the
-    engine's, and with more OpenMP threads in the process than CPUs, libgomp stops spinning at
-    its barriers: every parallel region of the engine's forward pass then puts its threads to
-    sleep and wakes them, for as long as the process lives (measured with vLLM's CPU backend on
-    2 cores: decode steps 9.0 ms instead of 6.5 ms after the first load). torch's setter also
-    makes ``n`` the process's default; a short-lived thread sets that back.
+    ``torch.set_num_threads`` with a no-op that logs a warning. A copy left on the default count
+    forks an OpenMP team of its own beside the engine's, and with more OpenMP threads in the
+    process than CPUs, libgomp stops spinning at its barriers: every parallel region of the
+    engine's forward pass then puts its threads to sleep and wakes them, for as long as the
+    process lives (measured with vLLM's CPU backend on 2 cores: decode steps 9.0 ms instead of
+    6.5 ms after the first load). torch's setter also makes ``n`` the process's default; a
+    short-lived thread sets that back.
     """
     import torch
 
