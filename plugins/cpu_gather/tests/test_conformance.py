@@ -89,6 +89,7 @@ class TestCpuGather(TransportConformance):
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)
         seen: list[int] = []
+
         def recorded(copy):  # type: ignore[no-untyped-def]
             def recording(copies, transfer):  # type: ignore[no-untyped-def]
                 out = copy(copies, transfer)
