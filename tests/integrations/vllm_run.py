@@ -11,6 +11,11 @@ and vLLM's
 for it, and its wall time. Runs the
 engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller) to start fast.
 
+``"record_copy_threads": true`` records, as ``"copy_threads"``, the intra-op thread counts
+cpu_gather's copies ran with (``torch.get_num_threads()`` on the copying thread, wrapped around
+``CpuGatherContext.gather``/``scatter``), and as ``"engine_threads"`` the count of vLLM's own thread
+and of a thread started afresh, before the first batch and after the last.
+
 A fault, for failed-load tests: ``"stall": {"pid": PID, "batch": I}`` stops process PID (the
 kvxfer server) with SIGSTOP the moment vLLM's scheduler has planned the first load of batch I
 (after the lookup that found the chunks, before the worker's load), and resumes it with SIGCONT
@@ -65,6 +70,37 @@ class _Stall:
             self.stopped = False
 
 
+def _record_copy_threads() -> list[int]:
+    """Wrap cpu_gather's copies to note the intra-op thread count each ran with."""
+    import torch
+    from kvxfer_cpu_gather import CpuGatherContext
+
+    seen: list[int] = []
+    for name in ("gather", "scatter"):
+        copy = getattr(CpuGatherContext, name)
+
+        def recording(ctx: Any, copies: Any, transfer: Any, copy: Any = copy) -> Any:
+            out = copy(ctx, copies, transfer)
+            seen.append(torch.get_num_threads())
+            return out
+
+        setattr(CpuGatherContext, name, recording)
+    return seen
+
+
+def _engine_threads() -> dict[str, int]:
+    """Intra-op threads of this (vLLM's) thread, and of a thread that first uses torch now."""
+    import threading
+
+    import torch
+
+    fresh: list[int] = []
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return {"vllm": torch.get_num_threads(), "fresh": fresh[0]}
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM, SamplingParams
@@ -95,6 +131,9 @@ def main(spec_path: str) -> None:
     stat_log.addHandler(handler)
     stat_log.setLevel(logging.DEBUG)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8))
+    copy_threads = _record_copy_threads() if spec.get("record_copy_threads") else None
+    if copy_threads is not None:
+        result["engine_threads"] = {"before": _engine_threads()}
     stall = _Stall(spec["stall"]["pid"]) if spec.get("stall") else None
     for i, batch in enumerate(spec["batches"]):
         before = _counters(llm)
@@ -119,6 +158,9 @@ def main(spec_path: str) -> None:
             "wall_s": wall,
             "kv_transfer_log": [line for line in transfer_log if line.startswith("KV Transfer metrics:")],
         })
+    if copy_threads is not None:
+        result["copy_threads"] = copy_threads
+        result["engine_threads"]["after"] = _engine_threads()
     with open(spec["out"], "w") as f:
         json.dump(result, f)
 

@@ -26,7 +26,8 @@ from kvxfer.transport import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "THREADS_ENV", "copy_threads"]
+__all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "THREADS_ENV", "copy_threads",
+           "set_thread_intra_op_threads"]
 
 #: Intra-op threads of the copies on the context's worker thread (see :func:`copy_threads`).
 THREADS_ENV: Final = "KVXFER_CPU_GATHER_THREADS"
@@ -51,6 +52,30 @@ def copy_threads() -> int | None:
     return n
 
 
+def set_thread_intra_op_threads(n: int) -> None:
+    """Give the calling thread ``n`` intra-op threads (torch's setting is per thread), and leave
+    the process's default, which threads take at their first use of torch, as it was.
+
+    Calls ``torch._C.set_num_threads``, torch's own setter: vLLM's CPU worker replaces
+    ``torch.set_num_threads`` with a no-op that logs a warning. A copy left on the default count
+    forks an OpenMP team of its own beside the engine's, and with more OpenMP threads in the
+    process than CPUs, libgomp stops spinning at its barriers: every parallel region of the
+    engine's forward pass then puts its threads to sleep and wakes them, for as long as the
+    process lives (measured with vLLM's CPU backend on 2 cores: decode steps 9.0 ms instead of
+    6.5 ms after the first load). torch's setter also makes ``n`` the process's default; a
+    short-lived thread sets that back.
+    """
+    import torch
+
+    set_threads = torch._C.set_num_threads
+    default = torch.get_num_threads()  # this thread's count, taken from the default at its first use of torch
+    set_threads(n)
+    if n != default:
+        restore = threading.Thread(target=set_threads, args=(default,), name="kvxfer-threads-default")
+        restore.start()
+        restore.join()
+
+
 class CpuGatherRegistration(Registration, frozen=True, kw_only=True):
     """Scalars only: the core's identity and layout fields, plus the tensors' device type."""
 
@@ -63,11 +88,11 @@ class CpuGatherContext(ClientDrivenContext):
 
     The copies of host tensors run on the context's worker thread with ``copy_threads`` intra-op
     threads (:func:`copy_threads`: ``$KVXFER_CPU_GATHER_THREADS``; by default one on small hosts,
-    torch's own count on larger ones; torch's setting is per thread, so the engine's own threads
-    keep theirs). One chunk is one ``index_select``/``index_put_`` of about a MiB per layer: with
-    two threads each call forks and joins, which on a busy 2-core host made the copy 3-4x slower
-    than on one thread (measured 2.9 vs 10.3 GB/s into the arena), while one thread copies at
-    0.65-0.77x of a one-thread memcpy.
+    torch's own count on larger ones; set by :func:`set_thread_intra_op_threads`, so the engine's
+    own threads keep theirs, under vLLM too). One chunk is one ``index_select``/``index_put_`` of
+    about a MiB per layer: with two threads each call forks and joins, which on a busy 2-core
+    host made the copy 3-4x slower than on one thread (measured 2.9 vs 10.3 GB/s into the
+    arena), while one thread copies at 0.65-0.77x of a one-thread memcpy.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -89,9 +114,7 @@ class CpuGatherContext(ClientDrivenContext):
     def _use_copy_threads(self) -> None:
         """Set this thread's intra-op thread count for the copies (once per thread)."""
         if self.copy_threads is not None and not getattr(self._threads_set, "done", False):
-            import torch
-
-            torch.set_num_threads(self.copy_threads)
+            set_thread_intra_op_threads(self.copy_threads)
             self._threads_set.done = True
 
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:

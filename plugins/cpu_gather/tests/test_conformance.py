@@ -65,6 +65,46 @@ class TestCpuGather(TransportConformance):
         assert kit.store(ctx, kit.keys(1), kit.blocks(spec, 1)).stored == [0]
         assert seen == [3] and torch.get_num_threads() == mine
 
+    def test_copies_keep_their_threads_where_torch_set_num_threads_is_a_no_op(
+            self, kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+        """vLLM's CPU worker replaces torch.set_num_threads with a no-op: the copies (stores and
+        loads) still run on KVXFER_CPU_GATHER_THREADS threads, and a thread that first uses
+        torch after them still starts with the process's default count."""
+        import threading
+
+        import torch
+
+        def first_use() -> int:  # a fresh thread's count: the process's default
+            out: list[int] = []
+            t = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+            t.start()
+            t.join()
+            return out[0]
+
+        default = first_use()
+        copies = 2 if default == 1 else 1
+        monkeypatch.setenv("KVXFER_CPU_GATHER_THREADS", str(copies))
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        seen: list[int] = []
+
+        def recorded(copy):  # type: ignore[no-untyped-def]
+            def recording(copies, transfer):  # type: ignore[no-untyped-def]
+                out = copy(copies, transfer)
+                seen.append(torch.get_num_threads())
+                return out
+            return recording
+
+        for name in ("gather", "scatter"):
+            monkeypatch.setattr(ctx, name, recorded(getattr(ctx, name)))
+        keys, blocks = kit.keys(1), kit.blocks(spec, 1)
+        assert kit.store(ctx, keys, blocks).stored == [0]
+        assert kit.retrieve(ctx, keys, blocks).loaded == [0]
+        assert seen == [copies, copies]
+        assert first_use() == default
+
     def test_a_bad_thread_count_is_refused_at_registration(self, kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
         from kvxfer import ConfigError
 
