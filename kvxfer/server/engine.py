@@ -582,13 +582,16 @@ class CacheServer:
             self._answered(name, t0)
 
         def settle(fut: Future[Any]) -> None:  # after an early answer: commit, and say if the copy failed
+            failed = fut.exception()
+            if failed is not None:  # finish() unpins, then raises it again: said once, here
+                log.error("%s: copies failed after the request was answered (the client was told they were "
+                          "queued; its chunks are counted as not loaded): %s", name, failed,
+                          exc_info=failed.__cause__ or failed)
             try:
                 d.finish(fut)
-            except Exception:  # noqa: BLE001  (answered already: nothing to send it to)
-                log.exception("%s: finishing a request answered before its copies ended failed", name)
-            if fut.exception() is not None:
-                log.error("%s: copies failed after the request was answered (the client was told they were "
-                          "queued; its chunks are counted as not loaded): %s", name, fut.exception())
+            except Exception as exc:  # noqa: BLE001  (answered already: nothing to send it to)
+                if exc is not failed:
+                    log.exception("%s: finishing a request answered before its copies ended failed", name)
 
         def wait_off(waiter: Callable[[], None], then: Callable[[Future[Any]], None]) -> None:
             # off the instance's worker; the context's close waits for it (d.waiting)

@@ -500,6 +500,29 @@ def test_a_server_context_is_closed_only_after_its_queued_copies_end(loop_client
     b.close()
 
 
+def test_a_queued_copy_that_fails_after_the_answer_is_logged_once_and_unpins(
+        loop_client, plugin_server, tmp_path: Path) -> None:
+    """A Queued copy that raises after its request was answered cannot fail the request any
+    more: the server logs the failure once, as such (not as a failure of its own bookkeeping),
+    and still unpins the chunks."""
+    from kvxfer_test_transport import LoopParams
+
+    src, dst, a, b, hashes, blocks = stored_pair(loop_client, tmp_path, "queued-fail", seed=15)
+    gate = fifo(tmp_path, "release-queued-fail")
+    b.next_retrieves = [LoopParams(queued_until=str(gate), fail=True)]
+    fut = b.submit_retrieve(hashes, blocks)
+    assert b.answered.wait(30)
+    release(gate)
+    assert fut.result(30).loaded == [0, 1]  # told before the copy failed
+    wait_until(lambda: loop_client.status().reservations == 0, timeout=30)
+    wait_until(lambda: "queued copy failed on purpose" in plugin_server.log(), timeout=30)
+    log = plugin_server.log()
+    assert log.count("copies failed after the request was answered") == 1
+    assert "finishing a request answered before its copies ended failed" not in log
+    a.close()
+    b.close()
+
+
 def test_hooks_see_the_server_stop(plugin_server, hook_log: Path) -> None:
     # last test of the module on this server: stop it and look for the hook
     plugin_server.stop()
