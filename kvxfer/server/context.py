@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ class RegisteredContext:
     owner: Any = field(default=None, repr=False)
     stores: int = 0
     retrieves: int = 0
+    #: Waiters of its transfers still waiting for their copies (added by the thread that queues
+    #: them, removed by the waiter's thread): the server context closes only after they end.
+    waiting: set[Future[Any]] = field(default_factory=set, repr=False)
     chunk: ChunkDescription = field(init=False)
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
@@ -112,20 +113,22 @@ class _Deferred:
     (for the error boundary around a waiter it returns). ``early`` (retrieves): the reply to send
     as soon as ``work`` returns :class:`Queued` (the client waits for the copies itself);
     ``finish`` then still runs once the copies are done, and its reply is dropped. ``quick``:
-    the server context of ``work`` only queues copies (:attr:`ServerContext.queues_only`), so
-    that a lone request's ``work`` may run on the loop itself."""
+    the server context of ``work``, which may only queue copies (:attr:`ServerContext.queues_only`),
+    so that a lone request's ``work`` may run on the loop itself. ``waiting``: the context's
+    waiters still running (:attr:`RegisteredContext.waiting`), which its close waits for."""
 
-    __slots__ = ("executor", "work", "finish", "transport", "early", "quick")
+    __slots__ = ("executor", "work", "finish", "transport", "early", "quick", "waiting")
 
     def __init__(self, executor: Lane, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct],
                  transport: str = "", early: Callable[[], msgspec.Struct] | None = None,
-                 quick: ServerContext[Any, Any] | None = None) -> None:
+                 quick: ServerContext[Any, Any] | None = None, waiting: set[Future[Any]] | None = None) -> None:
         self.executor = executor
         self.work = work
         self.finish = finish
         self.transport = transport
         self.early = early
         self.quick = quick
+        self.waiting = waiting
 
 
 def _invalid(field_name: str, message: str) -> InvalidRequest:
@@ -579,29 +582,39 @@ class CacheServer:
             self._answered(name, t0)
 
         def settle(fut: Future[Any]) -> None:  # after an early answer: commit, and say if the copy failed
+            failed = fut.exception()
+            if failed is not None:  # finish() unpins, then raises it again: said once, here
+                log.error("%s: copies failed after the request was answered (the client was told they were "
+                          "queued; its chunks are counted as not loaded): %s", name, failed,
+                          exc_info=failed.__cause__ or failed)
             try:
                 d.finish(fut)
-            except Exception:  # noqa: BLE001  (answered already: nothing to send it to)
-                log.exception("%s: finishing a request answered before its copies ended failed", name)
-            if fut.exception() is not None:
-                log.error("%s: copies failed after the request was answered (the client was told they were "
-                          "queued; its chunks are counted as not loaded): %s", name, fut.exception())
+            except Exception as exc:  # noqa: BLE001  (answered already: nothing to send it to)
+                if exc is not failed:
+                    log.exception("%s: finishing a request answered before its copies ended failed", name)
+
+        def wait_off(waiter: Callable[[], None], then: Callable[[Future[Any]], None]) -> None:
+            # off the instance's worker; the context's close waits for it (d.waiting)
+            waited = self._waiters.submit(guarded(waiter, d.transport, f"{name} (waiter)"))
+            if d.waiting is not None:
+                d.waiting.add(waited)
+                waited.add_done_callback(d.waiting.discard)
+            waited.add_done_callback(then)
 
         def worked(fut: Future[Any]) -> None:
             waiter = fut.result() if fut.exception() is None else None
             if isinstance(waiter, Queued):
                 if d.early is not None:  # answer now, commit once the copies are done
                     self._mq.call_soon(answer_early)
-                    self._waiters.submit(guarded(waiter.waiter, d.transport, f"{name} (waiter)")).add_done_callback(
-                        lambda f: self._mq.call_soon(lambda: settle(f)))
+                    wait_off(waiter.waiter, lambda f: self._mq.call_soon(lambda: settle(f)))
                     return
                 waiter = waiter.waiter  # only a retrieve may be answered early: wait, then answer
             if callable(waiter):  # the copy is queued: wait for it off the instance's worker
-                self._waiters.submit(guarded(waiter, d.transport, f"{name} (waiter)")).add_done_callback(done)
+                wait_off(waiter, done)
             else:
                 done(fut)
 
-        if d.quick is not None and d.quick.queues_only and self.stats.in_flight == 1 and d.executor.idle():
+        if self.stats.in_flight == 1 and d.executor.idle() and self._queues_only(d):
             # a lone request of a context whose copies only queue work: no hand-off to the
             # worker (the lane is idle, and only this loop submits to it)
             ran: Future[Any] = Future()
@@ -617,6 +630,19 @@ class CacheServer:
         except RuntimeError as exc:  # executor shut down: the context is being dropped
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
             self._answered(name, t0)
+
+    @staticmethod
+    def _queues_only(d: _Deferred) -> bool:
+        """Whether ``d``'s server context says it only queues copies now (loop thread). It is the
+        plugin's code: one that raises is logged and the request goes to the worker as usual."""
+        if d.quick is None:
+            return False
+        try:
+            return bool(d.quick.queues_only)
+        except Exception:  # noqa: BLE001  (a plugin's error must not reach the loop)
+            log.exception("transport %s: reading its server context's queues_only failed: its requests run "
+                          "on the instance's worker", d.transport)
+            return False
 
     @staticmethod
     def _plugin(ctx: RegisteredContext, step: str, call: Callable[[], Any]) -> Callable[[], Any]:
@@ -745,6 +771,9 @@ class CacheServer:
 
     @staticmethod
     def _close_server_context(ctx: RegisteredContext) -> None:
+        """On the instance's worker, after the transfers queued before: waits for their waiters
+        (a retrieve answered early may still copy), then closes the server context."""
+        futures_wait(list(ctx.waiting))
         if ctx.server_context is not None:
             plugin_step_call(ctx.transport, "close", ctx.server_context.close)
 
@@ -1062,7 +1091,7 @@ class CacheServer:
             out = self._commit_write(ctx, res, [], copy.seconds())
             return m.StoreResult(out.stored, present, sorted(no_space))
 
-        return _Deferred(ctx.executor, copy, finish, ctx.transport, quick=server_context)
+        return _Deferred(ctx.executor, copy, finish, ctx.transport, quick=server_context, waiting=ctx.waiting)
 
     def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred | _Awaiting:
         ctx = self._server_driven(session, msg.instance_id)
@@ -1110,7 +1139,8 @@ class CacheServer:
                 gone = set(range(first, len(msg.hashes)))
             return result(gone)
 
-        return _Deferred(ctx.executor, work, finish, ctx.transport, early=lambda: result(lost), quick=server_context)
+        return _Deferred(ctx.executor, work, finish, ctx.transport, early=lambda: result(lost), quick=server_context,
+                         waiting=ctx.waiting)
 
     # ------------------------------------------------------------------ status, clear
 

@@ -453,6 +453,76 @@ def test_a_lone_request_of_a_context_that_only_queues_copies_runs_on_the_servers
     assert not any(t.startswith("kvxfer-worker") for t in threads["quick"])
 
 
+def loop_metric(client: CacheClient, name: str, model: str) -> float:
+    """A test_loop metric's value for ``model`` (0 while absent)."""
+    return sum(s.value for s in client.status().plugin_metrics
+               if s.name == name and s.labels.get("model") == model)
+
+
+def test_a_server_context_whose_queues_only_raises_still_has_its_requests_served(
+        loop_client, tmp_path: Path) -> None:
+    """queues_only is the plugin's code, read on the server's loop: when it raises, the request
+    goes to the instance's worker as usual (the error is logged), and the loop keeps serving."""
+    src = shared_kv(tmp_path, "quickraise-src", seed=11)
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="quickraise")
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    kv = loop_client.register(src, model_name="quickraise", block_size=BLOCK_SIZE, transport="test_loop")
+    assert kv.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    assert kv.submit_retrieve(hashes, blocks).result(30).loaded == [0, 1]
+    kv.close()
+    assert loop_client.ping() > 0
+    threads = [s.labels["thread"] for s in loop_client.status().plugin_metrics
+               if s.name == "kvxfer_test_loop_copy_threads_total" and s.labels["model"] == "quickraise"]
+    assert threads and all(t.startswith("kvxfer-worker") for t in threads)
+
+
+def test_a_server_context_is_closed_only_after_its_queued_copies_end(loop_client, tmp_path: Path) -> None:
+    """An unregister that arrives while a retrieve answered early (Queued) still copies: the
+    server drops the registration at once, but closes its server context only once the copy
+    has ended (its chunks stay pinned until then)."""
+    from kvxfer_test_transport import LoopParams
+
+    src, dst, a, b, hashes, blocks = stored_pair(loop_client, tmp_path, "queued-close", seed=13)
+    gate = fifo(tmp_path, "release-queued-close")
+    b.next_retrieves = [LoopParams(queued_until=str(gate))]
+    fut = b.submit_retrieve(hashes, blocks)
+    assert b.answered.wait(30)
+    loop_client.request(m.Unregister(b.instance_id))  # the copy has not run yet
+    assert loop_client.status().reservations == 1
+    release(gate)
+    assert fut.result(30).loaded == [0, 1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, blocks], s[:, blocks])
+    wait_until(lambda: loop_metric(loop_client, "kvxfer_test_loop_closed_total", "queued-close") == 1, timeout=30)
+    assert loop_metric(loop_client, "kvxfer_test_loop_copies_after_close_total", "queued-close") == 0
+    wait_until(lambda: loop_client.status().reservations == 0, timeout=30)
+    a.close()
+    b.close()
+
+
+def test_a_queued_copy_that_fails_after_the_answer_is_logged_once_and_unpins(
+        loop_client, plugin_server, tmp_path: Path) -> None:
+    """A Queued copy that raises after its request was answered cannot fail the request any
+    more: the server logs the failure once, as such (not as a failure of its own bookkeeping),
+    and still unpins the chunks."""
+    from kvxfer_test_transport import LoopParams
+
+    src, dst, a, b, hashes, blocks = stored_pair(loop_client, tmp_path, "queued-fail", seed=15)
+    gate = fifo(tmp_path, "release-queued-fail")
+    b.next_retrieves = [LoopParams(queued_until=str(gate), fail=True)]
+    fut = b.submit_retrieve(hashes, blocks)
+    assert b.answered.wait(30)
+    release(gate)
+    assert fut.result(30).loaded == [0, 1]  # told before the copy failed
+    wait_until(lambda: loop_client.status().reservations == 0, timeout=30)
+    wait_until(lambda: "queued copy failed on purpose" in plugin_server.log(), timeout=30)
+    log = plugin_server.log()
+    assert log.count("copies failed after the request was answered") == 1
+    assert "finishing a request answered before its copies ended failed" not in log
+    a.close()
+    b.close()
+
+
 def test_hooks_see_the_server_stop(plugin_server, hook_log: Path) -> None:
     # last test of the module on this server: stop it and look for the hook
     plugin_server.stop()

@@ -388,10 +388,12 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         finished: torch.cuda.Event | None = None
         done: torch.cuda.Event | None = None
         with torch.cuda.device(self.device):
+            # open the request's events before anything is queued: a handle that does not open
+            # refuses the request without waiting for any copy
+            client = self._client_event(params.event_handle, "event_handle") if params is not None else None
+            if not write_arena and params is not None:
+                done = self._client_event(params.done_event, "done_event")
             try:
-                client = self._client_event(params.event_handle, "event_handle") if params is not None else None
-                if not write_arena and params is not None:
-                    done = self._client_event(params.done_event, "done_event")
                 if client is not None:
                     self._compute.wait_event(client)  # the engine's work before the submit
                 if not (self._direct and self._direct_copy(copies, write_arena)):
@@ -404,7 +406,10 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
                     done.record(self._compute)  # after the scatters (the direct mode: after its sync)
                 self._warm.add(write_arena)
             except BaseException:
-                torch.cuda.synchronize(self.device)  # leave no copy running into reused buffers
+                # leave no copy running into this context's reused buffers (its two streams only:
+                # other contexts' copies are no reason to wait, on the server's loop least of all)
+                self._compute.synchronize()
+                self._copy.synchronize()
                 raise
         kind = "store" if write_arena else "retrieve"
         nbytes = sum(c.slot.numel() * c.slot.element_size() for c in copies)

@@ -3,7 +3,8 @@
 On a host without CUDA: the probe's reason, and registration failing at once with it. With
 CUDA (through the device tool): the staging ring wrapping around (many chunks, small staging),
 realistic chunk sizes across the two transports, the engine-stream ordering of stores, the
-refusal of a GPU the server cannot see, of reference counters that are not torch's, and of a
+refusal of a GPU the server cannot see, of a done_event that does not open (without waiting for
+the device), of reference counters that are not torch's, and of a
 declared KV cache larger than any GPU.
 """
 
@@ -204,6 +205,40 @@ def test_concurrent_submits_from_threads_keep_their_events(server: ServerProcess
             assert back.submit_retrieve(keys[i], list(range(i * 16, i * 16 + 16))).result(60).ok
         for a, b in zip(as_bytes(src), as_bytes(out)):
             assert torch.equal(a[:, :128], b[:, :128])
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_a_retrieve_whose_done_event_does_not_open_is_refused_without_waiting_for_the_device(
+        server: ServerProcess) -> None:
+    """A retrieve whose params.done_event is not an interprocess event is refused with a message
+    naming the field, while another context's copies are still held up by its engine's stream:
+    the refusal waits for no copy (the request may be served on the server's loop)."""
+    from kvxfer.protocol import messages as m
+
+    spec = SPEC
+    client = CacheClient(server.url)
+    try:
+        src = make_kv(spec, "cuda", seed=8)
+        busy = client.register(src, model_name="busy", block_size=16, transport="cuda_ipc")
+        other = client.register([torch.zeros_like(t) for t in src], model_name="busy", block_size=16,
+                                transport="cuda_ipc")
+        keys = _keys(1)
+        assert busy.submit_store(keys, list(range(16))).result(60).stored == [0]
+        for ctx in (busy, other):  # both warm: a lone request may run on the server's loop
+            assert ctx.submit_retrieve(keys, list(range(16))).result(60).ok
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(5_000_000_000)  # seconds of GPU time ahead of busy's retrieve
+            slept = torch.cuda.Event()
+            slept.record(engine)
+            held = busy.submit_retrieve(keys, list(range(16, 32)))
+        params = msgspec.Raw(msgspec.msgpack.encode(CudaIpcParams(done_event=b"\x03" * 64)))
+        with pytest.raises(RemoteError, match="done_event"):
+            client.request(m.Retrieve(other.instance_id, keys, list(range(16)), 0, 0, params, 0.0, []))
+        assert not slept.query()  # refused while busy's copies still wait for its engine
+        assert held.result(120).ok
     finally:
         client.close()
 
