@@ -11,6 +11,12 @@ Rows are moved as int64 words; ``row_words`` is a row's size in 8-byte words and
 :class:`kvxfer.KVLayout`: rows of a strided, padded or interleaved layout are further apart than
 their length). Rows of the staging buffer or the arena slot are dense. The server uses the
 kernels only when rows, pitch and layer bases are multiples of 8 bytes.
+
+Triton compiles a kernel for each specialization of its arguments: integers equal to 1 or
+divisible by 16, pointers 16-byte aligned or not. ``n_rows`` (which changes with
+``skip_first_n_tokens``) is not specialized, and the server passes every pointer 16-byte aligned,
+so once a context's first store and retrieve have run, later ones (layer ranges, skips) compile
+nothing: the server may then queue them on its loop thread.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ def available() -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gather_kernel(layer_ptrs, rows, out, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)   # layer * n_rows + r: the row's place in the chunk
         seg = tl.program_id(1).to(tl.int64)
@@ -47,7 +53,7 @@ if triton is not None:
         vals = tl.load(src + row * pitch_words + offs, mask=mask)
         tl.store(out + pid * row_words + offs, vals, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _scatter_kernel(layer_ptrs, rows, src, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
@@ -61,7 +67,7 @@ if triton is not None:
         tl.store(dst + row * pitch_words + offs, vals, mask=mask)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gather_to_kernel(layer_ptrs, rows, out_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)
@@ -75,7 +81,7 @@ if triton is not None:
         vals = tl.load(src + row * pitch_words + offs, mask=mask)
         tl.store(dst + r * row_words + offs, vals, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _scatter_from_kernel(layer_ptrs, rows, src_ptrs, n_rows, row_words, pitch_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton kernel: its arguments are typed by the JIT
         pid = tl.program_id(0).to(tl.int64)
         seg = tl.program_id(1).to(tl.int64)

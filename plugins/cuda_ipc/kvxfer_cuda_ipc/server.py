@@ -75,6 +75,8 @@ _TORCH_REF_COUNTER: Final = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}(?:_[0-9
 _REF_COUNTER_SLOTS: Final = 10000
 
 
+#: Padding after an odd number of row ids in an upload (see _upload_rows).
+_PAD: Final = torch.zeros(1, dtype=torch.int64)
 #: Most device staging per registration that KVXFER_CUDA_IPC_STAGING_MIB may ask for.
 _MAX_STAGING_MIB: Final = 64 << 10
 #: Accepted values of the mode and kernel variables (the first is the default).
@@ -243,6 +245,8 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._fused = _kernels.available() and kernel() != "torch" \
             and self._elem.itemsize >= 8
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
+        #: aligned copies of the table's slices from odd layers (see _layer_table)
+        self._odd_tables: dict[tuple[int, int], torch.Tensor] = {}
         # "direct": the kernels read/write the pinned, mapped arena over PCIe themselves (no staging)
         self._direct = self._fused and mode() == "direct"
         #: copies of every context of the server (they outlive this one); None: not counted
@@ -342,7 +346,11 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
     def _upload_rows(self, copies: list[RowCopy], with_addresses: bool = False) -> list[Any]:
         """Every copy's row ids on the device (and, ``with_addresses``, the host address of each
         layer of its slot), in one H2D copy on the compute stream."""
-        parts = [c.rows for c in copies]
+        parts: list[torch.Tensor] = []
+        for c in copies:  # each part starts 16-byte aligned: the kernels' pointer arguments then
+            parts.append(c.rows)  # keep the alignment their first launch was compiled for
+            if c.rows.numel() % 2:
+                parts.append(_PAD)
         if with_addresses:
             parts.append(torch.tensor([[s.data_ptr() for s in c.slot] for c in copies], dtype=torch.int64).view(-1))
         flat = torch.cat(parts)
@@ -359,11 +367,23 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         rows, at = [], 0
         for c in copies:
             rows.append(dev[at:at + c.rows.numel()])
-            at += c.rows.numel()
+            at += c.rows.numel() + c.rows.numel() % 2
         if not with_addresses:
             return rows
         n_layers = self.layout.num_layers
         return [(r, dev[at + i * n_layers:at + (i + 1) * n_layers]) for i, r in enumerate(rows)]
+
+    def _layer_table(self, first: int, count: int) -> torch.Tensor:
+        """The device addresses of layers ``[first, first + count)``, starting 16-byte aligned
+        (a slice from an odd layer is copied once and kept): Triton compiles a kernel anew for
+        each alignment of its pointer arguments, and a compilation must not happen on the
+        server's loop (see :attr:`queues_only`)."""
+        if first % 2 == 0:
+            return self._layer_ptrs[first:first + count]
+        table = self._odd_tables.get((first, count))
+        if table is None:
+            table = self._odd_tables[(first, count)] = self._layer_ptrs[first:first + count].clone()
+        return table
 
     # ------------------------------------------------------------------ transfers
 
@@ -431,7 +451,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         try:
             with torch.cuda.stream(self._compute):
                 for c, (rows, addrs) in zip(copies, self._upload_rows(copies, with_addresses=True)):
-                    ptrs = self._layer_ptrs[c.first_layer:c.first_layer + c.slot.shape[0]]
+                    ptrs = self._layer_table(c.first_layer, c.slot.shape[0])
                     if write_arena:
                         _kernels.gather_to(ptrs, rows, addrs, self._row_words, self._pitch_words)
                     else:
@@ -490,7 +510,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         """``stage[i] = layer_{first+i}[rows]`` for the layers of ``stage``, on the current stream."""
         if self._fused:
             try:
-                ptrs = self._layer_ptrs[first:first + stage.shape[0]]
+                ptrs = self._layer_table(first, stage.shape[0])
                 _kernels.gather(ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
             except Exception as exc:  # noqa: BLE001  (compile/launch failure: the torch ops still work)
@@ -502,7 +522,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         """``layer_{first+i}[rows] = stage[i]`` for the layers of ``stage``, on the current stream."""
         if self._fused:
             try:
-                ptrs = self._layer_ptrs[first:first + stage.shape[0]]
+                ptrs = self._layer_table(first, stage.shape[0])
                 _kernels.scatter(ptrs, rows, stage, self._row_words, self._pitch_words)
                 return
             except Exception as exc:  # noqa: BLE001  (compile/launch failure: the torch ops still work)
@@ -538,6 +558,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._ring = []
         self._index_buf = None
         self._layer_ptrs = None  # type: ignore[assignment]  # closed: nothing may copy any more
+        self._odd_tables = {}
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -167,6 +167,12 @@ class _EventPool:
             self._handles[id(ev)] = h
         return h
 
+    def discard(self, ev: torch.cuda.Event) -> None:
+        """Drop ``ev`` for good (it is not lent again)."""
+        with self._lock:
+            self._handles.pop(id(ev), None)
+            self._all = [e for e in self._all if e is not ev]
+
     def acquire_shared(self) -> tuple[torch.cuda.Event, bytes]:
         """An event and its IPC handle, for the server to record (a new one is recorded once on
         the current stream first: only a recorded event has a handle)."""
@@ -299,8 +305,10 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
         if params is not None and params.done_event:
             with self._done_lock:
                 done = self._done.pop(params.done_event, None)
-            if done is not None:
+            if done is not None and done.query():
                 self._events.release(done)
+            elif done is not None:  # still pending (the wait timed out): never lent again
+                self._events.discard(done)
 
     def release(self) -> None:
         """After unregister (the server closed its mappings): drop events and export records."""

@@ -5,7 +5,8 @@ CUDA (through the device tool): the staging ring wrapping around (many chunks, s
 realistic chunk sizes across the two transports, the engine-stream ordering of stores, the
 refusal of a GPU the server cannot see, of a done_event that does not open (without waiting for
 the device), of reference counters that are not torch's, and of a
-declared KV cache larger than any GPU.
+declared KV cache larger than any GPU; no kernel compiled after a context's first store and
+retrieve.
 """
 
 from __future__ import annotations
@@ -414,3 +415,38 @@ def test_copy_time_and_staging_reach_status_and_metrics(server: ServerProcess) -
         ctx.close()
     finally:
         client.close()
+
+
+@needs_cuda
+def test_after_the_first_store_and_retrieve_no_copy_compiles_a_kernel(tmp_path) -> None:
+    """Once a store and a retrieve have run, the server may queue a lone request on its loop
+    thread (queues_only), so no later request may compile a Triton kernel there: requests that
+    skip blocks (odd row counts) and layer-wise retrieves from odd layers (6 layers: one layer a
+    part) reuse the kernels the first two compiled. Counted in the server's own Triton cache
+    directory (a new kernel specialization is a new entry)."""
+    cache = tmp_path / "triton"
+    spec = KVSpec(LayoutKind.FLASH_ATTN, "bfloat16", num_layers=6, num_blocks=128, block_size=16, heads=8,
+                  head_size=128)
+    with ServerProcess(l1_size="1GiB", chunk_size=256, transports="cuda_ipc",
+                       env={"TRITON_CACHE_DIR": str(cache)}) as srv:
+        client = CacheClient(srv.url)
+        try:
+            src = make_kv(spec, "cuda", seed=7)
+            dst = [torch.zeros_like(t) for t in src]
+            a = client.register(src, model_name="compile-once", block_size=16, transport="cuda_ipc")
+            b = client.register(dst, model_name="compile-once", block_size=16, transport="cuda_ipc")
+            keys = _keys(3)
+            assert a.submit_store(keys[:2], list(range(32))).result(120).stored == [0, 1]
+            assert b.submit_retrieve(keys[:2], list(range(64, 96))).result(120).loaded == [0, 1]
+            compiled = sorted(p.name for p in cache.iterdir())
+            assert compiled, "the server compiled no kernel (is Triton installed?)"
+            assert a.submit_store(keys, list(range(48))).result(60).stored == [2]
+            assert b.submit_retrieve(keys, list(range(48, 96)), skip_first_n_tokens=16).result(60).loaded == [0, 1, 2]
+            back = b.submit_retrieve(keys, list(range(96, 128)) + list(range(16)), by_layer=True)
+            assert back.result(60).loaded == [0, 1, 2]
+            want = get_chunks(as_bytes([t.cpu() for t in src]), spec, list(range(48)), 1)
+            got = get_chunks(as_bytes([t.cpu() for t in dst]), spec, list(range(96, 128)) + list(range(16)), 1)
+            assert torch.equal(got, want)
+            assert sorted(p.name for p in cache.iterdir()) == compiled
+        finally:
+            client.close()
