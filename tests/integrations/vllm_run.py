@@ -45,6 +45,20 @@ def _counters(llm: Any) -> dict[str, float]:
     return out
 
 
+def _drain(llm: Any, timeout: float = 60.0) -> None:
+    """Step the engine until no finished request waits on the connector: ``LLM.generate``
+    returns once its outputs are complete, while the stores of the last steps may still be
+    running (vLLM keeps those requests' blocks until the connector reports them sent). The
+    batch's counters then include every store it made, however slow the machine."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:  # not the in-process engine this runner asks for: nothing to wait on
+        return
+    deadline = time.monotonic() + timeout
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+
+
 class _Stall:
     """Stops ``pid`` when the first load of an armed batch is planned (see the module docstring)."""
 
@@ -146,6 +160,7 @@ def main(spec_path: str) -> None:
             if stall is not None:
                 stall.resume()
         wall = time.perf_counter() - t1
+        _drain(llm)
         after = _counters(llm)
         transfer_log.clear()
         llm.llm_engine.do_log_stats()  # the periodic log line, now
