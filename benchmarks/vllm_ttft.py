@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvxfer.bench import write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 #: Prefix of the engine processes' answers on their stdout.
 MARK = "@kvxfer-ttft "
@@ -178,14 +180,6 @@ class Engine:
 # --------------------------------------------------------------------------- driver
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -257,8 +251,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     low = {k: {m: min(v) for m, v in d.items()} for k, d in samples.items()}
     return {
         "benchmark": "vllm_ttft",
-        "commit": _git_commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"node": platform.node(), "cpus": os.cpu_count(), "cpu": _cpu_model(),
                     "python": platform.python_version(), "loadavg_before": load_before,
                     "loadavg_after": list(os.getloadavg())},
@@ -351,17 +343,16 @@ def main() -> int:
     p.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of every engine")
     p.add_argument("--l1-size", default="1GiB")
     p.add_argument("--settle-s", type=float, default=0.3, help="pause after storing a hit's prefix")
-    p.add_argument("--json", type=Path, help="write every sample and the medians here")
+    p.add_argument("--json", type=Path, help="write every sample and the medians to this file, or into this "
+                   "directory as <date>-<commit>-cpu-vllm-ttft.json")
     args = p.parse_args()
     if args.engine:
         engine(args)
         return 0
     res = run(args)
     print_table(res)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    if args.json:  # a file, or a directory: <date>-<commit>-cpu-vllm-ttft.json there
+        print(f"wrote {write_results(args.json, 'cpu-vllm-ttft', res)}")
     return 0
 
 
