@@ -75,13 +75,16 @@ class Lane:
         with self._lock:
             fut, work = self._queue.popleft()
         if fut.set_running_or_notify_cancel():
+            error: BaseException | None = None
             try:
                 result = work()
             except BaseException as exc:  # noqa: BLE001 -- handed to the caller through its future
-                self._finished()
-                fut.set_exception(exc)
+                error = exc
+            with self._lock:
+                self._finishing = True
+            if error is not None:
+                fut.set_exception(error)
             else:
-                self._finished()
                 fut.set_result(result)
         with self._lock:
             self._finishing = False
@@ -91,10 +94,6 @@ class Lane:
                 self._idle.notify_all()
         if more:  # back of the pool's queue: other lanes get their turn
             self._executor.submit(self._run_one)
-
-    def _finished(self) -> None:
-        with self._lock:
-            self._finishing = True
 
     def shutdown(self, wait: bool = True) -> None:
         """Take no more work; with ``wait``, return once the work already queued has run."""

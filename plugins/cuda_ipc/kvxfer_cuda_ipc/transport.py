@@ -178,10 +178,8 @@ class _EventPool:
         the current stream first: only a recorded event has a handle)."""
         import torch
 
-        with self._lock:
-            ev = self._free.pop() if self._free else None
-        if ev is None:
-            ev = self.acquire()
+        ev = self.acquire()
+        if id(ev) not in self._handles:  # never lent before: not recorded yet
             ev.record(torch.cuda.current_stream(self.device))
         return ev, self.handle(ev)
 
