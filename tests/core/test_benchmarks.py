@@ -70,4 +70,4 @@ def test_l2_benchmark_writes_its_results_into_a_directory(tmp_path: Path) -> Non
     assert r["verified"] and r["round_ratios"]["rounds"] == 2
     assert all(len(v) == 2 and min(v) > 0 for v in r["rounds_s"].values())
     assert r["promotion_vs_plain_get"] > 0 and r["write_vs_plain_set"] > 0
-    assert r["store_on_vs_off"]["isolated_rounds"] == 2 and r["lookup_us"]["spanning_p50"] > 0
+    assert r["store_on_vs_off"]["isolated_rounds"] == 2 and r["lookups"]["free"]["spanning_p50"] > 0
