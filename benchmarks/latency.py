@@ -2,7 +2,8 @@
 """Control-path latency of a kvxfer server: round trips of ``ping`` and of an 8-chunk ``lookup``
 (with and without a lease) against a real server process over ipc://, with the raw pyzmq
 DEALER/ROUTER round trip (two processes, same message size) measured in the same run as the
-reference.
+reference, and beside it a raw Unix socket round trip (no I/O threads). ``--idle-us`` times
+each round trip after an idle gap, as a lone request comes.
 
     python benchmarks/latency.py --iters 5000 --json results/latency.json
     python benchmarks/latency.py --metrics --json benchmarks/results/
@@ -25,6 +26,7 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
@@ -50,12 +52,17 @@ def _percentile(sorted_ns: list[int], q: float) -> float:
     return sorted_ns[k] / 1000.0
 
 
-def measure(name: str, fn: Callable[[], object], iters: int, warmup: int, progress: bool) -> dict:
+def measure(name: str, fn: Callable[[], object], iters: int, warmup: int, progress: bool,
+            idle_s: float = 0.0) -> dict:
+    """p50/p99/mean/min of ``fn``'s wall time; with ``idle_s``, each call comes that long after
+    the one before (both processes' threads have gone to sleep: what a lone request pays)."""
     for _ in range(warmup):
         fn()
     samples: list[int] = []
     clock = time.perf_counter_ns
     for _ in tqdm(range(iters), desc=f"{name:<18}", disable=not progress, leave=False, mininterval=0.5):
+        if idle_s:
+            time.sleep(idle_s)
         t0 = clock()
         fn()
         samples.append(clock() - t0)
@@ -98,7 +105,7 @@ def _echo_server(url: str, ready: mp.Event) -> None:  # type: ignore[valid-type]
     ctx.term()
 
 
-def raw_zmq(iters: int, warmup: int, hashes: list[bytes], progress: bool) -> dict:
+def raw_zmq(iters: int, warmup: int, hashes: list[bytes], progress: bool, idle_s: float = 0.0) -> dict:
     """DEALER/ROUTER in two processes, a msgspec payload of the same size as the lookup's."""
     tmp = tempfile.mkdtemp(prefix="kvxfer-bench-")
     url = f"ipc://{tmp}/raw.sock"
@@ -119,7 +126,7 @@ def raw_zmq(iters: int, warmup: int, hashes: list[bytes], progress: bool) -> dic
         sock.recv_multipart()
 
     try:
-        out = measure("raw pyzmq (ref)", once, iters, warmup, progress)
+        out = measure("raw pyzmq (ref)", once, iters, warmup, progress, idle_s)
     finally:
         sock.send_multipart([rid, b"stop", b""])
         sock.recv_multipart()
@@ -128,6 +135,56 @@ def raw_zmq(iters: int, warmup: int, hashes: list[bytes], progress: bool) -> dic
         proc.join(5)
         os.rmdir(tmp) if not os.listdir(tmp) else None
     out["payload_bytes"] = len(payload)
+    return out
+
+
+def _uds_echo(path: str, size: int, ready: mp.Event) -> None:  # type: ignore[valid-type]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    ready.set()
+    conn, _ = listener.accept()
+    buf = bytearray(size)
+    view = memoryview(buf)
+    while True:
+        got = 0
+        while got < size:
+            n = conn.recv_into(view[got:])
+            if not n:
+                conn.close()
+                listener.close()
+                return
+            got += n
+        conn.sendall(b"ok")
+
+
+def raw_unix(iters: int, warmup: int, size: int, progress: bool, idle_s: float = 0.0) -> dict:
+    """A Unix stream socket between two processes, each side's thread reading and writing it
+    itself: the round trip of a control channel with no I/O threads, ``size`` bytes each way."""
+    tmp = tempfile.mkdtemp(prefix="kvxfer-bench-")
+    path = f"{tmp}/raw.uds"
+    ready = mp.Event()
+    proc = mp.Process(target=_uds_echo, args=(path, size, ready), daemon=True)
+    proc.start()
+    ready.wait(10)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    payload = b"x" * size
+
+    def once() -> None:
+        sock.sendall(payload)
+        got = b""
+        while len(got) < 2:
+            got += sock.recv(2 - len(got))
+
+    try:
+        out = measure("raw unix socket (ref)", once, iters, warmup, progress, idle_s)
+    finally:
+        sock.close()
+        proc.join(5)
+        os.unlink(path)
+        os.rmdir(tmp)
+    out["payload_bytes"] = size
     return out
 
 
@@ -142,7 +199,9 @@ def run(args: argparse.Namespace) -> dict:
     chunk_size = 256
     hashes = chunk_hashes(list(range(chunk_size * args.chunks)), chunk_size)
     results = []
-    results.append(raw_zmq(args.iters, args.warmup, hashes, progress))
+    idle = args.idle_us / 1e6
+    results.append(raw_zmq(args.iters, args.warmup, hashes, progress, idle))
+    results.append(raw_unix(args.iters, args.warmup, results[0]["payload_bytes"], progress, idle))
     # the lookup+lease row holds every lease it takes until the row ends: let one session hold them
     held = ["--max-leases-per-session", str(args.iters + args.warmup + 16), "--max-leased-bytes-per-session", "16TiB"]
     with ServerProcess(l1_size=args.l1_size, chunk_size=chunk_size, extra_args=held) as server:
@@ -151,10 +210,10 @@ def run(args: argparse.Namespace) -> dict:
             # Put 8 chunks' worth of hits in the server so the lookup does real work: store them
             # through cpu_gather if it is installed, else look up misses (reported as such).
             hits = _store_chunks(client, hashes)
-            results.append(measure("ping", client.ping, args.iters, args.warmup, progress))
+            results.append(measure("ping", client.ping, args.iters, args.warmup, progress, idle))
             results.append(measure(f"lookup {args.chunks} chunks",
                                    lambda: client.lookup("bench-model", 1, hashes=hashes),
-                                   args.iters, args.warmup, progress))
+                                   args.iters, args.warmup, progress, idle))
             n = client.lookup("bench-model", 1, hashes=hashes)
 
             def lease_once() -> None:
@@ -168,11 +227,11 @@ def run(args: argparse.Namespace) -> dict:
             def lease_only() -> None:
                 leases.append(client.lookup_and_lease("bench-model", 1, hashes=hashes, lease_s=30).lease_id)
 
-            results.append(measure(f"lookup+lease {args.chunks}", lease_only, args.iters, args.warmup, progress))
+            results.append(measure(f"lookup+lease {args.chunks}", lease_only, args.iters, args.warmup, progress, idle))
             for lid in leases:
                 client.release_lease(lid)
             results.append(measure("lookup+lease+release", lease_once, max(1, args.iters // 2), args.warmup,
-                                   progress))
+                                   progress, idle))
             status = client.status()
         finally:
             client.close()
@@ -183,6 +242,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "cpus": os.cpu_count()},
         "chunks": args.chunks,
+        "idle_us": args.idle_us,
         "stored_hits": hits,
         "lookup_hits": n,
         "server_errors": status.errors,
@@ -341,7 +401,9 @@ def _store_chunks(client, hashes: list[bytes]) -> int:
 
 def print_table(report: dict) -> None:
     rows = report["results"]
-    ref = next(r for r in rows if r["name"].startswith("raw"))
+    ref = next(r for r in rows if r["name"].startswith("raw pyzmq"))
+    if report.get("idle_us"):
+        print(f"each round trip {report['idle_us']:g} us after the one before")
     print(f"{'round trip':<24}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}{'p50 / raw':>11}")
     print("-" * 65)
     for r in rows:
@@ -359,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=500, help="untimed round trips first (default %(default)s)")
     p.add_argument("--chunks", type=int, default=8, help="chunk hashes per lookup (default %(default)s)")
     p.add_argument("--l1-size", default="64MiB", help="server arena (default %(default)s)")
+    p.add_argument("--idle-us", type=float, default=0.0,
+                   help="sleep this long before each timed round trip, so that every one finds the threads of "
+                        "both processes asleep, as a lone request does (default: back to back)")
     p.add_argument("--metrics", action="store_true",
                    help="also measure lookups with Prometheus metrics off and on (two servers, same run)")
     p.add_argument("--rounds", type=int, default=10,
@@ -369,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", action="store_true", help="progress bars even when stderr is not a tty")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if not 0 <= args.idle_us <= 1e6:
+        p.error(f"--idle-us must be in [0, 1000000], got {args.idle_us:g}")
     report = run(args)
     print_table(report)
     if "metrics_cost" in report:

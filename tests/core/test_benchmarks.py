@@ -71,3 +71,19 @@ def test_l2_benchmark_writes_its_results_into_a_directory(tmp_path: Path) -> Non
     assert all(len(v) == 2 and min(v) > 0 for v in r["rounds_s"].values())
     assert r["promotion_vs_plain_get"] > 0 and r["write_vs_plain_set"] > 0
     assert r["store_on_vs_off"]["isolated_rounds"] == 2 and r["lookups"]["free"]["spanning_p50"] > 0
+
+
+def test_latency_benchmark_with_an_idle_gap(tmp_path: Path) -> None:
+    """benchmarks/latency.py times every row after an idle gap, with the raw Unix socket beside
+    the raw pyzmq reference, and refuses a gap out of range."""
+    stdout = _run(str(ROOT / "benchmarks" / "latency.py"), "--iters", "20", "--warmup", "5", "--idle-us", "200",
+                  "--no-progress", "--json", str(tmp_path / "lat.json"))
+    assert "raw unix socket (ref)" in stdout and "200 us after the one before" in stdout
+    data = json.loads((tmp_path / "lat.json").read_text())
+    rows = {r["name"]: r for r in data["results"]}
+    assert data["idle_us"] == 200 and data["lookup_hits"] == data["chunks"]
+    assert rows["raw unix socket (ref)"]["payload_bytes"] == rows["raw pyzmq (ref)"]["payload_bytes"]
+    assert all(r["iters"] in (10, 20) and r["p99_us"] >= r["p50_us"] > 0 for r in rows.values())
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "latency.py"), "--idle-us", "-1"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--idle-us must be in [0, 1000000]" in bad.stderr
