@@ -62,7 +62,7 @@ from kvxfer.server.limits import Limits
 from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.stats import ServerStats
 from kvxfer.server.tier import L2Tier, TierLookup
-from kvxfer.server.workers import Lane, WorkerPool
+from kvxfer.server.workers import Lane, LaneSlot, WorkerPool
 from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
@@ -98,13 +98,16 @@ class LoadedTransport:
 class _Awaiting:
     """A handler's answer when it must first wait for ``future`` (resolved on any thread; a
     :class:`TierLookup` on the loop): the loop then answers with ``then()``, a reply or another
-    deferred answer."""
+    deferred answer. ``slot``: the place in its instance's lane that a transfer took while it
+    waits (later transfers of the instance run after it); given up if ``then()`` raises."""
 
-    __slots__ = ("future", "then")
+    __slots__ = ("future", "then", "slot")
 
-    def __init__(self, future: Future[Any] | TierLookup, then: Callable[[], msgspec.Struct | _Deferred | _Awaiting]):
+    def __init__(self, future: Future[Any] | TierLookup, then: Callable[[], msgspec.Struct | _Deferred | _Awaiting],
+                 slot: tuple[Lane, LaneSlot] | None = None):
         self.future = future
         self.then = then
+        self.slot = slot
 
 
 class _Deferred:
@@ -115,13 +118,16 @@ class _Deferred:
     ``finish`` then still runs once the copies are done, and its reply is dropped. ``quick``:
     the server context of ``work``, which may only queue copies (:attr:`ServerContext.queues_only`),
     so that a lone request's ``work`` may run on the loop itself. ``waiting``: the context's
-    waiters still running (:attr:`RegisteredContext.waiting`), which its close waits for."""
+    waiters still running (:attr:`RegisteredContext.waiting`), which its close waits for.
+    ``slot``: the place in ``executor`` the request took earlier (:class:`_Awaiting`), which
+    ``work`` fills instead of going to the back."""
 
-    __slots__ = ("executor", "work", "finish", "transport", "early", "quick", "waiting")
+    __slots__ = ("executor", "work", "finish", "transport", "early", "quick", "waiting", "slot")
 
     def __init__(self, executor: Lane, work: Callable[[], Any], finish: Callable[[Any], msgspec.Struct],
                  transport: str = "", early: Callable[[], msgspec.Struct] | None = None,
-                 quick: ServerContext[Any, Any] | None = None, waiting: set[Future[Any]] | None = None) -> None:
+                 quick: ServerContext[Any, Any] | None = None, waiting: set[Future[Any]] | None = None,
+                 slot: LaneSlot | None = None) -> None:
         self.executor = executor
         self.work = work
         self.finish = finish
@@ -129,6 +135,7 @@ class _Deferred:
         self.early = early
         self.quick = quick
         self.waiting = waiting
+        self.slot = slot
 
 
 def _invalid(field_name: str, message: str) -> InvalidRequest:
@@ -520,6 +527,8 @@ class CacheServer:
                 try:
                     nxt = out.then()
                 except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
+                    if out.slot is not None:  # the transfers behind it go on
+                        out.slot[0].cancel(out.slot[1])
                     self._mq.send(identity, rid, *self._error(name, exc))
                     self._answered(name, t0)
                     return
@@ -614,7 +623,7 @@ class CacheServer:
             else:
                 done(fut)
 
-        if self.stats.in_flight == 1 and d.executor.idle() and self._queues_only(d):
+        if d.slot is None and self.stats.in_flight == 1 and d.executor.idle() and self._queues_only(d):
             # a lone request of a context whose copies only queue work: no hand-off to the
             # worker (the lane is idle, and only this loop submits to it)
             ran: Future[Any] = Future()
@@ -626,7 +635,8 @@ class CacheServer:
             worked(ran)
             return
         try:
-            d.executor.submit(d.work).add_done_callback(worked)
+            queued = d.executor.submit(d.work) if d.slot is None else d.executor.fill(d.slot, d.work)
+            queued.add_done_callback(worked)
         except RuntimeError as exc:  # executor shut down: the context is being dropped
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
             self._answered(name, t0)
@@ -1093,15 +1103,19 @@ class CacheServer:
 
         return _Deferred(ctx.executor, copy, finish, ctx.transport, quick=server_context, waiting=ctx.waiting)
 
-    def _on_retrieve(self, session: Session, msg: m.Retrieve) -> _Deferred | _Awaiting:
+    def _on_retrieve(self, session: Session, msg: m.Retrieve, slot: LaneSlot | None = None) -> _Deferred | _Awaiting:
+        """A server-driven retrieve. One that must wait for chunks being promoted from L2 takes
+        its place in the instance's lane first (``slot``), so that the instance's later transfers
+        still run after it."""
         ctx = self._server_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
-        promoting = self._promotions_of(ctx.keys(msg.hashes))
-        if promoting is not None:
-            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg))
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
         layers = self._layer_range(ctx, msg.layers)
+        promoting = self._promotions_of(ctx.keys(msg.hashes))
+        if promoting is not None:
+            place = slot if slot is not None else ctx.executor.reserve()
+            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg, place), (ctx.executor, place))
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
@@ -1140,7 +1154,7 @@ class CacheServer:
             return result(gone)
 
         return _Deferred(ctx.executor, work, finish, ctx.transport, early=lambda: result(lost), quick=server_context,
-                         waiting=ctx.waiting)
+                         waiting=ctx.waiting, slot=slot)
 
     # ------------------------------------------------------------------ status, clear
 

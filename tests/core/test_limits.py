@@ -151,6 +151,43 @@ def test_a_lane_is_idle_once_its_work_has_returned() -> None:
     pool.shutdown()
 
 
+def test_a_reserved_place_in_a_lane_keeps_the_order_until_filled_or_cancelled() -> None:
+    """reserve() takes a place before its work is known (a retrieve waiting for a promotion from
+    L2): what is submitted meanwhile runs after it, once it is filled; a cancelled place lets
+    them go; shutdown gives up unfilled places and still runs what is queued behind them."""
+    pool = WorkerPool(2)
+    lane = pool.lane()
+    ran: list[str] = []
+    place = lane.reserve()
+    later = lane.submit(ran.append, "later")
+    assert not lane.idle()
+    time.sleep(0.05)  # nothing may run behind the unfilled place (it would have by now)
+    assert ran == [] and not later.done()
+    filled = lane.fill(place, lambda: ran.append("first") or 1)
+    assert filled.result(30) == 1 and later.result(30) is None and ran == ["first", "later"]
+    with pytest.raises(RuntimeError, match="filled already"):
+        lane.fill(place, ran.append, "again")
+
+    ran.clear()
+    gone = lane.reserve()
+    after = lane.submit(ran.append, "after")
+    lane.cancel(gone)
+    assert after.result(30) is None and ran == ["after"] and gone.future.cancelled()
+    with pytest.raises(RuntimeError, match="given up"):
+        lane.fill(gone, ran.append, "late")
+
+    ran.clear()
+    open_place = lane.reserve()
+    behind = lane.submit(ran.append, "behind")
+    lane.shutdown(wait=True)
+    assert behind.done() and ran == ["behind"] and open_place.future.cancelled()
+    with pytest.raises(RuntimeError, match="given up"):
+        lane.fill(open_place, ran.append, "late")
+    with pytest.raises(RuntimeError, match="shut down"):
+        lane.reserve()
+    pool.shutdown()
+
+
 @pytest.mark.parametrize(("kwargs", "option"), [
     ({"session_timeout_s": math.nan}, "--session-timeout"),  # no session would ever time out
     ({"session_timeout_s": math.inf}, "--session-timeout"),

@@ -432,6 +432,41 @@ def test_a_retrieve_whose_copies_are_queued_is_answered_before_they_end(loop_cli
     b.close()
 
 
+def test_a_retrieve_waiting_for_l2_keeps_its_place_before_the_instances_later_transfers(
+        on_path: Path, tmp_path: Path) -> None:
+    """A server-driven retrieve of chunks being promoted from L2 waits at the server; a store of
+    the same instance sent after it (4 requests in flight, as cuda_ipc) still runs after it, so
+    it stores what the retrieve loaded into the blocks, not what they held before."""
+    l2 = tmp_path / "l2"
+    gate = Path(f"{l2}.gate")  # test_gated's reads (the promotion) wait while it exists
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="test_loop4", env=env_with(on_path),
+                       extra_args=["--l2", "test_gated", "--l2-url", f"file://{l2}"]) as srv, \
+            CacheClient(srv.url, timeout=30) as c:
+        src, dst, check = (shared_kv(tmp_path, f"order-{i}", seed=11 + i) for i in range(3))
+        a, b, v = (c.register(kv, model_name="order", block_size=BLOCK_SIZE, transport="test_loop4")
+                   for kv in (src, dst, check))
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="order")
+        later = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="order-later")
+        blocks = list(range(2 * BLOCKS_PER_CHUNK))
+        assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+        wait_until(lambda: (t := c.status().tiers[0]).writes == 2 and t.queue_depth == 0, timeout=30)
+        assert c.clear("order") == 2  # only L2 holds them now
+        gate.touch()
+        lease = c.lookup_and_lease("order", hashes=hashes, lease_s=30, promote=True)
+        assert (lease.hits, lease.l2_hits) == (2, 2)
+        retrieved = b.submit_retrieve(hashes, blocks, lease_id=lease.lease_id)
+        stored = b.submit_store(later, blocks)  # reads the blocks the retrieve writes
+        c.ping()  # both reached the server (one connection, answered in order): the retrieve waits
+        assert not retrieved.done() and not stored.done()
+        gate.unlink()
+        assert retrieved.result(30).loaded == [0, 1] and stored.result(30).stored == [0, 1]
+        assert v.submit_retrieve(later, blocks).result(30).loaded == [0, 1]
+        for s_layer, v_layer in zip(src, check):
+            assert torch.equal(v_layer[:, blocks], s_layer[:, blocks]), "the store ran before the retrieve"
+        for kv in (a, b, v):
+            kv.close()
+
+
 def test_a_lone_request_of_a_context_that_only_queues_copies_runs_on_the_servers_loop(
         loop_client, tmp_path: Path) -> None:
     """A server context that declares queues_only has a lone request's copy called on the
