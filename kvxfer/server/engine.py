@@ -13,6 +13,7 @@ Clients are untrusted: sessions are bound to their connection and a server-issue
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -98,16 +99,16 @@ class LoadedTransport:
 class _Awaiting:
     """A handler's answer when it must first wait for ``future`` (resolved on any thread; a
     :class:`TierLookup` on the loop): the loop then answers with ``then()``, a reply or another
-    deferred answer. ``slot``: the place in its instance's lane that a transfer took while it
-    waits (later transfers of the instance run after it); given up if ``then()`` raises."""
+    deferred answer. ``release``: called if ``then()`` raises (a transfer gives up the place it
+    took in its instance's lane while it waited, so that the transfers behind it go on)."""
 
-    __slots__ = ("future", "then", "slot")
+    __slots__ = ("future", "then", "release")
 
     def __init__(self, future: Future[Any] | TierLookup, then: Callable[[], msgspec.Struct | _Deferred | _Awaiting],
-                 slot: tuple[Lane, LaneSlot] | None = None):
+                 release: Callable[[], None] | None = None):
         self.future = future
         self.then = then
-        self.slot = slot
+        self.release = release
 
 
 class _Deferred:
@@ -527,8 +528,8 @@ class CacheServer:
                 try:
                     nxt = out.then()
                 except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
-                    if out.slot is not None:  # the transfers behind it go on
-                        out.slot[0].cancel(out.slot[1])
+                    if out.release is not None:
+                        out.release()
                     self._mq.send(identity, rid, *self._error(name, exc))
                     self._answered(name, t0)
                     return
@@ -1115,7 +1116,8 @@ class CacheServer:
         promoting = self._promotions_of(ctx.keys(msg.hashes))
         if promoting is not None:
             place = slot if slot is not None else ctx.executor.reserve()
-            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg, place), (ctx.executor, place))
+            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg, place),
+                             functools.partial(ctx.executor.cancel, place))
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
