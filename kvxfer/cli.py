@@ -124,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvxfer server ready at {config.url} (arena {format_bytes(server.arena.size)}, "
           f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
     server.serve_forever(install_signal_handlers=True)
+    print(f"kvxfer server at {config.url} stopped: its arena and socket are removed", flush=True)
     return 0
 
 

@@ -135,6 +135,16 @@ def test_every_option_says_what_it_does() -> None:
     assert "allocated in --shm-dir and faulted in at start-up" in serve_help
 
 
+def test_serve_says_when_it_stopped() -> None:
+    """SIGTERM ends ``kvxfer serve`` with exit code 0 and a last line that says so (its log
+    otherwise ends with whatever it did last)."""
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="16MiB") as server:
+        assert server.stop() == 0
+        assert f"kvxfer server at {server.url} stopped" in server.log().splitlines()[-1]
+
+
 def _imported(importtime: str) -> set[str]:
     """Every module ``python -X importtime`` reported importing (its stderr)."""
     return {line.rsplit("|", 1)[1].strip() for line in importtime.splitlines() if line.startswith("import time:")}
