@@ -124,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvxfer server ready at {config.url} (arena {format_bytes(server.arena.size)}, "
           f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
     server.serve_forever(install_signal_handlers=True)
+    print(f"kvxfer server at {config.url} stopped: its arena and socket are removed", flush=True)
     return 0
 
 
@@ -349,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run a cache server")
     s.add_argument("--url", default=default_url(), help="ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
-    s.add_argument("--l1-size", default="1GiB", help="host memory for chunks, e.g. 4GiB (default: %(default)s)")
+    s.add_argument("--l1-size", default="1GiB",
+                   help="host memory for chunks, e.g. 4GiB: all of it is allocated in --shm-dir and faulted in at "
+                        "start-up, before the server answers (default: %(default)s)")
     s.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default: %(default)s)")
     s.add_argument("--transports", default="", help="comma-separated transports to load (default: every installed "
                                                     "one meant for production that can run here)")
@@ -385,26 +388,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest an L2 writer waits for stores and promotions in progress before it writes anyway; "
                         "0: writes run beside them (default: %(default)s)")
     _limit_options(s)
-    s.add_argument("-v", "--verbose", action="store_true")
+    s.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("plugins", help="list installed transports and store backends, and their health")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the list as one JSON object")
     s.set_defaults(fn=cmd_plugins)
 
     s = sub.add_parser("status", help="show a server's report")
-    s.add_argument("--url", default=default_url())
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--url", default=default_url(), help="the server's address (default: %(default)s)")
+    s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the server to answer (default: %(default)s)")
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
     s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
     s.set_defaults(fn=cmd_status)
 
     s = sub.add_parser("top", help="a live view of a server's figures (q quits)")
-    s.add_argument("--url", default=default_url())
+    s.add_argument("--url", default=default_url(), help="the server's address (default: %(default)s)")
     s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
     s.add_argument("--once", action="store_true", help="print one frame and exit (also when stdout is not a terminal)")
-    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for each answer of the server (default: %(default)s)")
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
     s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
     s.set_defaults(fn=cmd_top)

@@ -701,10 +701,21 @@ class Transport(ABC):
 
     def serves(self, device: torch.device) -> bool:
         """Whether it can move KV tensors on ``device`` here."""
+        return self.refusal(device) is None
+
+    def refusal(self, device: torch.device) -> str | None:
+        """Why it cannot move KV tensors on ``device`` here (what to do), or None when it can."""
         probe = self.probe()
-        return probe.available and self.capabilities.serves(device) and (
-            "*" in probe.device_types or device.type in probe.device_types
-        )
+        if not probe.available:
+            return probe.reason or "its probe() says it cannot run here"
+        if not self.capabilities.serves(device):
+            return f"its capabilities claim device types {', '.join(sorted(self.capabilities.device_types))}"
+        if not probe.device_types:
+            return ("its probe() answered available but named no device types "
+                    "(Probe.device_types is empty: list those it serves here, e.g. ('cpu',), or '*' for any)")
+        if "*" not in probe.device_types and device.type not in probe.device_types:
+            return f"its probe() found only {', '.join(probe.device_types)} here ({probe.reason})"
+        return None
 
     def client_context(
         self, connection: Connection, layers: list[torch.Tensor], layout: KVLayout, identity: InstanceIdentity

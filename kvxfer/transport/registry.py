@@ -246,12 +246,9 @@ def select(name: str, device: torch.device, among: Collection[str] | None = None
     :class:`LayoutError`."""
     if name != AUTO:
         transport = get_transport(name)
-        if not transport.serves(device):
-            raise TransportUnavailable(
-                f"transport {name!r} cannot move KV tensors on device {device} "
-                f"(it serves {', '.join(sorted(transport.capabilities.device_types))}; here: "
-                f"{transport.probe().reason or 'see kvxfer plugins'})"
-            )
+        refusal = transport.refusal(device)
+        if refusal is not None:
+            raise TransportUnavailable(f"transport {name!r} cannot move KV tensors on device {device}: {refusal}")
         why = None if kv is None else transport.capabilities.refusal(*kv)
         if why is not None:
             raise LayoutError(f"transport {name!r} {why}; register through another transport, or 'auto'")

@@ -119,6 +119,32 @@ def test_bad_arguments(capsys) -> None:
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
+def test_every_option_says_what_it_does() -> None:
+    """``kvxfer COMMAND --help`` explains each option; ``serve --help`` says the arena is
+    allocated whole at start-up (a large one takes a while before the server answers)."""
+    import argparse
+
+    from kvxfer.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [f"{name} {'/'.join(action.option_strings)}" for name, parser in sub.choices.items()
+              for action in parser._actions
+              if action.option_strings and action.help is None and name != "bench"]
+    assert not silent, f"options without help: {silent}"
+    serve_help = " ".join(sub.choices["serve"].format_help().split())
+    assert "allocated in --shm-dir and faulted in at start-up" in serve_help
+
+
+def test_serve_says_when_it_stopped() -> None:
+    """SIGTERM ends ``kvxfer serve`` with exit code 0 and a last line that says so (its log
+    otherwise ends with whatever it did last)."""
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="16MiB") as server:
+        assert server.stop() == 0
+        assert f"kvxfer server at {server.url} stopped" in server.log().splitlines()[-1]
+
+
 def _imported(importtime: str) -> set[str]:
     """Every module ``python -X importtime`` reported importing (its stderr)."""
     return {line.rsplit("|", 1)[1].strip() for line in importtime.splitlines() if line.startswith("import time:")}

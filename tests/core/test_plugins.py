@@ -114,6 +114,30 @@ def test_auto_picks_by_device(on_path) -> None:
         registry.select("test_loop", torch.device("meta"))
 
 
+def test_why_a_transport_does_not_serve_a_device_is_named() -> None:
+    """A probe that answers available but lists no device types serves nothing: the reason
+    says so (an author following the guide otherwise hears only that the device is wrong)."""
+    from kvxfer.transport import Capabilities, Probe, Transport
+
+    class Silent(Transport):
+        name = "silent"
+        api_version = 2
+        capabilities = Capabilities(device_types=frozenset({"cpu"}))
+
+        def probe(self) -> Probe:
+            return Probe(True, "host memory")
+
+    class Cpu(Silent):
+        def probe(self) -> Probe:
+            return Probe(True, "host memory", device_types=("cpu",))
+
+    cpu = torch.device("cpu")
+    assert not Silent().serves(cpu)
+    assert "Probe.device_types is empty" in (Silent().refusal(cpu) or "")
+    assert Cpu().serves(cpu) and Cpu().refusal(cpu) is None
+    assert "capabilities claim device types cpu" in (Cpu().refusal(torch.device("meta")) or "")
+
+
 # --------------------------------------------------------------------------- a server with the plugin
 
 

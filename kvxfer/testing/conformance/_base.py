@@ -98,10 +98,10 @@ class KitBase:
         why = device_missing(device)
         if why:
             pytest.skip(f"transport {name!r} on {device}: {why}")
-        if not transport.serves(torch.device(device)):
-            pytest.fail(f"conformance kit: transport {name!r} does not serve device {device!r} here "
-                        f"(capabilities {sorted(transport.capabilities.device_types)}, probe "
-                        f"{probe.device_types}); fix `device` on the test class", pytrace=False)
+        refusal = transport.refusal(torch.device(device))
+        if refusal is not None:
+            pytest.fail(f"conformance kit: transport {name!r} does not serve device {device!r} here: {refusal}; "
+                        "fix that, or `device` on the test class", pytrace=False)
         return transport
 
     @staticmethod

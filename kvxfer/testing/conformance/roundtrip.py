@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from kvxfer.errors import ConfigError
-from kvxfer.testing.harness import BLOCK_SIZE, CHUNK_SIZE, DTYPES, LAYOUTS, VIEWS, Kit, Layout, layout_id
+from kvxfer.testing.harness import BLOCK_SIZE, CHUNK_SIZE, DTYPES, LAYOUTS, TIMEOUT, VIEWS, Kit, Layout, layout_id
 from kvxfer.testing.kvdata import KVBytes, KVSpec, View, as_bytes, describe_diff, equal_bytes, put_chunks
+from kvxfer.transport.contract import LayerwiseFuture
 
 __all__ = ["RoundTripTests", "assert_retrieved"]
 
@@ -20,6 +21,8 @@ __all__ = ["RoundTripTests", "assert_retrieved"]
 COMBOS: list[tuple[Layout, str]] = [*((k, d) for k in LAYOUTS for d in DTYPES), *VIEWS]
 #: Cross-layer buffers in which other layers' pages, and padding, lie between a layer's pages.
 OUTSIDE = [View("BLNHC", page_pad=40), View("BHLNC")]
+#: Layer-wise transfers: the transport's first layout, and layers interleaved and padded.
+LAYERWISE: list[Layout | None] = [None, View("BLNHC", page_pad=40)]
 
 
 def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], before: KVBytes,
@@ -61,6 +64,38 @@ class RoundTripTests:
         got = kit.retrieve(ctx, keys, dst)
         assert (got.loaded, got.missing) == ([0, 1, 2], [])
         assert got.ok
+        assert_retrieved(kit, spec, layers, before, dst, want)
+
+    @pytest.mark.parametrize("view", LAYERWISE, ids=["default", "bhnc-BLNHC-pad40"])
+    def test_layer_by_layer_round_trip(self, kit: Kit, view: Layout | None) -> None:
+        """A store and a retrieve moved layer by layer (``by_layer=True``, the vLLM connector's
+        ``kvxfer.layerwise``): the store's layers declared written one at a time, the
+        retrieve's waited for one at a time. A transport that claims ``layer_ranges`` is handed
+        one range of layers per call (``RowCopy.first_layer``, ``slot`` holding only those
+        layers): each must land in its own layers, bit for bit, and nothing else be written."""
+        spec = kit.spec(view, num_layers=4)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(3), kit.blocks(spec, 3)
+        before = as_bytes(layers)
+        want = kit.chunks_of(before, spec, src)
+
+        stored = ctx.submit_store(keys, src, by_layer=True)
+        assert isinstance(stored, LayerwiseFuture)
+        for layer in range(spec.num_layers):
+            stored.layer_ready(layer)
+        assert stored.result(timeout=TIMEOUT).stored == [0, 1, 2]
+        held_res, held = kit.backdoor_read(spec, keys)
+        assert held_res.loaded == [0, 1, 2]
+        assert equal_bytes(held, want), "a layer-wise store left other bytes in the server than the chunks' own"
+
+        dst = kit.blocks(spec, 3, exclude=src)
+        loading = ctx.submit_retrieve(keys, dst, by_layer=True)
+        assert isinstance(loading, LayerwiseFuture)
+        for layer in range(spec.num_layers):
+            loading.wait_layer(layer, timeout=TIMEOUT)
+        got = loading.result(timeout=TIMEOUT)
+        assert (got.loaded, got.missing) == ([0, 1, 2], [])
         assert_retrieved(kit, spec, layers, before, dst, want)
 
     def test_retrieve_into_the_blocks_it_came_from(self, kit: Kit) -> None:

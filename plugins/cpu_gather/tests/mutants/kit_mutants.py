@@ -65,6 +65,17 @@ class ContiguousContext(CpuGatherContext):
                                 self._elem) for t in self.layers]
 
 
+class FirstLayerContext(CpuGatherContext):
+    """Claims ``layer_ranges`` (as cpu_gather does) but copies every range as if it began at
+    layer 0: right for whole transfers, wrong for each part of a layer-wise one but the first."""
+
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        super().gather([RowCopy(c.rows, c.slot) for c in copies], transfer)
+
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        super().scatter([RowCopy(c.rows, c.slot) for c in copies], transfer)
+
+
 class FlipTransport(CpuGatherTransport):
     name = "mutant_flip"
     context_type = FlipContext
@@ -88,6 +99,11 @@ class ClobberTransport(CpuGatherTransport):
 class ContiguousTransport(CpuGatherTransport):
     name = "mutant_contiguous"
     context_type = ContiguousContext
+
+
+class FirstLayerTransport(CpuGatherTransport):
+    name = "mutant_first_layer"
+    context_type = FirstLayerContext
 
 
 class ContiguousOnlyTransport(CpuGatherTransport):
