@@ -313,7 +313,8 @@ class TierLookup:
         """The store's answer (None: the check failed, with ``error`` when known), on the loop."""
         tier = self.tier
         if sizes is None:
-            tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
+            if not self._done:  # (a lookup that timed out was counted as failed then)
+                tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
             self.resolve([])
             return
         if tier.breaker.failures:

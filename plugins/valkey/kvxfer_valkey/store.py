@@ -27,6 +27,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -66,6 +67,9 @@ _REDIRECTS: Final = frozenset({"MOVED", "ASK"})
 _STRLEN_KEPT: Final = 1 << 16
 #: Bytes read from the loop connection at a time.
 _READ: Final = 1 << 14
+#: Longest unfinished reply line kept from the loop connection (an answer to STRLEN is at most
+#: 21 bytes, a redirect about a hundred): a longer one is not Valkey's, and the connection is dropped.
+_LOOP_LINE_MAX: Final = 1 << 12
 _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
 
 
@@ -115,8 +119,8 @@ class _LoopConnection:
         self.fd = self.sock.fileno()
         #: The start of a reply not read whole yet.
         self.buf = b""
-        #: (keys asked, done) per check sent, oldest first, and the sizes of the oldest so far
-        self.pending: deque[tuple[int, Callable[[list[int] | None], None]]] = deque()
+        #: (keys asked, done, when sent) per check sent, oldest first, and the sizes of the oldest so far
+        self.pending: deque[tuple[int, Callable[[list[int] | None], None], float]] = deque()
         self.got: list[int] = []
         self.broken = False
 
@@ -224,7 +228,7 @@ class ValkeyBackend(ThreadedBackend):
         cmds = self._strlen
         if not self.cluster:
             lc = self._loops.get("node")
-            if lc is None or lc.broken:
+            if lc is None or lc.broken or self._stuck(lc):
                 self._want_loops.set()
                 return False
             try:
@@ -233,7 +237,7 @@ class ValkeyBackend(ThreadedBackend):
                 data = b"".join([self._strlen_of(k)[0] for k in keys])
             if not self._send(lc, data):
                 return False
-            lc.pending.append((len(keys), done))
+            lc.pending.append((len(keys), done, time.monotonic()))
             return True
         # a cluster: one pipeline per node holding some of the keys
         assert isinstance(self.client, ValkeyCluster)
@@ -253,7 +257,7 @@ class ValkeyBackend(ThreadedBackend):
         conns = []
         for name in groups:
             lc = self._loops.get(name)
-            if lc is None or lc.broken:
+            if lc is None or lc.broken or self._stuck(lc):
                 self._want_loops.set()
                 return False
             conns.append(lc)
@@ -264,7 +268,7 @@ class ValkeyBackend(ThreadedBackend):
                     return False  # nothing sent
                 gather.part(positions, None)  # fails the check now; the others' answers are read and ignored
                 return True
-            lc.pending.append((len(positions), functools.partial(gather.part, positions)))
+            lc.pending.append((len(positions), functools.partial(gather.part, positions), time.monotonic()))
         return True
 
     def _strlen_of(self, key: bytes) -> tuple[bytes, int]:
@@ -272,6 +276,18 @@ class ValkeyBackend(ThreadedBackend):
             self._strlen.clear()
         out = self._strlen[key] = (pack(b"STRLEN", key), key_slot(key))
         return out
+
+    def _stuck(self, lc: _LoopConnection) -> bool:
+        """Drop ``lc`` if its oldest check went unanswered for longer than a lookup may wait
+        (the lookup ended without it): a node that skipped a reply would have the next checks
+        read each other's answers, and one that stopped answering would take every lookup's
+        timeout. True if dropped."""
+        if not lc.pending or time.monotonic() - lc.pending[0][2] <= self.options.timeout_s:
+            return False
+        log.debug("valkey: no answer to an existence check on the loop connection to %s within %g s: "
+                  "dropping it", lc.node, self.options.timeout_s)
+        self._fail_loop(lc)
+        return True
 
     def _send(self, lc: _LoopConnection, data: bytes) -> bool:
         try:
@@ -302,13 +318,18 @@ class ValkeyBackend(ThreadedBackend):
         # every reply to STRLEN is ":N\r\n" (or a redirect); what follows the last CRLF is unfinished
         lines = data.split(b"\r\n")
         lc.buf = lines.pop()
+        if len(lc.buf) > _LOOP_LINE_MAX:
+            log.debug("valkey: a reply line of more than %d bytes on the loop connection to %s",
+                      _LOOP_LINE_MAX, lc.node)
+            self._fail_loop(lc)
+            return
         got = lc.got
         for line in lines:
             if not lc.pending:
                 log.debug("valkey: a reply nobody asked for on the loop connection to %s", lc.node)
                 self._fail_loop(lc)
                 return
-            if line[:1] == b":":
+            if line[:1] == b":" and 1 < len(line) <= 20 and line[1:].isdigit():  # a size (never negative)
                 got.append(int(line[1:]))
             elif self.cluster and line.startswith((b"-MOVED ", b"-ASK ")):  # absent for now; refresh the map
                 got.append(0)
@@ -338,7 +359,7 @@ class ValkeyBackend(ThreadedBackend):
         pending = list(lc.pending)
         lc.pending.clear()
         lc.got = []
-        for _, done in pending:
+        for _, done, _ in pending:
             done(None)
 
     def drop_loop_fd(self, fd: int) -> None:

@@ -1,0 +1,158 @@
+"""A broken or hostile Valkey node (tests/fakevalkey.py: a real one cannot be made to answer
+like this): whatever it answers to the existence checks that the server's loop reads itself, no
+exception reaches the loop, a reply is never misread as sizes, the bytes kept from it stay
+bounded, a node that stops answering loses its loop connection (so lookups stop paying the L2
+timeout and answers are never matched to the wrong check), and a new connection is made."""
+
+from __future__ import annotations
+
+import select
+import time
+from collections.abc import Iterator
+
+import pytest
+from fakevalkey import FakeValkey
+from l2kit import CHUNK, TIMEOUT, tier, wait_for
+
+from kvxfer import CacheClient
+from kvxfer.store import StoreOptions
+from kvxfer.testing.server import ServerProcess
+from kvxfer_valkey import ValkeyStore
+
+KEYS = [b"kvxfer:t:a", b"kvxfer:t:b"]
+
+
+def _strlen(first: bytes, rest: bytes = b":0\r\n"):
+    """Answer the first STRLEN with ``first`` (raw bytes), every later one with ``rest``."""
+    seen = [0]
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        if cmd[0].upper() != b"STRLEN":
+            return b"-ERR unexpected\r\n"
+        seen[0] += 1
+        return first if seen[0] == 1 else rest
+
+    return reply
+
+
+HOSTILE = {
+    "a size that is not a number": (_strlen(b":abc\r\n"), [None]),
+    "a size with a sign": (_strlen(b":-7\r\n"), [None]),
+    "a size with spaces": (_strlen(b": 7\r\n"), [None]),
+    "a size past any value": (_strlen(b":" + b"9" * 30 + b"\r\n"), [None]),
+    "a bulk string": (_strlen(b"$1\r\n5\r\n"), [None]),
+    "an array": (_strlen(b"*1\r\n:5\r\n"), [None]),
+    "a RESP3 push": (_strlen(b">2\r\n$7\r\nmessage\r\n$1\r\nx\r\n"), [None]),
+    "an error": (_strlen(b"-ERR no\r\n"), [None]),
+    "a line that never ends": (_strlen(b":" + b"9" * 300_000), [None]),
+    "a reply nobody asked for": (_strlen(b":1\r\n", b":2\r\n:3\r\n"), [[1, 2]]),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_reply_on_the_loop_connection_fails_that_connection_only(case: str) -> None:
+    reply, expected = HOSTILE[case]
+    with FakeValkey(reply) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=2.0))
+        try:
+            results: list = []
+            assert backend.exists_nowait(KEYS, results.append)
+            deadline = time.monotonic() + 10
+            while backend.loop_fds() and time.monotonic() < deadline:
+                ready, _, _ = select.select(list(backend.loop_fds()), [], [], 0.5)
+                for fd in ready:
+                    backend.on_readable(fd)  # never raises, whatever the node sent
+                for lc in backend._loops.values():
+                    assert len(lc.buf) <= 4096, "the bytes kept from an unfinished reply are bounded"
+            assert results == expected, "the check fails (None): a hostile reply is never read as sizes"
+            assert backend.loop_fds() == (), "the connection is dropped: its stream position is unknown"
+            fake.reply = _strlen(b":0\r\n")
+            assert backend.submit_exists(KEYS).result(10) == [0, 0]
+            assert len(backend.loop_fds()) == 1, "a new loop connection is made"
+            results.clear()
+            assert backend.exists_nowait(KEYS, results.append)
+            (fd,) = backend.loop_fds()
+            while not results:
+                assert select.select([fd], [], [], 10)[0], "no answer on the new connection"
+                backend.on_readable(fd)
+            assert results == [[0, 0]]
+        finally:
+            backend.close()
+
+
+def test_a_node_that_skips_a_reply_loses_its_loop_connection() -> None:
+    skipped = [0]
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        skipped[0] += 1
+        return None if skipped[0] <= len(KEYS) else b":0\r\n"  # the first check's answers never come
+
+    with FakeValkey(reply) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=0.2))
+        try:
+            first: list = []
+            assert backend.exists_nowait(KEYS, first.append)
+            time.sleep(0.3)  # past the lookup's timeout: the server's lookup has ended without it
+            later: list = []
+            assert not backend.exists_nowait(KEYS, later.append), \
+                "a connection whose oldest check is past the timeout takes no more checks"
+            assert first == [None] and backend.loop_fds() == ()
+            assert backend.submit_exists(KEYS).result(10) == [0, 0]  # a threaded check; it makes a new loop connection
+            (fd,) = backend.loop_fds()
+            assert backend.exists_nowait(KEYS, later.append)
+            while not later:
+                assert select.select([fd], [], [], 10)[0], "no answer on the new connection"
+                backend.on_readable(fd)
+            assert later == [[0, 0]]
+        finally:
+            backend.close()
+
+
+# --------------------------------------------------------------------------- a kvxfer server on it
+
+L2_TIMEOUT = 0.5
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeValkey]:
+    with FakeValkey(_strlen(b":0\r\n")) as node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def client(fake: FakeValkey) -> Iterator[CacheClient]:
+    args = ["--l2", "valkey", "--l2-url", fake.url, "--l2-timeout", str(L2_TIMEOUT)]
+    with (ServerProcess(l1_size="8MiB", chunk_size=CHUNK, transports="cpu_gather", extra_args=args) as srv,
+          CacheClient(srv.url, timeout=TIMEOUT) as c):
+        assert wait_for(lambda: tier(c).state == "up", 30), tier(c)
+        yield c
+
+
+@pytest.mark.parametrize("first", [None, b":abc\r\n"], ids=["no answer", "garbage"])
+def test_lookups_recover_from_a_node_that_skipped_or_garbled_an_answer(fake: FakeValkey, client: CacheClient,
+                                                                        first: bytes | None) -> None:
+    """On the loop connection, a check the node never answers (or answers with garbage) costs one
+    lookup (its timeout, or a failure at once), not every lookup after it."""
+    keys = [b"h" + bytes([i]) * 15 for i in range(4)]
+    answered = [0]
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        answered[0] += 1
+        if answered[0] == 1:
+            return first
+        return None if answered[0] <= len(keys) and first is None else b":0\r\n"
+
+    wait_for(lambda: tier(client).state == "up", 30)
+    before = tier(client)
+    fake.reply = reply
+    try:
+        assert client.lookup("hostile", hashes=keys) == 0  # the node's answer is missing or garbled
+        time.sleep(L2_TIMEOUT + 0.1)  # the check on the loop connection is now past the timeout
+        for _ in range(4):
+            assert client.lookup("hostile", hashes=keys) == 0
+        after = tier(client)
+        assert after.timeouts - before.timeouts <= 1, "later lookups are answered, not timed out"
+        assert after.errors - before.errors <= 1 and after.outages == before.outages, after
+        assert after.state == "up"
+    finally:
+        fake.reply = _strlen(b":0\r\n")
