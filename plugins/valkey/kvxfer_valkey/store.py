@@ -14,8 +14,9 @@ Who does what:
   updates its slot map (slow, once per moved slot).
 
 Every socket operation is bounded (``options.timeout_s`` for lookups, ``bulk_timeout_s`` while
-values move; the client's own commands use ``bulk_timeout_s``); a connection that fails mid-reply is
-disconnected (the pool makes a new one next time). Errors become
+values move; the client's own commands use ``bulk_timeout_s``), and so is each operation as a
+whole (``timeout_s``, or ``bulk_timeout_s`` plus the values' bytes at 16 MiB/s); a connection that
+fails mid-reply is disconnected (the pool makes a new one next time). Errors become
 :class:`~kvxfer.errors.StoreUnavailable`; a wrong user or password is a
 :class:`~kvxfer.errors.ConfigError` at open.
 """
@@ -70,6 +71,10 @@ _READ: Final = 1 << 14
 #: Longest unfinished reply line kept from the loop connection (an answer to STRLEN is at most
 #: 21 bytes, a redirect about a hundred): a longer one is not Valkey's, and the connection is dropped.
 _LOOP_LINE_MAX: Final = 1 << 12
+#: The slowest average rate at which values may move (gets and puts), on top of the bulk
+#: timeout: a trickling node ends the operation instead of holding a store thread (and the
+#: promotions waiting on it) for ever. An L2 read this slow is far slower than recomputing.
+_MIN_BYTES_PER_S: Final = 16 << 20
 _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
 
 
@@ -390,19 +395,24 @@ class ValkeyBackend(ThreadedBackend):
             groups.setdefault(id(pool), (pool, []))[1].append(i)
         return list(groups.values())
 
-    def _on(self, pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float) -> T:
+    def _on(self, pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float,
+            nbytes: int = 0) -> T:
         """Run ``fn`` on an idle connection of ``pool``, each socket operation bounded by
-        ``timeout``; a failure drops the connection."""
+        ``timeout``, and the replies read by ``timeout`` plus ``nbytes`` (the values moved) at
+        :data:`_MIN_BYTES_PER_S`; a failure drops the connection."""
+        deadline = time.monotonic() + timeout + nbytes / _MIN_BYTES_PER_S
         conn = pool.get_connection("GET")
         try:
             sock = conn._sock  # the bulk path: see the module docstring
             if sock is None:
                 raise ConnectionError("the pool gave a connection with no socket")
             sock.settimeout(timeout)
-            reader = RespReader(sock)
+            reader = RespReader(sock, deadline)
             out = fn(conn, reader)
             if reader.buffered:
                 raise ConnectionError(f"{reader.buffered} unexpected bytes after the replies")
+            if sock.gettimeout() != timeout:  # lowered near the deadline: the pool's next user expects it
+                sock.settimeout(timeout)
             return out
         except BaseException:
             conn.disconnect()
@@ -455,7 +465,7 @@ class ValkeyBackend(ThreadedBackend):
                         out[i] = GetStatus.MISS
                     else:
                         out[i] = GetStatus.HIT if n == sum(len(p) for p in parts) else GetStatus.WRONG_SIZE
-            self._on(pool, run, self.options.bulk_timeout_s)
+            self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
         for i in moved:
             self.redirects += 1
             data: bytes | None = _sync(self.client.get(keys[i]))
@@ -493,7 +503,7 @@ class ValkeyBackend(ThreadedBackend):
                             out[i] = False
                         else:
                             raise StoreUnavailable(f"valkey: SET failed: {err.text}") from None
-            self._on(pool, run, self.options.bulk_timeout_s)
+            self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
         for i in moved:
             self.redirects += 1
             key, parts = items[i]

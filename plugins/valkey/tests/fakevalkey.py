@@ -1,19 +1,31 @@
 """A fake Valkey node for tests of a broken or hostile one: it speaks RESP2 on a loopback port,
 answers the commands a client sends when it connects (``CLIENT``, ``INFO``, ``PING``) as a
 single node would, and hands every other command to the test's ``reply`` function, whose bytes
-it sends back as they are (None: no answer at all). A real Valkey cannot be made to send these
-replies, hence the fake."""
+it sends back as they are (None: no answer at all; a :class:`Trickle`: those bytes, a few at a
+time). A real Valkey cannot be made to send these replies, hence the fake."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["FakeValkey"]
+__all__ = ["FakeValkey", "Trickle"]
 
-Reply = Callable[[list[bytes]], bytes | None]
+
+@dataclass(frozen=True)
+class Trickle:
+    """A reply sent ``step`` bytes every ``every_s`` seconds (a node that is slow, or pretends to be)."""
+
+    data: bytes
+    step: int
+    every_s: float
+
+
+Reply = Callable[[list[bytes]], bytes | Trickle | None]
 
 
 def _read_command(f: BinaryIO) -> list[bytes] | None:
@@ -66,7 +78,7 @@ class FakeValkey:
                     self.commands.append(cmd)
                 name = cmd[0].upper()
                 if name == b"CLIENT":
-                    out: bytes | None = b"+OK\r\n"
+                    out: bytes | Trickle | None = b"+OK\r\n"
                 elif name == b"INFO":
                     body = b"cluster_enabled:0\r\nused_memory:0\r\n"
                     out = b"$%d\r\n%s\r\n" % (len(body), body)
@@ -76,7 +88,11 @@ class FakeValkey:
                     out = b":0\r\n"
                 else:
                     out = self.reply(cmd)
-                if out:
+                if isinstance(out, Trickle):
+                    for i in range(0, len(out.data), out.step):
+                        conn.sendall(out.data[i:i + out.step])
+                        time.sleep(out.every_s)
+                elif out:
                     conn.sendall(out)
         except (OSError, ValueError, ConnectionError):
             pass

@@ -2,7 +2,9 @@
 like this): whatever it answers to the existence checks that the server's loop reads itself, no
 exception reaches the loop, a reply is never misread as sizes, the bytes kept from it stay
 bounded, a node that stops answering loses its loop connection (so lookups stop paying the L2
-timeout and answers are never matched to the wrong check), and a new connection is made."""
+timeout and answers are never matched to the wrong check), and a new connection is made.
+Whatever it answers to a get, nothing is reported read unless the value came whole, and a get
+ends within its bounds however slowly the bytes trickle in."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from fakevalkey import FakeValkey
+from fakevalkey import FakeValkey, Trickle
 from l2kit import CHUNK, TIMEOUT, tier, wait_for
 
 from kvxfer import CacheClient
-from kvxfer.store import StoreOptions
+from kvxfer.errors import StoreUnavailable
+from kvxfer.store import GetStatus, StoreOptions
 from kvxfer.testing.server import ServerProcess
 from kvxfer_valkey import ValkeyStore
 
@@ -104,6 +107,76 @@ def test_a_node_that_skips_a_reply_loses_its_loop_connection() -> None:
                 assert select.select([fd], [], [], 10)[0], "no answer on the new connection"
                 backend.on_readable(fd)
             assert later == [[0, 0]]
+        finally:
+            backend.close()
+
+
+VALUE = bytes(range(256)) * 256  # 64 KiB
+
+
+def _get(reply):
+    """Answer every GET with ``reply`` (bytes or a Trickle)."""
+    return lambda cmd: reply if cmd[0].upper() == b"GET" else b"-ERR unexpected\r\n"
+
+
+def _value(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+HOSTILE_GETS = {
+    "longer than announced": b"$4\r\n" + VALUE + b"\r\n",
+    "more bytes after the value": _value(VALUE) + b":5\r\n",
+    "an integer": b":65536\r\n",
+    "an array": b"*1\r\n" + _value(VALUE),
+    "a RESP3 push": b">1\r\n+x\r\n",
+    "a length that is not a number": b"$abc\r\n",
+    "a length past any value": b"$%d\r\n" % (1 << 40) + VALUE,
+}
+
+
+def _get_outcome(backend, buf: bytearray) -> str:
+    """``"hit"``, another status's value, or the failure's text (the connection was dropped)."""
+    try:
+        (got,) = backend.submit_get([(b"kvxfer:t:v", [memoryview(buf)])]).result(30)
+    except StoreUnavailable as exc:
+        return str(exc)
+    return got.value
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_GETS))
+def test_a_hostile_reply_to_a_get_loads_only_a_whole_value(case: str) -> None:
+    with FakeValkey(_get(HOSTILE_GETS[case])) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=2.0, bulk_timeout_s=2.0))
+        try:
+            buf = bytearray(len(VALUE))
+            outcome = _get_outcome(backend, buf)
+            if case == "more bytes after the value":  # the value came whole; the pool drops the
+                assert outcome == "hit" and buf == VALUE  # connection before its next command
+            else:
+                assert outcome != "hit", outcome
+                assert "TimeoutError" not in outcome, "refused at once, not read until the timeout"
+            buf[:] = bytes(len(buf))
+            fake.reply = _get(_value(VALUE))
+            assert _get_outcome(backend, buf) == "hit"
+            assert buf == VALUE, "the next value is read whole, on a connection in step"
+        finally:
+            backend.close()
+
+
+def test_a_get_that_trickles_in_ends_by_its_deadline() -> None:
+    """Each read waits at most the bulk timeout; the whole get, at most the bulk timeout plus its
+    bytes at 16 MiB/s: a node that sends a little at a time (slow, or pretending) cannot hold a
+    store thread, and the promotions and retrieves waiting on it, for ever."""
+    slow = Trickle(_value(VALUE), step=4096, every_s=0.05)  # 0.8 s, never silent for 0.05 s
+    with FakeValkey(_get(slow)) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=2.0, bulk_timeout_s=0.2))
+        try:
+            buf = bytearray(len(VALUE))
+            with pytest.raises(StoreUnavailable, match="TimeoutError"):
+                backend.submit_get([(b"kvxfer:t:v", [memoryview(buf)])]).result(30)
+            fake.reply = _get(_value(VALUE))
+            assert backend.submit_get([(b"kvxfer:t:v", [memoryview(buf)])]).result(30) == [GetStatus.HIT]
+            assert buf == VALUE
         finally:
             backend.close()
 
