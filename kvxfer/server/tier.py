@@ -143,7 +143,9 @@ class Breaker:
 
     Closed: operations run. ``threshold`` consecutive failures open it; while open nothing
     touches the store except the health thread's probe, due at ``retry_at``; a failed probe
-    doubles the delay (up to ``max_backoff``), a good one closes the breaker."""
+    doubles the delay (up to ``max_backoff``), a good one closes the breaker. A store that
+    passes the probe but fails again before any operation succeeds (it answers pings, not the
+    work: hung on it, or refusing it) reopens it with the delay doubled, not started over."""
 
     def __init__(self, threshold: int, backoff: float, max_backoff: float) -> None:
         self.threshold = threshold
@@ -156,10 +158,13 @@ class Breaker:
         self.retry_at = 0.0
         self.last_error = ""
         self.opened = 0
+        #: An operation succeeded since a probe last closed the breaker (or none ever opened it).
+        self.proven = True
 
     def success(self) -> None:
         with self._lock:
             self.failures = 0
+            self.proven = True
 
     def failure(self, error: str) -> bool:
         """Count a failure; True if this one opened the breaker."""
@@ -181,7 +186,7 @@ class Breaker:
     def _open(self) -> None:
         self.closed = False
         self.opened += 1
-        self.delay = self.base
+        self.delay = self.base if self.proven else min(self.max_backoff, self.delay * 2)
         self.retry_at = time.monotonic() + self.delay
 
     def probe_due(self) -> bool:
@@ -193,7 +198,7 @@ class Breaker:
             if ok:
                 self.closed = True
                 self.failures = 0
-                self.delay = self.base
+                self.proven = False  # until an operation succeeds: see the class docstring
                 return
             self.last_error = error or self.last_error
             self.delay = min(self.max_backoff, self.delay * 2)
@@ -313,10 +318,11 @@ class TierLookup:
         """The store's answer (None: the check failed, with ``error`` when known), on the loop."""
         tier = self.tier
         if sizes is None:
-            tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
+            if not self._done:  # (a lookup that timed out was counted as failed then)
+                tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
             self.resolve([])
             return
-        if tier.breaker.failures:
+        if tier.breaker.failures or not tier.breaker.proven:
             tier.breaker.success()
         self.resolve(sizes)
 

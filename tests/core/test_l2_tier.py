@@ -102,6 +102,24 @@ def test_breaker_opens_after_consecutive_failures_and_backs_off() -> None:
     assert b.closed and b.opened == 1
 
 
+def test_a_store_that_passes_probes_but_fails_the_work_keeps_the_breaker_backing_off() -> None:
+    """A store that answers the health thread's ping but not lookups or gets (a node hung on
+    them, or one that refuses them) must not cost ``threshold`` failed operations every base
+    delay: reopened before any operation succeeded, the breaker waits twice as long as before;
+    once an operation succeeds in between, it starts over from the base delay."""
+    b = Breaker(threshold=2, backoff=0.01, max_backoff=0.04)
+    b.failure("timeout")
+    assert b.failure("timeout") and b.delay == 0.01
+    for delay in (0.02, 0.04, 0.04):  # the ping passes, the work fails again: capped doubling
+        b.probed(True)
+        b.failure("timeout")
+        assert b.failure("timeout") and b.delay == delay
+    b.probed(True)
+    b.success()  # an operation worked: the store is back
+    b.failure("timeout")
+    assert b.failure("timeout") and b.delay == 0.01
+
+
 def test_plugins_lists_store_backends(capsys: pytest.CaptureFixture[str]) -> None:
     from kvxfer.cli import main
 

@@ -4,20 +4,24 @@ The ``valkey`` client hands us a connected, idle connection (nothing buffered, n
 we send pipelined commands with its ``send_packed_command`` and read their replies here:
 the line of a reply into a small carry buffer, the bytes of a bulk string with ``recv_into`` the
 caller's memoryviews (an arena slot), so a 32 MiB value crosses from the kernel into the arena
-once. Anything unexpected raises :class:`RespError` or an ``OSError``; the caller then
-disconnects the connection (its stream position is unknown).
+once. Anything unexpected raises :class:`RespError` or an ``OSError`` (``TimeoutError`` past the
+reader's deadline); the caller then disconnects the connection (its stream position is unknown).
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["RespReader", "RespError", "ErrorReply", "pack", "pack_bulk_header"]
+__all__ = ["RespReader", "RespError", "ErrorReply", "pack", "pack_bulk_header", "BULK_MAX"]
 
 _CRLF: Final = b"\r\n"
 _LINE_MAX: Final = 64 << 10
+#: Longest bulk string Valkey sends (its ``proto-max-bulk-len`` default, and the backend's
+#: ``max_value_bytes``): a longer length is not a reply, and is never skipped.
+BULK_MAX: Final = 512 << 20
 
 
 class RespError(Exception):
@@ -47,10 +51,13 @@ def pack_bulk_header(command: bytes, key: bytes, value_len: int) -> bytes:
 
 
 class RespReader:
-    """Reads replies from ``sock``; the bytes read past the current reply stay in a carry buffer."""
+    """Reads replies from ``sock``; the bytes read past the current reply stay in a carry buffer.
+    Each read waits at most the socket's timeout; with ``deadline`` (``time.monotonic()``), all of
+    them together end by then too (``TimeoutError``), however slowly the bytes trickle in."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, deadline: float | None = None) -> None:
         self.sock = sock
+        self.deadline = deadline
         self._buf = bytearray(4096)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -59,6 +66,16 @@ class RespReader:
     @property
     def buffered(self) -> int:
         return self._end - self._start
+
+    def _recv_into(self, view: memoryview, nbytes: int = 0) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the store's replies did not arrive whole within the operation's time")
+            timeout = self.sock.gettimeout()
+            if timeout is None or left < timeout:
+                self.sock.settimeout(left)
+        return self.sock.recv_into(view, nbytes)
 
     def _fill(self) -> None:
         if self._start == self._end:
@@ -69,7 +86,7 @@ class RespReader:
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
-        got = self.sock.recv_into(self._view[self._end:])
+        got = self._recv_into(self._view[self._end:])
         if got == 0:
             raise ConnectionError("the server closed the connection")
         self._end += got
@@ -94,7 +111,7 @@ class RespReader:
             dest[:k] = self._view[self._start:self._start + k]
             self._start += k
             pos = k
-        recv_into = self.sock.recv_into
+        recv_into = self._recv_into
         while pos < n:
             got = recv_into(dest[pos:], n - pos)
             if got == 0:
@@ -108,7 +125,7 @@ class RespReader:
         n -= have
         while n > 0:
             self._start = self._end = 0
-            got = self.sock.recv_into(self._view, min(n, len(self._buf)))
+            got = self._recv_into(self._view, min(n, len(self._buf)))
             if got == 0:
                 raise ConnectionError("the server closed the connection mid-value")
             n -= got
@@ -147,6 +164,8 @@ class RespReader:
             n = int(line[1:])
             if n < 0:
                 return None
+            if n > BULK_MAX:
+                raise RespError(f"a bulk reply of {n} bytes, more than any value has")
             if n != sum(len(p) for p in parts):
                 self.skip(n + 2)
                 return n

@@ -14,8 +14,9 @@ Who does what:
   updates its slot map (slow, once per moved slot).
 
 Every socket operation is bounded (``options.timeout_s`` for lookups, ``bulk_timeout_s`` while
-values move; the client's own commands use ``bulk_timeout_s``); a connection that fails mid-reply is
-disconnected (the pool makes a new one next time). Errors become
+values move; the client's own commands use ``bulk_timeout_s``), and so is each operation as a
+whole (``timeout_s``, or ``bulk_timeout_s`` plus the values' bytes at 16 MiB/s); a connection that
+fails mid-reply is disconnected (the pool makes a new one next time). Errors become
 :class:`~kvxfer.errors.StoreUnavailable`; a wrong user or password is a
 :class:`~kvxfer.errors.ConfigError` at open.
 """
@@ -27,6 +28,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -66,6 +68,13 @@ _REDIRECTS: Final = frozenset({"MOVED", "ASK"})
 _STRLEN_KEPT: Final = 1 << 16
 #: Bytes read from the loop connection at a time.
 _READ: Final = 1 << 14
+#: Longest unfinished reply line kept from the loop connection (an answer to STRLEN is at most
+#: 21 bytes, a redirect about a hundred): a longer one is not Valkey's, and the connection is dropped.
+_LOOP_LINE_MAX: Final = 1 << 12
+#: The slowest average rate at which values may move (gets and puts), on top of the bulk
+#: timeout: a trickling node ends the operation instead of holding a store thread (and the
+#: promotions waiting on it) for ever. An L2 read this slow is far slower than recomputing.
+_MIN_BYTES_PER_S: Final = 16 << 20
 _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
 
 
@@ -115,8 +124,8 @@ class _LoopConnection:
         self.fd = self.sock.fileno()
         #: The start of a reply not read whole yet.
         self.buf = b""
-        #: (keys asked, done) per check sent, oldest first, and the sizes of the oldest so far
-        self.pending: deque[tuple[int, Callable[[list[int] | None], None]]] = deque()
+        #: (keys asked, done, when sent) per check sent, oldest first, and the sizes of the oldest so far
+        self.pending: deque[tuple[int, Callable[[list[int] | None], None], float]] = deque()
         self.got: list[int] = []
         self.broken = False
 
@@ -224,7 +233,7 @@ class ValkeyBackend(ThreadedBackend):
         cmds = self._strlen
         if not self.cluster:
             lc = self._loops.get("node")
-            if lc is None or lc.broken:
+            if lc is None or lc.broken or self._stuck(lc):
                 self._want_loops.set()
                 return False
             try:
@@ -233,7 +242,7 @@ class ValkeyBackend(ThreadedBackend):
                 data = b"".join([self._strlen_of(k)[0] for k in keys])
             if not self._send(lc, data):
                 return False
-            lc.pending.append((len(keys), done))
+            lc.pending.append((len(keys), done, time.monotonic()))
             return True
         # a cluster: one pipeline per node holding some of the keys
         assert isinstance(self.client, ValkeyCluster)
@@ -253,7 +262,7 @@ class ValkeyBackend(ThreadedBackend):
         conns = []
         for name in groups:
             lc = self._loops.get(name)
-            if lc is None or lc.broken:
+            if lc is None or lc.broken or self._stuck(lc):
                 self._want_loops.set()
                 return False
             conns.append(lc)
@@ -264,7 +273,7 @@ class ValkeyBackend(ThreadedBackend):
                     return False  # nothing sent
                 gather.part(positions, None)  # fails the check now; the others' answers are read and ignored
                 return True
-            lc.pending.append((len(positions), functools.partial(gather.part, positions)))
+            lc.pending.append((len(positions), functools.partial(gather.part, positions), time.monotonic()))
         return True
 
     def _strlen_of(self, key: bytes) -> tuple[bytes, int]:
@@ -272,6 +281,18 @@ class ValkeyBackend(ThreadedBackend):
             self._strlen.clear()
         out = self._strlen[key] = (pack(b"STRLEN", key), key_slot(key))
         return out
+
+    def _stuck(self, lc: _LoopConnection) -> bool:
+        """Drop ``lc`` if its oldest check went unanswered for longer than a lookup may wait
+        (the lookup ended without it): a node that skipped a reply would have the next checks
+        read each other's answers, and one that stopped answering would take every lookup's
+        timeout. True if dropped."""
+        if not lc.pending or time.monotonic() - lc.pending[0][2] <= self.options.timeout_s:
+            return False
+        log.debug("valkey: no answer to an existence check on the loop connection to %s within %g s: "
+                  "dropping it", lc.node, self.options.timeout_s)
+        self._fail_loop(lc)
+        return True
 
     def _send(self, lc: _LoopConnection, data: bytes) -> bool:
         try:
@@ -302,13 +323,18 @@ class ValkeyBackend(ThreadedBackend):
         # every reply to STRLEN is ":N\r\n" (or a redirect); what follows the last CRLF is unfinished
         lines = data.split(b"\r\n")
         lc.buf = lines.pop()
+        if len(lc.buf) > _LOOP_LINE_MAX:
+            log.debug("valkey: a reply line of more than %d bytes on the loop connection to %s",
+                      _LOOP_LINE_MAX, lc.node)
+            self._fail_loop(lc)
+            return
         got = lc.got
         for line in lines:
             if not lc.pending:
                 log.debug("valkey: a reply nobody asked for on the loop connection to %s", lc.node)
                 self._fail_loop(lc)
                 return
-            if line[:1] == b":":
+            if line[:1] == b":" and 1 < len(line) <= 20 and line[1:].isdigit():  # a size (never negative)
                 got.append(int(line[1:]))
             elif self.cluster and line.startswith((b"-MOVED ", b"-ASK ")):  # absent for now; refresh the map
                 got.append(0)
@@ -338,7 +364,7 @@ class ValkeyBackend(ThreadedBackend):
         pending = list(lc.pending)
         lc.pending.clear()
         lc.got = []
-        for _, done in pending:
+        for _, done, _ in pending:
             done(None)
 
     def drop_loop_fd(self, fd: int) -> None:
@@ -369,19 +395,24 @@ class ValkeyBackend(ThreadedBackend):
             groups.setdefault(id(pool), (pool, []))[1].append(i)
         return list(groups.values())
 
-    def _on(self, pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float) -> T:
+    def _on(self, pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float,
+            nbytes: int = 0) -> T:
         """Run ``fn`` on an idle connection of ``pool``, each socket operation bounded by
-        ``timeout``; a failure drops the connection."""
+        ``timeout``, and the replies read by ``timeout`` plus ``nbytes`` (the values moved) at
+        :data:`_MIN_BYTES_PER_S`; a failure drops the connection."""
+        deadline = time.monotonic() + timeout + nbytes / _MIN_BYTES_PER_S
         conn = pool.get_connection("GET")
         try:
             sock = conn._sock  # the bulk path: see the module docstring
             if sock is None:
                 raise ConnectionError("the pool gave a connection with no socket")
             sock.settimeout(timeout)
-            reader = RespReader(sock)
+            reader = RespReader(sock, deadline)
             out = fn(conn, reader)
             if reader.buffered:
                 raise ConnectionError(f"{reader.buffered} unexpected bytes after the replies")
+            if sock.gettimeout() != timeout:  # lowered near the deadline: the pool's next user expects it
+                sock.settimeout(timeout)
             return out
         except BaseException:
             conn.disconnect()
@@ -434,7 +465,7 @@ class ValkeyBackend(ThreadedBackend):
                         out[i] = GetStatus.MISS
                     else:
                         out[i] = GetStatus.HIT if n == sum(len(p) for p in parts) else GetStatus.WRONG_SIZE
-            self._on(pool, run, self.options.bulk_timeout_s)
+            self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
         for i in moved:
             self.redirects += 1
             data: bytes | None = _sync(self.client.get(keys[i]))
@@ -472,7 +503,7 @@ class ValkeyBackend(ThreadedBackend):
                             out[i] = False
                         else:
                             raise StoreUnavailable(f"valkey: SET failed: {err.text}") from None
-            self._on(pool, run, self.options.bulk_timeout_s)
+            self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
         for i in moved:
             self.redirects += 1
             key, parts = items[i]

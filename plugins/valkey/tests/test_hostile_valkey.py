@@ -1,0 +1,231 @@
+"""A broken or hostile Valkey node (tests/fakevalkey.py: a real one cannot be made to answer
+like this): whatever it answers to the existence checks that the server's loop reads itself, no
+exception reaches the loop, a reply is never misread as sizes, the bytes kept from it stay
+bounded, a node that stops answering loses its loop connection (so lookups stop paying the L2
+timeout and answers are never matched to the wrong check), and a new connection is made.
+Whatever it answers to a get, nothing is reported read unless the value came whole, and a get
+ends within its bounds however slowly the bytes trickle in."""
+
+from __future__ import annotations
+
+import select
+import time
+from collections.abc import Iterator
+
+import pytest
+from fakevalkey import FakeValkey, Trickle
+from l2kit import CHUNK, TIMEOUT, tier, wait_for
+
+from kvxfer import CacheClient
+from kvxfer.errors import StoreUnavailable
+from kvxfer.store import GetStatus, StoreOptions
+from kvxfer.testing.server import ServerProcess
+from kvxfer_valkey import ValkeyStore
+
+KEYS = [b"kvxfer:t:a", b"kvxfer:t:b"]
+
+
+def _strlen(first: bytes, rest: bytes = b":0\r\n"):
+    """Answer the first STRLEN with ``first`` (raw bytes), every later one with ``rest``."""
+    seen = [0]
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        if cmd[0].upper() != b"STRLEN":
+            return b"-ERR unexpected\r\n"
+        seen[0] += 1
+        return first if seen[0] == 1 else rest
+
+    return reply
+
+
+HOSTILE = {
+    "a size that is not a number": (_strlen(b":abc\r\n"), [None]),
+    "a size with a sign": (_strlen(b":-7\r\n"), [None]),
+    "a size with spaces": (_strlen(b": 7\r\n"), [None]),
+    "a size past any value": (_strlen(b":" + b"9" * 30 + b"\r\n"), [None]),
+    "a bulk string": (_strlen(b"$1\r\n5\r\n"), [None]),
+    "an array": (_strlen(b"*1\r\n:5\r\n"), [None]),
+    "a RESP3 push": (_strlen(b">2\r\n$7\r\nmessage\r\n$1\r\nx\r\n"), [None]),
+    "an error": (_strlen(b"-ERR no\r\n"), [None]),
+    "a line that never ends": (_strlen(b":" + b"9" * 300_000), [None]),
+    "a reply nobody asked for": (_strlen(b":1\r\n", b":2\r\n:3\r\n"), [[1, 2]]),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_reply_on_the_loop_connection_fails_that_connection_only(case: str) -> None:
+    reply, expected = HOSTILE[case]
+    with FakeValkey(reply) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=2.0))
+        try:
+            results: list = []
+            assert backend.exists_nowait(KEYS, results.append)
+            deadline = time.monotonic() + 10
+            while backend.loop_fds() and time.monotonic() < deadline:
+                ready, _, _ = select.select(list(backend.loop_fds()), [], [], 0.5)
+                for fd in ready:
+                    backend.on_readable(fd)  # never raises, whatever the node sent
+                for lc in backend._loops.values():
+                    assert len(lc.buf) <= 4096, "the bytes kept from an unfinished reply are bounded"
+            assert results == expected, "the check fails (None): a hostile reply is never read as sizes"
+            assert backend.loop_fds() == (), "the connection is dropped: its stream position is unknown"
+            fake.reply = _strlen(b":0\r\n")
+            assert backend.submit_exists(KEYS).result(10) == [0, 0]
+            assert len(backend.loop_fds()) == 1, "a new loop connection is made"
+            results.clear()
+            assert backend.exists_nowait(KEYS, results.append)
+            (fd,) = backend.loop_fds()
+            while not results:
+                assert select.select([fd], [], [], 10)[0], "no answer on the new connection"
+                backend.on_readable(fd)
+            assert results == [[0, 0]]
+        finally:
+            backend.close()
+
+
+def test_a_node_that_skips_a_reply_loses_its_loop_connection() -> None:
+    skipped = [0]
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        skipped[0] += 1
+        return None if skipped[0] <= len(KEYS) else b":0\r\n"  # the first check's answers never come
+
+    with FakeValkey(reply) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=0.2))
+        try:
+            first: list = []
+            assert backend.exists_nowait(KEYS, first.append)
+            time.sleep(0.3)  # past the lookup's timeout: the server's lookup has ended without it
+            later: list = []
+            assert not backend.exists_nowait(KEYS, later.append), \
+                "a connection whose oldest check is past the timeout takes no more checks"
+            assert first == [None] and backend.loop_fds() == ()
+            assert backend.submit_exists(KEYS).result(10) == [0, 0]  # a threaded check; it makes a new loop connection
+            (fd,) = backend.loop_fds()
+            assert backend.exists_nowait(KEYS, later.append)
+            while not later:
+                assert select.select([fd], [], [], 10)[0], "no answer on the new connection"
+                backend.on_readable(fd)
+            assert later == [[0, 0]]
+        finally:
+            backend.close()
+
+
+VALUE = bytes(range(256)) * 256  # 64 KiB
+
+
+def _get(reply):
+    """Answer every GET with ``reply`` (bytes or a Trickle)."""
+    return lambda cmd: reply if cmd[0].upper() == b"GET" else b"-ERR unexpected\r\n"
+
+
+def _value(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+HOSTILE_GETS = {
+    "longer than announced": b"$4\r\n" + VALUE + b"\r\n",
+    "more bytes after the value": _value(VALUE) + b":5\r\n",
+    "an integer": b":65536\r\n",
+    "an array": b"*1\r\n" + _value(VALUE),
+    "a RESP3 push": b">1\r\n+x\r\n",
+    "a length that is not a number": b"$abc\r\n",
+    "a length past any value": b"$%d\r\n" % (1 << 40) + VALUE,
+}
+
+
+def _get_outcome(backend, buf: bytearray) -> str:
+    """``"hit"``, another status's value, or the failure's text (the connection was dropped)."""
+    try:
+        (got,) = backend.submit_get([(b"kvxfer:t:v", [memoryview(buf)])]).result(30)
+    except StoreUnavailable as exc:
+        return str(exc)
+    return got.value
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_GETS))
+def test_a_hostile_reply_to_a_get_loads_only_a_whole_value(case: str) -> None:
+    with FakeValkey(_get(HOSTILE_GETS[case])) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=2.0, bulk_timeout_s=2.0))
+        try:
+            buf = bytearray(len(VALUE))
+            outcome = _get_outcome(backend, buf)
+            if case == "more bytes after the value":  # the value came whole; the pool drops the
+                assert outcome == "hit" and buf == VALUE  # connection before its next command
+            else:
+                assert outcome != "hit", outcome
+                assert "TimeoutError" not in outcome, "refused at once, not read until the timeout"
+            buf[:] = bytes(len(buf))
+            fake.reply = _get(_value(VALUE))
+            assert _get_outcome(backend, buf) == "hit"
+            assert buf == VALUE, "the next value is read whole, on a connection in step"
+        finally:
+            backend.close()
+
+
+def test_a_get_that_trickles_in_ends_by_its_deadline() -> None:
+    """Each read waits at most the bulk timeout; the whole get, at most the bulk timeout plus its
+    bytes at 16 MiB/s: a node that sends a little at a time (slow, or pretending) cannot hold a
+    store thread, and the promotions and retrieves waiting on it, for ever."""
+    slow = Trickle(_value(VALUE), step=4096, every_s=0.05)  # 0.8 s, never silent for 0.05 s
+    with FakeValkey(_get(slow)) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=2.0, bulk_timeout_s=0.2))
+        try:
+            buf = bytearray(len(VALUE))
+            with pytest.raises(StoreUnavailable, match="TimeoutError"):
+                backend.submit_get([(b"kvxfer:t:v", [memoryview(buf)])]).result(30)
+            fake.reply = _get(_value(VALUE))
+            assert backend.submit_get([(b"kvxfer:t:v", [memoryview(buf)])]).result(30) == [GetStatus.HIT]
+            assert buf == VALUE
+        finally:
+            backend.close()
+
+
+# --------------------------------------------------------------------------- a kvxfer server on it
+
+L2_TIMEOUT = 0.5
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeValkey]:
+    with FakeValkey(_strlen(b":0\r\n")) as node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def client(fake: FakeValkey) -> Iterator[CacheClient]:
+    args = ["--l2", "valkey", "--l2-url", fake.url, "--l2-timeout", str(L2_TIMEOUT)]
+    with (ServerProcess(l1_size="8MiB", chunk_size=CHUNK, transports="cpu_gather", extra_args=args) as srv,
+          CacheClient(srv.url, timeout=TIMEOUT) as c):
+        assert wait_for(lambda: tier(c).state == "up", 30), tier(c)
+        yield c
+
+
+@pytest.mark.parametrize("first", [None, b":abc\r\n"], ids=["no answer", "garbage"])
+def test_lookups_recover_from_a_node_that_skipped_or_garbled_an_answer(fake: FakeValkey, client: CacheClient,
+                                                                        first: bytes | None) -> None:
+    """On the loop connection, a check the node never answers (or answers with garbage) costs one
+    lookup (its timeout, or a failure at once), not every lookup after it."""
+    keys = [b"h" + bytes([i]) * 15 for i in range(4)]
+    answered = [0]
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        answered[0] += 1
+        if answered[0] == 1:
+            return first
+        return None if answered[0] <= len(keys) and first is None else b":0\r\n"
+
+    wait_for(lambda: tier(client).state == "up", 30)
+    before = tier(client)
+    fake.reply = reply
+    try:
+        assert client.lookup("hostile", hashes=keys) == 0  # the node's answer is missing or garbled
+        time.sleep(L2_TIMEOUT + 0.1)  # the check on the loop connection is now past the timeout
+        for _ in range(4):
+            assert client.lookup("hostile", hashes=keys) == 0
+        after = tier(client)
+        assert after.timeouts - before.timeouts <= 1, "later lookups are answered, not timed out"
+        assert after.errors - before.errors <= 1 and after.outages == before.outages, after
+        assert after.state == "up"
+    finally:
+        fake.reply = _strlen(b":0\r\n")
