@@ -1104,11 +1104,20 @@ class CacheServer:
 
         return _Deferred(ctx.executor, copy, finish, ctx.transport, quick=server_context, waiting=ctx.waiting)
 
-    def _on_retrieve(self, session: Session, msg: m.Retrieve, slot: LaneSlot | None = None) -> _Deferred | _Awaiting:
+    def _on_retrieve(self, session: Session, msg: m.Retrieve,
+                     waited: tuple[RegisteredContext, LaneSlot] | None = None) -> _Deferred | _Awaiting:
         """A server-driven retrieve. One that must wait for chunks being promoted from L2 takes
-        its place in the instance's lane first (``slot``), so that the instance's later transfers
-        still run after it."""
+        its place in the instance's lane first, so that the instance's later transfers still run
+        after it; ``waited``: the context and place it took, when it comes back after the wait.
+        If that context was dropped meanwhile (even if its id was registered again), it fails
+        with UnknownInstance and reserves nothing."""
         ctx = self._server_driven(session, msg.instance_id)
+        slot = None
+        if waited is not None:
+            if waited[0] is not ctx:
+                raise UnknownInstance(f"instance {msg.instance_id} was unregistered while this retrieve waited for "
+                                      "chunks promoted from L2: nothing loaded; retrieve again once registered")
+            slot = waited[1]
         _check_hashes(msg.hashes)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
@@ -1116,7 +1125,7 @@ class CacheServer:
         promoting = self._promotions_of(ctx.keys(msg.hashes))
         if promoting is not None:
             place = slot if slot is not None else ctx.executor.reserve()
-            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg, place),
+            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg, (ctx, place)),
                              functools.partial(ctx.executor.cancel, place))
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))

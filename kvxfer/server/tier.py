@@ -845,7 +845,8 @@ class L2Tier:
                          for j in idx]
                 try:
                     fut = backend.submit_get(items)
-                except StoreUnavailable as exc:
+                except Exception as exc:  # noqa: BLE001  (StoreUnavailable, or a backend's own error:
+                    # either fails these chunks; the promotion still ends, so its waiters go on)
                     self._failed(exc, "promotion")
                     self._checked(p, idx, None)
                     limit = min(limit, min(i for i, _ in group))

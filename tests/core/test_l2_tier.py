@@ -311,3 +311,50 @@ def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered
     finally:
         tier.close()
         arena.close()
+
+
+def test_a_promotion_whose_get_raises_at_submit_ends_and_wakes_its_waiters(tmp_path: Path) -> None:
+    """In process, with the real fs store, arena and index. A backend whose ``submit_get``
+    raises something other than StoreUnavailable (the fs one never does: this test swaps in a
+    failing submit_get, as a third-party backend might have) fails the promotion: it ends (a
+    retrieve waiting for it, which holds its place in its instance's lane, goes on), its L1
+    slots are given back, and the lookup counts no L2 hits for it."""
+    arena = Arena.create(1 << 20, tmp_path)
+    index = ChunkIndex(arena.size)
+    calls: list = []
+    tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=0), index, arena, calls.append,
+                  lambda key: None)
+    tier.start()
+
+    def pump(until) -> None:  # play the loop: run what other threads handed to it
+        deadline = time.monotonic() + TIMEOUT
+        while not until():
+            assert time.monotonic() < deadline
+            while calls:
+                calls.pop(0)()
+            time.sleep(0.005)
+
+    try:
+        hashes = [bytes([i]) * 16 for i in range(2)]
+        keys = [ChunkKey("m", 1, 0, h) for h in hashes]
+        res, _, _ = index.reserve_write(keys, FMT, 4096, 1, Usage())
+        tier.offer([e for _, e in index.commit_write(res)])
+        pump(lambda: tier.writes == 2)
+        assert len(index.clear()) == 2
+
+        def refuse(items):
+            raise ConnectionError("the store's client broke")
+
+        assert tier.backend is not None
+        tier.backend.submit_get = refuse  # type: ignore[method-assign]
+        lk = tier.begin_lookup("m", 1, hashes, 0)
+        assert lk is not None
+        pump(lk.done)
+        hits, _, _ = tier.finish_lookup(lk, promote=True)
+        assert hits == 0
+        pump(lambda: not tier.promoting)
+        assert tier.pending(keys) is None and index.lookup("m", 1, hashes) == 0
+        assert tier.promote_failures == 2 and len(index.entries) == 0
+    finally:
+        tier.close()
+        arena.close()

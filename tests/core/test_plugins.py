@@ -18,7 +18,14 @@ import pytest
 import torch
 
 from kvxfer import CacheClient, chunk_hashes
-from kvxfer.errors import InvalidRequest, ServerInternalError, TransportBroken, TransportNotFound, TransportUnavailable
+from kvxfer.errors import (
+    InvalidRequest,
+    ServerInternalError,
+    TransportBroken,
+    TransportNotFound,
+    TransportUnavailable,
+    UnknownInstance,
+)
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
@@ -488,6 +495,51 @@ def test_a_retrieve_waiting_for_l2_keeps_its_place_before_the_instances_later_tr
         for s_layer, v_layer in zip(src, check):
             assert torch.equal(v_layer[:, blocks], s_layer[:, blocks]), "the store ran before the retrieve"
         for kv in (a, b, v):
+            kv.close()
+
+
+def test_a_retrieve_whose_instance_is_unregistered_while_it_waits_for_l2_pins_nothing(
+        on_path: Path, tmp_path: Path) -> None:
+    """A retrieve waiting for chunks promoted from L2 whose instance is unregistered meanwhile
+    (by a request queued before it) fails once the promotion ends, even if the instance id was
+    registered again: it reads nothing for the new registration, and the chunks it would have
+    read are not left pinned (clear() removes them)."""
+    from kvxfer_test_transport import LoopParams
+
+    l2 = tmp_path / "l2"
+    gate = Path(f"{l2}.gate")  # test_gated's reads (the promotion) wait while it exists
+    held = fifo(tmp_path, "held")
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="test_loop4", env=env_with(on_path),
+                       extra_args=["--l2", "test_gated", "--l2-url", f"file://{l2}"]) as srv, \
+            CacheClient(srv.url, timeout=30) as c:
+        src, dst = (shared_kv(tmp_path, f"gone-{i}", seed=21 + i) for i in range(2))
+        a, b = (c.register(kv, model_name="gone", block_size=BLOCK_SIZE, transport="test_loop4") for kv in (src, dst))
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="gone")
+        other = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="gone-other")
+        blocks = list(range(2 * BLOCKS_PER_CHUNK))
+        assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+        wait_until(lambda: (t := c.status().tiers[0]).writes == 2 and t.queue_depth == 0, timeout=30)
+        assert c.clear("gone") == 2  # only L2 holds them now
+        gate.touch()
+        assert c.lookup("gone", hashes=hashes, promote=True) == 2
+        # the instance's lane: a store held at the server, the unregister, then the retrieve
+        store = c.submit(m.Store(b.instance_id, other, blocks[:BLOCKS_PER_CHUNK],
+                                 msgspec_raw(LoopParams(hold_until=str(held)))))
+        unregister = c.submit(m.Unregister(b.instance_id))
+        retrieve = c.submit(m.Retrieve(b.instance_id, hashes, blocks))
+        c.ping()  # all three reached the server (one connection, answered in order)
+        assert not retrieve.done() and not unregister.done()
+        release(held)
+        assert store.result(30).stored == [0]
+        unregister.result(30)
+        b.register()  # the same instance id, registered again while the retrieve still waits
+        gate.unlink()
+        with pytest.raises(UnknownInstance, match="unregistered"):
+            retrieve.result(30)
+        assert c.status().reservations == 0
+        wait_until(lambda: (t := c.status().tiers[0]).writes == 3 and t.queue_depth == 0, timeout=30)
+        assert c.clear("gone") == 3, "the retrieve of the old registration left its chunks pinned"
+        for kv in (a, b):
             kv.close()
 
 
