@@ -100,12 +100,15 @@ class _Awaiting:
     """A handler's answer when it must first wait for ``future`` (resolved on any thread; a
     :class:`TierLookup` on the loop): the loop then answers with ``then()``, a reply or another
     deferred answer. ``release``: called if ``then()`` raises (a transfer gives up the place it
-    took in its instance's lane while it waited, so that the transfers behind it go on)."""
+    took in its instance's lane while it waited, so that the transfers behind it go on). While
+    it waits it counts against ``session``'s and the server's ``max_waiting`` limits, which the
+    handler checks (``CacheServer._check_waiting``) before it starts anything it would wait for."""
 
-    __slots__ = ("future", "then", "release")
+    __slots__ = ("session", "future", "then", "release")
 
-    def __init__(self, future: Future[Any] | TierLookup, then: Callable[[], msgspec.Struct | _Deferred | _Awaiting],
-                 release: Callable[[], None] | None = None):
+    def __init__(self, session: Session, future: Future[Any] | TierLookup,
+                 then: Callable[[], msgspec.Struct | _Deferred | _Awaiting], release: Callable[[], None] | None = None):
+        self.session = session
         self.future = future
         self.then = then
         self.release = release
@@ -320,6 +323,8 @@ class CacheServer:
         self._pool = WorkerPool(self.limits.workers)
         #: Runs the waiters of server-driven copies (see ServerContext.store).
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
+        #: Requests waiting on L2 (_Awaiting), in all; each session counts its own.
+        self._waiting = 0
         #: The L2 tier under the arena (``--l2``), or None.
         self.tier: L2Tier | None = None
         try:
@@ -524,7 +529,13 @@ class CacheServer:
         if isinstance(out, _Deferred):
             self._run_deferred(identity, rid, name, out, t0)
         elif isinstance(out, _Awaiting):
+            session = out.session
+            session.waiting += 1
+            self._waiting += 1
+
             def resume() -> None:
+                session.waiting -= 1
+                self._waiting -= 1
                 try:
                     nxt = out.then()
                 except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
@@ -897,14 +908,16 @@ class CacheServer:
             raise self.limits.exceeded("max_lease_s", f"lease_s is {msg.lease_s:g}")
         hits = self.index.lookup(msg.model_name, msg.world_size, msg.hashes)
         tier = self.tier
+        asks_l2 = tier is not None and hits < len(msg.hashes)
+        if asks_l2:
+            self._check_waiting(session)
         # the L2 check is sent first: what follows overlaps the store's answer
-        pending = tier.begin_lookup(msg.model_name, msg.world_size, msg.hashes, hits) if (
-            tier is not None and hits < len(msg.hashes)) else None
+        pending = tier.begin_lookup(msg.model_name, msg.world_size, msg.hashes, hits) if asks_l2 else None
         if tier is not None:
             if hits and tier.admission_hits:
                 tier.count_hits(msg.model_name, msg.world_size, msg.hashes[:hits])
             if pending is not None:
-                return _Awaiting(pending, lambda: self._lookup_reply(
+                return _Awaiting(session, pending, lambda: self._lookup_reply(
                     session, msg, *tier.finish_lookup(pending, msg.promote)))
         return self._lookup_reply(session, msg, hits, 0, hits)
 
@@ -932,6 +945,11 @@ class CacheServer:
             formats = self._formats = {(c.model_name, c.world_size, c.rank): c.chunk.fmt
                                        for c in self.contexts.values()}
         return formats.get((key.model_name, key.world_size, key.rank))
+
+    def _check_waiting(self, session: Session) -> None:
+        """Raise LimitExceeded unless ``session`` may have one more request waiting on L2."""
+        self.limits.check("max_waiting", self._waiting)
+        self.limits.check("max_waiting_per_session", session.waiting)
 
     def _promotions_of(self, keys: list[ChunkKey]) -> Future[None] | None:
         """Promotions from L2 still running for ``keys`` (a retrieve waits for them)."""
@@ -1018,7 +1036,8 @@ class CacheServer:
         _check_hashes(msg.hashes)
         promoting = self._promotions_of(ctx.keys(msg.hashes))
         if promoting is not None:
-            return _Awaiting(promoting, lambda: self._on_reserve_read(session, msg))
+            self._check_waiting(session)
+            return _Awaiting(session, promoting, lambda: self._on_reserve_read(session, msg))
         res, missing = self._reserve_read(session, ctx, msg.hashes, msg.lease_id)
         res.missing = len(missing)
         return m.ReserveReadReply(res.id, [m.Slot(i, e.offset) for i, e in res.entries], missing)
@@ -1124,8 +1143,9 @@ class CacheServer:
         layers = self._layer_range(ctx, msg.layers)
         promoting = self._promotions_of(ctx.keys(msg.hashes))
         if promoting is not None:
+            self._check_waiting(session)
             place = slot if slot is not None else ctx.executor.reserve()
-            return _Awaiting(promoting, lambda: self._on_retrieve(session, msg, (ctx, place)),
+            return _Awaiting(session, promoting, lambda: self._on_retrieve(session, msg, (ctx, place)),
                              functools.partial(ctx.executor.cancel, place))
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))

@@ -56,6 +56,11 @@ SPECS: Final[dict[str, LimitSpec]] = {s.name: s for s in (
               "release leases once read (release_lease) or lease for less time"),
     LimitSpec("max_leased_bytes_per_session", "--max-leased-bytes-per-session", "bytes",
               "arena bytes pinned by one session's leases", "release leases once read"),
+    LimitSpec("max_waiting", "--max-waiting", "count",
+              "requests waiting on the L2 store in all (lookups that ask it, reads and retrieves of chunks being "
+              "promoted from it)", "wait for answers before sending more"),
+    LimitSpec("max_waiting_per_session", "--max-waiting-per-session", "count",
+              "requests of one session waiting on the L2 store", "wait for answers before sending more"),
     LimitSpec("max_lease_s", "--max-lease", "seconds", "longest lease", "ask for a shorter lease_s"),
     LimitSpec("max_name_length", "--max-name-length", "bytes", "longest model or client name (UTF-8)",
               "use a shorter name"),
@@ -100,6 +105,9 @@ class Limits:
     max_leases_per_session: int = 4096
     #: None: the arena's size.
     max_leased_bytes_per_session: int | None = None
+    #: Requests waiting on L2 (each holds its message, a callback, a retrieve its lane place).
+    max_waiting: int = 16384
+    max_waiting_per_session: int = 1024
     max_lease_s: float = 600.0
     max_name_length: int = 512
     max_kv_cache_size: int = 4 << 40

@@ -92,5 +92,7 @@ class Session:
     instances: set[int] = field(default_factory=set)
     #: Registrations sent to a worker, not finished yet.
     registering: int = 0
+    #: Requests waiting on the L2 store (see the engine's ``_Awaiting``).
+    waiting: int = 0
     #: The parked writes of the earlier session this one resumed (its late commits free them).
     resumed: Parked | None = None

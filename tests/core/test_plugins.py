@@ -20,6 +20,7 @@ import torch
 from kvxfer import CacheClient, chunk_hashes
 from kvxfer.errors import (
     InvalidRequest,
+    LimitExceeded,
     ServerInternalError,
     TransportBroken,
     TransportNotFound,
@@ -540,6 +541,48 @@ def test_a_retrieve_whose_instance_is_unregistered_while_it_waits_for_l2_pins_no
         wait_until(lambda: (t := c.status().tiers[0]).writes == 3 and t.queue_depth == 0, timeout=30)
         assert c.clear("gone") == 3, "the retrieve of the old registration left its chunks pinned"
         for kv in (a, b):
+            kv.close()
+
+
+def test_requests_waiting_on_l2_are_bounded_per_session(on_path: Path, tmp_path: Path) -> None:
+    """Retrieves of chunks being promoted and lookups that ask L2 count against
+    --max-waiting-per-session while they wait: one past it is refused with a message naming the
+    limit, nothing of it done; another session still waits; once the promotion ends the count
+    is back to zero."""
+    l2 = tmp_path / "l2"
+    gate = Path(f"{l2}.gate")  # test_gated's reads (the promotion) wait while it exists
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="test_loop4", env=env_with(on_path),
+                       extra_args=["--l2", "test_gated", "--l2-url", f"file://{l2}",
+                                   "--max-waiting-per-session", "2"]) as srv, \
+            CacheClient(srv.url, timeout=30) as c, CacheClient(srv.url, timeout=30) as other:
+        src, dst = (shared_kv(tmp_path, f"wait-{i}", seed=31 + i) for i in range(2))
+        a = c.register(src, model_name="wait", block_size=BLOCK_SIZE, transport="test_loop4")
+        b = c.register(dst, model_name="wait", block_size=BLOCK_SIZE, transport="test_loop4")
+        ob = other.register(dst, model_name="wait", block_size=BLOCK_SIZE, transport="test_loop4")
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="wait")
+        absent = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="wait-absent")
+        blocks = list(range(2 * BLOCKS_PER_CHUNK))
+        assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+        wait_until(lambda: (t := c.status().tiers[0]).writes == 2 and t.queue_depth == 0, timeout=30)
+        assert c.clear("wait") == 2  # only L2 holds them now
+        gate.touch()
+        assert c.lookup("wait", hashes=hashes, promote=True) == 2
+        waiting = [b.submit_retrieve(hashes, blocks) for _ in range(2)]
+        c.ping()  # both reached the server (one connection, answered in order) and wait
+        assert not any(f.done() for f in waiting)
+        with pytest.raises(LimitExceeded, match="max_waiting_per_session.*--max-waiting-per-session"):
+            b.submit_retrieve(hashes, blocks).result(30)
+        with pytest.raises(LimitExceeded, match="max_waiting_per_session"):
+            c.lookup("wait", hashes=absent)  # it would ask L2
+        theirs = ob.submit_retrieve(hashes, blocks)  # another session's count is its own
+        other.ping()
+        assert not theirs.done()
+        gate.unlink()
+        assert [f.result(30).loaded for f in waiting] == [[0, 1], [0, 1]]
+        assert theirs.result(30).loaded == [0, 1]
+        assert c.lookup("wait", hashes=absent) == 0  # the session waits on L2 again
+        assert b.submit_retrieve(hashes, blocks).result(30).loaded == [0, 1]
+        for kv in (a, b, ob):
             kv.close()
 
 
