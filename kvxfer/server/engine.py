@@ -908,11 +908,11 @@ class CacheServer:
             raise self.limits.exceeded("max_lease_s", f"lease_s is {msg.lease_s:g}")
         hits = self.index.lookup(msg.model_name, msg.world_size, msg.hashes)
         tier = self.tier
-        asks_l2 = tier is not None and hits < len(msg.hashes)
-        if asks_l2:
+        pending = None
+        if tier is not None and hits < len(msg.hashes):
             self._check_waiting(session)
-        # the L2 check is sent first: what follows overlaps the store's answer
-        pending = tier.begin_lookup(msg.model_name, msg.world_size, msg.hashes, hits) if asks_l2 else None
+            # the L2 check is sent first: what follows overlaps the store's answer
+            pending = tier.begin_lookup(msg.model_name, msg.world_size, msg.hashes, hits)
         if tier is not None:
             if hits and tier.admission_hits:
                 tier.count_hits(msg.model_name, msg.world_size, msg.hashes[:hits])
