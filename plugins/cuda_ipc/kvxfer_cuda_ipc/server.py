@@ -330,8 +330,9 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
     def _ensure_staging(self, nbytes: int) -> None:
         if self._ring and self._ring[0].numel() >= nbytes:
             return
-        if self._ring:  # copies of earlier requests may still use the old ring
-            torch.cuda.synchronize(self.device)
+        if self._ring:  # copies of earlier requests (on this context's two streams) may still use it
+            self._compute.synchronize()
+            self._copy.synchronize()
         self._ring.clear()
         k = max(2, min(8, _staging_bytes() // max(nbytes, 1)))
         self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(k)]
