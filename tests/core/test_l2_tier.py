@@ -4,11 +4,12 @@ that span tiers, promotion, admission, backpressure, configuration and what stat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -262,18 +263,18 @@ def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- a lookup that waits
 
 
-def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered(tmp_path: Path) -> None:
-    """In process, with the real fs store, arena and index: what a lookup read of L1 while its
-    check was out holds only while nothing changed; a change makes it read L1 again, and hits
-    that left L1 meanwhile are not counted."""
+@contextlib.contextmanager
+def in_process_tier(tmp_path: Path) -> Iterator[tuple[Arena, ChunkIndex, L2Tier, Callable[[Callable[[], bool]], None]]]:
+    """A real arena, index and L2 tier over the fs store, in this process; ``pump(until)`` plays
+    the server's loop (runs what other threads handed to it) until ``until()`` holds."""
     arena = Arena.create(1 << 20, tmp_path)
     index = ChunkIndex(arena.size)
-    calls: list = []
+    calls: list[Callable[[], None]] = []
     tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=0), index, arena, calls.append,
                   lambda key: None)
     tier.start()
 
-    def pump(until) -> None:  # play the loop: run what other threads handed to it
+    def pump(until: Callable[[], bool]) -> None:
         deadline = time.monotonic() + TIMEOUT
         while not until():
             assert time.monotonic() < deadline
@@ -281,13 +282,24 @@ def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered
                 calls.pop(0)()
             time.sleep(0.005)
 
-    def store(hashes: list[bytes]) -> None:
-        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 4096, 1, Usage())
-        for _, e in res.entries:
-            arena.memoryview(e.offset, e.size)[:] = e.key.chunk_hash * 256
-        tier.offer([e for _, e in index.commit_write(res)])
-
     try:
+        yield arena, index, tier, pump
+    finally:
+        tier.close()
+        arena.close()
+
+
+def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered(tmp_path: Path) -> None:
+    """In process, with the real fs store, arena and index: what a lookup read of L1 while its
+    check was out holds only while nothing changed; a change makes it read L1 again, and hits
+    that left L1 meanwhile are not counted."""
+    with in_process_tier(tmp_path) as (arena, index, tier, pump):
+        def store(hashes: list[bytes]) -> None:
+            res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 4096, 1, Usage())
+            for _, e in res.entries:
+                arena.memoryview(e.offset, e.size)[:] = e.key.chunk_hash * 256
+            tier.offer([e for _, e in index.commit_write(res)])
+
         hashes = [bytes([i]) * 16 for i in range(4)]
         store(hashes)
         pump(lambda: tier.writes == 4)
@@ -308,9 +320,6 @@ def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered
         lease = index.lease(index.lease_keys("m", 1, hashes[1:2]), 30, Usage())
         assert lookup(lambda: index.clear()) == (0, 0, 0), "chunk 0 left L1 while the store answered"
         index.release_lease(lease)
-    finally:
-        tier.close()
-        arena.close()
 
 
 def test_a_promotion_whose_get_raises_at_submit_ends_and_wakes_its_waiters(tmp_path: Path) -> None:
@@ -319,22 +328,7 @@ def test_a_promotion_whose_get_raises_at_submit_ends_and_wakes_its_waiters(tmp_p
     failing submit_get, as a third-party backend might have) fails the promotion: it ends (a
     retrieve waiting for it, which holds its place in its instance's lane, goes on), its L1
     slots are given back, and the lookup counts no L2 hits for it."""
-    arena = Arena.create(1 << 20, tmp_path)
-    index = ChunkIndex(arena.size)
-    calls: list = []
-    tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=0), index, arena, calls.append,
-                  lambda key: None)
-    tier.start()
-
-    def pump(until) -> None:  # play the loop: run what other threads handed to it
-        deadline = time.monotonic() + TIMEOUT
-        while not until():
-            assert time.monotonic() < deadline
-            while calls:
-                calls.pop(0)()
-            time.sleep(0.005)
-
-    try:
+    with in_process_tier(tmp_path) as (_arena, index, tier, pump):
         hashes = [bytes([i]) * 16 for i in range(2)]
         keys = [ChunkKey("m", 1, 0, h) for h in hashes]
         res, _, _ = index.reserve_write(keys, FMT, 4096, 1, Usage())
@@ -355,6 +349,3 @@ def test_a_promotion_whose_get_raises_at_submit_ends_and_wakes_its_waiters(tmp_p
         pump(lambda: not tier.promoting)
         assert tier.pending(keys) is None and index.lookup("m", 1, hashes) == 0
         assert tier.promote_failures == 2 and len(index.entries) == 0
-    finally:
-        tier.close()
-        arena.close()

@@ -464,6 +464,15 @@ def test_a_retrieve_whose_copies_are_queued_is_answered_before_they_end(loop_cli
     b.close()
 
 
+def only_in_l2(c: CacheClient, kv, model: str, hashes: list[bytes], blocks: list[int], gate: Path) -> None:
+    """Store ``hashes`` through ``kv``, wait until the L2 store (``test_gated``) holds them, drop
+    them from L1, and hold the store's reads (promotions) until ``gate`` is removed."""
+    assert kv.submit_store(hashes, blocks).result(30).stored == list(range(len(hashes)))
+    wait_until(lambda: (t := c.status().tiers[0]).writes == len(hashes) and t.queue_depth == 0, timeout=30)
+    assert c.clear(model) == len(hashes)  # only L2 holds them now
+    gate.touch()
+
+
 def test_a_retrieve_waiting_for_l2_keeps_its_place_before_the_instances_later_transfers(
         on_path: Path, tmp_path: Path) -> None:
     """A server-driven retrieve of chunks being promoted from L2 waits at the server; a store of
@@ -480,10 +489,7 @@ def test_a_retrieve_waiting_for_l2_keeps_its_place_before_the_instances_later_tr
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="order")
         later = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="order-later")
         blocks = list(range(2 * BLOCKS_PER_CHUNK))
-        assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
-        wait_until(lambda: (t := c.status().tiers[0]).writes == 2 and t.queue_depth == 0, timeout=30)
-        assert c.clear("order") == 2  # only L2 holds them now
-        gate.touch()
+        only_in_l2(c, a, "order", hashes, blocks, gate)
         lease = c.lookup_and_lease("order", hashes=hashes, lease_s=30, promote=True)
         assert (lease.hits, lease.l2_hits) == (2, 2)
         retrieved = b.submit_retrieve(hashes, blocks, lease_id=lease.lease_id)
@@ -518,10 +524,7 @@ def test_a_retrieve_whose_instance_is_unregistered_while_it_waits_for_l2_pins_no
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="gone")
         other = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="gone-other")
         blocks = list(range(2 * BLOCKS_PER_CHUNK))
-        assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
-        wait_until(lambda: (t := c.status().tiers[0]).writes == 2 and t.queue_depth == 0, timeout=30)
-        assert c.clear("gone") == 2  # only L2 holds them now
-        gate.touch()
+        only_in_l2(c, a, "gone", hashes, blocks, gate)
         assert c.lookup("gone", hashes=hashes, promote=True) == 2
         # the instance's lane: a store held at the server, the unregister, then the retrieve
         store = c.submit(m.Store(b.instance_id, other, blocks[:BLOCKS_PER_CHUNK],
@@ -562,10 +565,7 @@ def test_requests_waiting_on_l2_are_bounded_per_session(on_path: Path, tmp_path:
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="wait")
         absent = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="wait-absent")
         blocks = list(range(2 * BLOCKS_PER_CHUNK))
-        assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
-        wait_until(lambda: (t := c.status().tiers[0]).writes == 2 and t.queue_depth == 0, timeout=30)
-        assert c.clear("wait") == 2  # only L2 holds them now
-        gate.touch()
+        only_in_l2(c, a, "wait", hashes, blocks, gate)
         assert c.lookup("wait", hashes=hashes, promote=True) == 2
         waiting = [b.submit_retrieve(hashes, blocks) for _ in range(2)]
         c.ping()  # both reached the server (one connection, answered in order) and wait
