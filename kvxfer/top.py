@@ -30,7 +30,7 @@ from kvxfer.units import format_bytes
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-__all__ = ["render", "run_top"]
+__all__ = ["render", "run_top", "sessions_besides_asker"]
 
 
 # --------------------------------------------------------------------------- formatting
@@ -90,6 +90,16 @@ def _bar(fraction: float, width: int = 24) -> str:
     return "█" * n + "░" * (width - n)
 
 
+def sessions_besides_asker(st: m.StatusReply) -> str:
+    """The sessions of ``st`` without the one that asked for it, in words (``2 sessions besides
+    this one``): what ``kvxfer status`` and ``kvxfer top`` show. The server's count includes the
+    session of whoever asked (every status request comes through one), which a user who started
+    one client does not expect to see; ``kvxfer status --json`` and the ``kvxfer_sessions``
+    metric keep the server's own count."""
+    n = max(0, st.sessions - 1)
+    return f"{n} session{'' if n == 1 else 's'} besides this one"
+
+
 def _sample_key(s: m.MetricSample) -> str:
     return s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
 
@@ -112,7 +122,7 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     head = Text()
     head.append(f"kvxfer {st.server_version}", style="bold")
     head.append(f"  {st.url}  pid {st.pid}  up {_uptime(st.uptime_s)}  chunk {st.chunk_size} tokens  "
-                f"{st.sessions} session{'' if st.sessions == 1 else 's'}  {st.requests_in_flight} in flight")
+                f"{sessions_besides_asker(st)}  {st.requests_in_flight} in flight")
     if live:
         head.append("  (q quits)", style="dim")
     parts.append(head)

@@ -83,6 +83,8 @@ def test_status_table(server, registered) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"at {server.url}, pid {server.pid}" in out and f"chunk size {CHUNK_SIZE}" in out
+    # the registered client's session, not the one `kvxfer status` opened to ask
+    assert out.splitlines()[0].endswith(", 1 session besides this one"), out
     assert "arena:" in out and "32.0 MiB used" in out and "lookups:" in out
     header = next(line for line in out.splitlines() if line.startswith("instance"))
     assert header.split() == ["instance", "model", "world", "rank", "transport", "layout", "layers", "block",
@@ -98,6 +100,7 @@ def test_status_json(server, registered) -> None:
     assert proc.returncode == 0, proc.stderr
     st = json.loads(proc.stdout)
     assert st["url"] == server.url and st["pid"] == server.pid and st["chunk_size"] == CHUNK_SIZE
+    assert st["sessions"] == 2  # the server's own count: the registered client's and this command's
     [ctx] = [c for c in st["contexts"] if c["instance_id"] == registered.instance_id]
     assert ctx["model_name"] == "cli-model" and ctx["layout"] == "flash_attn" and ctx["num_layers"] == 2
     assert st["arena"]["chunks"] >= 2 and st["lookup_hits"] >= 2

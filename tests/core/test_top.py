@@ -79,6 +79,7 @@ def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
     console.print(render(after, before, 2.0))
     text = console.export_text()
     assert f"kvxfer {after.server_version}" in text and after.url in text and after.metrics_url in text
+    assert after.sessions == 1 and "0 sessions besides this one" in " ".join(text.split())  # the asker not counted
     # 1 store and 1 retrieve in 2 s: 0.5/s each; 3 chunks (24 KiB) stored and loaded
     assert traffic_row(text, "render-model", "store")[3:8] == ["0.5", "12K", "3", "24K", "0"]
     assert traffic_row(text, "render-model", "retrieve")[3:8] == ["0.5", "12K", "3", "24K", "0"]
