@@ -202,6 +202,7 @@ def _curve_client(curve_dir: str | None, name: str) -> CurveClientKeys | None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from kvxfer.client import CacheClient
+    from kvxfer.top import sessions_besides_asker
 
     curve = _curve_client(args.curve_dir, args.curve_name)
     with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer status",
@@ -212,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     a = st.arena
     print(f"kvxfer {st.server_version} (protocol {st.protocol_version}) at {st.url}, pid {st.pid}, "
-          f"up {st.uptime_s:.0f} s, chunk size {st.chunk_size}, {st.sessions} session{'' if st.sessions == 1 else 's'}")
+          f"up {st.uptime_s:.0f} s, chunk size {st.chunk_size}, {sessions_besides_asker(st)}")
     print(f"arena: {format_bytes(a.used)} of {format_bytes(a.capacity)} used, {a.chunks} chunks, "
           f"{a.free_extents} free extents (largest {format_bytes(a.largest_free)}), {a.evictions} evictions; {a.path}")
     rate = f"{100 * st.lookup_hits / st.lookup_chunks:.1f}%" if st.lookup_chunks else "-"
@@ -397,7 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="show a server's report")
     s.add_argument("--url", default=default_url(), help="the server's address (default: %(default)s)")
-    s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s.add_argument("--json", action="store_true",
+                   help="print the report as one JSON object (the server's own figures: its 'sessions' counts "
+                        "this command's session too, which the table leaves out)")
     s.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for the server to answer (default: %(default)s)")
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")

@@ -37,9 +37,9 @@ from kvxfer.errors import (
     TransportNotFound,
     TransportUnavailable,
 )
-from kvxfer.mq.client import CurveClientKeys, MQClient, ipc_server_ready
+from kvxfer.mq.client import CurveClientKeys, MQClient, ipc_server_ready, knock
 from kvxfer.protocol import messages as m
-from kvxfer.urls import check_url, default_url
+from kvxfer.urls import check_url, default_url, ipc_path
 
 if TYPE_CHECKING:  # loaded by register(): a client that only looks up or reports needs no torch
     import torch
@@ -98,27 +98,14 @@ class CacheClient:
         deadline = time.monotonic() + self.connect_timeout
         while not ipc_server_ready(self.url):  # checked before anything is sent
             if time.monotonic() > deadline:
-                raise ConnectionFailed(
-                    f"no kvxfer server at {self.url} within {self.connect_timeout:g} s (its socket does not exist); "
-                    f"start one with `kvxfer serve --url {self.url}`")
+                raise ConnectionFailed(self._no_socket())
             time.sleep(0.02)
         try:
             reply = self._mq.request(m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._secret),
                                      timeout=max(0.1, deadline - time.monotonic()))
         except ConnectionFailed as exc:
-            hint, serve = "", f"kvxfer serve --url {self.url}"
-            if self.url.startswith("tcp://"):
-                serve += " --curve-dir DIR"
-                # ZeroMQ drops a CURVE handshake it refuses without a word: say so
-                hint = ("; a tcp:// server only answers clients with an authorized CURVE key: pass "
-                        "curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR) with the "
-                        "server's public key and a client key pair listed in its authorized/ folder")
             # a timed-out handshake says no more than this message; anything else is added
-            cause = "" if isinstance(exc, RequestTimeout) else f" ({exc})"
-            raise ConnectionFailed(
-                f"no kvxfer server answered at {self.url} within {self.connect_timeout:g} s; "
-                f"start one with `{serve}`{hint}{cause}"
-            ) from None
+            raise ConnectionFailed(self._no_answer("" if isinstance(exc, RequestTimeout) else f" ({exc})")) from None
         self.server_version = reply.server_version
         self.chunk_size = reply.chunk_size
         self.server_transports = list(reply.transports)
@@ -132,6 +119,45 @@ class CacheClient:
         self._hold_liveness_lock()
         self._epoch += 1
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
+
+    def _serve_command(self) -> str:
+        return f"kvxfer serve --url {self.url}" + (" --curve-dir DIR" if self.url.startswith("tcp://") else "")
+
+    def _no_socket(self) -> str:
+        """Why nobody answered at an ``ipc://`` url whose socket never appeared. A server makes
+        its socket (and the socket's directory) once its arena is allocated, so a server that is
+        starting and none at all look the same here: say both."""
+        path = ipc_path(self.url)
+        assert path is not None
+        where = f"{path} does not exist" if path.parent.exists() else f"neither {path} nor its directory exists"
+        return (f"no kvxfer server is listening at {self.url}: {where} (waited {self.connect_timeout:g} s). "
+                f"A `kvxfer serve` makes it once its arena is allocated: if one is starting, wait for its "
+                f"'kvxfer server ready' line and try again; else start one with `{self._serve_command()}`")
+
+    def _no_answer(self, cause: str) -> str:
+        """Why the handshake got no reply, as far as one plain connection attempt can tell: a
+        process listens but did not answer (a server still starting, a busy one, or, over
+        tcp://, one that refuses our CURVE key), or nothing listens (a socket file left by a
+        server that is gone, a closed port)."""
+        knocked = knock(self.url, min(1.0, self.connect_timeout))
+        curve = ""
+        if self.url.startswith("tcp://"):
+            # ZeroMQ drops a CURVE handshake it refuses without a word: say so
+            curve = ("; a tcp:// server only answers clients with an authorized CURVE key: pass "
+                     "curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR) with the "
+                     "server's public key and a client key pair listed in its authorized/ folder")
+        if knocked == "accepted":
+            return (f"a process listens at {self.url} but did not answer kvxfer's handshake within "
+                    f"{self.connect_timeout:g} s{cause}: a `kvxfer serve` that is still starting (it answers once "
+                    f"its 'kvxfer server ready' line is printed) or one too busy to answer; wait and try again, "
+                    f"or allow longer (kvxfer status --timeout S, CacheClient(connect_timeout=S)){curve}")
+        if knocked == "refused" and self.url.startswith("ipc://"):
+            return (f"no kvxfer server is listening at {self.url}: its socket file is left from a server that "
+                    f"did not stop cleanly (nothing accepts connections on it){cause}; start one with "
+                    f"`{self._serve_command()}` (it replaces the file)")
+        what = "connection refused" if knocked == "refused" else knocked
+        return (f"no kvxfer server is listening at {self.url} ({what}){cause}; start one with "
+                f"`{self._serve_command()}`")
 
     def _hold_liveness_lock(self) -> None:
         """Hold the lock that tells the server this process lives (:mod:`kvxfer.liveness`), in

@@ -29,8 +29,9 @@ from kvxfer.units import format_bytes
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
+    from rich.text import Text
 
-__all__ = ["render", "run_top"]
+__all__ = ["render", "run_top", "sessions_besides_asker"]
 
 
 # --------------------------------------------------------------------------- formatting
@@ -90,6 +91,16 @@ def _bar(fraction: float, width: int = 24) -> str:
     return "█" * n + "░" * (width - n)
 
 
+def sessions_besides_asker(st: m.StatusReply) -> str:
+    """The sessions of ``st`` without the one that asked for it, in words (``2 sessions besides
+    this one``): what ``kvxfer status`` and ``kvxfer top`` show. The server's count includes the
+    session of whoever asked (every status request comes through one), which a user who started
+    one client does not expect to see; ``kvxfer status --json`` and the ``kvxfer_sessions``
+    metric keep the server's own count."""
+    n = max(0, st.sessions - 1)
+    return f"{n} session{'' if n == 1 else 's'} besides this one"
+
+
 def _sample_key(s: m.MetricSample) -> str:
     return s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
 
@@ -109,13 +120,12 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     prev_traffic = {(x.model, x.transport): x for x in prev.traffic} if prev else {}
     parts: list[Any] = []
 
-    head = Text()
-    head.append(f"kvxfer {st.server_version}", style="bold")
-    head.append(f"  {st.url}  pid {st.pid}  up {_uptime(st.uptime_s)}  chunk {st.chunk_size} tokens  "
-                f"{st.sessions} session{'' if st.sessions == 1 else 's'}  {st.requests_in_flight} in flight")
+    head: list[Text | str] = [Text(f"kvxfer {st.server_version}", style="bold"), st.url, f"pid {st.pid}",
+                              f"up {_uptime(st.uptime_s)}", f"chunk {st.chunk_size} tokens", sessions_besides_asker(st),
+                              f"{st.requests_in_flight} in flight"]
     if live:
-        head.append("  (q quits)", style="dim")
-    parts.append(head)
+        head.append(Text("(q quits)", style="dim"))
+    parts.append(_Fields(*head))
     if st.metrics_url:
         parts.append(Text(f"metrics {st.metrics_url}", style="dim"))
     if error:
@@ -124,33 +134,34 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     a = st.arena
     used = a.used / a.capacity if a.capacity else 0.0
     evictions = _rate(a.evictions, prev.arena.evictions if prev else None, dt)
-    parts.append(Text(f"arena  {_bar(used)} {format_bytes(a.used)} of {format_bytes(a.capacity)} ({100 * used:.1f}%)  "
-                      f"{a.chunks} chunks  largest free {format_bytes(a.largest_free)}  {a.free_extents} free extents  "
-                      f"evictions {evictions}/s ({a.evictions} total)"))
+    parts.append(_Fields(f"arena {_bar(used)} {format_bytes(a.used)} of {format_bytes(a.capacity)} ({100 * used:.1f}%)",
+                         f"{a.chunks} chunks", f"largest free {format_bytes(a.largest_free)}",
+                         f"{a.free_extents} free extents", f"evictions {evictions}/s ({a.evictions} total)"))
     hit_now = "-"
     if prev is not None and st.lookup_chunks > prev.lookup_chunks:
         hit_now = _pct(st.lookup_hits - prev.lookup_hits, st.lookup_chunks - prev.lookup_chunks)
     errors = ", ".join(f"{code} {n}" for code, n in sorted(st.errors_by_code.items())) or "none"
-    parts.append(Text(f"lookups {_rate(st.lookups, prev.lookups if prev else None, dt)}/s ({st.lookups} total)  "
-                      f"hit rate {hit_now} now, {_pct(st.lookup_hits, st.lookup_chunks)} total  "
-                      f"leases {st.leases} ({st.leased_chunks} chunks)  reservations {st.reservations}  "
-                      f"errors {st.errors} ({errors})  hook errors {st.hook_errors}"))
+    parts.append(_Fields(f"lookups {_rate(st.lookups, prev.lookups if prev else None, dt)}/s ({st.lookups} total)",
+                         f"hit rate {hit_now} now, {_pct(st.lookup_hits, st.lookup_chunks)} total",
+                         f"leases {st.leases} ({st.leased_chunks} chunks)", f"reservations {st.reservations}",
+                         f"errors {st.errors} ({errors})", f"hook errors {st.hook_errors}"))
 
     prev_tiers = {t.name: t for t in prev.tiers} if prev else {}
     for tier in st.tiers:
         pt_ = prev_tiers.get(tier.name)
-        state = Text(tier.state, style="green" if tier.state == "up" else "bold red")
-        line = Text(printable(f"{tier.name} {tier.store} "))
-        line.append_text(state)
-        line.append(f"  hits {_pct(tier.lookup_hits, tier.lookup_chunks)} of {tier.lookup_chunks} chunks asked  "
-                    f"promoted {_rate(tier.promotions, pt_.promotions if pt_ else None, dt)}/s "
-                    f"({tier.promotions}, {tier.promoting} now)  "
-                    f"written {_short_rate(tier.write_bytes, pt_.write_bytes if pt_ else None, dt)}/s "
-                    f"({format_bytes(tier.write_bytes)})  queue {tier.queue_depth}/{tier.queue_capacity}  "
-                    f"drops {tier.drops}  errors {tier.errors}  timeouts {tier.timeouts}")
+        name = Text(printable(f"{tier.name} {tier.store} "))
+        name.append(tier.state, style="green" if tier.state == "up" else "bold red")
+        fields: list[Text | str] = [
+            name, f"hits {_pct(tier.lookup_hits, tier.lookup_chunks)} of {tier.lookup_chunks} chunks asked",
+            (f"promoted {_rate(tier.promotions, pt_.promotions if pt_ else None, dt)}/s "
+             f"({tier.promotions}, {tier.promoting} now)"),
+            (f"written {_short_rate(tier.write_bytes, pt_.write_bytes if pt_ else None, dt)}/s "
+             f"({format_bytes(tier.write_bytes)})"),
+            f"queue {tier.queue_depth}/{tier.queue_capacity}", f"drops {tier.drops}", f"errors {tier.errors}",
+            f"timeouts {tier.timeouts}"]
         if tier.detail:
-            line.append(printable(f"  {tier.detail}"), style="red")
-        parts.append(line)
+            fields.append(Text(printable(tier.detail), style="red"))
+        parts.append(_Fields(*fields))
 
     # one row per model, transport and op, narrow enough for 80 columns
     t = _table("stores and retrieves (skip: already stored / not found; open: in flight)",
@@ -200,8 +211,71 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
             _row(t, key, f"{s.value:.6g}", per_s)
         parts += [Text(""), t]
     for title, values in st.sections.items():
-        parts += [Text(""), Text(printable(f"[{title}] " + "  ".join(f"{k}={v}" for k, v in values.items())))]
+        parts += [Text(""), _Fields(printable(f"[{title}]"), *(printable(f"{k}={v}") for k, v in values.items()))]
     return Group(*parts)
+
+
+class _Fields:
+    """A line of fields two spaces apart that breaks, where the width runs out, between fields
+    rather than inside one (a field wider than the whole line is folded)."""
+
+    def __init__(self, *fields: Text | str) -> None:
+        from rich.text import Text
+
+        self.fields = [f if isinstance(f, Text) else Text(f) for f in fields]
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
+        from rich.text import Text
+
+        line = Text()
+        for f in self.fields:
+            if line.cell_len and line.cell_len + 2 + f.cell_len > options.max_width:
+                yield line
+                line = Text()
+            if line.cell_len:
+                line.append("  ")
+            line.append_text(f)
+        yield line
+
+    def __rich_measure__(self, console: Any, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        widths = [f.cell_len for f in self.fields] or [0]
+        return Measurement(max(widths), sum(widths) + 2 * (len(widths) - 1))
+
+
+class _MiddleCut:
+    """A table cell of plain text that, in a column narrower than the text, is cut in the middle
+    (``meta-llama/L…-Instruct-w8a8``): names that differ only at the end (model variants) stay
+    told apart. It gives up columns down to :data:`_CUT_MIN` characters."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
+        from rich.text import Text
+
+        yield Text(_cut_middle(self.text, options.max_width), no_wrap=True, overflow="crop")
+
+    def __rich_measure__(self, console: Any, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        return Measurement(min(len(self.text), _CUT_MIN), len(self.text))
+
+
+#: Fewest characters a name cut in the middle keeps.
+_CUT_MIN: Final = 12
+
+
+def _cut_middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters: a third of them from its start, an ellipsis, the
+    rest from its end."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[-width:] if width else ""
+    head = (width - 1) // 3
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
 _TEXT_COLUMNS: Final = frozenset({"model", "transport", "op", "request", "style", "state", "metric"})
@@ -210,10 +284,12 @@ _TEXT_COLUMNS: Final = frozenset({"model", "transport", "op", "request", "style"
 def _row(table: Any, *cells: str) -> None:
     """One row of plain text: names come from clients and plugins, so a cell is never read as
     rich markup (``[/]`` would raise, ``[link=...]`` would be obeyed) and its control characters
-    are shown escaped, never sent to the terminal."""
+    are shown escaped, never sent to the terminal. Text columns are cut in the middle where the
+    table must narrow them (:class:`_MiddleCut`), numbers never."""
     from rich.text import Text
 
-    table.add_row(*(Text(printable(c)) for c in cells))
+    table.add_row(*(_MiddleCut(printable(c)) if col.header in _TEXT_COLUMNS else Text(printable(c))
+                    for col, c in zip(table.columns, cells, strict=True)))
 
 
 def _table(title: str, *columns: str) -> Any:

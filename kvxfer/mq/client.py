@@ -34,7 +34,7 @@ from kvxfer.protocol.messages import Message, Ping, Request
 from kvxfer.protocol.table import REQUESTS, spec_of
 from kvxfer.urls import ipc_path, socket_dir_hint
 
-__all__ = ["MQClient", "CurveClientKeys", "ipc_server_ready"]
+__all__ = ["MQClient", "CurveClientKeys", "ipc_server_ready", "knock"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,36 @@ class CurveClientKeys:
     public: bytes
     secret: bytes
     server_public: bytes
+
+
+def knock(url: str, timeout: float = 1.0) -> str:
+    """One plain connection attempt to the address of ``url`` (``ipc://`` or ``tcp://``), closed at
+    once, nothing sent: ``"accepted"`` (a process listens there), ``"refused"`` (nothing does:
+    for ``ipc://``, a socket file left by a process that is gone) or what else went wrong, in
+    words. Says why a server did not answer; the caller has checked the socket file
+    (:func:`ipc_server_ready`)."""
+    import socket
+
+    address: str | tuple[str, int]
+    path = ipc_path(url)
+    if path is not None:
+        family, address = socket.AF_UNIX, str(path)
+    elif url.startswith("tcp://"):
+        host, _, port = url[len("tcp://"):].rpartition(":")
+        family, address = socket.AF_INET6 if ":" in host else socket.AF_INET, (host.strip("[]"), int(port))
+    else:
+        return "not a socket address"
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(address)
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return f"no reply to a connection attempt within {timeout:g} s"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return "accepted"
 
 
 def ipc_server_ready(url: str) -> bool:

@@ -9,11 +9,15 @@ from kvxfer.errors import StoreBroken, StoreNotFound, StoreUnavailable
 from kvxfer.store.base import STORE_API_VERSION, Store
 from kvxfer.transport.registry import EntryPointGroup, PluginInfo
 
-__all__ = ["NAMESPACE", "STORES", "get_store", "list_stores"]
+__all__ = ["DISTRIBUTIONS", "NAMESPACE", "STORES", "get_store", "list_stores"]
 
 NAMESPACE: Final = "kvxfer.stores"
 
-STORES: Final = EntryPointGroup(NAMESPACE, "store", Store, STORE_API_VERSION, StoreNotFound, StoreBroken)
+#: The store backends the kvxfer project publishes outside the core (``fs`` comes with it).
+DISTRIBUTIONS: Final[dict[str, str]] = {"valkey": "kvxfer-valkey"}
+
+STORES: Final = EntryPointGroup(NAMESPACE, "store", Store, STORE_API_VERSION, StoreNotFound, StoreBroken,
+                                DISTRIBUTIONS)
 
 
 def get_store(name: str, *, require_available: bool = True) -> Store:

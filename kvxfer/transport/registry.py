@@ -4,7 +4,8 @@
 
 A plugin that fails to import, declares another ``api_version`` or names something that is not
 a plugin of its group is reported (``kvxfer plugins``) and breaks nothing else. An unknown name
-raises :class:`TransportNotFound` listing what is installed.
+raises :class:`TransportNotFound` (or :class:`~kvxfer.errors.StoreNotFound`) listing what is
+installed and the distributions of the kvxfer project that provide more (:data:`DISTRIBUTIONS`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ if TYPE_CHECKING:
 
     from kvxfer.layout import KVLayout
 
-__all__ = ["NAMESPACE", "EntryPointGroup", "PluginInfo", "TRANSPORTS", "get_transport", "list_plugins", "select",
-           "refresh"]
+__all__ = ["DISTRIBUTIONS", "NAMESPACE", "EntryPointGroup", "PluginInfo", "TRANSPORTS", "get_transport",
+           "list_plugins", "select", "refresh"]
 
 log = logging.getLogger(__name__)
 
 NAMESPACE: Final = "kvxfer.transports"
 AUTO: Final = "auto"
+
+#: The transports the kvxfer project publishes, by name: the distribution that provides each.
+#: An unknown name is answered with these (never with a package name made up from the name).
+DISTRIBUTIONS: Final[dict[str, str]] = {
+    "cpu_gather": "kvxfer-cpu-gather",
+    "cuda_ipc": "kvxfer-cuda-ipc",
+    "hpu": "kvxfer-hpu",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +77,16 @@ class EntryPointGroup:
     ``kind`` names the plugin kind in messages ("transport", "store"); ``base`` is the class a
     loaded plugin must be an instance of; ``api_version`` the contract version it must declare;
     ``not_found`` / ``broken`` the exceptions raised for an unknown name and for a plugin that
-    fails to load. A plugin whose class has ``contract_errors()`` is refused when it returns
-    any. Thread-safe.
+    fails to load; ``distributions`` the plugins of this kind the kvxfer project publishes
+    (name -> distribution), which the error for an unknown name suggests. A plugin whose class
+    has ``contract_errors()`` is refused when it returns any. Thread-safe.
     """
 
     def __init__(self, namespace: str, kind: str, base: type, api_version: int,
-                 not_found: type[KvxferError], broken: type[KvxferError]) -> None:
+                 not_found: type[KvxferError], broken: type[KvxferError],
+                 distributions: dict[str, str] | None = None) -> None:
         self.namespace = namespace
+        self.distributions = dict(distributions or {})
         self.kind = kind
         self.base = base
         self.api_version = api_version
@@ -130,11 +142,7 @@ class EntryPointGroup:
         eps = self.entry_points()
         ep = eps.get(name)
         if ep is None:
-            installed = ", ".join(sorted(eps)) or "none"
-            raise self.not_found(
-                f"no {self.kind} named {name!r} in entry point group {self.namespace!r}; installed: {installed}. "
-                f"Install its package (e.g. pip install kvxfer-{name.replace('_', '-')}) or pick another"
-            )
+            raise self.not_found(self._unknown(name, eps))
         try:
             target = self._import(name)
             plugin = target() if isinstance(target, type) else target
@@ -169,6 +177,20 @@ class EntryPointGroup:
             self._loaded[name] = plugin
         return plugin
 
+    def _unknown(self, name: str, eps: dict[str, EntryPoint]) -> str:
+        """The message for a name no installed entry point has: what is installed, and what the
+        kvxfer project publishes that is not (a distribution only where one exists)."""
+        installed = ", ".join(f"{n} ({_dist_name(ep)})" for n, ep in sorted(eps.items())) or "none"
+        msg = f"no {self.kind} named {name!r} in entry point group {self.namespace!r}; installed: {installed}"
+        if name in self.distributions:
+            dist = self.distributions[name]
+            return f"{msg}. {name!r} comes with the distribution {dist}: pip install {dist}, or pick an installed one"
+        missing = {n: d for n, d in sorted(self.distributions.items()) if n not in eps}
+        more = (f"; the kvxfer project also publishes "
+                f"{', '.join(f'{n} (pip install {d})' for n, d in missing.items())}") if missing else ""
+        return (f"{msg}{more}. Pick one of these, or install a third-party plugin that provides {name!r} "
+                f"(`kvxfer plugins` lists what is installed)")
+
     def list(self) -> list[PluginInfo]:
         """Every installed plugin of the group with its health; loads each (import errors are
         reported, not raised). ``style`` is filled by plugins that have one (transports)."""
@@ -200,7 +222,7 @@ class EntryPointGroup:
 
 #: The transports' group.
 TRANSPORTS: Final = EntryPointGroup(NAMESPACE, "transport", Transport, API_VERSION, TransportNotFound,
-                                    TransportBroken)
+                                    TransportBroken, DISTRIBUTIONS)
 
 
 def refresh() -> None:
@@ -215,6 +237,11 @@ def installed_names() -> list[str]:
 def _load(name: str) -> Transport:
     transport: Transport = TRANSPORTS.load(name)
     return transport
+
+
+def _dist_name(ep: object) -> str:
+    dist = getattr(ep, "dist", None)
+    return str(dist.name) if dist is not None else str(getattr(ep, "value", ep))
 
 
 def _dist(ep: object) -> str:

@@ -83,6 +83,8 @@ def test_status_table(server, registered) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"at {server.url}, pid {server.pid}" in out and f"chunk size {CHUNK_SIZE}" in out
+    # the registered client's session, not the one `kvxfer status` opened to ask
+    assert out.splitlines()[0].endswith(", 1 session besides this one"), out
     assert "arena:" in out and "32.0 MiB used" in out and "lookups:" in out
     header = next(line for line in out.splitlines() if line.startswith("instance"))
     assert header.split() == ["instance", "model", "world", "rank", "transport", "layout", "layers", "block",
@@ -98,6 +100,7 @@ def test_status_json(server, registered) -> None:
     assert proc.returncode == 0, proc.stderr
     st = json.loads(proc.stdout)
     assert st["url"] == server.url and st["pid"] == server.pid and st["chunk_size"] == CHUNK_SIZE
+    assert st["sessions"] == 2  # the server's own count: the registered client's and this command's
     [ctx] = [c for c in st["contexts"] if c["instance_id"] == registered.instance_id]
     assert ctx["model_name"] == "cli-model" and ctx["layout"] == "flash_attn" and ctx["num_layers"] == 2
     assert st["arena"]["chunks"] >= 2 and st["lookup_hits"] >= 2
@@ -109,6 +112,46 @@ def test_status_without_a_server_says_how_to_start_one(tmp_path: Path, capsys) -
     assert main(["status", "--url", url, "--timeout", "0.5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvxfer status: error:") and f"kvxfer serve --url {url}" in err
+    # a server that is starting has no socket yet either: the message allows for it
+    assert f"no kvxfer server is listening at {url}: {tmp_path}/none.sock does not exist" in err
+    assert "if one is starting, wait for its 'kvxfer server ready' line" in err
+    url = f"ipc://{tmp_path}/nodir/none.sock"
+    assert main(["top", "--url", url, "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"neither {tmp_path}/nodir/none.sock nor its directory exists" in err, err
+    assert f"kvxfer serve --url {url}" in err
+
+
+def test_status_at_a_socket_nobody_listens_on_says_it_is_stale(tmp_path: Path, capsys) -> None:
+    """The socket file of a server killed before it could remove it: nothing accepts on it."""
+    import socket
+
+    path = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))  # closed without listening: the file stays, as a killed server's does
+    assert main(["status", "--url", f"ipc://{path}", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "its socket file is left from a server that did not stop cleanly" in err, err
+    assert f"start one with `kvxfer serve --url ipc://{path}` (it replaces the file)" in err
+
+
+@pytest.mark.parametrize("command", ["status", "top"])
+def test_status_at_a_socket_that_accepts_but_does_not_answer_says_wait(tmp_path: Path, capsys,
+                                                                        command: str) -> None:
+    """A process that listens and does not answer yet, as a ``kvxfer serve`` between binding its
+    socket and its ready line (or a stopped one) does; here a plain listening Unix socket, the
+    part of a server such a client meets. Nothing tells the user to start a second server."""
+    import socket
+
+    path = tmp_path / "starting.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))
+        s.listen()
+        assert main([command, "--url", f"ipc://{path}", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvxfer {command}: error: a process listens at ipc://{path} but did not answer kvxfer's "
+                          "handshake within 0.5 s: a `kvxfer serve` that is still starting"), err
+    assert "--timeout S" in err and "start one" not in err and "kvxfer serve --url" not in err
 
 
 def test_bad_arguments(capsys) -> None:

@@ -140,10 +140,31 @@ def test_serve_refuses_unknown_store_and_url_without_store(tmp_path: Path,
 
     assert main(["serve", "--url", f"ipc://{tmp_path}/s.sock", "--l2", "nosuch", "--l2-url", "x://y"]) == 2
     err = capsys.readouterr().err
-    assert "no store named 'nosuch'" in err and "installed:" in err
+    assert "no store named 'nosuch'" in err and "installed: fs (kvxfer), valkey (kvxfer-valkey)" in err
+    assert "kvxfer-nosuch" not in err, err  # no distribution of that name exists
     assert main(["serve", "--url", f"ipc://{tmp_path}/s.sock", "--l2-url", "file:///tmp/x"]) == 2
     assert "--l2-url needs --l2 NAME" in capsys.readouterr().err
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_an_unknown_store_is_answered_with_distributions_that_exist() -> None:
+    """A group where a published backend is not installed suggests its real distribution, and
+    only that one: never a package name made up from the unknown name."""
+    from kvxfer.errors import StoreBroken, StoreNotFound
+    from kvxfer.store.base import STORE_API_VERSION, Store
+    from kvxfer.store.registry import DISTRIBUTIONS
+    from kvxfer.transport.registry import EntryPointGroup
+
+    group = EntryPointGroup("kvxfer.no-such-group", "store", Store, STORE_API_VERSION, StoreNotFound, StoreBroken,
+                            DISTRIBUTIONS)
+    with pytest.raises(StoreNotFound) as info:
+        group.load("redis")
+    msg = str(info.value)
+    assert "installed: none" in msg and "valkey (pip install kvxfer-valkey)" in msg, msg
+    assert "kvxfer-redis" not in msg, msg
+    with pytest.raises(StoreNotFound, match="'valkey' comes with the distribution kvxfer-valkey: pip install "
+                                            "kvxfer-valkey"):
+        group.load("valkey")
 
 
 # --------------------------------------------------------------------------- a server with an fs tier

@@ -100,9 +100,10 @@ def test_serve_refuses_a_broken_transport_named_on_its_command_line(test_plugin_
 def test_registry_errors(on_path) -> None:
     with pytest.raises(TransportNotFound) as info:
         registry.get_transport("nope")
-    assert "installed:" in str(info.value)
+    assert "installed:" in str(info.value) and "cpu_gather (kvxfer-cpu-gather)" in str(info.value)
     for name in ("cpu_gather", "test_loop", "test_broken"):
         assert name in str(info.value)
+    assert "kvxfer-nope" not in str(info.value)  # no distribution of that name exists
     with pytest.raises(TransportBroken, match="no-such-dependency"):
         registry.get_transport("test_broken")
     with pytest.raises(TransportBroken, match="api_version 0, this kvxfer implements 2"):

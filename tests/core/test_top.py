@@ -79,6 +79,7 @@ def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
     console.print(render(after, before, 2.0))
     text = console.export_text()
     assert f"kvxfer {after.server_version}" in text and after.url in text and after.metrics_url in text
+    assert after.sessions == 1 and "0 sessions besides this one" in " ".join(text.split())  # the asker not counted
     # 1 store and 1 retrieve in 2 s: 0.5/s each; 3 chunks (24 KiB) stored and loaded
     assert traffic_row(text, "render-model", "store")[3:8] == ["0.5", "12K", "3", "24K", "0"]
     assert traffic_row(text, "render-model", "retrieve")[3:8] == ["0.5", "12K", "3", "24K", "0"]
@@ -87,6 +88,30 @@ def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
     assert "lookup" in text and "store" in text and "retrieve" in text
     console.print(render(after, None, None, error="no answer from tcp://x: gone"))
     assert "no answer from tcp://x: gone" in console.export_text()
+
+
+def test_an_80_column_frame_fits_and_tells_long_model_names_apart(curve_client: CacheClient) -> None:
+    """At 80 columns no line is wider, the lines of figures break between fields (never inside
+    one), and two model names that differ only at the end are cut in the middle: both ends show."""
+    from rich.console import Console
+
+    names = [f"meta-llama/Llama-3.1-8B-Instruct-quantized.{suffix}" for suffix in ("w8a8", "w4a16")]
+    for name in names:
+        _workload(curve_client, name, 1)
+    st = curve_client.status()
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(render(st, st, 1.0))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    for field in (f"kvxfer {st.server_version}", st.url, f"pid {st.pid}", "0 sessions besides this one",
+                  f"{st.requests_in_flight} in flight", "(q quits)", "largest free 32.0 MiB",
+                  f"hook errors {st.hook_errors}"):
+        assert any(field in line for line in lines), (field, lines)
+    for table in ("stores and retrieves", "models"):
+        start = next(i for i, line in enumerate(lines) if line.startswith(table))
+        rows = [line.split()[0] for line in lines[start + 2:] if line.startswith("meta-")]
+        shown = {name: [r for r in rows if "…" in r and name.endswith(r.split("…")[1])] for name in names}
+        assert all(shown.values()) and not set(shown[names[0]]) & set(shown[names[1]]), (table, rows)
 
 
 def test_once_without_a_terminal_prints_one_frame(curve_server: ServerProcess, curve_client: CacheClient) -> None:

@@ -394,3 +394,66 @@ def test_default_model_name_separates_kv_dtypes(server: ServerProcess) -> None:
         assert KvxferConnector.get_required_kvcache_layout(cfg) is None  # every layout is moved as it is
     finally:
         conn.shutdown()
+
+
+def test_each_side_logs_one_line_when_it_connects(server: ServerProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's log shows that kvxfer is in use: one INFO line per scheduler and per worker, with
+    the server's url and version, the transport and (worker) the instance it registered."""
+    import logging
+
+    import torch
+
+    import kvxfer
+
+    caplog.set_level(logging.INFO, logger="kvxfer")
+    cfg = make_vllm_config(server.url)
+    sched = KvxferConnector(cfg, KVConnectorRole.SCHEDULER, _groups())
+    worker = KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
+    try:
+        worker.register_kv_caches({"g0.l0": torch.zeros(2, 16, 4, 2, 4)})
+        lines = [r.getMessage() for r in caplog.records
+                 if r.levelno == logging.INFO and "connected to the kvxfer server" in r.getMessage()]
+        at = f"connected to the kvxfer server at {server.url} (kvxfer {kvxfer.__version__}); transport cpu_gather"
+        [sched_line] = [line for line in lines if line.startswith("kvxfer scheduler: ")]
+        [worker_line] = [line for line in lines if line.startswith("kvxfer worker rank 0: ")]
+        assert len(lines) == 2 and at in sched_line and at in worker_line, lines
+        assert f"; instance {worker.worker.contexts[0].instance_id} (group 0: 1 KV layer of " in worker_line
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_the_connection_line_names_no_credentials() -> None:
+    from kvxfer.integrations.vllm.logs import connected_line
+
+    line = connected_line("scheduler", "tcp://someone:s3cret@host:5555", "0.1.0", "cpu_gather", "-")
+    assert "s3cret" not in line and "host:5555" in line, line
+
+
+def test_kvxfer_lines_go_to_vllms_handlers_unless_logging_is_configured() -> None:
+    """vLLM's logging as vLLM sets it up (a handler on ``vllm``, which does not propagate; the root
+    bare): kvxfer's INFO lines reach vLLM's handler, once each; with a root handler, they stay
+    where the application sends them."""
+    child = textwrap.dedent("""
+        import logging, sys
+        from kvxfer.integrations.vllm.logs import follow_vllm_logging
+        vllm = logging.getLogger("vllm")
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("VLLM %(levelname)s %(message)s"))
+        vllm.addHandler(handler)
+        vllm.setLevel(logging.INFO)
+        vllm.propagate = False
+        ours = logging.getLogger("kvxfer.integrations.vllm")
+        print(follow_vllm_logging(), follow_vllm_logging())
+        ours.info("connected")
+        ours.debug("not shown")
+        kvxfer = logging.getLogger("kvxfer")  # as before: nothing configured for kvxfer
+        kvxfer.handlers.clear()
+        kvxfer.setLevel(logging.NOTSET)
+        logging.basicConfig(stream=sys.stdout, format="ROOT %(message)s", level=logging.INFO)
+        print(follow_vllm_logging())
+        ours.info("connected")
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.splitlines()
+    assert out == ["True False", "VLLM INFO connected", "False", "ROOT connected"], out

@@ -120,6 +120,9 @@ def lookup_hits(server: ServerProcess) -> int:
 def test_a_second_process_loads_the_prefix_the_first_stored(work: Path, models: dict[str, Path],
                                                            server: ServerProcess, baseline: list[list[int]]) -> None:
     store = run_vllm(work, "store", models["a"], [[LONG]], connector(server.url, transport="cpu_gather", by="module"))
+    # vLLM's log says kvxfer is in use: one line from the scheduler, one from the worker
+    for side in ("scheduler", "worker rank 0"):
+        assert store["log"].count(f"kvxfer {side}: connected to the kvxfer server at {server.url}") == 1, store["log"]
     assert store["batches"][0]["tokens"] == [baseline[0]], "the storing run must answer as vLLM alone"
     assert hits(store["batches"][0]) == 0
     # kvxfer's figures in vLLM's own metrics (the connector's stats API) and its log line

@@ -169,11 +169,12 @@ def test_tcp_client_without_the_key_is_refused(tcp_server, who):
         curve = {"no keys": None,
                  "unknown client key": _stranger_keys(server_public),
                  "wrong server key": CurveClientKeys(good.public, good.secret, zmq.curve_keypair()[0])}[who]
-        with pytest.raises(ConnectionFailed, match="no kvxfer server answered") as info:
+        with pytest.raises(ConnectionFailed, match=f"a process listens at {tcp_server.url} but did not answer "
+                                                   "kvxfer's handshake") as info:
             CacheClient(tcp_server.url, curve=curve, connect_timeout=1.0)
         assert "authorized CURVE key" in str(info.value)
-        # one message: the serve command it suggests works for tcp://, and the timeout is not repeated
-        assert f"`kvxfer serve --url {tcp_server.url} --curve-dir DIR`" in str(info.value)
+        # one message: no second server suggested (one listens), and the timeout is not repeated
+        assert "kvxfer serve --url" not in str(info.value)
         assert "got no reply" not in str(info.value)
     if who == "no keys":
         r = kvxfer_cli("status", "--url", tcp_server.url, "--timeout", "1")

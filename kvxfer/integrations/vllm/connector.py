@@ -35,6 +35,7 @@ from kvxfer.integrations.vllm._compat import (
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.groups import plan_groups
 from kvxfer.integrations.vllm.identity import kv_identity
+from kvxfer.integrations.vllm.logs import follow_vllm_logging
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import SchedulerConnector
 from kvxfer.integrations.vllm.stats import (
@@ -62,6 +63,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        follow_vllm_logging()  # the connection line below shows in vLLM's log
         self.kvxfer_config = cfg = ConnectorConfig.from_vllm(vllm_config)
         #: The identity chunks are stored under (the same on both sides: see identity.py).
         self.identity = kv_identity(cfg.model_name, vllm_config, kv_cache_config, cfg.fingerprint)

@@ -38,6 +38,7 @@ from kvxfer.hashing import chunk_hashes
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.groups import NULL_BLOCK, GroupPlan
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
+from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 
 __all__ = ["SchedulerConnector", "RequestLike"]
@@ -117,6 +118,9 @@ class SchedulerConnector:
                     f"multiple of {g.block_size}"
                 )
         self.chunk_size = client.chunk_size
+        log.info("%s", connected_line("scheduler", client.url, client.server_version,
+                                      f"{self.config.transport} (each worker registers through it)",
+                                      f"chunk {client.chunk_size} tokens; instances are the workers'"))
 
     # ------------------------------------------------------------------ helpers
 

@@ -39,6 +39,7 @@ from kvxfer.errors import ConfigError, KvxferError, TransportError, TransportFai
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.groups import GroupPlan
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
+from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
 from kvxfer.transport.contract import LayerwiseFuture, TransferContext
@@ -111,6 +112,8 @@ class WorkerConnector:
             if client.chunk_size != ctx.chunk_size:
                 raise ConfigError(f"the kvxfer server at {client.url} restarted with another chunk size "
                                   f"({client.chunk_size}); restart vLLM or the server with the same one")
+        if self.contexts:  # connected again: the client registered them anew
+            self._log_connected(client, list(self.contexts))
 
     # ------------------------------------------------------------------ registration
 
@@ -138,6 +141,7 @@ class WorkerConnector:
         client = self.link.get(startup=startup)
         if client is None or self._layers is None:
             return None
+        registered = []
         for g in self.groups.values():
             if g.index in self.contexts:
                 continue
@@ -151,10 +155,23 @@ class WorkerConnector:
             except KvxferError as exc:
                 self.link.failed(exc, "registering the KV caches")
                 return None
-            log.info("kvxfer worker rank %d: registered %d KV layers of group %d through %s at %s (%s, chunk %d)",
-                     self.config.rank, len(layers), g.index, self.contexts[g.index].transport_name, client.url,
-                     g.name, client.chunk_size)
+            registered.append(g.index)
+        if registered:
+            self._log_connected(client, registered)
         return self.contexts
+
+    def _log_connected(self, client: CacheClient, groups: list[int]) -> None:
+        """One INFO line for this connection: the server, the transport and the instance of each
+        KV cache group in ``groups``."""
+        ctxs = [self.contexts[i] for i in groups]
+        instances = []
+        for i, ctx in zip(groups, ctxs, strict=True):
+            n = len(self._group_layers(self.groups[i]))
+            instances.append(f"instance {ctx.instance_id} (group {i}: {n} KV layer{'' if n == 1 else 's'} of "
+                             f"{self.groups[i].name!r}, chunk {client.chunk_size} tokens)")
+        transport = ", ".join(sorted({ctx.transport_name for ctx in ctxs}))
+        log.info("%s", connected_line(f"worker rank {self.config.rank}", client.url, client.server_version,
+                                      transport, ", ".join(instances)))
 
     def _usable(self, meta: KvxferConnectorMetadata) -> dict[int, TransferContext] | None:
         ctxs = self._ensure_contexts()

@@ -340,16 +340,20 @@ class HpuTransport(Transport):
         return PRIORITY.get(device.type, _OTHER_ACCELERATORS)
 
     def probe(self) -> Probe:
-        served: list[str] = []
-        notes: list[str] = []
-        for device_type in KNOWN_DEVICE_TYPES:
-            ok, reason = ops_for(device_type).probe()
-            if ok:
-                served.append(device_type)
-                notes.append(f"{device_type}: {reason}")
-            else:
-                notes.append(f"not {device_type}: {reason}")
-        return Probe(True, "; ".join(notes), tuple(served))
+        """Available everywhere (cpu at least). The reason is one line that starts with Intel
+        Gaudi, what this plugin is for: its devices, or what is missing; then the device types
+        it serves instead or as well, and why each other one is not served, e.g. ``no Intel
+        Gaudi: habana_frameworks (...) is not installed; serves cpu (...) instead; not cuda: torch
+        ... was built without CUDA; not xpu: ...``."""
+        probes = {t: ops_for(t).probe() for t in KNOWN_DEVICE_TYPES}
+        gaudi, gaudi_reason = probes.pop("hpu")
+        served = {t: reason for t, (ok, reason) in probes.items() if ok}
+        refused = {t: reason for t, (ok, reason) in probes.items() if not ok}
+        also = ", ".join(f"{t} ({reason})" for t, reason in served.items())
+        parts = [f"Intel Gaudi: {gaudi_reason}; also serves {also}" if gaudi else
+                 f"no Intel Gaudi: {gaudi_reason}; serves {also} instead"]
+        parts += [f"not {t}: {reason}" for t, reason in refused.items()]
+        return Probe(True, "; ".join(parts), (("hpu",) if gaudi else ()) + tuple(served))
 
     def serves(self, device: torch.device) -> bool:
         return ops_for(device.type).probe()[0]

@@ -73,13 +73,19 @@ def test_priorities_rank_hpu_first_only_for_hpu() -> None:
 
 
 def test_probe_lists_served_device_types_and_why_not_the_others() -> None:
+    """One line: Intel Gaudi first (found, or what is missing), then what else is served and
+    why each other device type is not."""
     probe = HpuTransport().probe()
-    assert probe.available and "cpu" in probe.device_types
-    for t in ("cuda", "hpu", "xpu"):
+    assert probe.available and "cpu" in probe.device_types and "\n" not in probe.reason
+    gaudi = "hpu" in probe.device_types
+    assert probe.reason.startswith("Intel Gaudi: " if gaudi else "no Intel Gaudi: "), probe.reason
+    assert ("; also serves cpu (" if gaudi else "; serves cpu (") in probe.reason, probe.reason
+    for t in ("cuda", "xpu"):
         if t in probe.device_types:
-            assert f"{t}: " in probe.reason
+            assert f", {t} (" in probe.reason, probe.reason
         else:
-            assert f"not {t}: " in probe.reason
+            assert f"; not {t}: " in probe.reason, probe.reason
+    assert "not hpu" not in probe.reason, probe.reason
 
 
 def test_transport_refuses_tensors_on_an_unavailable_device(client: CacheClient) -> None:
