@@ -20,7 +20,7 @@ from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError
 from kvxfer.server.index import ChunkIndex, ChunkKey, Usage
 from kvxfer.server.tier import Breaker, L2Tier, TierConfig, parse_admission
-from kvxfer.store.format import HEADER_SIZE, IntegrityError, decode_header, encode_header, l2_key
+from kvxfer.store.format import HEADER_SIZE, DamagedValue, IntegrityError, decode_header, encode_header, l2_key
 from kvxfer.testing.server import ServerProcess
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
@@ -34,22 +34,32 @@ TIMEOUT = 30
 
 
 def test_header_round_trip_and_every_mismatch_is_an_integrity_error() -> None:
+    """Every mismatch is an IntegrityError; only those that no reader of the key could load, in
+    any layout, are DamagedValue (the tier deletes those): an intact header of another chunk
+    format or format version is not."""
     key = ChunkKey("m", 2, 1, b"h" * 16)
     payload = bytes(range(256)) * 32  # 8 KiB: 2 layers x 2 planes x 64 tokens x 16 x bf16
     raw = encode_header(key, FMT, payload)
     assert len(raw) == HEADER_SIZE
     h = decode_header(raw, key, FMT)
     assert (h.length, h.fmt) == (len(payload), FMT)
-    with pytest.raises(IntegrityError, match="another chunk"):
+    with pytest.raises(DamagedValue, match="another chunk"):
         decode_header(raw, ChunkKey("m", 2, 0, b"h" * 16), None)  # another rank
-    with pytest.raises(IntegrityError, match="reader's layout"):
-        decode_header(raw, key, "float16:2x2x64x16")
     damaged = bytearray(raw)
     damaged[20] ^= 1
-    with pytest.raises(IntegrityError, match="damaged header"):
+    with pytest.raises(DamagedValue, match="damaged header"):
         decode_header(bytes(damaged), key, FMT)
-    with pytest.raises(IntegrityError, match="bad magic"):
+    with pytest.raises(DamagedValue, match="bad magic"):
         decode_header(b"X" + raw[1:], key, FMT)
+    with pytest.raises(IntegrityError, match="reader's layout") as other_layout:
+        decode_header(raw, key, "float16:2x2x64x16")
+    next_version = bytearray(raw)  # a later format may lay its header out differently
+    next_version[4:6] = (2).to_bytes(2, "little")
+    next_version[20:40] = bytes(20)
+    with pytest.raises(IntegrityError, match="format version 2") as other_version:
+        decode_header(bytes(next_version), key, FMT)
+    for intact in (other_layout, other_version):
+        assert not isinstance(intact.value, DamagedValue), "an intact value of another layout may be another server's"
 
 
 def test_header_takes_every_registered_layouts_format() -> None:
