@@ -266,7 +266,7 @@ def _tier_text(t: TierStatus) -> str:
         f"  size: {', '.join(f'{k} {v}' for k, v in t.store_stats.items()) or '-'}",
         f"  lookups: {t.lookups} ({t.lookup_chunks} chunks asked, hit rate {rate}, {t.timeouts} timeouts)",
         (f"  promotions: {t.promotions} chunks ({t.promoting} running, {t.promote_failures} failed, "
-         f"{t.integrity_failures} failed integrity checks)"),
+         f"{t.integrity_failures} failed integrity checks, {t.damaged_deleted} damaged values deleted)"),
         (f"  writes: {t.writes} chunks ({format_bytes(t.write_bytes)}; {t.write_skipped} already stored); "
          f"admission {t.admission}; queue {t.queue_depth}/{t.queue_capacity} "
          f"({format_bytes(t.pinned_bytes)} pinned); drops {t.drops}"),

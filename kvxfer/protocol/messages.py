@@ -376,6 +376,9 @@ class TierStatus(Message, frozen=True):
     promoting: int = 0
     #: Values whose header, length or checksum did not match: counted as misses, never loaded.
     integrity_failures: int = 0
+    #: Of those, damaged values (no reader could load them, in any layout) that this server
+    #: deleted from the store, so that the chunk can be stored again.
+    damaged_deleted: int = 0
     #: Chunks written and their bytes; chunks the store already held.
     writes: int = 0
     write_bytes: int = 0

@@ -79,8 +79,8 @@ CORE_FAMILIES: Final = frozenset({
     "kvxfer_reservations", *(f"kvxfer_tier_{name}" for name in (
         "up", "lookups_total", "lookup_chunks_total", "lookup_hit_chunks_total", "lookup_timeouts_total",
         "promoted_chunks_total", "promote_failures_total", "promoting_chunks", "integrity_failures_total",
-        "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total", "dropped_writes_total",
-        "queue_depth", "queue_capacity", "pinned_bytes", "errors_total", "outages_total")),
+        "damaged_deleted_total", "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total",
+        "dropped_writes_total", "queue_depth", "queue_capacity", "pinned_bytes", "errors_total", "outages_total")),
 })
 
 
@@ -283,6 +283,9 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
          lambda t: t.promote_failures),
         ("kvxfer_tier_integrity_failures", ("Values whose header, length or checksum did not match: counted as "
                                             "misses, never loaded."), lambda t: t.integrity_failures),
+        ("kvxfer_tier_damaged_deleted", ("Damaged values (no reader could load them, in any layout) deleted from "
+                                         "the tier, so that their chunks can be stored again."),
+         lambda t: t.damaged_deleted),
         ("kvxfer_tier_written_chunks", "Chunks written to the tier.", lambda t: t.writes),
         ("kvxfer_tier_written_bytes", "Bytes written to the tier.", lambda t: t.write_bytes),
         ("kvxfer_tier_write_skipped_chunks", "Chunks not written: the tier had them already.",

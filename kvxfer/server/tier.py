@@ -21,8 +21,13 @@ thread, at the points named below):
   lease) and the store reads the value straight into its arena slot.
 * **promotion**: when the get returns, the header (identity, format, length) and the checksum
   are verified off the loop; on the loop the good chunks become readable and the bad ones are
-  dropped (a miss, counted, never loaded). A retrieve that names a chunk still being promoted
-  waits for it (:meth:`L2Tier.pending`), without blocking the loop.
+  dropped (a miss, counted, never loaded). A value that no reader of its key could load
+  (damaged bytes or header, a length that does not match, a size changed since the lookup) is
+  also deleted from the store, from the get's own thread without waiting for it: otherwise every
+  later lookup would count it again and the writers, which skip values the store holds, would
+  never replace it. An intact value of another layout is left alone (it may be another
+  server's). A retrieve that names a chunk still being promoted waits for it
+  (:meth:`L2Tier.pending`), without blocking the loop.
 * **faults**: every store operation is bounded; failures feed a circuit breaker. While it is
   open the tier does not touch the store (lookups answer from L1 at once, writes are dropped),
   and a health thread pings it with exponential backoff, reopening the backend when it must;
@@ -54,6 +59,7 @@ from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State,
 from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
 from kvxfer.store.format import (
     HEADER_SIZE,
+    DamagedValue,
     IntegrityError,
     checksum,
     chunk_format_bytes,
@@ -399,6 +405,8 @@ class L2Tier:
         # -------- plain counters (status and metrics read them)
         self.lookups = self.lookup_chunks = self.lookup_hits = self.timeouts = 0
         self.promotions = self.promoted = self.promote_failures = self.integrity_failures = 0
+        #: Damaged values this tier deleted from the store (see _check).
+        self.damaged_deleted = 0
         self.writes = self.write_bytes = self.write_skipped = self.write_refused = 0
         self.drops = self.errors = 0
         self.store_stats: dict[str, str] = {}
@@ -522,7 +530,7 @@ class L2Tier:
 
     def _count(self, name: str, n: int = 1) -> None:
         """Add to a counter that several threads update (drops, errors, timeouts, integrity
-        failures); the others change on the loop thread only."""
+        failures, damaged values deleted); the others change on the loop thread only."""
         with self._counters:
             setattr(self, name, getattr(self, name) + n)
 
@@ -866,29 +874,62 @@ class L2Tier:
             return
         self.breaker.success()
         found: list[str | None] = []
+        damaged: list[bytes] = []
         for j, status in zip(idx, statuses):
             e = p.res.entries[j][1]
-            if status is not GetStatus.HIT:
-                found.append(None)
-                if status is GetStatus.WRONG_SIZE:
-                    self._count("integrity_failures")
-                    log.warning("L2 value of chunk %s changed size since the lookup: not loaded",
-                                e.key.chunk_hash.hex()[:16])
-                continue
+            found.append(None)
             try:
+                if status is GetStatus.MISS:
+                    continue
+                if status is GetStatus.WRONG_SIZE:
+                    raise DamagedValue("its size changed since the lookup")
                 header = decode_header(p.headers[j], e.key, p.expected[j])
                 if header.length != e.size:
-                    raise IntegrityError(f"length {header.length}, the slot holds {e.size}")
+                    raise DamagedValue(f"its header says {header.length} chunk bytes, the value has {e.size}")
                 if checksum(self.arena.memoryview(e.offset, e.size)) != header.checksum:
-                    raise IntegrityError("checksum mismatch: the bytes are damaged")
-            except IntegrityError as exc:
+                    raise DamagedValue("checksum mismatch: the bytes are damaged")
+            except DamagedValue as exc:
+                self._count("integrity_failures")
+                damaged.append(l2_key(e.key))
+                log.warning("L2 value of chunk %s of %r is damaged (%s): not loaded; deleting it from the store",
+                            e.key.chunk_hash.hex()[:16], e.key.model_name, exc)
+                continue
+            except IntegrityError as exc:  # intact, but another layout's or format's: left alone
                 self._count("integrity_failures")
                 log.warning("L2 value of chunk %s of %r is not loaded: %s", e.key.chunk_hash.hex()[:16],
                             e.key.model_name, exc)
-                found.append(None)
                 continue
-            found.append(header.fmt)
+            found[-1] = header.fmt
+        if damaged:
+            self._delete_damaged(damaged)
         self._checked(p, idx, found)
+
+    def _delete_damaged(self, keys: list[bytes]) -> None:
+        """On a store thread (a get's check): delete values that failed their checks, so that no
+        lookup counts them again and the next write of their chunks is not skipped. Does not
+        wait: the delete runs on the backend's threads. A failure (the store down) is a store
+        error like any other, and fails no request; the value then stays until the store evicts
+        it or a later promotion deletes it. Another server may have written a good value under a
+        key between the get and this delete: it is deleted too, costing one later miss (the next
+        store of that chunk writes it again)."""
+        backend = self.backend
+        if backend is None:  # closing
+            return
+        try:
+            fut = backend.submit_delete(keys)
+        except Exception as exc:  # noqa: BLE001  (StoreUnavailable, or a backend's own error: counted)
+            self._failed(exc, "delete")
+            return
+        fut.add_done_callback(self._deleted)
+
+    def _deleted(self, fut: Future[int]) -> None:
+        """On a store thread: a delete of damaged values ended."""
+        try:
+            n = fut.result()
+        except Exception as exc:  # noqa: BLE001  (any store failure: counted, nothing else to do)
+            self._failed(exc, "delete")
+            return
+        self._count("damaged_deleted", n)
 
     def _checked(self, p: _Promotion, idx: list[int], found: list[str | None] | None) -> None:
         """One get of ``p`` is checked (``found`` None: it failed); the last one finishes ``p``."""
@@ -977,6 +1018,7 @@ class L2Tier:
             promote_failures=self.promote_failures,
             promoting=len(self.promoting),
             integrity_failures=self.integrity_failures,
+            damaged_deleted=self.damaged_deleted,
             writes=self.writes,
             write_bytes=self.write_bytes,
             write_skipped=self.write_skipped,

@@ -12,7 +12,8 @@ backend is small and batched:
 * ``submit_exists(keys)``: the size of each value, for many keys in one round trip (a lookup);
 * ``submit_get(items)``: read values into caller-provided buffers (a promotion into the arena);
 * ``submit_put(items)``: write values from caller-provided buffers (the tier's writers);
-* ``submit_delete(keys)``; ``ping()`` and ``stats()`` for health and status; ``close()``.
+* ``submit_delete(keys)``: remove values (the tier deletes those that failed their checks);
+* ``ping()`` and ``stats()`` for health and status; ``close()``.
 
 **Values are opaque and come in parts.** The core writes a value as ``[header, chunk bytes]``
 (:mod:`kvxfer.store.format`) and reads it back into ``[header buffer, arena slot]``, so a backend

@@ -16,9 +16,13 @@ server chunk key. The header (:data:`HEADER_SIZE` bytes, little-endian)::
     header_check u64  XXH3-64 of the 184 bytes above
 
 A value whose header, fingerprint, length or checksum does not match what the reader expects
-is an :class:`IntegrityError`: the tier counts it as a miss and never loads it. The chunk bytes
-are the arena's canonical chunk, the same for every transport, so any transport on any host
-can load a chunk stored through any other.
+is an :class:`IntegrityError`: the tier counts it as a miss and never loads it. Of those, a
+:class:`DamagedValue` is one that no reader of its key can load, in any layout (its bytes or
+header damaged, or another chunk's value): the tier also deletes it from the store. An intact
+header that names another chunk format or format version is a plain :class:`IntegrityError`:
+the value may be another server's, and is left alone. The chunk bytes are the arena's canonical
+chunk, the same for every transport, so any transport on any host can load a chunk stored
+through any other.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "IntegrityError",
+    "DamagedValue",
     "Header",
     "l2_key",
     "fingerprint",
@@ -67,6 +72,11 @@ _ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 
 
 class IntegrityError(ValueError):
     """An L2 value that is not the chunk the reader asked for, or is damaged."""
+
+
+class DamagedValue(IntegrityError):
+    """An L2 value that no reader of its key can load, whatever its layout: a damaged header or
+    chunk bytes, a length that does not match, or another chunk's value under this key."""
 
 
 class Header(msgspec.Struct, frozen=True):
@@ -122,25 +132,29 @@ def encode_header(key: Sequence[object], fmt: str, payload: memoryview | bytes |
 
 def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fmt: str | None = None) -> Header:
     """Check the header of the value read for ``key``: intact, this format version, this key,
-    and (when given) this chunk format; returns it. Raises :class:`IntegrityError` saying what
-    is wrong. The payload's checksum is checked separately (:func:`checksum`)."""
+    and (when given) this chunk format; returns it. Raises :class:`DamagedValue` when no reader
+    of ``key`` could load the value (bad magic, header check, fingerprint), and a plain
+    :class:`IntegrityError` when the header is intact but names a format version or chunk format
+    this reader does not load (the version is read before the header check: another version may
+    lay its header out differently). The payload's checksum is checked separately
+    (:func:`checksum`)."""
     if len(raw) != HEADER_SIZE:
         raise IntegrityError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
     body = bytes(raw[:_FIXED.size])
     (check,) = _CHECK.unpack_from(raw, _FIXED.size)
     magic, version, size, length, csum, fp, raw_fmt, _ = _FIXED.unpack(body)
     if magic != MAGIC:
-        raise IntegrityError("not a kvxfer chunk (bad magic)")
-    if xxhash.xxh3_64_intdigest(body) != check:
-        raise IntegrityError("damaged header (header check mismatch)")
+        raise DamagedValue("not a kvxfer chunk (bad magic)")
     if version != FORMAT_VERSION or size != HEADER_SIZE:
         raise IntegrityError(f"chunk format version {version} (header {size} bytes); this kvxfer reads "
                              f"version {FORMAT_VERSION}")
+    if xxhash.xxh3_64_intdigest(body) != check:
+        raise DamagedValue("damaged header (header check mismatch)")
     value_fmt = raw_fmt.rstrip(b"\0").decode("utf-8", "replace")
     if fmt is not None and value_fmt != fmt:
         raise IntegrityError(f"stored in format {value_fmt!r}, the reader's layout is {fmt!r}")
     if fp != fingerprint(key, value_fmt):
-        raise IntegrityError("fingerprint mismatch: the value belongs to another chunk or layout")
+        raise DamagedValue("fingerprint mismatch: the value belongs to another chunk")
     if length != chunk_format_bytes(value_fmt):
         raise IntegrityError(f"length {length} does not match format {value_fmt!r}")
     return Header(length, csum, fp, value_fmt)

@@ -245,40 +245,51 @@ class StoreConformance:
 
     def test_kit_chunks_round_trip_through_a_server(self, kit_store: Store, store_url: str, tmp_path: Path) -> None:
         """Chunks stored through the reference transport come back byte for byte from L2 after L1
-        is cleared and after a server restart; a damaged value is reported missing, never loaded."""
+        is cleared and after a server restart. A damaged value is reported missing once, never
+        loaded, and deleted from the store: the next lookup finds no L2 hit there, and the chunk
+        stored again is written to L2 and loads byte for byte. An intact value of another layout
+        under a chunk's key (another server's) is a miss too, and is left in the store."""
+        from kvxfer.server.index import ChunkKey
+        from kvxfer.store.format import decode_header, encode_header, l2_key
+
         spec = KVSpec(LayoutKind.FLASH_ATTN, "bfloat16", num_blocks=32)
         kv = make_kv(spec, "cpu", seed=11)
-        keys = [os.urandom(16) for _ in range(4)]
-        src, dst = list(range(8)), list(range(8, 16))
+        keys = [os.urandom(16) for _ in range(5)]
+        src, dst = list(range(10)), list(range(10, 20))
         model = f"kit-store-{uuid.uuid4().hex[:8]}"
         server = ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
                                extra_args=["--l2", kit_store.name, "--l2-url", store_url])
         with server:
             with CacheClient(server.url, timeout=TIMEOUT) as client:
                 ctx = client.register(kv, model_name=model, block_size=spec.block_size, transport="cpu_gather")
-                assert ctx.submit_store(keys, src).result(TIMEOUT).stored == [0, 1, 2, 3]
-                _wait_l2_writes(client, 4)
-                assert client.clear(model) == 4
+                assert ctx.submit_store(keys, src).result(TIMEOUT).stored == [0, 1, 2, 3, 4]
+                _wait_l2_writes(client, 5)
+                assert client.clear(model) == 5
                 reply = client.lookup_and_lease(model, hashes=keys, lease_s=30)
-                assert (reply.hits, reply.l2_hits) == (4, 4)
-                assert ctx.submit_retrieve(keys, dst, lease_id=reply.lease_id).result(TIMEOUT).loaded == [0, 1, 2, 3]
+                assert (reply.hits, reply.l2_hits) == (5, 5)
+                assert ctx.submit_retrieve(keys, dst, lease_id=reply.lease_id).result(TIMEOUT).loaded == [0, 1, 2, 3, 4]
                 ctx.close()
             server.stop()
             a, b = (get_chunks(as_bytes(kv), spec, ids, 2) for ids in (src, dst))
             assert torch.equal(a, b), "chunks promoted from L2 differ from those stored"
-            # damage chunk 2's value behind the server's back (a bit flipped after the header)
-            from kvxfer.server.index import ChunkKey
-            from kvxfer.store.format import l2_key
-
+            # behind the server's back: damage chunk 2's value (a bit flipped after the header), and
+            # give chunk 4's value the intact header of another layout of the same size (float16
+            # for bfloat16), as a server of that layout would have written it under the same key
+            k2, k4 = (l2_key(ChunkKey(model, 1, 0, keys[i])) for i in (2, 4))
             backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
             try:
-                k2 = l2_key(ChunkKey(model, 1, 0, keys[2]))
-                (size,) = backend.submit_exists([k2]).result(TIMEOUT)
-                assert size > HEADER_SIZE
-                value = bytearray(size)
-                assert backend.submit_get([(k2, [memoryview(value)])]).result(TIMEOUT) == [GetStatus.HIT]
+                size, size4 = backend.submit_exists([k2, k4]).result(TIMEOUT)
+                assert size > HEADER_SIZE and size4 == size
+                value, foreign = bytearray(size), bytearray(size)
+                read = backend.submit_get([(k2, [memoryview(value)]), (k4, [memoryview(foreign)])]).result(TIMEOUT)
+                assert read == [GetStatus.HIT, GetStatus.HIT]
+                good = bytes(value)
                 value[HEADER_SIZE + 5] ^= 0x10
-                backend.submit_put([(k2, [memoryview(value)])]).result(TIMEOUT)
+                fmt = decode_header(foreign[:HEADER_SIZE], ChunkKey(model, 1, 0, keys[4])).fmt
+                other = fmt.replace("bfloat16", "float16", 1)
+                assert other != fmt
+                foreign[:HEADER_SIZE] = encode_header(ChunkKey(model, 1, 0, keys[4]), other, foreign[HEADER_SIZE:])
+                backend.submit_put([(k2, [memoryview(value)]), (k4, [memoryview(foreign)])]).result(TIMEOUT)
             finally:
                 backend.close()
             server.start()  # a restarted server finds its chunks in L2
@@ -286,17 +297,54 @@ class StoreConformance:
             with CacheClient(server.url, timeout=TIMEOUT) as client:
                 ctx = client.register(kv2, model_name=model, block_size=spec.block_size, transport="cpu_gather")
                 reply = client.lookup_and_lease(model, hashes=keys, lease_s=30)
-                assert reply.hits == 4
+                assert reply.hits == 5
                 res = ctx.submit_retrieve(keys, dst, lease_id=reply.lease_id).result(TIMEOUT)
-                assert (res.loaded, res.missing) == ([0, 1, 3], [2]), "a damaged value must be reported missing"
+                assert (res.loaded, res.missing) == ([0, 1, 3], [2, 4]), \
+                    "a damaged value, and one of another layout, must be reported missing"
+                got = get_chunks(as_bytes(kv2), spec, dst, 2)
+                for i in (0, 1, 3):
+                    assert torch.equal(got[i], a[i])
+                untouched = get_chunks(as_bytes(make_kv(spec, "cpu", seed=12)), spec, dst, 2)
+                assert torch.equal(got[2], untouched[2]), "a chunk that failed its checksum must not be loaded"
+                assert torch.equal(got[4], untouched[4]), "a chunk of another layout must not be loaded"
                 tier = client.status().tiers[0]
-                assert tier.integrity_failures >= 1 and tier.promote_failures >= 1
+                assert tier.integrity_failures >= 2 and tier.promote_failures >= 2
+
+                # the damaged value is deleted (once the promotion's delete is done), not counted again
+                deadline = time.monotonic() + TIMEOUT
+                while (tier := client.status().tiers[0]).damaged_deleted < 1:
+                    assert time.monotonic() < deadline, f"the damaged value was not deleted from the store: {tier}"
+                    time.sleep(0.02)
+                reply = client.lookup_and_lease(model, hashes=keys, lease_s=1, promote=False)
+                assert (reply.hits, reply.l2_hits) == (2, 0), "a deleted value is no L2 hit"
+                client.release_lease(reply.lease_id)
+                assert client.status().tiers[0].damaged_deleted == 1
+
+                # the chunk stored again is written to L2 (not skipped), and loads byte for byte from there
+                before = client.status().tiers[0]
+                again = client.register(kv, model_name=model, block_size=spec.block_size, transport="cpu_gather")
+                assert again.submit_store(keys[2:3], src[4:6]).result(TIMEOUT).stored == [0]
+                _wait_l2_writes(client, before.writes + before.write_skipped + 1)
+                after = client.status().tiers[0]
+                assert (after.writes, after.write_skipped) == (before.writes + 1, before.write_skipped)
+                assert client.clear(model) == 4
+                reply = client.lookup_and_lease(model, hashes=keys[:4], lease_s=30)
+                assert (reply.hits, reply.l2_hits) == (4, 4)
+                assert ctx.submit_retrieve(keys[:4], dst[:8], lease_id=reply.lease_id).result(TIMEOUT).loaded == \
+                    [0, 1, 2, 3]
+                assert torch.equal(get_chunks(as_bytes(kv2), spec, dst[:8], 2), a[:4])
+                again.close()
                 ctx.close()
-            got = get_chunks(as_bytes(kv2), spec, dst, 2)
-            for i in (0, 1, 3):
-                assert torch.equal(got[i], a[i])
-            untouched = get_chunks(as_bytes(make_kv(spec, "cpu", seed=12)), spec, dst, 2)
-            assert torch.equal(got[2], untouched[2]), "a chunk that failed its checksum must not be loaded"
+            server.stop()  # (an fs store is held by one server at a time)
+            backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+            try:
+                rewritten, kept = bytearray(size), bytearray(size)
+                read = backend.submit_get([(k2, [memoryview(rewritten)]), (k4, [memoryview(kept)])]).result(TIMEOUT)
+                assert read == [GetStatus.HIT, GetStatus.HIT]
+                assert rewritten == good, "the chunk stored again must be in the store as first written"
+                assert kept == foreign, "another layout's value must be left as it was"
+            finally:
+                backend.close()
 
 
 def _wait_l2_writes(client: CacheClient, n: int, timeout: float = TIMEOUT) -> None:

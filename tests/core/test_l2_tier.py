@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ import torch
 
 from kvxfer import CacheClient
 from kvxfer.arena import Arena
-from kvxfer.errors import ConfigError
+from kvxfer.errors import ConfigError, StoreUnavailable
 from kvxfer.server.index import ChunkIndex, ChunkKey, Usage
 from kvxfer.server.tier import Breaker, L2Tier, TierConfig, parse_admission
-from kvxfer.store.format import HEADER_SIZE, IntegrityError, decode_header, encode_header, l2_key
+from kvxfer.store import GetStatus
+from kvxfer.store.format import HEADER_SIZE, DamagedValue, IntegrityError, decode_header, encode_header, l2_key
 from kvxfer.testing.server import ServerProcess
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
@@ -34,22 +36,32 @@ TIMEOUT = 30
 
 
 def test_header_round_trip_and_every_mismatch_is_an_integrity_error() -> None:
+    """Every mismatch is an IntegrityError; only those that no reader of the key could load, in
+    any layout, are DamagedValue (the tier deletes those): an intact header of another chunk
+    format or format version is not."""
     key = ChunkKey("m", 2, 1, b"h" * 16)
     payload = bytes(range(256)) * 32  # 8 KiB: 2 layers x 2 planes x 64 tokens x 16 x bf16
     raw = encode_header(key, FMT, payload)
     assert len(raw) == HEADER_SIZE
     h = decode_header(raw, key, FMT)
     assert (h.length, h.fmt) == (len(payload), FMT)
-    with pytest.raises(IntegrityError, match="another chunk"):
+    with pytest.raises(DamagedValue, match="another chunk"):
         decode_header(raw, ChunkKey("m", 2, 0, b"h" * 16), None)  # another rank
-    with pytest.raises(IntegrityError, match="reader's layout"):
-        decode_header(raw, key, "float16:2x2x64x16")
     damaged = bytearray(raw)
     damaged[20] ^= 1
-    with pytest.raises(IntegrityError, match="damaged header"):
+    with pytest.raises(DamagedValue, match="damaged header"):
         decode_header(bytes(damaged), key, FMT)
-    with pytest.raises(IntegrityError, match="bad magic"):
+    with pytest.raises(DamagedValue, match="bad magic"):
         decode_header(b"X" + raw[1:], key, FMT)
+    with pytest.raises(IntegrityError, match="reader's layout") as other_layout:
+        decode_header(raw, key, "float16:2x2x64x16")
+    next_version = bytearray(raw)  # a later format may lay its header out differently
+    next_version[4:6] = (2).to_bytes(2, "little")
+    next_version[20:40] = bytes(20)
+    with pytest.raises(IntegrityError, match="format version 2") as other_version:
+        decode_header(bytes(next_version), key, FMT)
+    for intact in (other_layout, other_version):
+        assert not isinstance(intact.value, DamagedValue), "an intact value of another layout may be another server's"
 
 
 def test_header_takes_every_registered_layouts_format() -> None:
@@ -285,14 +297,16 @@ def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def in_process_tier(tmp_path: Path) -> Iterator[tuple[Arena, ChunkIndex, L2Tier, Callable[[Callable[[], bool]], None]]]:
+def in_process_tier(tmp_path: Path, expected_format: Callable[[ChunkKey], str | None] = lambda key: None,
+                    ) -> Iterator[tuple[Arena, ChunkIndex, L2Tier, Callable[[Callable[[], bool]], None]]]:
     """A real arena, index and L2 tier over the fs store, in this process; ``pump(until)`` plays
-    the server's loop (runs what other threads handed to it) until ``until()`` holds."""
+    the server's loop (runs what other threads handed to it) until ``until()`` holds.
+    ``expected_format`` stands for the registered layouts (default: none registered)."""
     arena = Arena.create(1 << 20, tmp_path)
     index = ChunkIndex(arena.size)
     calls: list[Callable[[], None]] = []
     tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=0), index, arena, calls.append,
-                  lambda key: None)
+                  expected_format)
     tier.start()
 
     def pump(until: Callable[[], bool]) -> None:
@@ -370,3 +384,107 @@ def test_a_promotion_whose_get_raises_at_submit_ends_and_wakes_its_waiters(tmp_p
         pump(lambda: not tier.promoting)
         assert tier.pending(keys) is None and index.lookup("m", 1, hashes) == 0
         assert tier.promote_failures == 2 and len(index.entries) == 0
+
+
+def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path: Path) -> None:
+    """In process, with the real fs store, arena and index. Each way a value can be damaged (its
+    file shortened behind the store's back: its size changed since the lookup; more bytes than
+    its header says; a bit flipped) is a miss, and the promotion that found it deletes it: the
+    next lookup finds no L2 hit there, and the chunk stored again is written (not skipped as
+    already stored) and loads byte for byte. Intact values of another layout or another format
+    version are misses that stay in the store. A delete that hangs holds up no promotion; one
+    that fails is a store error, counted, and the value stays (the fs store's delete cannot be
+    made to hang: this last part swaps in a submit_delete whose future the test resolves)."""
+    def layouts(key: ChunkKey) -> str | None:
+        """Model "m" has a registered layout; "u" has none (a lookup before any registration)."""
+        return FMT if key.model_name == "m" else None
+
+    with in_process_tier(tmp_path, layouts) as (arena, index, tier, pump):
+        size = 8192  # chunk_format_bytes(FMT)
+
+        def payload(h: bytes) -> bytes:
+            return h * (size // len(h))
+
+        def store(model: str, hashes: list[bytes]) -> None:
+            res, _, _ = index.reserve_write([ChunkKey(model, 1, 0, h) for h in hashes], FMT, size, 1, Usage())
+            for _, e in res.entries:
+                arena.memoryview(e.offset, e.size)[:] = payload(e.key.chunk_hash)
+            tier.offer([e for _, e in index.commit_write(res)])
+
+        def promote(model: str, hashes: list[bytes]) -> int:
+            """Look the chunks up with promotion; the leading chunks readable in L1 afterwards."""
+            lk = tier.begin_lookup(model, 1, hashes, index.lookup(model, 1, hashes))
+            assert lk is not None
+            pump(lk.done)
+            tier.finish_lookup(lk, promote=True)
+            pump(lambda: not tier.promoting)
+            return index.lookup(model, 1, hashes)
+
+        def value(key: ChunkKey, fmt: str = FMT, data: bytes | None = None) -> bytes:
+            data = payload(key.chunk_hash) if data is None else data
+            return encode_header(key, fmt, data) + data
+
+        backend = tier.backend
+        assert backend is not None
+        hashes = [bytes([i]) * 16 for i in range(5)]
+        keys = [ChunkKey("m", 1, 0, h) for h in hashes]
+        l2 = [l2_key(k) for k in keys]
+        store("m", hashes)
+        pump(lambda: tier.writes == 5)
+        assert len(index.clear()) == 5
+        # chunk 0 stays good. Behind the tier's back: chunk 1's file loses its last bytes (the
+        # store's index still says its old size); a bit of chunk 2 flips; chunk 3 gets another
+        # layout of the same size, chunk 4 a later format version (its header laid out otherwise)
+        (shortened,) = [p for p in (tmp_path / "l2").rglob("*") if p.is_file() and p.stat().st_size > HEADER_SIZE
+                        and p.read_bytes()[HEADER_SIZE:] == payload(hashes[1])]
+        with open(shortened, "r+b") as f:
+            f.truncate(HEADER_SIZE + size - 100)
+        flipped = bytearray(value(keys[2]))
+        flipped[HEADER_SIZE + 7] ^= 0x01
+        other_layout = value(keys[3], "float16:2x2x64x16")
+        later_version = bytearray(value(keys[4]))
+        later_version[4:6] = (2).to_bytes(2, "little")
+        later_version[8:HEADER_SIZE] = bytes(HEADER_SIZE - 8)
+        # model "u": a value with more bytes than its (intact) header says; a lookup that knows no
+        # layout takes any size, so only the promotion's check finds it
+        longer_key = ChunkKey("u", 1, 0, b"L" * 16)
+        longer = value(longer_key, data=payload(b"L" * 16)) + b"x" * 512
+        puts = [(l2[2], flipped), (l2[3], other_layout), (l2[4], later_version), (l2_key(longer_key), longer)]
+        assert backend.submit_put([(k, [memoryview(v)]) for k, v in puts]).result(TIMEOUT) == [True] * 4
+
+        assert promote("m", hashes) == 1, "only chunk 0 loads"
+        assert all(k not in index.entries for k in keys[1:])
+        assert promote("u", [b"L" * 16]) == 0
+        pump(lambda: tier.damaged_deleted == 3)
+        assert (tier.integrity_failures, tier.promote_failures, tier.errors) == (5, 5, 0)
+        sizes = backend.submit_exists([*l2, l2_key(longer_key)]).result(TIMEOUT)
+        assert sizes == [HEADER_SIZE + size, 0, 0, HEADER_SIZE + size, HEADER_SIZE + size, 0]
+        kept = [bytearray(HEADER_SIZE + size) for _ in range(2)]
+        got = backend.submit_get([(l2[3], [memoryview(kept[0])]), (l2[4], [memoryview(kept[1])])]).result(TIMEOUT)
+        assert got == [GetStatus.HIT] * 2 and kept == [other_layout, later_version], "intact values are left alone"
+
+        lk = tier.begin_lookup("m", 1, hashes, 1)
+        assert lk is not None
+        pump(lk.done)
+        assert tier.finish_lookup(lk, promote=False) == (1, 0, 1), "a deleted value is no L2 hit"
+
+        # stored again, chunks 1 and 2 are written to L2 (not skipped) and load byte for byte
+        store("m", hashes[1:3])
+        pump(lambda: tier.writes == 7)
+        assert tier.write_skipped == 0
+        assert len(index.clear()) == 3
+        assert promote("m", hashes[:3]) == 3
+        for k in keys[:3]:
+            e = index.entries[k]
+            assert bytes(arena.memoryview(e.offset, e.size)) == payload(k.chunk_hash)
+
+        # a delete that does not answer holds up no promotion; when it fails, it is a store error
+        hung: Future[int] = Future()
+        backend.submit_delete = lambda keys: hung  # type: ignore[method-assign]
+        assert backend.submit_put([(l2[1], [memoryview(flipped)])]).result(TIMEOUT) == [True]  # chunk 2's, here
+        assert len(index.clear()) == 3
+        assert promote("m", hashes[:3]) == 1
+        assert (tier.promote_failures, tier.damaged_deleted, tier.errors) == (6, 3, 0)
+        hung.set_exception(StoreUnavailable("store 'fs': delete failed: the store went away"))
+        assert (tier.damaged_deleted, tier.errors) == (3, 1) and tier.breaker.closed
+        assert backend.submit_exists([l2[1]]).result(TIMEOUT) == [HEADER_SIZE + size]
