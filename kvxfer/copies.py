@@ -13,6 +13,7 @@ server (:mod:`kvxfer.server.engine`) both call these.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -67,19 +68,29 @@ def check_transfer(
     bpc = layout.blocks_per_chunk(chunk_size)
     if n_keys > MAX_CHUNKS_PER_REQUEST:
         raise ConfigError(f"{n_keys} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
+    lo_hi: tuple[int, int] | None = None
     try:
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64, device="cpu").reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as exc:
+        if isinstance(block_ids, (list, tuple, range)):  # as decoded from the wire: checked and
+            packed = array.array("q", block_ids)  # converted in a few C loops (a lone request waits on this)
+            blocks = torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64)
+            lo_hi = (min(packed), max(packed)) if packed else None
+        else:
+            blocks = torch.as_tensor(block_ids, device="cpu")
+            if blocks.is_floating_point() or blocks.is_complex():
+                raise TypeError(f"got {blocks.dtype}")
+            blocks = blocks.to(torch.int64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise ConfigError(f"block_ids must be a sequence of integers: {exc}") from None
     if blocks.numel() != n_keys * bpc:
         raise ConfigError(
             f"{n_keys} chunks of {chunk_size} tokens need {n_keys * bpc} block ids "
             f"({bpc} per chunk at block_size {layout.block_size}), got {blocks.numel()}"
         )
-    if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= layout.num_blocks):
-        raise ConfigError(
-            f"block ids must be in [0, {layout.num_blocks}); got min {int(blocks.min())}, max {int(blocks.max())}"
-        )
+    if lo_hi is None and blocks.numel():
+        lo, hi = torch.aminmax(blocks)
+        lo_hi = (int(lo), int(hi))
+    if lo_hi is not None and (lo_hi[0] < 0 or lo_hi[1] >= layout.num_blocks):
+        raise ConfigError(f"block ids must be in [0, {layout.num_blocks}); got min {lo_hi[0]}, max {lo_hi[1]}")
     if skip_first_n_tokens < 0 or skip_first_n_tokens % layout.block_size:
         raise ConfigError(
             f"skip_first_n_tokens must be a non-negative multiple of the block size "
@@ -102,22 +113,25 @@ def plan_copies(
         return []
     import torch
 
-    bpc = layout.blocks_per_chunk(chunk_size)
+    n_layers, n_runs, bpc, row_elems = layout.chunk_shape(chunk_size)
     n_chunks = blocks.numel() // bpc
-    # every chunk's row ids at once: [chunks, runs, bpc] (run-major inside a chunk, as the slot)
+    dtype, shape = layout.dtype, (n_layers, n_runs * bpc, row_elems)  # layout.chunk_rows_view's
+    # every chunk's row ids at once: [chunks, runs, bpc] (run-major inside a chunk, as the slot),
+    # and as one flat row tensor per chunk (views made in one call: a lone request waits for these)
     runs = torch.tensor(layout.run_offsets, dtype=torch.int64).view(1, -1, 1)
     all_rows = (blocks.to(torch.int64).view(n_chunks, 1, bpc) * layout.block_stride + runs).contiguous()
+    chunk_rows = all_rows.view(n_chunks, -1).unbind(0)
     copies = []
     for index, slot in slots:
         local_skip = min(bpc, max(0, skip_blocks - index * bpc))
         if local_skip == bpc:
             continue
-        view = layout.chunk_rows_view(slot, chunk_size)  # [L, runs * bpc, row_elems]
+        view = slot.view(dtype).view(shape)  # [L, runs * bpc, row_elems]
         if local_skip == 0:
-            copies.append(RowCopy(all_rows[index].view(-1), view))
+            copies.append(RowCopy(chunk_rows[index], view))
             continue
-        per_run = view.view(layout.num_layers, layout.runs, bpc, layout.row_elems)
-        for r in range(layout.runs):
+        per_run = view.view(n_layers, n_runs, bpc, row_elems)
+        for r in range(n_runs):
             copies.append(RowCopy(all_rows[index, r, local_skip:], per_run[:, r, local_skip:]))
     return copies
 

@@ -951,9 +951,10 @@ class CacheServer:
         self.limits.check("max_waiting", self._waiting)
         self.limits.check("max_waiting_per_session", session.waiting)
 
-    def _promotions_of(self, keys: list[ChunkKey]) -> Future[None] | None:
-        """Promotions from L2 still running for ``keys`` (a retrieve waits for them)."""
-        return self.tier.pending(keys) if self.tier is not None and self.tier.promoting else None
+    def _promotions_of(self, ctx: RegisteredContext, hashes: list[bytes]) -> Future[None] | None:
+        """Promotions from L2 still running for chunks ``hashes`` of ``ctx`` (a retrieve waits
+        for them)."""
+        return self.tier.pending(ctx.keys(hashes)) if self.tier is not None and self.tier.promoting else None
 
     def _on_release_lease(self, session: Session, msg: m.ReleaseLease) -> m.Empty:
         self.index.release_lease(msg.lease_id)
@@ -1034,7 +1035,7 @@ class CacheServer:
     def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
         ctx = self._client_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
-        promoting = self._promotions_of(ctx.keys(msg.hashes))
+        promoting = self._promotions_of(ctx, msg.hashes)
         if promoting is not None:
             self._check_waiting(session)
             return _Awaiting(session, promoting, lambda: self._on_reserve_read(session, msg))
@@ -1141,7 +1142,7 @@ class CacheServer:
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
         layers = self._layer_range(ctx, msg.layers)
-        promoting = self._promotions_of(ctx.keys(msg.hashes))
+        promoting = self._promotions_of(ctx, msg.hashes)
         if promoting is not None:
             self._check_waiting(session)
             place = slot if slot is not None else ctx.executor.reserve()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvxfer import KVLayout, LayoutKind
-from kvxfer.errors import LayoutError
+from kvxfer.copies import check_transfer, plan_copies
+from kvxfer.errors import ConfigError, LayoutError
 from kvxfer.layout import copy_dtype, copy_view
 
 L, NB, BS, HEADS, HD, LAT = 3, 10, 16, 4, 8, 72
@@ -258,3 +259,45 @@ def test_copy_dtype_fits_every_tensor() -> None:
     at_odd_offset = torch.zeros(64, dtype=torch.bfloat16)[1:].view(7, 9)[:, :8]
     assert copy_dtype([at_odd_offset]) is torch.int16
     assert copy_view(dense, torch.int32).shape == (4, 32)
+
+
+def test_planned_copies_are_the_arena_format() -> None:
+    """plan_copies' slot views are chunk_rows_view's, and its rows those of each chunk's blocks
+    (partial skips give one copy per run)."""
+    lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
+    chunk = 2 * BS
+    size = lay.chunk_bytes(chunk)
+    arena = torch.zeros(3 * size, dtype=torch.uint8)
+    blocks = check_transfer(lay, chunk, 3, [4, 1, 7, 0, 9, 2])
+    slots = [(i, arena[i * size:(i + 1) * size]) for i in (0, 2)]
+    copies = plan_copies(lay, chunk, blocks, slots)
+    assert [c.rows.tolist() for c in copies] == [lay.rows(torch.tensor(b)).tolist() for b in ([4, 1], [9, 2])]
+    for (_, slot), c in zip(slots, copies):
+        want = lay.chunk_rows_view(slot, chunk)
+        assert (c.slot.shape, c.slot.dtype, c.slot.data_ptr()) == (want.shape, want.dtype, want.data_ptr())
+    skipped = plan_copies(lay, chunk, blocks, slots, skip_blocks=5)  # chunk 2's second block only
+    assert len(skipped) == lay.runs and all(c.rows.numel() == 1 for c in skipped)
+
+
+@pytest.mark.parametrize(("ids", "needle"), [
+    ([1.5, 2], "sequence of integers"),  # never truncated to a block id
+    (torch.tensor([1.0, 2.0]), "sequence of integers"),
+    ([[1], [2]], "sequence of integers"),
+    ([2**70, 1], "sequence of integers"),
+    (["1", 2], "sequence of integers"),
+    ([1, NB], r"must be in \[0, 10\); got min 1, max 10"),
+    ((-1, 2), r"got min -1, max 2"),
+    (torch.tensor([3, -2]), r"got min -2, max 3"),
+    ([1, 2, 3], "need 2 block ids"),
+])
+def test_check_transfer_refuses_what_is_not_a_block_id(ids, needle) -> None:
+    lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
+    with pytest.raises(ConfigError, match=needle):
+        check_transfer(lay, 2 * BS, 1, ids)
+
+
+@pytest.mark.parametrize("ids", [[3, 1], (3, 1), range(3, 0, -2), torch.tensor([3, 1]), torch.tensor([[3], [1]])])
+def test_check_transfer_takes_any_sequence_of_integers(ids) -> None:
+    lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
+    got = check_transfer(lay, 2 * BS, 1, ids)
+    assert got.dtype == torch.int64 and got.tolist() == [3, 1]
