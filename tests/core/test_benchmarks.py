@@ -1,4 +1,4 @@
-"""The prefix-load, layer-wise, start-up and L2 benchmarks run end to end on a tiny workload (real
+"""The prefix-load, lone-request trace, layer-wise, start-up and L2 benchmarks run end to end on a tiny workload (real
 server processes), write their JSON with the run record, and the GPU check's summary reads it."""
 
 from __future__ import annotations
@@ -34,6 +34,30 @@ def test_prefix_benchmark_and_the_gpu_summary(tmp_path: Path) -> None:
     summary = _run(str(ROOT / "benchmarks" / "gpu_summary.py"), str(tmp_path))
     assert "cuda_ipc prefix load 32 tokens" in summary and "bench-hpu.json missing" in summary
     assert json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_lone_trace_orders_both_processes_steps(tmp_path: Path) -> None:
+    """benchmarks/lone_trace.py: the steps of a lone load, timed in the client and in a traced
+    server process on one clock, come in the order the protocol makes them: the lookup's send,
+    the server's handling of it, then the retrieve's reservation (cpu_gather)."""
+    stdout = _run(str(ROOT / "benchmarks" / "lone_trace.py"), *TINY, "--chunks", "2", "--iters", "3",
+                  "--gap-ms", "1", "--step", "kvxfer.copies:no_such_step", "--json", str(tmp_path / "trace.json"))
+    assert "load: 3 lone requests" in stdout and "store: 3 lone requests" in stdout
+    data = json.loads((tmp_path / "trace.json").read_text())
+    assert data["run"]["commit"] and data["absent"] == ["kvxfer.copies:no_such_step"]
+    load = {(r["process"], r["step"], r["call"]): r for r in data["summary"]["load"]["steps"]
+            if r["thread"] == "MainThread" or r["process"] == "client" and r["step"].startswith("CpuGather")}
+    lookup = load[("client", "CacheClient.lookup_and_lease", 1)]
+    send = load[("client", "MQClient._send", 1)]  # the caller's own (the lookup)
+    on_lookup = load[("server", "CacheServer._on_lookup", 1)]  # the server's loop
+    reserve = load[("server", "CacheServer._on_reserve_read", 1)]
+    scatter = load[("client", "CpuGatherContext.scatter", 1)]
+    assert lookup["start_us"] <= send["start_us"] < on_lookup["start_us"] < lookup["end_us"]
+    assert lookup["end_us"] < reserve["start_us"] < scatter["start_us"] < data["summary"]["load"]["median_us"]
+    assert all(r["start_us"] <= r["end_us"] and r["seen"] >= 2 for r in load.values())
+    store = {(r["process"], r["step"]) for r in data["summary"]["store"]["steps"]}
+    assert {("server", "CacheServer._on_reserve_write"), ("server", "CacheServer._on_commit_write"),
+            ("client", "CpuGatherContext.gather")} <= store
 
 
 def test_layerwise_benchmark(tmp_path: Path) -> None:
