@@ -264,19 +264,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvxfer.layout import LayoutKind
+    from kvxfer.bench_prefix import add_workload_arguments
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transport", default="cpu_gather")
-    p.add_argument("--device", default="cpu", help="torch device of the KV cache (cpu, cuda, ...)")
-    p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind if k.value != "bhnc"])
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--blocks", type=int, default=1024, help="KV cache blocks per layer")
+    add_workload_arguments(p)
     p.add_argument("--chunks", type=int, default=8, help="chunks per request (default: %(default)s)")
     p.add_argument("--iters", type=int, default=30, help="timed lone loads and stores (default: %(default)s)")
     p.add_argument("--gap-ms", type=float, default=5.0, help="idle time before each request (default: %(default)s)")

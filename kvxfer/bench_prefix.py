@@ -31,7 +31,7 @@ import torch
 from kvxfer.bench import CopyLimit, _sync, progress_bar, save_results
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
-__all__ = ["main", "run"]
+__all__ = ["add_workload_arguments", "main", "run"]
 
 
 def _p(values: list[float], q: float) -> float:
@@ -170,8 +170,9 @@ def print_results(results: list[dict[str, Any]]) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer bench --prefix", description=__doc__.split("\n\n")[0])
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The transport and the KV cache a lone-request benchmark registers (the standard workload
+    of docs/performance.md by default: 32 layers x [2, blocks, 16, 8, 128] bf16, 256-token chunks)."""
     p.add_argument("--transport", default="cpu_gather")
     p.add_argument("--device", default="cpu", help="torch device of the KV cache (cpu, cuda, ...)")
     p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind if k.value != "bhnc"])
@@ -182,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--blocks", type=int, default=1024, help="KV cache blocks per layer (at least two prefixes' worth)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer bench --prefix", description=__doc__.split("\n\n")[0])
+    add_workload_arguments(p)
     p.add_argument("--prefix-chunks", type=int, nargs="+", default=[1, 2, 8, 32],
                    help="prefix lengths in chunks (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20, help="timed requests per length and kind (after a warm-up)")
