@@ -36,6 +36,28 @@ def test_prefix_benchmark_and_the_gpu_summary(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "summary.json").read_text())
 
 
+def test_gpu_summary_judges_no_ratio_by_a_slow_denominator(tmp_path: Path) -> None:
+    """A transfer whose pinned copy, timed beside it, ran far below the check's fastest one (as
+    in one H100 check: device->host 34.4 GB/s where every other copy ran at 52-55) is judged
+    against no floor, and shown against the fastest copy instead of as 1.05x 'met'."""
+    def bench(store_limit: float, rows: list[tuple[int, float, float]]) -> dict[str, object]:
+        return {"gpu": "H100", "results": [
+            {"chunks_per_request": 8, "chunk_mib": 32.0, "inflight": n, "store_gbps": sg, "retrieve_gbps": rg,
+             "store_limit_gbps": store_limit, "retrieve_limit_gbps": 51.9,
+             "store_ratio": sg / store_limit, "retrieve_ratio": rg / 51.9} for n, sg, rg in rows]}
+
+    (tmp_path / "bench-cuda_ipc.json").write_text(json.dumps(bench(55.0, [(1, 37.8, 42.1), (4, 52.6, 52.9)])))
+    (tmp_path / "bench-hpu.json").write_text(json.dumps(bench(34.4, [(1, 36.1, 41.6), (4, 52.6, 50.9)])))
+    _run(str(ROOT / "benchmarks" / "gpu_summary.py"), str(tmp_path))
+    rows = {r["what"].split(" (")[0]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    hpu_store = rows["hpu store, 8 x 32 MiB, 1 in flight"]
+    assert hpu_store["ok"] is None and hpu_store["floor"] is None and "34.4 GB/s" in hpu_store["note"]
+    assert hpu_store["figure"] == pytest.approx(36.1 / 55.0)
+    assert rows["hpu retrieve, 8 x 32 MiB, 1 in flight"]["ok"] is False  # 0.80x, judged
+    assert rows["hpu retrieve, 8 x 32 MiB, 4 in flight"]["ok"] is True
+    assert rows["cuda_ipc store, 8 x 32 MiB, 4 in flight"]["ok"] is True
+
+
 def test_lone_trace_orders_both_processes_steps(tmp_path: Path) -> None:
     """benchmarks/lone_trace.py: the steps of a lone load, timed in the client and in a traced
     server process on one clock, come in the order the protocol makes them: the lookup's send,
