@@ -68,10 +68,18 @@ def check_transfer(
     bpc = layout.blocks_per_chunk(chunk_size)
     if n_keys > MAX_CHUNKS_PER_REQUEST:
         raise ConfigError(f"{n_keys} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
+    need = n_keys * bpc
+
+    def check_count(got: int) -> None:
+        if got != need:
+            raise ConfigError(f"{n_keys} chunks of {chunk_size} tokens need {need} block ids "
+                              f"({bpc} per chunk at block_size {layout.block_size}), got {got}")
+
     lo_hi: tuple[int, int] | None = None
     try:
-        if isinstance(block_ids, (list, tuple, range)):  # as decoded from the wire: checked and
-            packed = array.array("q", block_ids)  # converted in a few C loops (a lone request waits on this)
+        if isinstance(block_ids, (list, tuple, range)):  # as decoded from the wire: counted first, then
+            check_count(len(block_ids))  # checked and converted in a few C loops (a lone request waits on this)
+            packed = array.array("q", block_ids)
             blocks = torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64)
             lo_hi = (min(packed), max(packed)) if packed else None
         else:
@@ -81,11 +89,7 @@ def check_transfer(
             blocks = blocks.to(torch.int64).reshape(-1)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise ConfigError(f"block_ids must be a sequence of integers: {exc}") from None
-    if blocks.numel() != n_keys * bpc:
-        raise ConfigError(
-            f"{n_keys} chunks of {chunk_size} tokens need {n_keys * bpc} block ids "
-            f"({bpc} per chunk at block_size {layout.block_size}), got {blocks.numel()}"
-        )
+    check_count(blocks.numel())
     if lo_hi is None and blocks.numel():
         lo, hi = torch.aminmax(blocks)
         lo_hi = (int(lo), int(hi))
