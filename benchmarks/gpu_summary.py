@@ -25,6 +25,10 @@ FLOORS = {
 }
 #: A pinned copy below this share of the check's fastest one is not a denominator to judge by.
 SUSPECT = 0.8
+#: The steps of benchmarks/lone_trace.py that copy KV bytes: the first one's start is when a
+#: lone request's copying begins.
+COPY_STEPS = ("_copy", "HpuContext.scatter", "HpuContext.gather", "CpuGatherContext.scatter",
+              "CpuGatherContext.gather")
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -73,6 +77,8 @@ def summarize(out: Path) -> list[dict[str, Any]]:
                 add(f"{transport} prefix {r['kind']} {r['tokens']} tokens: p50 {r['p50_ms']:.2f} ms "
                     f"(p99 {r['p99_ms']:.2f}; copy {r['copy_p50_ms']:.2f}) (x copy time)", r["x_copy"], key,
                     data.get("gpu") or "")
+        if _load(out / f"lone-trace-{transport}.json") is None:
+            add(f"{transport} lone trace", None, None, f"lone-trace-{transport}.json missing")
         data = _load(out / f"layerwise-{transport}.json")
         if data is None:
             add(f"{transport} layer-wise hiding", None, None, f"layerwise-{transport}.json missing")
@@ -82,6 +88,13 @@ def summarize(out: Path) -> list[dict[str, Any]]:
                     f"(at most {r['best_hidden']:.2f})", r["hidden"], None,
                     f"load {r['load_ms']:.2f} ms, sequential {r['sequential_ms']:.2f}, "
                     f"layerwise {r['layerwise_ms']:.2f}")
+    for path in sorted(out.glob("lone-trace-*.json")):  # any transport's
+        data = _load(path)
+        for kind, t in (data or {}).get("summary", {}).items():
+            copies = [r["start_us"] for r in t["steps"] if r["step"] in COPY_STEPS]
+            first = f"the first copy starts at {min(copies) / 1e3:.2f} ms" if copies else "no copy step traced"
+            add(f"{data['args']['transport']} lone {kind} of {data['args']['chunks']} chunks, traced (median ms)",
+                t["median_us"] / 1e3, None, f"{first}; {t['requests']} requests, every step in {path.name}")
     return rows
 
 

@@ -12,7 +12,9 @@
 #      p50/p99 against the pinned copy of the same bytes;
 #   4. benchmarks/layerwise.py, cuda_ipc and hpu: how much of a 2,048-token prefix load hides behind
 #      a simulated per-layer compute time when it is loaded layer by layer;
-#   5. benchmarks/gpu_summary.py: every figure next to its floor (summary.json).
+#   5. benchmarks/lone_trace.py, cuda_ipc and hpu: where a lone 2,048-token load's and store's time
+#      goes (each step's start and end in both processes);
+#   6. benchmarks/gpu_summary.py: every figure next to its floor (summary.json).
 # Each step writes its JSON (or log) under $OUT as soon as it is done; a failed or skipped step does
 # not stop the others. GPU_CHECK_BREAKDOWN=1 also runs each plugin's own copy-time breakdown;
 # GPU_CHECK_TESTS=0 skips the tests (step 1), for a run of the benchmarks alone.
@@ -82,6 +84,11 @@ for t in cuda_ipc hpu; do
   step "benchmarks/layerwise.py $t (2,048 tokens)" 50 \
     python3 benchmarks/layerwise.py --transport "$t" --device cuda --prefix-chunks 8 --iters 10 \
       --json "$out/layerwise-$t.json"
+done
+for t in cuda_ipc hpu; do
+  step "benchmarks/lone_trace.py $t (8 chunks)" 50 \
+    python3 benchmarks/lone_trace.py --transport "$t" --device cuda --chunks 8 --iters 30 \
+      --json "$out/lone-trace-$t.json"
 done
 if [[ ${GPU_CHECK_BREAKDOWN:-0} == 1 ]]; then
   step "benchmarks/cuda_ipc.py" 100 python3 benchmarks/cuda_ipc.py --transports cuda_ipc --json "$out/cuda_ipc-breakdown.json"

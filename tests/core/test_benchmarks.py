@@ -80,6 +80,12 @@ def test_lone_trace_orders_both_processes_steps(tmp_path: Path) -> None:
     store = {(r["process"], r["step"]) for r in data["summary"]["store"]["steps"]}
     assert {("server", "CacheServer._on_reserve_write"), ("server", "CacheServer._on_commit_write"),
             ("client", "CpuGatherContext.gather")} <= store
+    # the GPU check's summary reads the file as gpu_check.sh names it
+    (tmp_path / "trace.json").rename(tmp_path / "lone-trace-cpu_gather.json")
+    summary = _run(str(ROOT / "benchmarks" / "gpu_summary.py"), str(tmp_path))
+    first_scatter = scatter["start_us"] / 1e3
+    assert "cpu_gather lone load of 2 chunks, traced (median ms)" in summary
+    assert f"the first copy starts at {first_scatter:.2f} ms" in summary
 
 
 def test_layerwise_benchmark(tmp_path: Path) -> None:
