@@ -75,17 +75,22 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the server's life; closed in stop())
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.start_timeout
-        while True:
+        # no probe before the server says it is ready: a probe that gave up before the server's
+        # answer (a busy host) would leave a session behind until the session timeout
+        while b"kvxfer server ready at" not in self.log_path.read_bytes():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvxfer server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                CacheClient(self.url, connect_timeout=0.5, curve=self.client_keys()).close()
-                return self
-            except ConnectionFailed as exc:
-                if time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(
-                        f"kvxfer server did not answer within {self.start_timeout} s:\n{self.log()}") from exc
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"kvxfer server was not ready within {self.start_timeout} s:\n{self.log()}")
+            time.sleep(0.02)
+        try:
+            CacheClient(self.url, connect_timeout=max(1.0, deadline - time.monotonic()),
+                        curve=self.client_keys()).close()
+        except ConnectionFailed as exc:
+            self.kill()
+            raise RuntimeError(f"kvxfer server did not answer within {self.start_timeout} s:\n{self.log()}") from exc
+        return self
 
     def client_keys(self) -> CurveClientKeys | None:
         """The CURVE keys a client of this server needs (None for an ipc:// server)."""
