@@ -6,7 +6,9 @@
         client = CacheClient(server.url)
 
 The server is ``python -m kvxfer serve`` in its own process with a private socket under a fresh
-temporary directory; ``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``). With
+temporary directory. ``start()`` returns once the server has printed its ready line and answered
+one handshake (whose session it then ends: no session of its own is left behind);
+``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``). With
 ``curve_dir`` (keys made by ``kvxfer keys``) it serves ``url`` (a ``tcp://`` address) with CURVE,
 and waits for it with the keys of client ``curve_client``.
 """
