@@ -77,7 +77,7 @@ def summarize(out: Path) -> list[dict[str, Any]]:
                 add(f"{transport} prefix {r['kind']} {r['tokens']} tokens: p50 {r['p50_ms']:.2f} ms "
                     f"(p99 {r['p99_ms']:.2f}; copy {r['copy_p50_ms']:.2f}) (x copy time)", r["x_copy"], key,
                     data.get("gpu") or "")
-        if _load(out / f"lone-trace-{transport}.json") is None:
+        if not (out / f"lone-trace-{transport}.json").is_file():
             add(f"{transport} lone trace", None, None, f"lone-trace-{transport}.json missing")
         data = _load(out / f"layerwise-{transport}.json")
         if data is None:
@@ -90,7 +90,10 @@ def summarize(out: Path) -> list[dict[str, Any]]:
                     f"layerwise {r['layerwise_ms']:.2f}")
     for path in sorted(out.glob("lone-trace-*.json")):  # any transport's
         data = _load(path)
-        for kind, t in (data or {}).get("summary", {}).items():
+        if data is None:
+            add(f"{path.name}", None, None, "unreadable")
+            continue
+        for kind, t in data["summary"].items():
             copies = [r["start_us"] for r in t["steps"] if r["step"] in COPY_STEPS]
             first = f"the first copy starts at {min(copies) / 1e3:.2f} ms" if copies else "no copy step traced"
             add(f"{data['args']['transport']} lone {kind} of {data['args']['chunks']} chunks, traced (median ms)",

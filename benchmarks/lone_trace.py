@@ -161,7 +161,7 @@ def summarize(client: list[tuple[int, int, str, str]], server: list[tuple[int, i
     result: dict[str, dict[str, Any]] = {}
     for kind, spans in _windows(client).items():
         per = [timeline(client, server, a, b) for a, b in spans]
-        rows = []
+        rows: list[dict[str, Any]] = []
         for key in {k for t in per for k in t}:
             seen = [t[key] for t in per if key in t]
             if len(seen) * 2 < len(per):
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kvxfer.bench import _sync, progress_bar
-    from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
+    from kvxfer.bench_prefix import make_workload
     from kvxfer.testing.server import ServerProcess
 
     tmp = Path(args.work_dir)
@@ -209,11 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device, n, bs, chunk = torch.device(args.device), args.chunks, args.block_size, args.chunk_size
     bpc = chunk // bs
     blocks = max(args.blocks, 2 * n * bpc)
-    layout = KVLayout(LayoutKind(args.layout), args.layers, blocks, bs, args.heads * args.head_size,
-                      dtype_from_name(args.dtype))
-    kv = [torch.empty(layout.layer_shape(args.heads), dtype=layout.dtype, device=device) for _ in range(args.layers)]
-    for t in kv:
-        t.view(torch.uint8).random_(0, 256)
+    layout, kv = make_workload(args, blocks)
     server = ServerProcess(l1_size=str(3 * n * layout.chunk_bytes(chunk) + (64 << 20)), chunk_size=chunk,
                            transports=args.transport, env={"KVXFER_TRACE_STEPS": ",".join(args.step)})
     server.args[1:3] = [str(Path(__file__).resolve()), "--serve-traced", str(server_events)]
@@ -259,7 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         server.stop()
     data = json.loads(server_events.read_text())
-    summary = summarize(rec.events, [tuple(e) for e in data["events"]])  # type: ignore[misc]
+    summary = summarize(rec.events, [tuple(e) for e in data["events"]])
     return {"summary": summary, "absent": sorted(set(rec.absent) & set(data["absent"]))}
 
 

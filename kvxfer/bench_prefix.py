@@ -31,7 +31,7 @@ import torch
 from kvxfer.bench import CopyLimit, _sync, progress_bar, save_results
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
-__all__ = ["add_workload_arguments", "main", "run"]
+__all__ = ["add_workload_arguments", "main", "make_workload", "run"]
 
 
 def _p(values: list[float], q: float) -> float:
@@ -48,20 +48,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvxfer.testing.server import ServerProcess
 
     device = torch.device(args.device)
-    dtype = dtype_from_name(args.dtype)
     kind = LayoutKind(args.layout)
     bs, chunk = args.block_size, args.chunk_size
     bpc = chunk // bs
     longest = max(args.prefix_chunks)
     num_blocks = max(args.blocks, 2 * longest * bpc)
-    layout = KVLayout(kind, args.layers, num_blocks, bs, args.heads * args.head_size, dtype)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    kv = []
-    for _ in range(args.layers):
-        t = torch.empty(layout.layer_shape(args.heads), dtype=dtype, device=device)
-        t.view(torch.uint8).random_(0, 256)  # on the device itself: 2 GiB of KV in a moment on a GPU
-        kv.append(t)
+    layout, kv = make_workload(args, num_blocks)
     chunk_bytes = layout.chunk_bytes(chunk)
     # room for three requests of the longest prefix: the one loaded, the one stored, one spare
     l1 = args.l1_size or str(3 * longest * chunk_bytes + (64 << 20))
@@ -183,6 +177,19 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--blocks", type=int, default=1024, help="KV cache blocks per layer (at least two prefixes' worth)")
+
+
+def make_workload(args: argparse.Namespace, num_blocks: int) -> tuple[KVLayout, list[torch.Tensor]]:
+    """The layout and random KV cache of :func:`add_workload_arguments`' options, with
+    ``num_blocks`` blocks per layer, on ``args.device``."""
+    layout = KVLayout(LayoutKind(args.layout), args.layers, num_blocks, args.block_size,
+                      args.heads * args.head_size, dtype_from_name(args.dtype))
+    kv = []
+    for _ in range(args.layers):
+        t = torch.empty(layout.layer_shape(args.heads), dtype=layout.dtype, device=torch.device(args.device))
+        t.view(torch.uint8).random_(0, 256)  # on the device itself: 2 GiB of KV in a moment on a GPU
+        kv.append(t)
+    return layout, kv
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
@@ -39,7 +39,11 @@ if TYPE_CHECKING:
     from kvxfer.server.tier import TierConfig
     from kvxfer.transport.registry import PluginInfo
 
-__all__ = ["main"]
+__all__ = ["READY_LINE", "main"]
+
+#: How ``kvxfer serve``'s line starts once the server is bound and about to serve (followed by
+#: its url and figures); :class:`kvxfer.testing.ServerProcess` waits for it.
+READY_LINE: Final = "kvxfer server ready at"
 
 
 # --------------------------------------------------------------------------- serve
@@ -121,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         extra = f", L2 {server.tier.store.name} at {server.tier.url} ({server.tier.status().state})"
     if server.metrics_url:
         extra += f", metrics at {server.metrics_url}"
-    print(f"kvxfer server ready at {config.url} (arena {format_bytes(server.arena.size)}, "
+    print(f"{READY_LINE} {config.url} (arena {format_bytes(server.arena.size)}, "
           f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
     server.serve_forever(install_signal_handlers=True)
     print(f"kvxfer server at {config.url} stopped: its arena and socket are removed", flush=True)

@@ -117,9 +117,8 @@ def plan_copies(
         return []
     import torch
 
-    n_layers, n_runs, bpc, row_elems = layout.chunk_shape(chunk_size)
+    bpc = layout.blocks_per_chunk(chunk_size)
     n_chunks = blocks.numel() // bpc
-    dtype, shape = layout.dtype, (n_layers, n_runs * bpc, row_elems)  # layout.chunk_rows_view's
     # every chunk's row ids at once: [chunks, runs, bpc] (run-major inside a chunk, as the slot),
     # and as one flat row tensor per chunk (views made in one call: a lone request waits for these)
     runs = torch.tensor(layout.run_offsets, dtype=torch.int64).view(1, -1, 1)
@@ -130,12 +129,12 @@ def plan_copies(
         local_skip = min(bpc, max(0, skip_blocks - index * bpc))
         if local_skip == bpc:
             continue
-        view = slot.view(dtype).view(shape)  # [L, runs * bpc, row_elems]
+        view = layout.chunk_rows_view(slot, chunk_size)  # [L, runs * bpc, row_elems]
         if local_skip == 0:
             copies.append(RowCopy(chunk_rows[index], view))
             continue
-        per_run = view.view(n_layers, n_runs, bpc, row_elems)
-        for r in range(n_runs):
+        per_run = view.view(layout.num_layers, layout.runs, bpc, layout.row_elems)
+        for r in range(layout.runs):
             copies.append(RowCopy(all_rows[index, r, local_skip:], per_run[:, r, local_skip:]))
     return copies
 

@@ -72,6 +72,7 @@ class ServerProcess:
         return self.proc.pid
 
     def start(self) -> ServerProcess:
+        from kvxfer.cli import READY_LINE
         from kvxfer.client import CacheClient
 
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the server's life; closed in stop())
@@ -79,7 +80,7 @@ class ServerProcess:
         deadline = time.monotonic() + self.start_timeout
         # no probe before the server says it is ready: a probe that gave up before the server's
         # answer (a busy host) would leave a session behind until the session timeout
-        while b"kvxfer server ready at" not in self.log_path.read_bytes():
+        while READY_LINE.encode() not in self.log_path.read_bytes():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvxfer server exited with {self.proc.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:
