@@ -57,6 +57,7 @@ STEPS = [
     "kvxfer.server.engine:CacheServer._on_commit_read",
     "kvxfer.server.engine:CacheServer._on_commit_write",
     "kvxfer.server.engine:CacheServer._run_deferred",
+    "kvxfer.server.engine:CacheServer._prefetch",
     "kvxfer.transport._client_driven:ClientDrivenCore._retrieve",
     "kvxfer.transport._client_driven:ClientDrivenCore._store",
     "kvxfer_cpu_gather.transport:CpuGatherContext.gather",
@@ -66,6 +67,7 @@ STEPS = [
     "kvxfer_cuda_ipc.transport:CudaIpcContext.prepare",
     "kvxfer_cuda_ipc.transport:CudaIpcContext.finish_retrieve",
     "kvxfer_cuda_ipc.server:CudaIpcServerContext._transfer",
+    "kvxfer_cuda_ipc.server:CudaIpcServerContext.prefetch",
     "kvxfer_cuda_ipc.server:CudaIpcServerContext._upload_rows",
     "kvxfer_cuda_ipc.server:_copy",
 ]
@@ -195,7 +197,7 @@ def print_summary(summary: dict[str, dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvxfer.bench import _sync, progress_bar
+    from kvxfer.bench import _sync, busy_poll_args, progress_bar
     from kvxfer.bench_prefix import make_workload
     from kvxfer.testing.server import ServerProcess
 
@@ -211,7 +213,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     blocks = max(args.blocks, 2 * n * bpc)
     layout, kv = make_workload(args, blocks)
     server = ServerProcess(l1_size=str(3 * n * layout.chunk_bytes(chunk) + (64 << 20)), chunk_size=chunk,
-                           transports=args.transport, env={"KVXFER_TRACE_STEPS": ",".join(args.step)})
+                           transports=args.transport, env={"KVXFER_TRACE_STEPS": ",".join(args.step)},
+                           extra_args=busy_poll_args(args))
     server.args[1:3] = [str(Path(__file__).resolve()), "--serve-traced", str(server_events)]
     server.start()
     gen = torch.Generator().manual_seed(0)
@@ -238,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(args.gap_ms / 1e3)
                 _sync(device)
                 t0 = time.perf_counter_ns()
-                reply = client.lookup_and_lease(model, 1, hashes=previous, lease_s=60.0)
+                reply = client.lookup_and_lease(model, 1, hashes=previous, lease_s=60.0, prefetch=args.prefetch)
                 got = ctx.submit_retrieve(previous[:reply.hits], dst.tolist(), lease_id=reply.lease_id).result(
                     timeout=300)
                 _sync(device)
@@ -260,13 +263,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvxfer.bench import add_busy_poll_argument
     from kvxfer.bench_prefix import add_workload_arguments
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(p)
+    add_busy_poll_argument(p)
     p.add_argument("--chunks", type=int, default=8, help="chunks per request (default: %(default)s)")
     p.add_argument("--iters", type=int, default=30, help="timed lone loads and stores (default: %(default)s)")
     p.add_argument("--gap-ms", type=float, default=5.0, help="idle time before each request (default: %(default)s)")
+    p.add_argument("--prefetch", action="store_true", help="lookups ask the server to prefetch (as the vLLM "
+                                                            "connector's do)")
     p.add_argument("--step", action="append", default=[], metavar="MODULE:QUALNAME",
                    help="also time this function (repeatable)")
     p.add_argument("--json", default=None, metavar="PATH",

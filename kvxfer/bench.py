@@ -30,7 +30,8 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
-__all__ = ["CopyLimit", "main", "run", "physical_limit", "progress_bar", "run_record", "save_results", "write_results"]
+__all__ = ["CopyLimit", "add_busy_poll_argument", "busy_poll_args", "main", "run", "physical_limit", "progress_bar",
+           "run_record", "save_results", "write_results"]
 
 GB = 1e9
 
@@ -99,6 +100,18 @@ def progress_bar(total: int, desc: str) -> Any:
                 print(file=sys.stderr)
 
         return _Bar()
+
+
+def add_busy_poll_argument(p: argparse.ArgumentParser) -> None:
+    """``--busy-poll-us``: the started server's ``kvxfer serve --busy-poll-us`` (every benchmark
+    that starts a server for lone requests takes it, to compare both in the same run)."""
+    p.add_argument("--busy-poll-us", type=float, default=0.0, metavar="US",
+                   help="the started server's --busy-poll-us (default: %(default)g, off)")
+
+
+def busy_poll_args(args: argparse.Namespace) -> list[str]:
+    """The ``kvxfer serve`` arguments of :func:`add_busy_poll_argument`'s option."""
+    return ["--busy-poll-us", f"{args.busy_poll_us:g}"] if args.busy_poll_us else []
 
 
 def _sync(device: torch.device) -> None:
@@ -244,7 +257,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         server = None
         url = args.url
         if url is None:
-            server = ServerProcess(l1_size=str(l1), chunk_size=chunk_size, transports=args.server_transports)
+            server = ServerProcess(l1_size=str(l1), chunk_size=chunk_size, transports=args.server_transports,
+                                   extra_args=busy_poll_args(args))
             server.start()
             url = server.url
         try:
@@ -339,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: fits all)")
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
     p.add_argument("--server-transports", default="", help="--transports of the started server (default: all)")
+    add_busy_poll_argument(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the results here (a directory: a file named by date and commit)")

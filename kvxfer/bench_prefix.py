@@ -14,8 +14,11 @@ For each prefix length (1, 2, 8 and 32 chunks by default), every iteration:
 
 Reported per length and kind: p50 and p99 milliseconds over the iterations, the p50 of the
 copy, and ``x copy`` = p50 / copy p50 (1.0 is the physical limit; lower is better). The first
-iteration is a warm-up (and checks the loaded blocks bit for bit). ``--layerwise`` also times
-loads submitted layer by layer (``by_layer=True``), to the last layer landed.
+iteration is a warm-up (and checks the loaded blocks bit for bit). ``--prefetch`` also times
+loads whose lookup asks the server to prefetch (``load_prefetch``: ``lookup_and_lease(...,
+prefetch=True)``, as the vLLM connector issues it); ``--layerwise`` loads submitted layer by
+layer (``by_layer=True``), to the last layer landed. The loads of one iteration run one after
+the other, in turn first.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvxfer.bench import CopyLimit, _sync, progress_bar, save_results
+from kvxfer.bench import CopyLimit, _sync, add_busy_poll_argument, busy_poll_args, progress_bar, save_results
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
 __all__ = ["add_workload_arguments", "main", "make_workload", "run"]
@@ -62,7 +65,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     server = None
     url = args.url
     if url is None:
-        server = ServerProcess(l1_size=l1, chunk_size=chunk, transports=args.server_transports)
+        server = ServerProcess(l1_size=l1, chunk_size=chunk, transports=args.server_transports,
+                               extra_args=busy_poll_args(args))
         server.start()
         url = server.url
     results: list[dict[str, Any]] = []
@@ -72,7 +76,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise SystemExit(f"the server at {url} uses chunk size {client.chunk_size}, not {chunk}")
         model = f"prefix-{os.getpid()}"
         ctx = client.register(kv, model_name=model, block_size=bs, transport=args.transport, layout=kind)
-        kinds = ["store", "load"] + (["load_layerwise"] if args.layerwise else [])
+        loads = ["load"] + (["load_prefetch"] if args.prefetch else []) + (["load_layerwise"] if args.layerwise else [])
+        kinds = ["store", *loads]
         bar = progress_bar(len(args.prefix_chunks) * (args.iters + 1), f"prefix {args.transport}")
         counter = 0
         for n in args.prefix_chunks:
@@ -103,10 +108,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     free[old_src] = False  # load into blocks other than the ones the prefix came from
                     spare = free.nonzero().view(-1)
                     dst = spare[torch.randperm(spare.numel(), generator=gen)[:n * bpc]]
-                    for k in kinds[1:]:
+                    for k in loads if it % 2 else loads[::-1]:  # each kind first every other time
                         _sync(device)
                         t0 = time.perf_counter()
-                        reply = client.lookup_and_lease(model, 1, hashes=old_keys, lease_s=60.0)
+                        reply = client.lookup_and_lease(model, 1, hashes=old_keys, lease_s=60.0,
+                                                        prefetch=k == "load_prefetch")
                         fut = ctx.submit_retrieve(old_keys[:reply.hits], dst, lease_id=reply.lease_id,
                                                   by_layer=k == "load_layerwise")
                         if k == "load_layerwise":
@@ -198,10 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-chunks", type=int, nargs="+", default=[1, 2, 8, 32],
                    help="prefix lengths in chunks (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20, help="timed requests per length and kind (after a warm-up)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="also time loads whose lookup asks for a prefetch (load_prefetch)")
     p.add_argument("--layerwise", action="store_true", help="also time layer-by-layer loads (by_layer=True)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: 3 longest prefixes)")
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
     p.add_argument("--server-transports", default="", help="--transports of the started server (default: all)")
+    add_busy_poll_argument(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the results here (a directory: a file named by date and commit)")

@@ -118,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         metrics_max_models=args.metrics_max_models,
+        busy_poll_s=args.busy_poll_us / 1e6,
     )
     server = CacheServer(config)
     extra = ""
@@ -373,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-max-models", type=int, default=32, metavar="N",
                    help="model names with their own label in metrics; later ones share '__other__' "
                         "(default: %(default)s)")
+    s.add_argument("--busy-poll-us", type=float, default=0.0, metavar="US",
+                   help="after any request, the server's loop polls without sleeping for this long, keeping its CPU "
+                        "(a lone request's steps then run at their back-to-back cost), at most 1000000; "
+                        "0: off (default: %(default)g)")
     g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
     g.add_argument("--l2-url", default="", metavar="URL",

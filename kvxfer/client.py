@@ -282,15 +282,17 @@ class CacheClient:
 
     def lookup_and_lease(
         self, model_name: str, world_size: int = 1, *, hashes: Sequence[bytes], lease_s: float = 30.0,
-        promote: bool = True,
+        promote: bool = True, prefetch: bool = False,
     ) -> m.LookupReply:
         """Like :meth:`lookup`, and keep the hits from eviction for ``lease_s`` seconds or until
         each rank's retrieve naming ``lease_id`` is done. Hits found in the L2 tier are promoted
         into the arena under the lease (``reply.l2_hits`` says how many), unless ``promote`` is
-        False (then the lease covers only the hits already in the arena)."""
+        False (then the lease covers only the hits already in the arena). With ``prefetch`` the
+        server may start moving the leased chunks toward the engine that will retrieve them
+        (:attr:`kvxfer.protocol.messages.Lookup.prefetch`), so that its retrieve ends sooner."""
         if lease_s <= 0:
             raise ConfigError(f"lease_s must be positive, got {lease_s}")
-        return self.request(m.Lookup(model_name, world_size, list(hashes), lease_s, promote))
+        return self.request(m.Lookup(model_name, world_size, list(hashes), lease_s, promote, prefetch))
 
     def release_lease(self, lease_id: int) -> None:
         self.request(m.ReleaseLease(lease_id))

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from kvxfer.layout import KVLayout
 
-__all__ = ["MAX_CHUNKS_PER_REQUEST", "RowCopy", "check_transfer", "layer_slice", "plan_copies"]
+__all__ = ["MAX_CHUNKS_PER_REQUEST", "RowCopy", "StoredSlot", "check_transfer", "layer_slice", "plan_copies"]
 
 #: Most chunks one request may name.
 MAX_CHUNKS_PER_REQUEST: Final = 1 << 14
@@ -39,17 +39,29 @@ class RowCopy:
     ``slot`` is ``[n, len(rows), row_elems]`` of the layout's dtype, a view of the arena, whose
     ``slot[i]`` belongs to layer ``first_layer + i`` (every layer, ``first_layer == 0``, unless
     the core moves a transfer layer by layer). Store copies ``layer_rows[rows] -> slot[i]``;
-    retrieve the reverse.
+    retrieve the reverse. ``stamp`` (server side, retrieves): the stored chunk whose whole slot
+    this copy moves, the number :meth:`ServerContext.prefetch` was given for it (0: part of a
+    chunk, or not known).
     """
 
     rows: torch.Tensor
     slot: torch.Tensor
     first_layer: int = 0
+    stamp: int = 0
 
     @property
     def layers(self) -> range:
         """The layers this copy moves (indices into the context's layers)."""
         return range(self.first_layer, self.first_layer + self.slot.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSlot:
+    """A stored chunk as :meth:`ServerContext.prefetch` gets it: its whole arena slot (uint8,
+    ``chunk_bytes`` long) and its stamp (see :attr:`RowCopy.stamp`)."""
+
+    slot: torch.Tensor
+    stamp: int
 
 
 def check_transfer(
@@ -109,10 +121,12 @@ def plan_copies(
     blocks: torch.Tensor,
     slots: Sequence[tuple[int, torch.Tensor]],
     skip_blocks: int = 0,
+    stamps: Sequence[int] = (),
 ) -> list[RowCopy]:
     """RowCopies for ``slots`` (``(chunk index, uint8 slot tensor)``), skipping the first
     ``skip_blocks`` blocks of the request. A chunk with a partial skip gives one copy per run
-    (the slot rows it needs are not contiguous across runs); fully skipped chunks none."""
+    (the slot rows it needs are not contiguous across runs); fully skipped chunks none.
+    ``stamps`` (one per slot, or none): the :attr:`RowCopy.stamp` of each whole-chunk copy."""
     if not slots:
         return []
     import torch
@@ -125,13 +139,13 @@ def plan_copies(
     all_rows = (blocks.to(torch.int64).view(n_chunks, 1, bpc) * layout.block_stride + runs).contiguous()
     chunk_rows = all_rows.view(n_chunks, -1).unbind(0)
     copies = []
-    for index, slot in slots:
+    for n, (index, slot) in enumerate(slots):
         local_skip = min(bpc, max(0, skip_blocks - index * bpc))
         if local_skip == bpc:
             continue
         view = layout.chunk_rows_view(slot, chunk_size)  # [L, runs * bpc, row_elems]
         if local_skip == 0:
-            copies.append(RowCopy(chunk_rows[index], view))
+            copies.append(RowCopy(chunk_rows[index], view, 0, stamps[n] if stamps else 0))
             continue
         per_run = view.view(layout.num_layers, layout.runs, bpc, layout.row_elems)
         for r in range(layout.runs):
@@ -140,5 +154,6 @@ def plan_copies(
 
 
 def layer_slice(copies: Sequence[RowCopy], first: int, stop: int) -> list[RowCopy]:
-    """``copies`` narrowed to layers ``[first, stop)`` (views of the same slots)."""
+    """``copies`` narrowed to layers ``[first, stop)`` (views of the same slots; no stamps: each
+    moves part of its chunk)."""
     return [RowCopy(c.rows, c.slot[first - c.first_layer:stop - c.first_layer], first) for c in copies]

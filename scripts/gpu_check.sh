@@ -8,8 +8,8 @@
 #      [2, num_blocks, 16, 8, 128] bf16, the standard workload of docs/performance.md), 1 and 4
 #      requests in flight, against the pinned D2H/H2D copy of the same bytes in the same run;
 #   3. `kvxfer bench --prefix`, cuda_ipc and hpu: lookup + retrieve of a prefix of 1, 2, 8 (2,048
-#      tokens) and 32 chunks as the vLLM connector issues it, stores too, layer-wise loads too,
-#      p50/p99 against the pinned copy of the same bytes;
+#      tokens) and 32 chunks, with and without a prefetch at the lookup (the vLLM connector asks
+#      for one), stores too, layer-wise loads too, p50/p99 against the pinned copy of the same bytes;
 #   4. benchmarks/layerwise.py, cuda_ipc and hpu: how much of a 2,048-token prefix load hides behind
 #      a simulated per-layer compute time when it is loaded layer by layer;
 #   5. benchmarks/lone_trace.py, cuda_ipc and hpu: where a lone 2,048-token load's and store's time
@@ -78,7 +78,7 @@ done
 for t in cuda_ipc hpu; do
   step "kvxfer bench --prefix $t (1, 2, 8, 32 chunks)" 70 \
     python3 -m kvxfer bench --prefix --transport "$t" --device cuda --prefix-chunks 1 2 8 32 --iters 20 \
-      --layerwise --json "$out/prefix-$t.json"
+      --prefetch --layerwise --json "$out/prefix-$t.json"
 done
 for t in cuda_ipc hpu; do
   step "benchmarks/layerwise.py $t (2,048 tokens)" 50 \

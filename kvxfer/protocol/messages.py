@@ -171,6 +171,12 @@ class Lookup(Request["LookupReply"], frozen=True):
     #: Start promoting the hits found in L2 into L1, so that a retrieve that follows finds them
     #: there (it waits for chunks still being promoted).
     promote: bool = False
+    #: With a lease: the server may start moving the leased chunks toward the engine that will
+    #: load them, before its retrieve comes (a transport's ``ServerContext.prefetch``: cuda_ipc
+    #: stages them in device memory). Where it cannot tell which engine that is (several
+    #: registered instances of one model and rank) or that engine's transfers are busy, it
+    #: does nothing. A hint: what is loaded is the same either way.
+    prefetch: bool = False
 
 
 class LookupReply(Message, frozen=True):

@@ -11,7 +11,8 @@ from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
 from kvxfer.urls import default_url
 
-__all__ = ["ServerConfig", "MAX_METRICS_MODELS", "MIN_MESSAGE_SIZE", "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S"]
+__all__ = ["ServerConfig", "MAX_BUSY_POLL_S", "MAX_METRICS_MODELS", "MIN_MESSAGE_SIZE", "MAX_MESSAGE_SIZE",
+           "MAX_SESSION_TIMEOUT_S"]
 
 #: Upper bound of ``metrics_max_models``: every model label multiplies the series per metric.
 MAX_METRICS_MODELS = 1024
@@ -21,6 +22,9 @@ MIN_MESSAGE_SIZE = 64 << 10
 MAX_MESSAGE_SIZE = 1 << 31
 #: Longest ``session_timeout_s``: a dead client's registrations and reservations wait this long.
 MAX_SESSION_TIMEOUT_S = 3600.0
+#: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
+#: that never sleeps.
+MAX_BUSY_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class ServerConfig:
     #: Distinct model names that get their own label in figures and metrics; the rest share
     #: the label "__other__".
     metrics_max_models: int = 32
+    #: After any activity the server's loop polls without blocking for this long (0: never):
+    #: the loop's CPU stays busy, so a request that comes within it is handled without the
+    #: wake-up of a sleeping thread and with warm caches (docs/performance.md, "Busy polling").
+    busy_poll_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -69,6 +77,9 @@ class ServerConfig:
         if not MIN_MESSAGE_SIZE <= self.max_message_size <= MAX_MESSAGE_SIZE:
             raise ConfigError(f"--max-message-size must be in [{MIN_MESSAGE_SIZE >> 10} KiB, "
                               f"{MAX_MESSAGE_SIZE >> 30} GiB], got {self.max_message_size} bytes")
+        if not 0 <= self.busy_poll_s <= MAX_BUSY_POLL_S:  # NaN fails too
+            raise ConfigError(f"--busy-poll-us must be in [0, {round(MAX_BUSY_POLL_S * 1e6)}] microseconds, "
+                              f"got {self.busy_poll_s * 1e6:g}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port must be in [0, 65535] (0: any free port), got {self.metrics_port}")
         if not self.metrics_host:

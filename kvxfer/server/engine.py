@@ -33,7 +33,7 @@ import msgspec
 import kvxfer
 from kvxfer import liveness
 from kvxfer.arena import Arena
-from kvxfer.copies import MAX_CHUNKS_PER_REQUEST, check_transfer, layer_slice, plan_copies
+from kvxfer.copies import MAX_CHUNKS_PER_REQUEST, StoredSlot, check_transfer, layer_slice, plan_copies
 from kvxfer.errors import (
     ConfigError,
     ErrorCode,
@@ -58,7 +58,7 @@ from kvxfer.server.allocator import Allocator
 from kvxfer.server.config import ServerConfig
 from kvxfer.server.context import RegisteredContext
 from kvxfer.server.hooks import HookRelay
-from kvxfer.server.index import ChunkIndex, ChunkKey, Reservation
+from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
 from kvxfer.server.limits import Limits
 from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.stats import ServerStats
@@ -337,6 +337,7 @@ class CacheServer:
                 on_tick=self._tick,
                 max_unread_reply_bytes=self.limits.max_unread_reply_bytes,
                 on_unread_overflow=self._on_unread_overflow,
+                busy_poll_s=config.busy_poll_s,
             )
             if config.l2 is not None:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
@@ -653,17 +654,20 @@ class CacheServer:
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
             self._answered(name, t0)
 
+    @classmethod
+    def _queues_only(cls, d: _Deferred) -> bool:
+        """Whether ``d``'s server context says it only queues copies now (loop thread)."""
+        return d.quick is not None and cls._context_queues_only(d.transport, d.quick)
+
     @staticmethod
-    def _queues_only(d: _Deferred) -> bool:
-        """Whether ``d``'s server context says it only queues copies now (loop thread). It is the
-        plugin's code: one that raises is logged and the request goes to the worker as usual."""
-        if d.quick is None:
-            return False
+    def _context_queues_only(transport: str, sc: ServerContext[Any, Any]) -> bool:
+        """``sc.queues_only`` (loop thread). It is the plugin's code: one that raises is logged,
+        and the context's work goes to its worker as usual."""
         try:
-            return bool(d.quick.queues_only)
+            return bool(sc.queues_only)
         except Exception:  # noqa: BLE001  (a plugin's error must not reach the loop)
             log.exception("transport %s: reading its server context's queues_only failed: its requests run "
-                          "on the instance's worker", d.transport)
+                          "on the instance's worker", transport)
             return False
 
     @staticmethod
@@ -935,7 +939,40 @@ class CacheServer:
             self.limits.check("max_leases_per_session", len(usage.leases))
             self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(entries.values()))
             lease_id = self.index.lease(entries, msg.lease_s, usage)
+            if msg.prefetch:  # right after the reply is sent
+                self._mq.after_reply(functools.partial(self._prefetch, msg, entries))
         return m.LookupReply(hits, lease_id, l2_hits)
+
+    def _prefetch(self, msg: m.Lookup, entries: dict[ChunkKey, Entry]) -> None:
+        """``Lookup.prefetch``: give the chunks a lookup leased (``entries``) to the server
+        context of each rank's one registered instance of the model, if its transport
+        prefetches and nothing is in flight (loop thread; errors are logged only)."""
+        if self.stats.in_flight:
+            return  # transfers are running: the copy engines are theirs
+        by_rank: dict[int, RegisteredContext | None] = {}
+        for c in self.contexts.values():
+            if c.model_name == msg.model_name and c.world_size == msg.world_size:
+                by_rank[c.rank] = None if c.rank in by_rank else c  # two of one rank: which one loads?
+        for rank, ctx in by_rank.items():
+            sc = ctx.server_context if ctx is not None else None
+            if ctx is None or sc is None or type(sc).prefetch is ServerContext.prefetch or not ctx.executor.idle() \
+                    or not self._context_queues_only(ctx.transport, sc):
+                continue
+            chunks = []
+            for h in msg.hashes:
+                key = ChunkKey(msg.model_name, msg.world_size, rank, h)
+                e = entries.get(key)
+                if e is None or self.index.entries.get(key) is not e or e.state is not State.READY or not e.leases:
+                    break  # a leading run of chunks still leased, as a retrieve loads them
+                chunks.append(StoredSlot(self.arena.view(e.offset, e.size), e.stamp))
+            if not chunks:
+                continue
+            try:
+                with plugin_step(ctx.transport, "prefetch"):
+                    sc.prefetch(chunks)
+            except Exception:  # noqa: BLE001  (a hint: its failure costs the retrieve its head start only)
+                log.exception("transport %s: prefetching %d chunks for instance %d failed", ctx.transport,
+                              len(chunks), ctx.instance_id)
 
     def _chunk_format(self, key: ChunkKey) -> str | None:
         """The chunk format of a registered context whose chunks ``key`` names, if any. The
@@ -1154,7 +1191,8 @@ class CacheServer:
         res.in_flight = True
         res.missing = len(missing)
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
-                             [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks)
+                             [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks,
+                             [e.stamp for _, e in res.entries])
         if layers is not None:
             copies = layer_slice(copies, layers.start, layers.stop)
         lost = {i + first for i in missing}

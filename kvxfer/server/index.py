@@ -18,6 +18,7 @@ Reservation and lease ids are random 63-bit numbers: knowing one proves it was h
 from __future__ import annotations
 
 import enum
+import itertools
 import secrets
 import time
 from collections import OrderedDict
@@ -43,6 +44,10 @@ class State(enum.Enum):
     READY = 2
 
 
+#: Stamps of entries: one number per stored chunk for the server's life (see :class:`Entry`).
+_next_stamp = itertools.count(1).__next__
+
+
 @dataclass(slots=True, eq=False)
 class Entry:
     key: ChunkKey
@@ -52,6 +57,9 @@ class Entry:
     state: State = State.WRITING
     readers: int = 0
     leases: int = 0
+    #: This entry's bytes and no other's, for the server's life: a slot reused for another chunk
+    #: (or the same chunk stored again) gets another stamp (what a transport's prefetch matches).
+    stamp: int = field(default_factory=_next_stamp)
 
     @property
     def pinned(self) -> bool:

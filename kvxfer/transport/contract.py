@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, Protoc
 
 import msgspec
 
-from kvxfer.copies import RowCopy
+from kvxfer.copies import RowCopy, StoredSlot
 from kvxfer.layout import KVLayout, LayoutKind, dtype_name
 from kvxfer.protocol.messages import Message, Registration, Request, RetrieveResult, StoreResult
 
@@ -64,6 +64,7 @@ __all__ = [
     "LayerwiseFuture",
     "Probe",
     "RowCopy",
+    "StoredSlot",
     "ServerContext",
     "ServerDrivenContext",
     "Queued",
@@ -618,6 +619,17 @@ class ServerContext(ABC, Generic[R, P]):
         """Copy arena slots into engine rows (``layer_l[rows] = slot[l]``); returns as
         :meth:`store`, or :class:`Queued` when ``params`` let the client wait for the copies
         itself (the answer then goes out before they end)."""
+
+    def prefetch(self, chunks: list[StoredSlot]) -> None:
+        """Optional: ``chunks`` were just leased by a lookup that asked for a prefetch, and
+        this registration is the one of their rank that will load them (the only one of its
+        model and rank). Start moving them toward the device (e.g. into staging) so that a
+        retrieve whose :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from
+        the arena again. Runs on the server's loop, only while this context
+        :attr:`queues_only` and has no request queued or running: it must only queue work.
+        It is a hint: a retrieve must be correct whether it finds a chunk prefetched or not,
+        and a prefetched chunk may never be retrieved. Errors are logged, never sent to a
+        client. The default does nothing."""
 
     def close(self) -> None:
         """Release what ``__init__`` acquired. Errors are logged, never raised to a client."""

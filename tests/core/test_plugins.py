@@ -678,6 +678,126 @@ def test_a_queued_copy_that_fails_after_the_answer_is_logged_once_and_unpins(
     b.close()
 
 
+# --------------------------------------------------------------------------- prefetch at lookup
+
+
+def _prefetch_figures(client: CacheClient, model: str) -> tuple[float, float]:
+    """(chunks prefetched, retrieved copies served from what was prefetched) of ``model``."""
+    return (loop_metric(client, "kvxfer_test_loop_prefetched_total", model),
+            loop_metric(client, "kvxfer_test_loop_prefetch_hits_total", model))
+
+
+def _stored_then_alone(client: CacheClient, tmp_path: Path, model: str, seed: int):
+    """Two chunks of ``model`` stored from one test_loop instance, which is then closed, and the
+    instance that will load them registered alone: (source layers, its layers, its context,
+    hashes, blocks)."""
+    src = shared_kv(tmp_path, f"{model}-src", seed=seed)
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=model)
+    blocks = list(range(2 * BLOCKS_PER_CHUNK))
+    a = client.register(src, model_name=model, block_size=BLOCK_SIZE, transport="test_loop")
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    a.close()
+    dst = shared_kv(tmp_path, f"{model}-dst", seed=seed + 1)
+    b = client.register(dst, model_name=model, block_size=BLOCK_SIZE, transport="test_loop")
+    return src, dst, b, hashes, blocks
+
+
+def test_a_lookup_that_asks_for_a_prefetch_hands_the_leased_chunks_to_the_instance_that_loads_them(
+        loop_client, tmp_path: Path) -> None:
+    """Lookup.prefetch: once its reply is out, the server gives the leased chunks (each one's
+    arena slot and stamp) to the server context of the model's one instance of that rank; the
+    retrieve's copies carry the same stamps, so the context loads what it kept (test_loop
+    copies from its own copy: a wrong stamp would load wrong bytes). Without prefetch, nothing."""
+    model = "quick-prefetch"
+    src, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=21)
+    plain = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30)
+    assert _prefetch_figures(loop_client, model) == (0, 0)
+    loop_client.release_lease(plain.lease_id)
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert reply.hits == 2 and reply.lease_id
+    assert _prefetch_figures(loop_client, model) == (2, 0)
+    into = blocks[::-1]
+    assert b.submit_retrieve(hashes, into, lease_id=reply.lease_id).result(30).loaded == [0, 1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, into], s[:, blocks])
+    assert _prefetch_figures(loop_client, model) == (2, 2)
+    # a retrieve that skips into the first chunk copies part of it: never from what was kept
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert b.submit_retrieve(hashes, blocks, skip_first_n_tokens=BLOCK_SIZE,
+                             lease_id=reply.lease_id).result(30).loaded == [0, 1]
+    assert _prefetch_figures(loop_client, model) == (4, 3)
+    for s, d in zip(src, dst):  # the skipped block keeps what the retrieve before put there
+        assert torch.equal(d[:, blocks[1:]], s[:, blocks[1:]])
+    b.close()
+
+
+def test_a_prefetched_chunk_dropped_and_stored_again_is_loaded_from_its_new_bytes(
+        loop_client, tmp_path: Path) -> None:
+    """A stamp names one stored chunk's bytes for the server's life: the same hashes stored
+    again after a clear (other bytes, in slots the old ones may have had) are loaded as stored
+    now, not as prefetched before."""
+    model = "quick-restamp"
+    _, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=31)
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert _prefetch_figures(loop_client, model) == (2, 0)
+    loop_client.release_lease(reply.lease_id)
+    assert loop_client.clear(model) == 2
+    new = shared_kv(tmp_path, f"{model}-new", seed=33)
+    a = loop_client.register(new, model_name=model, block_size=BLOCK_SIZE, transport="test_loop")
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    a.close()
+    into = blocks[::-1]
+    assert b.submit_retrieve(hashes, into).result(30).loaded == [0, 1]
+    for s, d in zip(new, dst):
+        assert torch.equal(d[:, into], s[:, blocks])
+    assert _prefetch_figures(loop_client, model) == (2, 0)
+    b.close()
+
+
+def test_nothing_is_prefetched_where_the_server_cannot_tell_who_loads_or_is_busy(
+        loop_client, tmp_path: Path) -> None:
+    """No prefetch with two registered instances of the model's rank (which one loads?), for
+    a context that does not only queue copies, or while a transfer is in flight; the lookups
+    are answered as usual."""
+    from kvxfer_test_transport import LoopParams
+
+    model = "quick-ambiguous"
+    _, _, b, hashes, _ = _stored_then_alone(loop_client, tmp_path, model, seed=41)
+    other = loop_client.register(shared_kv(tmp_path, f"{model}-other"), model_name=model, block_size=BLOCK_SIZE,
+                                 transport="test_loop")
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert reply.hits == 2
+    assert _prefetch_figures(loop_client, model) == (0, 0)
+    loop_client.release_lease(reply.lease_id)
+    other.close()
+
+    slow = "slow-prefetch"
+    _, _, c, shashes, _ = _stored_then_alone(loop_client, tmp_path, slow, seed=43)
+    reply = loop_client.lookup_and_lease(slow, 1, hashes=shashes, lease_s=30, prefetch=True)
+    assert reply.hits == 2
+    assert _prefetch_figures(loop_client, slow) == (0, 0)
+    loop_client.release_lease(reply.lease_id)
+    c.close()
+
+    # a store of another model held at the server (on its instance's worker: not a quick one)
+    busy = loop_client.register(shared_kv(tmp_path, "busy-prefetch"), model_name="busy-prefetch",
+                                block_size=BLOCK_SIZE, transport="test_loop")
+    gate = fifo(tmp_path, "prefetch-busy")
+    held = loop_client.submit(m.Store(busy.instance_id, [b"\x07" * 16], list(range(BLOCKS_PER_CHUNK)),
+                                      msgspec_raw(LoopParams(hold_until=str(gate)))))
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert reply.hits == 2
+    assert _prefetch_figures(loop_client, model) == (0, 0)
+    release(gate)
+    assert held.result(30).stored == [0]
+    loop_client.release_lease(reply.lease_id)
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert _prefetch_figures(loop_client, model) == (2, 0)  # idle again
+    loop_client.release_lease(reply.lease_id)
+    busy.close()
+    b.close()
+
+
 def test_hooks_see_the_server_stop(plugin_server, hook_log: Path) -> None:
     # last test of the module on this server: stop it and look for the hook
     plugin_server.stop()

@@ -282,3 +282,49 @@ def test_serve_stops_at_once_when_the_shm_dir_is_too_small(tmp_path: Path) -> No
     err = proc.stderr
     assert "kvxfer serve: error:" in err and needle in err and "--shm-dir" in err and str(shm_dir) in err, err
     assert not (tmp_path / "run" / "s.sock").exists()
+
+
+# --------------------------------------------------------------------------- busy polling
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "1000001"])
+def test_a_busy_poll_out_of_range_is_refused_at_start(tmp_path: Path, value: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/run/s.sock", "--l1-size", "16MiB",
+         "--transports", "cpu_gather", "--busy-poll-us", value],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--busy-poll-us must be in [0, 1000000]" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "s.sock").exists()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_over(pid: int, seconds: float) -> float:
+    import time
+
+    before = _cpu_seconds(pid)
+    time.sleep(seconds)
+    return _cpu_seconds(pid) - before
+
+
+def test_a_busy_polling_server_keeps_its_cpu_after_a_request_then_sleeps(tmp_path: Path) -> None:
+    """--busy-poll-us: after a request the loop polls without sleeping for that long (the
+    server's CPU time grows by most of the window), then sleeps again until the next message
+    (the clients' heartbeats come once a second); a server without it sleeps right after
+    answering. CPU seconds, with wide margins: not a timing."""
+    with ServerProcess(l1_size="16MiB", transports="cpu_gather", extra_args=["--busy-poll-us", "300000"]) as busy, \
+            ServerProcess(l1_size="16MiB", transports="cpu_gather") as idle:
+        with CacheClient(busy.url) as a, CacheClient(idle.url) as b:
+            assert wait_until(lambda: _cpu_over(busy.pid, 0.2) < 0.05, timeout=30), "it never stops polling"
+            assert a.ping() > 0 and b.ping() > 0
+            spun, slept = _cpu_over(busy.pid, 0.25), _cpu_over(idle.pid, 0.25)
+            assert spun > 0.1, f"the busy-polling server used {spun:.3f} s of CPU in the 0.25 s after a request"
+            assert slept < 0.05, f"the server without busy polling used {slept:.3f} s of CPU after a request"
+            assert wait_until(lambda: _cpu_over(busy.pid, 0.2) < 0.05, timeout=30), "it never stops polling"
+            assert a.ping() > 0  # and it answers as before

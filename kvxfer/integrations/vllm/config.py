@@ -41,6 +41,8 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.layerwise": ("true: load and store layer by layer inside the forward pass (loads are synchronous: "
                          "attention of layer i waits only for layer i); false (default): loads finish "
                          "between steps, stores are submitted after the pass"),
+    "kvxfer.prefetch": ("true (default): a lookup asks the server to start moving its hits toward the GPU that "
+                        "will load them (cuda_ipc stages them), so the load that follows ends sooner; false: not"),
     "kvxfer.curve_dir": "directory of CURVE keys from `kvxfer keys` (required for a tcp:// server)",
     "kvxfer.curve_name": "which client key pair in kvxfer.curve_dir (default 'client')",
 }
@@ -69,6 +71,8 @@ class ConnectorConfig:
     layout: str | None
     #: Load and store layer by layer inside the forward pass (``kvxfer.layerwise``).
     layerwise: bool
+    #: Lookups ask the server to prefetch their hits (``kvxfer.prefetch``).
+    prefetch: bool
     curve_dir: str | None
     curve_name: str
     kv_role: KvRole
@@ -173,6 +177,7 @@ class ConnectorConfig:
             fingerprint=fingerprint,
             layout=layout,
             layerwise=_bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False)),
+            prefetch=_bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", True)),
             curve_dir=str(extra["kvxfer.curve_dir"]) if extra.get("kvxfer.curve_dir") else None,
             curve_name=str(extra.get("kvxfer.curve_name") or "client"),
             kv_role=kv_role,  # type: ignore[arg-type]  # validated against the Literal just above

@@ -179,12 +179,13 @@ class SchedulerConnector:
             try:
                 try:
                     reply = client.lookup_and_lease(g.name, self.config.world_size, hashes=hashes[first:first + hits],
-                                                    lease_s=self.config.lease_s, promote=True)
+                                                    lease_s=self.config.lease_s, promote=True,
+                                                    prefetch=self.config.prefetch)
                 except NoSession:  # the server restarted: open a new session and ask again
                     client.reconnect()
                     reply = client.lookup_and_lease(g.name, self.config.world_size,
                                                     hashes=hashes[first:first + hits], lease_s=self.config.lease_s,
-                                                    promote=True)
+                                                    promote=True, prefetch=self.config.prefetch)
             except KvxferError as exc:
                 self._release_lease(st)
                 self.link.failed(exc, f"lookup for request {request.request_id}")

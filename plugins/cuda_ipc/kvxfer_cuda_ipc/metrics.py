@@ -7,6 +7,9 @@ Samples (see docs/metrics.md):
   ``kvxfer_cuda_ipc_copy_seconds_total{op}``: requests copied by the server since it started
   (``op`` is ``store`` or ``retrieve``), their bytes, and the time from a request's start on
   the instance's worker to the end of its copies on the GPU;
+* ``kvxfer_cuda_ipc_prefetched_chunks_total``, ``kvxfer_cuda_ipc_prefetch_hits_total``: chunks
+  staged in device memory at a lookup that asked for a prefetch, and the retrieved chunks that
+  were found there (each one's DMA from the arena not run again);
 * ``kvxfer_cuda_ipc_staging_bytes{device}``: device memory of the staging rings (``cuda:N``);
 * ``kvxfer_cuda_ipc_contexts{device}``: registrations open per device;
 * ``kvxfer_cuda_ipc_arena_pinned_bytes``: arena bytes registered as pinned host memory.
@@ -31,6 +34,7 @@ class CopyTotals:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._totals = {op: [0, 0, 0.0] for op in OPS}
+        self._prefetch = [0, 0]
 
     def add(self, op: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -39,6 +43,17 @@ class CopyTotals:
             t[1] += nbytes
             t[2] += seconds
 
+    def add_prefetch(self, staged: int, hits: int) -> None:
+        """Count ``staged`` chunks staged by a prefetch and ``hits`` retrieved from staging."""
+        with self._lock:
+            self._prefetch[0] += staged
+            self._prefetch[1] += hits
+
+    def read_prefetch(self) -> tuple[int, int]:
+        """``(chunks prefetched, retrieved chunks found prefetched)``."""
+        with self._lock:
+            return self._prefetch[0], self._prefetch[1]
+
     def read(self) -> dict[str, tuple[int, int, float]]:
         """``op -> (copies, bytes, seconds)``."""
         with self._lock:
@@ -46,9 +61,10 @@ class CopyTotals:
 
 
 def metric_samples(totals: Mapping[str, tuple[int, int, float]], staging: Mapping[str, int],
-                   contexts: Mapping[str, int], pinned_bytes: int) -> list[MetricSample]:
+                   contexts: Mapping[str, int], pinned_bytes: int,
+                   prefetch: tuple[int, int] = (0, 0)) -> list[MetricSample]:
     """The samples of one scrape: ``totals`` from :meth:`CopyTotals.read`, ``staging`` and
-    ``contexts`` by device name (``cuda:N``)."""
+    ``contexts`` by device name (``cuda:N``), ``prefetch`` from :meth:`CopyTotals.read_prefetch`."""
     out = []
     for op, (n, nbytes, seconds) in totals.items():
         labels = {"op": op}
@@ -60,6 +76,12 @@ def metric_samples(totals: Mapping[str, tuple[int, int, float]], staging: Mappin
             MetricSample("kvxfer_cuda_ipc_copy_seconds_total", "counter", seconds, labels,
                          "Time from a request's start on its worker to the end of its GPU copies."),
         ]
+    out += [
+        MetricSample("kvxfer_cuda_ipc_prefetched_chunks_total", "counter", prefetch[0], {},
+                     "Chunks staged in device memory at a lookup that asked for a prefetch."),
+        MetricSample("kvxfer_cuda_ipc_prefetch_hits_total", "counter", prefetch[1], {},
+                     "Retrieved chunks found staged by a prefetch (no DMA from the arena)."),
+    ]
     for device, nbytes in sorted(staging.items()):
         out.append(MetricSample("kvxfer_cuda_ipc_staging_bytes", "gauge", nbytes, {"device": device},
                                 "Device memory of cuda_ipc's staging rings."))

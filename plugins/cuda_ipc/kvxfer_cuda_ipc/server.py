@@ -8,6 +8,8 @@ store     compute: wait client event | per chunk: gather all layers' rows -> sta
 retrieve  copy:    per chunk: one H2D DMA arena slot -> staging[k] (the first K queued before
                    the row ids are uploaded: they do not need them)
           compute: wait client event |           \\-> scatter into all layers' blocks
+prefetch  copy:    per leased chunk (at most K): one H2D DMA arena slot -> staging[k], queued at
+                   the lookup; the next retrieve scatters those chunks from there (no DMA)
 
 The gather/scatter of a chunk is one Triton kernel launch for every layer (:mod:`._kernels`), or,
 without Triton (or with ``KVXFER_CUDA_IPC_KERNEL=torch``), one ``index_select``/``index_copy_``
@@ -46,6 +48,7 @@ from kvxfer.transport import (
     RowCopy,
     ServerContext,
     ServerTransport,
+    StoredSlot,
     Transport,
     Waiter,
     copy_dtype,
@@ -180,6 +183,7 @@ class CudaIpcServerTransport(ServerTransport):
         # to the end of its copies on the GPU)
         for op, (n, nbytes, seconds) in self.totals.read().items():
             out[f"{op}_n"], out[f"{op}_bytes"], out[f"{op}_s"] = str(n), str(nbytes), str(seconds)
+        out["prefetched"], out["prefetch_hits"] = (str(n) for n in self.totals.read_prefetch())
         return out
 
     @hookimpl
@@ -190,7 +194,8 @@ class CudaIpcServerTransport(ServerTransport):
             name = str(c.device)
             staging[name] = staging.get(name, 0) + c.staging_bytes()
             contexts[name] = contexts.get(name, 0) + 1
-        return metric_samples(self.totals.read(), staging, contexts, self._pinned_size if self._pinned_ptr else 0)
+        return metric_samples(self.totals.read(), staging, contexts, self._pinned_size if self._pinned_ptr else 0,
+                              self.totals.read_prefetch())
 
     def close(self) -> None:
         if self._pinned_ptr:
@@ -264,6 +269,8 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._index_uploaded: torch.cuda.Event | None = None
         #: the kinds of copy that have run once (their kernels compiled, the staging made)
         self._warm: set[bool] = set()
+        #: chunks a prefetch staged for the next retrieve: stamp -> (ring buffer, slot address, bytes)
+        self._staged: dict[int, tuple[int, int, int]] = {}
 
     @property
     def queues_only(self) -> bool:  # type: ignore[override]  # read-only here: derived from the state
@@ -334,6 +341,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             self._compute.synchronize()
             self._copy.synchronize()
         self._ring.clear()
+        self._staged.clear()
         k = max(2, min(8, _staging_bytes() // max(nbytes, 1)))
         self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(k)]
         self._ready = [torch.cuda.Event() for _ in range(k)]
@@ -420,6 +428,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
                 if not (self._direct and self._direct_copy(copies, write_arena)):
                     self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in copies))
                     if write_arena:
+                        self._staged.clear()  # the store's gathers reuse the ring
                         finished = self._store(copies, self._upload_rows(copies))
                     else:
                         finished = self._retrieve(copies)
@@ -481,29 +490,100 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             self._free[k].record(cp)
         return _recorded(cp)
 
-    def _retrieve(self, copies: list[RowCopy]) -> torch.cuda.Event:
-        """The DMAs into the first ring buffers are queued before the row ids are uploaded (they
-        do not need them): the copy engine starts while this thread prepares the scatters."""
-        comp, cp = self._compute, self._copy
-        k_n = len(self._ring)
+    def prefetch(self, chunks: list[StoredSlot]) -> None:
+        """Queue one DMA per chunk (the first ``K``) from its arena slot into a staging buffer,
+        on the copy stream; the next retrieve scatters the chunks it finds there (matched by
+        stamp, address and size) instead of copying them again. What an earlier prefetch
+        staged and no retrieve took is dropped; so is all of it at the next store or retrieve."""
+        if self._direct or not chunks:
+            return
+        cp = self._copy
+        with torch.cuda.device(self.device):
+            self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in chunks))
+            self._staged.clear()
+            for k, chunk in enumerate(chunks[:len(self._ring)]):
+                slot = chunk.slot.view(torch.uint8)
+                cp.wait_event(self._free[k])  # its previous chunk has left the buffer
+                with torch.cuda.stream(cp):
+                    _copy(self._ring[k][:slot.numel()], slot)
+                self._ready[k].record(cp)
+                self._staged[chunk.stamp] = (k, slot.data_ptr(), slot.numel())
+        if self._totals is not None:
+            self._totals.add_prefetch(len(self._staged), 0)
 
-        def dma(i: int) -> tuple[torch.Tensor, int]:
-            k = i % k_n
-            slot = copy_view(copies[i].slot, self._elem)
-            stage = self._stage(k, slot)
+    def _ring_plan(self, copies: list[RowCopy]) -> tuple[list[int], set[int]]:
+        """Each copy's ring buffer, and which copies find their chunk staged by a prefetch (the
+        whole chunk, same stamp, address and size): those are only scattered. A buffer that
+        holds a later copy's staged chunk is not given to an earlier copy, unless every buffer
+        does (then that later copy is copied from the arena like the others)."""
+        staged, self._staged = self._staged, {}  # what this request does not take is dropped
+        k_n = len(self._ring)
+        pending: dict[int, int] = {}  # buffer -> the copy whose staged chunk it holds
+        for i, c in enumerate(copies):
+            k, ptr, nbytes = staged.get(c.stamp, (-1, 0, 0)) if c.stamp else (-1, 0, 0)
+            if k >= 0 and k not in pending and c.slot.is_contiguous() and c.slot.data_ptr() == ptr \
+                    and c.slot.numel() * c.slot.element_size() == nbytes:
+                pending[k] = i
+        hits = {i: k for k, i in pending.items()}
+        ring: list[int] = []
+        nxt = 0
+        for i in range(len(copies)):
+            if i in hits:
+                ring.append(hits[i])
+                del pending[hits[i]]
+                continue
+            free = [k % k_n for k in range(nxt, nxt + k_n) if k % k_n not in pending]
+            if free:
+                k = free[0]
+            else:  # every buffer holds a later copy's staged chunk: the last of those copies gives its up
+                k = max(pending, key=pending.__getitem__)
+                del hits[pending.pop(k)]
+            ring.append(k)
+            nxt = k + 1
+        return ring, set(hits)
+
+    def _retrieve(self, copies: list[RowCopy]) -> torch.cuda.Event:
+        """The DMAs into ring buffers no earlier copy of the request uses are queued before the
+        row ids are uploaded (they do not need them): the copy engine starts while this thread
+        prepares the scatters. Copies whose chunk a prefetch staged need no DMA."""
+        comp, cp = self._compute, self._copy
+        ring, hits = self._ring_plan(copies)
+        if hits and self._totals is not None:
+            self._totals.add_prefetch(0, len(hits))
+
+        views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def view(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Copy ``i``'s slot in copy elements, and its ring buffer as the same shape."""
+            got = views.get(i)
+            if got is None:
+                slot = copy_view(copies[i].slot, self._elem)
+                got = views[i] = (slot, self._stage(ring[i], slot))
+            return got
+
+        def dma(i: int) -> None:
+            k = ring[i]
+            slot, stage = view(i)
             cp.wait_event(self._free[k])  # its previous chunk (this or an earlier request) is placed
             with torch.cuda.stream(cp):
                 _copy(stage, slot)
             self._ready[k].record(cp)
-            return stage, k
 
-        staged = [dma(i) for i in range(min(k_n, len(copies)))]
+        early: set[int] = set()
+        used: set[int] = set()
+        for i, k in enumerate(ring):
+            if i not in hits and k not in used:
+                dma(i)
+                early.add(i)
+            used.add(k)
         idx = self._upload_rows(copies)
         for i, (c, rows) in enumerate(zip(copies, idx)):
-            stage, k = staged[i] if i < len(staged) else dma(i)
+            k = ring[i]
+            if i not in hits and i not in early:
+                dma(i)
             comp.wait_event(self._ready[k])
             with torch.cuda.stream(comp):
-                self._scatter(rows, stage, c.first_layer)
+                self._scatter(rows, view(i)[1], c.first_layer)
             self._free[k].record(comp)
         return _recorded(comp)
 

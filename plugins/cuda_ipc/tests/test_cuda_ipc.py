@@ -450,3 +450,97 @@ def test_after_the_first_store_and_retrieve_no_copy_compiles_a_kernel(tmp_path) 
             assert sorted(p.name for p in cache.iterdir()) == compiled
         finally:
             client.close()
+
+
+# --------------------------------------------------------------------------- prefetch at lookup
+
+
+def _prefetch_figures(client: CacheClient) -> tuple[int, int]:
+    """The server's (chunks prefetched, retrieved chunks found prefetched) so far."""
+    (tp,) = [t for t in client.status().transports if t.name == "cuda_ipc"]
+    return int(tp.state["prefetched"]), int(tp.state["prefetch_hits"])
+
+
+def _loader(client: CacheClient, model: str, n: int, seed: int) -> tuple[list[torch.Tensor], list[bytes], list[int],
+                                                                          list[torch.Tensor], object]:
+    """``n`` chunks of ``model`` stored from an instance that is then closed, and the instance
+    that loads them registered alone and warmed up by a store and a retrieve of its own (so
+    that its copies only queue work, as prefetches need): (source, keys, source blocks, its
+    layers, its context)."""
+    src = make_kv(SPEC, "cuda", seed=seed)
+    a = client.register(src, model_name=model, block_size=16, transport="cuda_ipc")
+    keys = _keys(n)
+    src_blocks = torch.randperm(SPEC.num_blocks, generator=torch.Generator().manual_seed(seed))[:n * 16].tolist()
+    assert a.submit_store(keys, src_blocks).result(60).stored == list(range(n))
+    a.close()
+    dst = [torch.zeros_like(t) for t in src]
+    b = client.register(dst, model_name=model, block_size=16, transport="cuda_ipc")
+    warm = _keys(1)
+    assert b.submit_store(warm, list(range(16))).result(60).stored == [0]
+    assert b.submit_retrieve(warm, list(range(16))).result(60).loaded == [0]
+    return src, keys, src_blocks, dst, b
+
+
+@needs_cuda
+@pytest.mark.parametrize(("looked_up", "skip", "hits"), [
+    (0, 0, 2),    # the ring's two buffers staged with the first two chunks: both scattered from there
+    (0, 48, 1),   # the first chunk cut by the skip is copied from the arena; the second found staged
+    (3, 0, 1),    # chunks 3 and 4 staged: chunk 0 needs a buffer, so chunk 4 gives its up
+])
+def test_a_lookup_with_prefetch_stages_the_leased_chunks_and_the_retrieve_loads_exact_bytes(
+        server: ServerProcess, looked_up: int, skip: int, hits: int) -> None:
+    n = 5
+    client = CacheClient(server.url)
+    try:
+        src, keys, src_blocks, dst, b = _loader(client, f"prefetch-{looked_up}-{skip}", n, seed=11 + looked_up + skip)
+        before = _prefetch_figures(client)
+        reply = client.lookup_and_lease(b.identity.model_name, 1, hashes=keys[looked_up:], lease_s=30, prefetch=True)
+        assert reply.hits == n - looked_up
+        staged = _prefetch_figures(client)
+        assert staged[0] - before[0] == 2 and staged[1] == before[1]  # the ring holds two chunks
+        dst_blocks = list(range(128, 128 + n * 16))
+        res = b.submit_retrieve(keys, dst_blocks, skip_first_n_tokens=skip, lease_id=reply.lease_id).result(60)
+        assert res.loaded == list(range(n))
+        first = skip // 16
+        want = get_chunks(as_bytes([t.cpu() for t in src]), SPEC, src_blocks[first:], 1)
+        got = get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, dst_blocks[first:], 1)
+        assert torch.equal(got, want)
+        assert _prefetch_figures(client)[1] - staged[1] == hits
+        b.close()
+    finally:
+        client.close()
+
+
+@needs_cuda
+def test_what_a_prefetch_staged_is_not_loaded_after_a_store_or_for_chunks_stored_again(server: ServerProcess) -> None:
+    """A store between the prefetch and the retrieve reuses the ring: nothing staged is used.
+    Chunks dropped and stored again under the same keys (other bytes, perhaps in the same
+    slots) are new chunks to the prefetch: they load as stored now."""
+    n = 2
+    client = CacheClient(server.url)
+    try:
+        src, keys, src_blocks, dst, b = _loader(client, "prefetch-stale", n, seed=21)
+        before = _prefetch_figures(client)
+        reply = client.lookup_and_lease("prefetch-stale", 1, hashes=keys, lease_s=30, prefetch=True)
+        assert b.submit_store(_keys(1), list(range(16, 32))).result(60).stored == [0]
+        assert b.submit_retrieve(keys, list(range(128, 160)), lease_id=reply.lease_id).result(60).loaded == [0, 1]
+        want = get_chunks(as_bytes([t.cpu() for t in src]), SPEC, src_blocks, 1)
+        assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, list(range(128, 160)), 1), want)
+        after = _prefetch_figures(client)
+        assert after[0] - before[0] == 2 and after[1] == before[1]
+
+        reply = client.lookup_and_lease("prefetch-stale", 1, hashes=keys, lease_s=30, prefetch=True)
+        assert _prefetch_figures(client)[0] - after[0] == 2
+        client.release_lease(reply.lease_id)
+        assert client.clear("prefetch-stale") >= 2
+        new = make_kv(SPEC, "cuda", seed=23)
+        a = client.register(new, model_name="prefetch-stale", block_size=16, transport="cuda_ipc")
+        assert a.submit_store(keys, src_blocks).result(60).stored == [0, 1]
+        a.close()
+        assert b.submit_retrieve(keys, list(range(160, 192))).result(60).loaded == [0, 1]
+        want = get_chunks(as_bytes([t.cpu() for t in new]), SPEC, src_blocks, 1)
+        assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, list(range(160, 192)), 1), want)
+        assert _prefetch_figures(client)[1] == after[1]
+        b.close()
+    finally:
+        client.close()
