@@ -494,8 +494,11 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         """Queue one DMA per chunk (the first ``K``) from its arena slot into a staging buffer,
         on the copy stream; the next retrieve scatters the chunks it finds there (matched by
         stamp, address and size) instead of copying them again. What an earlier prefetch
-        staged and no retrieve took is dropped; so is all of it at the next store or retrieve."""
-        if self._direct or not chunks:
+        staged and no retrieve took is dropped; so is all of it at the next store or retrieve.
+        Nothing is queued while the copy stream still runs anything (an earlier prefetch's DMAs,
+        a request's): lookups may ask for prefetches faster than the DMA engine moves them, and
+        DMAs that no retrieve takes must not pile up ahead of the next one."""
+        if self._direct or not chunks or not self._copy.query():
             return
         cp = self._copy
         with torch.cuda.device(self.device):
@@ -507,6 +510,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
                 with torch.cuda.stream(cp):
                     _copy(self._ring[k][:slot.numel()], slot)
                 self._ready[k].record(cp)
+                self._free[k].record(cp)  # a store's gather into the buffer waits for this DMA
                 self._staged[chunk.stamp] = (k, slot.data_ptr(), slot.numel())
         if self._totals is not None:
             self._totals.add_prefetch(len(self._staged), 0)
