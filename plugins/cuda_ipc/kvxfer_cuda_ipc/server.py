@@ -497,12 +497,14 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         staged and no retrieve took is dropped; so is all of it at the next store or retrieve.
         Nothing is queued while the copy stream still runs anything (an earlier prefetch's DMAs,
         a request's): lookups may ask for prefetches faster than the DMA engine moves them, and
-        DMAs that no retrieve takes must not pile up ahead of the next one."""
-        if self._direct or not chunks or not self._copy.query():
+        DMAs that no retrieve takes must not pile up ahead of the next one. Nor while the ring's
+        buffers are smaller than a chunk (only layer parts moved so far): making it anew would
+        wait for the device and allocate on the server's loop."""
+        nbytes = max(c.slot.numel() * c.slot.element_size() for c in chunks) if chunks else 0
+        if self._direct or not chunks or not self._ring or self._ring[0].numel() < nbytes or not self._copy.query():
             return
         cp = self._copy
         with torch.cuda.device(self.device):
-            self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in chunks))
             self._staged.clear()
             for k, chunk in enumerate(chunks[:len(self._ring)]):
                 slot = chunk.slot.view(torch.uint8)
