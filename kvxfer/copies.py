@@ -25,10 +25,15 @@ if TYPE_CHECKING:
 
     from kvxfer.layout import KVLayout
 
-__all__ = ["MAX_CHUNKS_PER_REQUEST", "RowCopy", "StoredSlot", "check_transfer", "layer_slice", "plan_copies"]
+__all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "RowCopy", "StoredSlot", "check_transfer", "layer_slice",
+           "plan_copies"]
 
 #: Most chunks one request may name.
 MAX_CHUNKS_PER_REQUEST: Final = 1 << 14
+#: Most chunks one :meth:`ServerContext.prefetch` is given (the first of a lookup's leased run):
+#: a prefetch into device staging holds a few, and each one given costs the server's loop a slot
+#: view (a lookup may lease hundreds of thousands).
+MAX_PREFETCH_CHUNKS: Final = 32
 
 
 @dataclass(frozen=True, slots=True)

@@ -289,6 +289,7 @@ class MQServer:
                             self._on_tick()
                         except Exception:  # a periodic task must never stop the loop
                             log.exception("periodic server task failed")
+                        self._run_after_reply()  # its replies' (a lookup whose L2 read timed out)
         finally:
             self._flush_replies()
             self.close()

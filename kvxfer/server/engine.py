@@ -33,7 +33,14 @@ import msgspec
 import kvxfer
 from kvxfer import liveness
 from kvxfer.arena import Arena
-from kvxfer.copies import MAX_CHUNKS_PER_REQUEST, StoredSlot, check_transfer, layer_slice, plan_copies
+from kvxfer.copies import (
+    MAX_CHUNKS_PER_REQUEST,
+    MAX_PREFETCH_CHUNKS,
+    StoredSlot,
+    check_transfer,
+    layer_slice,
+    plan_copies,
+)
 from kvxfer.errors import (
     ConfigError,
     ErrorCode,
@@ -959,7 +966,7 @@ class CacheServer:
                     or not self._context_queues_only(ctx.transport, sc):
                 continue
             chunks = []
-            for h in msg.hashes:
+            for h in msg.hashes[:MAX_PREFETCH_CHUNKS]:
                 key = ChunkKey(msg.model_name, msg.world_size, rank, h)
                 e = entries.get(key)
                 if e is None or self.index.entries.get(key) is not e or e.state is not State.READY or not e.leases:

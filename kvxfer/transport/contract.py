@@ -621,12 +621,17 @@ class ServerContext(ABC, Generic[R, P]):
         itself (the answer then goes out before they end)."""
 
     def prefetch(self, chunks: list[StoredSlot]) -> None:
-        """Optional: ``chunks`` were just leased by a lookup that asked for a prefetch, and
-        this registration is the one of their rank that will load them (the only one of its
-        model and rank). Start moving them toward the device (e.g. into staging) so that a
-        retrieve whose :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from
-        the arena again. Runs on the server's loop, only while this context
-        :attr:`queues_only` and has no request queued or running: it must only queue work.
+        """Optional: ``chunks`` were just leased by a lookup that asked for a prefetch (its
+        leading run, at most :data:`kvxfer.copies.MAX_PREFETCH_CHUNKS`), and this registration
+        is the one of their rank that will load them (the only one of its model and rank).
+        Start moving them toward the device (e.g. into staging) so that a retrieve whose
+        :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from the arena again.
+        Runs on the server's loop, only while this context :attr:`queues_only` and has no
+        request queued or running: it must only queue work, and queue none while its earlier
+        prefetch still runs (a client may send lookups faster than any copy engine moves them;
+        another client may name this model). Until a store or retrieve of this context has
+        used or dropped what it staged, it must order any reuse of that staging after the
+        prefetch's copies.
         It is a hint: a retrieve must be correct whether it finds a chunk prefetched or not,
         and a prefetched chunk may never be retrieved. Errors are logged, never sent to a
         client. The default does nothing."""

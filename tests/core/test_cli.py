@@ -264,3 +264,17 @@ def test_the_vllm_connector_checks_its_url() -> None:
         with pytest.raises(ConfigError, match="kvxfer.url"):
             ConnectorConfig.from_mapping({"kvxfer.url": bad}, **args)
     assert ConnectorConfig.from_mapping({"kvxfer.url": "tcp://10.0.0.5:5555"}, **args).url == "tcp://10.0.0.5:5555"
+
+
+def test_the_vllm_connector_prefetches_unless_it_loads_layer_by_layer() -> None:
+    """A layer-by-layer load copies each chunk's layers apart and takes nothing a prefetch
+    staged (its copies carry no stamp): the prefetch's copies would only run ahead of it."""
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    args = dict(kv_role="kv_both", block_size=16, world_size=1, rank=0, default_model_name="m")
+    assert ConnectorConfig.from_mapping({}, **args).prefetch
+    assert not ConnectorConfig.from_mapping({"kvxfer.layerwise": True}, **args).prefetch
+    assert not ConnectorConfig.from_mapping({"kvxfer.prefetch": "false"}, **args).prefetch
+    with pytest.raises(ConfigError, match="kvxfer.prefetch is true with kvxfer.layerwise.*set kvxfer.prefetch false"):
+        ConnectorConfig.from_mapping({"kvxfer.layerwise": True, "kvxfer.prefetch": True}, **args)

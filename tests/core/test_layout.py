@@ -279,6 +279,29 @@ def test_planned_copies_are_the_arena_format() -> None:
     assert len(skipped) == lay.runs and all(c.rows.numel() == 1 for c in skipped)
 
 
+def test_only_a_whole_chunks_copy_carries_its_stamp() -> None:
+    """RowCopy.stamp (what a prefetch is matched by) is given to the copy that moves a whole
+    chunk, its slot's own, whatever the skip dropped before it; a chunk cut by the skip and
+    any layer slice carry none (they move part of a chunk)."""
+    from kvxfer.copies import layer_slice
+
+    lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
+    chunk = 2 * BS
+    size = lay.chunk_bytes(chunk)
+    arena = torch.zeros(3 * size, dtype=torch.uint8)
+    blocks = check_transfer(lay, chunk, 3, [4, 1, 7, 0, 9, 2])
+    slots = [(i, arena[i * size:(i + 1) * size]) for i in range(3)]
+    whole = plan_copies(lay, chunk, blocks, slots, stamps=[11, 12, 13])
+    assert [c.stamp for c in whole] == [11, 12, 13]
+    for (_, slot), c in zip(slots, whole):  # the whole slot, as the prefetch was given it
+        assert c.slot.is_contiguous() and c.slot.data_ptr() == slot.data_ptr()
+        assert c.slot.numel() * c.slot.element_size() == size
+    cut = plan_copies(lay, chunk, blocks, slots, skip_blocks=3, stamps=[11, 12, 13])
+    assert [c.stamp for c in cut] == [0] * lay.runs + [13]  # chunk 0 skipped, chunk 1 cut
+    assert all(c.stamp == 0 for c in layer_slice(whole, 0, 1))
+    assert all(c.stamp == 0 for c in plan_copies(lay, chunk, blocks, slots))  # none given
+
+
 @pytest.mark.parametrize(("ids", "needle"), [
     ([1.5, 2], "sequence of integers"),  # never truncated to a block id
     (torch.tensor([1.0, 2.0]), "sequence of integers"),

@@ -12,6 +12,7 @@ from kvxfer import CacheClient, chunk_hashes
 from kvxfer.errors import ConnectionFailed, RequestTimeout
 from kvxfer.mq.client import MQClient
 from kvxfer.mq.futures import ReplyFuture
+from kvxfer.mq.server import MQServer
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
 from kvxfer_core_helpers import BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
@@ -172,3 +173,26 @@ def test_close_fails_a_request_that_is_waiting(tmp_path: Path) -> None:
     for f in others:
         with pytest.raises(ConnectionFailed):
             f.result(5)
+
+
+def test_what_a_reply_sent_by_the_periodic_task_queued_runs_in_the_same_pass() -> None:
+    """The loop's periodic task may send replies (a lookup answered when its L2 read timed
+    out) whose handler queued work with after_reply (the lookup's prefetch): it runs right
+    after the task, not once some later message arrives (none does here)."""
+    ran = threading.Event()
+    ticks = []
+
+    def tick() -> None:
+        ticks.append(1)
+        if len(ticks) == 1:
+            server.after_reply(ran.set)
+
+    server = MQServer(f"inproc://after-reply-tick-{id(ran)}", lambda *_: None, max_message_size=1 << 20,
+                      on_tick=tick, tick_s=0.01)
+    loop = threading.Thread(target=server.serve_forever)
+    loop.start()
+    try:
+        assert ran.wait(30), "what the periodic task queued did not run"
+    finally:
+        server.stop()
+        loop.join(30)

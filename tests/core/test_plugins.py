@@ -754,6 +754,32 @@ def test_a_prefetched_chunk_dropped_and_stored_again_is_loaded_from_its_new_byte
     b.close()
 
 
+def test_a_prefetch_is_given_the_first_max_prefetch_chunks_of_a_longer_lease(loop_client, tmp_path: Path) -> None:
+    """However many chunks a lookup leases (up to hundreds of thousands), the server context
+    is given the first MAX_PREFETCH_CHUNKS: each one costs the server's loop a slot view, and
+    no staging holds more; the retrieve loads them all, the first ones from what was kept."""
+    from kvxfer.copies import MAX_PREFETCH_CHUNKS
+
+    model = "quick-many-prefetch"
+    n = MAX_PREFETCH_CHUNKS + 3
+    hashes = chunk_hashes(list(range(n * CHUNK_SIZE)), CHUNK_SIZE, salt=model)
+    blocks = list(range(n * BLOCKS_PER_CHUNK))
+    src = shared_kv(tmp_path, f"{model}-src", num_blocks=len(blocks), seed=51)
+    a = loop_client.register(src, model_name=model, block_size=BLOCK_SIZE, transport="test_loop")
+    assert a.submit_store(hashes, blocks).result(30).stored == list(range(n))
+    a.close()
+    dst = shared_kv(tmp_path, f"{model}-dst", num_blocks=len(blocks), seed=52)
+    b = loop_client.register(dst, model_name=model, block_size=BLOCK_SIZE, transport="test_loop")
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert reply.hits == n
+    assert _prefetch_figures(loop_client, model) == (MAX_PREFETCH_CHUNKS, 0)
+    assert b.submit_retrieve(hashes, blocks, lease_id=reply.lease_id).result(30).loaded == list(range(n))
+    for s, d in zip(src, dst):
+        assert torch.equal(d, s)
+    assert _prefetch_figures(loop_client, model) == (MAX_PREFETCH_CHUNKS, MAX_PREFETCH_CHUNKS)
+    b.close()
+
+
 def test_nothing_is_prefetched_where_the_server_cannot_tell_who_loads_or_is_busy(
         loop_client, tmp_path: Path) -> None:
     """No prefetch with two registered instances of the model's rank (which one loads?), for

@@ -41,8 +41,10 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.layerwise": ("true: load and store layer by layer inside the forward pass (loads are synchronous: "
                          "attention of layer i waits only for layer i); false (default): loads finish "
                          "between steps, stores are submitted after the pass"),
-    "kvxfer.prefetch": ("true (default): a lookup asks the server to start moving its hits toward the GPU that "
-                        "will load them (cuda_ipc stages them), so the load that follows ends sooner; false: not"),
+    "kvxfer.prefetch": ("true (default unless kvxfer.layerwise): a lookup asks the server to start moving its hits "
+                        "toward the GPU that will load them (cuda_ipc stages them), so the load that follows ends "
+                        "sooner; false: not (a layer-by-layer load uses nothing prefetched: not with "
+                        "kvxfer.layerwise)"),
     "kvxfer.curve_dir": "directory of CURVE keys from `kvxfer keys` (required for a tcp:// server)",
     "kvxfer.curve_name": "which client key pair in kvxfer.curve_dir (default 'client')",
 }
@@ -157,6 +159,12 @@ class ConnectorConfig:
         fingerprint = extra.get("kvxfer.fingerprint", True)
         if not isinstance(fingerprint, bool):
             raise ConfigError(f"kvxfer.fingerprint must be true or false, got {fingerprint!r}")
+        layerwise = _bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False))
+        prefetch = _bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", not layerwise))
+        if prefetch and layerwise:
+            raise ConfigError("kvxfer.prefetch is true with kvxfer.layerwise: a layer-by-layer load copies each chunk "
+                              "layer by layer and uses nothing a prefetch moved, whose copies would only run ahead "
+                              "of it; set kvxfer.prefetch false (the default with kvxfer.layerwise)")
         url = extra.get("kvxfer.url") or default_url()
         if not isinstance(url, str):
             raise ConfigError(f"kvxfer.url must be a string (ipc://PATH or tcp://HOST:PORT), got {url!r}")
@@ -176,8 +184,8 @@ class ConnectorConfig:
             model_name=model_name,
             fingerprint=fingerprint,
             layout=layout,
-            layerwise=_bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False)),
-            prefetch=_bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", True)),
+            layerwise=layerwise,
+            prefetch=prefetch,
             curve_dir=str(extra["kvxfer.curve_dir"]) if extra.get("kvxfer.curve_dir") else None,
             curve_name=str(extra.get("kvxfer.curve_name") or "client"),
             kv_role=kv_role,  # type: ignore[arg-type]  # validated against the Literal just above

@@ -494,12 +494,17 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         """Queue one DMA per chunk (the first ``K``) from its arena slot into a staging buffer,
         on the copy stream; the next retrieve scatters the chunks it finds there (matched by
         stamp, address and size) instead of copying them again. What an earlier prefetch
-        staged and no retrieve took is dropped; so is all of it at the next store or retrieve."""
-        if self._direct or not chunks:
+        staged and no retrieve took is dropped; so is all of it at the next store or retrieve.
+        Nothing is queued while the copy stream still runs anything (an earlier prefetch's DMAs,
+        a request's): lookups may ask for prefetches faster than the DMA engine moves them, and
+        DMAs that no retrieve takes must not pile up ahead of the next one. Nor while the ring's
+        buffers are smaller than a chunk (only layer parts moved so far): making it anew would
+        wait for the device and allocate on the server's loop."""
+        nbytes = max(c.slot.numel() * c.slot.element_size() for c in chunks) if chunks else 0
+        if self._direct or not chunks or not self._ring or self._ring[0].numel() < nbytes or not self._copy.query():
             return
         cp = self._copy
         with torch.cuda.device(self.device):
-            self._ensure_staging(max(c.slot.numel() * c.slot.element_size() for c in chunks))
             self._staged.clear()
             for k, chunk in enumerate(chunks[:len(self._ring)]):
                 slot = chunk.slot.view(torch.uint8)
@@ -507,6 +512,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
                 with torch.cuda.stream(cp):
                     _copy(self._ring[k][:slot.numel()], slot)
                 self._ready[k].record(cp)
+                self._free[k].record(cp)  # a store's gather into the buffer waits for this DMA
                 self._staged[chunk.stamp] = (k, slot.data_ptr(), slot.numel())
         if self._totals is not None:
             self._totals.add_prefetch(len(self._staged), 0)

@@ -513,19 +513,27 @@ def test_a_lookup_with_prefetch_stages_the_leased_chunks_and_the_retrieve_loads_
 
 @needs_cuda
 def test_what_a_prefetch_staged_is_not_loaded_after_a_store_or_for_chunks_stored_again(server: ServerProcess) -> None:
-    """A store between the prefetch and the retrieve reuses the ring: nothing staged is used.
-    Chunks dropped and stored again under the same keys (other bytes, perhaps in the same
-    slots) are new chunks to the prefetch: they load as stored now."""
+    """A store between the prefetch and the retrieve reuses the ring: it stores its own bytes
+    (its gathers wait for the prefetch's DMAs into the same buffers), and nothing staged is
+    used. Chunks dropped and stored again under the same keys (other bytes, perhaps in the
+    same slots) are new chunks to the prefetch: they load as stored now."""
     n = 2
     client = CacheClient(server.url)
     try:
         src, keys, src_blocks, dst, b = _loader(client, "prefetch-stale", n, seed=21)
+        for t, fill in zip(dst, make_kv(SPEC, "cuda", seed=29)):  # what the store below stores
+            t.copy_(fill)
+        torch.cuda.synchronize()
+        stored = get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, list(range(16, 32)), 1)
         before = _prefetch_figures(client)
         reply = client.lookup_and_lease("prefetch-stale", 1, hashes=keys, lease_s=30, prefetch=True)
-        assert b.submit_store(_keys(1), list(range(16, 32))).result(60).stored == [0]
+        key = _keys(1)
+        assert b.submit_store(key, list(range(16, 32))).result(60).stored == [0]
         assert b.submit_retrieve(keys, list(range(128, 160)), lease_id=reply.lease_id).result(60).loaded == [0, 1]
         want = get_chunks(as_bytes([t.cpu() for t in src]), SPEC, src_blocks, 1)
         assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, list(range(128, 160)), 1), want)
+        assert b.submit_retrieve(key, list(range(192, 208))).result(60).loaded == [0]
+        assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, list(range(192, 208)), 1), stored)
         after = _prefetch_figures(client)
         assert after[0] - before[0] == 2 and after[1] == before[1]
 
