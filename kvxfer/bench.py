@@ -106,7 +106,8 @@ def add_busy_poll_argument(p: argparse.ArgumentParser) -> None:
     """``--busy-poll-us``: the started server's ``kvxfer serve --busy-poll-us`` (every benchmark
     that starts a server for lone requests takes it, to compare both in the same run)."""
     p.add_argument("--busy-poll-us", type=float, default=0.0, metavar="US",
-                   help="the started server's --busy-poll-us (default: %(default)g, off)")
+                   help="the started server's --busy-poll-us (default: %(default)g, off); with --url it is "
+                        "ignored: start that server with it")
 
 
 def busy_poll_args(args: argparse.Namespace) -> list[str]:

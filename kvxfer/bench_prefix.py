@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix lengths in chunks (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20, help="timed requests per length and kind (after a warm-up)")
     p.add_argument("--prefetch", action="store_true",
-                   help="also time loads whose lookup asks for a prefetch (load_prefetch)")
+                   help="also time loads whose lookup asks for a prefetch (load_prefetch; only a transport "
+                        "that prefetches, cuda_ipc, loads differently: with others it is the plain load again)")
     p.add_argument("--layerwise", action="store_true", help="also time layer-by-layer loads (by_layer=True)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: 3 longest prefixes)")
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")

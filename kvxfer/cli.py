@@ -375,9 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model names with their own label in metrics; later ones share '__other__' "
                         "(default: %(default)s)")
     s.add_argument("--busy-poll-us", type=float, default=0.0, metavar="US",
-                   help="after any request, the server's loop polls without sleeping for this long, keeping its CPU "
-                        "(a lone request's steps then run at their back-to-back cost), at most 1000000; "
-                        "0: off (default: %(default)g)")
+                   help="after any message (each client's heartbeat included), the server's loop polls without "
+                        "sleeping for this long, a CPU busy meanwhile; whether a lone request gains depends on the "
+                        "host: measure it with `kvxfer bench --prefix --busy-poll-us US` (docs/performance.md, "
+                        "'Busy polling'); at most 1000000; 0: off (default: %(default)g)")
     g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
     g.add_argument("--l2-url", default="", metavar="URL",

@@ -237,8 +237,9 @@ class MQServer:
         try:
             while not self._stop.is_set():
                 if busy_s and time.monotonic() < hot_until:
-                    # busy polling: the thread keeps its CPU (no sleep to wake from, caches and
-                    # clock kept), so the next request's steps run at their back-to-back cost
+                    # busy polling: the thread keeps its CPU (no sleep to wake from), so a request
+                    # that comes now finds the loop running (its own steps may still run cold:
+                    # docs/performance.md, "Busy polling")
                     events = dict(poller.poll(0))
                     if events:
                         hot_until = time.monotonic() + busy_s

@@ -60,7 +60,8 @@ class ServerConfig:
     metrics_max_models: int = 32
     #: After any activity the server's loop polls without blocking for this long (0: never):
     #: the loop's CPU stays busy, so a request that comes within it is handled without the
-    #: wake-up of a sleeping thread and with warm caches (docs/performance.md, "Busy polling").
+    #: wake-up of a sleeping thread (its own steps may still run cold; each client's heartbeat
+    #: restarts the spin: docs/performance.md, "Busy polling").
     busy_poll_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -79,7 +80,7 @@ class ServerConfig:
                               f"{MAX_MESSAGE_SIZE >> 30} GiB], got {self.max_message_size} bytes")
         if not 0 <= self.busy_poll_s <= MAX_BUSY_POLL_S:  # NaN fails too
             raise ConfigError(f"--busy-poll-us must be in [0, {round(MAX_BUSY_POLL_S * 1e6)}] microseconds, "
-                              f"got {self.busy_poll_s * 1e6:g}")
+                              f"got {self.busy_poll_s * 1e6:.10g}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port must be in [0, 65535] (0: any free port), got {self.metrics_port}")
         if not self.metrics_host:
