@@ -962,9 +962,8 @@ class CacheServer:
                 by_rank[c.rank] = None if c.rank in by_rank else c  # two of one rank: which one loads?
         for rank, ctx in by_rank.items():
             sc = ctx.server_context if ctx is not None else None
-            if ctx is None or sc is None or type(sc).prefetch is ServerContext.prefetch or not ctx.executor.idle() \
-                    or not self._context_queues_only(ctx.transport, sc):
-                continue
+            if ctx is None or sc is None or type(sc).prefetch is ServerContext.prefetch or not ctx.executor.idle():
+                continue  # (queues_only is not asked: a prefetch only queues work whatever it says)
             chunks = []
             for h in msg.hashes[:MAX_PREFETCH_CHUNKS]:
                 key = ChunkKey(msg.model_name, msg.world_size, rank, h)

@@ -626,8 +626,9 @@ class ServerContext(ABC, Generic[R, P]):
         is the one of their rank that will load them (the only one of its model and rank).
         Start moving them toward the device (e.g. into staging) so that a retrieve whose
         :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from the arena again.
-        Runs on the server's loop, only while this context :attr:`queues_only` and has no
-        request queued or running: it must only queue work, and queue none while its earlier
+        Runs on the server's loop, only while this context has no request queued or running
+        (whatever :attr:`queues_only` says): it must only queue work, skip what it cannot do
+        without waiting (e.g. before its first transfer made its staging), and queue none while its earlier
         prefetch still runs (a client may send lookups faster than any copy engine moves them;
         another client may name this model). Until a store or retrieve of this context has
         used or dropped what it staged, it must order any reuse of that staging after the

@@ -782,9 +782,10 @@ def test_a_prefetch_is_given_the_first_max_prefetch_chunks_of_a_longer_lease(loo
 
 def test_nothing_is_prefetched_where_the_server_cannot_tell_who_loads_or_is_busy(
         loop_client, tmp_path: Path) -> None:
-    """No prefetch with two registered instances of the model's rank (which one loads?), for
-    a context that does not only queue copies, or while a transfer is in flight; the lookups
-    are answered as usual."""
+    """No prefetch with two registered instances of the model's rank (which one loads?), or
+    while a transfer is in flight; the lookups are answered as usual. A context whose copies
+    run on its worker (not queues_only) is prefetched all the same, and its retrieve, on the
+    worker, loads what it kept."""
     from kvxfer_test_transport import LoopParams
 
     model = "quick-ambiguous"
@@ -798,11 +799,15 @@ def test_nothing_is_prefetched_where_the_server_cannot_tell_who_loads_or_is_busy
     other.close()
 
     slow = "slow-prefetch"
-    _, _, c, shashes, _ = _stored_then_alone(loop_client, tmp_path, slow, seed=43)
+    ssrc, sdst, c, shashes, sblocks = _stored_then_alone(loop_client, tmp_path, slow, seed=43)
     reply = loop_client.lookup_and_lease(slow, 1, hashes=shashes, lease_s=30, prefetch=True)
     assert reply.hits == 2
-    assert _prefetch_figures(loop_client, slow) == (0, 0)
-    loop_client.release_lease(reply.lease_id)
+    assert _prefetch_figures(loop_client, slow) == (2, 0)
+    into = sblocks[::-1]
+    assert c.submit_retrieve(shashes, into, lease_id=reply.lease_id).result(30).loaded == [0, 1]
+    for s_, d_ in zip(ssrc, sdst):
+        assert torch.equal(d_[:, into], s_[:, sblocks])
+    assert _prefetch_figures(loop_client, slow) == (2, 2)
     c.close()
 
     # a store of another model held at the server (on its instance's worker: not a quick one)

@@ -461,12 +461,12 @@ def _prefetch_figures(client: CacheClient) -> tuple[int, int]:
     return int(tp.state["prefetched"]), int(tp.state["prefetch_hits"])
 
 
-def _loader(client: CacheClient, model: str, n: int, seed: int) -> tuple[list[torch.Tensor], list[bytes], list[int],
-                                                                          list[torch.Tensor], object]:
+def _loader(client: CacheClient, model: str, n: int, seed: int,
+            stores: bool = True) -> tuple[list[torch.Tensor], list[bytes], list[int], list[torch.Tensor], object]:
     """``n`` chunks of ``model`` stored from an instance that is then closed, and the instance
-    that loads them registered alone and warmed up by a store and a retrieve of its own (so
-    that its copies only queue work, as prefetches need): (source, keys, source blocks, its
-    layers, its context)."""
+    that loads them registered alone and warmed up by a store and a retrieve of its own (with
+    ``stores=False``, by a retrieve alone, as an engine that only loads: its staging made, its
+    copies not ``queues_only``): (source, keys, source blocks, its layers, its context)."""
     src = make_kv(SPEC, "cuda", seed=seed)
     a = client.register(src, model_name=model, block_size=16, transport="cuda_ipc")
     keys = _keys(n)
@@ -476,9 +476,35 @@ def _loader(client: CacheClient, model: str, n: int, seed: int) -> tuple[list[to
     dst = [torch.zeros_like(t) for t in src]
     b = client.register(dst, model_name=model, block_size=16, transport="cuda_ipc")
     warm = _keys(1)
-    assert b.submit_store(warm, list(range(16))).result(60).stored == [0]
-    assert b.submit_retrieve(warm, list(range(16))).result(60).loaded == [0]
+    if stores:
+        assert b.submit_store(warm, list(range(16))).result(60).stored == [0]
+        assert b.submit_retrieve(warm, list(range(16))).result(60).loaded == [0]
+    else:
+        a = client.register(src, model_name=model, block_size=16, transport="cuda_ipc")
+        assert a.submit_store(warm, list(range(16))).result(60).stored == [0]
+        a.close()
+        assert b.submit_retrieve(warm, list(range(16))).result(60).loaded == [0]
     return src, keys, src_blocks, dst, b
+
+
+@needs_cuda
+def test_an_instance_that_only_loads_is_prefetched_from_its_second_load(server: ServerProcess) -> None:
+    """An engine that never stores (its copies run on its worker, not queues_only) gets its
+    chunks staged once its first load made the staging ring, and loads exact bytes."""
+    client = CacheClient(server.url)
+    try:
+        src, keys, src_blocks, dst, b = _loader(client, "prefetch-load-only", 3, seed=51, stores=False)
+        before = _prefetch_figures(client)
+        reply = client.lookup_and_lease("prefetch-load-only", 1, hashes=keys, lease_s=30, prefetch=True)
+        assert _prefetch_figures(client)[0] - before[0] == 2
+        dst_blocks = list(range(128, 176))
+        assert b.submit_retrieve(keys, dst_blocks, lease_id=reply.lease_id).result(60).loaded == [0, 1, 2]
+        want = get_chunks(as_bytes([t.cpu() for t in src]), SPEC, src_blocks, 1)
+        assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, dst_blocks, 1), want)
+        assert _prefetch_figures(client)[1] - before[1] == 2
+        b.close()
+    finally:
+        client.close()
 
 
 @needs_cuda
