@@ -780,6 +780,25 @@ def test_a_prefetch_is_given_the_first_max_prefetch_chunks_of_a_longer_lease(loo
     b.close()
 
 
+def test_a_prefetch_that_raises_is_logged_and_the_lookup_and_load_go_on(loop_client, plugin_server,
+                                                                         tmp_path: Path) -> None:
+    """The hook is plugin code run on the server's loop after the reply: what it raises is
+    logged with the transport's name, the lookup was answered, and the load copies as usual."""
+    model = "quick-prefetchraise"
+    src, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=61)
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert reply.hits == 2 and reply.lease_id
+    assert loop_client.ping() > 0  # the loop is alive
+    into = blocks[::-1]
+    assert b.submit_retrieve(hashes, into, lease_id=reply.lease_id).result(30).loaded == [0, 1]
+    for s_, d_ in zip(src, dst):
+        assert torch.equal(d_[:, into], s_[:, blocks])
+    assert _prefetch_figures(loop_client, model) == (0, 0)
+    log = plugin_server.log()
+    assert "transport test_loop: prefetching 2 chunks for instance" in log and "raised on purpose" in log
+    b.close()
+
+
 def test_nothing_is_prefetched_where_the_server_cannot_tell_who_loads_or_is_busy(
         loop_client, tmp_path: Path) -> None:
     """No prefetch with two registered instances of the model's rank (which one loads?), or
