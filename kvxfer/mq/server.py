@@ -241,15 +241,13 @@ class MQServer:
                     # that comes now finds the loop running (its own steps may still run cold:
                     # docs/performance.md, "Busy polling")
                     events = dict(poller.poll(0))
-                    if events:
-                        hot_until = time.monotonic() + busy_s
                 else:
                     timeout = max(0.0, next_tick - time.monotonic())
                     if self._backlog:  # retry soon: ZeroMQ does not say when a peer's queue has room
                         timeout = min(timeout, 0.005)
                     events = dict(poller.poll(int(timeout * 1000) + 1))
-                    if events and busy_s:
-                        hot_until = time.monotonic() + busy_s
+                if busy_s and events:
+                    hot_until = time.monotonic() + busy_s
                 if self._backlog:
                     self._flush_backlog()
                 if self._wake_recv in events:

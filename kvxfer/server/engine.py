@@ -661,20 +661,17 @@ class CacheServer:
             self._mq.send(identity, rid, *self._error(name, UnknownInstance(f"instance is closing: {exc}")))
             self._answered(name, t0)
 
-    @classmethod
-    def _queues_only(cls, d: _Deferred) -> bool:
-        """Whether ``d``'s server context says it only queues copies now (loop thread)."""
-        return d.quick is not None and cls._context_queues_only(d.transport, d.quick)
-
     @staticmethod
-    def _context_queues_only(transport: str, sc: ServerContext[Any, Any]) -> bool:
-        """``sc.queues_only`` (loop thread). It is the plugin's code: one that raises is logged,
-        and the context's work goes to its worker as usual."""
+    def _queues_only(d: _Deferred) -> bool:
+        """Whether ``d``'s server context says it only queues copies now (loop thread). It is the
+        plugin's code: one that raises is logged and the request goes to the worker as usual."""
+        if d.quick is None:
+            return False
         try:
-            return bool(sc.queues_only)
+            return bool(d.quick.queues_only)
         except Exception:  # noqa: BLE001  (a plugin's error must not reach the loop)
             log.exception("transport %s: reading its server context's queues_only failed: its requests run "
-                          "on the instance's worker", transport)
+                          "on the instance's worker", d.transport)
             return False
 
     @staticmethod

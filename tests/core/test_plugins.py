@@ -702,6 +702,16 @@ def _stored_then_alone(client: CacheClient, tmp_path: Path, model: str, seed: in
     return src, dst, b, hashes, blocks
 
 
+def _load_reversed(ctx, src: list[torch.Tensor], dst: list[torch.Tensor], hashes: list[bytes], blocks: list[int],
+                   lease_id: int) -> None:
+    """Retrieve ``hashes`` through ``ctx`` into ``blocks`` reversed, and check the bytes against
+    the source's ``blocks``."""
+    into = blocks[::-1]
+    assert ctx.submit_retrieve(hashes, into, lease_id=lease_id).result(30).loaded == [0, 1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, into], s[:, blocks])
+
+
 def test_a_lookup_that_asks_for_a_prefetch_hands_the_leased_chunks_to_the_instance_that_loads_them(
         loop_client, tmp_path: Path) -> None:
     """Lookup.prefetch: once its reply is out, the server gives the leased chunks (each one's
@@ -716,10 +726,7 @@ def test_a_lookup_that_asks_for_a_prefetch_hands_the_leased_chunks_to_the_instan
     reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
     assert reply.hits == 2 and reply.lease_id
     assert _prefetch_figures(loop_client, model) == (2, 0)
-    into = blocks[::-1]
-    assert b.submit_retrieve(hashes, into, lease_id=reply.lease_id).result(30).loaded == [0, 1]
-    for s, d in zip(src, dst):
-        assert torch.equal(d[:, into], s[:, blocks])
+    _load_reversed(b, src, dst, hashes, blocks, reply.lease_id)
     assert _prefetch_figures(loop_client, model) == (2, 2)
     # a retrieve that skips into the first chunk copies part of it: never from what was kept
     reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
@@ -789,10 +796,7 @@ def test_a_prefetch_that_raises_is_logged_and_the_lookup_and_load_go_on(loop_cli
     reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
     assert reply.hits == 2 and reply.lease_id
     assert loop_client.ping() > 0  # the loop is alive
-    into = blocks[::-1]
-    assert b.submit_retrieve(hashes, into, lease_id=reply.lease_id).result(30).loaded == [0, 1]
-    for s_, d_ in zip(src, dst):
-        assert torch.equal(d_[:, into], s_[:, blocks])
+    _load_reversed(b, src, dst, hashes, blocks, reply.lease_id)
     assert _prefetch_figures(loop_client, model) == (0, 0)
     log = plugin_server.log()
     assert "transport test_loop: prefetching 2 chunks for instance" in log and "raised on purpose" in log
@@ -822,10 +826,7 @@ def test_nothing_is_prefetched_where_the_server_cannot_tell_who_loads_or_is_busy
     reply = loop_client.lookup_and_lease(slow, 1, hashes=shashes, lease_s=30, prefetch=True)
     assert reply.hits == 2
     assert _prefetch_figures(loop_client, slow) == (2, 0)
-    into = sblocks[::-1]
-    assert c.submit_retrieve(shashes, into, lease_id=reply.lease_id).result(30).loaded == [0, 1]
-    for s_, d_ in zip(ssrc, sdst):
-        assert torch.equal(d_[:, into], s_[:, sblocks])
+    _load_reversed(c, ssrc, sdst, shashes, sblocks, reply.lease_id)
     assert _prefetch_figures(loop_client, slow) == (2, 2)
     c.close()
 
