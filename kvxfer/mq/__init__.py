@@ -1,4 +1,5 @@
-"""ZeroMQ messaging: the DEALER client with its I/O thread, the ROUTER server loop, futures."""
+"""Messaging: the client with its I/O thread, the server loop, futures; the ``ipc://`` wire (a
+Unix stream socket with length-prefixed frames) and ZeroMQ with CURVE on ``tcp://``."""
 
 from kvxfer.mq.client import CurveClientKeys, MQClient
 from kvxfer.mq.futures import ReplyFuture

@@ -1,11 +1,13 @@
-"""The client half of messaging: a DEALER socket, used under a lock, and a background I/O thread.
+"""The client half of messaging: one connection, used under a lock, and a background I/O thread.
 
-``submit`` may be called from any thread: it sends the frames at once (what the socket cannot
-take yet waits in a backlog the I/O thread sends). The I/O thread matches replies to futures by
+The connection is a Unix stream socket on ``ipc://`` (:mod:`kvxfer.mq.stream`; connected at the
+first send, and again at the first send after the server closed it) and a ZeroMQ DEALER socket on
+``tcp://`` (CURVE). ``submit`` may be called from any thread: it sends the frames at once (what
+the socket cannot take yet waits in a backlog the I/O thread sends). The I/O thread matches replies to futures by
 request id, fails requests that pass their deadline, and sends a heartbeat (``ping``) when the
 connection has been quiet for ``heartbeat_s``; while a thread waits in :meth:`MQClient.request`
 as the *leader*, that thread reads the socket instead. When the server stops answering
-heartbeats for ``dead_after_s`` every pending future fails with
+heartbeats for ``dead_after_s``, or closes the connection, every pending future fails with
 :class:`kvxfer.errors.ConnectionFailed`.
 """
 
@@ -16,6 +18,7 @@ import itertools
 import logging
 import os
 import select
+import socket
 import stat
 import threading
 import time
@@ -28,6 +31,7 @@ import zmq
 
 from kvxfer.errors import ConfigError, ConnectionFailed, ErrorCode, ProtocolError, RequestTimeout, remote_error
 from kvxfer.mq.futures import ReplyFuture
+from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack
 from kvxfer.private_dirs import check_private_dir, check_trusted_parents
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import Message, Ping, Request
@@ -110,6 +114,178 @@ def ipc_server_ready(url: str) -> bool:
     return True
 
 
+class _ZmqWire:
+    """A ZeroMQ DEALER connection (tcp://): its routing id random, CURVE when given keys.
+    Every method is called with the client's lock held."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], url: str, curve: CurveClientKeys | None) -> None:
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        if curve is not None:
+            self._sock.curve_publickey = curve.public
+            self._sock.curve_secretkey = curve.secret
+            self._sock.curve_serverkey = curve.server_public
+        self._sock.connect(url)
+        #: never set: a ZeroMQ connection reconnects by itself
+        self.ended = ""
+        #: zmq.FD is edge-triggered: whoever polls it must receive until nothing is left
+        self._fd: int = self._sock.get(zmq.FD)  # type: ignore[assignment]  # FD is an int option
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def wants_write(self) -> bool:
+        return False
+
+    def send(self, frames: list[bytes]) -> bool:
+        """False when the socket cannot take the message now (nothing of it was sent)."""
+        sock = self._sock
+        try:
+            sock.send(frames[0], _MORE)  # multipart is atomic: only the first part can fail
+        except zmq.Again:
+            return False
+        sock.send(frames[1], _MORE)
+        sock.send(frames[2], _NOBLOCK)
+        return True
+
+    def receive(self) -> list[list[bytes]]:
+        """Every message that has arrived."""
+        out: list[list[bytes]] = []
+        sock = self._sock
+        if sock.closed:
+            return out
+        while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # EVENTS is an int option
+            try:
+                frames = [sock.recv(_NOBLOCK)]
+                while sock.get(_RCVMORE):
+                    frames.append(sock.recv(_NOBLOCK))
+            except zmq.Again:
+                break
+            out.append(frames)
+        return out
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+#: The longest reply a client reads (the server's own limit on requests is 16 MiB by default).
+MAX_REPLY = 256 << 20
+
+
+class _UnixWire:
+    """A Unix stream connection (ipc://), made at the first send and again at the first send
+    after the server closed it. Every method is called with the client's lock held."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader(MAX_REPLY)
+        #: the unsent rest of a message the socket took only part of
+        self._out: list[memoryview] = []
+        #: why the connection ended, once it did (the client reads and clears it)
+        self.ended = ""
+
+    def fileno(self) -> int:
+        return -1 if self._sock is None else self._sock.fileno()
+
+    def wants_write(self) -> bool:
+        return bool(self._out)
+
+    def _connect(self) -> socket.socket:
+        path = ipc_path(self._url)
+        assert path is not None
+        if not ipc_server_ready(self._url):  # raises for a socket that cannot be trusted
+            raise ConnectionFailed(f"no kvxfer server is listening at {self._url}: {path} does not exist")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            sock.close()
+            why = ("nothing listens there: its server is gone" if isinstance(exc, ConnectionRefusedError)
+                   else exc.strerror or type(exc).__name__)
+            raise ConnectionFailed(f"cannot connect to the kvxfer server at {self._url} ({why})") from None
+        sock.setblocking(False)
+        self._reader = FrameReader(MAX_REPLY)
+        self._out = []
+        self._sock = sock
+        return sock
+
+    def send(self, frames: list[bytes]) -> bool:
+        """False while an earlier message is still being sent; raises ConnectionFailed when no
+        connection can be made."""
+        if self._out and not self._flush():
+            return False
+        if self._sock is None:
+            self._connect()
+        self._out = [memoryview(b) for b in pack(frames)]
+        self._flush()
+        return True
+
+    def _flush(self) -> bool:
+        """Send what waits; True once nothing does."""
+        out, sock = self._out, self._sock
+        if sock is None:
+            out.clear()
+            return True
+        while out:
+            try:
+                n = sock.sendmsg(out) if len(out) > 1 else sock.send(out[0])
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                out.clear()  # the connection is gone: receive() reports it
+                return True
+            while n and out:
+                if n >= len(out[0]):
+                    n -= len(out[0])
+                    out.pop(0)
+                else:
+                    out[0] = out[0][n:]
+                    n = 0
+        return True
+
+    def receive(self) -> list[list[bytes]]:
+        """Every whole message that has arrived. When the connection ended (the server closed
+        it), :attr:`ended` says so after the messages that came before; the next send connects
+        again."""
+        out: list[list[bytes]] = []
+        sock = self._sock
+        if sock is None:
+            return out
+        if self._out:
+            self._flush()
+        reader = self._reader
+        closed = ""
+        while True:
+            try:
+                data = sock.recv(READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                closed = exc.strerror or type(exc).__name__
+                break
+            if not data:
+                closed = "closed by the server"
+                break
+            reader.feed(data)
+        try:
+            while (frames := reader.next()) is not None:
+                out.append(frames)
+        except FramingError as exc:
+            closed = f"undecodable: {exc}"
+        if closed:
+            self.close()
+            self.ended = f"the connection to the kvxfer server at {self._url} ended ({closed})"
+        return out
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._out = []
+
+
 _UNSET: Any = object()
 
 Reply = TypeVar("Reply", bound=Message)
@@ -164,15 +340,8 @@ class MQClient:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
-        if curve is not None:
-            self._sock.curve_publickey = curve.public
-            self._sock.curve_secretkey = curve.secret
-            self._sock.curve_serverkey = curve.server_public
-        self._sock.connect(url)
-        self._fd: int = self._sock.get(zmq.FD)  # type: ignore[assignment]  # FD is an int option
+        self._wire: _ZmqWire | _UnixWire = (_UnixWire(url) if ipc_path(url) is not None
+                                            else _ZmqWire(self._ctx, url, curve))
         self._pending: dict[int, _Pending] = {}
         self._closed = False
         self._last_recv = time.monotonic()
@@ -185,9 +354,10 @@ class MQClient:
         os.set_blocking(self._leader_r, False)
         os.set_blocking(self._leader_w, False)
         self._io_watching = False
-        self._leader_poller = select.poll()  # one leader at a time: shared
-        self._leader_poller.register(self._fd, select.POLLIN)
+        #: the leader's poller (one leader at a time: shared) and the connection's fd it watches
+        self._leader_poller = select.poll()
         self._leader_poller.register(self._leader_r, select.POLLIN)
+        self._leader_fd = -1
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-io-{url}", daemon=True)
         self._thread.start()
 
@@ -207,12 +377,18 @@ class MQClient:
             else:
                 closed = False
                 self._pending[rid] = _Pending(fut, name, deadline)
-                if self._backlog or not self._send(frames):
+                done: list[tuple[ReplyFuture[Any], bool, Any]] = []
+                if self._backlog:
                     self._backlog.append(frames)
                     self._wake()
-                elif self._leader is None and not self._io_watching:
-                    self._wake()  # nobody watches the socket for the reply
-                done = self._drain()
+                else:
+                    sent, done = self._send_or_fail(frames)
+                    if not sent and not done:
+                        self._backlog.append(frames)
+                        self._wake()
+                    elif self._leader is None and not self._io_watching:
+                        self._wake()  # nobody watches the socket for the reply
+                done += self._drain()
         if closed:
             fut.set_exception(ConnectionFailed(f"client for {self.url} is closed"))
             return fut
@@ -237,9 +413,15 @@ class MQClient:
                 slot = _Pending(None, name, time.monotonic() + t)
                 self._pending[rid] = slot
                 frames = [codec.pack_id(rid), name.encode(), data]
-                if self._backlog or not self._send(frames):
-                    self._backlog.append(frames)
-                    self._wake()
+                try:
+                    if self._backlog or not self._send(frames):
+                        self._backlog.append(frames)
+                        self._wake()
+                except (ConnectionFailed, ConfigError):
+                    self._pending.pop(rid, None)
+                    self._leader = None
+                    raise
+                self._leader_watch()
         if not lead:
             # the I/O thread (or the leader) enforces the deadline; +1 s covers scheduling
             return self.submit(payload, t).result(t + 1.0)
@@ -255,6 +437,7 @@ class MQClient:
                         _read_all(self._leader_r)
                 with self._lock:
                     done = self._drain(until=slot)
+                    self._leader_watch()
                 if done:
                     _complete(done)
         finally:
@@ -297,33 +480,24 @@ class MQClient:
     # ------------------------------------------------------------------ socket (lock held)
 
     def _send(self, frames: list[Any]) -> bool:
-        sock = self._sock
-        try:
-            sock.send(frames[0], _MORE)  # multipart is atomic: only the first part can fail
-        except zmq.Again:
+        """False when the connection cannot take the message now; raises ConnectionFailed (or
+        ConfigError, for an ipc:// socket that cannot be trusted) when no connection can be made."""
+        if not self._wire.send(frames):
             return False
-        sock.send(frames[1], _MORE)
-        sock.send(frames[2], _NOBLOCK)
         self._last_send = time.monotonic()
         return True
 
     def _drain(self, until: _Pending | None = None) -> list[tuple[ReplyFuture[Any], bool, Any]]:
         """Receive every reply that has arrived (lock held). Whoever uses the socket must drain
         before releasing the lock: ``zmq.FD`` is edge-triggered and only signals new events.
-        ``until`` is the leader's own request (no need to wake the leader for it)."""
+        ``until`` is the leader's own request (no need to wake the leader for it). When the
+        connection ended, every request still waiting fails with ConnectionFailed."""
         done: list[tuple[ReplyFuture[Any], bool, Any]] = []
-        sock = self._sock
-        if sock.closed:
-            return done
         woke_sync = False
-        while sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # EVENTS is an int option
-            try:
-                frames = [sock.recv(_NOBLOCK)]
-                while sock.get(_RCVMORE):
-                    frames.append(sock.recv(_NOBLOCK))
-            except zmq.Again:
-                break
+        messages = self._wire.receive()
+        if messages:
             self._last_recv = time.monotonic()
+        for frames in messages:
             out = self._on_reply(frames)
             if out is None:
                 continue
@@ -336,6 +510,12 @@ class MQClient:
                     woke_sync = True
             else:
                 done.append((pending.future, ok, value))
+        if self._wire.ended:
+            ended, self._wire.ended = self._wire.ended, ""
+            self._backlog.clear()
+            lead = self._leader is not None and until is None
+            woke_sync = woke_sync or lead
+            done += self._fail_all(ConnectionFailed(ended))
         if (done or woke_sync) and until is None and self._leader is not None:
             # the leader may be asleep on the fd whose edge this drain consumed
             try:
@@ -352,20 +532,45 @@ class MQClient:
         except (BlockingIOError, OSError):
             pass  # the pipe is full (a wake-up is already pending) or closed
 
+    def _send_or_fail(self, frames: list[Any]) -> tuple[bool, list[tuple[ReplyFuture[Any], bool, Any]]]:
+        """:meth:`_send` for the I/O thread: when no connection can be made, every waiting
+        request fails with the reason (lock held)."""
+        try:
+            return self._send(frames), []
+        except (ConnectionFailed, ConfigError) as exc:
+            self._backlog.clear()
+            if self._leader is not None:
+                try:
+                    os.write(self._leader_w, b"x")  # its request fails too: wake it
+                except (BlockingIOError, OSError):
+                    pass
+            return False, self._fail_all(exc)
+
+    def _leader_watch(self) -> None:
+        """Point the leader's poller at the connection's current fd (lock held; an ipc://
+        connection is made again after the server closed it)."""
+        fd = self._wire.fileno()
+        if fd != self._leader_fd:
+            if self._leader_fd >= 0:
+                self._leader_poller.unregister(self._leader_fd)
+            if fd >= 0:
+                self._leader_poller.register(fd, select.POLLIN)
+            self._leader_fd = fd
+
     def _run(self) -> None:
-        with_fd = select.poll()
-        with_fd.register(self._fd, select.POLLIN)
-        with_fd.register(self._wake_r, select.POLLIN)
-        without_fd = select.poll()
-        without_fd.register(self._wake_r, select.POLLIN)
         try:
             while True:
                 with self._lock:
                     if self._closed:
                         return
-                    while self._backlog and self._send(self._backlog[0]):
+                    done = []
+                    while self._backlog:
+                        sent, failed = self._send_or_fail(self._backlog[0])
+                        done += failed
+                        if not sent:
+                            break
                         self._backlog.popleft()
-                    done = self._drain()
+                    done += self._drain()
                     now = time.monotonic()
                     done += self._expire(now)
                     if self._heartbeat_enabled:
@@ -373,7 +578,11 @@ class MQClient:
                             rid = next(self._ids)
                             self._pending[rid] = _Pending(ReplyFuture(self.url, "ping"), "ping",
                                                           now + self.dead_after_s, heartbeat=True)
-                            if not self._send([codec.pack_id(rid), b"ping", codec.encode(Ping())]):
+                            try:
+                                sent = self._send([codec.pack_id(rid), b"ping", codec.encode(Ping())])
+                            except (ConnectionFailed, ConfigError):
+                                sent = False  # no server to connect to: requests fail on their own
+                            if not sent:
                                 self._pending.pop(rid)
                             done += self._drain()
                         if now - self._last_recv > self.dead_after_s and any(
@@ -382,8 +591,15 @@ class MQClient:
                                 f"the kvxfer server at {self.url} stopped answering "
                                 f"(nothing for {self.dead_after_s:.0f} s)"
                             ))
-                self._io_watching = self._leader is None
-                poller = with_fd if self._io_watching else without_fd
+                    # the socket is watched here only for replies nobody else waits on: never
+                    # beside a leader (both would wake for its reply), nor with nothing pending
+                    # (a submit wakes this thread)
+                    self._io_watching = self._leader is None and bool(self._pending)
+                    poller = select.poll()
+                    poller.register(self._wake_r, select.POLLIN)
+                    fd = self._wire.fileno()
+                    if self._io_watching and fd >= 0:
+                        poller.register(fd, select.POLLIN | (select.POLLOUT if self._wire.wants_write() else 0))
                 _complete(done)
                 timeout_ms = max(1, int(min(self.heartbeat_s, 0.25) * 1000))
                 for fd, _ in poller.poll(timeout_ms):
@@ -394,7 +610,7 @@ class MQClient:
                 done = self._fail_all(ConnectionFailed(f"client for {self.url} is closed"))
                 self._backlog.clear()
                 self._io_watching = False
-                self._sock.close(0)
+                self._wire.close()
                 os.close(self._wake_r)
                 if self._leader is not None:
                     try:

@@ -1,23 +1,29 @@
-"""The server half of messaging: a ROUTER socket served by one loop thread.
+"""The server half of messaging: one loop thread serving every connection.
 
-The loop receives ``[identity, request_id, name, payload]`` and hands it to a dispatcher, with
-the peer as the connection tells it (``Peer-Address``: on ``ipc://`` libzmq appends the
-connecting process's ``SO_PEERCRED`` uid, gid and pid; on CURVE connections ``|`` and the
-``User-Id`` the ZAP handler set, the client's public key), which returns the reply frames at
-once (control requests) or ``None`` after arranging for :meth:`MQServer.send` to be called later
-on the loop (transfers). Only the loop touches the ROUTER socket. Frames that cannot be answered
-(no request id) are dropped and counted; everything else gets a reply.
+On ``ipc://`` the loop serves a listening Unix stream socket itself (:mod:`kvxfer.mq.listener`,
+framing in :mod:`kvxfer.mq.stream`); on ``tcp://`` (CURVE) a ZeroMQ ROUTER socket. Either way it
+receives ``[identity, request_id, name, payload]`` and hands it to a dispatcher, with the peer as
+the connection tells it (on ``ipc://`` the socket path and the connecting process's
+``SO_PEERCRED`` uid, gid and pid, ``PATH:UID:GID:PID``; on CURVE connections ZeroMQ's
+``Peer-Address``, ``|`` and the ``User-Id`` the ZAP handler set, the client's public key), which
+returns the reply frames at once (control requests) or ``None`` after arranging for
+:meth:`MQServer.send` to be called later on the loop (transfers). Only the loop touches the
+sockets. Frames that cannot be answered (no request id) are dropped and counted; everything else
+gets a reply; a malformed ``ipc://`` stream closes its connection.
 
 Unread replies are bounded per connection. ZeroMQ queues at most :data:`REPLY_QUEUE` replies
 for a peer (``SNDHWM``; ``ROUTER_MANDATORY`` makes a full queue an error instead of a silent
-drop); replies beyond it wait in the server's own per-peer backlog, counted in bytes, and are
+drop), a Unix connection what its socket buffer takes plus the unsent rest of one reply;
+replies beyond it wait in the server's own per-peer backlog, counted in bytes, and are
 sent as the peer reads. A peer whose backlog passes ``max_unread_reply_bytes`` has its backlog
 dropped and is reported to ``on_unread_overflow`` (the engine ends its session): what the
 server holds for one connection is bounded by that limit plus :data:`REPLY_QUEUE` replies. All
 backlogs together are bounded by :data:`BACKLOG_CONNECTIONS` times the limit: past it, the
 largest one is dropped the same way.
 
-Requests waiting to be read are bounded per connection too: ZeroMQ queues at most
+Requests waiting to be read are bounded per connection too. A Unix connection is read only when
+none of its messages waits, so it holds at most one message and one read (then the kernel's
+buffer fills and the peer's sends wait); at most ``max_connections`` are open. ZeroMQ queues at most
 :func:`request_queue` requests of a peer (``RCVHWM``; then it stops reading that peer's socket,
 so the peer's sends wait: backpressure, nothing is dropped), about ``max_unread_reply_bytes`` of
 requests of the largest size. With ZeroMQ's default (1,000 per peer) a peer that sent 16 MiB
@@ -31,6 +37,7 @@ import errno
 import logging
 import os
 import queue
+import socket
 import stat
 import threading
 import time
@@ -41,6 +48,7 @@ from pathlib import Path
 import zmq
 
 from kvxfer.errors import ConfigError, ErrorCode
+from kvxfer.mq.listener import UnixListener
 from kvxfer.private_dirs import ensure_private_dir
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
@@ -112,6 +120,7 @@ class MQServer:
         max_unread_reply_bytes: int = 64 << 20,
         on_unread_overflow: Callable[[bytes, int], None] | None = None,
         busy_poll_s: float = 0.0,
+        max_connections: int = 1024,
     ) -> None:
         self.url = url
         #: After any activity the loop polls without blocking for this long (see serve_forever).
@@ -143,7 +152,14 @@ class MQServer:
             self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))
         elif not url.startswith(("ipc://", "inproc://")):
             raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._poller = zmq.Poller()
+        #: the ipc:// connections (None on tcp:// and inproc://, served by the ROUTER socket)
+        self._unix: UnixListener | None = None
+        path = ipc_path(url)
+        if path is not None:
+            self._unix = UnixListener(self._bind_unix(path), str(path), self._poller,
+                                      max_body=max_message_size + 1024, max_connections=max_connections)
+        self._sock = self._ctx.socket(zmq.ROUTER)  # bound on tcp:// and inproc:// only
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         self._sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
@@ -153,7 +169,9 @@ class MQServer:
             self._sock.curve_server = True
             self._sock.curve_publickey = curve.public
             self._sock.curve_secretkey = curve.secret
-        self._bind()
+        if self._unix is None:
+            self._sock.bind(url)
+            self._poller.register(self._sock, zmq.POLLIN)
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_addr = f"inproc://kvxfer-server-wake-{id(self)}"
         self._wake_recv = self._ctx.socket(zmq.PAIR)
@@ -162,8 +180,6 @@ class MQServer:
         self._wake_send.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
         self._stop = threading.Event()
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._wake_recv, zmq.POLLIN)
         #: What after_reply() queued, run once the current reply is sent.
         self._after: list[Callable[[], None]] = []
@@ -171,11 +187,9 @@ class MQServer:
         self._watched: dict[int, Callable[[], None]] = {}
         self._loop_ident = 0
 
-    def _bind(self) -> None:
-        path = ipc_path(self.url)
-        if path is None:
-            self._sock.bind(self.url)
-            return
+    def _bind_unix(self, path: Path) -> socket.socket:
+        """The listening socket at ``path``: made 0600 in a private directory, after checking
+        that nothing but a socket left by a dead server is there."""
         parent = path.parent
         ensure_private_dir(parent, "socket directory", socket_dir_hint())
         if os.path.lexists(path):
@@ -184,15 +198,22 @@ class MQServer:
             if _socket_is_live(path):
                 raise ConfigError(f"a server is already listening at {self.url}; stop it or choose another --url")
             path.unlink()  # left behind by a server that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is made 0600
         try:
-            self._sock.bind(self.url)
+            sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen at {self.url}: {exc.strerror or exc}") from None
         finally:
             os.umask(old)
+        sock.listen(128)
         st = os.lstat(path)
         if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            sock.close()
             raise ConfigError(f"the socket {path} is not what this server just bound (replaced?); "
                               f"{socket_dir_hint()}")
+        return sock
 
     # ------------------------------------------------------------------ thread-safe
 
@@ -230,6 +251,7 @@ class MQServer:
 
     def serve_forever(self) -> None:
         poller = self._poller
+        unix = self._unix
         self._loop_ident = threading.get_ident()
         next_tick = time.monotonic() + self._tick_s
         busy_s = self._busy_poll_s
@@ -245,7 +267,10 @@ class MQServer:
                     timeout = max(0.0, next_tick - time.monotonic())
                     if self._backlog:  # retry soon: ZeroMQ does not say when a peer's queue has room
                         timeout = min(timeout, 0.005)
-                    events = dict(poller.poll(int(timeout * 1000) + 1))
+                    if unix is not None and unix.ready:  # messages read and not handled yet
+                        events = dict(poller.poll(0))
+                    else:
+                        events = dict(poller.poll(int(timeout * 1000) + 1))
                 if busy_s and events:
                     hot_until = time.monotonic() + busy_s
                 if self._backlog:
@@ -258,7 +283,18 @@ class MQServer:
                             break
                 if not self._calls.empty():
                     self._flush_replies()
-                if self._sock in events:
+                if unix is not None:
+                    if unix.fd in events:
+                        unix.accept()
+                    for fd, event in events.items():
+                        if type(fd) is int and unix.owns(fd):
+                            unix.on_event(fd, event)
+                    if unix.ready:
+                        for identity, peer, frames in unix.messages(256):  # bounded burst
+                            self._handle([identity, *frames], peer)
+                        if not self._calls.empty():
+                            self._flush_replies()
+                elif self._sock in events:
                     # Bounded burst, then look at replies and ticks again. Asking EVENTS first
                     # avoids the zmq.Again exception of an empty recv (~10 us a request).
                     sock = self._sock
@@ -328,11 +364,15 @@ class MQServer:
         unread = self._backlog_bytes.pop(identity)
         self._backlog_total -= unread
         log.debug("dropped %d unread replies of a peer", len(self._backlog.pop(identity)))
+        if self._unix is not None:
+            self._unix.drop(identity)  # and its connection: nothing it sends is answered any more
         if self._on_overflow is not None:
             self._on_overflow(identity, unread)
 
     def _try_send(self, identity: bytes, request_id: bytes, status: bytes, payload: bytes) -> bool:
         """True when sent or dropped for good (peer gone); False when the peer's queue is full."""
+        if self._unix is not None:
+            return self._unix.try_send(identity, [request_id, status, payload])
         sock = self._sock
         try:
             # int flags and single sends: pyzmq's send_multipart does enum flag arithmetic per frame
@@ -407,6 +447,8 @@ class MQServer:
         if self._sock.closed:
             return
         self._sock.close(0)
+        if self._unix is not None:
+            self._unix.close()
         with self._wake_lock:
             self._wake_send.close(0)
         self._wake_recv.close(0)

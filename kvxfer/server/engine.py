@@ -345,6 +345,9 @@ class CacheServer:
                 max_unread_reply_bytes=self.limits.max_unread_reply_bytes,
                 on_unread_overflow=self._on_unread_overflow,
                 busy_poll_s=config.busy_poll_s,
+                # sessions past the limit are answered with an error that says so; a few more
+                # connections are let in to hear it
+                max_connections=self.limits.max_connections + 64,
             )
             if config.l2 is not None:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,

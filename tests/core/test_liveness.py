@@ -94,22 +94,21 @@ def test_the_token_is_issued_by_the_server_and_a_claimed_one_is_ignored(client: 
     client's token (an older client's ``client_token`` field) gets a token of its own, and a
     session secret."""
     import msgspec
-    import zmq
 
     from kvxfer.protocol import codec
+    from kvxfer.testing.wire import RawConnection
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(client.url)
+    conn = RawConnection(client.url)
     try:
-        sock.send_multipart([codec.pack_id(1), b"handshake", codec.encode(
+        conn.send([codec.pack_id(1), b"handshake", codec.encode(
             {"protocol_version": m.PROTOCOL_VERSION, "client_name": "t", "pid": 1, "client_token": client._token})])
-        assert sock.poll(15_000), "no reply to the handshake"
-        rid, status, payload = sock.recv_multipart()
+        frames = conn.recv(15.0)
+        assert frames is not None, "no reply to the handshake"
+        rid, status, payload = frames
         assert status == codec.OK
         reply = msgspec.msgpack.decode(payload, type=m.HandshakeReply)
         assert liveness.valid_token(reply.client_token) and reply.client_token != client._token
         assert len(reply.session_secret) == 16 and reply.session_secret != client._secret
     finally:
-        sock.close(0)
+        conn.close()
     assert client.ping() > 0

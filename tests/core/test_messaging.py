@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,8 +46,18 @@ def test_no_server_gives_connection_failed_saying_how_to_start_one(tmp_path: Pat
     assert f"kvxfer serve --url {url}" in str(info.value)
 
 
-def test_request_timeout_from_the_io_thread(tmp_path: Path) -> None:
-    url = f"ipc://{tmp_path}/nobody.sock"
+@pytest.fixture
+def silent_url(tmp_path: Path) -> Iterator[str]:
+    """An ipc:// url where a socket listens and nothing ever answers (connections wait in its
+    backlog): a server that hangs."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(tmp_path / "silent.sock"))
+        s.listen(64)
+        yield f"ipc://{tmp_path}/silent.sock"
+
+
+def test_request_timeout_from_the_io_thread(silent_url: str) -> None:
+    url = silent_url
     mq = MQClient(url)
     try:
         fut = mq.submit(m.Ping(), timeout=0.2)
@@ -62,8 +74,26 @@ def test_request_timeout_from_the_io_thread(tmp_path: Path) -> None:
         mq.submit(m.Ping()).result(1)
 
 
-def test_pending_requests_fail_when_the_client_closes(tmp_path: Path) -> None:
-    mq = MQClient(f"ipc://{tmp_path}/nobody.sock")
+def test_no_server_fails_a_request_at_once(tmp_path: Path) -> None:
+    """ipc://: with no socket, or a socket nothing listens on (left by a server that died), a
+    request fails at once with ConnectionFailed saying which; nothing waits for a timeout."""
+    url = f"ipc://{tmp_path}/nobody.sock"
+    mq = MQClient(url, default_timeout=60)
+    try:
+        with pytest.raises(ConnectionFailed, match="does not exist"):
+            mq.request(m.Ping())
+        with pytest.raises(ConnectionFailed, match="does not exist"):
+            mq.submit(m.Ping()).result(5)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(str(tmp_path / "nobody.sock"))  # bound, never listening: a dead server's file
+        with pytest.raises(ConnectionFailed, match="its server is gone"):
+            mq.request(m.Ping())
+    finally:
+        mq.close()
+
+
+def test_pending_requests_fail_when_the_client_closes(silent_url: str) -> None:
+    mq = MQClient(silent_url)
     futs = [mq.submit(m.Ping(), timeout=60) for _ in range(5)]
     mq.close()
     for f in futs:
@@ -147,9 +177,9 @@ def test_dead_server_fails_requests_with_connection_failed() -> None:
         c.close()
 
 
-def test_close_fails_a_request_that_is_waiting(tmp_path: Path) -> None:
+def test_close_fails_a_request_that_is_waiting(silent_url: str) -> None:
     """A thread blocked in request() (the one receiving for everybody) is woken by close()."""
-    mq = MQClient(f"ipc://{tmp_path}/nobody.sock")
+    mq = MQClient(silent_url)
     outcome: dict[str, BaseException] = {}
     started = threading.Event()
 

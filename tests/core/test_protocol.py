@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import zmq
+import struct
+
+from kvxfer.mq.stream import MAX_FRAMES, FrameReader, FramingError, pack
+from kvxfer.testing.wire import RawConnection
 
 from kvxfer.errors import (
     InvalidRequest,
@@ -156,20 +159,16 @@ def test_a_payload_that_does_not_decode_as_the_named_request(raw) -> None:
 
 
 class Raw:
-    """A bare DEALER socket, no kvxfer client code."""
+    """A bare connection speaking the wire by hand, no kvxfer client code."""
 
     def __init__(self, url: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(url)
+        self.conn = RawConnection(url)
 
     def send(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
+        self.conn.send(frames)
 
     def recv(self, timeout_ms: int = 5000) -> list[bytes] | None:
-        if self.sock.poll(timeout_ms, zmq.POLLIN):
-            return self.sock.recv_multipart()
-        return None
+        return self.conn.recv(timeout_ms / 1000)
 
     def call(self, rid: int, name: bytes, payload: bytes) -> list[bytes]:
         self.send([codec.pack_id(rid), name, payload])
@@ -178,7 +177,7 @@ class Raw:
         return reply
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.conn.close()
 
 
 @pytest.fixture
@@ -240,6 +239,56 @@ def test_raw_bad_frames_are_answered_or_dropped_and_the_server_keeps_serving(raw
         raw.send(frames)
     _assert_serving(raw, 1000)  # the only reply is the ping's: the dropped ones sent nothing
     assert raw.recv(300) is None
+
+
+def test_frames_round_trip_through_a_reader_fed_byte_by_byte() -> None:
+    msgs = [[b"a"], [codec.pack_id(3), b"ping", b""], [b"x" * 70_000, b"", b"y", b"z" * 5]]
+    wire = b"".join(b"".join(pack(f)) for f in msgs)
+    reader = FrameReader(1 << 20)
+    got = []
+    for i in range(len(wire)):
+        reader.feed(wire[i:i + 1])
+        while (frames := reader.next()) is not None:
+            got.append(frames)
+    assert got == msgs and len(reader) == 0
+
+
+@pytest.mark.parametrize("head, why", [
+    (struct.pack("<IB", (1 << 20) + 1, 3), "over the limit"),  # refused before it is buffered
+    (struct.pack("<IB", 9, 0), "0 frames"),
+    (struct.pack("<IB", 30, MAX_FRAMES + 1), f"{MAX_FRAMES + 1} frames"),
+    (struct.pack("<IB", 4, 3), "whose body is 4 bytes"),
+    (struct.pack("<IBIII", 13 + 5, 3, 1, 1, 1) + b"abcde", "do not add up"),
+])
+def test_a_reader_refuses_a_malformed_message(head: bytes, why: str) -> None:
+    reader = FrameReader(1 << 20)
+    reader.feed(head)
+    with pytest.raises(FramingError, match=why):
+        reader.complete()
+        reader.next()
+
+
+@pytest.mark.parametrize("what", ["too long", "no frames", "lengths that do not add up"])
+def test_a_malformed_stream_closes_its_connection_and_the_server_keeps_serving(server, client, what) -> None:
+    """On the ipc:// wire a message whose head is wrong cannot be skipped: the server closes
+    that connection at once (a message too long before it reads the body), and serves the rest."""
+    head = {"too long": struct.pack("<IB", 1 << 30, 3),
+            "no frames": struct.pack("<IB", 40, 0) + bytes(40),
+            "lengths that do not add up": struct.pack("<IBIII", 13 + 4, 3, 8, 1, 1) + bytes(4)}[what]
+    conn = RawConnection(server.url)
+    try:
+        conn.send_bytes(head)
+        assert conn.closed(15.0), "the server kept a connection that sent a malformed message"
+    finally:
+        conn.close()
+    assert client.ping() > 0
+
+
+def test_a_connection_closed_mid_message_costs_nothing(server, client) -> None:
+    conn = RawConnection(server.url)
+    conn.send_bytes(b"".join(pack([codec.pack_id(1), b"ping", codec.encode(m.Ping())]))[:-3])
+    conn.close()
+    assert client.ping() > 0
 
 
 def test_many_garbage_requests_then_normal_service(raw, client) -> None:

@@ -89,26 +89,20 @@ def threads(pid: int) -> int:
 
 
 class RawPeer:
-    """A bare ZeroMQ DEALER that speaks the wire protocol by hand (any payload, any fields)."""
+    """A bare connection that speaks the wire protocol by hand (any payload, any fields)."""
 
-    def __init__(self, url: str, **sockopts: int) -> None:
-        import zmq
-
+    def __init__(self, url: str, *, rcvbuf: int | None = None) -> None:
         from kvxfer.protocol import codec
+        from kvxfer.testing.wire import RawConnection
 
         self.codec = codec
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
-        for opt, value in sockopts.items():
-            self.sock.setsockopt(getattr(zmq, opt), value)
-        self.sock.connect(url)
+        self.conn = RawConnection(url, rcvbuf=rcvbuf)
         self.rid = 0
         self.last_handshake = 0.0
 
     def send(self, name: bytes, payload: bytes) -> int:
         self.rid += 1
-        self.sock.send_multipart([self.codec.pack_id(self.rid), name, payload])
+        self.conn.send([self.codec.pack_id(self.rid), name, payload])
         return self.rid
 
     def recv(self, rid: int, timeout: float = 15.0) -> tuple[bytes, bytes] | None:
@@ -116,9 +110,9 @@ class RawPeer:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+            frames = self.conn.recv(left) if left > 0 else None
+            if frames is None:
                 return None
-            frames = self.sock.recv_multipart()
             assert len(frames) == 3, f"a reply has 3 frames, got {len(frames)}"
             got = self.codec.unpack_id(frames[0])
             if got == rid:
@@ -157,7 +151,7 @@ class RawPeer:
         return err.code, err.message
 
     def close(self) -> None:
-        self.sock.close(0)
+        self.conn.close()
 
 
 def shm_entries() -> set[str]:

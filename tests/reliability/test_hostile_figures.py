@@ -204,9 +204,10 @@ def test_a_wide_lookup_asks_the_l2_tier_about_a_bounded_number_of_keys(server: S
 def test_requests_queued_for_a_busy_loop_are_bounded_per_connection(server: ServerProcess, client: CacheClient):
     """ZeroMQ queued up to 1,000 requests per connection while the server's loop was busy: 40
     requests of 16 MiB, each keeping the loop busy for a while (a wide lookup, padded), all
-    landed in the server's memory at once (640 MiB). It now queues a few per connection
-    (RCVHWM, kvxfer.mq.server.request_queue) and the sender waits for the rest."""
-    peer = RawPeer(server.url, SNDHWM=1000)
+    landed in the server's memory at once (640 MiB). The server now reads a connection only
+    when none of its requests waits (kvxfer.mq.listener), so it holds about one of them and the
+    sender waits for the rest."""
+    peer = RawPeer(server.url)
     try:
         peer.handshake()
         pad = b"\0" * ((16 << 20) - (64 << 10))
@@ -217,8 +218,9 @@ def test_requests_queued_for_a_busy_loop_are_bounded_per_connection(server: Serv
         rids = {peer.send(b"lookup", frame) for _ in range(40)}
         del frame
         while rids:  # (lookups that ask L2 may be answered out of order)
-            assert peer.sock.poll(300_000), f"no reply to {len(rids)} lookups"
-            rid, status, reply = peer.sock.recv_multipart()
+            frames = peer.conn.recv(300.0)
+            assert frames is not None, f"no reply to {len(rids)} lookups"
+            rid, status, reply = frames
             assert status == codec.OK, codec.ERROR_DECODER.decode(reply)
             rids.discard(codec.unpack_id(rid))
         grown = (proc_kib(server.pid, "VmHWM") - peak0) / 1024
