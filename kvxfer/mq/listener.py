@@ -20,11 +20,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import zmq
 
 from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack, peer_credentials
 
@@ -32,9 +31,9 @@ __all__ = ["UnixListener"]
 
 log = logging.getLogger(__name__)
 
-_IN = int(zmq.POLLIN)
-_OUT = int(zmq.POLLOUT)
-_ERR = int(zmq.POLLERR)
+_IN = select.EPOLLIN
+_OUT = select.EPOLLOUT
+_ERR = select.EPOLLERR | select.EPOLLHUP
 
 
 @dataclass(eq=False, slots=True)
@@ -55,7 +54,7 @@ class UnixListener:
         self,
         sock: socket.socket,
         path: str,
-        poller: zmq.Poller,
+        poller: select.epoll,
         *,
         max_body: int,
         max_connections: int,
@@ -76,7 +75,7 @@ class UnixListener:
         #: connections closed for a malformed stream, and refused for being over the limit
         self.malformed = 0
         self.refused = 0
-        poller.register(self._sock, _IN)
+        poller.register(self.fd, _IN)
 
     def owns(self, fd: int) -> bool:
         return fd in self._conns
@@ -225,5 +224,5 @@ class UnixListener:
     def close(self) -> None:
         for conn in list(self._conns.values()):
             self._close(conn)
-        self._poller.unregister(self._sock)
+        self._poller.unregister(self.fd)
         self._sock.close()

@@ -37,6 +37,7 @@ import errno
 import logging
 import os
 import queue
+import select
 import socket
 import stat
 import threading
@@ -152,7 +153,8 @@ class MQServer:
             self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))
         elif not url.startswith(("ipc://", "inproc://")):
             raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
-        self._poller = zmq.Poller()
+        #: every descriptor the loop waits on (Linux epoll: one system call a wait, nothing rebuilt)
+        self._poller = select.epoll()
         #: the ipc:// connections (None on tcp:// and inproc://, served by the ROUTER socket)
         self._unix: UnixListener | None = None
         path = ipc_path(url)
@@ -169,18 +171,19 @@ class MQServer:
             self._sock.curve_server = True
             self._sock.curve_publickey = curve.public
             self._sock.curve_secretkey = curve.secret
+        #: ZeroMQ's notification fd of the ROUTER socket (edge-like: see serve_forever), or -1
+        self._router_fd = -1
         if self._unix is None:
             self._sock.bind(url)
-            self._poller.register(self._sock, zmq.POLLIN)
+            self._router_fd = int(self._sock.get(zmq.FD))
+            self._poller.register(self._router_fd, select.EPOLLIN)
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_addr = f"inproc://kvxfer-server-wake-{id(self)}"
-        self._wake_recv = self._ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(self._wake_addr)
-        self._wake_send = self._ctx.socket(zmq.PAIR)
-        self._wake_send.connect(self._wake_addr)
+        #: written by call_soon and stop (any thread), read by the loop
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_closed = False
         self._wake_lock = threading.Lock()
         self._stop = threading.Event()
-        self._poller.register(self._wake_recv, zmq.POLLIN)
+        self._poller.register(self._wake_fd, select.EPOLLIN)
         #: What after_reply() queued, run once the current reply is sent.
         self._after: list[Callable[[], None]] = []
         #: Other file descriptors the loop polls (see watch()).
@@ -220,15 +223,16 @@ class MQServer:
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread (from any thread): how workers finish requests."""
         self._calls.put(fn)
-        with self._wake_lock:
-            if not self._wake_send.closed:
-                self._wake_send.send(b"", zmq.NOBLOCK)
+        self._wake()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake()
+
+    def _wake(self) -> None:
         with self._wake_lock:
-            if not self._wake_send.closed:
-                self._wake_send.send(b"", zmq.NOBLOCK)
+            if not self._wake_closed:
+                os.eventfd_write(self._wake_fd, 1)
 
     # ------------------------------------------------------------------ loop
 
@@ -242,62 +246,71 @@ class MQServer:
         """Poll ``fd`` with the ROUTER socket and call ``on_readable`` on the loop when it is
         readable (loop thread only; the L2 tier's lookups use it). ``on_readable`` must not
         block; :meth:`unwatch` the fd before closing it."""
-        self._poller.register(fd, zmq.POLLIN)
+        try:
+            self._poller.register(fd, select.EPOLLIN)
+        except FileExistsError:  # still registered under a file this number named before
+            self._poller.modify(fd, select.EPOLLIN)
         self._watched[fd] = on_readable
 
     def unwatch(self, fd: int) -> None:
         if self._watched.pop(fd, None) is not None:
-            self._poller.unregister(fd)
+            try:
+                self._poller.unregister(fd)
+            except OSError:  # closed already (epoll forgot it then)
+                pass
 
     def serve_forever(self) -> None:
-        poller = self._poller
+        poll = self._poller.poll
         unix = self._unix
+        router = self._sock if unix is None else None
+        wake_fd = self._wake_fd
         self._loop_ident = threading.get_ident()
         next_tick = time.monotonic() + self._tick_s
         busy_s = self._busy_poll_s
         hot_until = 0.0
         try:
             while not self._stop.is_set():
+                # ZeroMQ signals its fd only for what comes after the socket was last used (a send
+                # may take the signal of a request that came meanwhile): ask it before waiting
+                router_ready = router is not None and router.get(_EVENTS) & _POLLIN  # type: ignore[operator]
                 if busy_s and time.monotonic() < hot_until:
                     # busy polling: the thread keeps its CPU (no sleep to wake from), so a request
                     # that comes now finds the loop running (its own steps may still run cold:
                     # docs/performance.md, "Busy polling")
-                    events = dict(poller.poll(0))
+                    events = dict(poll(0))
+                elif router_ready or (unix is not None and unix.ready):  # messages not handled yet
+                    events = dict(poll(0))
                 else:
                     timeout = max(0.0, next_tick - time.monotonic())
                     if self._backlog:  # retry soon: ZeroMQ does not say when a peer's queue has room
                         timeout = min(timeout, 0.005)
-                    if unix is not None and unix.ready:  # messages read and not handled yet
-                        events = dict(poller.poll(0))
-                    else:
-                        events = dict(poller.poll(int(timeout * 1000) + 1))
+                    events = dict(poll(timeout + 0.0005))
                 if busy_s and events:
                     hot_until = time.monotonic() + busy_s
                 if self._backlog:
                     self._flush_backlog()
-                if self._wake_recv in events:
-                    while True:
-                        try:
-                            self._wake_recv.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if wake_fd in events:
+                    try:
+                        os.eventfd_read(wake_fd)
+                    except BlockingIOError:
+                        pass
                 if not self._calls.empty():
                     self._flush_replies()
                 if unix is not None:
                     if unix.fd in events:
                         unix.accept()
                     for fd, event in events.items():
-                        if type(fd) is int and unix.owns(fd):
+                        if unix.owns(fd):
                             unix.on_event(fd, event)
                     if unix.ready:
                         for identity, peer, frames in unix.messages(256):  # bounded burst
                             self._handle([identity, *frames], peer)
                         if not self._calls.empty():
                             self._flush_replies()
-                elif self._sock in events:
+                elif router is not None and (router_ready or self._router_fd in events):
                     # Bounded burst, then look at replies and ticks again. Asking EVENTS first
                     # avoids the zmq.Again exception of an empty recv (~10 us a request).
-                    sock = self._sock
+                    sock = router
                     for _ in range(256):
                         if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # EVENTS is an int option
                             break
@@ -450,8 +463,9 @@ class MQServer:
         if self._unix is not None:
             self._unix.close()
         with self._wake_lock:
-            self._wake_send.close(0)
-        self._wake_recv.close(0)
+            self._wake_closed = True
+            os.close(self._wake_fd)
+        self._poller.close()
         if self._auth is not None:
             self._auth.stop()
         path = ipc_path(self.url)
