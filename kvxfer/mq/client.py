@@ -307,14 +307,16 @@ class _Pending:
 
 
 class MQClient:
-    """One DEALER connection to ``url`` with a background I/O thread.
+    """One connection to ``url`` (a Unix stream socket on ``ipc://``, a ZeroMQ DEALER on
+    ``tcp://``) with a background I/O thread.
 
     The socket is guarded by a lock. ``submit`` sends its frames at once on the calling thread
     (no hand-off to the I/O thread: that hop cost ~60 us per request on a loaded 2-core host)
     and every holder of the lock drains replies that have arrived before releasing it. The I/O
-    thread waits on the socket's file descriptor (``zmq.FD``, edge-triggered, so it never
-    polls the ZeroMQ socket without the lock), then receives replies, expires deadlines and
-    sends heartbeats. Futures are completed outside the lock, so callbacks may submit again.
+    thread waits on the socket's file descriptor (for ZeroMQ ``zmq.FD``, edge-triggered, so it
+    never polls the ZeroMQ socket without the lock) while no leader does, then receives
+    replies, expires deadlines and sends heartbeats. Futures are completed outside the lock, so
+    callbacks may submit again.
     """
 
     def __init__(

@@ -1,7 +1,8 @@
 """Frames and their encoding.
 
-A request is three ZeroMQ frames ``[request_id, name, payload]``; the ROUTER socket adds the
-peer's identity in front. A reply is ``[request_id, status, payload]`` where ``status`` is
+A request is three frames ``[request_id, name, payload]`` (on ``ipc://`` framed by
+:mod:`kvxfer.mq.stream`, on ``tcp://`` ZeroMQ message parts); the server puts the connection's
+routing id in front. A reply is ``[request_id, status, payload]`` where ``status`` is
 ``b"ok"`` (payload: the request's reply Struct) or ``b"err"`` (payload: :class:`ErrorReply`).
 ``request_id`` is 8 bytes chosen by the client. Payloads are MessagePack; nothing is pickled.
 """

@@ -2,11 +2,12 @@
 
 A session is opened by a handshake and is bound to three things a client cannot forge:
 
-* the ZeroMQ routing id of its connection (the ROUTER refuses a second connection that claims a
-  routing id in use);
+* the routing id of its connection: on ``ipc://`` one the server assigns to each connection it
+  accepts, never reused (:mod:`kvxfer.mq.listener`); on ``tcp://`` the DEALER's ZeroMQ routing
+  id (the ROUTER refuses a second connection that claims a routing id in use);
 * the peer as the connection itself tells it (:class:`Peer`): on ``ipc://`` the kernel's
-  ``SO_PEERCRED`` of the connecting process (uid, gid, pid), which libzmq puts in every
-  message's ``Peer-Address`` property; on ``tcp://`` the CURVE public key the connection
+  ``SO_PEERCRED`` of the connecting process (uid, gid, pid), read when the connection is
+  accepted, as ``PATH:UID:GID:PID``; on ``tcp://`` the CURVE public key the connection
   authenticated with (the ``User-Id`` property set by the ZAP handler). A request whose peer is
   not the session's is answered ``no_session``: another connection that took the routing id
   of one that went away gets nothing of its session;
@@ -39,7 +40,8 @@ _IPC_PEER = re.compile(r".*:(\d+):(\d+):(\d+)")
 class Peer:
     """The other end of a connection, as read from the connection (see the module docstring)."""
 
-    #: ``Peer-Address`` and, on CURVE connections, ``|User-Id``: compared as is.
+    #: ``PATH:UID:GID:PID`` on ``ipc://``; ZeroMQ's ``Peer-Address`` and, on CURVE connections,
+    #: ``|User-Id`` on ``tcp://``: compared as is.
     raw: str
     uid: int | None = None
     pid: int | None = None
