@@ -146,6 +146,8 @@ class UnixListener:
         ready connection in turn; connections with more left stay ready."""
         while self.ready and budget > 0:
             for fd, conn in list(self.ready.items()):
+                if self.ready.get(fd) is not conn:
+                    continue  # closed since this pass began (a reply to another message overflowed it)
                 try:
                     frames = conn.reader.next()
                 except FramingError as exc:
