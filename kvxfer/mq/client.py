@@ -31,7 +31,7 @@ import zmq
 
 from kvxfer.errors import ConfigError, ConnectionFailed, ErrorCode, ProtocolError, RequestTimeout, remote_error
 from kvxfer.mq.futures import ReplyFuture
-from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack
+from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack, send_some
 from kvxfer.private_dirs import check_private_dir, check_trusted_parents
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import Message, Ping, Request
@@ -228,22 +228,11 @@ class _UnixWire:
         if sock is None:
             out.clear()
             return True
-        while out:
-            try:
-                n = sock.sendmsg(out) if len(out) > 1 else sock.send(out[0])
-            except (BlockingIOError, InterruptedError):
-                return False
-            except OSError:
-                out.clear()  # the connection is gone: receive() reports it
-                return True
-            while n and out:
-                if n >= len(out[0]):
-                    n -= len(out[0])
-                    out.pop(0)
-                else:
-                    out[0] = out[0][n:]
-                    n = 0
-        return True
+        try:
+            return send_some(sock, out)
+        except OSError:
+            out.clear()  # the connection is gone: receive() reports it
+            return True
 
     def receive(self) -> list[list[bytes]]:
         """Every whole message that has arrived. When the connection ended (the server closed

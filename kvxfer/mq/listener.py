@@ -25,7 +25,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack, peer_credentials
+from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack, peer_credentials, send_some
 
 __all__ = ["UnixListener"]
 
@@ -178,28 +178,14 @@ class UnixListener:
         return True
 
     def _flush(self, conn: _Conn) -> None:
-        out = conn.out
-        while out:
-            try:
-                n = conn.sock.sendmsg(out) if len(out) > 1 else conn.sock.send(out[0])
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as exc:
-                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
-                    log.warning("reply to %s dropped: %s", conn.peer, exc)
-                self._close(conn)
-                return
-            if n == 0:
-                break
-            while n and out:
-                if n >= len(out[0]):
-                    n -= len(out[0])
-                    out.pop(0)
-                else:
-                    out[0] = out[0][n:]
-                    n = 0
-        if conn.fd in self._conns:
-            self._poller.modify(conn.fd, _IN | _OUT if out else _IN)
+        try:
+            done = send_some(conn.sock, conn.out)
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                log.warning("reply to %s dropped: %s", conn.peer, exc)
+            self._close(conn)
+            return
+        self._poller.modify(conn.fd, _IN if done else _IN | _OUT)
 
     # ------------------------------------------------------------------ closing
 

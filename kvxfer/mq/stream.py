@@ -21,7 +21,7 @@ import socket
 import struct
 from collections.abc import Sequence
 
-__all__ = ["FrameReader", "FramingError", "MAX_FRAMES", "pack", "peer_credentials", "READ_SIZE"]
+__all__ = ["FrameReader", "FramingError", "MAX_FRAMES", "pack", "peer_credentials", "READ_SIZE", "send_some"]
 
 _BODY = struct.Struct("<I")
 _COUNT = struct.Struct("<B")
@@ -50,6 +50,24 @@ def pack(frames: Sequence[bytes]) -> list[bytes]:
     if sum(lens) < _JOIN_BELOW:
         return [b"".join([head, *frames])]
     return [head, *frames]
+
+
+def send_some(sock: socket.socket, out: list[memoryview]) -> bool:
+    """Send what ``out`` holds without blocking, dropping what was sent from it; True once
+    nothing is left. Raises the socket's OSError when the connection failed."""
+    while out:
+        try:
+            n = sock.sendmsg(out) if len(out) > 1 else sock.send(out[0])
+        except (BlockingIOError, InterruptedError):
+            return False
+        while n and out:
+            if n >= len(out[0]):
+                n -= len(out[0])
+                out.pop(0)
+            else:
+                out[0] = out[0][n:]
+                n = 0
+    return True
 
 
 class FrameReader:
