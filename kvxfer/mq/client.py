@@ -171,6 +171,9 @@ class _ZmqWire:
 
 #: The longest reply a client reads (the server's own limit on requests is 16 MiB by default).
 MAX_REPLY = 256 << 20
+#: How long a connect waits while the server's queue of new connections is full (the
+#: client's lock is held meanwhile: every thread of the client waits).
+CONNECT_WAIT_S = 1.0
 
 
 class _UnixWire:
@@ -198,14 +201,28 @@ class _UnixWire:
         if not ipc_server_ready(self._url):  # raises for a socket that cannot be trusted
             raise ConnectionFailed(f"no kvxfer server is listening at {self._url}: {path} does not exist")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(str(path))
-        except OSError as exc:
-            sock.close()
-            why = ("nothing listens there: its server is gone" if isinstance(exc, ConnectionRefusedError)
-                   else exc.strerror or type(exc).__name__)
-            raise ConnectionFailed(f"cannot connect to the kvxfer server at {self._url} ({why})") from None
+        # Non-blocking: a blocking connect to a server whose queue of new connections is full
+        # (a stuck or stopped server) would wait forever, with the client's lock held.
         sock.setblocking(False)
+        give_up = time.monotonic() + CONNECT_WAIT_S
+        while True:
+            try:
+                sock.connect(str(path))
+                break
+            except BlockingIOError:
+                if time.monotonic() < give_up:
+                    time.sleep(0.005)  # a burst of connections: the server accepts them soon
+                    continue
+                sock.close()
+                raise ConnectionFailed(
+                    f"the kvxfer server at {self._url} accepts no connections: its queue of new "
+                    f"connections stayed full for {CONNECT_WAIT_S:g} s (is it stuck or stopped? "
+                    f"`kvxfer status --url {self._url}`)") from None
+            except OSError as exc:
+                sock.close()
+                why = ("nothing listens there: its server is gone" if isinstance(exc, ConnectionRefusedError)
+                       else exc.strerror or type(exc).__name__)
+                raise ConnectionFailed(f"cannot connect to the kvxfer server at {self._url} ({why})") from None
         self._reader = FrameReader(MAX_REPLY)
         self._out = []
         self._sock = sock
@@ -473,9 +490,12 @@ class MQClient:
     def _send(self, frames: list[Any]) -> bool:
         """False when the connection cannot take the message now; raises ConnectionFailed (or
         ConfigError, for an ipc:// socket that cannot be trusted) when no connection can be made."""
-        if not self._wire.send(frames):
+        wire = self._wire
+        if not wire.send(frames):
             return False
         self._last_send = time.monotonic()
+        if wire.wants_write():
+            self._wake()  # the socket took part of it: the I/O thread sends the rest as it drains
         return True
 
     def _drain(self, until: _Pending | None = None) -> list[tuple[ReplyFuture[Any], bool, Any]]:
@@ -584,13 +604,17 @@ class MQClient:
                             ))
                     # the socket is watched here only for replies nobody else waits on: never
                     # beside a leader (both would wake for its reply), nor with nothing pending
-                    # (a submit wakes this thread)
+                    # (a submit wakes this thread). The rest of a message the socket took only
+                    # part of is always sent from here, leader or not: nobody else waits for the
+                    # socket to drain.
                     self._io_watching = self._leader is None and bool(self._pending)
                     poller = select.poll()
                     poller.register(self._wake_r, select.POLLIN)
                     fd = self._wire.fileno()
-                    if self._io_watching and fd >= 0:
-                        poller.register(fd, select.POLLIN | (select.POLLOUT if self._wire.wants_write() else 0))
+                    events = ((select.POLLIN if self._io_watching else 0)
+                              | (select.POLLOUT if self._wire.wants_write() else 0))
+                    if events and fd >= 0:
+                        poller.register(fd, events)
                 _complete(done)
                 timeout_ms = max(1, int(min(self.heartbeat_s, 0.25) * 1000))
                 for fd, _ in poller.poll(timeout_ms):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer import CacheClient, chunk_hashes
-from kvxfer.errors import ConnectionFailed, RequestTimeout
+from kvxfer.errors import ConnectionFailed, NoSession, RequestTimeout
 from kvxfer.mq.client import MQClient
 from kvxfer.mq.futures import ReplyFuture
 from kvxfer.mq.server import MQServer
@@ -92,6 +92,36 @@ def test_no_server_fails_a_request_at_once(tmp_path: Path) -> None:
         mq.close()
 
 
+def test_a_server_that_accepts_no_connections_fails_a_request_in_time(tmp_path: Path) -> None:
+    """A server whose queue of new connections is full (stuck, or stopped with SIGSTOP) makes
+    connect() wait: the request fails with ConnectionFailed instead of hanging, and the client
+    (its lock, its I/O thread) stays usable."""
+    path = tmp_path / "stuck.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as queued:
+        listener.bind(str(path))
+        listener.listen(0)
+        queued.connect(str(path))  # the one connection a backlog of 0 queues: the queue is full
+        mq = MQClient(f"ipc://{path}")
+        outcome: dict[str, BaseException] = {}
+
+        def send() -> None:
+            try:
+                mq.submit(m.Ping(), timeout=60).result(60)
+            except BaseException as exc:  # noqa: BLE001  (checked below)
+                outcome["exc"] = exc
+
+        th = threading.Thread(target=send, daemon=True)
+        th.start()
+        th.join(30)
+        alive = th.is_alive()
+        listener.close()  # lets a connect that hangs go on (refused), so that close() can finish
+        th.join(30)
+        mq.close()
+    assert not alive, "connect() to a server that accepts nothing hung past the request's timeout"
+    assert isinstance(outcome.get("exc"), ConnectionFailed) and "accepts no connections" in str(outcome["exc"])
+
+
 def test_pending_requests_fail_when_the_client_closes(silent_url: str) -> None:
     mq = MQClient(silent_url)
     futs = [mq.submit(m.Ping(), timeout=60) for _ in range(5)]
@@ -164,6 +194,26 @@ def test_waiting_requests_and_futures_share_one_socket(client, stored) -> None:
     futs = [client.submit(m.Lookup("msg-model", 1, stored[:3])) for _ in range(20)]
     assert client.lookup("msg-model", 1, hashes=stored) == 8
     assert [f.result(10).hits for f in futs] == [3] * 20
+
+
+def test_a_request_larger_than_the_socket_buffer_is_sent_while_its_caller_waits(server) -> None:
+    """ipc://: the socket takes a 15 MiB request a buffer at a time. While its caller waits in
+    request() (the thread that reads the socket), the I/O thread sends the rest as the server
+    reads it, and then what queued behind it: every reply (NoSession: no handshake here) comes
+    well within its timeout."""
+    mq = MQClient(server.url)
+    try:
+        big = m.Lookup("msg-model", 1, [bytes(32)] * ((15 << 20) // 34))  # the limit is 16 MiB
+        with pytest.raises(NoSession):
+            mq.request(big, timeout=5)
+        futs = [mq.submit(big, timeout=5), mq.submit(m.Ping(), timeout=5)]  # the ping waits behind
+        with pytest.raises(NoSession):
+            mq.request(m.Ping(), timeout=5)
+        for f in futs:
+            with pytest.raises(NoSession):
+                f.result(15)
+    finally:
+        mq.close()
 
 
 def test_dead_server_fails_requests_with_connection_failed() -> None:
