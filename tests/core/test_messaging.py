@@ -15,8 +15,11 @@ from kvxfer.errors import ConnectionFailed, NoSession, RequestTimeout
 from kvxfer.mq.client import MQClient
 from kvxfer.mq.futures import ReplyFuture
 from kvxfer.mq.server import MQServer
+from kvxfer.mq.stream import pack
+from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
+from kvxfer.testing.wire import RawConnection
 from kvxfer_core_helpers import BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
 
@@ -274,5 +277,59 @@ def test_what_a_reply_sent_by_the_periodic_task_queued_runs_in_the_same_pass() -
     try:
         assert ran.wait(30), "what the periodic task queued did not run"
     finally:
+        server.stop()
+        loop.join(30)
+
+
+def test_a_connection_closed_by_another_connections_reply_does_not_stop_the_server(tmp_path: Path) -> None:
+    """ipc://: the server handles the messages of its ready connections a few of each in turn.
+    When the reply to one connection's message overflows the backlogs of all connections
+    together, the connection with the largest backlog is closed, and it may be one whose turn
+    comes later in the same round: the round skips it, and the server goes on.
+
+    The server loop here is MQServer's own with a dispatcher that answers each request with as
+    many bytes as its payload names; the connections speak the wire by hand and never read
+    (except the gate's), so replies pile up in the server's backlogs."""
+    mib = 1 << 20
+    gate, at_gate = threading.Event(), threading.Event()
+
+    def dispatch(identity: bytes, peer: str, rid: bytes, name: bytes, payload: bytes) -> tuple[bytes, bytes]:
+        if name == b"gate":
+            at_gate.set()
+            gate.wait(30)  # holds the loop while the others send: all are read in one pass
+        return codec.OK, bytes(int(payload))
+
+    url = f"ipc://{tmp_path}/overflow.sock"
+    # 4 connections' backlogs of 2.5 MiB in all: 10 MiB
+    server = MQServer(url, dispatch, max_message_size=1 << 20, max_unread_reply_bytes=5 * mib // 2)
+    loop = threading.Thread(target=server.serve_forever)
+    loop.start()
+    conns: dict[str, RawConnection] = {}
+    try:
+        for who in "GBACDE":  # accepted, and so read and handled, in this order
+            conns[who] = RawConnection(url)
+            conns[who].send([codec.pack_id(1), b"hello", b"0"])
+            assert conns[who].recv(30) is not None
+        conns["G"].send([codec.pack_id(2), b"gate", b"0"])
+        assert at_gate.wait(30)
+        # replies (MiB) per message: the first of each waits half-sent in its socket, the rest in
+        # the backlogs. After the third round A holds 2.4, B 1.0, C, D and E 2.0 each: 9.4 in
+        # all; B's fourth (0.7) passes 10, and A, the largest, is closed in the round where A
+        # has no message left
+        sizes = {"B": [1.0, 0.5, 0.5, 0.7], "A": [1.2, 1.2, 1.2], "C": [1.0] * 3, "D": [1.0] * 3, "E": [1.0] * 3}
+        for who, mibs in sizes.items():
+            conns[who].send_bytes(b"".join(
+                b"".join(pack([codec.pack_id(10 + i), b"echo", str(int(x * mib)).encode()]))
+                for i, x in enumerate(mibs)))
+        gate.set()
+        assert conns["G"].recv(30) is not None
+        assert conns["A"].closed(30), "the connection with the largest backlog was not closed"
+        conns["G"].send([codec.pack_id(3), b"hello", b"0"])
+        assert conns["G"].recv(30) is not None, "the server stopped"
+        assert loop.is_alive()
+    finally:
+        gate.set()
+        for c in conns.values():
+            c.close()
         server.stop()
         loop.join(30)
