@@ -362,6 +362,8 @@ class MQClient:
         os.set_blocking(self._leader_r, False)
         os.set_blocking(self._leader_w, False)
         self._io_watching = False
+        #: set by close() once the I/O thread is gone: the last leader closes its pipe
+        self._pipes_closing = False
         #: the leader's poller (one leader at a time: shared) and the connection's fd it watches
         self._leader_poller = select.poll()
         self._leader_poller.register(self._leader_r, select.POLLIN)
@@ -451,6 +453,8 @@ class MQClient:
         finally:
             with self._lock:
                 self._leader = None
+                if self._pipes_closing:
+                    self._close_leader_pipe()  # close() came while this thread waited
                 if slot.value is _UNSET:
                     self._pending.pop(rid, None)
                 if self._pending and not self._io_watching:
@@ -479,11 +483,22 @@ class MQClient:
         self._wake()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            os.close(self._wake_w)
             with self._lock:
+                # -1 after closing: a late write fails (EBADF) instead of reaching a file that
+                # reused the number
+                os.close(self._wake_w)
+                self._wake_w = -1
+                self._pipes_closing = True
                 if self._leader is None:
-                    os.close(self._leader_r)
-                    os.close(self._leader_w)
+                    self._close_leader_pipe()
+
+    def _close_leader_pipe(self) -> None:
+        """Close the leader's wake-up pipe (lock held): by close(), or by the thread that was
+        the leader when close() came, as it leaves."""
+        if self._leader_r >= 0:
+            os.close(self._leader_r)
+            os.close(self._leader_w)
+            self._leader_r = self._leader_w = -1
 
     # ------------------------------------------------------------------ socket (lock held)
 

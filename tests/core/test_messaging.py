@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from kvxfer import CacheClient, chunk_hashes
 from kvxfer.errors import ConnectionFailed, NoSession, RequestTimeout
@@ -258,6 +259,23 @@ def test_close_fails_a_request_that_is_waiting(silent_url: str) -> None:
     for f in others:
         with pytest.raises(ConnectionFailed):
             f.result(5)
+
+
+def test_close_while_a_request_waits_leaves_no_descriptor_open(silent_url: str) -> None:
+    """close() while a thread waits in request(): every descriptor of the client is closed,
+    whether the waiting thread has left by the time close() returns or leaves after (20 times:
+    either comes first)."""
+    zmq.Context.instance()  # the process's ZeroMQ context (and its descriptors) is not the client's
+    fds = set(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        mq = MQClient(silent_url)
+        th = threading.Thread(target=lambda: pytest.raises(ConnectionFailed, mq.request, m.Ping(), timeout=60))
+        th.start()
+        assert wait_until(lambda: mq._leader is not None, timeout=10, step=0.001)  # white box: it waits
+        mq.close()
+        th.join(15)
+        assert not th.is_alive()
+    assert set(os.listdir("/proc/self/fd")) <= fds, "close() left descriptors of the client open"
 
 
 def test_what_a_reply_sent_by_the_periodic_task_queued_runs_in_the_same_pass() -> None:
