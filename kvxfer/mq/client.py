@@ -396,8 +396,8 @@ class MQClient:
                     if not sent and not done:
                         self._backlog.append(frames)
                         self._wake()
-                    elif self._wire.wants_write() or (self._leader is None and not self._io_watching):
-                        self._wake()  # the rest of the message to send, or nobody watches for the reply
+                    elif self._leader is None and not self._io_watching:
+                        self._wake()  # nobody watches the socket for the reply
                 done += self._drain()
         if closed:
             fut.set_exception(ConnectionFailed(f"client for {self.url} is closed"))
@@ -573,15 +573,16 @@ class MQClient:
             return False, self._fail_all(exc)
 
     def _leader_watch(self) -> None:
-        """Point the leader's poller at the connection's current fd, for replies and, while a
-        message is only partly sent, for room to send the rest (lock held; an ipc:// connection
-        is made again after the server closed it)."""
+        """Point the leader's poller at the connection's current fd, for replies (lock held; an
+        ipc:// connection is made again after the server closed it). The rest of a message the
+        socket took only in part is the I/O thread's to send, with the backlog behind it."""
         fd = self._wire.fileno()
-        if fd != self._leader_fd and self._leader_fd >= 0:
-            self._leader_poller.unregister(self._leader_fd)
-        if fd >= 0:
-            self._leader_poller.register(fd, select.POLLIN | (select.POLLOUT if self._wire.wants_write() else 0))
-        self._leader_fd = fd
+        if fd != self._leader_fd:
+            if self._leader_fd >= 0:
+                self._leader_poller.unregister(self._leader_fd)
+            if fd >= 0:
+                self._leader_poller.register(fd, select.POLLIN)
+            self._leader_fd = fd
 
     def _run(self) -> None:
         try:
