@@ -171,6 +171,9 @@ class _ZmqWire:
 
 #: The longest reply a client reads (the server's own limit on requests is 16 MiB by default).
 MAX_REPLY = 256 << 20
+#: How long a connect waits while the server's queue of new connections is full (the
+#: client's lock is held meanwhile: every thread of the client waits).
+CONNECT_WAIT_S = 1.0
 
 
 class _UnixWire:
@@ -198,14 +201,28 @@ class _UnixWire:
         if not ipc_server_ready(self._url):  # raises for a socket that cannot be trusted
             raise ConnectionFailed(f"no kvxfer server is listening at {self._url}: {path} does not exist")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(str(path))
-        except OSError as exc:
-            sock.close()
-            why = ("nothing listens there: its server is gone" if isinstance(exc, ConnectionRefusedError)
-                   else exc.strerror or type(exc).__name__)
-            raise ConnectionFailed(f"cannot connect to the kvxfer server at {self._url} ({why})") from None
+        # Non-blocking: a blocking connect to a server whose queue of new connections is full
+        # (a stuck or stopped server) would wait forever, with the client's lock held.
         sock.setblocking(False)
+        give_up = time.monotonic() + CONNECT_WAIT_S
+        while True:
+            try:
+                sock.connect(str(path))
+                break
+            except BlockingIOError:
+                if time.monotonic() < give_up:
+                    time.sleep(0.005)  # a burst of connections: the server accepts them soon
+                    continue
+                sock.close()
+                raise ConnectionFailed(
+                    f"the kvxfer server at {self._url} accepts no connections: its queue of new "
+                    f"connections stayed full for {CONNECT_WAIT_S:g} s (is it stuck or stopped? "
+                    f"`kvxfer status --url {self._url}`)") from None
+            except OSError as exc:
+                sock.close()
+                why = ("nothing listens there: its server is gone" if isinstance(exc, ConnectionRefusedError)
+                       else exc.strerror or type(exc).__name__)
+                raise ConnectionFailed(f"cannot connect to the kvxfer server at {self._url} ({why})") from None
         self._reader = FrameReader(MAX_REPLY)
         self._out = []
         self._sock = sock
@@ -345,6 +362,8 @@ class MQClient:
         os.set_blocking(self._leader_r, False)
         os.set_blocking(self._leader_w, False)
         self._io_watching = False
+        #: set by close() once the I/O thread is gone: the last leader closes its pipe
+        self._pipes_closing = False
         #: the leader's poller (one leader at a time: shared) and the connection's fd it watches
         self._leader_poller = select.poll()
         self._leader_poller.register(self._leader_r, select.POLLIN)
@@ -377,8 +396,8 @@ class MQClient:
                     if not sent and not done:
                         self._backlog.append(frames)
                         self._wake()
-                    elif self._wire.wants_write() or (self._leader is None and not self._io_watching):
-                        self._wake()  # the rest of the message to send, or nobody watches for the reply
+                    elif self._leader is None and not self._io_watching:
+                        self._wake()  # nobody watches the socket for the reply
                 done += self._drain()
         if closed:
             fut.set_exception(ConnectionFailed(f"client for {self.url} is closed"))
@@ -434,6 +453,8 @@ class MQClient:
         finally:
             with self._lock:
                 self._leader = None
+                if self._pipes_closing:
+                    self._close_leader_pipe()  # close() came while this thread waited
                 if slot.value is _UNSET:
                     self._pending.pop(rid, None)
                 if self._pending and not self._io_watching:
@@ -462,20 +483,34 @@ class MQClient:
         self._wake()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            os.close(self._wake_w)
             with self._lock:
+                # -1 after closing: a late write fails (EBADF) instead of reaching a file that
+                # reused the number
+                os.close(self._wake_w)
+                self._wake_w = -1
+                self._pipes_closing = True
                 if self._leader is None:
-                    os.close(self._leader_r)
-                    os.close(self._leader_w)
+                    self._close_leader_pipe()
+
+    def _close_leader_pipe(self) -> None:
+        """Close the leader's wake-up pipe (lock held): by close(), or by the thread that was
+        the leader when close() came, as it leaves."""
+        if self._leader_r >= 0:
+            os.close(self._leader_r)
+            os.close(self._leader_w)
+            self._leader_r = self._leader_w = -1
 
     # ------------------------------------------------------------------ socket (lock held)
 
     def _send(self, frames: list[Any]) -> bool:
         """False when the connection cannot take the message now; raises ConnectionFailed (or
         ConfigError, for an ipc:// socket that cannot be trusted) when no connection can be made."""
-        if not self._wire.send(frames):
+        wire = self._wire
+        if not wire.send(frames):
             return False
         self._last_send = time.monotonic()
+        if wire.wants_write():
+            self._wake()  # the socket took part of it: the I/O thread sends the rest as it drains
         return True
 
     def _drain(self, until: _Pending | None = None) -> list[tuple[ReplyFuture[Any], bool, Any]]:
@@ -538,15 +573,16 @@ class MQClient:
             return False, self._fail_all(exc)
 
     def _leader_watch(self) -> None:
-        """Point the leader's poller at the connection's current fd, for replies and, while a
-        message is only partly sent, for room to send the rest (lock held; an ipc:// connection
-        is made again after the server closed it)."""
+        """Point the leader's poller at the connection's current fd, for replies (lock held; an
+        ipc:// connection is made again after the server closed it). The rest of a message the
+        socket took only in part is the I/O thread's to send, with the backlog behind it."""
         fd = self._wire.fileno()
-        if fd != self._leader_fd and self._leader_fd >= 0:
-            self._leader_poller.unregister(self._leader_fd)
-        if fd >= 0:
-            self._leader_poller.register(fd, select.POLLIN | (select.POLLOUT if self._wire.wants_write() else 0))
-        self._leader_fd = fd
+        if fd != self._leader_fd:
+            if self._leader_fd >= 0:
+                self._leader_poller.unregister(self._leader_fd)
+            if fd >= 0:
+                self._leader_poller.register(fd, select.POLLIN)
+            self._leader_fd = fd
 
     def _run(self) -> None:
         try:
@@ -584,13 +620,17 @@ class MQClient:
                             ))
                     # the socket is watched here only for replies nobody else waits on: never
                     # beside a leader (both would wake for its reply), nor with nothing pending
-                    # (a submit wakes this thread)
+                    # (a submit wakes this thread). The rest of a message the socket took only
+                    # part of is always sent from here, leader or not: nobody else waits for the
+                    # socket to drain.
                     self._io_watching = self._leader is None and bool(self._pending)
                     poller = select.poll()
                     poller.register(self._wake_r, select.POLLIN)
                     fd = self._wire.fileno()
-                    if self._io_watching and fd >= 0:
-                        poller.register(fd, select.POLLIN | (select.POLLOUT if self._wire.wants_write() else 0))
+                    events = ((select.POLLIN if self._io_watching else 0)
+                              | (select.POLLOUT if self._wire.wants_write() else 0))
+                    if events and fd >= 0:
+                        poller.register(fd, events)
                 _complete(done)
                 timeout_ms = max(1, int(min(self.heartbeat_s, 0.25) * 1000))
                 for fd, _ in poller.poll(timeout_ms):

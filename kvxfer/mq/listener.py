@@ -7,7 +7,9 @@ kernel (``SO_PEERCRED``), in the form libzmq gives on ``ipc://``:
 ``PATH:UID:GID:PID`` (:class:`kvxfer.server.sessions.Peer`).
 
 What a connection can make the server hold is bounded: at most ``max_connections`` are open
-(one more is accepted and closed at once, and logged); a connection's receive buffer holds at
+(one more is accepted and closed at once, and logged; when the process has no descriptor left
+for one, the listening socket is not polled until a connection closes or the loop's next tick,
+so the loop does not spin on it); a connection's receive buffer holds at
 most one message of ``max_body`` bytes plus one read, because the loop reads a connection only
 when no whole message of it is waiting (until then the kernel's buffer fills and the peer's
 sends wait: backpressure, nothing dropped); a reply the socket cannot take at once waits as its
@@ -75,6 +77,9 @@ class UnixListener:
         #: connections closed for a malformed stream, and refused for being over the limit
         self.malformed = 0
         self.refused = 0
+        #: the listening socket is not polled: an accept failed (no descriptor left)
+        self.paused = False
+        self._accept_failing = False
         poller.register(self.fd, _IN)
 
     def owns(self, fd: int) -> bool:
@@ -92,9 +97,16 @@ class UnixListener:
                 sock, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: try again on the next event
-                log.warning("accepting a connection failed: %s", exc)
+            except OSError as exc:
+                # EMFILE and the like: the connection stays queued and the listening socket
+                # readable, so polling it again at once would spin. It is polled again once a
+                # connection closes, or at the loop's next tick (:meth:`resume`).
+                if not self._accept_failing:
+                    log.warning("accepting a connection failed (tried again as connections close): %s", exc)
+                self._accept_failing = True
+                self._pause()
                 return
+            self._accept_failing = False
             if len(self._conns) >= self._max_connections:
                 self.refused += 1
                 log.warning("refused a connection: %d are open (--max-connections)", len(self._conns))
@@ -108,6 +120,18 @@ class UnixListener:
             self._conns[conn.fd] = conn
             self._by_id[conn.identity] = conn
             self._poller.register(conn.fd, _IN)
+
+    def _pause(self) -> None:
+        if not self.paused:
+            self._poller.unregister(self.fd)
+            self.paused = True
+
+    def resume(self) -> None:
+        """Poll the listening socket again after an accept failed (loop thread; the loop calls
+        it at every tick)."""
+        if self.paused:
+            self._poller.register(self.fd, _IN)
+            self.paused = False
 
     def on_event(self, fd: int, event: int) -> None:
         """A connection's descriptor polled ``event``: send what waits, read what came."""
@@ -202,6 +226,7 @@ class UnixListener:
         self._poller.unregister(conn.fd)
         conn.sock.close()
         conn.out = []
+        self.resume()  # a descriptor is free: accept what waits
 
     def drop(self, identity: bytes) -> None:
         """Close the connection of ``identity`` (its peer let too many replies wait)."""
@@ -212,5 +237,5 @@ class UnixListener:
     def close(self) -> None:
         for conn in list(self._conns.values()):
             self._close(conn)
-        self._poller.unregister(self.fd)
+        self._pause()
         self._sock.close()

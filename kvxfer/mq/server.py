@@ -332,6 +332,8 @@ class MQServer:
                         self._run_after_reply()
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_s
+                    if unix is not None:
+                        unix.resume()  # after an accept that failed (no descriptor left)
                     if self._on_tick is not None:
                         try:
                             self._on_tick()

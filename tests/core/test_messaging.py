@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import resource
 import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from kvxfer import CacheClient, chunk_hashes
-from kvxfer.errors import ConnectionFailed, RequestTimeout
+from kvxfer.errors import ConnectionFailed, NoSession, RequestTimeout
 from kvxfer.mq.client import MQClient
 from kvxfer.mq.futures import ReplyFuture
 from kvxfer.mq.server import MQServer
+from kvxfer.mq.stream import pack
+from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
+from kvxfer.testing.wire import RawConnection
 from kvxfer_core_helpers import BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
 
@@ -90,6 +96,36 @@ def test_no_server_fails_a_request_at_once(tmp_path: Path) -> None:
             mq.request(m.Ping())
     finally:
         mq.close()
+
+
+def test_a_server_that_accepts_no_connections_fails_a_request_in_time(tmp_path: Path) -> None:
+    """A server whose queue of new connections is full (stuck, or stopped with SIGSTOP) makes
+    connect() wait: the request fails with ConnectionFailed instead of hanging, and the client
+    (its lock, its I/O thread) stays usable."""
+    path = tmp_path / "stuck.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as queued:
+        listener.bind(str(path))
+        listener.listen(0)
+        queued.connect(str(path))  # the one connection a backlog of 0 queues: the queue is full
+        mq = MQClient(f"ipc://{path}")
+        outcome: dict[str, BaseException] = {}
+
+        def send() -> None:
+            try:
+                mq.submit(m.Ping(), timeout=60).result(60)
+            except BaseException as exc:  # noqa: BLE001  (checked below)
+                outcome["exc"] = exc
+
+        th = threading.Thread(target=send, daemon=True)
+        th.start()
+        th.join(30)
+        alive = th.is_alive()
+        listener.close()  # lets a connect that hangs go on (refused), so that close() can finish
+        th.join(30)
+        mq.close()
+    assert not alive, "connect() to a server that accepts nothing hung past the request's timeout"
+    assert isinstance(outcome.get("exc"), ConnectionFailed) and "accepts no connections" in str(outcome["exc"])
 
 
 def test_pending_requests_fail_when_the_client_closes(silent_url: str) -> None:
@@ -166,6 +202,26 @@ def test_waiting_requests_and_futures_share_one_socket(client, stored) -> None:
     assert [f.result(10).hits for f in futs] == [3] * 20
 
 
+def test_a_request_larger_than_the_socket_buffer_is_sent_while_its_caller_waits(server) -> None:
+    """ipc://: the socket takes a 15 MiB request a buffer at a time. While its caller waits in
+    request() (the thread that reads the socket), the I/O thread sends the rest as the server
+    reads it, and then what queued behind it: every reply (NoSession: no handshake here) comes
+    well within its timeout."""
+    mq = MQClient(server.url)
+    try:
+        big = m.Lookup("msg-model", 1, [bytes(32)] * ((15 << 20) // 34))  # the limit is 16 MiB
+        with pytest.raises(NoSession):
+            mq.request(big, timeout=5)
+        futs = [mq.submit(big, timeout=5), mq.submit(m.Ping(), timeout=5)]  # the ping waits behind
+        with pytest.raises(NoSession):
+            mq.request(m.Ping(), timeout=5)
+        for f in futs:
+            with pytest.raises(NoSession):
+                f.result(15)
+    finally:
+        mq.close()
+
+
 def test_dead_server_fails_requests_with_connection_failed() -> None:
     with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as srv:
         c = CacheClient(srv.url, timeout=5)
@@ -205,6 +261,23 @@ def test_close_fails_a_request_that_is_waiting(silent_url: str) -> None:
             f.result(5)
 
 
+def test_close_while_a_request_waits_leaves_no_descriptor_open(silent_url: str) -> None:
+    """close() while a thread waits in request(): every descriptor of the client is closed,
+    whether the waiting thread has left by the time close() returns or leaves after (20 times:
+    either comes first)."""
+    zmq.Context.instance()  # the process's ZeroMQ context (and its descriptors) is not the client's
+    fds = set(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        mq = MQClient(silent_url)
+        th = threading.Thread(target=lambda: pytest.raises(ConnectionFailed, mq.request, m.Ping(), timeout=60))
+        th.start()
+        assert wait_until(lambda: mq._leader is not None, timeout=10, step=0.001)  # white box: it waits
+        mq.close()
+        th.join(15)
+        assert not th.is_alive()
+    assert set(os.listdir("/proc/self/fd")) <= fds, "close() left descriptors of the client open"
+
+
 def test_what_a_reply_sent_by_the_periodic_task_queued_runs_in_the_same_pass() -> None:
     """The loop's periodic task may send replies (a lookup answered when its L2 read timed
     out) whose handler queued work with after_reply (the lookup's prefetch): it runs right
@@ -226,3 +299,85 @@ def test_what_a_reply_sent_by_the_periodic_task_queued_runs_in_the_same_pass() -
     finally:
         server.stop()
         loop.join(30)
+
+
+def test_a_connection_closed_by_another_connections_reply_does_not_stop_the_server(tmp_path: Path) -> None:
+    """ipc://: the server handles the messages of its ready connections a few of each in turn.
+    When the reply to one connection's message overflows the backlogs of all connections
+    together, the connection with the largest backlog is closed, and it may be one whose turn
+    comes later in the same round: the round skips it, and the server goes on.
+
+    The server loop here is MQServer's own with a dispatcher that answers each request with as
+    many bytes as its payload names; the connections speak the wire by hand and never read
+    (except the gate's), so replies pile up in the server's backlogs."""
+    mib = 1 << 20
+    gate, at_gate = threading.Event(), threading.Event()
+
+    def dispatch(identity: bytes, peer: str, rid: bytes, name: bytes, payload: bytes) -> tuple[bytes, bytes]:
+        if name == b"gate":
+            at_gate.set()
+            gate.wait(30)  # holds the loop while the others send: all are read in one pass
+        return codec.OK, bytes(int(payload))
+
+    url = f"ipc://{tmp_path}/overflow.sock"
+    # 4 connections' backlogs of 2.5 MiB in all: 10 MiB
+    server = MQServer(url, dispatch, max_message_size=1 << 20, max_unread_reply_bytes=5 * mib // 2)
+    loop = threading.Thread(target=server.serve_forever)
+    loop.start()
+    conns: dict[str, RawConnection] = {}
+    try:
+        for who in "GBACDE":  # accepted, and so read and handled, in this order
+            conns[who] = RawConnection(url)
+            conns[who].send([codec.pack_id(1), b"hello", b"0"])
+            assert conns[who].recv(30) is not None
+        conns["G"].send([codec.pack_id(2), b"gate", b"0"])
+        assert at_gate.wait(30)
+        # replies (MiB) per message: the first of each waits half-sent in its socket, the rest in
+        # the backlogs. After the third round A holds 2.4, B 1.0, C, D and E 2.0 each: 9.4 in
+        # all; B's fourth (0.7) passes 10, and A, the largest, is closed in the round where A
+        # has no message left
+        sizes = {"B": [1.0, 0.5, 0.5, 0.7], "A": [1.2, 1.2, 1.2], "C": [1.0] * 3, "D": [1.0] * 3, "E": [1.0] * 3}
+        for who, mibs in sizes.items():
+            conns[who].send_bytes(b"".join(
+                b"".join(pack([codec.pack_id(10 + i), b"echo", str(int(x * mib)).encode()]))
+                for i, x in enumerate(mibs)))
+        gate.set()
+        assert conns["G"].recv(30) is not None
+        # (not asserted: which connection's backlog the kernel's buffers leave largest, A's as
+        # counted above in most runs)
+        conns["A"].closed(5)
+        conns["G"].send([codec.pack_id(3), b"hello", b"0"])
+        assert conns["G"].recv(30) is not None, "the server stopped"
+        assert loop.is_alive()
+    finally:
+        gate.set()
+        for c in conns.values():
+            c.close()
+        server.stop()
+        loop.join(30)
+
+
+def test_a_server_out_of_descriptors_waits_for_one_instead_of_spinning() -> None:
+    """ipc://: when accept() fails for want of a descriptor (EMFILE), the connection stays
+    queued and the listening socket readable. The server stops polling it until a connection
+    closes (it logs that once) instead of failing again on every pass of its loop; the
+    connections it has are served meanwhile, and the queued one is accepted once one closes."""
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as srv:
+        open_now = len(os.listdir(f"/proc/{srv.pid}/fd"))
+        resource.prlimit(srv.pid, resource.RLIMIT_NOFILE, (open_now + 2, open_now + 2))
+        conns = [RawConnection(srv.url) for _ in range(3)]  # 2 accepted, the third queued
+        try:
+            def failed() -> int:
+                return srv.log().count("accepting a connection failed")
+
+            assert wait_until(failed, timeout=30), "accept() did not fail: the limit did not hold"
+            for i in range(20):  # 20 passes of the loop, at least: none of them tries accept() again
+                conns[0].send([codec.pack_id(i + 1), b"ping", codec.encode(m.Ping())])
+                assert conns[0].recv(30) is not None
+            assert failed() == 1, srv.log()
+            conns.pop(1).close()
+            conns[-1].send([codec.pack_id(1), b"ping", codec.encode(m.Ping())])
+            assert conns[-1].recv(30) is not None, "the queued connection was not accepted once one closed"
+        finally:
+            for c in conns:
+                c.close()
