@@ -47,6 +47,8 @@ class _Conn:
     reader: FrameReader
     #: the unsent rest of the reply being sent (the socket took only part of it)
     out: list[memoryview] = field(default_factory=list)
+    #: whether the poller watches it for room to write (while ``out`` waits)
+    watching_out: bool = False
 
 
 class UnixListener:
@@ -209,7 +211,9 @@ class UnixListener:
                 log.warning("reply to %s dropped: %s", conn.peer, exc)
             self._close(conn)
             return
-        self._poller.modify(conn.fd, _IN if done else _IN | _OUT)
+        if conn.watching_out == done:  # changed: one epoll_ctl, not one per reply
+            conn.watching_out = not done
+            self._poller.modify(conn.fd, _IN | _OUT if conn.watching_out else _IN)
 
     # ------------------------------------------------------------------ closing
 
