@@ -7,14 +7,25 @@ kernel (``SO_PEERCRED``), in the form libzmq gives on ``ipc://``:
 ``PATH:UID:GID:PID`` (:class:`kvxfer.server.sessions.Peer`).
 
 What a connection can make the server hold is bounded: at most ``max_connections`` are open
-(one more is accepted and closed at once, and logged; when the process has no descriptor left
-for one, the listening socket is not polled until a connection closes or the loop's next tick,
-so the loop does not spin on it); a connection's receive buffer holds at
+(one more is accepted and closed at once, and logged; so is one that comes when the process has
+no descriptor left, see below); a connection's receive buffer holds at
 most one message of ``max_body`` bytes plus one read, because the loop reads a connection only
 when no whole message of it is waiting (until then the kernel's buffer fills and the peer's
-sends wait: backpressure, nothing dropped); a reply the socket cannot take at once waits as its
+sends wait: backpressure, nothing dropped), and all connections together hold at most
+``max_buffered`` bytes of messages (past it the connection holding the largest unfinished
+message is closed, see :meth:`UnixListener._shed_buffered`); a reply the socket cannot take at once waits as its
 unsent rest, one per connection (:meth:`UnixListener.try_send` says False while one does: the
 server's counted backlog takes the next). A malformed stream closes its connection.
+
+Running out of file descriptors does not stop the loop: the listener keeps one spare descriptor,
+and when ``accept`` fails for want of descriptors (``EMFILE``, ``ENFILE``) it frees the spare,
+accepts the waiting connection and closes it at once (refused, as one past ``max_connections``).
+Without that the connection stayed queued in the listening socket, which polled readable
+forever: the loop spun at full CPU writing a log line per turn, and the peer waited for a reply
+that never came. On any other failure of ``accept`` the listening socket is not polled until the
+next :meth:`UnixListener.tick` or until a connection closes. At start the soft ``RLIMIT_NOFILE``
+is raised (up to the hard one) to fit ``max_connections`` and the descriptors the server needs
+besides.
 """
 
 from __future__ import annotations
@@ -22,8 +33,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import select
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -36,6 +49,31 @@ log = logging.getLogger(__name__)
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 _ERR = select.EPOLLERR | select.EPOLLHUP
+
+#: Descriptors the server needs besides its connections (arena, log, ZeroMQ, plugins, L2 store).
+FD_HEADROOM = 256
+#: A connection refused or closed by the listener is logged at most once per this many seconds
+#: for each reason (with a count).
+_SHED_LOG_S = 1.0
+
+
+def ensure_fd_room(connections: int) -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` (never past the hard one) so that ``connections`` plus
+    :data:`FD_HEADROOM` descriptors fit; returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + FD_HEADROOM
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open file limit to %d: %s", new, exc)
+        if soft < want:
+            log.warning("the open file limit (ulimit -n %d) is below the %d descriptors --max-connections "
+                        "needs: connections past it are refused; raise the hard limit or lower "
+                        "--max-connections", soft, want)
+    return int(soft)
 
 
 @dataclass(eq=False, slots=True)
@@ -62,6 +100,7 @@ class UnixListener:
         *,
         max_body: int,
         max_connections: int,
+        max_buffered: int,
     ) -> None:
         self._sock = sock
         self._sock.setblocking(False)
@@ -69,6 +108,9 @@ class UnixListener:
         self._path = path
         self._poller = poller
         self._max_body = max_body
+        self._max_buffered = max_buffered
+        #: bytes the connections' readers hold, whole messages and unfinished ones
+        self.buffered = 0
         self._max_connections = max_connections
         self._conns: dict[int, _Conn] = {}
         self._by_id: dict[bytes, _Conn] = {}
@@ -79,9 +121,13 @@ class UnixListener:
         #: connections closed for a malformed stream, and refused for being over the limit
         self.malformed = 0
         self.refused = 0
-        #: the listening socket is not polled: an accept failed (no descriptor left)
-        self.paused = False
-        self._accept_failing = False
+        #: per kind of connection refused or closed by the listener: (count, count logged, next log time)
+        self._shed: dict[str, tuple[int, int, float]] = {}
+        self.fd_limit = ensure_fd_room(max_connections)
+        #: freed to accept (and close) a connection when no descriptor is left; see the module doc
+        self._spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        #: the listening socket is not polled (accept failed for a reason it cannot shed)
+        self._accept_paused = False
         poller.register(self.fd, _IN)
 
     def owns(self, fd: int) -> bool:
@@ -100,19 +146,19 @@ class UnixListener:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                # EMFILE and the like: the connection stays queued and the listening socket
-                # readable, so polling it again at once would spin. It is polled again once a
-                # connection closes, or at the loop's next tick (:meth:`resume`).
-                if not self._accept_failing:
-                    log.warning("accepting a connection failed (tried again as connections close): %s", exc)
-                self._accept_failing = True
-                self._pause()
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._shed_one():
+                    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                    self._refuse(f"out of file descriptors (ulimit -n {limit}): raise it or lower --max-connections")
+                    continue
+                if exc.errno == errno.ECONNABORTED:  # the peer gave up while queued
+                    continue
+                log.warning("accepting a connection failed: %s; accepting again in a moment", exc)
+                self._poller.unregister(self.fd)
+                self._accept_paused = True
                 return
-            self._accept_failing = False
             if len(self._conns) >= self._max_connections:
-                self.refused += 1
-                log.warning("refused a connection: %d are open (--max-connections)", len(self._conns))
                 sock.close()
+                self._refuse(f"{len(self._conns)} are open (--max-connections)")
                 continue
             sock.setblocking(False)
             pid, uid, gid = peer_credentials(sock)
@@ -123,17 +169,58 @@ class UnixListener:
             self._by_id[conn.identity] = conn
             self._poller.register(conn.fd, _IN)
 
-    def _pause(self) -> None:
-        if not self.paused:
-            self._poller.unregister(self.fd)
-            self.paused = True
+    def _shed_one(self) -> bool:
+        """Accept the waiting connection on the spare descriptor and close it (no descriptor is
+        left); False when there was no spare or nothing to accept."""
+        if self._spare is None:
+            return False
+        os.close(self._spare)
+        self._spare = None
+        shed = False
+        try:
+            sock, _ = self._sock.accept()
+            sock.close()
+            shed = True
+        except OSError:
+            pass
+        try:
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # another thread took it: tick() tries again
+            pass
+        return shed
 
-    def resume(self) -> None:
-        """Poll the listening socket again after an accept failed (loop thread; the loop calls
-        it at every tick)."""
-        if self.paused:
+    def _refuse(self, why: str) -> None:
+        """Count a connection closed at accept and log it."""
+        self.refused += 1
+        self._shed_log("refused", f"refused a connection: {why}")
+
+    def _shed_log(self, kind: str, line: str) -> None:
+        """Log a connection refused or closed by the listener, at most once per second for each
+        ``kind`` with the count since its last line (a storm of them must not flood the log)."""
+        count, logged, at = self._shed.get(kind, (0, 0, 0.0))
+        count += 1
+        now = time.monotonic()
+        if now >= at:
+            more = count - logged - 1
+            log.warning("%s%s", line, f" (and {more} more since the last such line)" if more else "")
+            logged, at = count, now + _SHED_LOG_S
+        self._shed[kind] = (count, logged, at)
+
+    def tick(self) -> None:
+        """Periodic (the loop's tick): poll the listening socket again after a failed accept,
+        and take the spare descriptor back if it could not be reopened."""
+        if self._spare is None:
+            try:
+                self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass
+        self._resume()
+
+    def _resume(self) -> None:
+        """Poll the listening socket again after an accept failed."""
+        if self._accept_paused:
+            self._accept_paused = False
             self._poller.register(self.fd, _IN)
-            self.paused = False
 
     def on_event(self, fd: int, event: int) -> None:
         """A connection's descriptor polled ``event``: send what waits, read what came."""
@@ -159,6 +246,7 @@ class UnixListener:
             self._close(conn)
             return
         conn.reader.feed(data)
+        self.buffered += len(data)
         try:
             whole = conn.reader.complete()
         except FramingError as exc:
@@ -166,6 +254,8 @@ class UnixListener:
             return
         if whole:
             self.ready[conn.fd] = conn
+        if self.buffered > self._max_buffered:
+            self._shed_buffered()
 
     def messages(self, budget: int) -> Iterator[tuple[bytes, str, list[bytes]]]:
         """Up to ``budget`` buffered messages, as ``(identity, peer, frames)``, a few of each
@@ -175,12 +265,14 @@ class UnixListener:
                 if self.ready.get(fd) is not conn:
                     continue  # closed since this pass began (a reply to another message overflowed it)
                 try:
+                    held = len(conn.reader)
                     frames = conn.reader.next()
+                    self.buffered -= held - len(conn.reader)
                 except FramingError as exc:
                     self._malformed(conn, exc)
                     continue
                 if frames is None:
-                    del self.ready[fd]
+                    self.ready.pop(fd, None)
                     if conn.fd in self._conns:
                         self._read(conn)  # the poll saw it readable before; more may be there
                     continue
@@ -222,15 +314,36 @@ class UnixListener:
         log.warning("closing the connection of %s: %s", conn.peer, exc)
         self._close(conn)
 
+    def _shed_buffered(self) -> None:
+        """All connections together buffer more than ``max_buffered``: close the connections
+        holding the largest unfinished messages until they fit.
+
+        Without it each connection could hold one message of the largest size (``max_body``,
+        16 MiB at the defaults) that it never finishes: 1,088 connections made the server hold
+        17 GiB. An honest client sends a message at the speed of a local socket, so the largest
+        unfinished ones are those of peers that stopped mid-message; a whole message waiting for
+        the loop is never the one closed (the loop takes it soon)."""
+        while self.buffered > self._max_buffered:
+            held = [c for c in self._conns.values() if c.fd not in self.ready and len(c.reader)]
+            if not held:
+                return
+            victim = max(held, key=lambda c: len(c.reader))
+            self._shed_log("buffered", f"closed the connection of {victim.peer}: it holds {len(victim.reader)} "
+                           f"bytes of an unfinished message while all connections hold {self.buffered}, more than "
+                           f"{self._max_buffered} (4 x max(--max-unread-reply-bytes, --max-message-size))")
+            self._close(victim)
+
     def _close(self, conn: _Conn) -> None:
         if self._conns.pop(conn.fd, None) is None:
             return
+        self.buffered -= len(conn.reader)
+        conn.reader = FrameReader(0)  # its memory goes now, not when the last reference does
         self._by_id.pop(conn.identity, None)
         self.ready.pop(conn.fd, None)
         self._poller.unregister(conn.fd)
         conn.sock.close()
         conn.out = []
-        self.resume()  # a descriptor is free: accept what waits
+        self._resume()  # a descriptor is free: accept what waits
 
     def drop(self, identity: bytes) -> None:
         """Close the connection of ``identity`` (its peer let too many replies wait)."""
@@ -241,5 +354,9 @@ class UnixListener:
     def close(self) -> None:
         for conn in list(self._conns.values()):
             self._close(conn)
-        self._pause()
+        if not self._accept_paused:
+            self._poller.unregister(self.fd)
         self._sock.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None

@@ -23,7 +23,9 @@ largest one is dropped the same way.
 
 Requests waiting to be read are bounded per connection too. A Unix connection is read only when
 none of its messages waits, so it holds at most one message and one read (then the kernel's
-buffer fills and the peer's sends wait); at most ``max_connections`` are open. ZeroMQ queues at most
+buffer fills and the peer's sends wait); at most ``max_connections`` are open, and all of them
+together buffer at most :data:`BACKLOG_CONNECTIONS` times the larger of ``max_unread_reply_bytes``
+and ``max_message_size`` (past it the connection with the largest unfinished message is closed). ZeroMQ queues at most
 :func:`request_queue` requests of a peer (``RCVHWM``; then it stops reading that peer's socket,
 so the peer's sends wait: backpressure, nothing is dropped), about ``max_unread_reply_bytes`` of
 requests of the largest size. With ZeroMQ's default (1,000 per peer) a peer that sent 16 MiB
@@ -159,8 +161,10 @@ class MQServer:
         self._unix: UnixListener | None = None
         path = ipc_path(url)
         if path is not None:
-            self._unix = UnixListener(self._bind_unix(path), str(path), self._poller,
-                                      max_body=max_message_size + 1024, max_connections=max_connections)
+            self._unix = UnixListener(
+                self._bind_unix(path), str(path), self._poller, max_body=max_message_size + 1024,
+                max_connections=max_connections,
+                max_buffered=BACKLOG_CONNECTIONS * max(max_unread_reply_bytes, max_message_size + 1024))
         self._sock = self._ctx.socket(zmq.ROUTER)  # bound on tcp:// and inproc:// only
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
@@ -333,7 +337,7 @@ class MQServer:
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self._tick_s
                     if unix is not None:
-                        unix.resume()  # after an accept that failed (no descriptor left)
+                        unix.tick()
                     if self._on_tick is not None:
                         try:
                             self._on_tick()

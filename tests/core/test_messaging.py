@@ -355,29 +355,3 @@ def test_a_connection_closed_by_another_connections_reply_does_not_stop_the_serv
             c.close()
         server.stop()
         loop.join(30)
-
-
-def test_a_server_out_of_descriptors_waits_for_one_instead_of_spinning() -> None:
-    """ipc://: when accept() fails for want of a descriptor (EMFILE), the connection stays
-    queued and the listening socket readable. The server stops polling it until a connection
-    closes (it logs that once) instead of failing again on every pass of its loop; the
-    connections it has are served meanwhile, and the queued one is accepted once one closes."""
-    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as srv:
-        open_now = len(os.listdir(f"/proc/{srv.pid}/fd"))
-        resource.prlimit(srv.pid, resource.RLIMIT_NOFILE, (open_now + 2, open_now + 2))
-        conns = [RawConnection(srv.url) for _ in range(3)]  # 2 accepted, the third queued
-        try:
-            def failed() -> int:
-                return srv.log().count("accepting a connection failed")
-
-            assert wait_until(failed, timeout=30), "accept() did not fail: the limit did not hold"
-            for i in range(20):  # 20 passes of the loop, at least: none of them tries accept() again
-                conns[0].send([codec.pack_id(i + 1), b"ping", codec.encode(m.Ping())])
-                assert conns[0].recv(30) is not None
-            assert failed() == 1, srv.log()
-            conns.pop(1).close()
-            conns[-1].send([codec.pack_id(1), b"ping", codec.encode(m.Ping())])
-            assert conns[-1].recv(30) is not None, "the queued connection was not accepted once one closed"
-        finally:
-            for c in conns:
-                c.close()
