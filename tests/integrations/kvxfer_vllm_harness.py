@@ -21,7 +21,8 @@ and long randomized call sequences checked step by step. It has:
 
 It has a block pool with a local prefix cache (so vLLM's own hits reach the connector as
 ``num_computed_tokens``), chunked prefill under a token budget, preemption when blocks run out,
-async loads (WAITING_FOR_REMOTE_KVS), load-error truncation (kv_load_failure_policy
+async loads (WAITING_FOR_REMOTE_KVS; admitted only while the whole prompt fits beside what the
+loads in flight still need, as vLLM admits them), load-error truncation (kv_load_failure_policy
 "recompute") and delayed frees for requests whose ``request_finished`` returned True.
 
 The "model" writes, for token t at position p, the value ``t * 1024 + p`` (plus layer and
@@ -292,6 +293,22 @@ class MiniEngine:
                 self.free.append(b)
         req.block_ids = []
 
+    def _full_sequence(self, req: Request, local: list[int]) -> int:
+        """Blocks ``req`` still needs for its whole prompt (beside its ``local`` hits)."""
+        return math.ceil(req.num_tokens / self.bs) - len(req.block_ids) - len(local)
+
+    def _reserved(self, req: Request) -> int:
+        """Blocks the other admitted async loads still need to finish their prefill.
+
+        A request waiting for its load holds the blocks of the loaded tokens, makes no progress
+        and cannot be preempted; once loaded it needs the blocks of the rest of its prompt. vLLM
+        admits an async load only if it fits beside what these in-flight prefills still need
+        (its scheduler's ``reserved_blocks``, "to avoid deadlock"); without that gate, loads
+        that all land after the last admission leave no free block for any of them (the
+        first one that cannot grow stops the waiting queue, and nothing runs to free one)."""
+        return sum(max(0, math.ceil(r.num_tokens / self.bs) - len(r.block_ids))
+                   for r in self.waiting if r is not req and r.block_ids)
+
     def _local_hits(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching:
             return []
@@ -390,8 +407,11 @@ class MiniEngine:
             computed = req.num_computed_tokens or len(local) * bs
             n = 0 if is_async else min(req.num_tokens - computed - ext, budget)
             need = math.ceil((computed + ext + n) / bs) - len(req.block_ids) - len(local)
-            if need > len(self.free) - sum(1 for b in local if self.refs[b] == 0):
+            free = len(self.free) - sum(1 for b in local if self.refs[b] == 0)
+            if need > free:
                 break
+            if is_async and self._full_sequence(req, local) > free - self._reserved(req):
+                break  # vLLM's admission gate for async loads (see _reserved)
             self._ref(local)
             req.block_ids += local + self._take(max(need, 0))
             self.scheduler.update_state_after_alloc(req, KVCacheBlocks((list(req.block_ids),)), ext)

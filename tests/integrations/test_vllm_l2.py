@@ -71,3 +71,32 @@ def test_leased_lookups_promote_from_l2_and_loads_read_them(l2_server: ServerPro
     assert after.promotions > before.promotions
     assert after.promote_failures == before.promote_failures and after.integrity_failures == 0
     assert after.lookup_hits > before.lookup_hits
+
+
+def test_loads_admitted_at_once_all_finish_when_blocks_are_scarce(l2_server: ServerProcess) -> None:
+    """Every request comes in one step, so each is admitted with its async load before any load
+    lands; their whole prompts need more blocks than the engine has (96). The scheduler admits
+    a load only while it fits beside what the loads in flight still need (vLLM's gate): without
+    it every block went to waiting loads, and the first one that landed found none to finish
+    its prompt, with nothing running to free one."""
+    reqs = workload("l2-all", n=12, seed=5)
+    producer = MiniEngine(make_vllm_config(l2_server.url, model_name="l2-at-once"), enable_prefix_caching=False)
+    try:
+        feed(producer, reqs, per_step=4)
+        producer.check_drained()
+        identity = producer.scheduler.identity
+    finally:
+        producer.shutdown()
+    with CacheClient(l2_server.url, timeout=TIMEOUT) as c:
+        settle(c)
+        assert c.clear(identity) > 0
+    consumer = MiniEngine(make_vllm_config(l2_server.url, model_name="l2-at-once"), enable_prefix_caching=False)
+    bs = consumer.bs
+    assert sum(-(-len(r.prompt_token_ids) // bs) for r in reqs) > consumer.num_blocks  # they cannot all fit
+    try:
+        feed(consumer, [Request(f"again-{r.request_id}", list(r.prompt_token_ids)) for r in reqs], per_step=len(reqs))
+        consumer.check_drained()
+        assert consumer.worker.worker.stats["loaded_chunks"] > 0
+        assert consumer.load_error_blocks == 0
+    finally:
+        consumer.shutdown()
