@@ -539,24 +539,28 @@ class MQClient:
         if self._wire.ended:
             ended, self._wire.ended = self._wire.ended, ""
             self._backlog.clear()
-            lead = self._leader is not None and until is None
-            woke_sync = woke_sync or lead
+            woke_sync = True  # the leader's own request fails too
             done += self._fail_all(ConnectionFailed(ended))
-        if (done or woke_sync) and until is None and self._leader is not None:
-            # the leader may be asleep on the fd whose edge this drain consumed
-            try:
-                os.write(self._leader_w, b"x")
-            except (BlockingIOError, OSError):
-                pass
+        if (done or woke_sync) and until is None:
+            self._wake_leader()  # it may be asleep on the fd whose edge this drain consumed
         return done
 
     # ------------------------------------------------------------------ I/O thread
 
     def _wake(self) -> None:
+        """Wake the I/O thread."""
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
             pass  # the pipe is full (a wake-up is already pending) or closed
+
+    def _wake_leader(self) -> None:
+        """Wake the thread waiting in request() as the leader, if there is one (lock held)."""
+        if self._leader is not None:
+            try:
+                os.write(self._leader_w, b"x")
+            except (BlockingIOError, OSError):
+                pass  # a wake-up is already pending, or the pipe is closed
 
     def _send_or_fail(self, frames: list[Any]) -> tuple[bool, list[tuple[ReplyFuture[Any], bool, Any]]]:
         """:meth:`_send` for the I/O thread: when no connection can be made, every waiting
@@ -565,11 +569,7 @@ class MQClient:
             return self._send(frames), []
         except (ConnectionFailed, ConfigError) as exc:
             self._backlog.clear()
-            if self._leader is not None:
-                try:
-                    os.write(self._leader_w, b"x")  # its request fails too: wake it
-                except (BlockingIOError, OSError):
-                    pass
+            self._wake_leader()  # its request fails too
             return False, self._fail_all(exc)
 
     def _leader_watch(self) -> None:
@@ -643,11 +643,7 @@ class MQClient:
                 self._io_watching = False
                 self._wire.close()
                 os.close(self._wake_r)
-                if self._leader is not None:
-                    try:
-                        os.write(self._leader_w, b"x")  # its request just failed: wake it
-                    except OSError:
-                        pass
+                self._wake_leader()  # its request just failed
             _complete(done)
 
     def _on_reply(self, frames: list[bytes]) -> tuple[_Pending, bool, Any] | None:

@@ -165,22 +165,25 @@ class MQServer:
                 self._bind_unix(path), str(path), self._poller, max_body=max_message_size + 1024,
                 max_connections=max_connections,
                 max_buffered=BACKLOG_CONNECTIONS * max(max_unread_reply_bytes, max_message_size + 1024))
-        self._sock = self._ctx.socket(zmq.ROUTER)  # bound on tcp:// and inproc:// only
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
-        self._sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
-        self._sock.setsockopt(zmq.RCVHWM, request_queue(max_message_size, max_unread_reply_bytes))
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if curve is not None and url.startswith("tcp://"):
-            self._sock.curve_server = True
-            self._sock.curve_publickey = curve.public
-            self._sock.curve_secretkey = curve.secret
-        #: ZeroMQ's notification fd of the ROUTER socket (edge-like: see serve_forever), or -1
+        #: the ROUTER socket of tcp:// and inproc:// (None on ipc://) and its notification fd
+        #: (edge-like: see serve_forever)
+        self._router: zmq.Socket[bytes] | None = None
         self._router_fd = -1
         if self._unix is None:
-            self._sock.bind(url)
-            self._router_fd = int(self._sock.get(zmq.FD))
+            router = self._router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+            router.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
+            router.setsockopt(zmq.RCVHWM, request_queue(max_message_size, max_unread_reply_bytes))
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if curve is not None and url.startswith("tcp://"):
+                router.curve_server = True
+                router.curve_publickey = curve.public
+                router.curve_secretkey = curve.secret
+            router.bind(url)
+            self._router_fd = int(router.get(zmq.FD))
             self._poller.register(self._router_fd, select.EPOLLIN)
+        self._closed = False
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         #: written by call_soon and stop (any thread), read by the loop
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -266,7 +269,7 @@ class MQServer:
     def serve_forever(self) -> None:
         poll = self._poller.poll
         unix = self._unix
-        router = self._sock if unix is None else None
+        router = self._router
         wake_fd = self._wake_fd
         self._loop_ident = threading.get_ident()
         next_tick = time.monotonic() + self._tick_s
@@ -392,7 +395,8 @@ class MQServer:
         """True when sent or dropped for good (peer gone); False when the peer's queue is full."""
         if self._unix is not None:
             return self._unix.try_send(identity, [request_id, status, payload])
-        sock = self._sock
+        sock = self._router
+        assert sock is not None
         try:
             # int flags and single sends: pyzmq's send_multipart does enum flag arithmetic per frame
             sock.send(identity, _MORE)  # multipart is atomic: only the first part can fail
@@ -463,9 +467,11 @@ class MQServer:
         self._run_after_reply()
 
     def close(self) -> None:
-        if self._sock.closed:
+        if self._closed:
             return
-        self._sock.close(0)
+        self._closed = True
+        if self._router is not None:
+            self._router.close(0)
         if self._unix is not None:
             self._unix.close()
         with self._wake_lock:
