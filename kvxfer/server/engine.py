@@ -332,6 +332,9 @@ class CacheServer:
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
         #: Requests waiting on L2 (_Awaiting), in all; each session counts its own.
         self._waiting = 0
+        #: The lease of the last lookup whose chunks were handed to a prefetch: its retrieves
+        #: are not staged again (what the prefetch staged serves them).
+        self._prefetched_lease = 0
         #: The L2 tier under the arena (``--l2``), or None.
         self.tier: L2Tier | None = None
         try:
@@ -947,13 +950,13 @@ class CacheServer:
             self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(entries.values()))
             lease_id = self.index.lease(entries, msg.lease_s, usage)
             if msg.prefetch:  # right after the reply is sent
-                self._mq.after_reply(functools.partial(self._prefetch, msg, entries))
+                self._mq.after_reply(functools.partial(self._prefetch, msg, entries, lease_id))
         return m.LookupReply(hits, lease_id, l2_hits)
 
-    def _prefetch(self, msg: m.Lookup, entries: dict[ChunkKey, Entry]) -> None:
-        """``Lookup.prefetch``: give the chunks a lookup leased (``entries``) to the server
-        context of each rank's one registered instance of the model, if its transport
-        prefetches and nothing is in flight (loop thread; errors are logged only)."""
+    def _prefetch(self, msg: m.Lookup, entries: dict[ChunkKey, Entry], lease_id: int) -> None:
+        """``Lookup.prefetch``: give the chunks a lookup leased (``entries``, lease ``lease_id``)
+        to the server context of each rank's one registered instance of the model, if its
+        transport prefetches and nothing is in flight (loop thread; errors are logged only)."""
         if self.stats.in_flight:
             return  # transfers are running: the copy engines are theirs
         by_rank: dict[int, RegisteredContext | None] = {}
@@ -961,9 +964,8 @@ class CacheServer:
             if c.model_name == msg.model_name and c.world_size == msg.world_size:
                 by_rank[c.rank] = None if c.rank in by_rank else c  # two of one rank: which one loads?
         for rank, ctx in by_rank.items():
-            sc = ctx.server_context if ctx is not None else None
-            if ctx is None or sc is None or type(sc).prefetch is ServerContext.prefetch or not ctx.executor.idle():
-                continue  # (queues_only is not asked: a prefetch only queues work whatever it says)
+            if ctx is None or not self._prefetches(ctx):
+                continue
             chunks = []
             for h in msg.hashes[:MAX_PREFETCH_CHUNKS]:
                 key = ChunkKey(msg.model_name, msg.world_size, rank, h)
@@ -971,14 +973,29 @@ class CacheServer:
                 if e is None or self.index.entries.get(key) is not e or e.state is not State.READY or not e.leases:
                     break  # a leading run of chunks still leased, as a retrieve loads them
                 chunks.append(StoredSlot(self.arena.view(e.offset, e.size), e.stamp))
-            if not chunks:
-                continue
-            try:
-                with plugin_step(ctx.transport, "prefetch"):
-                    sc.prefetch(chunks)
-            except Exception:  # noqa: BLE001  (a hint: its failure costs the retrieve its head start only)
-                log.exception("transport %s: prefetching %d chunks for instance %d failed", ctx.transport,
-                              len(chunks), ctx.instance_id)
+            if chunks:
+                self._prefetched_lease = lease_id
+            self._hand_prefetch(ctx, chunks)
+
+    @staticmethod
+    def _prefetches(ctx: RegisteredContext) -> bool:
+        """Whether ``ctx``'s server context implements ``prefetch`` and its lane is idle (queues_only
+        is not asked: a prefetch only queues work whatever it says)."""
+        sc = ctx.server_context
+        return sc is not None and type(sc).prefetch is not ServerContext.prefetch and ctx.executor.idle()
+
+    @staticmethod
+    def _hand_prefetch(ctx: RegisteredContext, chunks: list[StoredSlot]) -> None:
+        """``ctx``'s server context's ``prefetch(chunks)`` behind the error boundary (loop
+        thread; what it raises is logged only: a hint's failure costs a head start, no more)."""
+        if not chunks or ctx.server_context is None:
+            return
+        try:
+            with plugin_step(ctx.transport, "prefetch"):
+                ctx.server_context.prefetch(chunks)
+        except Exception:  # noqa: BLE001
+            log.exception("transport %s: prefetching %d chunks for instance %d failed", ctx.transport,
+                          len(chunks), ctx.instance_id)
 
     def _chunk_format(self, key: ChunkKey) -> str | None:
         """The chunk format of a registered context whose chunks ``key`` names, if any. The
@@ -1196,8 +1213,20 @@ class CacheServer:
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
         res.in_flight = True
         res.missing = len(missing)
+        if layers is None and slot is None and not self.stats.in_flight and (
+                not msg.lease_id or msg.lease_id != self._prefetched_lease) and self._prefetches(ctx):
+            # a lone retrieve: its whole chunks are staged before its copies are planned, so that
+            # the first DMA starts now (the copies then find them by stamp, as after a lookup's
+            # prefetch; one of a lease its lookup had prefetched finds them staged already)
+            bpc = ctx.layout.blocks_per_chunk(ctx.chunk_size)
+            views = [self.arena.view(e.offset, e.size) for _, e in res.entries[:MAX_PREFETCH_CHUNKS]]
+            self._hand_prefetch(ctx, [StoredSlot(v, e.stamp) for v, (i, e) in zip(views, res.entries)
+                                      if (i + first) * bpc >= skip_blocks])
+        else:
+            views = []
+        views += [self.arena.view(e.offset, e.size) for _, e in res.entries[len(views):]]  # (the staged ones made once)
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
-                             [(i + first, self.arena.view(e.offset, e.size)) for i, e in res.entries], skip_blocks,
+                             [(i + first, v) for (i, _), v in zip(res.entries, views)], skip_blocks,
                              [e.stamp for _, e in res.entries])
         if layers is not None:
             copies = layer_slice(copies, layers.start, layers.stop)

@@ -623,9 +623,12 @@ class ServerContext(ABC, Generic[R, P]):
     def prefetch(self, chunks: list[StoredSlot]) -> None:
         """Optional: ``chunks`` were just leased by a lookup that asked for a prefetch (its
         leading run, at most :data:`kvxfer.copies.MAX_PREFETCH_CHUNKS`), and this registration
-        is the one of their rank that will load them (the only one of its model and rank).
+        is the one of their rank that will load them (the only one of its model and rank); or
+        a retrieve of this registration that found nothing else in flight has just reserved
+        them (its whole chunks, before its copies are planned and :meth:`retrieve` is called).
         Start moving them toward the device (e.g. into staging) so that a retrieve whose
-        :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from the arena again.
+        :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from the arena again;
+        chunks staged already (the same stamp) are best kept, not copied again.
         Runs on the server's loop, only while this context has no request queued or running
         (whatever :attr:`queues_only` says): it must only queue work, skip what it cannot do
         without waiting (e.g. before its first transfer made its staging), and queue none while its earlier

@@ -757,7 +757,8 @@ def test_a_prefetched_chunk_dropped_and_stored_again_is_loaded_from_its_new_byte
     assert b.submit_retrieve(hashes, into).result(30).loaded == [0, 1]
     for s, d in zip(new, dst):
         assert torch.equal(d[:, into], s[:, blocks])
-    assert _prefetch_figures(loop_client, model) == (2, 0)
+    # the lone retrieve staged its own chunks (their new stamps) and loaded those, not the old
+    assert _prefetch_figures(loop_client, model) == (4, 2)
     b.close()
 
 
@@ -784,6 +785,49 @@ def test_a_prefetch_is_given_the_first_max_prefetch_chunks_of_a_longer_lease(loo
     for s, d in zip(src, dst):
         assert torch.equal(d, s)
     assert _prefetch_figures(loop_client, model) == (MAX_PREFETCH_CHUNKS, MAX_PREFETCH_CHUNKS)
+    b.close()
+
+
+def test_a_lone_retrieve_stages_its_whole_chunks_before_planning_its_copies(loop_client, tmp_path: Path) -> None:
+    """A retrieve that finds nothing else in flight hands its whole chunks to its context's
+    prefetch before its copies are planned (a transport's first DMA then starts at once): with
+    no lookup before it, it loads both chunks from what it staged. One that skips into its first
+    chunk stages the whole chunks after it only; chunks a lookup's prefetch staged are not
+    staged again; a retrieve layer by layer stages nothing (its copies move parts of chunks)."""
+    model = "quick-lone-stage"
+    src, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=71)
+    _load_reversed(b, src, dst, hashes, blocks, 0)
+    assert _prefetch_figures(loop_client, model) == (2, 2)
+    assert b.submit_retrieve(hashes, blocks, skip_first_n_tokens=BLOCK_SIZE).result(30).loaded == [0, 1]
+    assert _prefetch_figures(loop_client, model) == (3, 3)
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, blocks[1:]], s[:, blocks[1:]])
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert _prefetch_figures(loop_client, model) == (5, 3)
+    _load_reversed(b, src, dst, hashes, blocks, reply.lease_id)
+    assert _prefetch_figures(loop_client, model) == (5, 5)
+    assert b.submit_retrieve(hashes, blocks, by_layer=True).result(30).loaded == [0, 1]
+    assert _prefetch_figures(loop_client, model) == (5, 5)
+    b.close()
+
+
+def test_a_retrieve_behind_another_transfer_stages_nothing_ahead(loop_client, tmp_path: Path) -> None:
+    """With another transfer in flight (here a store of another model, held at the server) the
+    copy engines are that transfer's: a retrieve plans and copies as it comes, from the arena."""
+    from kvxfer_test_transport import LoopParams
+
+    model = "quick-behind"
+    src, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=81)
+    busy = loop_client.register(shared_kv(tmp_path, "busy-behind"), model_name="busy-behind",
+                                block_size=BLOCK_SIZE, transport="test_loop")
+    gate = fifo(tmp_path, "behind-busy")
+    held = loop_client.submit(m.Store(busy.instance_id, [b"\x08" * 16], list(range(BLOCKS_PER_CHUNK)),
+                                      msgspec_raw(LoopParams(hold_until=str(gate)))))
+    _load_reversed(b, src, dst, hashes, blocks, 0)
+    assert _prefetch_figures(loop_client, model) == (0, 0)
+    release(gate)
+    assert held.result(30).stored == [0]
+    busy.close()
     b.close()
 
 

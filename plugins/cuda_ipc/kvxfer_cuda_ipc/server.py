@@ -493,29 +493,43 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
     def prefetch(self, chunks: list[StoredSlot]) -> None:
         """Queue one DMA per chunk (the first ``K``) from its arena slot into a staging buffer,
         on the copy stream; the next retrieve scatters the chunks it finds there (matched by
-        stamp, address and size) instead of copying them again. What an earlier prefetch
-        staged and no retrieve took is dropped; so is all of it at the next store or retrieve.
+        stamp, address and size) instead of copying them again. A chunk an earlier prefetch
+        staged stays staged, without a second DMA, if it is among ``chunks`` (the server stages a
+        lone retrieve's chunks again after its lookup's); the rest of it is dropped, and all of
+        it at the next store or retrieve.
         Nothing is queued while the copy stream still runs anything (an earlier prefetch's DMAs,
         a request's): lookups may ask for prefetches faster than the DMA engine moves them, and
         DMAs that no retrieve takes must not pile up ahead of the next one. Nor while the ring's
         buffers are smaller than a chunk (only layer parts moved so far): making it anew would
         wait for the device and allocate on the server's loop."""
-        nbytes = max(c.slot.numel() * c.slot.element_size() for c in chunks) if chunks else 0
-        if self._direct or not chunks or not self._ring or self._ring[0].numel() < nbytes or not self._copy.query():
+        ring = self._ring
+        if self._direct or not chunks or not ring:
+            return
+        # only the chunks the ring holds are looked at (this runs ahead of a lone retrieve's first DMA)
+        slots = [c.slot if c.slot.dtype == torch.uint8 else c.slot.view(torch.uint8) for c in chunks[:len(ring)]]
+        sizes = [s.numel() for s in slots]
+        if ring[0].numel() < max(sizes) or not self._copy.query():
             return
         cp = self._copy
-        with torch.cuda.device(self.device):
-            self._staged.clear()
-            for k, chunk in enumerate(chunks[:len(self._ring)]):
-                slot = chunk.slot.view(torch.uint8)
+        earlier, self._staged = self._staged, {}
+        todo = []
+        for chunk, slot, size in zip(chunks, slots, sizes):
+            was = earlier.pop(chunk.stamp, None)
+            if was is not None and was[1:] == (slot.data_ptr(), size):
+                self._staged[chunk.stamp] = was  # its DMA is done (the copy stream is idle)
+            else:
+                todo.append((chunk.stamp, slot, size))
+        held = {v[0] for v in self._staged.values()}
+        free = [k for k in range(len(ring)) if k not in held]
+        with torch.cuda.device(self.device), torch.cuda.stream(cp):
+            for (stamp, slot, size), k in zip(todo, free):
                 cp.wait_event(self._free[k])  # its previous chunk has left the buffer
-                with torch.cuda.stream(cp):
-                    _copy(self._ring[k][:slot.numel()], slot)
+                _copy(ring[k] if ring[k].numel() == size else ring[k][:size], slot)
                 self._ready[k].record(cp)
                 self._free[k].record(cp)  # a store's gather into the buffer waits for this DMA
-                self._staged[chunk.stamp] = (k, slot.data_ptr(), slot.numel())
+                self._staged[stamp] = (k, slot.data_ptr(), size)
         if self._totals is not None:
-            self._totals.add_prefetch(len(self._staged), 0)
+            self._totals.add_prefetch(len(todo), 0)
 
     def _ring_plan(self, copies: list[RowCopy]) -> tuple[list[int], set[int]]:
         """Each copy's ring buffer, and which copies find their chunk staged by a prefetch (the

@@ -326,6 +326,8 @@ def _scenario(h: _Harness, rng: random.Random, steps: int) -> None:
                 chunks = looked_up[rng.randrange(len(looked_up)):] + chunks[:rng.randint(0, 3)]
             cut = rng.choice([0, 0, 0, 1, ROWS - 1])
             layers = rng.choice([None, None, None, (0, 1), (1, 3), (0, LAYERS)])
+            if layers is None and not waiting and rng.random() < 0.5:  # a lone retrieve: the server stages
+                h.prefetch(chunks[1 if cut else 0:])  # its whole chunks before planning its copies
             w = h.retrieve(chunks, cut, layers)
             if w is not None:
                 waiting.append((w, set(chunks)))
@@ -393,6 +395,28 @@ def test_a_prefetch_does_not_queue_behind_an_earlier_prefetch_still_running(monk
     w()
     h.prefetch([2, 3])  # the stream is idle again
     assert h.totals.prefetched == 4
+    h.check()
+
+
+def test_chunks_a_prefetch_staged_are_not_copied_again_by_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server stages a lone retrieve's chunks after its lookup's prefetch staged some of
+    them: those stay where they are, without a second DMA, and only the others are copied
+    (into buffers no kept chunk holds); what the first staged and the second does not name is
+    dropped."""
+    h = _Harness(monkeypatch, 3)
+    h.warm()
+    h.prefetch([0, 1, 2])
+    h.sim.sync(h.ctx._copy.last)  # type: ignore[attr-defined]  # the DMAs are done
+    before = len(h.sim.ops)
+    h.prefetch([1, 2, 3])
+    dmas = [op for op in h.sim.ops[before:] if op.write]
+    assert [op.content[3] for op in dmas] == [h.arena.stamps[3]]
+    assert h.totals.prefetched == 4
+    assert sorted(h.ctx._staged) == sorted(h.arena.stamps[i] for i in (1, 2, 3))
+    assert len({v[0] for v in h.ctx._staged.values()}) == 3  # one buffer each
+    w = h.retrieve([1, 2, 3], 0, None)
+    assert w is not None and h.totals.hits == 3
+    w()
     h.check()
 
 
