@@ -8,8 +8,9 @@ Samples (see docs/metrics.md):
   (``op`` is ``store`` or ``retrieve``), their bytes, and the time from a request's start on
   the instance's worker to the end of its copies on the GPU;
 * ``kvxfer_cuda_ipc_prefetched_chunks_total``, ``kvxfer_cuda_ipc_prefetch_hits_total``: chunks
-  staged in device memory at a lookup that asked for a prefetch, and the retrieved chunks that
-  were found there (each one's DMA from the arena not run again);
+  staged in device memory by a prefetch (at a lookup that asked for one, or ahead of a lone
+  retrieve's copy plan), and the retrieved chunks that were found there (each one's DMA from the
+  arena not run again);
 * ``kvxfer_cuda_ipc_staging_bytes{device}``: device memory of the staging rings (``cuda:N``);
 * ``kvxfer_cuda_ipc_contexts{device}``: registrations open per device;
 * ``kvxfer_cuda_ipc_arena_pinned_bytes``: arena bytes registered as pinned host memory.
@@ -78,7 +79,7 @@ def metric_samples(totals: Mapping[str, tuple[int, int, float]], staging: Mappin
         ]
     out += [
         MetricSample("kvxfer_cuda_ipc_prefetched_chunks_total", "counter", prefetch[0], {},
-                     "Chunks staged in device memory at a lookup that asked for a prefetch."),
+                     "Chunks staged in device memory by a prefetch (a lookup's, or ahead of a lone retrieve's plan)."),
         MetricSample("kvxfer_cuda_ipc_prefetch_hits_total", "counter", prefetch[1], {},
                      "Retrieved chunks found staged by a prefetch (no DMA from the arena)."),
     ]
