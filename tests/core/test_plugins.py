@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -825,6 +826,17 @@ def test_a_lone_retrieve_of_a_prefetched_lease_stages_what_is_no_longer_staged(l
     assert _prefetch_figures(loop_client, model) == (2, 2)
     _load_reversed(b, src, dst, hashes, blocks, reply.lease_id)
     assert _prefetch_figures(loop_client, model) == (4, 4)
+    b.close()
+
+
+def test_a_lone_retrieve_past_its_deadline_stages_nothing(loop_client, tmp_path: Path) -> None:
+    """A retrieve that comes past its deadline copies nothing (its client stopped waiting): its
+    chunks are not staged either, so no DMA is queued for bytes nobody loads."""
+    model = "quick-late-stage"
+    _, _, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=95)
+    late = loop_client.submit(m.Retrieve(b.instance_id, hashes, blocks, deadline=time.time() - 60)).result(30)
+    assert late.loaded == [] and late.missing == [0, 1]
+    assert _prefetch_figures(loop_client, model) == (0, 0)
     b.close()
 
 
