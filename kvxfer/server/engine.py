@@ -332,9 +332,6 @@ class CacheServer:
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
         #: Requests waiting on L2 (_Awaiting), in all; each session counts its own.
         self._waiting = 0
-        #: The lease of the last lookup whose chunks were handed to a prefetch: its retrieves
-        #: are not staged again (what the prefetch staged serves them).
-        self._prefetched_lease = 0
         #: The L2 tier under the arena (``--l2``), or None.
         self.tier: L2Tier | None = None
         try:
@@ -950,13 +947,13 @@ class CacheServer:
             self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(entries.values()))
             lease_id = self.index.lease(entries, msg.lease_s, usage)
             if msg.prefetch:  # right after the reply is sent
-                self._mq.after_reply(functools.partial(self._prefetch, msg, entries, lease_id))
+                self._mq.after_reply(functools.partial(self._prefetch, msg, entries))
         return m.LookupReply(hits, lease_id, l2_hits)
 
-    def _prefetch(self, msg: m.Lookup, entries: dict[ChunkKey, Entry], lease_id: int) -> None:
-        """``Lookup.prefetch``: give the chunks a lookup leased (``entries``, lease ``lease_id``)
-        to the server context of each rank's one registered instance of the model, if its
-        transport prefetches and nothing is in flight (loop thread; errors are logged only)."""
+    def _prefetch(self, msg: m.Lookup, entries: dict[ChunkKey, Entry]) -> None:
+        """``Lookup.prefetch``: give the chunks a lookup leased (``entries``) to the server
+        context of each rank's one registered instance of the model, if its transport
+        prefetches and nothing is in flight (loop thread; errors are logged only)."""
         if self.stats.in_flight:
             return  # transfers are running: the copy engines are theirs
         by_rank: dict[int, RegisteredContext | None] = {}
@@ -973,8 +970,6 @@ class CacheServer:
                 if e is None or self.index.entries.get(key) is not e or e.state is not State.READY or not e.leases:
                     break  # a leading run of chunks still leased, as a retrieve loads them
                 chunks.append(StoredSlot(self.arena.view(e.offset, e.size), e.stamp))
-            if chunks:
-                self._prefetched_lease = lease_id
             self._hand_prefetch(ctx, chunks)
 
     @staticmethod
@@ -1213,11 +1208,14 @@ class CacheServer:
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
         res.in_flight = True
         res.missing = len(missing)
-        if layers is None and slot is None and not self.stats.in_flight and (
-                not msg.lease_id or msg.lease_id != self._prefetched_lease) and self._prefetches(ctx):
+        if layers is None and slot is None and not self.stats.in_flight and self._prefetches(ctx) and not (
+                msg.deadline and time.time() > msg.deadline):
             # a lone retrieve: its whole chunks are staged before its copies are planned, so that
             # the first DMA starts now (the copies then find them by stamp, as after a lookup's
-            # prefetch; one of a lease its lookup had prefetched finds them staged already)
+            # prefetch; not one past its deadline already: it will copy nothing). A lease its
+            # lookup had prefetched is handed again: the core cannot tell whether that prefetch
+            # staged anything (its copy stream busy, say) or whether a transfer since took or
+            # dropped it, and the context keeps what it staged already.
             bpc = ctx.layout.blocks_per_chunk(ctx.chunk_size)
             views = [self.arena.view(e.offset, e.size) for _, e in res.entries[:MAX_PREFETCH_CHUNKS]]
             self._hand_prefetch(ctx, [StoredSlot(v, e.stamp) for v, (i, e) in zip(views, res.entries)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -792,8 +793,9 @@ def test_a_lone_retrieve_stages_its_whole_chunks_before_planning_its_copies(loop
     """A retrieve that finds nothing else in flight hands its whole chunks to its context's
     prefetch before its copies are planned (a transport's first DMA then starts at once): with
     no lookup before it, it loads both chunks from what it staged. One that skips into its first
-    chunk stages the whole chunks after it only; chunks a lookup's prefetch staged are not
-    staged again; a retrieve layer by layer stages nothing (its copies move parts of chunks)."""
+    chunk stages the whole chunks after it only; chunks a lookup's prefetch staged are handed
+    again and kept, not copied again; a retrieve layer by layer stages nothing (its copies move
+    parts of chunks)."""
     model = "quick-lone-stage"
     src, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=71)
     _load_reversed(b, src, dst, hashes, blocks, 0)
@@ -808,6 +810,33 @@ def test_a_lone_retrieve_stages_its_whole_chunks_before_planning_its_copies(loop
     assert _prefetch_figures(loop_client, model) == (5, 5)
     assert b.submit_retrieve(hashes, blocks, by_layer=True).result(30).loaded == [0, 1]
     assert _prefetch_figures(loop_client, model) == (5, 5)
+    b.close()
+
+
+def test_a_lone_retrieve_of_a_prefetched_lease_stages_what_is_no_longer_staged(loop_client, tmp_path: Path) -> None:
+    """The core cannot tell whether a lookup's prefetch staged anything (cuda_ipc queues nothing
+    while its copy stream runs) or whether a transfer since took it: the lone retrieve of that
+    lease is staged like any other. Here another retrieve took what the lookup's prefetch
+    staged; the lease's retrieve then stages its chunks again and loads them from there."""
+    model = "quick-lease-restage"
+    src, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=91)
+    reply = loop_client.lookup_and_lease(model, 1, hashes=hashes, lease_s=30, prefetch=True)
+    assert _prefetch_figures(loop_client, model) == (2, 0)
+    _load_reversed(b, src, dst, hashes, blocks, 0)  # takes what the lookup's prefetch staged
+    assert _prefetch_figures(loop_client, model) == (2, 2)
+    _load_reversed(b, src, dst, hashes, blocks, reply.lease_id)
+    assert _prefetch_figures(loop_client, model) == (4, 4)
+    b.close()
+
+
+def test_a_lone_retrieve_past_its_deadline_stages_nothing(loop_client, tmp_path: Path) -> None:
+    """A retrieve that comes past its deadline copies nothing (its client stopped waiting): its
+    chunks are not staged either, so no DMA is queued for bytes nobody loads."""
+    model = "quick-late-stage"
+    _, _, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=95)
+    late = loop_client.submit(m.Retrieve(b.instance_id, hashes, blocks, deadline=time.time() - 60)).result(30)
+    assert late.loaded == [] and late.missing == [0, 1]
+    assert _prefetch_figures(loop_client, model) == (0, 0)
     b.close()
 
 

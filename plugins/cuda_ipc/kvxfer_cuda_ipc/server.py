@@ -512,17 +512,19 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             return
         cp = self._copy
         earlier, self._staged = self._staged, {}
-        todo = []
+        todo: dict[int, tuple[torch.Tensor, int]] = {}
         for chunk, slot, size in zip(chunks, slots, sizes):
+            if chunk.stamp in self._staged or chunk.stamp in todo:
+                continue  # a chunk named twice (a retrieve may repeat a hash) is staged once
             was = earlier.pop(chunk.stamp, None)
             if was is not None and was[1:] == (slot.data_ptr(), size):
                 self._staged[chunk.stamp] = was  # its DMA is done (the copy stream is idle)
             else:
-                todo.append((chunk.stamp, slot, size))
+                todo[chunk.stamp] = (slot, size)
         held = {v[0] for v in self._staged.values()}
         free = [k for k in range(len(ring)) if k not in held]
         with torch.cuda.device(self.device), torch.cuda.stream(cp):
-            for (stamp, slot, size), k in zip(todo, free):
+            for (stamp, (slot, size)), k in zip(todo.items(), free):
                 cp.wait_event(self._free[k])  # its previous chunk has left the buffer
                 _copy(ring[k] if ring[k].numel() == size else ring[k][:size], slot)
                 self._ready[k].record(cp)

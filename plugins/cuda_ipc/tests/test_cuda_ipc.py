@@ -508,13 +508,16 @@ def test_an_instance_that_only_loads_is_prefetched_from_its_second_load(server: 
 
 
 @needs_cuda
-@pytest.mark.parametrize(("looked_up", "skip", "hits"), [
-    (0, 0, 2),    # the ring's two buffers staged with the first two chunks: both scattered from there
-    (0, 48, 1),   # the first chunk cut by the skip is copied from the arena; the second found staged
-    (3, 0, 1),    # chunks 3 and 4 staged: chunk 0 needs a buffer, so chunk 4 gives its up
+@pytest.mark.parametrize(("looked_up", "skip", "hits", "hits_restaged"), [
+    (0, 0, 2, 2),    # the ring's two buffers staged with the first two chunks: both scattered from there
+    (0, 48, 1, 1),   # the first chunk cut by the skip is copied from the arena; the second found staged
+    (3, 0, 1, 2),    # chunks 3 and 4 staged: chunk 0 needs a buffer, so chunk 4 gives its up
 ])
 def test_a_lookup_with_prefetch_stages_the_leased_chunks_and_the_retrieve_loads_exact_bytes(
-        server: ServerProcess, looked_up: int, skip: int, hits: int) -> None:
+        server: ServerProcess, looked_up: int, skip: int, hits: int, hits_restaged: int) -> None:
+    """``hits_restaged``: the retrieve is lone, so the server stages its whole chunks too; once
+    the lookup's DMAs are done (else nothing is queued) the ring then holds its first two chunks
+    (after a cut first one: the one staged at the lookup, kept, and the next)."""
     n = 5
     client = CacheClient(server.url)
     try:
@@ -527,11 +530,12 @@ def test_a_lookup_with_prefetch_stages_the_leased_chunks_and_the_retrieve_loads_
         dst_blocks = list(range(128, 128 + n * 16))
         res = b.submit_retrieve(keys, dst_blocks, skip_first_n_tokens=skip, lease_id=reply.lease_id).result(60)
         assert res.loaded == list(range(n))
+        restaged = _prefetch_figures(client)[0] - staged[0]
         first = skip // 16
         want = get_chunks(as_bytes([t.cpu() for t in src]), SPEC, src_blocks[first:], 1)
         got = get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, dst_blocks[first:], 1)
         assert torch.equal(got, want)
-        assert _prefetch_figures(client)[1] - staged[1] == hits
+        assert _prefetch_figures(client)[1] - staged[1] == (hits if restaged == 0 else hits_restaged)
         b.close()
     finally:
         client.close()
@@ -542,7 +546,8 @@ def test_what_a_prefetch_staged_is_not_loaded_after_a_store_or_for_chunks_stored
     """A store between the prefetch and the retrieve reuses the ring: it stores its own bytes
     (its gathers wait for the prefetch's DMAs into the same buffers), and nothing staged is
     used. Chunks dropped and stored again under the same keys (other bytes, perhaps in the
-    same slots) are new chunks to the prefetch: they load as stored now."""
+    same slots) are new chunks to the prefetch: they load as stored now. (Each retrieve here is
+    lone: the server stages its chunks itself, and it may find those.)"""
     n = 2
     client = CacheClient(server.url)
     try:
@@ -561,10 +566,13 @@ def test_what_a_prefetch_staged_is_not_loaded_after_a_store_or_for_chunks_stored
         assert b.submit_retrieve(key, list(range(192, 208))).result(60).loaded == [0]
         assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, list(range(192, 208)), 1), stored)
         after = _prefetch_figures(client)
-        assert after[0] - before[0] == 2 and after[1] == before[1]
+        # of what the lookup's prefetch staged (2 chunks), nothing was scattered: every hit is a
+        # chunk a lone retrieve staged itself after the store
+        assert after[0] - before[0] >= 2 and after[1] - before[1] == after[0] - before[0] - 2
 
         reply = client.lookup_and_lease("prefetch-stale", 1, hashes=keys, lease_s=30, prefetch=True)
-        assert _prefetch_figures(client)[0] - after[0] == 2
+        looked = _prefetch_figures(client)
+        assert looked[0] - after[0] == 2
         client.release_lease(reply.lease_id)
         assert client.clear("prefetch-stale") >= 2
         new = make_kv(SPEC, "cuda", seed=23)
@@ -574,7 +582,9 @@ def test_what_a_prefetch_staged_is_not_loaded_after_a_store_or_for_chunks_stored
         assert b.submit_retrieve(keys, list(range(160, 192))).result(60).loaded == [0, 1]
         want = get_chunks(as_bytes([t.cpu() for t in new]), SPEC, src_blocks, 1)
         assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), SPEC, list(range(160, 192)), 1), want)
-        assert _prefetch_figures(client)[1] == after[1]
+        end = _prefetch_figures(client)  # the old stamps staged at the lookup never hit; the new ones
+        assert end[1] - looked[1] == end[0] - looked[0]  # the retrieve staged itself may
+
         b.close()
     finally:
         client.close()

@@ -420,6 +420,25 @@ def test_chunks_a_prefetch_staged_are_not_copied_again_by_the_next(monkeypatch: 
     h.check()
 
 
+def test_a_chunk_named_twice_is_staged_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retrieve may name one hash twice: the server hands its chunk twice, and one DMA stages
+    it (the retrieve can take one staged copy of a stamp only), also when it is staged already."""
+    h = _Harness(monkeypatch, 3)
+    h.warm()
+    before = len(h.sim.ops)
+    h.prefetch([0, 0, 1])
+    assert [op.content[3] for op in h.sim.ops[before:] if op.write] == [h.arena.stamps[0], h.arena.stamps[1]]
+    h.sim.sync(h.ctx._copy.last)  # type: ignore[attr-defined]  # the DMAs are done
+    before = len(h.sim.ops)
+    h.prefetch([0, 0, 2])
+    assert [op.content[3] for op in h.sim.ops[before:] if op.write] == [h.arena.stamps[2]]
+    assert h.totals.prefetched == 3
+    w = h.retrieve([0, 0, 2], 0, None)
+    assert w is not None and h.totals.hits == 2
+    w()
+    h.check()
+
+
 def test_a_prefetch_never_makes_the_ring_anew(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ring holds only layer parts so far: making it chunk-sized would wait for the device
     and allocate on the server's loop, so the prefetch does nothing; once a whole chunk has
