@@ -533,43 +533,43 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         if self._totals is not None:
             self._totals.add_prefetch(len(todo), 0)
 
-    def _ring_plan(self, copies: list[RowCopy]) -> tuple[list[int], set[int]]:
-        """Each copy's ring buffer, and which copies find their chunk staged by a prefetch (the
-        whole chunk, same stamp, address and size): those are only scattered. A buffer that
-        holds a later copy's staged chunk is not given to an earlier copy, unless every buffer
-        does (then that later copy is copied from the arena like the others)."""
+    def _ring_plan(self, copies: list[RowCopy]) -> tuple[list[int], list[int], set[int]]:
+        """Each copy's ring buffer, the order the copies are queued in, and which copies find
+        their chunk staged by a prefetch (the whole chunk, same stamp, address and size): those
+        keep their buffer, need no DMA and come first, so that the other copies may take any
+        buffer after its staged chunk is scattered (a copy cut by a skip, say, never takes
+        the buffer of a staged chunk that would then be copied again). The other copies take
+        the buffers no staged chunk holds first (their DMAs can start at once), then the staged
+        chunks' buffers in the order those are scattered, round and round."""
         staged, self._staged = self._staged, {}  # what this request does not take is dropped
-        k_n = len(self._ring)
-        pending: dict[int, int] = {}  # buffer -> the copy whose staged chunk it holds
+        hits: dict[int, int] = {}  # copy -> the buffer holding its staged chunk
+        taken: set[int] = set()
         for i, c in enumerate(copies):
             k, ptr, nbytes = staged.get(c.stamp, (-1, 0, 0)) if c.stamp else (-1, 0, 0)
-            if k >= 0 and k not in pending and c.slot.is_contiguous() and c.slot.data_ptr() == ptr \
+            if k >= 0 and k not in taken and c.slot.is_contiguous() and c.slot.data_ptr() == ptr \
                     and c.slot.numel() * c.slot.element_size() == nbytes:
-                pending[k] = i
-        hits = {i: k for k, i in pending.items()}
-        ring: list[int] = []
-        nxt = 0
+                hits[i] = k
+                taken.add(k)
+        cycle = [k for k in range(len(self._ring)) if k not in taken] + list(hits.values())
+        ring = [0] * len(copies)
+        order = list(hits)
+        n = 0
         for i in range(len(copies)):
             if i in hits:
-                ring.append(hits[i])
-                del pending[hits[i]]
-                continue
-            free = [k % k_n for k in range(nxt, nxt + k_n) if k % k_n not in pending]
-            if free:
-                k = free[0]
-            else:  # every buffer holds a later copy's staged chunk: the last of those copies gives its up
-                k = max(pending, key=pending.__getitem__)
-                del hits[pending.pop(k)]
-            ring.append(k)
-            nxt = k + 1
-        return ring, set(hits)
+                ring[i] = hits[i]
+            else:
+                ring[i] = cycle[n % len(cycle)]
+                n += 1
+                order.append(i)
+        return ring, order, set(hits)
 
     def _retrieve(self, copies: list[RowCopy]) -> torch.cuda.Event:
         """The DMAs into ring buffers no earlier copy of the request uses are queued before the
         row ids are uploaded (they do not need them): the copy engine starts while this thread
-        prepares the scatters. Copies whose chunk a prefetch staged need no DMA."""
+        prepares the scatters. Copies whose chunk a prefetch staged need no DMA, and are
+        scattered first (:meth:`_ring_plan`)."""
         comp, cp = self._compute, self._copy
-        ring, hits = self._ring_plan(copies)
+        ring, order, hits = self._ring_plan(copies)
         if hits and self._totals is not None:
             self._totals.add_prefetch(0, len(hits))
 
@@ -593,19 +593,20 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
 
         early: set[int] = set()
         used: set[int] = set()
-        for i, k in enumerate(ring):
+        for i in order:
+            k = ring[i]
             if i not in hits and k not in used:
                 dma(i)
                 early.add(i)
             used.add(k)
         idx = self._upload_rows(copies)
-        for i, (c, rows) in enumerate(zip(copies, idx)):
+        for i in order:
             k = ring[i]
             if i not in hits and i not in early:
                 dma(i)
             comp.wait_event(self._ready[k])
             with torch.cuda.stream(comp):
-                self._scatter(rows, view(i)[1], c.first_layer)
+                self._scatter(idx[i], view(i)[1], copies[i].first_layer)
             self._free[k].record(comp)
         return _recorded(comp)
 

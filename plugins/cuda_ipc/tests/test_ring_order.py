@@ -439,6 +439,22 @@ def test_a_chunk_named_twice_is_staged_once(monkeypatch: pytest.MonkeyPatch) -> 
     h.check()
 
 
+def test_a_copy_cut_by_a_skip_waits_for_a_staged_buffer_instead_of_taking_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone retrieve whose first chunk a skip cuts has its whole chunks staged in every
+    buffer of the ring: the staged copies are scattered first, and the cut copy's DMA goes into
+    the first of their buffers once it is free, so no staged chunk is copied twice."""
+    h = _Harness(monkeypatch, 3)
+    h.warm()
+    h.prefetch([1, 2, 3])
+    staged = len(h.sim.ops)
+    w = h.retrieve([0, 1, 2, 3], 1, None)
+    assert w is not None
+    w()
+    dmas = [op for op in h.sim.ops[staged:] if op.write]
+    assert len(dmas) == 1 and h.totals.hits == 3  # the cut chunk's rows only
+    h.check()
+
+
 def test_a_prefetch_never_makes_the_ring_anew(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ring holds only layer parts so far: making it chunk-sized would wait for the device
     and allocate on the server's loop, so the prefetch does nothing; once a whole chunk has
