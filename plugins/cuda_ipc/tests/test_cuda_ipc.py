@@ -510,14 +510,17 @@ def test_an_instance_that_only_loads_is_prefetched_from_its_second_load(server: 
 @needs_cuda
 @pytest.mark.parametrize(("looked_up", "skip", "hits", "hits_restaged"), [
     (0, 0, 2, 2),    # the ring's two buffers staged with the first two chunks: both scattered from there
-    (0, 48, 1, 1),   # the first chunk cut by the skip is copied from the arena; the second found staged
-    (3, 0, 1, 2),    # chunks 3 and 4 staged: chunk 0 needs a buffer, so chunk 4 gives its up
+    (0, 48, 1, 2),   # the first chunk cut by the skip is copied from the arena; the second found staged
+                     # (restaged: the second and third; the cut copy waits for a buffer they free)
+    (3, 0, 2, 2),    # chunks 3 and 4 staged (restaged: 0 and 1): scattered first, the others take
+                     # their buffers once they are free
 ])
 def test_a_lookup_with_prefetch_stages_the_leased_chunks_and_the_retrieve_loads_exact_bytes(
         server: ServerProcess, looked_up: int, skip: int, hits: int, hits_restaged: int) -> None:
     """``hits_restaged``: the retrieve is lone, so the server stages its whole chunks too; once
     the lookup's DMAs are done (else nothing is queued) the ring then holds its first two chunks
-    (after a cut first one: the one staged at the lookup, kept, and the next)."""
+    (after a cut first one: the one staged at the lookup, kept, and the next). Staged chunks are
+    never given up to another copy, so none is copied twice."""
     n = 5
     client = CacheClient(server.url)
     try:
