@@ -232,7 +232,7 @@ def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]],
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvxfer.hashing import chunk_hashes
-    from kvxfer.testing.server import ServerProcess
+    from kvxfer.testing.server import ServerProcess, transports_for
 
     device = torch.device(args.device)
     dtype = dtype_from_name(args.dtype)
@@ -258,7 +258,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         server = None
         url = args.url
         if url is None:
-            server = ServerProcess(l1_size=str(l1), chunk_size=chunk_size, transports=args.server_transports,
+            server = ServerProcess(l1_size=str(l1), chunk_size=chunk_size,
+                                   transports=transports_for(args.transport, args.server_transports),
                                    extra_args=busy_poll_args(args))
             server.start()
             url = server.url
@@ -353,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests outstanding at once; 1 times each request alone (default: %(default)s)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: fits all)")
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
-    p.add_argument("--server-transports", default="", help="--transports of the started server (default: all)")
+    p.add_argument("--server-transports", default="",
+                   help="--transports of the started server (default: the --transport benchmarked)")
     add_busy_poll_argument(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH",

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from kvxfer.client import CacheClient
     from kvxfer.hashing import chunk_hashes
-    from kvxfer.testing.server import ServerProcess
+    from kvxfer.testing.server import ServerProcess, transports_for
 
     device = torch.device(args.device)
     kind = LayoutKind(args.layout)
@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     server = None
     url = args.url
     if url is None:
-        server = ServerProcess(l1_size=l1, chunk_size=chunk, transports=args.server_transports,
+        server = ServerProcess(l1_size=l1, chunk_size=chunk,
+                               transports=transports_for(args.transport, args.server_transports),
                                extra_args=busy_poll_args(args))
         server.start()
         url = server.url
@@ -210,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layerwise", action="store_true", help="also time layer-by-layer loads (by_layer=True)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: 3 longest prefixes)")
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
-    p.add_argument("--server-transports", default="", help="--transports of the started server (default: all)")
+    p.add_argument("--server-transports", default="",
+                   help="--transports of the started server (default: the --transport benchmarked)")
     add_busy_poll_argument(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH",

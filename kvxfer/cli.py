@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -445,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--url", default=None, help="use a running server instead of starting one (one host only)")
     s.add_argument("--nodes", type=int, default=1, choices=(1, 2),
                    help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B")
-    s.add_argument("--l2", default="valkey", help="the L2 store of --nodes 2 (default: %(default)s)")
+    s.add_argument("--l2", default=None, help="the L2 store of --nodes 2 (default: valkey)")
     s.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("bench", help="transfer benchmark (see benchmarks/transfer.py --help)", add_help=False)
@@ -459,10 +460,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own parser: argparse.REMAINDER drops leading options
         from kvxfer.bench import main as bench_main
 
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+        command, run = "bench", functools.partial(bench_main, argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command, run = args.command, functools.partial(args.fn, args)
     try:
-        code = int(args.fn(args) or 0)
+        code = int(run() or 0)
         sys.stdout.flush()  # here, so that a closed pipe is caught below rather than at exit
         return code
     except BrokenPipeError:
@@ -470,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except KvxferError as exc:
-        print(f"kvxfer {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvxfer {command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

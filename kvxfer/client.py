@@ -267,7 +267,8 @@ class CacheClient:
             registry.get_transport(name)
             raise TransportUnavailable(
                 f"the server at {self.url} did not load transport {name!r}; it has "
-                f"{', '.join(self.server_transports)}. Restart it with --transports {name}"
+                f"{', '.join(self.server_transports)}. Start it with `kvxfer serve --transports {name}` (or a list "
+                f"naming {name})"
             )
         try:
             return registry.select(name, device, among=self.server_transports, kv=(layout, layers))

@@ -32,19 +32,26 @@ HEADS, HEAD_SIZE = 8, 128
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kvxfer.testing.server import ServerProcess
+    from kvxfer.errors import ConfigError
+    from kvxfer.testing.server import ServerProcess, transports_for
 
-    if getattr(args, "nodes", 1) == 2:
+    nodes = getattr(args, "nodes", 1)
+    if nodes == 2:
+        if args.url is not None:
+            raise ConfigError("--url: the two-host demo starts its own servers and L2 store; leave --url out, "
+                              "or run the one-host demo (--nodes 1) against that server")
         return run_two_hosts(args)
-    if getattr(args, "nodes", 1) != 1:
-        from kvxfer.errors import ConfigError
-
+    if nodes != 1:
         raise ConfigError(f"--nodes {args.nodes}: the demo runs 1 host, or 2 sharing an L2 store")
+    if getattr(args, "l2", None) is not None:
+        raise ConfigError("--l2: only the two-host demo (--nodes 2) uses an L2 store; a server of your own "
+                          "takes it as `kvxfer serve --l2`")
     server = None
     url = args.url
     if url is None:
+        transports = transports_for(args.transport)  # an unknown name is refused before the arena is made
         print(f"starting a kvxfer server (arena {args.l1_size}) ...", flush=True)
-        server = ServerProcess(l1_size=args.l1_size).start()
+        server = ServerProcess(l1_size=args.l1_size, transports=transports).start()
         url = server.url
     try:
         return _demo(url, args)
@@ -149,9 +156,9 @@ def run_two_hosts(args: argparse.Namespace) -> int:
     from kvxfer.store import LocalInstance, get_store
     from kvxfer.testing.server import ServerProcess
 
-    store = get_store(args.l2)
+    store = get_store(args.l2 or "valkey")
     if not store.capabilities.shared or not isinstance(store, LocalInstance):
-        raise ConfigError(f"--l2 {args.l2}: the two-host demo needs a store that several servers share and that can "
+        raise ConfigError(f"--l2 {store.name}: the two-host demo needs a store that several servers share and that can "
                           "start a local instance (valkey: pip install 'kvxfer-valkey[server]')")
     with tempfile.TemporaryDirectory(prefix="kvxfer-demo-") as tmp, store.local_instance(Path(tmp)) as url:
         print(f"L2: a private {store.name} at {store.redact(url)}")

@@ -57,7 +57,7 @@ from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
 from kvxfer.urls import ipc_path, socket_dir_hint
 
-__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path", "request_queue"]
+__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path", "refuse_if_served", "request_queue"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,14 @@ class CurveServerKeys:
     public: bytes
     secret: bytes
     authorized_dir: Path
+
+
+def refuse_if_served(url: str) -> None:
+    """Raise ConfigError if a server already listens at ``ipc://`` ``url``: a server checks it
+    before it makes its arena (seconds for a large one), and again when it binds."""
+    path = ipc_path(url)
+    if path is not None and os.path.lexists(path) and stat.S_ISSOCK(os.lstat(path).st_mode) and _socket_is_live(path):
+        raise ConfigError(f"a server is already listening at {url}; stop it or choose another --url")
 
 
 def _socket_is_live(path: Path) -> bool:

@@ -56,7 +56,7 @@ from kvxfer.errors import (
     VersionMismatch,
 )
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
-from kvxfer.mq.server import MQServer
+from kvxfer.mq.server import MQServer, refuse_if_served
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind
@@ -300,6 +300,7 @@ class CacheServer:
         self.config = config
         if config.l2 is not None:  # an unknown store fails before anything is created
             get_store(config.l2.store)
+        refuse_if_served(config.url)  # so does a second server at one socket, before its arena
         self.started = time.time()
         self.hooks = hooks if hooks is not None else HookRelay()
         self.arena = Arena.create(config.l1_size, config.shm_dir)

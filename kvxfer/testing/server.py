@@ -29,7 +29,7 @@ from kvxfer.errors import ConnectionFailed
 if TYPE_CHECKING:
     from kvxfer.mq.client import CurveClientKeys
 
-__all__ = ["ServerProcess"]
+__all__ = ["ServerProcess", "transports_for"]
 
 
 class ServerProcess:
@@ -139,3 +139,16 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._tmp.cleanup()
+
+
+def transports_for(transport: str, given: str = "") -> str:
+    """The ``--transports`` of a server started to serve ``transport`` (the benchmarks', the
+    demo's): ``given`` when set, else ``transport`` itself, so that a transport the server's
+    default leaves out (``file_debug``) is loaded too, or the default for ``auto``. An unknown
+    name raises TransportNotFound (listing what is installed) before any server starts."""
+    from kvxfer.transport import registry
+
+    if given or transport == registry.AUTO:
+        return given
+    registry.get_transport(transport, require_available=False)
+    return transport

@@ -278,3 +278,40 @@ def test_the_vllm_connector_prefetches_unless_it_loads_layer_by_layer() -> None:
     assert not ConnectorConfig.from_mapping({"kvxfer.prefetch": "false"}, **args).prefetch
     with pytest.raises(ConfigError, match="kvxfer.prefetch is true with kvxfer.layerwise.*set kvxfer.prefetch false"):
         ConnectorConfig.from_mapping({"kvxfer.layerwise": True, "kvxfer.prefetch": True}, **args)
+
+
+@pytest.mark.parametrize("argv", [
+    ("bench", "--transport", "nope", "--layers", "2", "--iters", "1"),
+    ("bench", "--prefix", "--transport", "nope", "--layers", "2", "--iters", "1"),
+    ("demo", "--transport", "nope", "--layers", "2", "--l1-size", "64MiB"),
+])
+def test_an_unknown_transport_is_refused_in_one_line_before_any_server_starts(argv: tuple[str, ...]) -> None:
+    proc = run(*argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"kvxfer {argv[0]}: error:" in proc.stderr and "'nope'" in proc.stderr and "cpu_gather" in proc.stderr
+    assert "starting a kvxfer server" not in proc.stdout
+
+
+def test_the_demo_refuses_options_its_mode_would_ignore() -> None:
+    two = run("demo", "--nodes", "2", "--url", "ipc:///tmp/kvxfer-none/kvxfer.sock")
+    assert two.returncode == 2 and "--url: the two-host demo starts its own servers" in two.stderr
+    one = run("demo", "--l2", "valkey")
+    assert one.returncode == 2 and "--l2: only the two-host demo" in one.stderr
+
+
+def test_a_benchmark_loads_on_its_own_server_the_transport_it_measures() -> None:
+    """file_debug is not among a server's default transports: the server a benchmark starts
+    loads the one it measures all the same."""
+    proc = run("bench", "--prefix", "--transport", "file_debug", "--layers", "2", "--heads", "1",
+               "--prefix-chunks", "1", "--iters", "1", "--blocks", "64")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "file_debug" in proc.stdout
+
+
+def test_a_second_server_at_a_served_socket_is_refused_before_it_makes_its_arena(server) -> None:
+    """The check comes before the arena: here an arena larger than this host could ever make
+    would fail otherwise, and a large one that fits would take seconds to fault in first."""
+    proc = run("serve", "--url", server.url, "--l1-size", "64TiB")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"a server is already listening at {server.url}" in proc.stderr
