@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -99,7 +100,13 @@ class Arena:
             raise ConfigError(f"the arena size must be positive, got {size}")
         base = Path(shm_dir)
         if not base.is_dir():
-            raise ConfigError(f"shared-memory directory {base} does not exist; pass --shm-dir DIR")
+            what = "is not a directory" if os.path.lexists(base) else "does not exist"
+            raise ConfigError(f"shared-memory directory {base} {what}; pass --shm-dir DIR (a tmpfs directory)")
+        fs = filesystem_type(base)
+        if fs not in (None, "tmpfs", "hugetlbfs", "ramfs"):
+            logging.getLogger("kvxfer.arena").warning(
+                "%s is on a %s file system, not tmpfs: the arena's pages may be written back to disk; "
+                "pass --shm-dir with a tmpfs directory such as /dev/shm", base, fs)
         hint = "pass --shm-dir with a tmpfs directory of yours (or a sticky one such as /dev/shm)"
         check_trusted_parents(base / "x", "shared-memory directory", hint)
         cls.remove_stale(base)
@@ -250,3 +257,22 @@ class ArenaMapping:
         self.tensor = None  # type: ignore[assignment]  # the mapping is closed: nothing may use the view
         with contextlib.suppress(BufferError):
             self._mm.close()
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system ``path`` is on (``tmpfs``, ``ext4``, ...), from the longest
+    mount point above it in ``/proc/self/mounts``; None where that cannot be read."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, kind = "", None
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind

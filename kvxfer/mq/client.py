@@ -98,6 +98,9 @@ def ipc_server_ready(url: str) -> bool:
     path = ipc_path(url)
     if path is None:
         return True
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise ConfigError(f"{url} names the directory {path}, not a socket: name the server's socket in it "
+                          f"(`kvxfer serve` prints its url, e.g. ipc://{path / 'kvxfer.sock'})")
     what = "the server's socket directory"
     if not os.path.lexists(path.parent):
         return False
@@ -107,9 +110,11 @@ def ipc_server_ready(url: str) -> bool:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
-    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-        kind = "socket" if stat.S_ISSOCK(st.st_mode) else "file that is not a socket"
-        raise ConfigError(f"refusing to talk to {url}: {path} is a {kind} of uid {st.st_uid}, not of you "
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{url} is no server's socket: {path} is a file of another kind; nothing was sent "
+                          "(`kvxfer serve` prints the url of its socket)")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"refusing to talk to {url}: {path} is a socket of uid {st.st_uid}, not of you "
                           f"(uid {os.geteuid()}); nothing was sent. {socket_dir_hint()}")
     return True
 

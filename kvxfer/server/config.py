@@ -9,10 +9,10 @@ from kvxfer.errors import ConfigError
 from kvxfer.mq.server import CurveServerKeys
 from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
-from kvxfer.urls import default_url
+from kvxfer.urls import check_url, default_url
 
-__all__ = ["ServerConfig", "MAX_BUSY_POLL_S", "MAX_METRICS_MODELS", "MIN_MESSAGE_SIZE", "MAX_MESSAGE_SIZE",
-           "MAX_SESSION_TIMEOUT_S"]
+__all__ = ["ServerConfig", "MAX_BUSY_POLL_S", "MAX_METRICS_MODELS", "MIN_L1_SIZE", "MIN_MESSAGE_SIZE",
+           "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S"]
 
 #: Upper bound of ``metrics_max_models``: every model label multiplies the series per metric.
 MAX_METRICS_MODELS = 1024
@@ -20,6 +20,9 @@ MAX_METRICS_MODELS = 1024
 #: hundreds of KiB; ZeroMQ's limit is a signed 64-bit count, a Python bytes object far less.
 MIN_MESSAGE_SIZE = 64 << 10
 MAX_MESSAGE_SIZE = 1 << 31
+#: Smallest ``l1_size``: one page (a size given without a unit is bytes, and a few bytes are
+#: never what was meant).
+MIN_L1_SIZE = 4 << 10
 #: Longest ``session_timeout_s``: a dead client's registrations and reservations wait this long.
 MAX_SESSION_TIMEOUT_S = 3600.0
 #: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
@@ -65,10 +68,12 @@ class ServerConfig:
     busy_poll_s: float = 0.0
 
     def __post_init__(self) -> None:
+        check_url(self.url)
         if self.chunk_size <= 0:
-            raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
-        if self.l1_size <= 0:
-            raise ConfigError(f"l1_size must be positive, got {self.l1_size}")
+            raise ConfigError(f"--chunk-size must be a positive number of tokens, got {self.chunk_size}")
+        if self.l1_size < MIN_L1_SIZE:
+            raise ConfigError(f"--l1-size must be at least {MIN_L1_SIZE >> 10} KiB (a size takes a unit: 64MiB, 4GiB), "
+                              f"got {self.l1_size} bytes")
         if not 0 < self.session_timeout_s <= MAX_SESSION_TIMEOUT_S:  # NaN fails too
             raise ConfigError(f"--session-timeout must be in (0, {MAX_SESSION_TIMEOUT_S:g}] seconds, got "
                               f"{self.session_timeout_s!r}")

@@ -315,3 +315,48 @@ def test_a_second_server_at_a_served_socket_is_refused_before_it_makes_its_arena
     proc = run("serve", "--url", server.url, "--l1-size", "64TiB")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"a server is already listening at {server.url}" in proc.stderr
+
+
+def test_urls_that_name_no_socket_say_what_they_name(tmp_path: Path, capsys) -> None:
+    """A directory given for the socket, an ordinary file, a relative ipc:// path: each error
+    says what the url names instead of blaming something else."""
+    (tmp_path / "run").mkdir(mode=0o700)
+    assert main(["status", "--url", f"ipc://{tmp_path}/run", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"names the directory {tmp_path}/run, not a socket" in err and "kvxfer.sock" in err, err
+    (tmp_path / "run" / "notes.txt").write_text("x")
+    assert main(["status", "--url", f"ipc://{tmp_path}/run/notes.txt", "--timeout", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "is no server's socket" in err and "not of you" not in err, err
+    assert main(["status", "--url", "ipc://tmp/kvxfer-0/kvxfer.sock", "--timeout", "0.5"]) == 2
+    assert "three slashes: ipc:///tmp/kvxfer-0/kvxfer.sock" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (("--l1-size", "10"), "--l1-size must be at least 4 KiB (a size takes a unit: 64MiB, 4GiB), got 10 bytes"),
+    (("--chunk-size", "0"), "--chunk-size must be a positive number of tokens, got 0"),
+    (("--url", "ipc://relative.sock"), "an ipc:// url takes an absolute path"),
+])
+def test_serve_refuses_values_that_cannot_be_meant_by_their_flags_names(argv: tuple[str, ...], says: str) -> None:
+    proc = run("serve", *argv)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+
+
+def test_serve_names_a_shm_dir_that_is_a_file_as_such(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    proc = run("serve", "--url", f"ipc://{tmp_path}/s/kvxfer.sock", "--l1-size", "8MiB", "--shm-dir", str(f))
+    assert proc.returncode == 2 and f"shared-memory directory {f} is not a directory" in proc.stderr, proc.stderr
+
+
+def test_a_shm_dir_that_is_not_tmpfs_is_served_with_a_warning(tmp_path: Path) -> None:
+    from kvxfer.arena import filesystem_type
+    from kvxfer.testing.server import ServerProcess
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    kind = filesystem_type(shm)
+    if kind in (None, "tmpfs", "hugetlbfs", "ramfs"):
+        pytest.skip(f"{tmp_path} is on {kind or 'an unknown file system'} here: no disk-backed directory to try")
+    with ServerProcess(l1_size="8MiB", chunk_size=64, extra_args=["--shm-dir", str(shm)]) as server:
+        assert f"{shm} is on a {kind} file system, not tmpfs" in server.log()
