@@ -121,7 +121,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_max_models=args.metrics_max_models,
         busy_poll_s=args.busy_poll_us / 1e6,
     )
-    server = CacheServer(config)
+    try:
+        server = CacheServer(config)  # a large arena takes seconds to fault in, signals wait for it
+    except KeyboardInterrupt:
+        print(f"kvxfer serve: interrupted while starting (arena {format_bytes(config.l1_size)}): not served",
+              file=sys.stderr, flush=True)
+        return 130
     extra = ""
     if server.tier is not None:
         extra = f", L2 {server.tier.store.name} at {server.tier.url} ({server.tier.status().state})"
