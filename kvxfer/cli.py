@@ -449,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per prompt, rounded down to whole chunks (default: %(default)s)")
     s.add_argument("--l1-size", default="2GiB", help="arena of each server the demo starts (default: %(default)s)")
     s.add_argument("--url", default=None, help="use a running server instead of starting one (one host only)")
+    s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// --url)")
+    s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
     s.add_argument("--nodes", type=int, default=1, choices=(1, 2),
                    help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B")
     s.add_argument("--l2", default=None, help="the L2 store of --nodes 2 (default: valkey)")

@@ -62,7 +62,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(url: str, args: argparse.Namespace) -> int:
-    client = CacheClient(url, name="kvxfer demo")
+    from kvxfer.bench import curve_keys
+
+    client = CacheClient(url, name="kvxfer demo", curve=curve_keys(args))
     cs = client.chunk_size
     bpc = cs // BLOCK_SIZE
     tokens_per_prompt = args.prompt_tokens // cs * cs

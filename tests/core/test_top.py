@@ -183,3 +183,16 @@ def test_live_view_in_a_real_terminal_refreshes_and_quits_on_q(curve_server: Ser
             assert "q quits" not in tmux.screen()  # the alternate screen is gone
     finally:
         tmux.kill()
+
+
+@pytest.mark.parametrize("command", [
+    ("demo", "--layers", "2", "--prompts", "1", "--prompt-tokens", "128"),
+    ("bench", "--prefix", "--layers", "2", "--heads", "1", "--prefix-chunks", "1", "--iters", "1",
+     "--chunk-size", str(CHUNK_SIZE), "--blocks", "64"),
+])
+def test_the_demo_and_the_benchmarks_reach_a_tcp_server_with_its_keys(curve_server: ServerProcess,
+                                                                      command: tuple[str, ...]) -> None:
+    """``--curve-dir`` as ``kvxfer status`` takes it: what the client's CURVE error tells a user to pass."""
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", *command, "--url", curve_server.url,
+                           "--curve-dir", str(curve_server.curve_dir)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
