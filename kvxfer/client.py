@@ -75,6 +75,11 @@ class CacheClient:
         for what, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
             if not 0 < seconds < math.inf:  # NaN fails too
                 raise ConfigError(f"{what} must be a positive number of seconds, got {seconds!r}")
+        if curve is None and self.url.startswith("tcp://"):  # a server never serves tcp:// without CURVE
+            raise ConfigError(f"{self.url} is a tcp:// server: it answers only clients with an authorized CURVE key. "
+                              "Pass curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR), with the "
+                              "server's public key and a client key pair listed in its authorized/ folder; nothing "
+                              "was sent")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.name = name

@@ -165,9 +165,13 @@ def test_tcp_client_without_the_key_is_refused(tcp_server, who):
         s.send_multipart([codec.pack_id(2), b"status", codec.encode(StatusRequest())])
         assert s.poll(1500) == 0
         s.close(0)
+    elif who == "no keys":  # refused at once: a tcp:// server never answers a client without a key
+        with pytest.raises(ConfigError, match=f"{tcp_server.url} is a tcp:// server: it answers only clients with an "
+                                              "authorized CURVE key") as refused:
+            CacheClient(tcp_server.url, connect_timeout=30.0)
+        assert "nothing was sent" in str(refused.value)
     else:
-        curve = {"no keys": None,
-                 "unknown client key": _stranger_keys(server_public),
+        curve = {"unknown client key": _stranger_keys(server_public),
                  "wrong server key": CurveClientKeys(good.public, good.secret, zmq.curve_keypair()[0])}[who]
         with pytest.raises(ConnectionFailed, match=f"a process listens at {tcp_server.url} but did not answer "
                                                    "kvxfer's handshake") as info:
