@@ -417,9 +417,12 @@ class CacheServer:
                 self.hooks.errors += 1
                 log.exception("the hooks of transport %s do not match the hook specs; ignoring them", name)
         if not self.transports:
+            # every installed transport was tried: suggest installing kvxfer-cpu-gather only where it is not
+            hint = ("" if "cpu_gather" in self.transport_errors else
+                    "install one (kvxfer-cpu-gather: pip install plugins/cpu_gather in a kvxfer checkout) and ")
             raise ConfigError(
-                "no transport could be loaded; install one (pip install kvxfer-cpu-gather) and "
-                "see `kvxfer plugins`" + "".join(f"\n  {n}: {e}" for n, e in self.transport_errors.items())
+                f"no transport could be loaded; {hint}see `kvxfer plugins`"
+                + "".join(f"\n  {n}: {e}" for n, e in self.transport_errors.items())
             )
 
     def _close_transports(self) -> None:

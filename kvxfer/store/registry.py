@@ -13,7 +13,8 @@ __all__ = ["DISTRIBUTIONS", "NAMESPACE", "STORES", "get_store", "list_stores"]
 
 NAMESPACE: Final = "kvxfer.stores"
 
-#: The store backends the kvxfer project publishes outside the core (``fs`` comes with it).
+#: The store backends the kvxfer project publishes outside the core (``fs`` comes with it), each
+#: installed from a kvxfer checkout, where it is ``plugins/<name>``.
 DISTRIBUTIONS: Final[dict[str, str]] = {"valkey": "kvxfer-valkey"}
 
 STORES: Final = EntryPointGroup(NAMESPACE, "store", Store, STORE_API_VERSION, StoreNotFound, StoreBroken,

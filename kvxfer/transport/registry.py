@@ -43,7 +43,8 @@ NAMESPACE: Final = "kvxfer.transports"
 AUTO: Final = "auto"
 
 #: The transports the kvxfer project publishes, by name: the distribution that provides each.
-#: An unknown name is answered with these (never with a package name made up from the name).
+#: An unknown name is answered with these (never with a package name made up from the name). They
+#: are not on PyPI: each is installed from a kvxfer checkout, where it is ``plugins/<name>``.
 DISTRIBUTIONS: Final[dict[str, str]] = {
     "cpu_gather": "kvxfer-cpu-gather",
     "cuda_ipc": "kvxfer-cuda-ipc",
@@ -184,10 +185,12 @@ class EntryPointGroup:
         msg = f"no {self.kind} named {name!r} in entry point group {self.namespace!r}; installed: {installed}"
         if name in self.distributions:
             dist = self.distributions[name]
-            return f"{msg}. {name!r} comes with the distribution {dist}: pip install {dist}, or pick an installed one"
+            return (f"{msg}. {name!r} comes with the distribution {dist}: pip install plugins/{name} in a kvxfer "
+                    "checkout, or pick an installed one")
         missing = {n: d for n, d in sorted(self.distributions.items()) if n not in eps}
         more = (f"; the kvxfer project also publishes "
-                f"{', '.join(f'{n} (pip install {d})' for n, d in missing.items())}") if missing else ""
+                f"{', '.join(f'{n} ({d}: pip install plugins/{n})' for n, d in missing.items())}, "
+                "installed from a kvxfer checkout") if missing else ""
         return (f"{msg}{more}. Pick one of these, or install a third-party plugin that provides {name!r} "
                 f"(`kvxfer plugins` lists what is installed)")
 

@@ -172,10 +172,10 @@ def test_an_unknown_store_is_answered_with_distributions_that_exist() -> None:
     with pytest.raises(StoreNotFound) as info:
         group.load("redis")
     msg = str(info.value)
-    assert "installed: none" in msg and "valkey (pip install kvxfer-valkey)" in msg, msg
-    assert "kvxfer-redis" not in msg, msg
+    assert "installed: none" in msg and "valkey (kvxfer-valkey: pip install plugins/valkey)" in msg, msg
+    assert "from a kvxfer checkout" in msg and "kvxfer-redis" not in msg, msg
     with pytest.raises(StoreNotFound, match="'valkey' comes with the distribution kvxfer-valkey: pip install "
-                                            "kvxfer-valkey"):
+                                            "plugins/valkey in a kvxfer checkout"):
         group.load("valkey")
 
 

