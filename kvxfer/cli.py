@@ -173,7 +173,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         return 0
     print(f"kvxfer {kvxfer.__version__}, transport api_version {API_VERSION}, entry point group {NAMESPACE}")
     if not plugins:
-        print("no transports installed (pip install kvxfer-cpu-gather)")
+        print("no transports installed (kvxfer-cpu-gather: pip install plugins/cpu_gather in a kvxfer checkout)")
     else:
         print_table(
             [(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-",
@@ -191,7 +191,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def _stores_table(stores: list[PluginInfo], api_version: int, namespace: str) -> None:
     print(f"store backends (L2), store api_version {api_version}, entry point group {namespace}")
     if not stores:
-        print("no store backends installed (pip install kvxfer-valkey)")
+        print("no store backends installed (kvxfer-valkey: pip install plugins/valkey in a kvxfer checkout)")
         return
     print_table([(p.name, p.version, p.distribution, p.api_version if p.api_version is not None else "-", p.health)
                  for p in stores], ["name", "version", "distribution", "api", "health"])

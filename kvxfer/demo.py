@@ -161,7 +161,7 @@ def run_two_hosts(args: argparse.Namespace) -> int:
     store = get_store(args.l2 or "valkey")
     if not store.capabilities.shared or not isinstance(store, LocalInstance):
         raise ConfigError(f"--l2 {store.name}: the two-host demo needs a store that several servers share and that can "
-                          "start a local instance (valkey: pip install 'kvxfer-valkey[server]')")
+                          "start a local instance of itself, as valkey does (--l2 valkey)")
     with tempfile.TemporaryDirectory(prefix="kvxfer-demo-") as tmp, store.local_instance(Path(tmp)) as url:
         print(f"L2: a private {store.name} at {store.redact(url)}")
         l2 = ["--l2", store.name, "--l2-url", url]
