@@ -582,6 +582,13 @@ def _human(n: int) -> str:
     raise AssertionError
 
 
+def _refused(where: str, exc: Exception) -> ConfigError:
+    """The error of credentials Valkey refused (a configuration error: retrying cannot help)."""
+    return ConfigError(f"valkey at {where} refused kvxfer's credentials ({exc}): check the user and password in "
+                       f"--l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run {_ACL_NAMES} (the last "
+                       "three on a cluster) on keys ~kvxfer:* (docs/l2.md)")
+
+
 class ValkeyStore(Store):
     """The ``valkey`` store backend (entry point ``kvxfer.stores: valkey``)."""
 
@@ -610,10 +617,7 @@ class ValkeyStore(Store):
                 cluster = bool(int(cluster_info.get("cluster_enabled", 0)))
                 break
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
-                raise ConfigError(
-                    f"valkey at {host}:{port} refused kvxfer's credentials ({exc}): check the user and password "
-                    f"in --l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run {_ACL_NAMES} (the last "
-                    "three on a cluster) on keys ~kvxfer:* (docs/l2.md)") from None
+                raise _refused(f"{host}:{port}", exc) from None
             except ValkeyError as exc:
                 errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
             finally:
@@ -622,9 +626,12 @@ class ValkeyStore(Store):
             raise StoreUnavailable(f"no Valkey node answered at {where}: {'; '.join(errors)}")
         if cluster:
             kw.pop("db", None)
-            client: valkey.Valkey | ValkeyCluster = ValkeyCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in hosts], cluster_error_retry_attempts=1,
-                require_full_coverage=False, **kw)
+            try:  # the cluster client asks every node for its commands and slots at once
+                client: valkey.Valkey | ValkeyCluster = ValkeyCluster(
+                    startup_nodes=[ClusterNode(h, p) for h, p in hosts], cluster_error_retry_attempts=1,
+                    require_full_coverage=False, **kw)
+            except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
+                raise _refused(where, exc) from None
         else:
             if len(hosts) > 1:
                 raise ConfigError(f"--l2-url lists {len(hosts)} hosts but {hosts[0][0]}:{hosts[0][1]} is not in "

@@ -263,3 +263,18 @@ def test_the_docs_acl_user_on_a_cluster_while_a_slot_migrates(tmp_path: Path) ->
             backend.close()
         for n in cluster.nodes:
             assert refused(n) == [], f"{n.address} refused commands kvxfer sent"
+
+
+def test_a_cluster_that_refuses_a_command_the_client_needs_is_a_credentials_error(tmp_path: Path) -> None:
+    """The cluster client's own start (COMMAND, CLUSTER SLOTS) refused: a configuration error,
+    as on a single node, so that `kvxfer serve` stops and says which grant is missing rather
+    than retrying a refusal for ever."""
+    from kvxfer.errors import ConfigError
+
+    with ValkeyCluster(tmp_path / "c") as cluster:
+        for n in cluster.nodes:
+            n.cli("ACL", "SETUSER", "kvx", "on", ">s3cret-pw", *docs_acl_rules(), "-command")
+        url = ",".join(n.url.replace("valkey://", "valkey://kvx:s3cret-pw@") for n in cluster.nodes)
+        with pytest.raises(ConfigError, match="refused kvxfer's credentials") as info:
+            ValkeyStore().open(url, StoreOptions())
+        assert "COMMAND" in str(info.value) and "s3cret-pw" not in str(info.value)
