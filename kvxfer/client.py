@@ -158,7 +158,7 @@ class CacheClient:
                     f"or allow longer (kvxfer status --timeout S, CacheClient(connect_timeout=S)){curve}")
         if knocked == "refused" and self.url.startswith("ipc://"):
             return (f"no kvxfer server is listening at {self.url}: its socket file is left from a server that "
-                    f"did not stop cleanly (nothing accepts connections on it){cause}; start one with "
+                    f"did not stop cleanly (nothing accepts connections on it); start one with "
                     f"`{self._serve_command()}` (it replaces the file)")
         what = "connection refused" if knocked == "refused" else knocked
         return (f"no kvxfer server is listening at {self.url} ({what}){cause}; start one with "
