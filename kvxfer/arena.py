@@ -32,6 +32,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -47,6 +48,9 @@ __all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR", "transport_dir_path"]
 
 DEFAULT_SHM_DIR: Final = "/dev/shm"
 _DIR_PREFIX: Final = "kvxfer-"
+#: Age after which an arena directory still being made (``.kvxfer-...``) whose lock nobody holds
+#: is a dead server's (see :meth:`Arena.remove_stale`).
+BUILDING_GRACE_S: Final = 10.0
 _LOCK: Final = "server.lock"
 _ARENA: Final = "arena"
 _TRANSPORT_DIR: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -156,12 +160,21 @@ class Arena:
     @staticmethod
     def remove_stale(base: Path) -> int:
         """Remove arena directories of this user whose server is gone (nobody holds their
-        lock); returns how many. A directory whose lock is held is never touched."""
+        lock); returns how many. A directory whose lock is held is never touched. So are those
+        of servers killed while making their arena (``.kvxfer-...``, renamed once made), once
+        :data:`BUILDING_GRACE_S` old: a server starting now holds its lock a moment after it
+        made the lock file."""
         removed = 0
         pattern = _dir_name_pattern()
         with contextlib.suppress(OSError):
             for entry in base.iterdir():
-                if pattern.fullmatch(entry.name) and _unlocked_then(entry, shutil.rmtree):
+                name = entry.name
+                building = name.startswith(".") and pattern.fullmatch(name[1:]) is not None
+                if building:
+                    with contextlib.suppress(OSError):
+                        if time.time() - os.lstat(entry).st_mtime < BUILDING_GRACE_S:
+                            continue
+                if (building or pattern.fullmatch(name)) and _unlocked_then(entry, shutil.rmtree):
                     removed += 1
         return removed
 

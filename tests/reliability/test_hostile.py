@@ -498,3 +498,32 @@ def test_deeply_nested_messagepack_is_a_typed_error_without_a_traceback(debug_se
     finally:
         peer.close()
     assert "Traceback" not in debug_server.log() and "RecursionError" not in debug_server.log()
+
+
+def test_the_half_made_arena_of_a_server_killed_while_starting_is_removed(ns_shm_dir):
+    """A server killed while its arena faults in leaves the directory it was making
+    (``.kvxfer-...``): the next server removes it once it is older than a starting server's, and
+    leaves a younger one alone (it may be a server starting now)."""
+    import time
+
+    from kvxfer.arena import BUILDING_GRACE_S
+
+    shm_dir = ns_shm_dir
+    proc = subprocess.Popen([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{shm_dir}/run/k.sock",
+                             "--l1-size", "1GiB", "--shm-dir", str(shm_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not [p for p in shm_dir.iterdir() if p.name.startswith(".kvxfer-")] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    half = [p for p in shm_dir.iterdir() if p.name.startswith(".kvxfer-")]
+    if not half:
+        pytest.skip("the arena was made before the kill: nothing half-made to find")
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather", extra_args=["--shm-dir", str(shm_dir)]):
+        assert all(p.exists() for p in half), "a half-made arena younger than a start was removed"
+    old = time.time() - BUILDING_GRACE_S - 5
+    for p in half:
+        os.utime(p, (old, old))
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather", extra_args=["--shm-dir", str(shm_dir)]):
+        assert not any(p.exists() for p in half), "a dead server's half-made arena was left behind"
