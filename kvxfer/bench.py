@@ -252,6 +252,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvxfer.hashing import chunk_hashes
     from kvxfer.testing.server import ServerProcess, transports_for
 
+    # an unknown transport is refused before the KV cache is made (seconds at the default sizes)
+    server_transports = transports_for(args.transport, args.server_transports) if args.url is None else ""
     device = torch.device(args.device)
     dtype = dtype_from_name(args.dtype)
     kind = LayoutKind(args.layout)
@@ -277,7 +279,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         url = args.url
         if url is None:
             server = ServerProcess(l1_size=str(l1), chunk_size=chunk_size,
-                                   transports=transports_for(args.transport, args.server_transports),
+                                   transports=server_transports,
                                    extra_args=busy_poll_args(args))
             server.start()
             url = server.url

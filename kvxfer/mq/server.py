@@ -100,11 +100,29 @@ class CurveServerKeys:
 
 
 def refuse_if_served(url: str) -> None:
-    """Raise ConfigError if a server already listens at ``ipc://`` ``url``: a server checks it
-    before it makes its arena (seconds for a large one), and again when it binds."""
+    """Raise ConfigError if a server already listens at ``ipc://`` ``url``, or the port of a
+    ``tcp://`` one is taken: a server checks it before it makes its arena (seconds for a large
+    one), and again when it binds."""
     path = ipc_path(url)
     if path is not None and os.path.lexists(path) and stat.S_ISSOCK(os.lstat(path).st_mode) and _socket_is_live(path):
         raise ConfigError(f"a server is already listening at {url}; stop it or choose another --url")
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(None if host in ("*", "0.0.0.0") else host, int(port),
+                                       type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (OSError, ValueError):
+            return  # a name ZeroMQ resolves its own way (an interface): its bind says
+        for family, kind, proto, _, address in infos[:1]:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+                try:
+                    s.bind(address)
+                except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        raise ConfigError(f"cannot listen at {url}: its port is in use (another server?); stop "
+                                          "that or choose another port") from None
 
 
 def _socket_is_live(path: Path) -> bool:
@@ -188,7 +206,11 @@ class MQServer:
                 router.curve_server = True
                 router.curve_publickey = curve.public
                 router.curve_secretkey = curve.secret
-            router.bind(url)
+            try:
+                router.bind(url)
+            except zmq.ZMQError as exc:
+                router.close(0)
+                raise ConfigError(f"cannot listen at {url}: {exc}") from None
             self._router_fd = int(router.get(zmq.FD))
             self._poller.register(self._router_fd, select.EPOLLIN)
         self._closed = False

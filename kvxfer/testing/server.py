@@ -24,12 +24,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvxfer.errors import ConnectionFailed
+from kvxfer.errors import ConnectionFailed, KvxferError
 
 if TYPE_CHECKING:
     from kvxfer.mq.client import CurveClientKeys
 
-__all__ = ["ServerProcess", "transports_for"]
+__all__ = ["ServerProcess", "ServerStartFailed", "transports_for"]
+
+
+class ServerStartFailed(KvxferError, RuntimeError):
+    """A server :class:`ServerProcess` started exited or did not answer; the message ends with
+    what its log says (its error line, else its last lines)."""
 
 
 class ServerProcess:
@@ -82,18 +87,27 @@ class ServerProcess:
         # answer (a busy host) would leave a session behind until the session timeout
         while READY_LINE.encode() not in self.log_path.read_bytes():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvxfer server exited with {self.proc.returncode}:\n{self.log()}")
+                raise ServerStartFailed(f"the kvxfer server started at {self.url} exited with "
+                                        f"{self.proc.returncode}: {self._why()}")
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"kvxfer server was not ready within {self.start_timeout} s:\n{self.log()}")
+                raise ServerStartFailed(f"the kvxfer server started at {self.url} was not ready within "
+                                        f"{self.start_timeout} s: {self._why()}")
             time.sleep(0.02)
         try:
             CacheClient(self.url, connect_timeout=max(1.0, deadline - time.monotonic()),
                         curve=self.client_keys()).close()
         except ConnectionFailed as exc:
             self.kill()
-            raise RuntimeError(f"kvxfer server did not answer within {self.start_timeout} s:\n{self.log()}") from exc
+            raise ServerStartFailed(f"the kvxfer server started at {self.url} did not answer within "
+                                    f"{self.start_timeout} s: {self._why()}") from exc
         return self
+
+    def _why(self) -> str:
+        """What the log says went wrong: its ``error:`` lines, else its last lines."""
+        lines = [ln for ln in self.log().splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "error:" in ln or "Error:" in ln]
+        return "\n".join(errors[-3:] or lines[-8:]) or "(its log is empty)"
 
     def client_keys(self) -> CurveClientKeys | None:
         """The CURVE keys a client of this server needs (None for an ipc:// server)."""

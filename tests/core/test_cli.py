@@ -360,3 +360,18 @@ def test_a_shm_dir_that_is_not_tmpfs_is_served_with_a_warning(tmp_path: Path) ->
         pytest.skip(f"{tmp_path} is on {kind or 'an unknown file system'} here: no disk-backed directory to try")
     with ServerProcess(l1_size="8MiB", chunk_size=64, extra_args=["--shm-dir", str(shm)]) as server:
         assert f"{shm} is on a {kind} file system, not tmpfs" in server.log()
+
+
+def test_a_tcp_server_on_a_port_in_use_is_refused_in_one_line_before_its_arena(tmp_path: Path) -> None:
+    import socket
+
+    from kvxfer.security import make_keys
+
+    make_keys(tmp_path / "keys")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        url = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        proc = run("serve", "--url", url, "--curve-dir", str(tmp_path / "keys"), "--l1-size", "64TiB")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"cannot listen at {url}: its port is in use" in proc.stderr and "Traceback" not in proc.stderr
