@@ -135,7 +135,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"{READY_LINE} {config.url} (arena {format_bytes(server.arena.size)}, "
           f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
     server.serve_forever(install_signal_handlers=True)
-    print(f"kvxfer server at {config.url} stopped: its arena and socket are removed", flush=True)
+    removed = "arena and socket are" if config.url.startswith("ipc://") else "arena is"
+    print(f"kvxfer server at {config.url} stopped: its {removed} removed", flush=True)
     return 0
 
 

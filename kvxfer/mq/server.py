@@ -104,6 +104,9 @@ def refuse_if_served(url: str) -> None:
     ``tcp://`` one is taken: a server checks it before it makes its arena (seconds for a large
     one), and again when it binds."""
     path = ipc_path(url)
+    if path is not None and os.path.isdir(path) and not os.path.islink(path):
+        raise ConfigError(f"{url} names the directory {path}: name the socket to make in it, e.g. "
+                          f"--url ipc://{path / 'kvxfer.sock'}")
     if path is not None and os.path.lexists(path) and stat.S_ISSOCK(os.lstat(path).st_mode) and _socket_is_live(path):
         raise ConfigError(f"a server is already listening at {url}; stop it or choose another --url")
     if url.startswith("tcp://"):
@@ -231,6 +234,7 @@ class MQServer:
         """The listening socket at ``path``: made 0600 in a private directory, after checking
         that nothing but a socket left by a dead server is there."""
         parent = path.parent
+        refuse_if_served(self.url)  # a directory named for the socket, a live server: said as before the arena
         ensure_private_dir(parent, "socket directory", socket_dir_hint())
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):

@@ -375,3 +375,10 @@ def test_a_tcp_server_on_a_port_in_use_is_refused_in_one_line_before_its_arena(t
         proc = run("serve", "--url", url, "--curve-dir", str(tmp_path / "keys"), "--l1-size", "64TiB")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"cannot listen at {url}: its port is in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_at_a_url_naming_a_directory_says_to_name_the_socket_in_it(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir(mode=0o700)
+    proc = run("serve", "--url", f"ipc://{tmp_path}/run", "--l1-size", "64TiB")
+    assert proc.returncode == 2, proc.stderr
+    assert f"names the directory {tmp_path}/run: name the socket to make in it" in proc.stderr, proc.stderr
