@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvxfer.cli import add_client_curve_arguments, client_curve
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
@@ -108,24 +109,6 @@ def add_busy_poll_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-poll-us", type=float, default=0.0, metavar="US",
                    help="the started server's --busy-poll-us (default: %(default)g, off); with --url it is "
                         "ignored: start that server with it")
-
-
-def add_curve_arguments(p: argparse.ArgumentParser) -> None:
-    """``--curve-dir`` / ``--curve-name``: the client keys for a ``tcp://`` ``--url`` (as
-    ``kvxfer status`` takes them)."""
-    p.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// --url)")
-    p.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
-
-
-def curve_keys(args: argparse.Namespace) -> Any:
-    """The client keys :func:`add_curve_arguments` named, or None."""
-    if getattr(args, "curve_dir", None) is None:
-        return None
-    from pathlib import Path
-
-    from kvxfer.security import load_client_keys
-
-    return load_client_keys(Path(args.curve_dir), args.curve_name)
 
 
 def busy_poll_args(args: argparse.Namespace) -> list[str]:
@@ -284,7 +267,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             server.start()
             url = server.url
         try:
-            client = CacheClient(url, curve=curve_keys(args))
+            client = CacheClient(url, curve=client_curve(args))
             if client.chunk_size != chunk_size:
                 raise SystemExit(f"the server at {url} uses chunk size {client.chunk_size}, not {chunk_size}")
             ctx = client.register(kv, model_name=f"bench-{os.getpid()}-{chunk_size}", block_size=bs,
@@ -377,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-transports", default="",
                    help="--transports of the started server (default: the --transport benchmarked)")
     add_busy_poll_argument(p)
-    add_curve_arguments(p)
+    add_client_curve_arguments(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the results here (a directory: a file named by date and commit)")

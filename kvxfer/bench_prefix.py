@@ -31,16 +31,8 @@ from typing import Any
 
 import torch
 
-from kvxfer.bench import (
-    CopyLimit,
-    _sync,
-    add_busy_poll_argument,
-    add_curve_arguments,
-    busy_poll_args,
-    curve_keys,
-    progress_bar,
-    save_results,
-)
+from kvxfer.bench import CopyLimit, _sync, add_busy_poll_argument, busy_poll_args, progress_bar, save_results
+from kvxfer.cli import add_client_curve_arguments, client_curve
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 
 __all__ = ["add_workload_arguments", "main", "make_workload", "run"]
@@ -83,7 +75,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         url = server.url
     results: list[dict[str, Any]] = []
     try:
-        client = CacheClient(url, curve=curve_keys(args))
+        client = CacheClient(url, curve=client_curve(args))
         if client.chunk_size != chunk:
             raise SystemExit(f"the server at {url} uses chunk size {client.chunk_size}, not {chunk}")
         model = f"prefix-{os.getpid()}"
@@ -225,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-transports", default="",
                    help="--transports of the started server (default: the --transport benchmarked)")
     add_busy_poll_argument(p)
-    add_curve_arguments(p)
+    add_client_curve_arguments(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the results here (a directory: a file named by date and commit)")

@@ -204,19 +204,27 @@ def _stores_table(stores: list[PluginInfo], api_version: int, namespace: str) ->
 # --------------------------------------------------------------------------- status
 
 
-def _curve_client(curve_dir: str | None, name: str) -> CurveClientKeys | None:
-    if curve_dir is None:
+def add_client_curve_arguments(p: argparse.ArgumentParser) -> None:
+    """``--curve-dir`` / ``--curve-name``: a client's keys for a ``tcp://`` server (status, top,
+    demo, the benchmarks); :func:`client_curve` loads them."""
+    p.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
+    p.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
+
+
+def client_curve(args: argparse.Namespace) -> CurveClientKeys | None:
+    """The client keys :func:`add_client_curve_arguments` named, or None."""
+    if args.curve_dir is None:
         return None
     from kvxfer.security import load_client_keys
 
-    return load_client_keys(Path(curve_dir), name)
+    return load_client_keys(Path(args.curve_dir), args.curve_name)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from kvxfer.client import CacheClient
     from kvxfer.top import sessions_besides_asker
 
-    curve = _curve_client(args.curve_dir, args.curve_name)
+    curve = client_curve(args)
     with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer status",
                      curve=curve) as client:
         st = client.status()
@@ -297,7 +305,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
     if not 0.1 <= args.interval <= 3600:
         raise ConfigError(f"--interval must be in [0.1, 3600] seconds, got {args.interval}")
-    curve = _curve_client(args.curve_dir, args.curve_name)
+    curve = client_curve(args)
     with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer top",
                      curve=curve) as client:
         return run_top(client, interval=args.interval, once=args.once)
@@ -420,8 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "this command's session too, which the table leaves out)")
     s.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for the server to answer (default: %(default)s)")
-    s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
-    s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
+    add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_status)
 
     s = sub.add_parser("top", help="a live view of a server's figures (q quits)")
@@ -430,8 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--once", action="store_true", help="print one frame and exit (also when stdout is not a terminal)")
     s.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for each answer of the server (default: %(default)s)")
-    s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// server)")
-    s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
+    add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_top)
 
     s = sub.add_parser("keys", help="make CURVE keys for tcp:// serving")
@@ -450,8 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per prompt, rounded down to whole chunks (default: %(default)s)")
     s.add_argument("--l1-size", default="2GiB", help="arena of each server the demo starts (default: %(default)s)")
     s.add_argument("--url", default=None, help="use a running server instead of starting one (one host only)")
-    s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (for a tcp:// --url)")
-    s.add_argument("--curve-name", default="client", help="which client key pair in --curve-dir (default: %(default)s)")
+    add_client_curve_arguments(s)
     s.add_argument("--nodes", type=int, default=1, choices=(1, 2),
                    help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B")
     s.add_argument("--l2", default=None, help="the L2 store of --nodes 2 (default: valkey)")

@@ -62,9 +62,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(url: str, args: argparse.Namespace) -> int:
-    from kvxfer.bench import curve_keys
+    from kvxfer.cli import client_curve
 
-    client = CacheClient(url, name="kvxfer demo", curve=curve_keys(args))
+    client = CacheClient(url, name="kvxfer demo", curve=client_curve(args))
     cs = client.chunk_size
     bpc = cs // BLOCK_SIZE
     tokens_per_prompt = args.prompt_tokens // cs * cs

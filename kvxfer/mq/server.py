@@ -239,9 +239,7 @@ class MQServer:
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --url")
-            if _socket_is_live(path):
-                raise ConfigError(f"a server is already listening at {self.url}; stop it or choose another --url")
-            path.unlink()  # left behind by a server that died
+            path.unlink()  # left behind by a server that died (refuse_if_served found nothing listening)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is made 0600
         try:

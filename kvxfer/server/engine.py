@@ -1212,21 +1212,18 @@ class CacheServer:
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
         res.in_flight = True
         res.missing = len(missing)
-        if layers is None and slot is None and not self.stats.in_flight and self._prefetches(ctx) and not (
+        views = [self.arena.view(e.offset, e.size) for _, e in res.entries]
+        if layers is None and not self.stats.in_flight and self._prefetches(ctx) and not (
                 msg.deadline and time.time() > msg.deadline):
-            # a lone retrieve: its whole chunks are staged before its copies are planned, so that
-            # the first DMA starts now (the copies then find them by stamp, as after a lookup's
-            # prefetch; not one past its deadline already: it will copy nothing). A lease its
-            # lookup had prefetched is handed again: the core cannot tell whether that prefetch
-            # staged anything (its copy stream busy, say) or whether a transfer since took or
-            # dropped it, and the context keeps what it staged already.
+            # a lone retrieve (a resumed one counts in flight): its whole chunks are staged before
+            # its copies are planned, so that the first DMA starts now (the copies then find them
+            # by stamp, as after a lookup's prefetch; not one past its deadline already: it will
+            # copy nothing). A lease its lookup had prefetched is handed again: the core cannot
+            # tell whether that prefetch staged anything (its copy stream busy, say) or whether a
+            # transfer since took or dropped it, and the context keeps what it staged already.
             bpc = ctx.layout.blocks_per_chunk(ctx.chunk_size)
-            views = [self.arena.view(e.offset, e.size) for _, e in res.entries[:MAX_PREFETCH_CHUNKS]]
-            self._hand_prefetch(ctx, [StoredSlot(v, e.stamp) for v, (i, e) in zip(views, res.entries)
-                                      if (i + first) * bpc >= skip_blocks])
-        else:
-            views = []
-        views += [self.arena.view(e.offset, e.size) for _, e in res.entries[len(views):]]  # (the staged ones made once)
+            lead = zip(views, res.entries[:MAX_PREFETCH_CHUNKS])
+            self._hand_prefetch(ctx, [StoredSlot(v, e.stamp) for v, (i, e) in lead if (i + first) * bpc >= skip_blocks])
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, v) for (i, _), v in zip(res.entries, views)], skip_blocks,
                              [e.stamp for _, e in res.entries])
