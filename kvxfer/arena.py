@@ -51,6 +51,9 @@ _DIR_PREFIX: Final = "kvxfer-"
 #: Age after which an arena directory still being made (``.kvxfer-...``) whose lock nobody holds
 #: is a dead server's (see :meth:`Arena.remove_stale`).
 BUILDING_GRACE_S: Final = 10.0
+#: Arenas from this size up are announced in the log before they are made: pre-faulting takes
+#: seconds per GiB on some hosts (2.5 s per GiB on a 2-core VM), and the server says nothing else meanwhile.
+ANNOUNCE_BYTES: Final = 1 << 30
 _LOCK: Final = "server.lock"
 _ARENA: Final = "arena"
 _TRANSPORT_DIR: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -122,6 +125,10 @@ class Arena:
                 f"Give it more (Docker: `docker run --shm-size={(size >> 30) + 1}g ...`), pass a smaller "
                 f"--l1-size, or put the arena in another tmpfs directory with --shm-dir DIR"
             )
+        if size >= ANNOUNCE_BYTES:
+            logging.getLogger("kvxfer.arena").info(
+                "making the L1 arena: %s in %s, reserved and pre-faulted before the server is ready "
+                "(seconds per GiB on some hosts)", format_bytes(size), base)
         name = f"{_DIR_PREFIX}{os.getuid()}-{secrets.token_hex(16)}"
         building = base / f".{name}"
         os.mkdir(building, 0o700)

@@ -257,7 +257,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             kv.append(t)
         chunk_bytes = layout.chunk_bytes(chunk_size)
         total_reqs = (args.iters + 1) * len(args.chunks_per_request) * len(args.inflight)
-        l1 = args.l1_size or f"{int(total_reqs * max_cpr * chunk_bytes * 1.1) + (64 << 20)}"
+        # room for one setting's requests (each setting stores, then retrieves, all of its own;
+        # the server evicts the settings before)
+        l1 = args.l1_size or f"{int((args.iters + 1) * max_cpr * chunk_bytes * 1.1) + (64 << 20)}"
         server = None
         url = args.url
         if url is None:

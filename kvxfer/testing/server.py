@@ -8,7 +8,8 @@
 The server is ``python -m kvxfer serve`` in its own process with a private socket under a fresh
 temporary directory. ``start()`` returns once the server has printed its ready line and answered
 one handshake (whose session it then ends: no session of its own is left behind);
-``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``). With
+``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``). ``start_timeout`` is by
+default 30 s plus 5 s per GiB of ``l1_size`` (the arena is pre-faulted before the server is ready). With
 ``curve_dir`` (keys made by ``kvxfer keys``) it serves ``url`` (a ``tcp://`` address) with CURVE,
 and waits for it with the keys of client ``curve_client``.
 """
@@ -24,7 +25,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvxfer.errors import ConnectionFailed, KvxferError
+from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError
+from kvxfer.units import parse_size
 
 if TYPE_CHECKING:
     from kvxfer.mq.client import CurveClientKeys
@@ -37,6 +39,14 @@ class ServerStartFailed(KvxferError, RuntimeError):
     what its log says (its error line, else its last lines)."""
 
 
+def _start_timeout(l1_size: str) -> float:
+    """30 s plus 5 s per GiB of arena (30 s for a size the server itself will refuse)."""
+    try:
+        return 30.0 + 5.0 * parse_size(l1_size) / 2**30
+    except ConfigError:
+        return 30.0
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -47,7 +57,7 @@ class ServerProcess:
         url: str | None = None,
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
-        start_timeout: float = 30.0,
+        start_timeout: float | None = None,
         stop_timeout: float = 10.0,
         curve_dir: str | os.PathLike[str] | None = None,
         curve_client: str = "client",
@@ -67,7 +77,7 @@ class ServerProcess:
             self.args += ["--curve-dir", str(self.curve_dir)]
         self.args += extra_args or []
         self.env = {**os.environ, **(env or {})}
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout if start_timeout is not None else _start_timeout(l1_size)
         self.stop_timeout = stop_timeout
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -362,6 +362,32 @@ def test_a_shm_dir_that_is_not_tmpfs_is_served_with_a_warning(tmp_path: Path) ->
         assert f"{shm} is on a {kind} file system, not tmpfs" in server.log()
 
 
+def test_a_large_arena_is_announced_before_it_is_made(monkeypatch, caplog) -> None:
+    """Pre-faulting takes seconds per GiB on some hosts: the log says what the server is doing
+    meanwhile (in-process, with the threshold lowered: a real 1 GiB arena would take that long)."""
+    import logging
+
+    from kvxfer import arena
+
+    monkeypatch.setattr(arena, "ANNOUNCE_BYTES", 4 << 20)
+    with caplog.at_level(logging.INFO, logger="kvxfer.arena"):
+        arena.Arena.create(2 << 20).close()
+        assert not caplog.records
+        arena.Arena.create(4 << 20).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "making the L1 arena: 4.0 MiB in /dev/shm, reserved and pre-faulted before the server is ready "
+        "(seconds per GiB on some hosts)"]
+
+
+def test_server_process_waits_longer_for_a_larger_arena() -> None:
+    from kvxfer.testing.server import ServerProcess
+
+    assert ServerProcess(l1_size="256MiB").start_timeout == 31.25
+    assert ServerProcess(l1_size="12GiB").start_timeout == 90.0
+    assert ServerProcess(l1_size="12GiB", start_timeout=5).start_timeout == 5
+    assert ServerProcess(l1_size="lots").start_timeout == 30.0  # the server itself refuses it
+
+
 def test_a_tcp_server_on_a_port_in_use_is_refused_in_one_line_before_its_arena(tmp_path: Path) -> None:
     import socket
 
