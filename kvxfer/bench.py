@@ -30,6 +30,7 @@ import torch
 from kvxfer.cli import add_client_curve_arguments, client_curve
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
+from kvxfer.protocol import messages as m
 
 __all__ = ["CopyLimit", "add_busy_poll_argument", "busy_poll_args", "main", "run", "physical_limit", "progress_bar",
            "run_record", "save_results", "write_results"]
@@ -194,6 +195,12 @@ def physical_limit(nbytes: int, device: torch.device, repeats: int = 7) -> dict[
     return out
 
 
+def _check_moved(result: m.StoreResult | m.RetrieveResult) -> None:
+    """A timed request that did not move every chunk would inflate the figures: stop."""
+    if result.failed if isinstance(result, m.StoreResult) else result.missing:
+        raise SystemExit(f"benchmark request did not move every chunk (an --l1-size too small?): {result}")
+
+
 def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]], inflight: int,
            device: torch.device, bar: Any) -> tuple[list[float], list[float]]:
     """Store every request, then retrieve every one. With ``inflight`` 1: each request alone,
@@ -208,8 +215,8 @@ def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]],
             got = ctx.submit_retrieve(keys, dst).result(timeout=300)
             _sync(device)
             t2 = time.perf_counter()
-            if res.failed or got.missing:
-                raise SystemExit(f"benchmark request did not move every chunk: {res} {got}")
+            _check_moved(res)
+            _check_moved(got)
             store_t.append(t1 - t0)
             retr_t.append(t2 - t1)
             bar.update(1)
@@ -221,10 +228,10 @@ def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]],
         window: list[Any] = []
         for keys, src, dst in reqs:
             if len(window) == inflight:
-                window.pop(0).result(timeout=300)
+                _check_moved(window.pop(0).result(timeout=300))
             window.append(ctx.submit_store(keys, src) if phase == "store" else ctx.submit_retrieve(keys, dst))
         for fut in window:
-            fut.result(timeout=300)
+            _check_moved(fut.result(timeout=300))
         _sync(device)
         phases.append([time.perf_counter() - t0])
     bar.update(len(reqs))

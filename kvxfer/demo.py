@@ -156,8 +156,9 @@ def run_two_hosts(args: argparse.Namespace) -> int:
 
     from kvxfer.errors import ConfigError
     from kvxfer.store import LocalInstance, get_store
-    from kvxfer.testing.server import ServerProcess
+    from kvxfer.testing.server import ServerProcess, transports_for
 
+    transports = transports_for(args.transport)  # an unknown name is refused before anything starts
     store = get_store(args.l2 or "valkey")
     if not store.capabilities.shared or not isinstance(store, LocalInstance):
         raise ConfigError(f"--l2 {store.name}: the two-host demo needs a store that several servers share and that can "
@@ -166,8 +167,8 @@ def run_two_hosts(args: argparse.Namespace) -> int:
         print(f"L2: a private {store.name} at {store.redact(url)}")
         l2 = ["--l2", store.name, "--l2-url", url]
         print(f"starting host A and host B (kvxfer servers, arena {args.l1_size} each) ...", flush=True)
-        with ServerProcess(l1_size=args.l1_size, transports=args.transport, extra_args=l2) as a, \
-                ServerProcess(l1_size=args.l1_size, transports=args.transport, extra_args=l2) as b:
+        with ServerProcess(l1_size=args.l1_size, transports=transports, extra_args=l2) as a, \
+                ServerProcess(l1_size=args.l1_size, transports=transports, extra_args=l2) as b:
             return _two_hosts(a.url, b.url, args)
 
 

@@ -284,13 +284,14 @@ def test_the_vllm_connector_prefetches_unless_it_loads_layer_by_layer() -> None:
     ("bench", "--transport", "nope", "--layers", "2", "--iters", "1"),
     ("bench", "--prefix", "--transport", "nope", "--layers", "2", "--iters", "1"),
     ("demo", "--transport", "nope", "--layers", "2", "--l1-size", "64MiB"),
+    ("demo", "--nodes", "2", "--transport", "nope", "--layers", "2", "--l1-size", "64MiB"),
 ])
 def test_an_unknown_transport_is_refused_in_one_line_before_any_server_starts(argv: tuple[str, ...]) -> None:
     proc = run(*argv)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert f"kvxfer {argv[0]}: error:" in proc.stderr and "'nope'" in proc.stderr and "cpu_gather" in proc.stderr
-    assert "starting a kvxfer server" not in proc.stdout
+    assert "starting a kvxfer server" not in proc.stdout and "L2: a private" not in proc.stdout
 
 
 def test_the_demo_refuses_options_its_mode_would_ignore() -> None:
