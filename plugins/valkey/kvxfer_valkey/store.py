@@ -82,9 +82,13 @@ _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (v
 #: logged by Valkey) and, on a cluster, COMMAND when the client starts, CLUSTER SLOTS to read the
 #: slot map and ASKING before a command it redirects to a slot being migrated. AUTH (and HELLO, for
 #: a URL with ``protocol=3``) need no grant; a URL naming a database (``/N``) adds SELECT.
+CLUSTER_ACL_COMMANDS: Final = ("command", "cluster|slots", "asking")
 ACL_COMMANDS: Final = ("get", "set", "strlen", "del", "ping", "info", "dbsize", "client|setname", "client|setinfo",
-                       "command", "cluster|slots", "asking")
-_ACL_NAMES: Final = ", ".join(c.replace("|", " ").upper() for c in ACL_COMMANDS)
+                       *CLUSTER_ACL_COMMANDS)
+
+
+def _acl_names(commands: tuple[str, ...]) -> str:
+    return ", ".join(c.replace("|", " ").upper() for c in commands)
 
 
 def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
@@ -585,8 +589,9 @@ def _human(n: int) -> str:
 def _refused(where: str, exc: Exception) -> ConfigError:
     """The error of credentials Valkey refused (a configuration error: retrying cannot help)."""
     return ConfigError(f"valkey at {where} refused kvxfer's credentials ({exc}): check the user and password in "
-                       f"--l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run {_ACL_NAMES} (the last "
-                       "three on a cluster) on keys ~kvxfer:* (docs/l2.md)")
+                       f"--l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run "
+                       f"{_acl_names(ACL_COMMANDS[:-len(CLUSTER_ACL_COMMANDS)])} (and on a cluster "
+                       f"{_acl_names(CLUSTER_ACL_COMMANDS)}) on keys ~kvxfer:* (docs/l2.md)")
 
 
 class ValkeyStore(Store):
@@ -615,6 +620,8 @@ class ValkeyStore(Store):
             try:
                 cluster_info: dict[str, Any] = _sync(probe.info("cluster"))
                 cluster = bool(int(cluster_info.get("cluster_enabled", 0)))
+                if cluster:  # the cluster client turns a refused CLUSTER SLOTS into "not a cluster"
+                    _sync(probe.execute_command("CLUSTER", "SLOTS"))
                 break
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
                 raise _refused(f"{host}:{port}", exc) from None
