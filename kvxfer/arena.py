@@ -169,8 +169,8 @@ class Arena:
         """Remove arena directories of this user whose server is gone (nobody holds their
         lock); returns how many. A directory whose lock is held is never touched. So are those
         of servers killed while making their arena (``.kvxfer-...``, renamed once made), once
-        :data:`BUILDING_GRACE_S` old: a server starting now holds its lock a moment after it
-        made the lock file."""
+        :data:`BUILDING_GRACE_S` old, whether they got as far as their lock file or not: a server
+        starting now makes its lock file and holds it a moment after it made the directory."""
         removed = 0
         pattern = _dir_name_pattern()
         with contextlib.suppress(OSError):
@@ -182,6 +182,9 @@ class Arena:
                         if time.time() - os.lstat(entry).st_mtime < BUILDING_GRACE_S:
                             continue
                 if (building or pattern.fullmatch(name)) and _unlocked_then(entry, shutil.rmtree):
+                    removed += 1
+                elif building and _lockless(entry):  # killed between its mkdir and its lock file
+                    shutil.rmtree(entry, ignore_errors=True)
                     removed += 1
         return removed
 
@@ -213,6 +216,21 @@ class Arena:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _lockless(directory: Path) -> bool:
+    """Whether ``directory`` is ours (checked as :func:`_unlocked_then` does) and has no lock file."""
+    try:
+        check_private_dir(directory, "arena directory")
+    except (ConfigError, OSError):
+        return False
+    try:
+        os.lstat(directory / _LOCK)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _unlocked_then(directory: Path, action: Callable[[Path], object]) -> bool:

@@ -107,25 +107,34 @@ def refuse_if_served(url: str) -> None:
     if path is not None and os.path.isdir(path) and not os.path.islink(path):
         raise ConfigError(f"{url} names the directory {path}: name the socket to make in it, e.g. "
                           f"--url ipc://{path / 'kvxfer.sock'}")
-    if path is not None and os.path.lexists(path) and stat.S_ISSOCK(os.lstat(path).st_mode) and _socket_is_live(path):
-        raise ConfigError(f"a server is already listening at {url}; stop it or choose another --url")
+    if path is not None:
+        try:
+            st = os.lstat(path)
+        except OSError:  # nothing there (or gone since): the bind says the rest
+            return
+        # another user's socket is left to the socket directory's own checks (not private)
+        if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid() and _socket_is_live(path):
+            raise ConfigError(f"a server is already listening at {url}; stop it or choose another --url")
+        return
     if url.startswith("tcp://"):
         host, _, port = url[len("tcp://"):].rpartition(":")
         host = host.strip("[]")
+        # ZeroMQ binds IPv4 unless given an IPv6 address: check the addresses it will take
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            infos = socket.getaddrinfo(None if host in ("*", "0.0.0.0") else host, int(port),
-                                       type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            infos = socket.getaddrinfo(None if host in ("*", "0.0.0.0") else host, int(port), family,
+                                       socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except (OSError, ValueError):
             return  # a name ZeroMQ resolves its own way (an interface): its bind says
-        for family, kind, proto, _, address in infos[:1]:
-            with socket.socket(family, kind, proto) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
-                try:
+        for fam, kind, proto, _, address in infos:
+            try:
+                with socket.socket(fam, kind, proto) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
                     s.bind(address)
-                except OSError as exc:
-                    if exc.errno == errno.EADDRINUSE:
-                        raise ConfigError(f"cannot listen at {url}: its port is in use (another server?); stop "
-                                          "that or choose another port") from None
+            except OSError as exc:  # anything but a port in use is the real bind's to report
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"cannot listen at {url}: its port is in use (another server?); stop "
+                                      "that or choose another port") from None
 
 
 def _socket_is_live(path: Path) -> bool:
@@ -236,10 +245,12 @@ class MQServer:
         parent = path.parent
         refuse_if_served(self.url)  # a directory named for the socket, a live server: said as before the arena
         ensure_private_dir(parent, "socket directory", socket_dir_hint())
-        if os.path.lexists(path):
+        try:
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --url")
             path.unlink()  # left behind by a server that died (refuse_if_served found nothing listening)
+        except FileNotFoundError:  # nothing there, or gone meanwhile (a server that was stopping)
+            pass
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket is made 0600
         try:

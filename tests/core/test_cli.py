@@ -389,7 +389,8 @@ def test_server_process_waits_longer_for_a_larger_arena() -> None:
     assert ServerProcess(l1_size="lots").start_timeout == 30.0  # the server itself refuses it
 
 
-def test_a_tcp_server_on_a_port_in_use_is_refused_in_one_line_before_its_arena(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])  # localhost may resolve to ::1 first
+def test_a_tcp_server_on_a_port_in_use_is_refused_in_one_line_before_its_arena(tmp_path: Path, host: str) -> None:
     import socket
 
     from kvxfer.security import make_keys
@@ -398,7 +399,7 @@ def test_a_tcp_server_on_a_port_in_use_is_refused_in_one_line_before_its_arena(t
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        url = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        url = f"tcp://{host}:{taken.getsockname()[1]}"
         proc = run("serve", "--url", url, "--curve-dir", str(tmp_path / "keys"), "--l1-size", "64TiB")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"cannot listen at {url}: its port is in use" in proc.stderr and "Traceback" not in proc.stderr

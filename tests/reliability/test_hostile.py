@@ -527,3 +527,26 @@ def test_the_half_made_arena_of_a_server_killed_while_starting_is_removed(ns_shm
         os.utime(p, (old, old))
     with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather", extra_args=["--shm-dir", str(shm_dir)]):
         assert not any(p.exists() for p in half), "a dead server's half-made arena was left behind"
+
+
+def test_a_half_made_arena_without_its_lock_file_is_removed_once_old(tmp_path):
+    """A server killed between making its arena directory and its lock file leaves nothing to
+    lock: once older than a start, the directory is removed all the same; a younger one, and one
+    of another name, are left alone."""
+    import secrets
+    import time
+
+    from kvxfer.arena import BUILDING_GRACE_S, Arena
+
+    def half_made() -> Path:
+        d = tmp_path / f".kvxfer-{os.getuid()}-{secrets.token_hex(16)}"
+        d.mkdir(mode=0o700)
+        return d
+
+    old, young, other = half_made(), half_made(), tmp_path / ".kvxfer-other"
+    other.mkdir(mode=0o700)
+    then = time.time() - BUILDING_GRACE_S - 5
+    for d in (old, other):
+        os.utime(d, (then, then))
+    assert Arena.remove_stale(tmp_path) == 1
+    assert not old.exists() and young.exists() and other.exists()
