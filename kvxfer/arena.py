@@ -57,6 +57,8 @@ ANNOUNCE_BYTES: Final = 1 << 30
 _LOCK: Final = "server.lock"
 _ARENA: Final = "arena"
 _TRANSPORT_DIR: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")
+#: How /proc/self/mounts writes a space, tab, newline or backslash of a mount point.
+_OCTAL_ESCAPE: Final = re.compile(r"\\([0-7]{3})")
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -310,7 +312,7 @@ def filesystem_type(path: Path) -> str | None:
     for fields in mounts:
         if len(fields) < 3:
             continue
-        point = fields[1].replace("\\040", " ")
+        point = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[1])  # space, tab, newline, backslash
         if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
             best, kind = point, fields[2]
     return kind

@@ -77,7 +77,8 @@ class CacheClient:
                 raise ConfigError(f"{what} must be a positive number of seconds, got {seconds!r}")
         if curve is None and self.url.startswith("tcp://"):  # a server never serves tcp:// without CURVE
             raise ConfigError(f"{self.url} is a tcp:// server: it answers only clients with an authorized CURVE key. "
-                              "Pass curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR), with the "
+                              "Pass curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR; vLLM "
+                              "connector: kvxfer.curve_dir), with the "
                               "server's public key and a client key pair listed in its authorized/ folder; nothing "
                               "was sent")
         self.timeout = timeout

@@ -197,6 +197,32 @@ class MQServer:
         self._poller = select.epoll()
         #: the ipc:// connections (None on tcp:// and inproc://, served by the ROUTER socket)
         self._unix: UnixListener | None = None
+        try:
+            self._listen(url, curve, max_message_size, max_unread_reply_bytes, max_connections)
+        except BaseException:  # a refused bind leaves no thread or descriptor behind
+            if self._unix is not None:
+                self._unix.close()
+            self._poller.close()
+            if self._auth is not None:
+                self._auth.stop()
+            raise
+        self._closed = False
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        #: written by call_soon and stop (any thread), read by the loop
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_closed = False
+        self._wake_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller.register(self._wake_fd, select.EPOLLIN)
+        #: What after_reply() queued, run once the current reply is sent.
+        self._after: list[Callable[[], None]] = []
+        #: Other file descriptors the loop polls (see watch()).
+        self._watched: dict[int, Callable[[], None]] = {}
+        self._loop_ident = 0
+
+    def _listen(self, url: str, curve: CurveServerKeys | None, max_message_size: int, max_unread_reply_bytes: int,
+                max_connections: int) -> None:
+        """Listen at ``url``: the Unix socket of ipc://, else the ROUTER socket (its fd polled)."""
         path = ipc_path(url)
         if path is not None:
             self._unix = UnixListener(
@@ -225,19 +251,6 @@ class MQServer:
                 raise ConfigError(f"cannot listen at {url}: {exc}") from None
             self._router_fd = int(router.get(zmq.FD))
             self._poller.register(self._router_fd, select.EPOLLIN)
-        self._closed = False
-        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        #: written by call_soon and stop (any thread), read by the loop
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._wake_closed = False
-        self._wake_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._poller.register(self._wake_fd, select.EPOLLIN)
-        #: What after_reply() queued, run once the current reply is sent.
-        self._after: list[Callable[[], None]] = []
-        #: Other file descriptors the loop polls (see watch()).
-        self._watched: dict[int, Callable[[], None]] = {}
-        self._loop_ident = 0
 
     def _bind_unix(self, path: Path) -> socket.socket:
         """The listening socket at ``path``: made 0600 in a private directory, after checking

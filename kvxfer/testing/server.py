@@ -36,7 +36,11 @@ __all__ = ["ServerProcess", "ServerStartFailed", "transports_for"]
 
 class ServerStartFailed(KvxferError, RuntimeError):
     """A server :class:`ServerProcess` started exited or did not answer; the message ends with
-    what its log says (its error line, else its last lines)."""
+    what its log says (its error line, else its last lines), and :attr:`log` is the whole log."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
 
 
 def _start_timeout(l1_size: str) -> float:
@@ -97,27 +101,27 @@ class ServerProcess:
         # answer (a busy host) would leave a session behind until the session timeout
         while READY_LINE.encode() not in self.log_path.read_bytes():
             if self.proc.poll() is not None:
-                raise ServerStartFailed(f"the kvxfer server started at {self.url} exited with "
-                                        f"{self.proc.returncode}: {self._why()}")
+                raise self._failed(f"exited with {self.proc.returncode}")
             if time.monotonic() > deadline:
-                self.kill()
-                raise ServerStartFailed(f"the kvxfer server started at {self.url} was not ready within "
-                                        f"{self.start_timeout} s: {self._why()}")
+                raise self._failed(f"was not ready within {self.start_timeout:g} s")
             time.sleep(0.02)
         try:
             CacheClient(self.url, connect_timeout=max(1.0, deadline - time.monotonic()),
                         curve=self.client_keys()).close()
         except ConnectionFailed as exc:
-            self.kill()
-            raise ServerStartFailed(f"the kvxfer server started at {self.url} did not answer within "
-                                    f"{self.start_timeout} s: {self._why()}") from exc
+            raise self._failed(f"did not answer within {self.start_timeout:g} s") from exc
         return self
 
-    def _why(self) -> str:
-        """What the log says went wrong: its ``error:`` lines, else its last lines."""
-        lines = [ln for ln in self.log().splitlines() if ln.strip()]
+    def _failed(self, what: str) -> ServerStartFailed:
+        """Stop the server that failed to start and say why: its error lines, else its last
+        lines (one line for a CLI to print), and the whole log."""
+        self.kill()
+        self._log.close()
+        log = self.log()
+        lines = [ln for ln in log.splitlines() if ln.strip()]
         errors = [ln for ln in lines if "error:" in ln or "Error:" in ln]
-        return "\n".join(errors[-3:] or lines[-8:]) or "(its log is empty)"
+        why = "\n".join(errors[-3:] or lines[-8:]) or "(its log is empty)"
+        return ServerStartFailed(f"the kvxfer server started at {self.url} {what}: {why}", log)
 
     def client_keys(self) -> CurveClientKeys | None:
         """The CURVE keys a client of this server needs (None for an ipc:// server)."""

@@ -380,6 +380,18 @@ def test_a_large_arena_is_announced_before_it_is_made(monkeypatch, caplog) -> No
         "(seconds per GiB on some hosts)"]
 
 
+def test_a_server_process_that_fails_to_start_says_why_in_a_line_and_keeps_the_whole_log() -> None:
+    from kvxfer.testing.server import ServerProcess, ServerStartFailed
+
+    server = ServerProcess(l1_size="1KiB")
+    with pytest.raises(ServerStartFailed) as info:
+        server.start()
+    message = str(info.value)
+    assert "exited with 2" in message and "--l1-size" in message, message
+    assert info.value.log == server.log() and "kvxfer serve: error:" in info.value.log, info.value.log
+    assert server.proc is not None and server.proc.returncode == 2 and server._log.closed
+
+
 def test_server_process_waits_longer_for_a_larger_arena() -> None:
     from kvxfer.testing.server import ServerProcess
 
