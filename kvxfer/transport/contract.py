@@ -294,8 +294,10 @@ class TransferContext(ABC):
     ) -> Future[RetrieveResult]:
         """Load the chunks ``keys`` into ``block_ids``, leaving the blocks of the first
         ``skip_first_n_tokens`` tokens (a multiple of the block size) untouched. Missing
-        chunks are reported in the result and their blocks left untouched. ``lease_id``
-        (from :meth:`kvxfer.CacheClient.lookup_and_lease`) is released for this rank when done.
+        chunks are reported in the result and their blocks left untouched. A block named twice
+        gets the rows of one of its chunks, which one is not defined (the copies run in no set
+        order). ``lease_id`` (from :meth:`kvxfer.CacheClient.lookup_and_lease`) is released for
+        this rank when done.
 
         The future's ``cancel()`` succeeds until the copy starts (client-driven: before the
         copy into the blocks; server-driven: before the request is sent), and a cancelled
