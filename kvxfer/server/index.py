@@ -8,6 +8,10 @@ fills the slot; ``commit_write`` makes it READY (and evictable, most recently us
 entries until it expires or its readers release it. Only READY entries with no readers and no
 leases are ever evicted, least recently used first, and only to make room for a new slot.
 
+The LRU holds the evictable entries only (READY, unpinned), least recently used first: an
+entry leaves it when pinned and comes back, as the most recently used, when the last pin goes,
+so that making room evicts from its front in constant time per chunk, however much is pinned.
+
 Accounting is exact by construction: an entry's ``leases`` counts the leases that hold it (a
 lease holds each key once, however often a request repeats it) and ``readers`` the read
 reservations' pins (one per occurrence, released per occurrence). Every reservation and lease
@@ -125,6 +129,7 @@ class ChunkIndex:
     def __init__(self, capacity: int, on_evict: Callable[[list[ChunkKey]], None] | None = None) -> None:
         self.allocator = Allocator(capacity)
         self.entries: dict[ChunkKey, Entry] = {}
+        #: The evictable entries (READY, unpinned), least recently used first.
         self._lru: OrderedDict[ChunkKey, Entry] = OrderedDict()
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
@@ -172,6 +177,7 @@ class ChunkIndex:
         pins = owner.lease_pins
         for e in lease.entries.values():
             e.leases += 1
+            self._lru.pop(e.key, None)
             n = pins.get(e, 0)
             if not n:
                 owner.leased_bytes += Allocator.rounded(e.size)
@@ -189,6 +195,7 @@ class ChunkIndex:
             e = lease.entries.pop(key, None)
             if e is not None:
                 e.leases -= 1
+                self._evictable(e)
                 pins = lease.owner.lease_pins
                 n = pins[e] - 1
                 if n:
@@ -211,9 +218,24 @@ class ChunkIndex:
         return sum(len(lease.entries) for lease in self.leases.values())
 
     def pinned_chunks(self) -> int:
-        """Entries that cannot be evicted now (being written, read or leased), counted from the
-        entries themselves: zero whenever no reservation or lease is open."""
-        return sum(1 for e in self.entries.values() if e.pinned)
+        """Entries that cannot be evicted now (being written, read or leased): zero whenever no
+        reservation or lease is open."""
+        return len(self.entries) - len(self._lru)
+
+    def pin(self, e: Entry) -> None:
+        """Pin a READY entry as a reader does (without a reservation: the L2 writer's read of its slot)."""
+        e.readers += 1
+        self._lru.pop(e.key, None)
+
+    def unpin(self, e: Entry) -> None:
+        """Undo :meth:`pin`."""
+        e.readers -= 1
+        self._evictable(e)
+
+    def _evictable(self, e: Entry) -> None:
+        """``e`` back in the LRU, as the most recently used, if it is still indexed and nothing pins it."""
+        if not e.pinned and self.entries.get(e.key) is e:
+            self._lru[e.key] = e
 
     def _open(self, res: Reservation) -> Reservation:
         self.reservations[res.id] = res
@@ -340,7 +362,7 @@ class ChunkIndex:
                     f"this instance reads {fmt}: registrations of one model_name must match"
                 )
             e.readers += 1
-            self._lru.move_to_end(key)
+            self._lru.pop(key, None)
             res.entries.append((i, e))
         return self._open(res), missing
 
@@ -348,6 +370,7 @@ class ChunkIndex:
         self._close(res)
         for _, e in res.entries:
             e.readers -= 1
+            self._evictable(e)
         if res.lease_id:
             self.release_lease(res.lease_id, [e.key for _, e in res.entries])
 
@@ -359,6 +382,7 @@ class ChunkIndex:
             self._close(res)
             for _, e in res.entries:
                 e.readers -= 1
+                self._evictable(e)
 
     # ------------------------------------------------------------------ space
 
@@ -367,9 +391,9 @@ class ChunkIndex:
         if offset is not None:
             return offset
         evicted: list[ChunkKey] = []
-        for key, e in list(self._lru.items()):
-            if e.pinned:
-                continue
+        lru = self._lru
+        while lru:  # the least recently used first; every entry here is evictable
+            key, e = lru.popitem(last=False)
             self._drop(e)
             evicted.append(key)
             offset = self.allocator.alloc(size)
@@ -398,7 +422,7 @@ class ChunkIndex:
 
     def clear(self, model_name: str = "") -> list[ChunkKey]:
         """Drop READY, unpinned entries (of ``model_name`` only, when given)."""
-        gone = [k for k, e in self._lru.items() if not e.pinned and (not model_name or k.model_name == model_name)]
+        gone = [k for k in self._lru if not model_name or k.model_name == model_name]
         for key in gone:
             self._drop(self.entries[key])
         return gone

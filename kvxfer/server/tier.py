@@ -521,7 +521,7 @@ class L2Tier:
                 if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
                     self._count("drops", len(entries) - queued)
                     break
-                e.readers += 1  # pinned until its write is done: not evicted, not overwritten
+                self.index.pin(e)  # pinned until its write is done: not evicted, not overwritten
                 self.pinned_bytes += e.size
                 self._queue.append(_Write(e.key, e, e.fmt))
                 queued += 1
@@ -536,7 +536,7 @@ class L2Tier:
 
     def _unpin(self, batch: Sequence[_Write]) -> None:
         for w in batch:
-            w.entry.readers -= 1
+            self.index.unpin(w.entry)
             self.pinned_bytes -= w.entry.size
 
     @property

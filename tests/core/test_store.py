@@ -200,8 +200,9 @@ def test_leases_are_honoured_until_they_expire() -> None:
     assert not index.leases and index.leased_chunks == 0
     assert index.entries[key(0)].leases == 0
     store(index, [key(5), key(6)])
-    assert ev.evicted == [key(2), key(0), key(1)]  # evictable again, least recently used first
-    assert key(3) in index.entries
+    # evictable again as the most recently used (their lease ended after 3's read): 3 goes first
+    assert ev.evicted == [key(2), key(3), key(0)]
+    assert key(1) in index.entries
     index.allocator.check()
 
 
@@ -358,3 +359,70 @@ def test_a_session_pinning_the_same_chunks_again_holds_no_more_bytes() -> None:
     for r in reads:
         index.commit_read(r)
     assert owner.reserved_bytes == 0 and not owner.read_pins
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_use(seed: int) -> None:
+    """Random stores, leases, reads (committed or aborted), L2-writer pins and releases against a
+    model: after every step the LRU is the READY entries nothing pins, the least recently
+    unpinned first, and eviction takes from its front only (never a pinned entry)."""
+    import random
+
+    rng = random.Random(seed)
+    ev = Recorder()
+    index = ChunkIndex(12 * SIZE, on_evict=ev)
+    model: dict[ChunkKey, int] = {}  # evictable key -> when it last became evictable
+    clock = iter(range(10**9))
+    leases: list[int] = []
+    pinned_by_l2: list = []
+    owner = Usage()
+
+    def refresh(keys) -> None:
+        for k in keys:
+            e = index.entries.get(k)
+            if e is not None and not e.pinned:
+                model[k] = next(clock)
+            else:
+                model.pop(k, None)
+
+    for _ in range(400):
+        op = rng.choice(["store", "store", "lease", "release", "read", "abort", "pin", "unpin"])
+        ready = [k for k, e in index.entries.items() if e.state is State.READY]
+        if op == "store":
+            keys = [key(rng.randrange(40)) for _ in range(rng.randint(1, 3))]
+            res, _, _ = index.reserve_write(keys, "f", SIZE, 1, owner)
+            stored = index.commit_write(res)
+            for k in ev.evicted:
+                assert k in model, f"{k} was evicted while pinned"
+                del model[k]
+            ev.evicted.clear()
+            refresh([e.key for _, e in stored])
+        elif op == "lease" and ready:
+            picked = rng.sample(ready, min(len(ready), rng.randint(1, 3)))
+            leases.append(index.lease({k: index.entries[k] for k in picked}, 30, owner))
+            refresh(picked)
+        elif op == "release" and leases:
+            lid = leases.pop(rng.randrange(len(leases)))
+            held = list(index.leases[lid].entries) if lid in index.leases else []
+            index.release_lease(lid)
+            refresh(held)
+        elif op in ("read", "abort") and ready:
+            picked = rng.sample(ready, min(len(ready), rng.randint(1, 3)))
+            res, _ = index.reserve_read(picked, "f", 1, owner)
+            refresh(picked)
+            assert not any(k in model for k in picked)
+            (index.commit_read if op == "read" else index.abort)(res)
+            refresh(picked)
+        elif op == "pin" and ready:
+            e = index.entries[rng.choice(ready)]
+            index.pin(e)
+            pinned_by_l2.append(e)
+            refresh([e.key])
+        elif op == "unpin" and pinned_by_l2:
+            e = pinned_by_l2.pop(rng.randrange(len(pinned_by_l2)))
+            index.unpin(e)
+            refresh([e.key])
+        in_order = sorted(model, key=model.__getitem__)
+        assert list(index._lru) == in_order
+        assert index.pinned_chunks() == sum(1 for e in index.entries.values() if e.pinned)
+    index.allocator.check()
