@@ -791,17 +791,20 @@ class CacheServer:
         self._formats = None
         session: Session = ctx.owner
         session.instances.discard(ctx.instance_id)
+        slots = 0
         for res in [r for r in session.usage.reservations.values()
                     if r.instance_id == ctx.instance_id and not r.parked]:
             if res.in_flight:
                 continue
-            if res.write and park_into is not None:
+            if res.write and res.entries and park_into is not None:  # a write with no slot has nothing to keep
                 res.parked = True
                 park_into.reservations[res.id] = res
-                log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open write "
-                            "until it exits", session.peer.label(), len(res.entries))
+                slots += len(res.entries)
             else:
                 self.index.abort(res)
+        if slots:
+            log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open writes "
+                        "until it exits", session.peer.label(), slots)
         ctx.executor.submit(self._close_server_context, ctx)
         ctx.executor.shutdown(wait=wait)
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)

@@ -177,6 +177,24 @@ def test_another_connection_cannot_free_the_parked_writes_of_a_frozen_client(ser
     wait_until(lambda: observer.status().reservations == 0, DROP_WITHIN_S, "the dead client's slots freed")
 
 
+def test_a_silent_client_s_open_writes_with_no_slot_are_not_parked(server, client_of, workers):
+    """Writes of chunks the server had already hold no slot: when their client goes silent while
+    it lives, nothing of them is kept (parking them would only use up --max-reservations)."""
+    observer = Writer(client_of(server), model="frozen-empty")
+    keys = [key("frozen-empty", j) for j in range(4)]
+    assert observer.store(keys).stored == list(range(4))
+    w = workers("hold-write", "--url", server.url, "--model", "frozen-empty", "--chunks", "4")
+    assert read_event(w, "held")["slots"] == 0
+    os.kill(w.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: all(c.client_pid != w.pid for c in observer.client.status().contexts), DROP_WITHIN_S,
+                   "the frozen client's registration dropped")
+        assert observer.client.status().reservations == 0
+    finally:
+        os.kill(w.pid, signal.SIGKILL)
+        w.wait()
+
+
 # --------------------------------------------------------------------------- 4. liveness across pid namespaces
 
 
