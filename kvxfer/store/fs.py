@@ -8,7 +8,8 @@
   says ``fsync=1``;
 * a byte budget (``max_size``, default: 90% of the file system's free space at open) kept by
   evicting the least recently used files; reads count as use;
-* the directory is private (0700, files 0600) and held by one server at a time (an exclusive
+* the directory is private (0700, files 0600; checked as :mod:`kvxfer.private_dirs` checks
+  kvxfer's own: never through a symbolic link) and held by one server at a time (an exclusive
   ``flock``): give each server its own directory. A restarted server finds every value again
   (the index is rebuilt from the files, oldest first).
 
@@ -32,6 +33,7 @@ from typing import Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer.private_dirs import ensure_private_dir
 from kvxfer.store.base import (
     STORE_API_VERSION,
     GetItem,
@@ -98,10 +100,15 @@ class FsBackend(ThreadedBackend):
         self.used = 0
         self.evictions = 0
         self._tmp_ids = itertools.count()
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if root.stat().st_uid != os.getuid():
-            raise ConfigError(f"fs store directory {root} belongs to another user; choose another --l2-url")
-        os.chmod(root, 0o700)
+        # checked on the path itself (a symbolic link in its place, or in a parent others may
+        # write to, is refused: this store deletes files in it), then made 0700 through a
+        # descriptor of that very directory
+        ensure_private_dir(root, "fs store directory", "choose another --l2-url: a directory of yours")
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
         self._lock_fd = os.open(root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

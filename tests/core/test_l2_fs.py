@@ -58,6 +58,24 @@ def test_values_are_files_written_atomically_and_privately(tmp_path: Path) -> No
         b.close()
 
 
+def test_a_link_planted_in_place_of_the_directory_is_refused_and_its_target_left_alone(tmp_path: Path) -> None:
+    """The store deletes files in its directory (eviction, cut writes): a symbolic link in its
+    place, say in a sticky directory others may write to, must never lead it elsewhere."""
+    victim = tmp_path / "victim"
+    (victim / "ab").mkdir(parents=True)
+    (victim / "ab" / "draft.tmp").write_text("mine")
+    (victim / "ab" / "notes").write_text("x" * 8192)
+    victim.chmod(0o755)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "l2").symlink_to(victim)
+    with pytest.raises(ConfigError, match="fs store directory"):
+        FsStore().open(f"file://{shared}/l2?max_size=4KiB", StoreOptions())
+    assert (victim / "ab" / "draft.tmp").read_text() == "mine" and (victim / "ab" / "notes").exists()
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755 and not (victim / ".kvxfer-fs.lock").exists()
+
+
 def test_one_server_per_directory(tmp_path: Path) -> None:
     b = FsStore().open(f"file://{tmp_path}/l2", StoreOptions())
     try:
