@@ -952,6 +952,7 @@ class CacheServer:
             self.limits.check("max_leases", len(self.index.leases))
             self.limits.check("max_leases_per_session", len(usage.leases))
             self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(entries.values()))
+            self._check_chunk_pins(session, len(entries))
             lease_id = self.index.lease(entries, msg.lease_s, usage)
             if msg.prefetch:  # right after the reply is sent
                 self._mq.after_reply(functools.partial(self._prefetch, msg, entries))
@@ -1029,11 +1030,19 @@ class CacheServer:
                                  "use store/retrieve, not reserve/commit")
         return ctx
 
-    def _check_reservation(self, session: Session, nbytes: int) -> None:
-        """Raise LimitExceeded unless ``session`` may open one more reservation of ``nbytes``."""
+    def _check_reservation(self, session: Session, nbytes: int, pins: int = 0) -> None:
+        """Raise LimitExceeded unless ``session`` may open one more reservation of ``nbytes``
+        (a read: that pins ``pins`` chunks)."""
         self.limits.check("max_reservations", len(self.index.reservations))
         self.limits.check("max_reservations_per_session", len(session.usage.reservations))
         self.limits.check("max_reserved_bytes_per_session", session.usage.reserved_bytes, nbytes)
+        if pins:
+            self._check_chunk_pins(session, pins)
+
+    def _check_chunk_pins(self, session: Session, pins: int) -> None:
+        """Raise LimitExceeded unless ``session`` may hold ``pins`` more chunk references."""
+        self.limits.check("max_chunk_pins", self.index.chunk_pins, pins)
+        self.limits.check("max_chunk_pins_per_session", session.usage.chunk_pins, pins)
 
     def _reserve_write(self, session: Session, ctx: RegisteredContext,
                        hashes: list[bytes]) -> tuple[Reservation, list[int], list[int]]:
@@ -1044,7 +1053,8 @@ class CacheServer:
     def _reserve_read(self, session: Session, ctx: RegisteredContext, hashes: list[bytes],
                       lease_id: int) -> tuple[Reservation, list[int]]:
         keys = ctx.keys(hashes)
-        self._check_reservation(session, self.index.read_pins(keys, session.usage)[1])
+        pins, nbytes = self.index.read_pins(keys, session.usage)
+        self._check_reservation(session, nbytes, pins)
         return self.index.reserve_read(keys, ctx.chunk.fmt, ctx.instance_id, session.usage, lease_id)
 
     def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply:

@@ -87,6 +87,8 @@ class Usage:
     leased_bytes: int = 0
     #: Entries its leases hold -> how many of them hold each.
     lease_pins: dict[Entry, int] = field(default_factory=dict)
+    #: Chunk references its leases and read reservations hold (an entry held twice counts twice).
+    chunk_pins: int = 0
 
     def lease_need(self, entries: Iterable[Entry]) -> int:
         """Bytes a lease of ``entries`` would add to :attr:`leased_bytes`."""
@@ -133,6 +135,8 @@ class ChunkIndex:
         self._lru: OrderedDict[ChunkKey, Entry] = OrderedDict()
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
+        #: Chunk references all leases and read reservations hold (each Usage's chunk_pins, summed).
+        self.chunk_pins = 0
         self._on_evict = on_evict
         self.evictions = 0
         #: Entries added, made readable or removed so far: a lookup that waited for L2 sees
@@ -184,6 +188,8 @@ class ChunkIndex:
             pins[e] = n + 1
         self.leases[lease.id] = lease
         owner.leases[lease.id] = lease
+        owner.chunk_pins += len(lease.entries)
+        self.chunk_pins += len(lease.entries)
         return lease.id
 
     def release_lease(self, lease_id: int, keys: Iterable[ChunkKey] | None = None) -> None:
@@ -196,6 +202,8 @@ class ChunkIndex:
             if e is not None:
                 e.leases -= 1
                 self._evictable(e)
+                lease.owner.chunk_pins -= 1
+                self.chunk_pins -= 1
                 pins = lease.owner.lease_pins
                 n = pins[e] - 1
                 if n:
@@ -244,6 +252,8 @@ class ChunkIndex:
         if res.write:
             owner.reserved_bytes += res.nbytes
         else:
+            owner.chunk_pins += len(res.entries)
+            self.chunk_pins += len(res.entries)
             for _, e in res.entries:
                 n = owner.read_pins.get(e, 0)
                 if not n:
@@ -260,6 +270,8 @@ class ChunkIndex:
         if res.write:
             owner.reserved_bytes -= res.nbytes
             return
+        owner.chunk_pins -= len(res.entries)
+        self.chunk_pins -= len(res.entries)
         for _, e in res.entries:
             n = owner.read_pins[e] - 1
             if n:

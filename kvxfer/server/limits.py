@@ -56,6 +56,12 @@ SPECS: Final[dict[str, LimitSpec]] = {s.name: s for s in (
               "release leases once read (release_lease) or lease for less time"),
     LimitSpec("max_leased_bytes_per_session", "--max-leased-bytes-per-session", "bytes",
               "arena bytes pinned by one session's leases", "release leases once read"),
+    LimitSpec("max_chunk_pins", "--max-chunk-pins", "count",
+              "chunks held by open leases and read reservations in all (one held by two of them counts twice; "
+              "each costs the server about 200 bytes)", "release leases once read and commit reads"),
+    LimitSpec("max_chunk_pins_per_session", "--max-chunk-pins-per-session", "count",
+              "chunks held by one session's open leases and read reservations (one held by two of them counts "
+              "twice)", "release leases once read, commit reads, or look the same prefix up less often"),
     LimitSpec("max_waiting", "--max-waiting", "count",
               "requests waiting on the L2 store in all (lookups that ask it, reads and retrieves of chunks being "
               "promoted from it)", "wait for answers before sending more"),
@@ -105,6 +111,9 @@ class Limits:
     max_leases_per_session: int = 4096
     #: None: the arena's size.
     max_leased_bytes_per_session: int | None = None
+    #: Chunk references held by leases and read reservations (the index's memory for them).
+    max_chunk_pins: int = 2 << 20
+    max_chunk_pins_per_session: int = 1 << 18
     #: Requests waiting on L2 (each holds its message, a callback, a retrieve its lane place).
     max_waiting: int = 16384
     max_waiting_per_session: int = 1024

@@ -425,4 +425,7 @@ def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_
         in_order = sorted(model, key=model.__getitem__)
         assert list(index._lru) == in_order
         assert index.pinned_chunks() == sum(1 for e in index.entries.values() if e.pinned)
+        held = sum(len(lease.entries) for lease in index.leases.values()) + \
+            sum(len(r.entries) for r in index.reservations.values() if not r.write)
+        assert index.chunk_pins == owner.chunk_pins == held
     index.allocator.check()

@@ -377,6 +377,30 @@ def test_leases_are_bounded_and_end_with_their_session(debug_server):
         wait_until(lambda: c.status().leases == 0, DROP_WITHIN_S, "the closed session's lease released")
 
 
+def test_leases_and_reads_of_the_same_chunks_again_and_again_are_bounded_by_their_chunk_count(shm_dir):
+    """Leasing the same chunks over and over pins no more bytes (each counts once), but each
+    lease keeps its own list of them: the chunks all leases and read reservations hold, counted
+    every time, are bounded per session and in all, and come back as they are released."""
+    args = ["--shm-dir", str(shm_dir), "--max-chunk-pins-per-session", "32", "--max-chunk-pins", "40"]
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather", extra_args=args) as server, \
+            CacheClient(server.url, timeout=20) as a, CacheClient(server.url, timeout=20) as b:
+        w = Writer(a, model="pins")
+        k = [key("pins", j) for j in range(8)]
+        assert w.store(k).stored == list(range(8))
+        leases = [a.lookup_and_lease("pins", hashes=k, lease_s=300).lease_id for _ in range(4)]
+        err = error_of(lambda: a.lookup_and_lease("pins", hashes=k, lease_s=300))
+        assert err.code == "limit_exceeded" and "--max-chunk-pins-per-session" in str(err), err
+        err = error_of(lambda: w.retrieve(k))
+        assert err.code == "limit_exceeded" and "--max-chunk-pins-per-session" in str(err), err
+        a.release_lease(leases.pop())
+        res, bad = w.retrieve(k)  # a read of 8 fits again
+        assert res.loaded == list(range(8)) and bad == []
+        for _ in range(2):  # 24 + 16 held: the server's 40
+            b.lookup_and_lease("pins", hashes=k, lease_s=300)
+        err = error_of(lambda: b.lookup_and_lease("pins", hashes=k, lease_s=300))
+        assert err.code == "limit_exceeded" and "limit max_chunk_pins reached" in str(err), err
+
+
 # --------------------------------------------------------------------------- 7. threads
 
 
