@@ -36,11 +36,11 @@ import os
 import resource
 import select
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack, peer_credentials, send_some
+from kvxfer.mq.throttled_log import ThrottledLog
 
 __all__ = ["UnixListener"]
 
@@ -54,7 +54,6 @@ _ERR = select.EPOLLERR | select.EPOLLHUP
 FD_HEADROOM = 256
 #: A connection refused or closed by the listener is logged at most once per this many seconds
 #: for each reason (with a count).
-_SHED_LOG_S = 1.0
 
 
 def ensure_fd_room(connections: int) -> int:
@@ -122,7 +121,7 @@ class UnixListener:
         self.malformed = 0
         self.refused = 0
         #: per kind of connection refused or closed by the listener: (count, count logged, next log time)
-        self._shed: dict[str, tuple[int, int, float]] = {}
+        self._shed = ThrottledLog(log)
         self.fd_limit = ensure_fd_room(max_connections)
         #: freed to accept (and close) a connection when no descriptor is left; see the module doc
         self._spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -192,19 +191,7 @@ class UnixListener:
     def _refuse(self, why: str) -> None:
         """Count a connection closed at accept and log it."""
         self.refused += 1
-        self._shed_log("refused", f"refused a connection: {why}")
-
-    def _shed_log(self, kind: str, line: str) -> None:
-        """Log a connection refused or closed by the listener, at most once per second for each
-        ``kind`` with the count since its last line (a storm of them must not flood the log)."""
-        count, logged, at = self._shed.get(kind, (0, 0, 0.0))
-        count += 1
-        now = time.monotonic()
-        if now >= at:
-            more = count - logged - 1
-            log.warning("%s%s", line, f" (and {more} more since the last such line)" if more else "")
-            logged, at = count, now + _SHED_LOG_S
-        self._shed[kind] = (count, logged, at)
+        self._shed.warning("refused", f"refused a connection: {why}")
 
     def tick(self) -> None:
         """Periodic (the loop's tick): poll the listening socket again after a failed accept,
@@ -328,7 +315,7 @@ class UnixListener:
             if not held:
                 return
             victim = max(held, key=lambda c: len(c.reader))
-            self._shed_log("buffered", f"closed the connection of {victim.peer}: it holds {len(victim.reader)} "
+            self._shed.warning("buffered", f"closed the connection of {victim.peer}: it holds {len(victim.reader)} "
                            f"bytes of an unfinished message while all connections hold {self.buffered}, more than "
                            f"{self._max_buffered} (4 x max(--max-unread-reply-bytes, --max-message-size))")
             self._close(victim)

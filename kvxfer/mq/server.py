@@ -52,6 +52,7 @@ import zmq
 
 from kvxfer.errors import ConfigError, ErrorCode
 from kvxfer.mq.listener import UnixListener
+from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.private_dirs import ensure_private_dir
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
@@ -175,6 +176,7 @@ class MQServer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._auth = None
         self.dropped_frames = 0
+        self._malformed = ThrottledLog(log)
         #: Replies waiting for a peer whose ZeroMQ queue is full, and their counted bytes.
         self._backlog: dict[bytes, collections.deque[tuple[bytes, bytes, bytes, int]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
@@ -510,7 +512,7 @@ class MQServer:
     def _handle(self, frames: list[bytes], peer: str) -> None:
         if len(frames) != 4 or len(frames[1]) != 8:
             self.dropped_frames += 1
-            log.warning("dropping a request of %d frames (no request id to answer)", len(frames))
+            self._malformed.warning("frames", f"dropping a request of {len(frames)} frames (no request id to answer)")
             if len(frames) >= 2 and len(frames[1]) == 8:
                 err = codec.encode(ErrorReply(ErrorCode.INVALID_REQUEST,
                                               f"a request has 3 frames [id, name, payload], got {len(frames) - 1}"))

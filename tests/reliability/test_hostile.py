@@ -401,6 +401,29 @@ def test_leases_and_reads_of_the_same_chunks_again_and_again_are_bounded_by_thei
         assert err.code == "limit_exceeded" and "limit max_chunk_pins reached" in str(err), err
 
 
+def test_a_flood_of_requests_without_a_request_id_does_not_flood_the_log(debug_server):
+    """Each is dropped (there is no id to answer); the warning comes at most once a second, with
+    the count of those left out."""
+    import time
+
+    from kvxfer.testing.wire import RawConnection
+
+    line = "no request id to answer"
+    before = debug_server.log().count(line)
+    conn = RawConnection(debug_server.url)
+    try:
+        for _ in range(2000):
+            conn.send([b"1234567", b"ping", b""])  # a 7-byte id
+        with CacheClient(debug_server.url, timeout=20) as c:
+            c.ping()  # answered after the flood (in order on the loop)
+            time.sleep(1.1)
+            conn.send([b"1234567", b"ping", b""])
+            wait_until(lambda: "more since the last such line" in debug_server.log(), 20, "the count of those left out")
+    finally:
+        conn.close()
+    assert debug_server.log().count(line) - before <= 3, debug_server.log()[-2000:]
+
+
 # --------------------------------------------------------------------------- 7. threads
 
 
