@@ -93,15 +93,18 @@ MAX_RUNS: Final = 4096
 
 
 
+#: The dtypes a KV cache may have, by name, and their sizes in bytes (what chunk formats name).
+DTYPE_SIZES: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                      "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "int8": 1, "uint8": 1}
+
+
 @functools.cache
 def _dtypes() -> dict[str, torch.dtype]:
-    """The dtypes a KV cache may have, by name. Byte-wise copies only: any dtype of these sizes
-    round-trips."""
+    """The dtypes of :data:`DTYPE_SIZES` this torch has. Byte-wise copies only: any dtype of
+    these sizes round-trips."""
     import torch
 
-    names = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-             "float8_e5m2fnuz", "int8", "uint8")
-    return {name: getattr(torch, name) for name in names if hasattr(torch, name)}
+    return {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
 
 _PAGE_DIM: Final = re.compile(r"([A-Z])([1-9][0-9]{0,9})")
 

@@ -37,6 +37,8 @@ from typing import Final
 import msgspec
 import xxhash
 
+from kvxfer.layout import DTYPE_SIZES
+
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
@@ -67,7 +69,6 @@ _CHECK: Final = struct.Struct("<Q")
 assert _FIXED.size + _CHECK.size == HEADER_SIZE
 #: ``dtype:AxBxCxD`` and, since layouts record their page order, ``:PAGE`` (printable ASCII)
 _FMT_RE: Final = re.compile(r"([a-z0-9_]+):(\d+)x(\d+)x(\d+)x(\d+)(?::[\x21-\x7e]*)?")
-_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class IntegrityError(ValueError):
@@ -112,9 +113,9 @@ def chunk_format_bytes(fmt: str) -> int:
     """Bytes of one chunk of format ``fmt`` (``dtype:AxBxCxD[:page]``, the chunk's shape in
     elements); IntegrityError if malformed."""
     m = _FMT_RE.fullmatch(fmt)
-    if m is None or m.group(1) not in _ITEMSIZE:
+    if m is None or m.group(1) not in DTYPE_SIZES:
         raise IntegrityError(f"malformed chunk format {fmt[:80]!r}")
-    n = _ITEMSIZE[m.group(1)]
+    n = DTYPE_SIZES[m.group(1)]
     for g in m.groups()[1:]:
         n *= int(g)
     return n

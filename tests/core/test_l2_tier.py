@@ -488,3 +488,13 @@ def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path
         hung.set_exception(StoreUnavailable("store 'fs': delete failed: the store went away"))
         assert (tier.damaged_deleted, tier.errors) == (3, 1) and tier.breaker.closed
         assert backend.submit_exists([l2[1]]).result(TIMEOUT) == [HEADER_SIZE + size]
+
+
+def test_every_dtype_a_kv_cache_may_have_has_its_chunk_size_in_l2() -> None:
+    """A lookup that reaches L2 sizes the chunk from its format: every dtype a registration
+    accepts must be known there (int8 and float64 chunks were written to L2 and never found)."""
+    from kvxfer.layout import _dtypes
+    from kvxfer.store.format import chunk_format_bytes
+
+    for name, dtype in _dtypes().items():
+        assert chunk_format_bytes(f"{name}:2x3x4x5") == dtype.itemsize * 120, name
