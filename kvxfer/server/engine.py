@@ -59,7 +59,7 @@ from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 from kvxfer.mq.server import MQServer, refuse_if_served
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
-from kvxfer.protocol.table import REQUESTS, HandlerKind
+from kvxfer.protocol.table import REQUESTS, HandlerKind, RequestSpec
 from kvxfer.server import figures
 from kvxfer.server.allocator import Allocator
 from kvxfer.server.config import ServerConfig
@@ -284,6 +284,14 @@ class _CopyClock:
         return max(0.0, self._end - self._start) if self._start else 0.0
 
 
+def _decode(name: str, spec: RequestSpec, payload: bytes) -> Any:
+    """The payload of request ``name`` as its message (InvalidRequest if it is not one)."""
+    try:
+        return codec.decode(payload, spec.payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
+
+
 def _check_hashes(hashes: list[bytes]) -> None:
     if len(hashes) > MAX_CHUNKS_PER_REQUEST:
         raise _invalid("hashes", f"{len(hashes)} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
@@ -327,6 +335,7 @@ class CacheServer:
         self._parked: dict[bytes, Parked] = {}
         #: Periodic passes (:meth:`_tick`) completed: status ``ticks``.
         self.ticks = 0
+        self._last_tick = time.monotonic()
         #: Runs the transfers of every registered instance, one lane each.
         self._pool = WorkerPool(self.limits.workers)
         #: Runs the waiters of server-driven copies (see ServerContext.store).
@@ -511,20 +520,16 @@ class CacheServer:
             if spec is None:
                 raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
                                      f"{', '.join(REQUESTS)}")
-            try:
-                msg = codec.decode(payload, spec.payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
             if name == "handshake":
-                out = self._on_handshake(identity, peer, cast(m.Handshake, msg))
+                out = self._on_handshake(identity, peer, cast(m.Handshake, _decode(name, spec, payload)))
             else:
-                session = self.sessions.get(identity)
+                session = self.sessions.get(identity)  # before the payload is decoded: that may cost
                 if session is None or session.peer.raw != peer:
                     raise NoSession("this connection has no session (the server may have restarted, or the "
                                     "session timed out): send a handshake first")
                 session.last_seen = time.monotonic()
                 handler = self._transfer[name] if spec.kind is HandlerKind.TRANSFER else self._control[name]
-                out = handler(session, msg)
+                out = handler(session, _decode(name, spec, payload))
             if not isinstance(out, (_Deferred, _Awaiting)):
                 reply = codec.OK, codec.encode(out)
         except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
@@ -735,11 +740,15 @@ class CacheServer:
         """The loop's periodic pass (MQServer's ``on_tick``, about every 0.25 s); ``ticks`` counts
         the passes completed (status)."""
         now = time.monotonic()
+        # after a pass that kept the loop from reading for long, a client's heartbeat may be
+        # waiting unread: nobody is judged silent until the loop has read again
+        stalled = now - self._last_tick > self.config.session_timeout_s / 2
+        self._last_tick = now
         self.index.expire_leases(now)
         if self.tier is not None:
             self.tier.tick()
         for identity, session in list(self.sessions.items()):
-            if now - session.last_seen > self.config.session_timeout_s:
+            if not stalled and now - session.last_seen > self.config.session_timeout_s:
                 self._drop_session(identity, "timed out")
         for parked in list(self._parked.values()):
             if not liveness.holder_alive(self.arena.path, parked.token):

@@ -424,6 +424,18 @@ def test_a_flood_of_requests_without_a_request_id_does_not_flood_the_log(debug_s
     assert debug_server.log().count(line) - before <= 3, debug_server.log()[-2000:]
 
 
+def test_a_connection_without_a_session_gets_no_payload_decoded(debug_server):
+    """Decoding a large payload costs the loop time and memory: a request of a connection that
+    has not handshaked is refused before its payload is looked at (a malformed one included)."""
+    peer = RawPeer(debug_server.url)
+    try:
+        for name in (b"store", b"lookup", b"reserve_write"):
+            status, reply = peer.recv(peer.send(name, b"\xc1 not msgpack"), 10)
+            assert status == codec.ERR and codec.ERROR_DECODER.decode(reply).code == "no_session", name
+    finally:
+        peer.close()
+
+
 # --------------------------------------------------------------------------- 7. threads
 
 
