@@ -204,7 +204,7 @@ class CacheClient:
                 try:
                     ctx.on_reconnect()
                 except InvalidRequest as exc:
-                    if "already registered" not in str(exc):
+                    if m.ALREADY_REGISTERED not in str(exc):
                         raise
 
     def forget(self, context: TransferContextBase) -> None:

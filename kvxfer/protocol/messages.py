@@ -16,6 +16,9 @@ from typing import Generic, TypeVar
 import msgspec
 
 PROTOCOL_VERSION = 1
+#: How the refusal of a ``Register`` whose instance id is held says whose it is (see Register).
+ALREADY_REGISTERED = "is already registered on this connection"
+REGISTERED_ELSEWHERE = "is registered by another session"
 
 #: ``params`` of a store/retrieve that carries none: MessagePack nil. (An empty ``Raw`` is not a
 #: MessagePack value: a message holding one encodes truncated and no peer can decode it.)
@@ -138,7 +141,11 @@ class Registration(Message, frozen=True, kw_only=True):
 
 class Register(Request["RegisterReply"], frozen=True):
     """Register one KV cache through ``transport``; ``registration`` is that transport's
-    :class:`Registration` subclass, encoded, decoded by the server with the plugin's type."""
+    :class:`Registration` subclass, encoded, decoded by the server with the plugin's type.
+
+    An ``instance_id`` that is registered already is refused (``invalid_request``); the message
+    says whose it is: :data:`ALREADY_REGISTERED` (this session's: a client registering again
+    after a reconnect is done) or :data:`REGISTERED_ELSEWHERE` (the client takes another id)."""
 
     transport: str
     registration: msgspec.Raw

@@ -857,8 +857,10 @@ class CacheServer:
         with plugin_step(msg.transport, "addressable_bytes"):
             addressable = lt.server.addressable_bytes()
         layout = validate_registration(reg, self.config.chunk_size, self.arena.size, self.limits, addressable)
-        if reg.instance_id in self.contexts:
-            raise _invalid("instance_id", f"{reg.instance_id} is already registered")
+        held = self.contexts.get(reg.instance_id)
+        if held is not None:
+            where = m.ALREADY_REGISTERED if held.session == session.identity else m.REGISTERED_ELSEWHERE
+            raise _invalid("instance_id", f"{reg.instance_id} {where}")
         self._check_one_format(reg, layout.chunk_format(self.config.chunk_size))
         self.limits.check("max_registrations", len(self.contexts) + self._registering)
         self.limits.check("max_registrations_per_session", len(session.instances) + session.registering)

@@ -9,6 +9,8 @@ is what a transport sees.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 import msgspec
 
 from kvxfer.copies import check_transfer
-from kvxfer.errors import ConfigError, KvxferError, NoSession, TransportFailed, UnknownInstance
+from kvxfer.errors import ConfigError, InvalidRequest, KvxferError, NoSession, TransportFailed, UnknownInstance
 from kvxfer.layout import KVLayout
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
@@ -138,8 +140,16 @@ class ContextCore:
     def register(self) -> None:
         """Send the registration; called once by the client before any transfer. Raises a
         :class:`kvxfer.errors.RemoteError` if the server refuses it."""
-        reg = self.registration()
-        self.connection.request(m.Register(self.transport_name, msgspec.Raw(codec.encode(reg))))
+        try:
+            self.connection.request(m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
+        except InvalidRequest as exc:
+            if m.REGISTERED_ELSEWHERE not in str(exc):
+                raise
+            # another session registered this id (one that read it from status while this
+            # client's session was lost, say): register under a fresh one
+            self.identity = dataclasses.replace(self.identity, instance_id=secrets.randbits(62) + 1)
+            self.instance_id = self.identity.instance_id
+            self.connection.request(m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
         self._registered = True
         self.epoch = self.connection.epoch
 

@@ -436,6 +436,36 @@ def test_a_connection_without_a_session_gets_no_payload_decoded(debug_server):
         peer.close()
 
 
+def test_an_instance_id_another_session_took_is_left_to_it_and_the_client_takes_another(debug_server,
+                                                                                       monkeypatch):
+    """Instance ids show in status: another session may register one first (while its owner's
+    session is lost, say). Its owner is told whose it is and registers under a fresh id, so its
+    stores and loads go on; the squatter gets nothing of it."""
+    import kvxfer.client
+
+    ref = Writer(CacheClient(debug_server.url, timeout=20), model="iid")
+    taken = 4242_4242
+    squatter = RawPeer(debug_server.url)
+    try:
+        squatter.handshake()
+        assert squatter.error(b"register", codec.encode(registration(ref, "cpu_gather", taken))) is None
+        real = kvxfer.client.secrets.randbits
+        ids = iter([taken - 1])  # the client's next instance id is `taken`, then random again
+        monkeypatch.setattr(kvxfer.client.secrets, "randbits", lambda n: next(ids, None) or real(n))
+        with CacheClient(debug_server.url, timeout=20) as c:
+            w = Writer(c, model="iid")
+            assert w.ctx.instance_id != taken
+            k = [key("iid", j) for j in range(2)]
+            assert w.store(k).stored == [0, 1]
+            res, bad = w.retrieve(k)
+            assert res.loaded == [0, 1] and bad == []
+            code, message = squatter.error(b"register", codec.encode(registration(ref, "cpu_gather", taken)))
+            assert code == "invalid_request" and "already registered on this connection" in message
+    finally:
+        squatter.close()
+        ref.client.close()
+
+
 # --------------------------------------------------------------------------- 7. threads
 
 
