@@ -21,21 +21,48 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from kvxfer.cli import add_client_curve_arguments, client_curve
+from kvxfer.cli import add_client_curve_arguments, client_curve, positive_int
 from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 from kvxfer.protocol import messages as m
 
 __all__ = ["CopyLimit", "add_busy_poll_argument", "busy_poll_args", "main", "run", "physical_limit", "progress_bar",
-           "run_record", "save_results", "write_results"]
+           "json_target", "run_record", "save_results", "usable_device", "write_results"]
 
 GB = 1e9
+
+
+def usable_device(name: str) -> str:
+    """An argparse type: a torch device this process can allocate on (checked before any work)."""
+    try:
+        torch.empty(1, device=torch.device(name))
+    except Exception as exc:  # noqa: BLE001  (torch says why in many ways: RuntimeError, AssertionError, ...)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise argparse.ArgumentTypeError(f"{name!r} is not usable here (torch {torch.__version__}): {first}") from None
+    return name
+
+
+def json_target(path: str) -> str:
+    """An argparse type: where ``--json`` may write (a directory, made if missing, or a file in
+    one), checked before the run rather than after it."""
+    from pathlib import Path
+
+    out = Path(path)
+    folder = out if path.endswith("/") or out.is_dir() else out.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write into {folder}: {exc.strerror or exc}") from None
+    return path
 
 
 def run_record() -> dict[str, Any]:
@@ -351,18 +378,20 @@ def print_results(results: list[dict[str, Any]]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", default="cpu_gather")
-    p.add_argument("--device", default="cpu", help="torch device of the KV cache (cpu, cuda, ...)")
+    p.add_argument("--device", default="cpu", type=usable_device,
+                   help="torch device of the KV cache (cpu, cuda, ...; default: %(default)s)")
     p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind])
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--blocks", type=int, default=512, help="KV cache blocks per layer (at least 2 requests' worth)")
-    p.add_argument("--chunk-sizes", type=int, nargs="+", default=[256])
-    p.add_argument("--chunks-per-request", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--iters", type=int, default=8, help="timed requests per configuration (after 1 warm-up)")
-    p.add_argument("--inflight", type=int, nargs="+", default=[1],
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--heads", type=positive_int, default=8)
+    p.add_argument("--head-size", type=positive_int, default=128)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--blocks", type=positive_int, default=512,
+                   help="KV cache blocks per layer (at least 2 requests' worth)")
+    p.add_argument("--chunk-sizes", type=positive_int, nargs="+", default=[256])
+    p.add_argument("--chunks-per-request", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--iters", type=positive_int, default=8, help="timed requests per configuration (after 1 warm-up)")
+    p.add_argument("--inflight", type=positive_int, nargs="+", default=[1],
                    help="requests outstanding at once; 1 times each request alone (default: %(default)s)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: fits all)")
     p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
@@ -371,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_busy_poll_argument(p)
     add_client_curve_arguments(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
-    p.add_argument("--json", default=None, metavar="PATH",
+    p.add_argument("--json", default=None, metavar="PATH", type=json_target,
                    help="also write the results here (a directory: a file named by date and commit)")
     p.add_argument("--prefix", action="store_true",
                    help="run the prefix-load benchmark instead (lookup + retrieve as a connector issues it; "

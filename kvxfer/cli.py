@@ -204,6 +204,17 @@ def _stores_table(stores: list[PluginInfo], api_version: int, namespace: str) ->
 # --------------------------------------------------------------------------- status
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (counts and sizes of the demo and the benchmarks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_client_curve_arguments(p: argparse.ArgumentParser) -> None:
     """``--curve-dir`` / ``--curve-name``: a client's keys for a ``tcp://`` server (status, top,
     demo, the benchmarks); :func:`client_curve` loads them."""
@@ -448,11 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="start a server, store and load a real paged KV cache, report, stop")
     s.add_argument("--transport", default="cpu_gather", help="transport to register through (default: %(default)s)")
-    s.add_argument("--layers", type=int, default=32, help="layers of the KV cache (default: %(default)s)")
-    s.add_argument("--blocks", type=int, default=512,
+    s.add_argument("--layers", type=positive_int, default=32, help="layers of the KV cache (default: %(default)s)")
+    s.add_argument("--blocks", type=positive_int, default=512,
                    help="blocks of 16 tokens per layer, raised to what the prompts need (default: %(default)s)")
-    s.add_argument("--prompts", type=int, default=4, help="prompts stored and loaded (default: %(default)s)")
-    s.add_argument("--prompt-tokens", type=int, default=2048,
+    s.add_argument("--prompts", type=positive_int, default=4, help="prompts stored and loaded (default: %(default)s)")
+    s.add_argument("--prompt-tokens", type=positive_int, default=2048,
                    help="tokens per prompt, rounded down to whole chunks (default: %(default)s)")
     s.add_argument("--l1-size", default="2GiB", help="arena of each server the demo starts (default: %(default)s)")
     s.add_argument("--url", default=None, help="use a running server instead of starting one (one host only)")

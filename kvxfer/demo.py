@@ -21,6 +21,7 @@ import time
 import torch
 
 from kvxfer.client import CacheClient
+from kvxfer.errors import ConfigError
 from kvxfer.hashing import chunk_hashes
 from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.units import format_bytes
@@ -32,7 +33,6 @@ HEADS, HEAD_SIZE = 8, 128
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kvxfer.errors import ConfigError
     from kvxfer.testing.server import ServerProcess, transports_for
 
     nodes = getattr(args, "nodes", 1)
@@ -69,6 +69,10 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     bpc = cs // BLOCK_SIZE
     tokens_per_prompt = args.prompt_tokens // cs * cs
     chunks_per_prompt = tokens_per_prompt // cs
+    if not chunks_per_prompt:
+        client.close()
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens}: a prompt must hold at least one chunk "
+                          f"({cs} tokens at this server)")
     num_blocks = max(args.blocks, 2 * args.prompts * chunks_per_prompt * bpc)
     layout = KVLayout(LayoutKind.FLASH_ATTN, args.layers, num_blocks, BLOCK_SIZE, HEADS * HEAD_SIZE, torch.bfloat16)
     print(f"server {client.server_version} at {url}: chunk size {cs} tokens, transports "
@@ -125,10 +129,12 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     retrieve_s = time.perf_counter() - t
     retrieve_bytes = loaded * layout.chunk_bytes(cs)
 
+    # what was loaded must match what was stored, byte for byte (chunks evicted before their
+    # load were not loaded: they are reported below, not compared)
     ok = all(
-        torch.equal(layout.row_view(layer).view(torch.uint8)[layout.rows(s)],
-                    layout.row_view(layer).view(torch.uint8)[layout.rows(d)])
-        for layer in kv for s, d in zip(src_blocks, dst_blocks)
+        torch.equal(layout.row_view(layer).view(torch.uint8)[layout.rows(s[:n * bpc])],
+                    layout.row_view(layer).view(torch.uint8)[layout.rows(d[:n * bpc])])
+        for layer in kv for s, d, n in zip(src_blocks, dst_blocks, hits)
     )
     st = client.status()
     ctx.close()
@@ -141,7 +147,12 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     print(f"lookup:   hits per prompt {hits} of {chunks_per_prompt}; an unseen prompt: {miss}")
     print(f"retrieve: {loaded} chunks into other blocks in {retrieve_s * 1e3:.0f} ms = "
           f"{retrieve_bytes / retrieve_s / 1e9:.1f} GB/s")
-    print(f"verify:   {'every byte matches' if ok else 'MISMATCH'}")
+    print(f"verify:   {'every byte loaded matches' if ok else 'MISMATCH'}")
+    if sum(hits) < args.prompts * chunks_per_prompt:
+        print(f"          {args.prompts * chunks_per_prompt - sum(hits)} chunks were evicted before their load: "
+              f"the arena ({format_bytes(st.arena.capacity)}) holds fewer than the demo's "
+              f"{args.prompts * chunks_per_prompt - present} chunks ({format_bytes(stored * layout.chunk_bytes(cs))}); "
+              "give the server a larger --l1-size, or ask for fewer --layers or --prompts")
     print(f"server:   {st.arena.chunks} chunks, {format_bytes(st.arena.used)} of "
           f"{format_bytes(st.arena.capacity)} used, lookup hit rate "
           f"{100 * st.lookup_hits / max(1, st.lookup_chunks):.0f}% of every chunk it was asked for "
@@ -154,7 +165,6 @@ def run_two_hosts(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from kvxfer.errors import ConfigError
     from kvxfer.store import LocalInstance, get_store
     from kvxfer.testing.server import ServerProcess, transports_for
 

@@ -20,5 +20,5 @@ def test_the_demo_stores_loads_verifies_and_stops_its_server() -> None:
     assert "store:    3 chunks written, 1 already present (shared prefix)" in out  # prompt 1 shares a chunk
     assert "lookup:   hits per prompt [2, 2] of 2; an unseen prompt: 0" in out
     assert "retrieve: 4 chunks into other blocks" in out
-    assert "verify:   every byte matches" in out
+    assert "verify:   every byte loaded matches" in out and "evicted" not in out
     assert "server stopped (exit code 0)" in out
