@@ -294,6 +294,19 @@ def test_an_unknown_transport_is_refused_in_one_line_before_any_server_starts(ar
     assert "starting a kvxfer server" not in proc.stdout and "L2: a private" not in proc.stdout
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (("bench", "--iters", "0"), "argument --iters: must be at least 1, got 0"),
+    (("bench", "--inflight", "0"), "argument --inflight: must be at least 1, got 0"),
+    (("bench", "--prefix", "--prefix-chunks", "0"), "argument --prefix-chunks: must be at least 1, got 0"),
+    (("bench", "--device", "nodevice"), "argument --device: 'nodevice' is not usable here"),
+    (("bench", "--json", "/proc/x.json"), "argument --json: cannot write into /proc"),
+    (("demo", "--prompts", "0"), "argument --prompts: must be at least 1, got 0"),
+])
+def test_the_benchmarks_and_the_demo_refuse_values_they_cannot_run_with(argv: tuple[str, ...], says: str) -> None:
+    proc = run(*argv)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_the_demo_refuses_options_its_mode_would_ignore() -> None:
     two = run("demo", "--nodes", "2", "--url", "ipc:///tmp/kvxfer-none/kvxfer.sock")
     assert two.returncode == 2 and "--url: the two-host demo starts its own servers" in two.stderr
