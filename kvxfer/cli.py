@@ -108,8 +108,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         url=args.url,
         l1_size=parse_size(args.l1_size),
         chunk_size=args.chunk_size,
-        transports=tuple(t for t in args.transports.split(",") if t) if args.transports else None,
-        shm_dir=args.shm_dir,
+        transports=tuple(t.strip() for t in args.transports.split(",") if t.strip()) if args.transports else None,
+        shm_dir=os.path.abspath(args.shm_dir),  # clients map the arena by the path the server gives them
         session_timeout_s=args.session_timeout,
         heartbeat_s=min(1.0, args.session_timeout / 3),
         max_message_size=parse_size(args.max_message_size),

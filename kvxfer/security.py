@@ -194,6 +194,9 @@ def load_client_keys(directory: Path, name: str = CLIENT_NAME) -> CurveClientKey
     """Client ``name``'s key pair and the server's public key, from ``directory``."""
     _require_curve()
     directory = Path(directory)
+    if not (directory / f"{name}.key_secret").exists() and (directory / f"{SERVER_NAME}.key").exists():
+        raise ConfigError(f"client {name!r} has no keys in {directory}; add them with "
+                          f"`kvxfer keys {directory} --client {name}`")
     public, secret = _load(directory / f"{name}.key_secret", f"client {name!r} secret key", secret=True)
     server_public, _ = _load(directory / f"{SERVER_NAME}.key", "server public key", secret=False)
     assert secret is not None

@@ -307,6 +307,39 @@ def test_the_benchmarks_and_the_demo_refuse_values_they_cannot_run_with(argv: tu
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_relative_shm_dir_and_spaces_in_the_transport_list_serve_as_meant(tmp_path: Path, monkeypatch) -> None:
+    """The arena's path goes to clients, who map it from their own working directory: a relative
+    --shm-dir is made absolute. "cpu_gather, hpu" names two transports."""
+    import shutil
+    import tempfile
+
+    from kvxfer.client import CacheClient
+    from kvxfer.testing.server import ServerProcess
+
+    shm = Path(tempfile.mkdtemp(prefix="kvxfer-rel-", dir="/dev/shm"))
+    try:
+        with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather, hpu",
+                           extra_args=["--shm-dir", os.path.relpath(shm)]) as server:
+            assert "transports cpu_gather, hpu" in server.log()
+            monkeypatch.chdir(tmp_path)  # a client elsewhere
+            with CacheClient(server.url) as client:
+                ctx = client.register(flash_attn_kv(), model_name="rel", block_size=BLOCK_SIZE, transport="cpu_gather")
+                assert Path(client.status().arena.path).is_absolute()
+                keys = [bytes([7]) * 16]
+                assert ctx.submit_store(keys, list(range(BLOCKS_PER_CHUNK))).result(timeout=30).stored == [0]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_missing_client_key_is_named_with_the_command_that_adds_it(tmp_path: Path) -> None:
+    from kvxfer.errors import ConfigError
+    from kvxfer.security import load_client_keys, make_keys
+
+    make_keys(tmp_path / "keys")
+    with pytest.raises(ConfigError, match=f"add them with `kvxfer keys {tmp_path / 'keys'} --client bob`"):
+        load_client_keys(tmp_path / "keys", "bob")
+
+
 def test_the_demo_refuses_options_its_mode_would_ignore() -> None:
     two = run("demo", "--nodes", "2", "--url", "ipc:///tmp/kvxfer-none/kvxfer.sock")
     assert two.returncode == 2 and "--url: the two-host demo starts its own servers" in two.stderr
