@@ -280,6 +280,18 @@ def test_the_vllm_connector_prefetches_unless_it_loads_layer_by_layer() -> None:
         ConnectorConfig.from_mapping({"kvxfer.layerwise": True, "kvxfer.prefetch": True}, **args)
 
 
+def test_the_vllm_connector_reads_booleans_alike_and_names_a_misspelt_key() -> None:
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    args = dict(kv_role="kv_both", block_size=16, world_size=1, rank=0, default_model_name="m")
+    assert not ConnectorConfig.from_mapping({"kvxfer.fingerprint": "false"}, **args).fingerprint
+    assert ConnectorConfig.from_mapping({"kvxfer.fingerprint": True}, **args).fingerprint
+    with pytest.raises(ConfigError, match="'kvxfr.url' is not kvxfer's; did you mean 'kvxfer.url'"):
+        ConnectorConfig.from_mapping({"kvxfr.url": "ipc:///tmp/x/k.sock"}, **args)
+    assert ConnectorConfig.from_mapping({"other_connector.option": 1}, **args)  # another's key: not ours to judge
+
+
 @pytest.mark.parametrize("argv", [
     ("bench", "--transport", "nope", "--layers", "2", "--iters", "1"),
     ("bench", "--prefix", "--transport", "nope", "--layers", "2", "--iters", "1"),

@@ -12,6 +12,7 @@ Every key lives in ``kv_connector_extra_config`` under the ``kvxfer.`` prefix; a
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -128,6 +129,11 @@ class ConnectorConfig:
         default_model_name: str,
     ) -> ConnectorConfig:
         """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the key."""
+        for k in extra:  # a key of another prefix is not kvxfer's, unless it is one of kvxfer's misspelt
+            close = difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) if isinstance(k, str) and k not in KEYS \
+                and not k.startswith("kvxfer.") else []
+            if close:
+                raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {close[0]!r}?")
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvxfer.") and k not in KEYS)
         if unknown:
             raise ConfigError(
@@ -156,9 +162,7 @@ class ConnectorConfig:
         model_name = extra.get("kvxfer.model_name") or default_model_name
         if not isinstance(model_name, str) or not model_name:
             raise ConfigError("kvxfer.model_name must be a non-empty string (or set vLLM's model)")
-        fingerprint = extra.get("kvxfer.fingerprint", True)
-        if not isinstance(fingerprint, bool):
-            raise ConfigError(f"kvxfer.fingerprint must be true or false, got {fingerprint!r}")
+        fingerprint = _bool("kvxfer.fingerprint", extra.get("kvxfer.fingerprint", True))
         layerwise = _bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False))
         prefetch = _bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", not layerwise))
         if prefetch and layerwise:
