@@ -77,7 +77,10 @@ log = logging.getLogger(__name__)
 PROMOTER: Final = 0
 #: Format recorded for a promoted entry until its header is read (no context named one).
 _PENDING_FMT: Final = "l2-pending"
+#: The store's own figures (status) are read this often...
 _STATS_EVERY_S: Final = 5.0
+#: ... and again this soon after a failure.
+_STATS_RETRY_S: Final = 0.5
 
 
 def parse_admission(text: str) -> int:
@@ -981,8 +984,12 @@ class L2Tier:
                 next_stats = time.monotonic() + _STATS_EVERY_S
                 try:
                     self.store_stats = {str(k): str(v) for k, v in self.backend.stats().items()}
-                except Exception as exc:  # noqa: BLE001  (figures for status only)
-                    log.debug("L2 stats failed: %s", self._describe(exc))
+                except Exception as exc:  # noqa: BLE001  (a store that cannot say its size may be gone)
+                    # no stale figures; a failure like any other (soon again), so that a store that
+                    # died while nothing else used it shows down within seconds, not up for ever
+                    self.store_stats = {}
+                    self._failed(exc, "stats")
+                    next_stats = time.monotonic() + _STATS_RETRY_S
 
     def _probe(self) -> tuple[bool, str]:
         if self.backend is None:

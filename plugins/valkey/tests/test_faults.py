@@ -98,6 +98,17 @@ def test_valkey_killed_mid_store_then_restarted(valkey: ValkeyServer, healthy: C
     ctx.close()
 
 
+def test_valkey_killed_while_nothing_uses_it_shows_down_by_itself(valkey: ValkeyServer, healthy: CacheClient) -> None:
+    """No store, no lookup: the status figures the server reads every few seconds fail, and so
+    the tier shows down (and no stale size) within seconds, not up for ever."""
+    c = healthy
+    assert wait_for(lambda: tier(c).store_stats, 15), tier(c)
+    valkey.kill()
+    assert wait_for(lambda: tier(c).state == "down", 15), tier(c)
+    t = tier(c)
+    assert t.errors >= 1 and not t.store_stats and "retrying" in t.detail, t
+
+
 def test_valkey_killed_mid_promote_loads_nothing_corrupt(valkey: ValkeyServer, healthy: CacheClient) -> None:
     c = healthy
     src = kv(11)
