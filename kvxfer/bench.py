@@ -380,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default="cpu_gather")
     p.add_argument("--device", default="cpu", type=usable_device,
                    help="torch device of the KV cache (cpu, cuda, ...; default: %(default)s)")
-    p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind])
+    p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind if k.value != "bhnc"],
+                   help="layout of the benchmark's KV cache (bhnc needs vLLM's own views: see benchmarks/vllm_ttft.py)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layers", type=positive_int, default=32)
     p.add_argument("--heads", type=positive_int, default=8)

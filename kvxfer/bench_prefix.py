@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         ctx = client.register(kv, model_name=model, block_size=bs, transport=args.transport, layout=kind)
         loads = ["load"] + (["load_prefetch"] if args.prefetch else []) + (["load_layerwise"] if args.layerwise else [])
         kinds = ["store", *loads]
-        bar = progress_bar(len(args.prefix_chunks) * (args.iters + 1), f"prefix {args.transport}")
+        bar = progress_bar(len(args.prefix_chunks) * (args.iters + 2), f"prefix {args.transport}")
         counter = 0
         for n in args.prefix_chunks:
             nbytes = n * chunk_bytes

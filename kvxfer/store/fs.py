@@ -283,7 +283,10 @@ def parse_fs_url(url: str) -> tuple[Path, int, bool]:
     if unknown:
         raise ConfigError(f"fs store: unknown option(s) {', '.join(unknown)} in {url!r}; {hint}")
     root = Path(path)
-    fsync = query.get("fsync", ["0"])[-1] in ("1", "true", "yes")
+    fsync_text = query.get("fsync", ["0"])[-1].lower()
+    if fsync_text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ConfigError(f"fs store: fsync must be 0 or 1 in {url!r}, got {fsync_text!r}; {hint}")
+    fsync = fsync_text in ("1", "true", "yes", "on")
     if "max_size" in query:
         max_size = parse_size(query["max_size"][-1])
         if max_size <= 0:

@@ -103,3 +103,6 @@ def test_url_options(tmp_path: Path) -> None:
     root, size, fsync = parse_fs_url(str(tmp_path / "b"))
     assert root == tmp_path / "b" and size > 0 and not fsync
     assert os.path.isabs(root)
+    assert parse_fs_url(f"file://{tmp_path}/c?fsync=on")[2] and not parse_fs_url(f"file://{tmp_path}/c?fsync=off")[2]
+    with pytest.raises(ConfigError, match="fsync must be 0 or 1"):
+        parse_fs_url(f"file://{tmp_path}/c?fsync=always")
