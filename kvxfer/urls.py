@@ -58,7 +58,8 @@ def check_url(url: str) -> str:
     elif not rest or "\0" in rest:
         why = "it names no address"
     elif scheme == "ipc" and not rest.startswith("/"):
-        why = f"an ipc:// url takes an absolute path, with three slashes: ipc:///{rest}"
+        why = (f"an ipc:// url takes an absolute path, with three slashes: ipc:///{rest} (or, for {rest} "
+               f"in this directory, ipc://{os.path.abspath(rest)})")
     elif scheme == "tcp":
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
