@@ -21,7 +21,7 @@ import time
 import torch
 
 from kvxfer.client import CacheClient
-from kvxfer.errors import ConfigError
+from kvxfer.errors import ConfigError, LimitExceeded
 from kvxfer.hashing import chunk_hashes
 from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.units import format_bytes
@@ -109,7 +109,12 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     stored = present = 0
     t = time.perf_counter()
     for h, blocks in zip(hashes, src_blocks):
-        res = ctx.submit_store(h, blocks).result(timeout=120)
+        try:
+            res = ctx.submit_store(h, blocks).result(timeout=120)
+        except LimitExceeded as exc:  # a session may hold at most the arena: one prompt is more
+            raise ConfigError(f"one prompt's chunks ({format_bytes(chunks_per_prompt * layout.chunk_bytes(cs))}) "
+                              f"do not fit the server's arena: give it a larger --l1-size, or ask for fewer "
+                              f"--layers or --prompt-tokens ({exc})") from None
         stored += len(res.stored)
         present += len(res.present)
         if res.failed:
