@@ -33,8 +33,21 @@ from kvxfer.client import CacheClient
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 from kvxfer.protocol import messages as m
 
-__all__ = ["CopyLimit", "add_busy_poll_argument", "busy_poll_args", "main", "run", "physical_limit", "progress_bar",
-           "json_target", "run_record", "save_results", "usable_device", "write_results"]
+__all__ = [
+    "CopyLimit",
+    "add_busy_poll_argument",
+    "add_kv_cache_arguments",
+    "busy_poll_args",
+    "json_target",
+    "main",
+    "physical_limit",
+    "progress_bar",
+    "run",
+    "run_record",
+    "save_results",
+    "usable_device",
+    "write_results",
+]
 
 GB = 1e9
 
@@ -375,8 +388,8 @@ def print_results(results: list[dict[str, Any]]) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
+def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmarks' transport and KV cache options (both ``kvxfer bench`` and ``--prefix``)."""
     p.add_argument("--transport", default="cpu_gather")
     p.add_argument("--device", default="cpu", type=usable_device,
                    help="torch device of the KV cache (cpu, cuda, ...; default: %(default)s)")
@@ -387,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=positive_int, default=8)
     p.add_argument("--head-size", type=positive_int, default=128)
     p.add_argument("--block-size", type=positive_int, default=16)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
+    add_kv_cache_arguments(p)
     p.add_argument("--blocks", type=positive_int, default=512,
                    help="KV cache blocks per layer (at least 2 requests' worth)")
     p.add_argument("--chunk-sizes", type=positive_int, nargs="+", default=[256])

@@ -35,11 +35,11 @@ from kvxfer.bench import (
     CopyLimit,
     _sync,
     add_busy_poll_argument,
+    add_kv_cache_arguments,
     busy_poll_args,
     json_target,
     progress_bar,
     save_results,
-    usable_device,
 )
 from kvxfer.cli import add_client_curve_arguments, client_curve, positive_int
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
@@ -193,15 +193,7 @@ def print_results(results: list[dict[str, Any]]) -> None:
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """The transport and the KV cache a lone-request benchmark registers (the standard workload
     of docs/performance.md by default: 32 layers x [2, blocks, 16, 8, 128] bf16, 256-token chunks)."""
-    p.add_argument("--transport", default="cpu_gather")
-    p.add_argument("--device", default="cpu", type=usable_device,
-                   help="torch device of the KV cache (cpu, cuda, ...; default: %(default)s)")
-    p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind if k.value != "bhnc"])
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--layers", type=positive_int, default=32)
-    p.add_argument("--heads", type=positive_int, default=8)
-    p.add_argument("--head-size", type=positive_int, default=128)
-    p.add_argument("--block-size", type=positive_int, default=16)
+    add_kv_cache_arguments(p)
     p.add_argument("--chunk-size", type=positive_int, default=256)
     p.add_argument("--blocks", type=positive_int, default=1024,
                    help="KV cache blocks per layer (at least two prefixes' worth)")
