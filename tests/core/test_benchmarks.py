@@ -1,4 +1,4 @@
-"""The prefix-load, lone-request trace, layer-wise, start-up and L2 benchmarks run end to end on a tiny workload (real
+"""The prefix-load, lone-request trace, layer-wise, start-up, eviction and L2 benchmarks run end to end on a tiny workload (real
 server processes), write their JSON with the run record, and the GPU check's summary reads it."""
 
 from __future__ import annotations
@@ -139,3 +139,11 @@ def test_latency_benchmark_with_an_idle_gap(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "latency.py"), "--idle-us", "-1"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--idle-us must be in [0, 1000000]" in bad.stderr
+
+
+def test_eviction_benchmark(tmp_path: Path) -> None:
+    stdout = _run(str(ROOT / "benchmarks" / "eviction.py"), "--entries", "256", "1024", "--new", "8", "--rounds", "1",
+                  "--json", str(tmp_path / "eviction.json"))
+    assert "1024 entries: reserve_write of 8 chunks" in stdout
+    written = json.loads((tmp_path / "eviction.json").read_text())
+    assert [r["entries"] for r in written["results"]] == [256, 1024] and written["run"]["commit"]
