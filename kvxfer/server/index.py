@@ -133,6 +133,8 @@ class ChunkIndex:
         self.entries: dict[ChunkKey, Entry] = {}
         #: The evictable entries (READY, unpinned), least recently used first.
         self._lru: OrderedDict[ChunkKey, Entry] = OrderedDict()
+        #: The keys of every entry by model name: what clear(model) and format_of look at.
+        self._by_model: dict[str, set[ChunkKey]] = {}
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Reservation] = {}
         #: Chunk references all leases and read reservations hold (each Usage's chunk_pins, summed).
@@ -326,6 +328,7 @@ class ChunkIndex:
                 continue
             e = Entry(key, offset, size, fmt)
             self.entries[key] = e
+            self._by_model.setdefault(key.model_name, set()).add(key)
             self.changes += 1
             seen.add(key)
             res.entries.append((i, e))
@@ -421,20 +424,29 @@ class ChunkIndex:
         self.changes += 1
         del self.entries[e.key]
         self._lru.pop(e.key, None)
+        keys = self._by_model[e.key.model_name]
+        keys.discard(e.key)
+        if not keys:
+            del self._by_model[e.key.model_name]
         self.allocator.free(e.offset, e.size)
 
     def format_of(self, model_name: str, world_size: int) -> str | None:
         """The chunk format of the readable entries stored under ``model_name`` and
-        ``world_size`` (writes of another format are refused, so all share one), or None. Scans
-        the index: for registrations, not for the data path."""
-        for key, e in self.entries.items():
-            if key.model_name == model_name and key.world_size == world_size and e.state is State.READY:
+        ``world_size`` (writes of another format are refused, so all share one), or None. Looks
+        at that model's entries only, until a readable one."""
+        entries = self.entries
+        for key in self._by_model.get(model_name, ()):
+            e = entries[key]
+            if key.world_size == world_size and e.state is State.READY:
                 return e.fmt
         return None
 
     def clear(self, model_name: str = "") -> list[ChunkKey]:
         """Drop READY, unpinned entries (of ``model_name`` only, when given)."""
-        gone = [k for k in self._lru if not model_name or k.model_name == model_name]
+        if model_name:  # that model's entries only, however many others the index holds
+            gone = [k for k in self._by_model.get(model_name, ()) if k in self._lru]
+        else:
+            gone = list(self._lru)
         for key in gone:
             self._drop(self.entries[key])
         return gone

@@ -428,4 +428,20 @@ def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_
         held = sum(len(lease.entries) for lease in index.leases.values()) + \
             sum(len(r.entries) for r in index.reservations.values() if not r.write)
         assert index.chunk_pins == owner.chunk_pins == held
+        assert index._by_model == ({"m": set(index.entries)} if index.entries else {})
+    index.allocator.check()
+
+
+def test_clear_and_format_of_look_at_one_model_only() -> None:
+    index = ChunkIndex(16 * SIZE)
+    a = [key(i, model="a") for i in range(4)]
+    b = [key(i, model="b") for i in range(4)]
+    store(index, a, fmt="fa")
+    store(index, b, fmt="fb")
+    lease(index, "a", 1, [a[0].chunk_hash])
+    assert (index.format_of("a", 1), index.format_of("b", 1), index.format_of("b", 2)) == ("fa", "fb", None)
+    assert sorted(index.clear("a")) == sorted(a[1:])  # the leased chunk stays
+    assert set(index.entries) == {a[0], *b} and index.format_of("a", 1) == "fa"
+    assert sorted(index.clear("b")) == sorted(b)
+    assert index.format_of("b", 1) is None and index.clear("nobody") == []
     index.allocator.check()
