@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -253,7 +252,7 @@ class CacheClient:
         kv_layout = KVLayout.infer(layers, block_size, layout)
         kv_layout.blocks_per_chunk(self.chunk_size)
         chosen = self._pick_transport(transport, layers[0].device, kv_layout, layers)
-        identity = InstanceIdentity(secrets.randbits(62) + 1, model_name, world_size, rank)
+        identity = InstanceIdentity.fresh(model_name, world_size, rank)
         with plugin_step(chosen.name, "client_context"):
             ctx = chosen.client_context(self, layers, kv_layout, identity)
         try:

@@ -153,11 +153,13 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     print(f"retrieve: {loaded} chunks into other blocks in {retrieve_s * 1e3:.0f} ms = "
           f"{retrieve_bytes / retrieve_s / 1e9:.1f} GB/s")
     print(f"verify:   {'every byte loaded matches' if ok else 'MISMATCH'}")
-    if sum(hits) < args.prompts * chunks_per_prompt:
-        print(f"          {args.prompts * chunks_per_prompt - sum(hits)} chunks were evicted before their load: "
-              f"the arena ({format_bytes(st.arena.capacity)}) holds fewer than the demo's "
-              f"{args.prompts * chunks_per_prompt - present} chunks ({format_bytes(stored * layout.chunk_bytes(cs))}); "
-              "give the server a larger --l1-size, or ask for fewer --layers or --prompts")
+    asked = args.prompts * chunks_per_prompt
+    if sum(hits) < asked:
+        distinct = asked - present  # the shared prefix is stored once
+        print(f"          {asked - sum(hits)} chunks were evicted before their load: the arena "
+              f"({format_bytes(st.arena.capacity)}) holds fewer than the demo's {distinct} chunks "
+              f"({format_bytes(distinct * layout.chunk_bytes(cs))}); give the server a larger --l1-size, "
+              "or ask for fewer --layers or --prompts")
     print(f"server:   {st.arena.chunks} chunks, {format_bytes(st.arena.used)} of "
           f"{format_bytes(st.arena.capacity)} used, lookup hit rate "
           f"{100 * st.lookup_hits / max(1, st.lookup_chunks):.0f}% of every chunk it was asked for "

@@ -233,7 +233,7 @@ class ChunkIndex:
         return len(self.entries) - len(self._lru)
 
     def pin(self, e: Entry) -> None:
-        """Pin a READY entry as a reader does (without a reservation: the L2 writer's read of its slot)."""
+        """Pin a READY entry as a reader: a read reservation's, or the L2 writer's read of its slot."""
         e.readers += 1
         self._lru.pop(e.key, None)
 
@@ -376,16 +376,14 @@ class ChunkIndex:
                     f"chunk {key.chunk_hash.hex()} of {key.model_name!r} was stored in format {e.fmt}, "
                     f"this instance reads {fmt}: registrations of one model_name must match"
                 )
-            e.readers += 1
-            self._lru.pop(key, None)
+            self.pin(e)
             res.entries.append((i, e))
         return self._open(res), missing
 
     def commit_read(self, res: Reservation) -> None:
         self._close(res)
         for _, e in res.entries:
-            e.readers -= 1
-            self._evictable(e)
+            self.unpin(e)
         if res.lease_id:
             self.release_lease(res.lease_id, [e.key for _, e in res.entries])
 
@@ -396,8 +394,7 @@ class ChunkIndex:
         else:
             self._close(res)
             for _, e in res.entries:
-                e.readers -= 1
-                self._evictable(e)
+                self.unpin(e)
 
     # ------------------------------------------------------------------ space
 

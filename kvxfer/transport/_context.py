@@ -9,8 +9,6 @@ is what a transport sees.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -147,7 +145,7 @@ class ContextCore:
                 raise
             # another session registered this id (one that read it from status while this
             # client's session was lost, say): register under a fresh one
-            self.identity = dataclasses.replace(self.identity, instance_id=secrets.randbits(62) + 1)
+            self.identity = self.identity.renewed()
             self.instance_id = self.identity.instance_id
             self.connection.request(m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
         self._registered = True

@@ -37,6 +37,7 @@ futures therefore fail only with :class:`kvxfer.errors.KvxferError`.
 from __future__ import annotations
 
 import enum
+import secrets
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -180,6 +181,15 @@ class InstanceIdentity:
     model_name: str
     world_size: int
     rank: int
+
+    @classmethod
+    def fresh(cls, model_name: str, world_size: int, rank: int) -> InstanceIdentity:
+        """A new identity under a random instance id (62 bits, never 0)."""
+        return cls(secrets.randbits(62) + 1, model_name, world_size, rank)
+
+    def renewed(self) -> InstanceIdentity:
+        """The same identity under a fresh instance id."""
+        return InstanceIdentity.fresh(self.model_name, self.world_size, self.rank)
 
     def registration_fields(self, layout: KVLayout) -> dict[str, Any]:
         """Keyword arguments for a :class:`Registration` (sub)class, identity plus layout."""

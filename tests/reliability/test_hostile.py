@@ -441,7 +441,7 @@ def test_an_instance_id_another_session_took_is_left_to_it_and_the_client_takes_
     """Instance ids show in status: another session may register one first (while its owner's
     session is lost, say). Its owner is told whose it is and registers under a fresh id, so its
     stores and loads go on; the squatter gets nothing of it."""
-    import kvxfer.client
+    import secrets
 
     ref = Writer(CacheClient(debug_server.url, timeout=20), model="iid")
     taken = 4242_4242
@@ -449,9 +449,9 @@ def test_an_instance_id_another_session_took_is_left_to_it_and_the_client_takes_
     try:
         squatter.handshake()
         assert squatter.error(b"register", codec.encode(registration(ref, "cpu_gather", taken))) is None
-        real = kvxfer.client.secrets.randbits
+        real = secrets.randbits
         ids = iter([taken - 1])  # the client's next instance id is `taken`, then random again
-        monkeypatch.setattr(kvxfer.client.secrets, "randbits", lambda n: next(ids, None) or real(n))
+        monkeypatch.setattr(secrets, "randbits", lambda n: next(ids, None) or real(n))
         with CacheClient(debug_server.url, timeout=20) as c:
             w = Writer(c, model="iid")
             assert w.ctx.instance_id != taken
