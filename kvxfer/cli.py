@@ -33,6 +33,7 @@ from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import default_url
 
 if TYPE_CHECKING:
+    from kvxfer.client import CacheClient
     from kvxfer.mq.client import CurveClientKeys
     from kvxfer.mq.server import CurveServerKeys
     from kvxfer.protocol.messages import TierStatus
@@ -231,13 +232,24 @@ def client_curve(args: argparse.Namespace) -> CurveClientKeys | None:
     return load_client_keys(Path(args.curve_dir), args.curve_name)
 
 
+def _connect(args: argparse.Namespace, name: str) -> CacheClient:
+    """The client of ``kvxfer status`` and ``kvxfer top``: at once an error where no server
+    listens and none is starting, else waiting up to ``--timeout`` for one that is."""
+    from kvxfer.client import CacheClient, no_server_starting
+    from kvxfer.errors import ConnectionFailed
+    from kvxfer.urls import check_url, default_url
+
+    url = check_url(args.url or default_url())
+    why = no_server_starting(url)
+    if why is not None:
+        raise ConnectionFailed(why)
+    return CacheClient(url, connect_timeout=args.timeout, timeout=args.timeout, name=name, curve=client_curve(args))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    from kvxfer.client import CacheClient
     from kvxfer.top import sessions_besides_asker
 
-    curve = client_curve(args)
-    with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer status",
-                     curve=curve) as client:
+    with _connect(args, "kvxfer status") as client:
         st = client.status()
     if args.json:
         print(json.dumps(msgspec.to_builtins(st), indent=2))
@@ -311,14 +323,11 @@ def _tier_text(t: TierStatus) -> str:
 
 def cmd_top(args: argparse.Namespace) -> int:
     """A live view of the server (status polled every --interval seconds); q quits."""
-    from kvxfer.client import CacheClient
     from kvxfer.top import run_top
 
     if not 0.1 <= args.interval <= 3600:
         raise ConfigError(f"--interval must be in [0.1, 3600] seconds, got {args.interval}")
-    curve = client_curve(args)
-    with CacheClient(args.url, connect_timeout=args.timeout, timeout=args.timeout, name="kvxfer top",
-                     curve=curve) as client:
+    with _connect(args, "kvxfer top") as client:
         return run_top(client, interval=args.interval, once=args.once)
 
 
@@ -438,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the report as one JSON object (the server's own figures: its 'sessions' counts "
                         "this command's session too, which the table leaves out)")
     s.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds to wait for the server to answer (default: %(default)s)")
+                   help="seconds to wait for the server to answer, or for one that is starting to make its socket; "
+                        "without a server, and none starting, the command says so at once (default: %(default)s)")
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_status)
 
@@ -447,7 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
     s.add_argument("--once", action="store_true", help="print one frame and exit (also when stdout is not a terminal)")
     s.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds to wait for each answer of the server (default: %(default)s)")
+                   help="seconds to wait for each answer of the server, or for one that is starting to make its "
+                        "socket; without a server, and none starting, the command says so at once (default: "
+                        "%(default)s)")
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_top)
 

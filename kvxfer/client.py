@@ -36,6 +36,7 @@ from kvxfer.errors import (
     TransportNotFound,
     TransportUnavailable,
 )
+from kvxfer.mq.claim import claim_path, socket_claimed
 from kvxfer.mq.client import CurveClientKeys, MQClient, ipc_server_ready, knock
 from kvxfer.protocol import messages as m
 from kvxfer.urls import check_url, default_url, ipc_path
@@ -48,10 +49,33 @@ if TYPE_CHECKING:  # loaded by register(): a client that only looks up or report
 
 Reply = TypeVar("Reply", bound=m.Message)
 
-__all__ = ["CacheClient"]
+__all__ = ["CacheClient", "no_server_starting"]
 
 #: Longest close() waits for the server to acknowledge the end of the session.
 _GOODBYE_S = 1.0
+
+
+def _serve_command(url: str) -> str:
+    return f"kvxfer serve --url {url}" + (" --curve-dir DIR" if url.startswith("tcp://") else "")
+
+
+def _socket_missing(url: str) -> str:
+    path = ipc_path(url)
+    assert path is not None
+    return f"{path} does not exist" if path.parent.exists() else f"neither {path} nor its directory exists"
+
+
+def no_server_starting(url: str) -> str | None:
+    """Why no server can answer at ``ipc://`` ``url`` now or soon: its socket is not there and
+    no server holds its claim (:mod:`kvxfer.mq.claim`, taken before a server makes its arena);
+    None otherwise (a socket, a server starting, another scheme). For commands a person runs,
+    which can say so at once: :class:`CacheClient` waits ``connect_timeout`` for a server that
+    may not have started yet."""
+    path = ipc_path(url)
+    if path is None or os.path.lexists(path) or socket_claimed(url):
+        return None
+    return (f"no kvxfer server is listening at {url}, and none is starting: {_socket_missing(url)}; start one "
+            f"with `{_serve_command(url)}`")
 
 
 class CacheClient:
@@ -125,19 +149,17 @@ class CacheClient:
         self._epoch += 1
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
 
-    def _serve_command(self) -> str:
-        return f"kvxfer serve --url {self.url}" + (" --curve-dir DIR" if self.url.startswith("tcp://") else "")
-
     def _no_socket(self) -> str:
-        """Why nobody answered at an ``ipc://`` url whose socket never appeared. A server makes
-        its socket (and the socket's directory) once its arena is allocated, so a server that is
-        starting and none at all look the same here: say both."""
-        path = ipc_path(self.url)
-        assert path is not None
-        where = f"{path} does not exist" if path.parent.exists() else f"neither {path} nor its directory exists"
-        return (f"no kvxfer server is listening at {self.url}: {where} (waited {self.connect_timeout:g} s). "
-                f"A `kvxfer serve` makes it once its arena is allocated: if one is starting, wait for its "
-                f"'kvxfer server ready' line and try again; else start one with `{self._serve_command()}`")
+        """Why nobody answered at an ``ipc://`` url whose socket never appeared."""
+        if socket_claimed(self.url):
+            path = ipc_path(self.url)
+            assert path is not None
+            return (f"a kvxfer server is starting at {self.url} (it holds {claim_path(path)}) but made no socket "
+                    f"within {self.connect_timeout:g} s: it makes its socket once its arena is allocated and "
+                    "pre-faulted (seconds per GiB on some hosts); wait for its 'kvxfer server ready' line and try "
+                    "again, or allow longer (kvxfer status --timeout S, CacheClient(connect_timeout=S))")
+        return (f"no kvxfer server is listening at {self.url}: {_socket_missing(self.url)} (waited "
+                f"{self.connect_timeout:g} s); start one with `{_serve_command(self.url)}`")
 
     def _no_answer(self, cause: str) -> str:
         """Why the handshake got no reply, as far as one plain connection attempt can tell: a
@@ -159,10 +181,10 @@ class CacheClient:
         if knocked == "refused" and self.url.startswith("ipc://"):
             return (f"no kvxfer server is listening at {self.url}: its socket file is left from a server that "
                     f"did not stop cleanly (nothing accepts connections on it); start one with "
-                    f"`{self._serve_command()}` (it replaces the file)")
+                    f"`{_serve_command(self.url)}` (it replaces the file)")
         what = "connection refused" if knocked == "refused" else knocked
         return (f"no kvxfer server is listening at {self.url} ({what}){cause}; start one with "
-                f"`{self._serve_command()}`")
+                f"`{_serve_command(self.url)}`")
 
     def _hold_liveness_lock(self) -> None:
         """Hold the lock that tells the server this process lives (:mod:`kvxfer.liveness`), in

@@ -51,6 +51,8 @@ from pathlib import Path
 import zmq
 
 from kvxfer.errors import ConfigError, ErrorCode
+from kvxfer.mq.claim import SocketClaim
+from kvxfer.mq.claim import take as take_claim
 from kvxfer.mq.listener import UnixListener
 from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.private_dirs import ensure_private_dir
@@ -58,7 +60,8 @@ from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
 from kvxfer.urls import ipc_path, socket_dir_hint
 
-__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "ipc_path", "refuse_if_served", "request_queue"]
+__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "claim_socket", "ipc_path", "refuse_if_served",
+           "request_queue"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,27 @@ def refuse_if_served(url: str) -> None:
                 if exc.errno == errno.EADDRINUSE:
                     raise ConfigError(f"cannot listen at {url}: its port is in use (another server?); stop "
                                       "that or choose another port") from None
+
+
+def claim_socket(url: str) -> SocketClaim | None:
+    """Claim the socket of ``ipc://`` ``url`` for this server (:mod:`kvxfer.mq.claim`), before
+    it makes its arena, making the socket's private directory if missing; None for other
+    schemes, which are only checked (:func:`refuse_if_served`). Raises ConfigError if another
+    server holds the claim (one starting, or listening) or listens there already: without the
+    claim two servers started at once would both find the path free, and the later bind would
+    take the socket from the earlier server."""
+    refuse_if_served(url)  # a directory named for the socket, a live server, a tcp:// port in use
+    path = ipc_path(url)
+    if path is None:
+        return None
+    ensure_private_dir(path.parent, "socket directory", socket_dir_hint())
+    claim = take_claim(url, path)
+    try:
+        refuse_if_served(url)  # a live socket of a server that holds no claim
+    except BaseException:
+        claim.release()
+        raise
+    return claim
 
 
 def _socket_is_live(path: Path) -> bool:

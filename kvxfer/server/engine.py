@@ -56,7 +56,7 @@ from kvxfer.errors import (
     VersionMismatch,
 )
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
-from kvxfer.mq.server import MQServer, refuse_if_served
+from kvxfer.mq.server import MQServer, claim_socket
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind, RequestSpec
@@ -308,7 +308,21 @@ class CacheServer:
         self.config = config
         if config.l2 is not None:  # an unknown store fails before anything is created
             get_store(config.l2.store)
-        refuse_if_served(config.url)  # so does a second server at one socket, before its arena
+        #: This server's hold on its ipc:// socket, from before its arena to its end: a second
+        #: server at the socket fails here, whether the first listens yet or not.
+        self._claim = claim_socket(config.url)
+        try:
+            self._start(config, hooks)
+        except BaseException:
+            self._release_claim()
+            raise
+
+    def _release_claim(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+
+    def _start(self, config: ServerConfig, hooks: HookRelay | None) -> None:
+        """The rest of ``__init__``: the arena, transports, socket, L2 tier, metrics."""
         self.started = time.time()
         self.hooks = hooks if hooks is not None else HookRelay()
         self.arena = Arena.create(config.l1_size, config.shm_dir)
@@ -507,6 +521,7 @@ class CacheServer:
         self.hooks.call("kvxfer_server_stopped", server=self)
         self._close_transports()
         self.arena.close()
+        self._release_claim()
 
     # ------------------------------------------------------------------ dispatch
 
