@@ -8,6 +8,7 @@ chunks are hashed. Stable across processes, machines and Python versions (no ``h
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import sys
 from array import array
@@ -30,13 +31,24 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
     if torch is not None and isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1:
             raise ConfigError(f"token_ids must be 1-D, got shape {list(token_ids.shape)}")
-        return token_ids.to(device="cpu", dtype=torch.int64).to(torch.int32).numpy().astype("<u4").tobytes()
-    try:
-        arr = array("I", token_ids)
-    except (OverflowError, TypeError) as exc:
-        raise ConfigError(f"token_ids must be non-negative integers below 2**32: {exc}") from None
-    if arr.itemsize != 4:  # pragma: no cover  (no such platform in practice)
-        arr = array("L", token_ids)
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise ConfigError(f"token_ids must be integers, got a tensor of {token_ids.dtype}")
+        wide = token_ids.to(device="cpu", dtype=torch.int64)
+        if wide.numel() and not (0 <= int(wide.min()) and int(wide.max()) < 1 << 32):
+            raise ConfigError(f"token_ids must be non-negative integers below 2**32, got values from "
+                              f"{int(wide.min())} to {int(wide.max())}")
+        # the low 32 bits of each id (int32 keeps them: ids of 2**31 and up wrap to the same bits),
+        # read out without numpy, which torch does not require
+        low = wide.to(torch.int32).contiguous()
+        arr = array("i")
+        arr.frombytes(ctypes.string_at(low.data_ptr(), low.numel() * 4))
+    else:
+        try:
+            arr = array("I", token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise ConfigError(f"token_ids must be non-negative integers below 2**32: {exc}") from None
+        if arr.itemsize != 4:  # pragma: no cover  (no such platform in practice)
+            arr = array("L", token_ids)
     if array("I", [1]).tobytes()[0] != 1:  # pragma: no cover  big-endian host
         arr.byteswap()
     return arr.tobytes()

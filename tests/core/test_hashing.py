@@ -68,8 +68,26 @@ def test_prefix_hash_continues_a_chain() -> None:
 
 
 def test_tensors_and_lists_agree() -> None:
-    tokens = [5, 70000, 3, 2**31, 0, 1, 2, 3]
+    tokens = [5, 70000, 3, 2**31, 0, 1, 2, 2**32 - 1]
     assert chunk_hashes(torch.tensor(tokens), 4) == chunk_hashes(tokens, 4)
+    assert chunk_hashes(torch.tensor(tokens, dtype=torch.int64)[::2], 2) == chunk_hashes(tokens[::2], 2)
+    assert chunk_hashes(torch.tensor(tokens[:3], dtype=torch.int32), 1) == chunk_hashes(tokens[:3], 1)
+
+
+def test_tensors_are_hashed_where_numpy_is_not_installed() -> None:
+    """torch does not require numpy (a plain ``pip install`` of kvxfer brings none): here its
+    import is made to fail as it does where numpy is absent."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['numpy'] = None\n"
+            "import warnings; warnings.simplefilter('ignore')\n"
+            "import torch\n"
+            "from kvxfer.hashing import chunk_hashes\n"
+            "print(chunk_hashes(torch.tensor([1, 2, 3, 2**31 + 5]), 2)[-1].hex())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == chunk_hashes([1, 2, 3, 2**31 + 5], 2)[-1].hex()
 
 
 def test_bad_input_is_refused() -> None:
@@ -79,3 +97,10 @@ def test_bad_input_is_refused() -> None:
         chunk_hashes([-1, 2], 1)
     with pytest.raises(ConfigError, match="1-D"):
         chunk_hashes(torch.zeros(2, 2, dtype=torch.int64), 2)
+    # tensors are held to what lists are: no negative ids, none of 2**32 or more, no floats
+    with pytest.raises(ConfigError, match="non-negative integers below 2\\*\\*32, got values from -1 to 2"):
+        chunk_hashes(torch.tensor([-1, 2]), 1)
+    with pytest.raises(ConfigError, match="below 2\\*\\*32"):
+        chunk_hashes(torch.tensor([2**32]), 1)
+    with pytest.raises(ConfigError, match="must be integers, got a tensor of torch.float32"):
+        chunk_hashes(torch.tensor([1.0, 2.0]), 1)
