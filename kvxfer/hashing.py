@@ -34,7 +34,7 @@ def _token_bytes(token_ids: Sequence[int] | torch.Tensor) -> bytes:
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
             raise ConfigError(f"token_ids must be integers, got a tensor of {token_ids.dtype}")
         wide = token_ids.to(device="cpu", dtype=torch.int64)
-        if wide.numel() and not (0 <= int(wide.min()) and int(wide.max()) < 1 << 32):
+        if wide.numel() and not (int(wide.min()) >= 0 and int(wide.max()) < 1 << 32):
             raise ConfigError(f"token_ids must be non-negative integers below 2**32, got values from "
                               f"{int(wide.min())} to {int(wide.max())}")
         # the low 32 bits of each id (int32 keeps them: ids of 2**31 and up wrap to the same bits),
