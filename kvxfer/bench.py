@@ -390,16 +390,19 @@ def print_results(results: list[dict[str, Any]]) -> None:
 
 def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmarks' transport and KV cache options (both ``kvxfer bench`` and ``--prefix``)."""
-    p.add_argument("--transport", default="cpu_gather")
+    p.add_argument("--transport", default="cpu_gather",
+                   help="the transport measured (a name from `kvxfer plugins`; default: %(default)s)")
     p.add_argument("--device", default="cpu", type=usable_device,
                    help="torch device of the KV cache (cpu, cuda, ...; default: %(default)s)")
     p.add_argument("--layout", default="flash_attn", choices=[k.value for k in LayoutKind if k.value != "bhnc"],
                    help="layout of the benchmark's KV cache (bhnc needs vLLM's own views: see benchmarks/vllm_ttft.py)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--layers", type=positive_int, default=32)
-    p.add_argument("--heads", type=positive_int, default=8)
-    p.add_argument("--head-size", type=positive_int, default=128)
-    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--dtype", default="bfloat16", help="element type of the KV cache (default: %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=32, help="KV cache layers (default: %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=8, help="KV heads per layer (default: %(default)s)")
+    p.add_argument("--head-size", type=positive_int, default=128,
+                   help="elements per head (default: %(default)s)")
+    p.add_argument("--block-size", type=positive_int, default=16,
+                   help="tokens per KV cache block (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -407,8 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_cache_arguments(p)
     p.add_argument("--blocks", type=positive_int, default=512,
                    help="KV cache blocks per layer (at least 2 requests' worth)")
-    p.add_argument("--chunk-sizes", type=positive_int, nargs="+", default=[256])
-    p.add_argument("--chunks-per-request", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--chunk-sizes", type=positive_int, nargs="+", default=[256],
+                   help="tokens per chunk, one server each (default: %(default)s)")
+    p.add_argument("--chunks-per-request", type=positive_int, nargs="+", default=[1, 8],
+                   help="chunks each store and retrieve moves (default: %(default)s)")
     p.add_argument("--iters", type=positive_int, default=8, help="timed requests per configuration (after 1 warm-up)")
     p.add_argument("--inflight", type=positive_int, nargs="+", default=[1],
                    help="requests outstanding at once; 1 times each request alone (default: %(default)s)")

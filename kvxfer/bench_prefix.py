@@ -194,7 +194,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """The transport and the KV cache a lone-request benchmark registers (the standard workload
     of docs/performance.md by default: 32 layers x [2, blocks, 16, 8, 128] bf16, 256-token chunks)."""
     add_kv_cache_arguments(p)
-    p.add_argument("--chunk-size", type=positive_int, default=256)
+    p.add_argument("--chunk-size", type=positive_int, default=256,
+                   help="tokens per chunk (default: %(default)s)")
     p.add_argument("--blocks", type=positive_int, default=1024,
                    help="KV cache blocks per layer (at least two prefixes' worth)")
 
