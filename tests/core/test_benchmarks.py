@@ -1,4 +1,4 @@
-"""The prefix-load, lone-request trace, layer-wise, start-up, eviction and L2 benchmarks run end to end on a tiny workload (real
+"""The transfer, prefix-load, lone-request trace, layer-wise, start-up, eviction and L2 benchmarks run end to end on a tiny workload (real
 server processes), write their JSON with the run record, and the GPU check's summary reads it."""
 
 from __future__ import annotations
@@ -34,6 +34,24 @@ def test_prefix_benchmark_and_the_gpu_summary(tmp_path: Path) -> None:
     summary = _run(str(ROOT / "benchmarks" / "gpu_summary.py"), str(tmp_path))
     assert "cuda_ipc prefix load 32 tokens" in summary and "bench-hpu.json missing" in summary
     assert json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_transfer_benchmark_reports_the_median_round_with_several_in_flight(tmp_path: Path) -> None:
+    """One request at a time: the median request; several in flight: each round (its own
+    requests) timed as a whole, the median round reported, every round kept in the JSON."""
+    tiny = [a if a != "--chunk-size" else "--chunk-sizes" for a in TINY]
+    stdout = _run("-m", "kvxfer", "bench", *tiny, "--chunks-per-request", "2", "--inflight", "1", "3",
+                  "--iters", "3", "--rounds", "3", "--json", str(tmp_path / "bench.json"))
+    assert "retrieve/limit" in stdout
+    rows = {r["inflight"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    assert rows[1]["rounds"] == 0 and rows[1]["store_p50_ms"] > 0 and rows[1]["store_gbps_rounds"] == []
+    several = rows[3]
+    assert several["rounds"] == 3 and several["store_p50_ms"] is None
+    for kind in ("store", "retrieve"):
+        rounds = several[f"{kind}_gbps_rounds"]
+        assert len(rounds) == 3 and all(g > 0 for g in rounds)
+        assert several[f"{kind}_gbps"] == sorted(rounds)[1]
+        assert several[f"{kind}_ratio"] == pytest.approx(several[f"{kind}_gbps"] / several[f"{kind}_limit_gbps"])
 
 
 def test_gpu_summary_judges_no_ratio_by_a_slow_denominator(tmp_path: Path) -> None:
