@@ -279,8 +279,22 @@ def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]],
     return phases[0], phases[1]
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _requests(n: int, counter: int, cpr: int, chunk_size: int, bpc: int, num_blocks: int,
+              gen: torch.Generator) -> list[tuple[list[bytes], torch.Tensor, torch.Tensor]]:
+    """``n`` requests of ``cpr`` chunks each: (chunk hashes, source blocks, destination blocks),
+    random blocks, a prefix of its own each (``counter`` + 1, + 2, ...: no dedupe)."""
     from kvxfer.hashing import chunk_hashes
+
+    out = []
+    for i in range(n):
+        tokens = torch.randint(0, 50000, (cpr * chunk_size,), generator=gen)
+        tokens[0] = counter + 1 + i
+        perm = torch.randperm(num_blocks, generator=gen)
+        out.append((chunk_hashes(tokens.tolist(), chunk_size), perm[:cpr * bpc], perm[cpr * bpc:2 * cpr * bpc]))
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvxfer.testing.server import ServerProcess, transports_for
 
     # an unknown transport is refused before the KV cache is made (seconds at the default sizes)
@@ -329,20 +343,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 nbytes = cpr * chunk_bytes
                 limit = physical_limit(nbytes, device)
                 for inflight in args.inflight:
-
-                    def fresh(n: int) -> list[tuple[list[bytes], torch.Tensor, torch.Tensor]]:
-                        nonlocal counter
-                        out = []
-                        for _ in range(n):
-                            counter += 1
-                            tokens = torch.randint(0, 50000, (cpr * chunk_size,), generator=gen)
-                            tokens[0] = counter  # unique prefix per request: no dedupe
-                            perm = torch.randperm(num_blocks, generator=gen)
-                            out.append((chunk_hashes(tokens.tolist(), chunk_size), perm[:cpr * bpc],
-                                        perm[cpr * bpc:2 * cpr * bpc]))
-                        return out
-
-                    reqs = fresh(args.iters + 1)
+                    reqs = _requests(args.iters + 1, counter, cpr, chunk_size, bpc, num_blocks, gen)
+                    counter += len(reqs)
                     keys, src, dst = reqs[0]  # warm-up, and the bit-exact check
                     ctx.submit_store(keys, src).result(timeout=300)
                     ctx.submit_retrieve(keys, dst).result(timeout=300)
@@ -360,7 +362,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         retrieve_rounds: list[float] = []
                     else:  # the median round: one hiccup of the host in ~50 ms of copies is not the figure
                         for _ in range(args.rounds - 1):
-                            more = _timed(ctx, fresh(args.iters), inflight, device, bar)
+                            more = _timed(ctx, _requests(args.iters, counter, cpr, chunk_size, bpc, num_blocks, gen),
+                                          inflight, device, bar)
+                            counter += args.iters
                             store_t += more[0]
                             retr_t += more[1]
                         store_rounds = [nbytes * args.iters / t / GB for t in store_t]
@@ -433,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per chunk, one server each (default: %(default)s)")
     p.add_argument("--chunks-per-request", type=positive_int, nargs="+", default=[1, 8],
                    help="chunks each store and retrieve moves (default: %(default)s)")
-    p.add_argument("--iters", type=positive_int, default=8, help="timed requests per configuration, per round with several in flight (after 1 warm-up)")
+    p.add_argument("--iters", type=positive_int, default=8, help="timed requests per configuration, per round with several in flight "
+                        "(after 1 warm-up)")
     p.add_argument("--inflight", type=positive_int, nargs="+", default=[1],
                    help="requests outstanding at once; 1 times each request alone (default: %(default)s)")
     p.add_argument("--rounds", type=positive_int, default=5,
