@@ -437,8 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per chunk, one server each (default: %(default)s)")
     p.add_argument("--chunks-per-request", type=positive_int, nargs="+", default=[1, 8],
                    help="chunks each store and retrieve moves (default: %(default)s)")
-    p.add_argument("--iters", type=positive_int, default=8, help="timed requests per configuration, per round with several in flight "
-                        "(after 1 warm-up)")
+    p.add_argument("--iters", type=positive_int, default=8,
+                   help="timed requests per configuration, per round with several in flight (after 1 warm-up)")
     p.add_argument("--inflight", type=positive_int, nargs="+", default=[1],
                    help="requests outstanding at once; 1 times each request alone (default: %(default)s)")
     p.add_argument("--rounds", type=positive_int, default=5,
