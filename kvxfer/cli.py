@@ -232,6 +232,10 @@ def client_curve(args: argparse.Namespace) -> CurveClientKeys | None:
     return load_client_keys(Path(args.curve_dir), args.curve_name)
 
 
+#: How long status and top wait for a server launched a moment ago to claim its socket.
+_LAUNCH_S = 1.5
+
+
 def _connect(args: argparse.Namespace, name: str) -> CacheClient:
     """The client of ``kvxfer status`` and ``kvxfer top``: at once an error where no server
     listens and none is starting, else waiting up to ``--timeout`` for one that is."""
@@ -240,7 +244,7 @@ def _connect(args: argparse.Namespace, name: str) -> CacheClient:
     from kvxfer.urls import check_url, default_url
 
     url = check_url(args.url or default_url())
-    why = no_server_starting(url)
+    why = no_server_starting(url, wait_s=min(args.timeout, _LAUNCH_S))
     if why is not None:
         raise ConnectionFailed(why)
     return CacheClient(url, connect_timeout=args.timeout, timeout=args.timeout, name=name, curve=client_curve(args))
@@ -448,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "this command's session too, which the table leaves out)")
     s.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for the server to answer, or for one that is starting to make its socket; "
-                        "without a server, and none starting, the command says so at once (default: %(default)s)")
+                        "where no server listens and none is starting, the command says so within 1.5 s (default: "
+                        "%(default)s)")
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_status)
 
@@ -458,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--once", action="store_true", help="print one frame and exit (also when stdout is not a terminal)")
     s.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for each answer of the server, or for one that is starting to make its "
-                        "socket; without a server, and none starting, the command says so at once (default: "
-                        "%(default)s)")
+                        "socket; where no server listens and none is starting, the command says so within 1.5 s "
+                        "(default: %(default)s)")
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_top)
 

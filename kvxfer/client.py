@@ -23,6 +23,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kvxfer import liveness
@@ -65,17 +66,24 @@ def _socket_missing(url: str) -> str:
     return f"{path} does not exist" if path.parent.exists() else f"neither {path} nor its directory exists"
 
 
-def no_server_starting(url: str) -> str | None:
+def no_server_starting(url: str, wait_s: float = 0.0) -> str | None:
     """Why no server can answer at ``ipc://`` ``url`` now or soon: its socket is not there and
-    no server holds its claim (:mod:`kvxfer.mq.claim`, taken before a server makes its arena);
-    None otherwise (a socket, a server starting, another scheme). For commands a person runs,
-    which can say so at once: :class:`CacheClient` waits ``connect_timeout`` for a server that
-    may not have started yet."""
-    path = ipc_path(url)
-    if path is None or os.path.lexists(path) or socket_claimed(url):
+    no server holds its claim (:mod:`kvxfer.mq.claim`, taken before a server makes its arena),
+    for ``wait_s`` seconds (a server launched a moment ago claims the socket within about half a
+    second of starting); None as soon as either is there, and for other schemes. For commands a
+    person runs, which can say so at once: :class:`CacheClient` waits ``connect_timeout`` for a
+    server that may not have started yet. Raises ConfigError where the socket's directory or
+    the socket cannot be trusted (:func:`~kvxfer.mq.client.ipc_server_ready`)."""
+    if ipc_path(url) is None:
         return None
-    return (f"no kvxfer server is listening at {url}, and none is starting: {_socket_missing(url)}; start one "
-            f"with `{_serve_command(url)}`")
+    deadline = time.monotonic() + wait_s
+    # a socket directory that cannot be trusted is refused first (ConfigError), as by a client
+    while not (ipc_server_ready(url) or socket_claimed(url)):
+        if time.monotonic() >= deadline:
+            return (f"no kvxfer server is listening at {url}, and none is starting: {_socket_missing(url)}; start "
+                    f"one with `{_serve_command(url)}`")
+        time.sleep(0.02)
+    return None
 
 
 class CacheClient:
@@ -129,12 +137,21 @@ class CacheClient:
             if time.monotonic() > deadline:
                 raise ConnectionFailed(self._no_socket())
             time.sleep(0.02)
-        try:
-            reply = self._mq.request(m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._secret),
-                                     timeout=max(0.1, deadline - time.monotonic()))
-        except ConnectionFailed as exc:
-            # a timed-out handshake says no more than this message; anything else is added
-            raise ConnectionFailed(self._no_answer("" if isinstance(exc, RequestTimeout) else f" ({exc})")) from None
+        while True:
+            try:
+                reply = self._mq.request(m.Handshake(m.PROTOCOL_VERSION, self.name, os.getpid(), self._secret),
+                                         timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except ConnectionFailed as exc:
+                if (not isinstance(exc, RequestTimeout) and time.monotonic() < deadline
+                        and socket_claimed(self.url)):
+                    # the socket file of a server that died, where a new one is starting: it
+                    # replaces the file once its arena is made
+                    time.sleep(0.05)
+                    continue
+                # a timed-out handshake says no more than this message; anything else is added
+                raise ConnectionFailed(self._no_answer("" if isinstance(exc, RequestTimeout) else f" ({exc})")) \
+                    from None
         self.server_version = reply.server_version
         self.chunk_size = reply.chunk_size
         self.server_transports = list(reply.transports)
@@ -152,14 +169,17 @@ class CacheClient:
     def _no_socket(self) -> str:
         """Why nobody answered at an ``ipc://`` url whose socket never appeared."""
         if socket_claimed(self.url):
-            path = ipc_path(self.url)
-            assert path is not None
-            return (f"a kvxfer server is starting at {self.url} (it holds {claim_path(path)}) but made no socket "
+            return (f"a kvxfer server is starting at {self.url} (it holds {self._claim_path()}) but made no socket "
                     f"within {self.connect_timeout:g} s: it makes its socket once its arena is allocated and "
                     "pre-faulted (seconds per GiB on some hosts); wait for its 'kvxfer server ready' line and try "
                     "again, or allow longer (kvxfer status --timeout S, CacheClient(connect_timeout=S))")
         return (f"no kvxfer server is listening at {self.url}: {_socket_missing(self.url)} (waited "
                 f"{self.connect_timeout:g} s); start one with `{_serve_command(self.url)}`")
+
+    def _claim_path(self) -> Path:
+        path = ipc_path(self.url)
+        assert path is not None
+        return claim_path(path)
 
     def _no_answer(self, cause: str) -> str:
         """Why the handshake got no reply, as far as one plain connection attempt can tell: a
@@ -178,6 +198,12 @@ class CacheClient:
                     f"{self.connect_timeout:g} s{cause}: a `kvxfer serve` that is still starting (it answers once "
                     f"its 'kvxfer server ready' line is printed) or one too busy to answer; wait and try again, "
                     f"or allow longer (kvxfer status --timeout S, CacheClient(connect_timeout=S)){curve}")
+        if knocked == "refused" and socket_claimed(self.url):
+            return (f"a kvxfer server is starting at {self.url} (it holds {self._claim_path()}) and has not replaced "
+                    f"the socket file left there by a server that did not stop cleanly within "
+                    f"{self.connect_timeout:g} s: it does so once its arena is allocated and pre-faulted (seconds "
+                    "per GiB on some hosts); wait for its 'kvxfer server ready' line and try again, or allow "
+                    "longer (kvxfer status --timeout S, CacheClient(connect_timeout=S))")
         if knocked == "refused" and self.url.startswith("ipc://"):
             return (f"no kvxfer server is listening at {self.url}: its socket file is left from a server that "
                     f"did not stop cleanly (nothing accepts connections on it); start one with "

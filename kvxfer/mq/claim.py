@@ -19,6 +19,7 @@ import fcntl
 import os
 import stat
 import struct
+import weakref
 from pathlib import Path
 from typing import Final
 
@@ -41,38 +42,64 @@ def claim_path(socket_path: Path) -> Path:
 
 class SocketClaim:
     """A server's hold on its socket path (see the module docstring); :meth:`release` ends it
-    before the process does."""
+    before the process does, and so does the claim's collection (a server made and dropped in
+    one process)."""
 
     def __init__(self, fd: int, path: Path) -> None:
-        self._fd = fd
         self.path = path
+        self._close = weakref.finalize(self, os.close, fd)  # closing the descriptor drops its lock
 
     def release(self) -> None:
         """Let the claim go (idempotent)."""
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the descriptor drops its lock
-            self._fd = -1
+        self._close()
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def take(url: str, socket_path: Path) -> SocketClaim:
     """Claim ``socket_path`` (of ``url``, for messages), whose directory exists and is private;
-    ConfigError if another server holds the claim, or the lock file is not a file of this user."""
+    ConfigError if another server holds the claim, or the lock file is not a private regular file
+    of this user (another user able to open it could hold a lock on it)."""
     lock = claim_path(socket_path)
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.lstat(lock)
+    except FileNotFoundError:
+        pass
     except OSError as exc:
-        raise ConfigError(f"cannot claim {url}: {lock}: {exc.strerror or exc}; remove it or choose another "
-                          "--url") from None
+        raise ConfigError(f"cannot claim {url}: {lock}: {exc.strerror or exc}; choose another --url") from None
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"cannot claim {url}: {lock}, where a kvxfer server keeps the lock of its socket, is "
+                              f"{_kind(st.st_mode)}; choose another --url")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot claim {url}: {lock}: {exc.strerror or exc}; choose another --url") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise ConfigError(f"cannot claim {url}: {lock} is not a file of yours; remove it or choose another "
-                              "--url")
+        mode = stat.S_IMODE(st.st_mode)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"cannot claim {url}: {lock} is {_kind(st.st_mode)}; choose another --url")
+        if st.st_uid != os.geteuid() or mode & 0o077 or st.st_nlink != 1:
+            why = (f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid() else
+                   f"is open to other users (mode {mode:o})" if mode & 0o077 else "has other names (hard links)")
+            raise ConfigError(f"cannot claim {url}: {lock} {why}, where a kvxfer server makes it 0600 with one "
+                              "name: another user could hold a lock on it; remove it (no server of yours uses "
+                              "it then) or choose another --url")
         try:
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _WHOLE_FILE_WRITE_LOCK)
         except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held by another
-            raise ConfigError(f"another server is starting or listening at {url} (it holds {lock}); stop it "
-                              "or choose another --url") from None
+            raise ConfigError(f"another server is starting, listening or stopping at {url} (it holds {lock}); "
+                              "stop it or choose another --url") from None
+        except OSError as exc:  # ENOLCK and the like: a file system without such locks
+            raise ConfigError(f"cannot claim {url}: locking {lock} failed ({exc.strerror or exc}); put the socket "
+                              "on a local file system (--url ipc://DIR/kvxfer.sock)") from None
     except BaseException:
         os.close(fd)
         raise

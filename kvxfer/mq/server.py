@@ -51,7 +51,7 @@ from pathlib import Path
 import zmq
 
 from kvxfer.errors import ConfigError, ErrorCode
-from kvxfer.mq.claim import SocketClaim
+from kvxfer.mq.claim import CLAIM_SUFFIX, SocketClaim, socket_claimed
 from kvxfer.mq.claim import take as take_claim
 from kvxfer.mq.listener import UnixListener
 from kvxfer.mq.throttled_log import ThrottledLog
@@ -141,6 +141,10 @@ def refuse_if_served(url: str) -> None:
                                       "that or choose another port") from None
 
 
+#: Longest path of a Unix socket (``sun_path`` holds 108 bytes with the terminating NUL).
+_SUN_PATH_MAX = 107
+
+
 def claim_socket(url: str) -> SocketClaim | None:
     """Claim the socket of ``ipc://`` ``url`` for this server (:mod:`kvxfer.mq.claim`), before
     it makes its arena, making the socket's private directory if missing; None for other
@@ -152,7 +156,20 @@ def claim_socket(url: str) -> SocketClaim | None:
     path = ipc_path(url)
     if path is None:
         return None
+    if len(os.fsencode(path)) > _SUN_PATH_MAX:
+        raise ConfigError(f"cannot listen at {url}: a Unix socket's path has at most {_SUN_PATH_MAX} bytes, this one "
+                          f"{len(os.fsencode(path))}; choose a shorter --url")
     ensure_private_dir(path.parent, "socket directory", socket_dir_hint())
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:  # what the bind would refuse after the arena is made
+        if not stat.S_ISSOCK(st.st_mode):
+            owner = path.with_name(path.name.removesuffix(CLAIM_SUFFIX))
+            held = (" (the lock a kvxfer server holds for its socket beside it)"
+                    if owner != path and socket_claimed(f"ipc://{owner}") else "")
+            raise ConfigError(f"cannot listen at {url}: {path} exists and is not a socket{held}; choose another --url")
     claim = take_claim(url, path)
     try:
         refuse_if_served(url)  # a live socket of a server that holds no claim

@@ -510,6 +510,9 @@ class CacheServer:
             raise TimeoutError(f"the server's loop did not answer within {timeout} s") from None
 
     def _shutdown(self) -> None:
+        # the loop has closed and removed the socket: a server started now may take the path
+        # while this one finishes its transfers and drops its arena
+        self._release_claim()
         if self._metrics is not None:
             self._metrics.close()
         for ctx in list(self.contexts.values()):
@@ -521,7 +524,6 @@ class CacheServer:
         self.hooks.call("kvxfer_server_stopped", server=self)
         self._close_transports()
         self.arena.close()
-        self._release_claim()
 
     # ------------------------------------------------------------------ dispatch
 

@@ -124,27 +124,6 @@ def test_status_without_a_server_says_how_to_start_one_at_once(tmp_path: Path, c
     assert f"kvxfer serve --url {url}" in err
 
 
-def test_status_while_a_server_is_starting_waits_and_says_so(tmp_path: Path, capsys) -> None:
-    """A server claims its socket before it makes its arena (seconds for a large one) and makes
-    the socket after: status waits its --timeout for it, then says a server is starting. The
-    claim is taken here as a server takes it."""
-    from kvxfer.mq.claim import take
-
-    (tmp_path / "run").mkdir(mode=0o700)
-    path = tmp_path / "run" / "kvxfer.sock"
-    claim = take(f"ipc://{path}", path)
-    try:
-        assert main(["status", "--url", f"ipc://{path}", "--timeout", "0.5"]) == 2
-        err = capsys.readouterr().err
-        assert f"a kvxfer server is starting at ipc://{path} (it holds {path}.lock) but made no socket within 0.5 s" \
-            in err, err
-        assert "--timeout S" in err
-    finally:
-        claim.release()
-    assert main(["status", "--url", f"ipc://{path}", "--timeout", "3600"]) == 2  # released: none is starting
-    assert "and none is starting" in capsys.readouterr().err
-
-
 def test_status_at_a_socket_nobody_listens_on_says_it_is_stale(tmp_path: Path, capsys) -> None:
     """The socket file of a server killed before it could remove it: nothing accepts on it."""
     import socket
@@ -401,41 +380,6 @@ def test_a_second_server_at_a_served_socket_is_refused_before_it_makes_its_arena
     proc = run("serve", "--url", server.url, "--l1-size", "64TiB")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"a server is already listening at {server.url}" in proc.stderr
-
-
-def test_a_server_started_while_another_is_making_its_arena_at_one_socket_is_refused_at_once(tmp_path: Path) -> None:
-    """Two servers started at once at one ipc:// socket: the first claims the socket before it
-    makes its arena (here 1 GiB, seconds to pre-fault), so the second, started meanwhile with a
-    small arena, is refused at once, instead of binding first and leaving the first to fail
-    after its arena (or, binding last, taking the socket from a server that runs)."""
-    import threading
-    import time
-
-    from kvxfer.testing.server import ServerProcess
-
-    first = ServerProcess(l1_size="1GiB", url=f"ipc://{tmp_path}/run/kvxfer.sock")
-    failed: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            first.start()
-        except BaseException as exc:  # noqa: BLE001  (asserted below)
-            failed.append(exc)
-
-    starter = threading.Thread(target=start)
-    starter.start()
-    try:
-        deadline = time.monotonic() + 30
-        while "making the L1 arena" not in first.log() and starter.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        second = run("serve", "--url", first.url, "--l1-size", "8MiB")
-        starter.join(120)
-        assert not failed, failed
-        assert second.returncode == 2, second.stdout + second.stderr
-        assert f"another server is starting or listening at {first.url}" in second.stderr, second.stderr
-    finally:
-        starter.join(120)
-        first.stop()
 
 
 def test_urls_that_name_no_socket_say_what_they_name(tmp_path: Path, capsys) -> None:
