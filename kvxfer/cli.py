@@ -19,6 +19,7 @@ import argparse
 import functools
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -244,6 +245,8 @@ def _connect(args: argparse.Namespace, name: str) -> CacheClient:
     from kvxfer.urls import check_url, default_url
 
     url = check_url(args.url or default_url())
+    if not 0 < args.timeout < math.inf:  # NaN fails too
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
     why = no_server_starting(url, wait_s=min(args.timeout, _LAUNCH_S))
     if why is not None:
         raise ConnectionFailed(why)

@@ -74,6 +74,8 @@ def no_server_starting(url: str, wait_s: float = 0.0) -> str | None:
     person runs, which can say so at once: :class:`CacheClient` waits ``connect_timeout`` for a
     server that may not have started yet. Raises ConfigError where the socket's directory or
     the socket cannot be trusted (:func:`~kvxfer.mq.client.ipc_server_ready`)."""
+    if not 0 <= wait_s < math.inf:  # NaN fails too
+        raise ConfigError(f"wait_s must be a number of seconds >= 0, got {wait_s!r}")
     if ipc_path(url) is None:
         return None
     deadline = time.monotonic() + wait_s

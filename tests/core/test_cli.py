@@ -257,8 +257,9 @@ def test_a_bad_kvxfer_url_is_named_not_a_traceback(url: str) -> None:
 
 
 @pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
-def test_a_bad_client_timeout_is_named(timeout: str) -> None:
+def test_a_bad_client_timeout_is_named(timeout: str, capsys) -> None:
     assert main(["status", "--url", "ipc:///nonexistent/kvxfer.sock", "--timeout", timeout]) == 2
+    assert f"--timeout must be a positive number of seconds, got {float(timeout)!r}" in capsys.readouterr().err
 
 
 def test_the_vllm_connector_checks_its_url() -> None:
