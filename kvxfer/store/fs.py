@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import itertools
 import os
+import re
 import shutil
 import threading
 from collections import OrderedDict
@@ -56,6 +57,24 @@ _OPTIONS: Final = frozenset({"max_size", "fsync"})
 
 def _name(key: bytes) -> str:
     return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+
+#: What this store names in its directory: value files under a subdirectory named by their first
+#: two characters, and writes in progress; the scan touches nothing else.
+_SUBDIR: Final = re.compile(r"[0-9a-f]{2}")
+_FILE: Final = re.compile(r"[0-9a-f]{32}")
+_TMP_FILE: Final = re.compile(r"[0-9a-f]{32}\.[0-9]+\.[0-9]+\.[0-9]+" + re.escape(_TMP_SUFFIX))
+
+
+def _refuse_unless_own(root: Path) -> None:
+    """ConfigError unless ``root`` is empty or holds this store's lock file (a directory an fs
+    store made): the store makes the directory 0700 and deletes files in it."""
+    entries = os.listdir(root)
+    if entries and _LOCK_NAME not in entries:
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ConfigError(f"the fs store directory {root} holds files ({shown}) and no {_LOCK_NAME}: it is not "
+                          "a store's directory, and the store would change its mode and delete files in it; give "
+                          "--l2-url a new or empty directory of its own")
 
 
 def _readv_all(fd: int, parts: Sequence[memoryview]) -> int:
@@ -104,6 +123,7 @@ class FsBackend(ThreadedBackend):
         # write to, is refused: this store deletes files in it), then made 0700 through a
         # descriptor of that very directory
         ensure_private_dir(root, "fs store directory", "choose another --l2-url: a directory of yours")
+        _refuse_unless_own(root)  # before anything is changed in it
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.fchmod(fd, 0o700)
@@ -121,12 +141,14 @@ class FsBackend(ThreadedBackend):
     def _scan(self) -> None:
         found = []
         for sub in self.root.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+            if not _SUBDIR.fullmatch(sub.name) or not sub.is_dir() or sub.is_symlink():
                 continue
             for f in sub.iterdir():
-                if f.name.endswith(_TMP_SUFFIX):  # a write cut short by a crash
+                if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub.name):  # a write cut short by a crash
                     f.unlink(missing_ok=True)
                     continue
+                if not _FILE.fullmatch(f.name) or not f.name.startswith(sub.name):
+                    continue  # not this store's: never evicted
                 with contextlib.suppress(FileNotFoundError):
                     st = f.stat()
                     found.append((st.st_mtime_ns, f.name, st.st_size))

@@ -47,7 +47,7 @@ def test_values_are_files_written_atomically_and_privately(tmp_path: Path) -> No
         assert len(files) == 1 and files[0].read_bytes() == b"v" * 100
         assert stat.S_IMODE(files[0].stat().st_mode) == 0o600 and stat.S_IMODE(root.stat().st_mode) == 0o700
         # a write cut short by a crash leaves a temporary file: the next open removes it
-        (files[0].parent / "dead.123.tmp").write_bytes(b"partial")
+        (files[0].parent / f"{files[0].name}.123.456.0.tmp").write_bytes(b"partial")
     finally:
         b.close()
     b = FsStore().open(f"file://{root}", StoreOptions())
@@ -74,6 +74,46 @@ def test_a_link_planted_in_place_of_the_directory_is_refused_and_its_target_left
         FsStore().open(f"file://{shared}/l2?max_size=4KiB", StoreOptions())
     assert (victim / "ab" / "draft.tmp").read_text() == "mine" and (victim / "ab" / "notes").exists()
     assert stat.S_IMODE(victim.stat().st_mode) == 0o755 and not (victim / ".kvxfer-fs.lock").exists()
+
+
+def test_a_directory_of_other_files_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """The store makes its directory 0700 and deletes files in it: one that holds files and no
+    store's lock file (a home directory given by mistake) is refused before anything changes."""
+    home = tmp_path / "home"
+    (home / "ab").mkdir(parents=True)
+    (home / "ab" / "abstract.txt").write_text("x" * 8192)
+    (home / "xy").mkdir()
+    (home / "xy" / "notes.tmp").write_text("draft")
+    home.chmod(0o755)
+    with pytest.raises(ConfigError, match=f"the fs store directory {home} holds files \\(ab, xy\\) and no "
+                                          "\\.kvxfer-fs\\.lock"):
+        FsStore().open(f"file://{home}?max_size=4KiB", StoreOptions())
+    assert stat.S_IMODE(home.stat().st_mode) == 0o755 and not (home / ".kvxfer-fs.lock").exists()
+    assert (home / "ab" / "abstract.txt").exists() and (home / "xy" / "notes.tmp").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o755)
+    FsStore().open(f"file://{empty}", StoreOptions()).close()  # an empty directory is taken
+
+
+def test_files_the_store_did_not_name_are_never_deleted(tmp_path: Path) -> None:
+    """Eviction and the clean-up of cut writes touch only names the store makes."""
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        for i in range(4):
+            assert _put(b, b"k%d" % i, bytes([i]) * 4096)
+    finally:
+        b.close()
+    sub = next(p for p in root.iterdir() if p.is_dir())
+    foreign = [sub / "abstract.txt", sub / "notes.tmp", sub / (sub.name + "0" * 30 + ".tmp")]
+    for f in foreign:
+        f.write_text("mine")
+    b = FsStore().open(f"file://{root}?max_size=4KiB", StoreOptions())  # evicts all but one value
+    try:
+        assert sorted(b.submit_exists([b"k%d" % i for i in range(4)]).result(10)).count(0) == 3
+    finally:
+        b.close()
+    assert all(f.read_text() == "mine" for f in foreign)
 
 
 def test_one_server_per_directory(tmp_path: Path) -> None:
