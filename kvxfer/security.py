@@ -64,13 +64,29 @@ def _require_curve() -> None:
 
 
 def _private_dir(path: Path) -> None:
-    """Create ``path`` (0700) or check that an existing one is ours and private."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    """Create ``path`` (0700) or check that an existing one is ours and open to nobody else (an
+    existing directory is never changed: ``kvxfer keys /tmp`` must not make /tmp private)."""
+    if not str(path) or str(path) == ".":
+        raise ConfigError("name the key directory to make or use, e.g. `kvxfer keys ~/.kvxfer-keys`")
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot make the key directory {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as exc:
+        raise ConfigError(f"key directory {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"key directory {path} exists and is not a directory; choose another directory")
     if st.st_uid != os.getuid():
         raise ConfigError(f"key directory {path} belongs to another user; choose another directory")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"key directory {path} is open to others (mode {mode:o}), and kvxfer keeps secret keys "
+                          f"in a directory only you can open: choose a new directory, or run `chmod 700 {path}` "
+                          "if this one is meant for keys alone")
 
 
 def _check_private(path: Path, what: str) -> None:
@@ -79,6 +95,8 @@ def _check_private(path: Path, what: str) -> None:
         st = path.stat()
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist; make keys with `kvxfer keys {path.parent}`") from None
+    except OSError as exc:  # a file where the directory should be, no permission, ...
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}; make keys with `kvxfer keys DIR`") from None
     if st.st_uid != os.getuid():
         raise ConfigError(f"{what} {path} belongs to another user; refusing to use it")
     if stat.S_IMODE(st.st_mode) & 0o077:

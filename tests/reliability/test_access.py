@@ -103,6 +103,26 @@ def test_keys_that_others_can_read_are_refused(tmp_path):
         load_server_keys(tmp_path / "nowhere")
 
 
+def test_kvxfer_keys_never_changes_an_existing_directory_and_names_what_it_cannot_use(tmp_path):
+    """`kvxfer keys /tmp` must not make /tmp private: an existing directory open to others is
+    refused with what to do, and left as it was; paths that cannot be a directory, and key
+    folders that are files, are one-line errors."""
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    r = kvxfer_cli("keys", str(shared))
+    assert r.returncode == 2 and f"key directory {shared} is open to others (mode 1777)" in r.stderr, r.stderr
+    assert f"chmod 700 {shared}" in r.stderr and mode(shared) == 0o1777 and not list(shared.iterdir())
+    for bad, says in ((str(tmp_path / "file" / "keys"), "cannot make the key directory"),
+                      (str(tmp_path / "file"), "exists and is not a directory"),
+                      ("", "name the key directory")):
+        (tmp_path / "file").write_text("x")
+        r = kvxfer_cli("keys", bad)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = kvxfer_cli("status", "--url", "tcp://127.0.0.1:1", "--curve-dir", "/dev/null", "--timeout", "1")
+    assert r.returncode == 2 and "/dev/null/client.key_secret: Not a directory" in r.stderr, r.stderr
+
+
 # --------------------------------------------------------------------------- tcp://
 
 
