@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -30,8 +31,10 @@ import torch
 
 from kvxfer.cli import add_client_curve_arguments, client_curve, positive_int
 from kvxfer.client import CacheClient
+from kvxfer.errors import ConfigError
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 from kvxfer.protocol import messages as m
+from kvxfer.units import format_bytes
 
 __all__ = [
     "CopyLimit",
@@ -60,6 +63,32 @@ def usable_device(name: str) -> str:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise argparse.ArgumentTypeError(f"{name!r} is not usable here (torch {torch.__version__}): {first}") from None
     return name
+
+
+def _memory_for(device: torch.device) -> tuple[int, str]:
+    """Bytes a KV cache on ``device`` can take at most now, and what they are."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free memory of {device}"
+    try:  # what the kernel can give without swapping
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10, "this host's available memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host's memory"
+
+
+def check_kv_fits(layout: KVLayout, heads: int, device: torch.device, copies: int = 1) -> None:
+    """ConfigError before anything is allocated where ``copies`` KV caches of ``layout`` (its
+    layers of ``layout.layer_shape(heads)``) would not fit in ``device``'s memory: torch would
+    fail after a long while, or the host would swap."""
+    nbytes = copies * layout.num_layers * math.prod(layout.layer_shape(heads)) * layout.dtype.itemsize
+    have, what = _memory_for(device)
+    if nbytes > have:
+        raise ConfigError(f"the KV cache would take {format_bytes(nbytes)} ({copies} x {layout.num_layers} layers x "
+                          f"{list(layout.layer_shape(heads))}), more than {what} ({format_bytes(have)}): pass "
+                          "fewer --layers or --blocks")
 
 
 def json_target(path: str) -> str:
@@ -309,6 +338,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         bpc = chunk_size // bs
         num_blocks = max(2 * max_cpr * bpc, args.blocks)
         layout = KVLayout(kind, args.layers, num_blocks, bs, heads * head_size, dtype)
+        check_kv_fits(layout, heads, device)
         shape = layout.layer_shape(heads)
         gen = torch.Generator().manual_seed(0)
         kv = []

@@ -38,6 +38,7 @@ from kvxfer.bench import (
     add_busy_poll_argument,
     add_kv_cache_arguments,
     busy_poll_args,
+    check_kv_fits,
     json_target,
     progress_bar,
     save_results,
@@ -205,6 +206,7 @@ def make_workload(args: argparse.Namespace, num_blocks: int) -> tuple[KVLayout, 
     ``num_blocks`` blocks per layer, on ``args.device``."""
     layout = KVLayout(LayoutKind(args.layout), args.layers, num_blocks, args.block_size,
                       args.heads * args.head_size, dtype_from_name(args.dtype))
+    check_kv_fits(layout, args.heads, torch.device(args.device))
     kv = []
     for _ in range(args.layers):
         t = torch.empty(layout.layer_shape(args.heads), dtype=layout.dtype, device=torch.device(args.device))

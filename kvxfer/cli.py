@@ -19,7 +19,6 @@ import argparse
 import functools
 import json
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -106,6 +105,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.url.startswith("inproc://"):
+        raise ConfigError(f"--url {args.url}: an inproc:// server is reachable only from its own process; serve "
+                          "at ipc://PATH (this host) or tcp://HOST:PORT")
     config = ServerConfig(
         url=args.url,
         l1_size=parse_size(args.l1_size),
@@ -240,13 +242,14 @@ _LAUNCH_S = 1.5
 def _connect(args: argparse.Namespace, name: str) -> CacheClient:
     """The client of ``kvxfer status`` and ``kvxfer top``: at once an error where no server
     listens and none is starting, else waiting up to ``--timeout`` for one that is."""
-    from kvxfer.client import CacheClient, no_server_starting
+    from kvxfer.client import MAX_TIMEOUT_S, CacheClient, no_server_starting
     from kvxfer.errors import ConnectionFailed
     from kvxfer.urls import check_url, default_url
 
     url = check_url(args.url or default_url())
-    if not 0 < args.timeout < math.inf:  # NaN fails too
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout!r}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        raise ConfigError(f"--timeout must be a positive number of seconds of at most {MAX_TIMEOUT_S:g}, got "
+                          f"{args.timeout!r}")
     why = no_server_starting(url, wait_s=min(args.timeout, _LAUNCH_S))
     if why is not None:
         raise ConnectionFailed(why)

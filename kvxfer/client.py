@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from kvxfer import liveness
 from kvxfer.errors import (
@@ -50,8 +50,10 @@ if TYPE_CHECKING:  # loaded by register(): a client that only looks up or report
 
 Reply = TypeVar("Reply", bound=m.Message)
 
-__all__ = ["CacheClient", "no_server_starting"]
+__all__ = ["CacheClient", "MAX_TIMEOUT_S", "no_server_starting"]
 
+#: Longest timeout a client takes (a year; a request's wait is counted in milliseconds).
+MAX_TIMEOUT_S: Final = 365 * 86400.0
 #: Longest close() waits for the server to acknowledge the end of the session.
 _GOODBYE_S = 1.0
 
@@ -106,8 +108,9 @@ class CacheClient:
     ) -> None:
         self.url = check_url(url or default_url())
         for what, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-            if not 0 < seconds < math.inf:  # NaN fails too
-                raise ConfigError(f"{what} must be a positive number of seconds, got {seconds!r}")
+            if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN fails too
+                raise ConfigError(f"{what} must be a positive number of seconds of at most {MAX_TIMEOUT_S:g}, "
+                                  f"got {seconds!r}")
         if curve is None and self.url.startswith("tcp://"):  # a server never serves tcp:// without CURVE
             raise ConfigError(f"{self.url} is a tcp:// server: it answers only clients with an authorized CURVE key. "
                               "Pass curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR; vLLM "

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from kvxfer.bench import check_kv_fits
 from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, LimitExceeded
 from kvxfer.hashing import chunk_hashes
@@ -75,6 +76,11 @@ def _demo(url: str, args: argparse.Namespace) -> int:
                           f"({cs} tokens at this server)")
     num_blocks = max(args.blocks, 2 * args.prompts * chunks_per_prompt * bpc)
     layout = KVLayout(LayoutKind.FLASH_ATTN, args.layers, num_blocks, BLOCK_SIZE, HEADS * HEAD_SIZE, torch.bfloat16)
+    try:
+        check_kv_fits(layout, HEADS, torch.device("cpu"))
+    except ConfigError:
+        client.close()
+        raise
     print(f"server {client.server_version} at {url}: chunk size {cs} tokens, transports "
           f"{', '.join(client.server_transports)}")
     print(f"KV cache: {args.layers} layers x {list(layout.layer_shape(HEADS))} bf16 "
@@ -208,6 +214,7 @@ def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
     per_prompt = tokens // cs
     num_blocks = max(args.blocks, args.prompts * per_prompt * bpc)
     layout = KVLayout(LayoutKind.FLASH_ATTN, args.layers, num_blocks, BLOCK_SIZE, HEADS * HEAD_SIZE, torch.bfloat16)
+    check_kv_fits(layout, HEADS, torch.device("cpu"), copies=2)  # host A's and host B's
     chunk_bytes = layout.chunk_bytes(cs)
     gen = torch.Generator().manual_seed(4321)
     kv_a = [torch.empty(layout.layer_shape(HEADS), dtype=torch.bfloat16) for _ in range(args.layers)]

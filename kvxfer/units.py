@@ -6,6 +6,7 @@ Used by the CLI, the server and the benchmarks; imports nothing heavy.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Final
 
 from kvxfer.errors import ConfigError
@@ -16,6 +17,10 @@ _UNITS: Final = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1
                  "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
 
+#: The largest size a value may name (what a signed 64-bit count of bytes holds).
+MAX_SIZE: Final = (1 << 63) - 1
+
+
 def parse_size(text: str | int) -> int:
     """``"4GiB"``, ``"512MiB"``, ``"1.5g"`` or a byte count -> bytes."""
     if isinstance(text, int):
@@ -23,7 +28,11 @@ def parse_size(text: str | int) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1073741824)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = int(Decimal(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value > MAX_SIZE:
+        shown = text if len(text) <= 40 else f"{text[:20]}...{text[-8:]}"
+        raise ConfigError(f"not a size: {shown!r} is more than any host holds (at most {MAX_SIZE} bytes)")
+    return value
 
 
 def format_bytes(n: float) -> str:

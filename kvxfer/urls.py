@@ -9,7 +9,9 @@ path and how to choose another (:func:`socket_dir_hint`), rather than trusting i
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Final
 
 from kvxfer.errors import ConfigError
 
@@ -47,6 +49,12 @@ def ipc_path(url: str) -> Path | None:
     return Path(url[len("ipc://"):]) if url.startswith("ipc://") else None
 
 
+#: The host of a tcp:// url: a name or IPv4 address, an IPv6 address in brackets, or * (serve:
+#: every address); the port: ASCII digits (str.isdigit() takes "²" too).
+_TCP_HOST: Final = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]|\*")
+_PORT: Final = re.compile(r"[0-9]{1,5}")
+
+
 def check_url(url: str) -> str:
     """``url`` if a client can connect to it: ``ipc://PATH`` or ``tcp://HOST:PORT`` (port 1 to
     65535; ``inproc://NAME`` too); else ConfigError saying what is wrong and, when the url came
@@ -57,13 +65,16 @@ def check_url(url: str) -> str:
         why = "use ipc://PATH or tcp://HOST:PORT"
     elif not rest or "\0" in rest:
         why = "it names no address"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in rest):
+        why = "it holds a control character (a newline?)"
     elif scheme == "ipc" and not rest.startswith("/"):
         why = (f"an ipc:// url takes an absolute path, with three slashes: ipc:///{rest} (or, for {rest} "
                f"in this directory, ipc://{os.path.abspath(rest)})")
     elif scheme == "tcp":
         host, colon, port = rest.rpartition(":")
-        if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            why = "a tcp:// url is tcp://HOST:PORT with a port from 1 to 65535"
+        if not colon or not _TCP_HOST.fullmatch(host) or not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+            why = ("a tcp:// url is tcp://HOST:PORT: a host name, an IPv4 address, an [IPv6] address or * (every "
+                   "address, for kvxfer serve), and a port from 1 to 65535")
     if not why:
         return url
     where = f" (from ${URL_ENV})" if os.environ.get(URL_ENV) == url else ""

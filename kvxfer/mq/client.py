@@ -131,7 +131,12 @@ class _ZmqWire:
             self._sock.curve_publickey = curve.public
             self._sock.curve_secretkey = curve.secret
             self._sock.curve_serverkey = curve.server_public
-        self._sock.connect(url)
+        try:
+            self._sock.connect(url)
+        except zmq.ZMQError as exc:  # a host ZeroMQ cannot connect to (e.g. *, serve's every-address)
+            self._sock.close(0)
+            hint = "; * names every address for kvxfer serve: a client names the server's host" if "*" in url else ""
+            raise ConfigError(f"cannot connect to {url}: {exc}{hint}") from None
         #: never set: a ZeroMQ connection reconnects by itself
         self.ended = ""
         #: zmq.FD is edge-triggered: whoever polls it must receive until nothing is left

@@ -12,7 +12,7 @@ from kvxfer.server.tier import TierConfig
 from kvxfer.urls import check_url, default_url
 
 __all__ = ["ServerConfig", "MAX_BUSY_POLL_S", "MAX_METRICS_MODELS", "MIN_L1_SIZE", "MIN_MESSAGE_SIZE",
-           "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S"]
+           "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S", "MAX_CHUNK_SIZE"]
 
 #: Upper bound of ``metrics_max_models``: every model label multiplies the series per metric.
 MAX_METRICS_MODELS = 1024
@@ -25,6 +25,8 @@ MAX_MESSAGE_SIZE = 1 << 31
 MIN_L1_SIZE = 4 << 10
 #: Longest ``session_timeout_s``: a dead client's registrations and reservations wait this long.
 MAX_SESSION_TIMEOUT_S = 3600.0
+#: Longest chunk, in tokens (a chunk is at least one KV block of every layer).
+MAX_CHUNK_SIZE = 1 << 20
 #: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
 #: that never sleeps.
 MAX_BUSY_POLL_S = 1.0
@@ -69,8 +71,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_url(self.url)
-        if self.chunk_size <= 0:
-            raise ConfigError(f"--chunk-size must be a positive number of tokens, got {self.chunk_size}")
+        if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
+            raise ConfigError(f"--chunk-size must be a positive number of tokens of at most {MAX_CHUNK_SIZE}, got "
+                              f"{self.chunk_size}")
         if self.l1_size < MIN_L1_SIZE:
             raise ConfigError(f"--l1-size must be at least {MIN_L1_SIZE >> 10} KiB (a size takes a unit: 64MiB, 4GiB), "
                               f"got {self.l1_size} bytes")

@@ -15,7 +15,6 @@ registrations). ``max_unread_reply_bytes`` is enforced by :class:`kvxfer.mq.serv
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Final
 
@@ -83,6 +82,8 @@ SPECS: Final[dict[str, LimitSpec]] = {s.name: s for s in (
 
 #: Most transfer threads ``--workers`` may ask for.
 MAX_WORKERS: Final = 1024
+#: The largest value of any limit (a signed 64-bit count: limits travel in status replies).
+_MAX_LIMIT: Final = (1 << 63) - 1
 
 
 def _fmt(spec: LimitSpec, value: float) -> str:
@@ -128,9 +129,9 @@ class Limits:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ConfigError(f"{SPECS[f.name].option} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_LIMIT:
+                raise ConfigError(f"{SPECS[f.name].option} must be a positive number of at most {_MAX_LIMIT}, "
+                                  f"got {value!r}")
         if self.workers > MAX_WORKERS:
             raise ConfigError(f"--workers must be at most {MAX_WORKERS} (threads), got {self.workers}")
 

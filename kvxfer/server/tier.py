@@ -132,8 +132,9 @@ class TierConfig:
     def __post_init__(self) -> None:
         parse_admission(self.admission)
         for name in ("queue", "writers", "readers", "batch", "breaker_failures"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--l2-{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= _MAX_COUNT:
+                raise ConfigError(f"--l2-{name.replace('_', '-')} must be in [1, {_MAX_COUNT}], "
+                                  f"got {getattr(self, name)}")
         for name in ("writers", "readers"):  # a thread and a store connection each
             if getattr(self, name) > MAX_L2_CONNECTIONS:
                 raise ConfigError(f"--l2-{name} must be at most {MAX_L2_CONNECTIONS}, got {getattr(self, name)}")
@@ -273,6 +274,8 @@ class _Promotion:
 _QUIET_S: Final = 0.002
 #: Most ``writers`` and ``readers`` (each is a thread and a connection to the store).
 MAX_L2_CONNECTIONS: Final = 64
+#: Largest count an L2 option takes (queue entries, batch, failures before the breaker opens).
+_MAX_COUNT: Final = 1 << 31
 #: Chunk keys the tier remembers for lookups (then it forgets them all and starts again).
 _KEYS_KEPT: Final = 1 << 16
 #: Most keys one lookup asks the store about (every rank's key of the chunks after L1's hits):

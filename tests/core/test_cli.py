@@ -410,6 +410,31 @@ def test_serve_refuses_values_that_cannot_be_meant_by_their_flags_names(argv: tu
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr
 
 
+HUGE = "9" * 400
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (("serve", "--l1-size", HUGE), "is more than any host holds"),
+    (("serve", "--l1-size", "64MiB", f"--max-connections={HUGE}"), "--max-connections must be a positive number of at"),
+    (("serve", "--l1-size", "64MiB", "--chunk-size", str(1 << 64)), "--chunk-size must be a positive number of tokens"),
+    (("serve", "--url", "inproc://kv"), "an inproc:// server is reachable only from its own process"),
+    (("status", "--timeout", "2e305"), "--timeout must be a positive number of seconds of at most"),
+    (("status", "--url", "tcp://h:\u00b2"), "a tcp:// url is tcp://HOST:PORT"),
+    (("status", "--url", "tcp://a b:5555"), "a tcp:// url is tcp://HOST:PORT"),
+    (("status", "--url", "ipc:///tmp/a\nb"), "it holds a control character"),
+    (("bench", "--layers", "99999999999999999999", "--heads", "1", "--head-size", "8", "--blocks", "64", "--iters",
+      "1", "--chunks-per-request", "1"), "the KV cache would take"),
+    (("bench", "--prefix", "--layers", "1", "--heads", "1", "--head-size", "8", "--iters", "1", "--blocks",
+      "1000000000000"), "the KV cache would take"),
+])
+def test_values_past_what_a_host_holds_are_one_line_errors(argv: tuple[str, ...], says: str) -> None:
+    """Numbers too large for the host, or for the wire (a 64-bit integer), and addresses no
+    client can reach: each a one-line error at once, never a traceback or a hang."""
+    proc = run(*argv, module=True)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_serve_names_a_shm_dir_that_is_a_file_as_such(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("x")

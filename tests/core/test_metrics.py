@@ -287,9 +287,10 @@ def test_plugins_metrics_are_exported_and_bad_samples_dropped(on_path: Path, tmp
     assert {s.name for s in st.plugin_metrics} >= {"kvxfer_test_recorder_calls", "kvxfer_test_loop_transfers_total"}
 
 
-def test_metrics_port_in_use_is_refused_with_advice(url: str) -> None:
+def test_metrics_port_in_use_is_refused_with_advice(url: str, tmp_path) -> None:
     port = url.rsplit(":", 1)[1].split("/")[0]
-    proc = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", "inproc://x", "--l1-size", "1MiB",
+    proc = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/run/kvxfer.sock",
+                           "--l1-size", "1MiB",
                            "--transports", "cpu_gather", "--metrics-port", port],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
