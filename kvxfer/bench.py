@@ -183,7 +183,7 @@ def add_busy_poll_argument(p: argparse.ArgumentParser) -> None:
 
 def busy_poll_args(args: argparse.Namespace) -> list[str]:
     """The ``kvxfer serve`` arguments of :func:`add_busy_poll_argument`'s option."""
-    return ["--busy-poll-us", f"{args.busy_poll_us:g}"] if args.busy_poll_us else []
+    return [f"--busy-poll-us={args.busy_poll_us:g}"] if args.busy_poll_us else []
 
 
 def _sync(device: torch.device) -> None:

@@ -12,7 +12,7 @@ from kvxfer.server.tier import TierConfig
 from kvxfer.urls import check_url, default_url
 
 __all__ = ["ServerConfig", "MAX_BUSY_POLL_S", "MAX_METRICS_MODELS", "MIN_L1_SIZE", "MIN_MESSAGE_SIZE",
-           "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S", "MAX_CHUNK_SIZE"]
+           "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S", "MIN_SESSION_TIMEOUT_S", "MAX_CHUNK_SIZE"]
 
 #: Upper bound of ``metrics_max_models``: every model label multiplies the series per metric.
 MAX_METRICS_MODELS = 1024
@@ -25,6 +25,9 @@ MAX_MESSAGE_SIZE = 1 << 31
 MIN_L1_SIZE = 4 << 10
 #: Longest ``session_timeout_s``: a dead client's registrations and reservations wait this long.
 MAX_SESSION_TIMEOUT_S = 3600.0
+#: Shortest session timeout: clients send a heartbeat every third of it (a millisecond timeout
+#: made every idle client send one every few hundred microseconds).
+MIN_SESSION_TIMEOUT_S = 0.5
 #: Longest chunk, in tokens (a chunk is at least one KV block of every layer).
 MAX_CHUNK_SIZE = 1 << 20
 #: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
@@ -77,9 +80,9 @@ class ServerConfig:
         if self.l1_size < MIN_L1_SIZE:
             raise ConfigError(f"--l1-size must be at least {MIN_L1_SIZE >> 10} KiB (a size takes a unit: 64MiB, 4GiB), "
                               f"got {self.l1_size} bytes")
-        if not 0 < self.session_timeout_s <= MAX_SESSION_TIMEOUT_S:  # NaN fails too
-            raise ConfigError(f"--session-timeout must be in (0, {MAX_SESSION_TIMEOUT_S:g}] seconds, got "
-                              f"{self.session_timeout_s!r}")
+        if not MIN_SESSION_TIMEOUT_S <= self.session_timeout_s <= MAX_SESSION_TIMEOUT_S:  # NaN fails too
+            raise ConfigError(f"--session-timeout must be in [{MIN_SESSION_TIMEOUT_S:g}, {MAX_SESSION_TIMEOUT_S:g}] "
+                              f"seconds, got {self.session_timeout_s!r}")
         if not 0 < self.heartbeat_s < self.session_timeout_s:
             raise ConfigError(f"heartbeat_s must be positive and shorter than session_timeout_s "
                               f"({self.session_timeout_s:g} s), got {self.heartbeat_s!r}")

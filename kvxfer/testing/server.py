@@ -71,8 +71,9 @@ class ServerProcess:
         self.url = url or f"ipc://{sock_dir / 'kvxfer.sock'}"
         self.chunk_size = chunk_size
         self.log_path = Path(self._tmp.name) / "server.log"
-        self.args = [sys.executable, "-m", "kvxfer", "serve", "--url", self.url, "--l1-size", l1_size,
-                     "--chunk-size", str(chunk_size)]
+        # --opt=value: a value that starts with "-" (a negative size) is then refused as a value
+        self.args = [sys.executable, "-m", "kvxfer", "serve", f"--url={self.url}", f"--l1-size={l1_size}",
+                     f"--chunk-size={chunk_size}"]
         if transports:
             self.args += ["--transports", transports]
         self.curve_dir = Path(curve_dir) if curve_dir is not None else None

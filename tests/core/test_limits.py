@@ -210,7 +210,10 @@ def test_thread_counts_are_bounded() -> None:
             TierConfig(store="fs", url="file:///tmp/x", **{name: 100_000})
 
 
-def test_kvxfer_serve_names_a_bad_session_timeout() -> None:
+@pytest.mark.parametrize("seconds", ["nan", "1e-9"])
+def test_kvxfer_serve_names_a_bad_session_timeout(seconds: str) -> None:
+    """NaN never timed sessions out; a millisecond made idle clients send heartbeats without end."""
     out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", "ipc:///nonexistent/kvxfer.sock",
-                          "--session-timeout", "nan"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--session-timeout must be in" in out.stderr, out.stderr[-2000:]
+                          "--session-timeout", seconds], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--session-timeout must be in [0.5, 3600] seconds" in out.stderr, \
+        out.stderr[-2000:]
