@@ -108,10 +108,12 @@ class HpuContext(ClientDrivenContext):
     #: Chunk buffers in flight: 2 overlaps preparing one chunk with copying the previous.
     STAGING_DEPTH: ClassVar[int] = 2
     #: Device bytes of the gather buffer: chunks gathered per layer with one index kernel
-    #: (at least one chunk). Device memory used: this plus STAGING_DEPTH chunks. Measured on an
-    #: H200 with 32 MiB chunks: 32, 128 and 256 MiB performed alike (plugins/hpu/results/), so
-    #: the smallest; smaller chunks are still gathered several per launch.
-    GROUP_BYTES: ClassVar[int] = 32 << 20
+    #: (at least one chunk). Device memory used: this plus STAGING_DEPTH chunks. With 32 MiB
+    #: chunks and 32 layers a request of 8 chunks takes 8 x 32 index kernels at 32 MiB and 2 x 32
+    #: at 128 MiB: where the host launches slowly, 4 requests in flight were bound by the
+    #: launches at 32 MiB (0.69-0.86x of the pinned copy on an H100, against 0.95x at 128 MiB in
+    #: the same call; docs/hpu.md); on a faster host the sizes performed alike.
+    GROUP_BYTES: ClassVar[int] = 128 << 20
 
     def __init__(
         self,
