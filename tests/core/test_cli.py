@@ -259,7 +259,8 @@ def test_a_bad_kvxfer_url_is_named_not_a_traceback(url: str) -> None:
 @pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
 def test_a_bad_client_timeout_is_named(timeout: str, capsys) -> None:
     assert main(["status", "--url", "ipc:///nonexistent/kvxfer.sock", "--timeout", timeout]) == 2
-    assert f"--timeout must be a positive number of seconds, got {float(timeout)!r}" in capsys.readouterr().err
+    assert f"--timeout must be a positive number of seconds of at most 3.1536e+07, got {float(timeout)!r}" \
+        in capsys.readouterr().err
 
 
 def test_the_vllm_connector_checks_its_url() -> None:
@@ -402,7 +403,7 @@ def test_urls_that_name_no_socket_say_what_they_name(tmp_path: Path, capsys) -> 
 
 @pytest.mark.parametrize(("argv", "says"), [
     (("--l1-size", "10"), "--l1-size must be at least 4 KiB (a size takes a unit: 64MiB, 4GiB), got 10 bytes"),
-    (("--chunk-size", "0"), "--chunk-size must be a positive number of tokens, got 0"),
+    (("--chunk-size", "0"), "--chunk-size must be a positive number of tokens of at most 1048576, got 0"),
     (("--url", "ipc://relative.sock"), "an ipc:// url takes an absolute path"),
 ])
 def test_serve_refuses_values_that_cannot_be_meant_by_their_flags_names(argv: tuple[str, ...], says: str) -> None:
