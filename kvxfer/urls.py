@@ -15,7 +15,8 @@ from typing import Final
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["default_url", "ipc_path", "private_runtime_dir", "socket_dir_hint", "check_url", "URL_ENV"]
+__all__ = ["default_url", "has_control_character", "ipc_path", "private_runtime_dir", "socket_dir_hint", "check_url",
+           "URL_ENV"]
 
 #: The environment variable that names the server's address for clients and `kvxfer serve`.
 URL_ENV = "KVXFER_URL"
@@ -55,6 +56,11 @@ _TCP_HOST: Final = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]|\*")
 _PORT: Final = re.compile(r"[0-9]{1,5}")
 
 
+def has_control_character(text: str) -> bool:
+    """Whether ``text`` holds an ASCII control character (a NUL, a newline, DEL, ...)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 def check_url(url: str) -> str:
     """``url`` if a client can connect to it: ``ipc://PATH`` or ``tcp://HOST:PORT`` (port 1 to
     65535; ``inproc://NAME`` too); else ConfigError saying what is wrong and, when the url came
@@ -65,7 +71,7 @@ def check_url(url: str) -> str:
         why = "use ipc://PATH or tcp://HOST:PORT"
     elif not rest or "\0" in rest:
         why = "it names no address"
-    elif any(ord(c) < 32 or ord(c) == 127 for c in rest):
+    elif has_control_character(rest):
         why = "it holds a control character (a newline?)"
     elif scheme == "ipc" and not rest.startswith("/"):
         why = (f"an ipc:// url takes an absolute path, with three slashes: ipc:///{rest} (or, for {rest} "

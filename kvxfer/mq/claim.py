@@ -55,6 +55,9 @@ class SocketClaim:
 
 
 def _kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words ("" for a regular file)."""
+    if stat.S_ISREG(mode):
+        return ""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
         if test(mode):
@@ -68,19 +71,14 @@ def take(url: str, socket_path: Path) -> SocketClaim:
     of this user (another user able to open it could hold a lock on it)."""
     lock = claim_path(socket_path)
     try:
-        st = os.lstat(lock)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise ConfigError(f"cannot claim {url}: {lock}: {exc.strerror or exc}; choose another --url") from None
-    else:
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"cannot claim {url}: {lock}, where a kvxfer server keeps the lock of its socket, is "
-                              f"{_kind(st.st_mode)}; choose another --url")
-    try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise ConfigError(f"cannot claim {url}: {lock}: {exc.strerror or exc}; choose another --url") from None
+    except OSError as exc:  # a directory, a socket, a link in its place; no permission
+        try:
+            kind = _kind(os.lstat(lock).st_mode)
+        except OSError:
+            kind = ""
+        why = f"is {kind}" if kind else ""
+        raise ConfigError(f"cannot claim {url}: {lock} {why or exc.strerror or exc}; choose another --url") from None
     try:
         st = os.fstat(fd)
         mode = stat.S_IMODE(st.st_mode)

@@ -47,6 +47,7 @@ from kvxfer.store.base import (
     ThreadedBackend,
 )
 from kvxfer.units import format_bytes, parse_size
+from kvxfer.urls import has_control_character
 
 __all__ = ["FsStore", "FsBackend"]
 
@@ -300,7 +301,7 @@ def parse_fs_url(url: str) -> tuple[Path, int, bool]:
     path = unquote(s.path)
     if s.netloc not in ("", "localhost") or not path.startswith("/"):
         raise ConfigError(f"fs store: {url!r} is not an absolute local path; {hint}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+    if has_control_character(path):
         raise ConfigError(f"fs store: the path of {url!r} holds a control character (a NUL?); {hint}")
     query = parse_qs(s.query, keep_blank_values=True)
     unknown = sorted(set(query) - _OPTIONS)
