@@ -103,6 +103,10 @@ def check_transfer(
             blocks = torch.as_tensor(block_ids, device="cpu")
             if blocks.is_floating_point() or blocks.is_complex():
                 raise TypeError(f"got {blocks.dtype}")
+            if blocks.dtype == torch.uint64:  # int64 would wrap values past 2**63 - 1 (and name them so)
+                wide = max(blocks.reshape(-1).tolist(), default=0)
+                if wide >= layout.num_blocks:
+                    raise ConfigError(f"block ids must be in [0, {layout.num_blocks}); got max {wide}")
             blocks = blocks.to(torch.int64).reshape(-1)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise ConfigError(f"block_ids must be a sequence of integers: {exc}") from None
