@@ -278,6 +278,11 @@ MAX_L2_CONNECTIONS: Final = 64
 _MAX_COUNT: Final = 1 << 31
 #: Chunk keys the tier remembers for lookups (then it forgets them all and starts again).
 _KEYS_KEPT: Final = 1 << 16
+#: Keys whose L2 value is intact but in a chunk format this server does not load (another KV
+#: layout's value of the same size), remembered at most this many and for this long: lookups count
+#: them as misses instead of as hits whose promotion fails every time.
+_UNLOADABLE_KEPT: Final = 1 << 14
+_UNLOADABLE_S: Final = 60.0
 #: Most keys one lookup asks the store about (every rank's key of the chunks after L1's hits):
 #: the chunks past them count as misses. Each key costs the loop a few microseconds, and a lookup
 #: names up to 262,144 keys in a hundred bytes (kvxfer.server.engine.MAX_LOOKUP_KEYS).
@@ -422,6 +427,9 @@ class L2Tier:
         #: Per (model, world size), per chunk hash: every rank's chunk key and L2 key.
         self._keys: dict[tuple[str, int], dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]]] = {}
         self._keys_kept = 0
+        #: Chunk keys whose value this server found intact but of another chunk format, and until
+        #: when lookups count them as misses (loop thread; see _UNLOADABLE_KEPT).
+        self._unloadable: dict[ChunkKey, float] = {}
         self._threads: list[threading.Thread] = []
         self._health_thread: threading.Thread | None = None
         self._stop_health = threading.Event()
@@ -791,10 +799,14 @@ class L2Tier:
         end = lk.stop
         wanted: list[tuple[int, ChunkKey, int]] = []
         first = lk.l1_hits
+        unloadable = self._unloadable
+        now = time.monotonic() if unloadable else 0.0
         for c, j, key, want in lk.need:
             if c >= end:
                 break
             size = sizes[j] - HEADER_SIZE if sizes else 0
+            if unloadable and size > 0 and unloadable.get(key, 0.0) > now:
+                size = 0  # found of another chunk format lately: a miss, not a promotion that fails
             if size > 0 and (size == want if want else size <= self.arena.size):
                 wanted.append((first + c, key, size))
                 continue
@@ -881,6 +893,7 @@ class L2Tier:
         self.breaker.success()
         found: list[str | None] = []
         damaged: list[bytes] = []
+        unloadable: list[ChunkKey] = []
         for j, status in zip(idx, statuses):
             e = p.res.entries[j][1]
             found.append(None)
@@ -900,15 +913,28 @@ class L2Tier:
                 log.warning("L2 value of chunk %s of %r is damaged (%s): not loaded; deleting it from the store",
                             e.key.chunk_hash.hex()[:16], e.key.model_name, exc)
                 continue
-            except IntegrityError as exc:  # intact, but another layout's or format's: left alone
+            except IntegrityError as exc:  # intact, but another layout's: left alone
                 self._count("integrity_failures")
+                unloadable.append(e.key)
                 log.warning("L2 value of chunk %s of %r is not loaded: %s", e.key.chunk_hash.hex()[:16],
                             e.key.model_name, exc)
                 continue
             found[-1] = header.fmt
         if damaged:
             self._delete_damaged(damaged)
+        if unloadable:
+            self.call_soon(functools.partial(self._remember_unloadable, unloadable))
         self._checked(p, idx, found)
+
+    def _remember_unloadable(self, keys: list[ChunkKey]) -> None:
+        """On the loop: have lookups count ``keys`` as misses for :data:`_UNLOADABLE_S` seconds.
+        Their values are another layout's (kept: they are that server's copies), so the size a
+        lookup sees matches this server's layout and every promotion of them would fail again."""
+        if len(self._unloadable) + len(keys) > _UNLOADABLE_KEPT:
+            self._unloadable.clear()  # forget them all: each costs one failed promotion to learn again
+        until = time.monotonic() + _UNLOADABLE_S
+        for key in keys[:_UNLOADABLE_KEPT]:
+            self._unloadable[key] = until
 
     def _delete_damaged(self, keys: list[bytes]) -> None:
         """On a store thread (a get's check): delete values that failed their checks, so that no
@@ -957,6 +983,7 @@ class L2Tier:
             else:
                 e.fmt = fmt
                 self._from_l2.add(e.key)
+                self._unloadable.pop(e.key, None)
         self.index.commit_write(p.res, failed)
         self.promoted += len(p.res.entries) - len(failed)
         self.promote_failures += len(failed)

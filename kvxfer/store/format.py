@@ -15,12 +15,14 @@ server chunk key. The header (:data:`HEADER_SIZE` bytes, little-endian)::
     reserved     8s   zeros
     header_check u64  XXH3-64 of the 184 bytes above
 
-A value whose header, fingerprint, length or checksum does not match what the reader expects
-is an :class:`IntegrityError`: the tier counts it as a miss and never loads it. Of those, a
-:class:`DamagedValue` is one that no reader of its key can load, in any layout (its bytes or
-header damaged, or another chunk's value): the tier also deletes it from the store. An intact
-header that names another chunk format or format version is a plain :class:`IntegrityError`:
-the value may be another server's, and is left alone. The chunk bytes are the arena's canonical
+Keys carry the format version (:data:`KEY_PREFIX`): another version writes under keys of its
+own, so versions never read each other's values. A value whose header, fingerprint, length or
+checksum does not match what the reader expects is an :class:`IntegrityError`: the tier counts
+it as a miss and never loads it. Of those, a :class:`DamagedValue` is one that no reader of its
+key can load, in any layout (its bytes or header damaged, a format version other than its key's,
+or another chunk's value): the tier also deletes it from the store. An intact header that names
+another chunk format is a plain :class:`IntegrityError`: the value may be another server's
+(another KV layout of the same model), and is left alone. The chunk bytes are the arena's canonical
 chunk, the same for every transport, so any transport on any host can load a chunk stored
 through any other.
 """
@@ -57,8 +59,10 @@ __all__ = [
 FORMAT_VERSION: Final = 1
 HEADER_SIZE: Final = 192
 MAGIC: Final = b"KVXC"
-#: Prefix of every key kvxfer writes: give kvxfer's Valkey user the key pattern ``~kvxfer:*``.
-KEY_PREFIX: Final = b"kvxfer:c1:"
+#: Prefix of every key kvxfer writes, with the format version in it (``c1`` for version 1): a
+#: value of another version is never under a key of this one. Give kvxfer's Valkey user the key
+#: pattern ``~kvxfer:*``.
+KEY_PREFIX: Final = b"kvxfer:c%d:" % FORMAT_VERSION
 
 #: Longest chunk format a header records (UTF-8): the server refuses registrations whose
 #: format is longer (kvxfer.server.engine.validate_registration).
@@ -134,10 +138,9 @@ def encode_header(key: Sequence[object], fmt: str, payload: memoryview | bytes |
 def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fmt: str | None = None) -> Header:
     """Check the header of the value read for ``key``: intact, this format version, this key,
     and (when given) this chunk format; returns it. Raises :class:`DamagedValue` when no reader
-    of ``key`` could load the value (bad magic, header check, fingerprint), and a plain
-    :class:`IntegrityError` when the header is intact but names a format version or chunk format
-    this reader does not load (the version is read before the header check: another version may
-    lay its header out differently). The payload's checksum is checked separately
+    of ``key`` could load the value (bad magic, another format version than the key's, header
+    check, fingerprint), and a plain :class:`IntegrityError` when the header is intact but names
+    a chunk format this reader does not load. The payload's checksum is checked separately
     (:func:`checksum`)."""
     if len(raw) != HEADER_SIZE:
         raise IntegrityError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
@@ -146,9 +149,9 @@ def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fm
     magic, version, size, length, csum, fp, raw_fmt, _ = _FIXED.unpack(body)
     if magic != MAGIC:
         raise DamagedValue("not a kvxfer chunk (bad magic)")
-    if version != FORMAT_VERSION or size != HEADER_SIZE:
-        raise IntegrityError(f"chunk format version {version} (header {size} bytes); this kvxfer reads "
-                             f"version {FORMAT_VERSION}")
+    if version != FORMAT_VERSION or size != HEADER_SIZE:  # under a key of this version: damaged
+        raise DamagedValue(f"chunk format version {version} (header {size} bytes) under a key of version "
+                           f"{FORMAT_VERSION}")
     if xxhash.xxh3_64_intdigest(body) != check:
         raise DamagedValue("damaged header (header check mismatch)")
     value_fmt = raw_fmt.rstrip(b"\0").decode("utf-8", "replace")

@@ -22,7 +22,15 @@ from kvxfer.errors import ConfigError, StoreUnavailable
 from kvxfer.server.index import ChunkIndex, ChunkKey, Usage
 from kvxfer.server.tier import Breaker, L2Tier, TierConfig, parse_admission
 from kvxfer.store import GetStatus
-from kvxfer.store.format import HEADER_SIZE, DamagedValue, IntegrityError, decode_header, encode_header, l2_key
+from kvxfer.store.format import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    DamagedValue,
+    IntegrityError,
+    decode_header,
+    encode_header,
+    l2_key,
+)
 from kvxfer.testing.server import ServerProcess
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
@@ -38,7 +46,8 @@ TIMEOUT = 30
 def test_header_round_trip_and_every_mismatch_is_an_integrity_error() -> None:
     """Every mismatch is an IntegrityError; only those that no reader of the key could load, in
     any layout, are DamagedValue (the tier deletes those): an intact header of another chunk
-    format or format version is not."""
+    format is not. Another format version under a key of this one is damage (keys carry the
+    version: another version never writes under them)."""
     key = ChunkKey("m", 2, 1, b"h" * 16)
     payload = bytes(range(256)) * 32  # 8 KiB: 2 layers x 2 planes x 64 tokens x 16 x bf16
     raw = encode_header(key, FMT, payload)
@@ -55,13 +64,13 @@ def test_header_round_trip_and_every_mismatch_is_an_integrity_error() -> None:
         decode_header(b"X" + raw[1:], key, FMT)
     with pytest.raises(IntegrityError, match="reader's layout") as other_layout:
         decode_header(raw, key, "float16:2x2x64x16")
+    assert not isinstance(other_layout.value, DamagedValue), "an intact value of another layout may be another server's"
     next_version = bytearray(raw)  # a later format may lay its header out differently
     next_version[4:6] = (2).to_bytes(2, "little")
     next_version[20:40] = bytes(20)
-    with pytest.raises(IntegrityError, match="format version 2") as other_version:
+    with pytest.raises(DamagedValue, match="format version 2"):
         decode_header(bytes(next_version), key, FMT)
-    for intact in (other_layout, other_version):
-        assert not isinstance(intact.value, DamagedValue), "an intact value of another layout may be another server's"
+    assert l2_key(key).startswith(b"kvxfer:c%d:" % FORMAT_VERSION)
 
 
 def test_header_takes_every_registered_layouts_format() -> None:
@@ -434,7 +443,8 @@ def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path
         assert len(index.clear()) == 5
         # chunk 0 stays good. Behind the tier's back: chunk 1's file loses its last bytes (the
         # store's index still says its old size); a bit of chunk 2 flips; chunk 3 gets another
-        # layout of the same size, chunk 4 a later format version (its header laid out otherwise)
+        # layout of the same size, chunk 4 another format version (its header laid out otherwise),
+        # which no writer of this version's keys makes
         (shortened,) = [p for p in (tmp_path / "l2").rglob("*") if p.is_file() and p.stat().st_size > HEADER_SIZE
                         and p.read_bytes()[HEADER_SIZE:] == payload(hashes[1])]
         with open(shortened, "r+b") as f:
@@ -455,18 +465,19 @@ def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path
         assert promote("m", hashes) == 1, "only chunk 0 loads"
         assert all(k not in index.entries for k in keys[1:])
         assert promote("u", [b"L" * 16]) == 0
-        pump(lambda: tier.damaged_deleted == 3)
+        pump(lambda: tier.damaged_deleted == 4)
         assert (tier.integrity_failures, tier.promote_failures, tier.errors) == (5, 5, 0)
         sizes = backend.submit_exists([*l2, l2_key(longer_key)]).result(TIMEOUT)
-        assert sizes == [HEADER_SIZE + size, 0, 0, HEADER_SIZE + size, HEADER_SIZE + size, 0]
-        kept = [bytearray(HEADER_SIZE + size) for _ in range(2)]
-        got = backend.submit_get([(l2[3], [memoryview(kept[0])]), (l2[4], [memoryview(kept[1])])]).result(TIMEOUT)
-        assert got == [GetStatus.HIT] * 2 and kept == [other_layout, later_version], "intact values are left alone"
+        assert sizes == [HEADER_SIZE + size, 0, 0, HEADER_SIZE + size, 0, 0]
+        kept = bytearray(HEADER_SIZE + size)
+        got = backend.submit_get([(l2[3], [memoryview(kept)])]).result(TIMEOUT)
+        assert got == [GetStatus.HIT] and kept == other_layout, "an intact value of another layout is left alone"
 
-        lk = tier.begin_lookup("m", 1, hashes, 1)
-        assert lk is not None
-        pump(lk.done)
-        assert tier.finish_lookup(lk, promote=False) == (1, 0, 1), "a deleted value is no L2 hit"
+        for start in (1, 3):  # a deleted value, and one of another layout that failed to promote
+            lk = tier.begin_lookup("m", 1, hashes[start:], 0)
+            assert lk is not None
+            pump(lk.done)
+            assert tier.finish_lookup(lk, promote=False) == (0, 0, 0), f"chunk {start}'s value is no L2 hit"
 
         # stored again, chunks 1 and 2 are written to L2 (not skipped) and load byte for byte
         store("m", hashes[1:3])
@@ -484,9 +495,9 @@ def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path
         assert backend.submit_put([(l2[1], [memoryview(flipped)])]).result(TIMEOUT) == [True]  # chunk 2's, here
         assert len(index.clear()) == 3
         assert promote("m", hashes[:3]) == 1
-        assert (tier.promote_failures, tier.damaged_deleted, tier.errors) == (6, 3, 0)
+        assert (tier.promote_failures, tier.damaged_deleted, tier.errors) == (6, 4, 0)
         hung.set_exception(StoreUnavailable("store 'fs': delete failed: the store went away"))
-        assert (tier.damaged_deleted, tier.errors) == (3, 1) and tier.breaker.closed
+        assert (tier.damaged_deleted, tier.errors) == (4, 1) and tier.breaker.closed
         assert backend.submit_exists([l2[1]]).result(TIMEOUT) == [HEADER_SIZE + size]
 
 
