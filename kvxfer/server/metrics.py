@@ -19,16 +19,21 @@ The HTTP endpoint listens on TCP, where any local user (or anyone who can reach
 ``--metrics-host``) may connect, so what a connection can hold is bounded
 (:class:`_BoundedHttpServer`): at most :data:`MAX_SCRAPERS` connections are served at once
 (more are closed as they come), and each is closed :data:`SCRAPE_CONNECTION_S` after it was
-accepted, whatever it is doing (sending its request slowly, or not reading the reply).
+accepted, whatever it is doing (sending its request slowly, or not reading the reply). Answers
+are paced to :data:`MAX_SCRAPES_PER_S` in all (a request past that waits, its thread asleep), so
+that scrapes in a loop cannot take the loop's snapshots and the interpreter from the server's
+requests; and the accept loop, when the process is out of file descriptors, waits
+:data:`ACCEPT_RETRY_S` before it tries again instead of spinning on a connection it cannot take.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, Final
@@ -52,7 +57,7 @@ if TYPE_CHECKING:
     from kvxfer.server.engine import CacheServer
 
 __all__ = ["MetricsExporter", "ServerCollector", "Snapshot", "SCRAPE_TIMEOUT_S", "CORE_FAMILIES", "MAX_SCRAPERS",
-           "SCRAPE_CONNECTION_S"]
+           "SCRAPE_CONNECTION_S", "MAX_SCRAPES_PER_S", "ACCEPT_RETRY_S"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,12 @@ SCRAPE_TIMEOUT_S: Final = 5.0
 MAX_SCRAPERS: Final = 8
 #: Longest life of one connection to the metrics endpoint, from its accept to its close.
 SCRAPE_CONNECTION_S: Final = 15.0
+#: Most answers the endpoint gives per second, to all connections together (Prometheus scrapes a
+#: target every few seconds; each answer costs the server's loop a snapshot and its process
+#: about 10 ms of interpreter time).
+MAX_SCRAPES_PER_S: Final = 10.0
+#: How long the accept loop waits after an accept failed for want of file descriptors.
+ACCEPT_RETRY_S: Final = 0.1
 
 #: Every metric family the core exports (names as exposed, without ``_bucket``/``_sum``/
 #: ``_count`` suffixes). Plugin samples may not reuse these names.
@@ -373,9 +384,11 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
         self._lock = threading.Lock()
         #: connection -> monotonic time past which it is shut down
         self._open: dict[socket.socket, float] = {}
-        #: Connections closed at once because every slot was taken, and those cut at their deadline.
+        #: Connections closed at once because every slot was taken, those cut at their deadline,
+        #: and accepts that failed for want of file descriptors.
         self.refused = 0
         self.expired = 0
+        self.accept_failures = 0
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -418,9 +431,38 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
             except OSError:
                 pass
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # the connection stays queued and the socket readable: without a pause the accept
+                # loop would spin on it until descriptors come free
+                self.accept_failures += 1
+                time.sleep(ACCEPT_RETRY_S)
+            raise  # socketserver drops the attempt and polls again
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that failed (closed, timed out, cut): one debug line, no traceback."""
         log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
+
+
+def _paced(app: Callable[..., Any], per_s: float) -> Callable[..., Any]:
+    """``app`` answering at most ``per_s`` requests a second in all: each request takes the next
+    free moment, its thread sleeping until then (a connection waiting past its life is cut)."""
+    lock = threading.Lock()
+    next_at = [0.0]
+
+    def paced(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        with lock:
+            now = time.monotonic()
+            at = max(now, next_at[0])
+            next_at[0] = at + 1.0 / per_s
+        if at > now:
+            time.sleep(at - now)
+        return app(environ, start_response)
+
+    return paced
 
 
 class MetricsExporter:
@@ -437,7 +479,7 @@ class MetricsExporter:
                                                           flags=socket.AI_PASSIVE)[0]
             self._httpd = _BoundedHttpServer((str(sockaddr[0]), port), _QuietHandler, family=family,
                                              max_connections=MAX_SCRAPERS, lifetime_s=SCRAPE_CONNECTION_S)
-            self._httpd.set_app(make_wsgi_app(self.registry))
+            self._httpd.set_app(_paced(make_wsgi_app(self.registry), MAX_SCRAPES_PER_S))
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}; choose another --metrics-port "
                               "(0 picks a free one) or --metrics-host") from None
