@@ -26,6 +26,7 @@ import itertools
 import os
 import re
 import shutil
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -182,7 +183,9 @@ class FsBackend(ThreadedBackend):
             name = _name(key)
             want = sum(len(p) for p in parts)
             try:
-                fd = os.open(self._path(name), os.O_RDONLY)
+                # not blocking: a FIFO put under the name behind the store's back would hold this
+                # thread in open() for ever; not following a link out of the directory
+                fd = os.open(self._path(name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 with self._lock:
                     gone = self._lru.pop(name, None)  # removed behind our back
@@ -190,9 +193,15 @@ class FsBackend(ThreadedBackend):
                         self.used -= gone
                 out.append(GetStatus.MISS)
                 continue
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                out.append(GetStatus.WRONG_SIZE)  # a symbolic link: not a value of this store's
+                continue
             try:
-                size = os.fstat(fd).st_size
-                if size != want:
+                st = os.fstat(fd)
+                size = st.st_size
+                if not stat.S_ISREG(st.st_mode) or size != want:  # a FIFO, a device...: not a value
                     out.append(GetStatus.WRONG_SIZE)
                     continue
                 got = _readv_all(fd, parts)

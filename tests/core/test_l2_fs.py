@@ -116,6 +116,37 @@ def test_files_the_store_did_not_name_are_never_deleted(tmp_path: Path) -> None:
     assert all(f.read_text() == "mine" for f in foreign)
 
 
+def test_a_fifo_or_link_in_place_of_a_value_is_a_wrong_size_not_a_hang(tmp_path: Path) -> None:
+    """A FIFO put in place of a value file (by a process of the server's user, after the store
+    indexed it) held the read thread in open() for ever: the promotion never ended and every
+    retrieve of the chunk timed out. A FIFO, and a link, now read as a value of the wrong size
+    (the tier deletes those), at once."""
+    import contextlib
+
+    from kvxfer.store.fs import _name
+
+    root = tmp_path / "l2"
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"v" * 4096)
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    fifo = root / _name(b"fifo")[:2] / _name(b"fifo")
+    try:
+        for key in (b"fifo", b"link"):
+            assert _put(b, key, b"v" * 4096)
+        fifo.unlink()
+        os.mkfifo(fifo, 0o600)
+        link = root / _name(b"link")[:2] / _name(b"link")
+        link.unlink()
+        link.symlink_to(outside)
+        bufs = [bytearray(4096), bytearray(4096)]
+        got = b.submit_get([(b"fifo", [memoryview(bufs[0])]), (b"link", [memoryview(bufs[1])])]).result(10)
+        assert got == [GetStatus.WRONG_SIZE, GetStatus.WRONG_SIZE]
+    finally:
+        with contextlib.suppress(OSError):  # a reader stuck in open() (the old code) is let go
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        b.close()
+
+
 def test_one_server_per_directory(tmp_path: Path) -> None:
     b = FsStore().open(f"file://{tmp_path}/l2", StoreOptions())
     try:
