@@ -76,6 +76,38 @@ def test_server_dies_mid_run_recompute_mode_carries_on_and_recovers(srv: ServerP
         engine.shutdown()
 
 
+def test_a_server_back_while_vllm_idles_is_used_by_the_next_request(srv: ServerProcess) -> None:
+    """A lost server was looked for only when a step asked for it: a server that came back while
+    vLLM idled was found by the next request, which still ran without the cache (neither looked
+    up nor stored). The links now look for it every retry_s from the moment it was lost: the
+    worker registers again with no step at all, and the next request stores and the one after
+    it loads."""
+    from kvxfer import CacheClient
+
+    cfg = make_vllm_config(srv.url, model_name="idle", on_server_error="recompute", timeout_s=1, retry_s=0.2)
+    engine = MiniEngine(cfg, enable_prefix_caching=False)
+    sched, work = engine.scheduler.scheduler, engine.worker.worker
+    try:
+        srv.kill()
+        feed(engine, workload("i", n=2, seed=8), per_step=2)  # both halves find it gone
+        engine.check_drained()
+        assert sched.link.down and work.link.down
+        srv.start()
+        with CacheClient(srv.url, timeout=10) as c:
+            deadline = time.monotonic() + 30
+            while engine.worker.identity not in [x.model_name for x in c.status().contexts]:
+                assert time.monotonic() < deadline, "the worker did not register again while vLLM idled"
+                time.sleep(0.1)
+        tokens = list(range(700, 740))
+        feed(engine, [Request("idle-store", tokens)], per_step=1)
+        feed(engine, [Request("idle-load", tokens)], per_step=1)
+        engine.check_drained()
+        assert any(op.req_id == "idle-load" for op in engine.loads), "the first requests ran without the cache"
+        assert not sched.link.down and not work.link.down
+    finally:
+        engine.shutdown()
+
+
 def test_server_restart_between_requests_needs_no_vllm_restart(srv: ServerProcess) -> None:
     """A server restarted while vLLM idles answers NoSession; the core client re-handshakes and
     the worker re-registers its KV caches, even in 'fail' mode."""

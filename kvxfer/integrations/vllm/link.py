@@ -6,9 +6,10 @@
   :class:`kvxfer.errors.ConnectionFailed` with a message that names the server and the fix.
 * ``"recompute"``: the connector carries on without the cache (lookups miss, loads report
   their blocks as failed so vLLM recomputes them, stores are dropped) and a background thread
-  tries to reach the server again every ``kvxfer.retry_s`` seconds, so a restarted server is
-  picked up without restarting vLLM. Only the request that finds the server gone waits (up to
-  ``kvxfer.timeout_s``); later steps do not wait for it.
+  tries to reach the server again every ``kvxfer.retry_s`` seconds, from the moment it was
+  found gone until it answers, whether or not requests come meanwhile: a server started while
+  vLLM idles is in use from the next request on, without restarting vLLM. Only the request that
+  finds the server gone waits (up to ``kvxfer.timeout_s``); later steps do not wait for it.
 
 A server that restarted answers ``NoSession``: :meth:`kvxfer.CacheClient.reconnect`
 re-handshakes and re-registers the KV caches, so that case needs no degraded period at all.
@@ -56,6 +57,7 @@ class ServerLink:
         self._retry_at = 0.0
         self._lock = threading.Lock()
         self._attempt: threading.Thread | None = None
+        self._closing = threading.Event()
         self._recovered = False
         #: How many times the server was found unreachable (tests and logs read it).
         self.outages = 0
@@ -65,8 +67,8 @@ class ServerLink:
         mode raises instead).
 
         At start-up the connection is made here (and fails here). Later, a lost server is
-        looked for by a background thread every ``kvxfer.retry_s`` seconds, so the engine's
-        step never waits for a server that is not there."""
+        looked for by a background thread every ``kvxfer.retry_s`` seconds until it answers (see
+        :meth:`_mark_down`), so the engine's step never waits for a server that is not there."""
         if self.client is not None and not self.down:
             return self.client
         if startup:
@@ -82,13 +84,9 @@ class ServerLink:
             if self._recovered:
                 self._recovered = False
                 self.down = False
-                log.warning("kvxfer %s: the server at %s answers again; using the cache", self.side,
-                            self.config.url)
+                log.info("kvxfer %s: the server at %s answers again; using the cache", self.side, self.config.url)
                 return self.client
-            if self._attempt is None and time.monotonic() >= self._retry_at:
-                self._attempt = threading.Thread(target=self._background_connect, daemon=True,
-                                                 name=f"kvxfer-reconnect-{self.side}")
-                self._attempt.start()
+            self._start_attempts()  # (running already, unless the link was never marked down)
         return None
 
     def _connect(self) -> None:
@@ -111,18 +109,30 @@ class ServerLink:
             self.client.reconnect()
             self._on_connect(self.client)
 
+    def _start_attempts(self) -> None:
+        """Start the thread that looks for the server (under ``_lock``), unless it runs or the
+        link is closing."""
+        if self._attempt is None and not self._closing.is_set():
+            self._attempt = threading.Thread(target=self._background_connect, daemon=True,
+                                             name=f"kvxfer-reconnect-{self.side}")
+            self._attempt.start()
+
     def _background_connect(self) -> None:
-        try:
-            self._connect()
-        except Exception as exc:  # noqa: BLE001  (anything: stay degraded, try again later)
-            level = logging.ERROR if isinstance(exc, (ConfigError, TransportError)) else logging.DEBUG
-            log.log(level, "kvxfer %s: the server at %s is still unusable: %s", self.side, self.config.url, exc)
-            with self._lock:
+        """Try to connect at ``_retry_at``, then every ``retry_s``, until it works (the next
+        :meth:`get` then takes the client) or the link closes."""
+        while not self._closing.wait(max(0.0, self._retry_at - time.monotonic())):
+            try:
+                self._connect()
+            except Exception as exc:  # noqa: BLE001  (anything: stay degraded, try again later)
+                level = logging.ERROR if isinstance(exc, (ConfigError, TransportError)) else logging.DEBUG
+                log.log(level, "kvxfer %s: the server at %s is still unusable: %s", self.side, self.config.url, exc)
                 self._retry_at = time.monotonic() + self.config.retry_s
+                continue
+            with self._lock:
+                self._recovered = True
                 self._attempt = None
             return
         with self._lock:
-            self._recovered = True
             self._attempt = None
 
     def failed(self, exc: BaseException, what: str) -> None:
@@ -143,13 +153,16 @@ class ServerLink:
         return
 
     def _mark_down(self) -> None:
-        if not self.down:
-            self.outages += 1
-        self.down = True
-        self._recovered = False
-        self._retry_at = time.monotonic() + self.config.retry_s
+        with self._lock:
+            if not self.down:
+                self.outages += 1
+            self.down = True
+            self._recovered = False
+            self._retry_at = time.monotonic() + self.config.retry_s
+            self._start_attempts()  # from now on, whether or not the engine's steps ask
 
     def close(self) -> None:
+        self._closing.set()
         attempt = self._attempt
         if attempt is not None:
             attempt.join(self.config.timeout_s + 2)
