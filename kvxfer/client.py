@@ -164,6 +164,7 @@ class CacheClient:
         self.arena_size = reply.arena_size
         self.max_message_size = reply.max_message_size
         self.session_timeout = reply.session_timeout_s
+        self.max_lease_s = reply.max_lease_s
         self.features = frozenset(reply.features)
         self._secret = reply.session_secret
         self._token = reply.client_token

@@ -82,6 +82,9 @@ class HandshakeReply(Message, frozen=True):
     #: Names the lock file the client holds while it lives (``client-<token>.lock`` next to the
     #: arena, :mod:`kvxfer.liveness`): 32 lowercase hex digits chosen by the server.
     client_token: str = ""
+    #: The longest ``Lookup.lease_s`` this server grants (``--max-lease``); 0 from servers that do
+    #: not say.
+    max_lease_s: float = 0.0
 
 
 class Ping(Request["Pong"], frozen=True):

@@ -751,6 +751,7 @@ class CacheServer:
             features=list(m.FEATURES),
             session_secret=session.secret,
             client_token=session.token,
+            max_lease_s=self.limits.max_lease_s,
         )
 
     def _tick(self) -> None:

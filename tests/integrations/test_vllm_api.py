@@ -372,6 +372,16 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
         KvxferConnector(make_vllm_config(server.url, on_server_error="ignore"), KVConnectorRole.WORKER, _groups())
     with pytest.raises(ConfigError, match="timeout_s"):
         KvxferConnector(make_vllm_config(server.url, timeout_s=-1), KVConnectorRole.WORKER, _groups())
+    with pytest.raises(ConfigError, match=r"kvxfer\.timeout_s must be a positive number of seconds up to"):
+        KvxferConnector(make_vllm_config(server.url, timeout_s=1e9), KVConnectorRole.WORKER, _groups())
+    for policy in ("fail", "recompute"):  # caught at start, not as a server error that keeps the cache off
+        with pytest.raises(ConfigError, match=r"kvxfer\.model_name must be printable text.*U\+001B"):
+            KvxferConnector(make_vllm_config(server.url, model_name="m\x1b[2J", on_server_error=policy),
+                            KVConnectorRole.WORKER, _groups())
+        # a lease the server would refuse at every lookup: said at start, with the server's bound
+        with pytest.raises(ConfigError, match=r"kvxfer\.lease_s is 601 s .* at most 600 s \(--max-lease\)"):
+            KvxferConnector(make_vllm_config(server.url, lease_s=601, on_server_error=policy),
+                            KVConnectorRole.SCHEDULER, _groups())
     with pytest.raises(ConfigError, match=r"KV cache group 1 \(MambaSpec.*no paged attention KV"):
         KvxferConnector(make_vllm_config(server.url), KVConnectorRole.SCHEDULER,
                         KVCacheConfig(64, [KVCacheGroupSpec(["a"]), KVCacheGroupSpec(["m"], MambaSpec())]))

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from kvxfer.client import MAX_TIMEOUT_S
 from kvxfer.errors import ConfigError
 from kvxfer.urls import check_url, default_url
 
@@ -162,6 +163,10 @@ class ConnectorConfig:
         model_name = extra.get("kvxfer.model_name") or default_model_name
         if not isinstance(model_name, str) or not model_name:
             raise ConfigError("kvxfer.model_name must be a non-empty string (or set vLLM's model)")
+        if not model_name.isprintable():  # as the server checks names (they reach its log and terminals)
+            bad = next(c for c in model_name if not c.isprintable())
+            raise ConfigError(f"kvxfer.model_name must be printable text; it holds the character U+{ord(bad):04X} "
+                              "(control, format and separator characters other than the space are refused)")
         fingerprint = _bool("kvxfer.fingerprint", extra.get("kvxfer.fingerprint", True))
         layerwise = _bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False))
         prefetch = _bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", not layerwise))
@@ -180,7 +185,7 @@ class ConnectorConfig:
             url=url,
             transport=transport,
             chunk_size=chunk_size,
-            timeout_s=_positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0)),
+            timeout_s=_positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0), MAX_TIMEOUT_S),
             lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0)),
             load_timeout_s=_load_timeout(extra.get("kvxfer.load_timeout_ms", 0)),
             on_server_error=on_error,
@@ -231,11 +236,12 @@ def _positive_int(key: str, value: Any) -> int:
     return value
 
 
-def _positive_float(key: str, value: Any) -> float:
+def _positive_float(key: str, value: Any, most: float = math.inf) -> float:
+    what = f"a positive number of seconds{f' up to {most:g}' if most < math.inf else ''}"
     try:
         out = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(out) or out <= 0:
-        raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+        raise ConfigError(f"{key} must be {what}, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(out) or not 0 < out <= most:
+        raise ConfigError(f"{key} must be {what}, got {value!r}")
     return out

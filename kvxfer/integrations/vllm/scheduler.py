@@ -117,6 +117,12 @@ class SchedulerConnector:
                     f"vLLM's block size {g.block_size} (KV cache group {g.index}); restart it with --chunk-size a "
                     f"multiple of {g.block_size}"
                 )
+        if client.max_lease_s and self.config.lease_s > client.max_lease_s:
+            raise ConfigError(
+                f"kvxfer.lease_s is {self.config.lease_s:g} s but the kvxfer server at {client.url} grants leases of "
+                f"at most {client.max_lease_s:g} s (--max-lease): set kvxfer.lease_s to at most that, or restart "
+                f"the server with a larger --max-lease"
+            )
         self.chunk_size = client.chunk_size
         log.info("%s", connected_line("scheduler", client.url, client.server_version,
                                       f"{self.config.transport} (each worker registers through it)",
