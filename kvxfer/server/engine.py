@@ -163,6 +163,10 @@ def plugin_step_call(transport: str, step: str, call: Callable[[], Any]) -> Any:
         return None
 
 
+#: Why the session of a client that said goodbye ended (the log line's words).
+_CLOSED_BY_CLIENT: Final = "closed by the client"
+
+
 def _show(value: object, limit: int = 64) -> str:
     """``repr(value)``, shortened: error messages never echo much of what a client sent."""
     text = repr(value)
@@ -796,8 +800,10 @@ class CacheServer:
         """End a session: its registrations, reservations and leases go; the open writes of a
         client whose process still lives are parked (see Parked)."""
         session = self.sessions.pop(identity)
-        log.info("session of %s (%s) ended (%s): dropping its %d registrations", session.peer.label(),
-                 session.name or "unnamed", reason, len(session.instances))
+        # a client that registered nothing and said goodbye (`kvxfer status`, polled) is no news
+        quiet = not session.instances and not session.usage.leases and reason == _CLOSED_BY_CLIENT
+        log.log(logging.DEBUG if quiet else logging.INFO, "session of %s (%s) ended (%s): dropping its %d "
+                "registrations", session.peer.label(), session.name or "unnamed", reason, len(session.instances))
         # a silent client that still lives may wake mid-copy: keep its write slots until it dies
         parked = Parked(session.secret, session.peer, session.token) \
             if liveness.holder_alive(self.arena.path, session.token) else None
@@ -856,7 +862,7 @@ class CacheServer:
     # ------------------------------------------------------------------ control requests
 
     def _on_goodbye(self, session: Session, msg: m.Goodbye) -> m.Empty:
-        self._drop_session(session.identity, "closed by the client")
+        self._drop_session(session.identity, _CLOSED_BY_CLIENT)
         return m.Empty()
 
     def _on_ping(self, session: Session, msg: m.Ping) -> m.Pong:

@@ -110,6 +110,10 @@ def test_a_client_that_closes_ends_its_session_at_once(server, client) -> None:
     st = client.status()  # answered after the goodbye: the same loop handled that first
     assert st.sessions == before and not [c for c in st.contexts if c.model_name == "goodbye"]
     assert "(goodbye-test) ended (closed by the client)" in server.log()
+    with CacheClient(server.url, name="quiet-poller") as poller:  # as `kvxfer status`: registers nothing
+        poller.status()
+    client.status()
+    assert "(quiet-poller) ended" not in server.log(), "every status poll added a line to the log"
 
 
 def test_socket_and_arena_are_private(server, client) -> None:
