@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import shutil
 import sys
@@ -267,11 +268,24 @@ class _MiddleCut:
 _CUT_MIN: Final = 12
 
 
+#: An identity as the vLLM connector makes them: a label, then ``#`` and a 16-hex-digit fingerprint.
+_IDENTITY: Final = re.compile(r"(.+)#([0-9a-f]{16})")
+#: Hex digits of a fingerprint kept when an identity is cut.
+_FINGERPRINT_KEPT: Final = 4
+
+
 def _cut_middle(text: str, width: int) -> str:
     """``text`` in at most ``width`` characters: a third of them from its start, an ellipsis, the
-    rest from its end."""
+    rest from its end. An identity (``label#fingerprint``) gives up its fingerprint's digits but
+    the first few before its label is cut: the label's end tells model variants apart, which a
+    fingerprint alone does not tell a reader."""
     if len(text) <= width:
         return text
+    m = _IDENTITY.fullmatch(text)
+    if m is not None:
+        tail = "#" + m.group(2)[:_FINGERPRINT_KEPT]
+        if width >= len(tail) + _CUT_MIN // 2:
+            return _cut_middle(m.group(1), width - len(tail)) + tail
     if width <= 1:
         return text[-width:] if width else ""
     head = (width - 1) // 3
