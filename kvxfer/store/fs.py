@@ -57,6 +57,12 @@ _TMP_SUFFIX: Final = ".tmp"
 _OPTIONS: Final = frozenset({"max_size", "fsync"})
 
 
+#: Why opening a value's file may fail when something other than a readable regular file is
+#: under its name (a link, a socket, a device, a file made unreadable): a value of the wrong
+#: size (the tier deletes it), not a failure of the store.
+_NOT_A_VALUE: Final = frozenset({errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EACCES, errno.EPERM})
+
+
 def _name(key: bytes) -> str:
     return hashlib.blake2b(key, digest_size=16).hexdigest()
 
@@ -152,8 +158,9 @@ class FsBackend(ThreadedBackend):
                 if not _FILE.fullmatch(f.name) or not f.name.startswith(sub.name):
                     continue  # not this store's: never evicted
                 with contextlib.suppress(FileNotFoundError):
-                    st = f.stat()
-                    found.append((st.st_mtime_ns, f.name, st.st_size))
+                    st = f.lstat()
+                    if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name: not one
+                        found.append((st.st_mtime_ns, f.name, st.st_size))
         for _, name, size in sorted(found):
             self._lru[name] = size
             self.used += size
@@ -194,9 +201,9 @@ class FsBackend(ThreadedBackend):
                 out.append(GetStatus.MISS)
                 continue
             except OSError as exc:
-                if exc.errno != errno.ELOOP:
+                if exc.errno not in _NOT_A_VALUE:
                     raise
-                out.append(GetStatus.WRONG_SIZE)  # a symbolic link: not a value of this store's
+                out.append(GetStatus.WRONG_SIZE)  # a link, a socket, a device, a file made unreadable
                 continue
             try:
                 st = os.fstat(fd)
@@ -258,7 +265,7 @@ class FsBackend(ThreadedBackend):
                 if size is None:
                     continue
                 self.used -= size
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # a directory: not the store's to remove
                 self._path(name).unlink()
                 n += 1
         return n

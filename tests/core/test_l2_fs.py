@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -116,11 +117,11 @@ def test_files_the_store_did_not_name_are_never_deleted(tmp_path: Path) -> None:
     assert all(f.read_text() == "mine" for f in foreign)
 
 
-def test_a_fifo_or_link_in_place_of_a_value_is_a_wrong_size_not_a_hang(tmp_path: Path) -> None:
+def test_what_is_not_a_regular_file_in_place_of_a_value_is_a_wrong_size_not_a_hang(tmp_path: Path) -> None:
     """A FIFO put in place of a value file (by a process of the server's user, after the store
     indexed it) held the read thread in open() for ever: the promotion never ended and every
-    retrieve of the chunk timed out. A FIFO, and a link, now read as a value of the wrong size
-    (the tier deletes those), at once."""
+    retrieve of the chunk timed out. A FIFO, a link, a socket and a directory now read as values
+    of the wrong size (the tier deletes those), at once; the delete leaves the directory."""
     import contextlib
 
     from kvxfer.store.fs import _name
@@ -131,16 +132,24 @@ def test_a_fifo_or_link_in_place_of_a_value_is_a_wrong_size_not_a_hang(tmp_path:
     b = FsStore().open(f"file://{root}", StoreOptions())
     fifo = root / _name(b"fifo")[:2] / _name(b"fifo")
     try:
-        for key in (b"fifo", b"link"):
+        keys = [b"fifo", b"link", b"socket", b"dir"]
+        for key in keys:
             assert _put(b, key, b"v" * 4096)
-        fifo.unlink()
+        paths = {k: root / _name(k)[:2] / _name(k) for k in keys}
+        for p in paths.values():
+            p.unlink()
         os.mkfifo(fifo, 0o600)
-        link = root / _name(b"link")[:2] / _name(b"link")
-        link.unlink()
-        link.symlink_to(outside)
-        bufs = [bytearray(4096), bytearray(4096)]
-        got = b.submit_get([(b"fifo", [memoryview(bufs[0])]), (b"link", [memoryview(bufs[1])])]).result(10)
-        assert got == [GetStatus.WRONG_SIZE, GetStatus.WRONG_SIZE]
+        paths[b"link"].symlink_to(outside)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(paths[b"socket"]))  # opening it fails (ENXIO): once a store error every time
+        paths[b"dir"].mkdir()
+        bufs = [bytearray(4096) for _ in keys]
+        got = b.submit_get([(k, [memoryview(buf)]) for k, buf in zip(keys, bufs)]).result(10)
+        assert got == [GetStatus.WRONG_SIZE] * 4
+        assert b.submit_delete(keys).result(10) == 3  # the directory is left: the store did not make it
+        assert not any(os.path.lexists(paths[k]) for k in keys[:3]) and paths[b"dir"].is_dir()
+        assert b.submit_exists(keys).result(10) == [0] * 4
+        sock.close()
     finally:
         with contextlib.suppress(OSError):  # a reader stuck in open() (the old code) is let go
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
