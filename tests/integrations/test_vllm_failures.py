@@ -108,6 +108,44 @@ def test_a_server_back_while_vllm_idles_is_used_by_the_next_request(srv: ServerP
         engine.shutdown()
 
 
+def test_a_start_up_connect_and_the_background_one_make_one_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the server missing at start (recompute), the link looks for it in the background at
+    once, and vLLM's register_kv_caches connects again at start-up: both once made a client when
+    the server came, and the one overwritten lived on (its session, heartbeat and lock) until the
+    process ended. They now connect one at a time, and one client is made. (The CacheClient
+    subclass only counts the clients the link makes; they are real.)"""
+    from kvxfer import CacheClient
+    from kvxfer.integrations.vllm import link as link_module
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    made: list[CacheClient] = []
+
+    class Counted(CacheClient):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(link_module, "CacheClient", Counted)
+    late = ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="cpu_gather")
+    cfg = ConnectorConfig.from_vllm(make_vllm_config(late.url, on_server_error="recompute", timeout_s=1,
+                                                     retry_s=0.01))
+    link = link_module.ServerLink(cfg, "worker", lambda client: time.sleep(0.2))  # a slow registration
+    try:
+        assert link.get(startup=True) is None and link.down  # no server: the background thread looks
+        with late:
+            deadline = time.monotonic() + 30
+            while link.get(startup=True) is None:  # as register_kv_caches does, racing the thread
+                assert time.monotonic() < deadline, "never connected"
+            assert not link.down and link.get() is link.client
+            time.sleep(0.5)  # a background attempt still running would make its client now
+            assert len(made) == 1, f"{len(made)} clients made"
+            link.close()
+            with CacheClient(late.url, timeout=10) as probe:
+                assert probe.status().sessions == 1, "a client of the link still holds a session"
+    finally:
+        link.close()
+
+
 def test_server_restart_between_requests_needs_no_vllm_restart(srv: ServerProcess) -> None:
     """A server restarted while vLLM idles answers NoSession; the core client re-handshakes and
     the worker re-registers its KV caches, even in 'fail' mode."""

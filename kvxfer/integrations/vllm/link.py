@@ -56,6 +56,8 @@ class ServerLink:
         self.down = False
         self._retry_at = 0.0
         self._lock = threading.Lock()
+        #: Held while connecting: a start-up call and the background thread never connect at once.
+        self._connect_lock = threading.Lock()
         self._attempt: threading.Thread | None = None
         self._closing = threading.Event()
         self._recovered = False
@@ -71,23 +73,28 @@ class ServerLink:
         :meth:`_mark_down`), so the engine's step never waits for a server that is not there."""
         if self.client is not None and not self.down:
             return self.client
-        if startup:
-            try:
-                self._connect()
-            except (ConfigError, TransportError):
-                raise
-            except KvxferError as exc:
-                self.failed(exc, "connecting")
-                return None
-            return self.client
         with self._lock:
-            if self._recovered:
+            if self._recovered:  # the background thread connected
                 self._recovered = False
                 self.down = False
                 log.info("kvxfer %s: the server at %s answers again; using the cache", self.side, self.config.url)
                 return self.client
-            self._start_attempts()  # (running already, unless the link was never marked down)
-        return None
+            if not startup:
+                self._start_attempts()  # (running already, unless the link was never marked down)
+                return None
+        try:
+            with self._connect_lock:
+                if not self._recovered:  # (unless the background thread connected meanwhile)
+                    self._connect()
+        except (ConfigError, TransportError):
+            raise
+        except KvxferError as exc:
+            self.failed(exc, "connecting")
+            return None
+        with self._lock:  # a background thread still looking stops at its next attempt
+            self._recovered = False
+            self.down = False
+        return self.client
 
     def _connect(self) -> None:
         """Connect (first time) or re-open the session and re-register (server restarted)."""
@@ -122,7 +129,10 @@ class ServerLink:
         :meth:`get` then takes the client) or the link closes."""
         while not self._closing.wait(max(0.0, self._retry_at - time.monotonic())):
             try:
-                self._connect()
+                with self._connect_lock:
+                    if self._closing.is_set() or not self.down:
+                        break  # closing, or a start-up call connected meanwhile
+                    self._connect()
             except Exception as exc:  # noqa: BLE001  (anything: stay degraded, try again later)
                 level = logging.ERROR if isinstance(exc, (ConfigError, TransportError)) else logging.DEBUG
                 log.log(level, "kvxfer %s: the server at %s is still unusable: %s", self.side, self.config.url, exc)
@@ -134,6 +144,8 @@ class ServerLink:
             return
         with self._lock:
             self._attempt = None
+            if self.down:  # lost again while this thread was stopping: look on
+                self._start_attempts()
 
     def failed(self, exc: BaseException, what: str) -> None:
         """``what`` failed because of the server: raise (``fail``) or go degraded (``recompute``)."""
@@ -163,9 +175,11 @@ class ServerLink:
 
     def close(self) -> None:
         self._closing.set()
-        attempt = self._attempt
+        with self._lock:
+            attempt = self._attempt
         if attempt is not None:
             attempt.join(self.config.timeout_s + 2)
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        with self._connect_lock:  # an attempt still connecting ends first (its requests have timeouts)
+            if self.client is not None:
+                self.client.close()
+                self.client = None
