@@ -19,11 +19,13 @@ The HTTP endpoint listens on TCP, where any local user (or anyone who can reach
 ``--metrics-host``) may connect, so what a connection can hold is bounded
 (:class:`_BoundedHttpServer`): at most :data:`MAX_SCRAPERS` connections are served at once
 (more are closed as they come), and each is closed :data:`SCRAPE_CONNECTION_S` after it was
-accepted, whatever it is doing (sending its request slowly, or not reading the reply). Answers
-are paced to :data:`MAX_SCRAPES_PER_S` in all (a request past that waits, its thread asleep), so
-that scrapes in a loop cannot take the loop's snapshots and the interpreter from the server's
-requests; and the accept loop, when the process is out of file descriptors, waits
-:data:`ACCEPT_RETRY_S` before it tries again instead of spinning on a connection it cannot take.
+accepted, whatever it is doing (sending its request slowly, or not reading the reply).
+Connections are taken at most :data:`MAX_SCRAPES_PER_S` a second (the accept loop waits for the
+next free moment; each connection carries one request, HTTP/1.0), so that scrapes in a loop, or
+connections opened and dropped, or garbage sent, cannot take the loop's snapshots and the
+interpreter from the server's requests; and the accept loop, when the process is out of file
+descriptors, waits :data:`ACCEPT_RETRY_S` before it tries again instead of spinning on a
+connection it cannot take.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, Final
@@ -67,9 +69,9 @@ SCRAPE_TIMEOUT_S: Final = 5.0
 MAX_SCRAPERS: Final = 8
 #: Longest life of one connection to the metrics endpoint, from its accept to its close.
 SCRAPE_CONNECTION_S: Final = 15.0
-#: Most answers the endpoint gives per second, to all connections together (Prometheus scrapes a
-#: target every few seconds; each answer costs the server's loop a snapshot and its process
-#: about 10 ms of interpreter time).
+#: Most connections (each one request) the endpoint takes per second (Prometheus scrapes a target
+#: every few seconds; each answer costs the server's loop a snapshot and its process about 10 ms
+#: of interpreter time).
 MAX_SCRAPES_PER_S: Final = 10.0
 #: How long the accept loop waits after an accept failed for want of file descriptors.
 ACCEPT_RETRY_S: Final = 0.1
@@ -370,15 +372,19 @@ class _QuietHandler(WSGIRequestHandler):
 
 class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
     """A thread per connection, at most ``max_connections`` at once, each shut down
-    ``lifetime_s`` after its accept (checked by the accept loop every half second).
+    ``lifetime_s`` after its accept (checked by the accept loop every half second), at most
+    ``per_s`` taken a second.
 
     Threads: the accept loop's own (``serve_forever``) and one per connection served."""
 
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler], *,
-                 family: int, max_connections: int, lifetime_s: float) -> None:
+                 family: int, max_connections: int, lifetime_s: float, per_s: float) -> None:
         self.address_family = family
+        #: Connections taken per second at most, and the earliest moment the next one is.
+        self._per_s = per_s
+        self._next_at = 0.0
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lifetime_s = lifetime_s
         self._lock = threading.Lock()
@@ -392,6 +398,10 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        now = time.monotonic()  # (the accept loop's thread only)
+        if self._next_at > now:
+            time.sleep(self._next_at - now)
+        self._next_at = max(now, self._next_at) + 1.0 / self._per_s
         if not self._slots.acquire(blocking=False):
             self.refused += 1
             self.shutdown_request(request)
@@ -447,24 +457,6 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
         log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
 
 
-def _paced(app: Callable[..., Any], per_s: float) -> Callable[..., Any]:
-    """``app`` answering at most ``per_s`` requests a second in all: each request takes the next
-    free moment, its thread sleeping until then (a connection waiting past its life is cut)."""
-    lock = threading.Lock()
-    next_at = [0.0]
-
-    def paced(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        with lock:
-            now = time.monotonic()
-            at = max(now, next_at[0])
-            next_at[0] = at + 1.0 / per_s
-        if at > now:
-            time.sleep(at - now)
-        return app(environ, start_response)
-
-    return paced
-
-
 class MetricsExporter:
     """prometheus-client's HTTP server for one :class:`CacheServer`, bound at construction
     (raises :class:`ConfigError` if the address is unusable); :meth:`close` stops it."""
@@ -478,8 +470,9 @@ class MetricsExporter:
             family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
             self._httpd = _BoundedHttpServer((str(sockaddr[0]), port), _QuietHandler, family=family,
-                                             max_connections=MAX_SCRAPERS, lifetime_s=SCRAPE_CONNECTION_S)
-            self._httpd.set_app(_paced(make_wsgi_app(self.registry), MAX_SCRAPES_PER_S))
+                                             max_connections=MAX_SCRAPERS, lifetime_s=SCRAPE_CONNECTION_S,
+                                             per_s=MAX_SCRAPES_PER_S)
+            self._httpd.set_app(make_wsgi_app(self.registry))
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}; choose another --metrics-port "
                               "(0 picks a free one) or --metrics-host") from None

@@ -92,8 +92,8 @@ def test_the_metrics_endpoint_holds_a_bounded_number_of_connections(server: Serv
 
 def test_scrapes_in_a_loop_are_paced(server: ServerProcess, client: CacheClient):
     """Each answer costs the server's loop a snapshot and its process ~10 ms of interpreter time:
-    8 local scrapers in a loop once took a whole core and made lookups 6-60x slower. Answers to
-    all connections together are now at most MAX_SCRAPES_PER_S a second."""
+    8 local scrapers in a loop once took a whole core and made lookups 6-60x slower. Connections
+    (one request each) are now taken at most MAX_SCRAPES_PER_S a second in all."""
     import threading
 
     url = client.status().metrics_url
