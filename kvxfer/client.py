@@ -165,6 +165,7 @@ class CacheClient:
         self.max_message_size = reply.max_message_size
         self.session_timeout = reply.session_timeout_s
         self.max_lease_s = reply.max_lease_s
+        self.max_name_length = reply.max_name_length
         self.features = frozenset(reply.features)
         self._secret = reply.session_secret
         self._token = reply.client_token

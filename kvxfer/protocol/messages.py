@@ -85,6 +85,9 @@ class HandshakeReply(Message, frozen=True):
     #: The longest ``Lookup.lease_s`` this server grants (``--max-lease``); 0 from servers that do
     #: not say.
     max_lease_s: float = 0.0
+    #: The longest model or client name this server takes, in UTF-8 bytes (``--max-name-length``);
+    #: 0 from servers that do not say.
+    max_name_length: int = 0
 
 
 class Ping(Request["Pong"], frozen=True):

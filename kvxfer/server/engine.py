@@ -756,6 +756,7 @@ class CacheServer:
             session_secret=session.secret,
             client_token=session.token,
             max_lease_s=self.limits.max_lease_s,
+            max_name_length=self.limits.max_name_length,
         )
 
     def _tick(self) -> None:

@@ -378,6 +378,10 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
         with pytest.raises(ConfigError, match=r"kvxfer\.model_name must be printable text.*U\+001B"):
             KvxferConnector(make_vllm_config(server.url, model_name="m\x1b[2J", on_server_error=policy),
                             KVConnectorRole.WORKER, _groups())
+        for role in KVConnectorRole:  # a name the server would refuse at every registration and lookup
+            with pytest.raises(ConfigError, match=r"has 6\d\d bytes .* at most 512 \(--max-name-length\)"):
+                KvxferConnector(make_vllm_config(server.url, model_name="m" * 600, on_server_error=policy), role,
+                                _groups())
         # a lease the server would refuse at every lookup: said at start, with the server's bound
         with pytest.raises(ConfigError, match=r"kvxfer\.lease_s is 601 s .* at most 600 s \(--max-lease\)"):
             KvxferConnector(make_vllm_config(server.url, lease_s=601, on_server_error=policy),

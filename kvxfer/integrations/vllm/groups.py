@@ -20,12 +20,16 @@ Groups of other kinds (Mamba state, cross-attention) are refused at start-up.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["GroupPlan", "plan_groups", "NULL_BLOCK"]
+if TYPE_CHECKING:
+    from kvxfer.client import CacheClient
+
+__all__ = ["GroupPlan", "plan_groups", "check_name_lengths", "NULL_BLOCK"]
 
 #: vLLM's null block: its BlockPool takes block 0 first and marks it ``is_null``; a group's block
 #: table holds it where the group needs no KV (tokens that left a sliding window).
@@ -52,6 +56,18 @@ class GroupPlan:
     layer_names: tuple[str, ...]
     #: vLLM frees its blocks while the request runs: stores finish before the next step.
     frees_early: bool = False
+
+
+def check_name_lengths(groups: Iterable[GroupPlan], client: CacheClient) -> None:
+    """Raise :class:`ConfigError` if an identity is longer than the server at ``client`` takes
+    (each would be refused at every registration and lookup)."""
+    most = client.max_name_length
+    for g in groups:
+        n = len(g.name.encode("utf-8", "surrogatepass"))
+        if most and n > most:
+            raise ConfigError(f"the identity {g.name[:40]!r}... of KV cache group {g.index} has {n} bytes but the "
+                              f"kvxfer server at {client.url} takes names of at most {most} (--max-name-length): "
+                              "shorten kvxfer.model_name, or restart the server with a larger --max-name-length")
 
 
 def _spec_names(spec: Any) -> set[str]:

@@ -36,7 +36,7 @@ from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, KvxferError, NoSession
 from kvxfer.hashing import chunk_hashes
 from kvxfer.integrations.vllm.config import ConnectorConfig
-from kvxfer.integrations.vllm.groups import NULL_BLOCK, GroupPlan
+from kvxfer.integrations.vllm.groups import NULL_BLOCK, GroupPlan, check_name_lengths
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
@@ -117,6 +117,7 @@ class SchedulerConnector:
                     f"vLLM's block size {g.block_size} (KV cache group {g.index}); restart it with --chunk-size a "
                     f"multiple of {g.block_size}"
                 )
+        check_name_lengths(self.groups, client)
         if client.max_lease_s and self.config.lease_s > client.max_lease_s:
             raise ConfigError(
                 f"kvxfer.lease_s is {self.config.lease_s:g} s but the kvxfer server at {client.url} grants leases of "

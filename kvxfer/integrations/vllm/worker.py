@@ -37,7 +37,7 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, KvxferError, TransportError, TransportFailed
 from kvxfer.integrations.vllm.config import ConnectorConfig
-from kvxfer.integrations.vllm.groups import GroupPlan
+from kvxfer.integrations.vllm.groups import GroupPlan, check_name_lengths
 from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
@@ -108,6 +108,7 @@ class WorkerConnector:
                 f"the kvxfer server at {client.url} uses chunk size {client.chunk_size} but "
                 f"kvxfer.chunk_size is {self.config.chunk_size}; make them equal"
             )
+        check_name_lengths(self.groups.values(), client)
         for ctx in self.contexts.values():
             if client.chunk_size != ctx.chunk_size:
                 raise ConfigError(f"the kvxfer server at {client.url} restarted with another chunk size "
