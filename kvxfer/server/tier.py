@@ -427,9 +427,10 @@ class L2Tier:
         #: Per (model, world size), per chunk hash: every rank's chunk key and L2 key.
         self._keys: dict[tuple[str, int], dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]]] = {}
         self._keys_kept = 0
-        #: Chunk keys whose value this server found intact but of another chunk format, and until
-        #: when lookups count them as misses (loop thread; see _UNLOADABLE_KEPT).
-        self._unloadable: dict[ChunkKey, float] = {}
+        #: Chunk keys whose value this server found intact but of another chunk format: until when
+        #: lookups count them as misses, and the format this server then wanted (one registered in
+        #: the value's format since makes it loadable) (loop thread; see _UNLOADABLE_KEPT).
+        self._unloadable: dict[ChunkKey, tuple[float, str | None]] = {}
         self._threads: list[threading.Thread] = []
         self._health_thread: threading.Thread | None = None
         self._stop_health = threading.Event()
@@ -805,8 +806,10 @@ class L2Tier:
             if c >= end:
                 break
             size = sizes[j] - HEADER_SIZE if sizes else 0
-            if unloadable and size > 0 and unloadable.get(key, 0.0) > now:
-                size = 0  # found of another chunk format lately: a miss, not a promotion that fails
+            if unloadable and size > 0:
+                seen = unloadable.get(key)
+                if seen is not None and seen[0] > now and seen[1] == self.expected_format(key):
+                    size = 0  # found of another chunk format lately: a miss, not a promotion that fails
             if size > 0 and (size == want if want else size <= self.arena.size):
                 wanted.append((first + c, key, size))
                 continue
@@ -893,7 +896,7 @@ class L2Tier:
         self.breaker.success()
         found: list[str | None] = []
         damaged: list[bytes] = []
-        unloadable: list[ChunkKey] = []
+        unloadable: list[tuple[ChunkKey, str | None]] = []
         for j, status in zip(idx, statuses):
             e = p.res.entries[j][1]
             found.append(None)
@@ -915,7 +918,7 @@ class L2Tier:
                 continue
             except IntegrityError as exc:  # intact, but another layout's: left alone
                 self._count("integrity_failures")
-                unloadable.append(e.key)
+                unloadable.append((e.key, p.expected[j]))
                 log.warning("L2 value of chunk %s of %r is not loaded: %s", e.key.chunk_hash.hex()[:16],
                             e.key.model_name, exc)
                 continue
@@ -926,15 +929,16 @@ class L2Tier:
             self.call_soon(functools.partial(self._remember_unloadable, unloadable))
         self._checked(p, idx, found)
 
-    def _remember_unloadable(self, keys: list[ChunkKey]) -> None:
-        """On the loop: have lookups count ``keys`` as misses for :data:`_UNLOADABLE_S` seconds.
-        Their values are another layout's (kept: they are that server's copies), so the size a
-        lookup sees matches this server's layout and every promotion of them would fail again."""
+    def _remember_unloadable(self, keys: list[tuple[ChunkKey, str | None]]) -> None:
+        """On the loop: have lookups count ``keys`` (each with the format the promotion wanted)
+        as misses for :data:`_UNLOADABLE_S` seconds, while that is still the format wanted. Their
+        values are another layout's (kept: they are that server's copies), so the size a lookup
+        sees matches this server's layout and every promotion of them would fail again."""
         if len(self._unloadable) + len(keys) > _UNLOADABLE_KEPT:
             self._unloadable.clear()  # forget them all: each costs one failed promotion to learn again
         until = time.monotonic() + _UNLOADABLE_S
-        for key in keys[:_UNLOADABLE_KEPT]:
-            self._unloadable[key] = until
+        for key, fmt in keys[:_UNLOADABLE_KEPT]:
+            self._unloadable[key] = (until, fmt)
 
     def _delete_damaged(self, keys: list[bytes]) -> None:
         """On a store thread (a get's check): delete values that failed their checks, so that no
