@@ -282,10 +282,14 @@ def _cut_middle(text: str, width: int) -> str:
     if len(text) <= width:
         return text
     m = _IDENTITY.fullmatch(text)
-    if m is not None:
-        tail = "#" + m.group(2)[:_FINGERPRINT_KEPT]
+    if m is not None:  # the fingerprint cut (marked so) first, to no fewer than a few digits
+        label, fp = m.groups()
+        digits = width - len(label) - 2  # "#" and "…"
+        if digits >= _FINGERPRINT_KEPT:
+            return f"{label}#{fp[:digits]}…"
+        tail = f"#{fp[:_FINGERPRINT_KEPT]}…"
         if width >= len(tail) + _CUT_MIN // 2:
-            return _cut_middle(m.group(1), width - len(tail)) + tail
+            return _cut_middle(label, width - len(tail)) + tail
     if width <= 1:
         return text[-width:] if width else ""
     head = (width - 1) // 3

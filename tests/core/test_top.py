@@ -117,20 +117,21 @@ def test_an_80_column_frame_fits_and_tells_long_model_names_apart(curve_client: 
         assert all(shown.values()) and not set(shown[names[0]]) & set(shown[names[1]]), (table, rows)
 
 
-@pytest.mark.parametrize("width", [14, 20, 30])
+@pytest.mark.parametrize("width", [16, 20, 30])
 def test_identities_cut_their_fingerprint_before_their_label(width: int) -> None:
     """The vLLM connector names chunks ``label#<16 hex digits>``: cut in the middle as any name,
     two variants of one model kept only their fingerprints' ends (``/tmp/…9d0f7548a61``). The
-    fingerprint now gives up its digits but four first, and the label is cut in the middle."""
+    fingerprint now gives up its digits (marked …) but four first, and the label is cut in the middle."""
     from kvxfer.top import _cut_middle
 
     names = [f"meta-llama/Llama-3.1-8B-Instruct-{v}@auto#{fp}" for v, fp in (("w8a8", "0123456789abcdef"),
                                                                           ("w4a16", "fedcba9876543210"))]
     cut = [_cut_middle(n, width) for n in names]
     assert all(len(c) <= width for c in cut), cut
-    assert cut[0].endswith("#0123") and cut[1].endswith("#fedc"), cut
+    assert cut[0].endswith("#0123…") and cut[1].endswith("#fedc…"), cut
     assert "8@auto#" in cut[0] and "6@auto#" in cut[1], cut  # the label's end shows
     assert _cut_middle(names[0], len(names[0])) == names[0]
+    assert _cut_middle("abc#0123456789abcdef", 18) == "abc#0123456789abc…", "digits the label leaves are kept"
 
 
 def test_once_without_a_terminal_prints_one_frame(curve_server: ServerProcess, curve_client: CacheClient) -> None:
