@@ -33,6 +33,23 @@ HASH_MIN_BYTES = 8
 HASH_MAX_BYTES = 64
 
 
+def name_bytes(name: str) -> int:
+    """The length of a model or client name as the server bounds it (``--max-name-length``):
+    UTF-8 bytes."""
+    return len(name.encode("utf-8", "surrogatepass"))
+
+
+def unprintable_in(name: str) -> str | None:
+    """Why ``name`` cannot be a model or client name for want of printable characters (names
+    reach terminals through ``kvxfer status`` and ``kvxfer top``, and the server's log), or
+    None: it names the first control, format or separator character other than the space."""
+    if name.isprintable():
+        return None
+    bad = next(c for c in name if not c.isprintable())
+    return (f"must be printable text; it holds the character U+{ord(bad):04X} (control, format and "
+            "separator characters other than the space are refused)")
+
+
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """Base of every wire payload."""
 

@@ -177,13 +177,12 @@ def check_name(field_name: str, value: str, limits: Limits) -> None:
     """A model or client name: at most ``max_name_length`` bytes of UTF-8, printable characters
     only (names reach terminals through ``kvxfer status`` and ``kvxfer top``, and the server's
     log: no control, format or separator character other than the space)."""
-    n = len(value.encode("utf-8", "surrogatepass"))
+    n = m.name_bytes(value)
     if n > limits.max_name_length:
         raise limits.exceeded("max_name_length", f"{field_name} has {n} bytes")
-    if not value.isprintable():
-        bad = next(c for c in value if not c.isprintable())
-        raise _invalid(field_name, f"must be printable text; it holds the character U+{ord(bad):04X} (control, "
-                                   "format and separator characters other than the space are refused)")
+    problem = m.unprintable_in(value)
+    if problem is not None:
+        raise _invalid(field_name, problem)
 
 
 def validate_registration(reg: m.Registration, chunk_size: int, arena_size: int, limits: Limits | None = None,

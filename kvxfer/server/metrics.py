@@ -390,11 +390,9 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
         self._lock = threading.Lock()
         #: connection -> monotonic time past which it is shut down
         self._open: dict[socket.socket, float] = {}
-        #: Connections closed at once because every slot was taken, those cut at their deadline,
-        #: and accepts that failed for want of file descriptors.
+        #: Connections closed at once because every slot was taken, and those cut at their deadline.
         self.refused = 0
         self.expired = 0
-        self.accept_failures = 0
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -448,7 +446,6 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 # the connection stays queued and the socket readable: without a pause the accept
                 # loop would spin on it until descriptors come free
-                self.accept_failures += 1
                 time.sleep(ACCEPT_RETRY_S)
             raise  # socketserver drops the attempt and polls again
 

@@ -20,6 +20,7 @@ from typing import Any, Final, Literal
 
 from kvxfer.client import MAX_TIMEOUT_S
 from kvxfer.errors import ConfigError
+from kvxfer.protocol.messages import unprintable_in
 from kvxfer.urls import check_url, default_url
 
 __all__ = ["ConnectorConfig", "KEYS"]
@@ -163,10 +164,9 @@ class ConnectorConfig:
         model_name = extra.get("kvxfer.model_name") or default_model_name
         if not isinstance(model_name, str) or not model_name:
             raise ConfigError("kvxfer.model_name must be a non-empty string (or set vLLM's model)")
-        if not model_name.isprintable():  # as the server checks names (they reach its log and terminals)
-            bad = next(c for c in model_name if not c.isprintable())
-            raise ConfigError(f"kvxfer.model_name must be printable text; it holds the character U+{ord(bad):04X} "
-                              "(control, format and separator characters other than the space are refused)")
+        problem = unprintable_in(model_name)  # the server's rule for names
+        if problem is not None:
+            raise ConfigError(f"kvxfer.model_name {problem}")
         fingerprint = _bool("kvxfer.fingerprint", extra.get("kvxfer.fingerprint", True))
         layerwise = _bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False))
         prefetch = _bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", not layerwise))

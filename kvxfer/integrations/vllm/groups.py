@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from kvxfer.errors import ConfigError
+from kvxfer.protocol.messages import name_bytes
 
 if TYPE_CHECKING:
     from kvxfer.client import CacheClient
@@ -63,7 +64,7 @@ def check_name_lengths(groups: Iterable[GroupPlan], client: CacheClient) -> None
     (each would be refused at every registration and lookup)."""
     most = client.max_name_length
     for g in groups:
-        n = len(g.name.encode("utf-8", "surrogatepass"))
+        n = name_bytes(g.name)
         if most and n > most:
             raise ConfigError(f"the identity {g.name[:40]!r}... of KV cache group {g.index} has {n} bytes but the "
                               f"kvxfer server at {client.url} takes names of at most {most} (--max-name-length): "
