@@ -5,6 +5,8 @@
 * :func:`plan_copies` turns block ids and arena slots into :class:`RowCopy` lists, the unit
   every transport's copy code receives (row ids of every chunk computed in one vectorized
   step, so planning a request costs about as much for 32 chunks as for one);
+* :class:`SlotViews` remembers the views of one layout's arena slots (a lone request waits for
+  every tensor view it makes);
 * :func:`layer_slice` narrows copies to a range of layers (layer-by-layer transfers).
 
 Neither side's machinery lives here: the client's data paths (:mod:`kvxfer.transport`) and the
@@ -14,7 +16,8 @@ server (:mod:`kvxfer.server.engine`) both call these.
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -25,8 +28,8 @@ if TYPE_CHECKING:
 
     from kvxfer.layout import KVLayout
 
-__all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "RowCopy", "StoredSlot", "check_transfer", "layer_slice",
-           "plan_copies"]
+__all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "RowCopy", "SlotViews", "StoredSlot", "check_transfer",
+           "layer_slice", "plan_copies"]
 
 #: Most chunks one request may name.
 MAX_CHUNKS_PER_REQUEST: Final = 1 << 14
@@ -67,6 +70,57 @@ class StoredSlot:
 
     slot: torch.Tensor
     stamp: int
+
+
+class SlotViews:
+    """The chunk slots of one arena as one layout sees them, made once per slot and remembered by
+    offset: its bytes (uint8, ``chunk_bytes`` long) and its ``[num_layers, rows, row_elems]``
+    view (:meth:`KVLayout.chunk_rows_view`). Making the two views costs three tensor calls per
+    chunk (about 4 us here, 15-30 us on a GPU host), which a lone request waits for.
+
+    At most ``limit`` slots are remembered; past that all are forgotten and made again as
+    requests need them. Every view holds the arena's memory: :meth:`clear` before the arena is
+    unmapped. Not thread-safe: one thread plans (the server's loop, a client context's worker).
+    """
+
+    __slots__ = ("_view", "layout", "chunk_size", "nbytes", "limit", "_slots")
+
+    def __init__(self, arena_view: Callable[[int, int], torch.Tensor], layout: KVLayout, chunk_size: int,
+                 limit: int = 4096) -> None:
+        self._view = arena_view
+        self.layout = layout
+        self.chunk_size = chunk_size
+        self.nbytes = layout.chunk_bytes(chunk_size)
+        self.limit = limit
+        self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def bytes(self, offset: int) -> torch.Tensor:
+        """The slot at ``offset`` as uint8 bytes."""
+        return self._of(offset)[0]
+
+    def rows(self, offset: int) -> torch.Tensor:
+        """The slot at ``offset`` as ``[num_layers, rows, row_elems]`` (what :func:`plan_copies` takes)."""
+        return self._of(offset)[1]
+
+    def _of(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self._slots.get(offset)
+        if views is None:
+            if len(self._slots) >= self.limit:
+                self._slots.clear()
+            raw = self._view(offset, self.nbytes)
+            views = self._slots[offset] = (raw, self.layout.chunk_rows_view(raw, self.chunk_size))
+        return views
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+
+@functools.lru_cache(maxsize=64)
+def _run_offsets(offsets: tuple[int, ...]) -> torch.Tensor:
+    """``offsets`` as an int64 tensor shaped ``[1, runs, 1]`` (read only: shared by every plan)."""
+    import torch
+
+    return torch.tensor(offsets, dtype=torch.int64).view(1, -1, 1)
 
 
 def check_transfer(
@@ -132,27 +186,27 @@ def plan_copies(
     skip_blocks: int = 0,
     stamps: Sequence[int] = (),
 ) -> list[RowCopy]:
-    """RowCopies for ``slots`` (``(chunk index, uint8 slot tensor)``), skipping the first
-    ``skip_blocks`` blocks of the request. A chunk with a partial skip gives one copy per run
+    """RowCopies for ``slots`` (``(chunk index, the slot as [num_layers, rows, row_elems]``: see
+    :meth:`SlotViews.rows`), skipping the first ``skip_blocks`` blocks of the request (``blocks``:
+    int64, as :func:`check_transfer` returns them). A chunk with a partial skip gives one copy per run
     (the slot rows it needs are not contiguous across runs); fully skipped chunks none.
     ``stamps`` (one per slot, or none): the :attr:`RowCopy.stamp` of each whole-chunk copy."""
     if not slots:
         return []
-    import torch
-
     bpc = layout.blocks_per_chunk(chunk_size)
     n_chunks = blocks.numel() // bpc
     # every chunk's row ids at once: [chunks, runs, bpc] (run-major inside a chunk, as the slot),
     # and as one flat row tensor per chunk (views made in one call: a lone request waits for these)
-    runs = torch.tensor(layout.run_offsets, dtype=torch.int64).view(1, -1, 1)
-    all_rows = (blocks.to(torch.int64).view(n_chunks, 1, bpc) * layout.block_stride + runs).contiguous()
+    per_chunk = blocks.view(n_chunks, 1, bpc)
+    if layout.block_stride != 1:
+        per_chunk = per_chunk * layout.block_stride
+    all_rows = per_chunk + _run_offsets(layout.run_offsets)  # a new contiguous tensor
     chunk_rows = all_rows.view(n_chunks, -1).unbind(0)
     copies = []
-    for n, (index, slot) in enumerate(slots):
+    for n, (index, view) in enumerate(slots):
         local_skip = min(bpc, max(0, skip_blocks - index * bpc))
         if local_skip == bpc:
             continue
-        view = layout.chunk_rows_view(slot, chunk_size)  # [L, runs * bpc, row_elems]
         if local_skip == 0:
             copies.append(RowCopy(chunk_rows[index], view, 0, stamps[n] if stamps else 0))
             continue

@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer.copies import SlotViews
 from kvxfer.layout import KVLayout, dtype_name
 from kvxfer.protocol.messages import ContextStatus
 from kvxfer.server.index import ChunkKey
@@ -42,6 +43,8 @@ class RegisteredContext:
     client_pid: int
     chunk_size: int
     executor: Lane
+    #: Its layout's views of the arena's slots (loop thread; cleared when it is dropped).
+    views: SlotViews = field(repr=False)
     #: The session that registered it (kvxfer.server.sessions.Session).
     owner: Any = field(default=None, repr=False)
     stores: int = 0

@@ -36,6 +36,7 @@ from kvxfer.arena import Arena
 from kvxfer.copies import (
     MAX_CHUNKS_PER_REQUEST,
     MAX_PREFETCH_CHUNKS,
+    SlotViews,
     StoredSlot,
     check_transfer,
     layer_slice,
@@ -838,6 +839,7 @@ class CacheServer:
         if slots:
             log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open writes "
                         "until it exits", session.peer.label(), slots)
+        ctx.views.clear()  # (the copies queued keep the views they were given)
         ctx.executor.submit(self._close_server_context, ctx)
         ctx.executor.shutdown(wait=wait)
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
@@ -909,7 +911,7 @@ class CacheServer:
                 instance_id=reg.instance_id, model_name=reg.model_name, world_size=reg.world_size,
                 rank=reg.rank, layout=layout, transport=msg.transport, server_context=server_context,
                 session=session.identity, client_pid=session.pid, chunk_size=self.config.chunk_size,
-                executor=executor, owner=session,
+                executor=executor, views=SlotViews(self.arena.view, layout, self.config.chunk_size), owner=session,
             )
             self.contexts[ctx.instance_id] = ctx
             self._formats = None
@@ -1010,9 +1012,10 @@ class CacheServer:
             for h in msg.hashes[:MAX_PREFETCH_CHUNKS]:
                 key = ChunkKey(msg.model_name, msg.world_size, rank, h)
                 e = entries.get(key)
-                if e is None or self.index.entries.get(key) is not e or e.state is not State.READY or not e.leases:
+                if (e is None or self.index.entries.get(key) is not e or e.state is not State.READY or not e.leases
+                        or e.fmt != ctx.chunk.fmt):
                     break  # a leading run of chunks still leased, as a retrieve loads them
-                chunks.append(StoredSlot(self.arena.view(e.offset, e.size), e.stamp))
+                chunks.append(StoredSlot(ctx.views.bytes(e.offset), e.stamp))
             self._hand_prefetch(ctx, chunks)
 
     @staticmethod
@@ -1214,8 +1217,8 @@ class CacheServer:
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         res.in_flight = True
-        copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
-                             [(i, self.arena.view(e.offset, e.size)) for i, e in res.entries])
+        rows = ctx.views.rows
+        copies = plan_copies(ctx.layout, ctx.chunk_size, blocks, [(i, rows(e.offset)) for i, e in res.entries])
         server_context = ctx.server_context
         assert server_context is not None  # server-driven: checked above
         copy = _CopyClock(self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies
@@ -1260,7 +1263,8 @@ class CacheServer:
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
         res.in_flight = True
         res.missing = len(missing)
-        views = [self.arena.view(e.offset, e.size) for _, e in res.entries]
+        slot_views = ctx.views
+        views = [slot_views.bytes(e.offset) for _, e in res.entries]
         if layers is None and not self.stats.in_flight and self._prefetches(ctx) and not (
                 msg.deadline and time.time() > msg.deadline):
             # a lone retrieve (a resumed one counts in flight): its whole chunks are staged before
@@ -1273,7 +1277,7 @@ class CacheServer:
             lead = zip(views, res.entries[:MAX_PREFETCH_CHUNKS])
             self._hand_prefetch(ctx, [StoredSlot(v, e.stamp) for v, (i, e) in lead if (i + first) * bpc >= skip_blocks])
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
-                             [(i + first, v) for (i, _), v in zip(res.entries, views)], skip_blocks,
+                             [(i + first, slot_views.rows(e.offset)) for i, e in res.entries], skip_blocks,
                              [e.stamp for _, e in res.entries])
         if layers is not None:
             copies = layer_slice(copies, layers.start, layers.stop)

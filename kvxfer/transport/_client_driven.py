@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvxfer.arena import ArenaMapping
-from kvxfer.copies import RowCopy, layer_slice, plan_copies
+from kvxfer.copies import RowCopy, SlotViews, layer_slice, plan_copies
 from kvxfer.errors import NoSession, UnknownInstance
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore, guarded
@@ -48,6 +48,8 @@ class ClientDrivenCore(ContextCore):
         super().__init__(*args, **kwargs)
         self._unmapping: Callable[[], None] | None = None
         self.arena = self._map_arena()
+        #: The arena's slots as this context's layout sees them (its worker plans every copy).
+        self._views = SlotViews(self.arena.view, self.layout, self.chunk_size)
         #: Queued requests whose reserve is not sent yet / stores whose commit is not sent yet.
         self._deferred = 0
         self._uncommitted = 0
@@ -79,6 +81,7 @@ class ClientDrivenCore(ContextCore):
         return mapping
 
     def _unmap_arena(self) -> None:
+        self._views.clear()
         undo, self._unmapping = self._unmapping, None
         try:
             if undo is not None:
@@ -91,6 +94,7 @@ class ClientDrivenCore(ContextCore):
         self._drain()  # copies still in flight must land before their slots are unmapped
         self._unmap_arena()
         self.arena = self._map_arena()
+        self._views = SlotViews(self.arena.view, self.layout, self.chunk_size)
         super().on_reconnect()
 
     def _released(self) -> None:
@@ -171,8 +175,9 @@ class ClientDrivenCore(ContextCore):
         with self._lock:
             self._uncommitted -= 1
 
-    def _slots(self, slots: list[m.Slot], nbytes: int, shift: int = 0) -> list[tuple[int, torch.Tensor]]:
-        return [(s.index + shift, self.arena.view(s.offset, nbytes)) for s in slots]
+    def _slots(self, slots: list[m.Slot], shift: int = 0) -> list[tuple[int, torch.Tensor]]:
+        rows = self._views.rows
+        return [(s.index + shift, rows(s.offset)) for s in slots]
 
     def _then(self, waiter: Waiter | None, commit: Callable[[], None],
               abandon: Callable[[BaseException], None]) -> None:
@@ -324,7 +329,6 @@ class ClientDrivenCore(ContextCore):
         from kvxfer.transport.contract import LayerwiseFuture
 
         rep, _ = reserved()
-        nbytes = self.chunk_bytes
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
         def drop() -> None:  # commit every slot as failed: nothing half written becomes readable
@@ -364,7 +368,7 @@ class ClientDrivenCore(ContextCore):
             self._then(None, commit, abandon)
             return
         try:
-            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots, nbytes))
+            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots))
         except BaseException:
             drop()
             raise
@@ -376,7 +380,6 @@ class ClientDrivenCore(ContextCore):
         from kvxfer.transport.contract import LayerwiseFuture
 
         rep, sent_at = reserved()
-        nbytes = self.chunk_bytes
         keys = transfer.keys
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
@@ -430,7 +433,7 @@ class ClientDrivenCore(ContextCore):
             return
         try:
             copies = plan_copies(self.layout, self.chunk_size, transfer.blocks,
-                                 self._slots(rep.slots, nbytes, first), transfer.skip_blocks)
+                                 self._slots(rep.slots, first), transfer.skip_blocks)
         except BaseException:
             unpin()
             raise

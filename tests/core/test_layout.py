@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvxfer import KVLayout, LayoutKind
-from kvxfer.copies import check_transfer, plan_copies
+from kvxfer.copies import SlotViews, check_transfer, plan_copies
 from kvxfer.errors import ConfigError, LayoutError
 from kvxfer.layout import copy_dtype, copy_view
 
@@ -261,22 +261,49 @@ def test_copy_dtype_fits_every_tensor() -> None:
     assert copy_view(dense, torch.int32).shape == (4, 32)
 
 
-def test_planned_copies_are_the_arena_format() -> None:
+def _slot_views(lay: KVLayout, chunk: int, n: int) -> tuple[torch.Tensor, SlotViews]:
+    size = lay.chunk_bytes(chunk)
+    arena = torch.zeros(n * size, dtype=torch.uint8)
+    return arena, SlotViews(lambda offset, nbytes: arena[offset:offset + nbytes], lay, chunk)
+
+
+@pytest.mark.parametrize("shape", [(2, NB, BS, HEADS, HD), (NB, 2, BS, HEADS, HD)], ids=["flash_attn", "flashinfer"])
+def test_planned_copies_are_the_arena_format(shape) -> None:
     """plan_copies' slot views are chunk_rows_view's, and its rows those of each chunk's blocks
-    (partial skips give one copy per run)."""
+    (partial skips give one copy per run), for blocks one row apart and two (flashinfer's K and V)."""
+    lay = KVLayout.infer(layers(shape), BS)
+    chunk = 2 * BS
+    size = lay.chunk_bytes(chunk)
+    arena, views = _slot_views(lay, chunk, 3)
+    blocks = check_transfer(lay, chunk, 3, [4, 1, 7, 0, 9, 2])
+    copies = plan_copies(lay, chunk, blocks, [(i, views.rows(i * size)) for i in (0, 2)])
+    assert [c.rows.tolist() for c in copies] == [lay.rows(torch.tensor(b)).tolist() for b in ([4, 1], [9, 2])]
+    for i, c in zip((0, 2), copies):
+        want = lay.chunk_rows_view(arena[i * size:(i + 1) * size], chunk)
+        assert (c.slot.shape, c.slot.dtype, c.slot.data_ptr()) == (want.shape, want.dtype, want.data_ptr())
+    skipped = plan_copies(lay, chunk, blocks, [(i, views.rows(i * size)) for i in (0, 2)], skip_blocks=5)
+    assert len(skipped) == lay.runs and all(c.rows.numel() == 1 for c in skipped)  # chunk 2's second block only
+    assert [c.rows.tolist() for c in skipped] == [[r] for r in lay.rows(torch.tensor([2])).tolist()]
+
+
+def test_slot_views_are_made_once_and_forgotten_past_their_limit() -> None:
+    """SlotViews gives the same views of a slot each time (bytes and rows over the same memory),
+    makes them again after clear(), and forgets all of them once ``limit`` slots are held."""
     lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
     chunk = 2 * BS
     size = lay.chunk_bytes(chunk)
-    arena = torch.zeros(3 * size, dtype=torch.uint8)
-    blocks = check_transfer(lay, chunk, 3, [4, 1, 7, 0, 9, 2])
-    slots = [(i, arena[i * size:(i + 1) * size]) for i in (0, 2)]
-    copies = plan_copies(lay, chunk, blocks, slots)
-    assert [c.rows.tolist() for c in copies] == [lay.rows(torch.tensor(b)).tolist() for b in ([4, 1], [9, 2])]
-    for (_, slot), c in zip(slots, copies):
-        want = lay.chunk_rows_view(slot, chunk)
-        assert (c.slot.shape, c.slot.dtype, c.slot.data_ptr()) == (want.shape, want.dtype, want.data_ptr())
-    skipped = plan_copies(lay, chunk, blocks, slots, skip_blocks=5)  # chunk 2's second block only
-    assert len(skipped) == lay.runs and all(c.rows.numel() == 1 for c in skipped)
+    arena, views = _slot_views(lay, chunk, 4)
+    views.limit = 2
+    raw, rows = views.bytes(size), views.rows(size)
+    assert views.bytes(size) is raw and views.rows(size) is rows
+    assert raw.dtype == torch.uint8 and raw.numel() == size and raw.data_ptr() == arena[size:].data_ptr()
+    assert rows.data_ptr() == raw.data_ptr() and rows.shape == lay.chunk_rows_view(raw, chunk).shape
+    views.rows(2 * size)
+    assert views.rows(size) is rows  # two held: within the limit
+    views.rows(3 * size)  # a third: all forgotten first
+    assert views.rows(size) is not rows and views.rows(size).data_ptr() == rows.data_ptr()
+    views.clear()
+    assert views.bytes(size) is not raw
 
 
 def test_only_a_whole_chunks_copy_carries_its_stamp() -> None:
@@ -288,13 +315,13 @@ def test_only_a_whole_chunks_copy_carries_its_stamp() -> None:
     lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
     chunk = 2 * BS
     size = lay.chunk_bytes(chunk)
-    arena = torch.zeros(3 * size, dtype=torch.uint8)
+    arena, views = _slot_views(lay, chunk, 3)
     blocks = check_transfer(lay, chunk, 3, [4, 1, 7, 0, 9, 2])
-    slots = [(i, arena[i * size:(i + 1) * size]) for i in range(3)]
+    slots = [(i, views.rows(i * size)) for i in range(3)]
     whole = plan_copies(lay, chunk, blocks, slots, stamps=[11, 12, 13])
     assert [c.stamp for c in whole] == [11, 12, 13]
-    for (_, slot), c in zip(slots, whole):  # the whole slot, as the prefetch was given it
-        assert c.slot.is_contiguous() and c.slot.data_ptr() == slot.data_ptr()
+    for i, c in enumerate(whole):  # the whole slot, as the prefetch was given it
+        assert c.slot.is_contiguous() and c.slot.data_ptr() == views.bytes(i * size).data_ptr()
         assert c.slot.numel() * c.slot.element_size() == size
     cut = plan_copies(lay, chunk, blocks, slots, skip_blocks=3, stamps=[11, 12, 13])
     assert [c.stamp for c in cut] == [0] * lay.runs + [13]  # chunk 0 skipped, chunk 1 cut

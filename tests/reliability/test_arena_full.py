@@ -10,7 +10,7 @@ import torch
 from relkit import Writer, expected, key
 
 from kvxfer.protocol import messages as m
-from kvxfer.copies import plan_copies
+from kvxfer.copies import SlotViews, plan_copies
 from kvxfer.transport import Transfer
 
 CAPACITY = 16
@@ -79,9 +79,9 @@ def test_chunks_being_read_or_written_are_never_evicted(small_server, client_of)
         bits = expected(w.shape, "m", 0, h, w.bpc)
         for layer, b in zip(w.kv, bits):
             layer.view(torch.int16)[:, blocks[j]:blocks[j] + 1] = b
-    nbytes = w.shape.chunk_bytes(w.client.chunk_size)
+    views = SlotViews(w.ctx.arena.view, w.ctx.layout, w.client.chunk_size)
     copies = plan_copies(w.ctx.layout, w.client.chunk_size, torch.tensor(blocks),
-                         [(s.index, w.ctx.arena.view(s.offset, nbytes)) for s in wr.slots])
+                         [(s.index, views.rows(s.offset)) for s in wr.slots])
     w.ctx.gather(copies, Transfer("store", writing, torch.tensor(blocks)))
 
     for n in range(10):  # churn: 40 chunks through an arena with 8 free slots
