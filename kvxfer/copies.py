@@ -78,21 +78,26 @@ class SlotViews:
     view (:meth:`KVLayout.chunk_rows_view`). Making the two views costs three tensor calls per
     chunk (about 4 us here, 15-30 us on a GPU host), which a lone request waits for.
 
-    At most ``limit`` slots are remembered; past that all are forgotten and made again as
-    requests need them. Every view holds the arena's memory: :meth:`clear` before the arena is
-    unmapped. Not thread-safe: one thread plans (the server's loop, a client context's worker).
+    ``table``: where the views are kept, keyed by offset and chunk format, and shared by every
+    SlotViews given the same one (a server's contexts: views of one format are the same for all
+    of them, and the table's bound is the server's). It holds at most ``limit`` slots (about
+    1.6 KB each); past that all are forgotten and made again as requests need them. Every view
+    holds the arena's memory: clear the table before the arena is unmapped. Not thread-safe:
+    one thread plans (the server's loop, a client context's worker).
     """
 
-    __slots__ = ("_view", "layout", "chunk_size", "nbytes", "limit", "_slots")
+    __slots__ = ("_view", "layout", "chunk_size", "nbytes", "limit", "_fmt", "_table")
 
     def __init__(self, arena_view: Callable[[int, int], torch.Tensor], layout: KVLayout, chunk_size: int,
-                 limit: int = 4096) -> None:
+                 table: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 limit: int = 8192) -> None:
         self._view = arena_view
         self.layout = layout
         self.chunk_size = chunk_size
         self.nbytes = layout.chunk_bytes(chunk_size)
         self.limit = limit
-        self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fmt = layout.chunk_format(chunk_size)
+        self._table = table if table is not None else {}
 
     def bytes(self, offset: int) -> torch.Tensor:
         """The slot at ``offset`` as uint8 bytes."""
@@ -103,16 +108,19 @@ class SlotViews:
         return self._of(offset)[1]
 
     def _of(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        views = self._slots.get(offset)
+        key = (offset, self._fmt)
+        table = self._table
+        views = table.get(key)
         if views is None:
-            if len(self._slots) >= self.limit:
-                self._slots.clear()
+            if len(table) >= self.limit:
+                table.clear()
             raw = self._view(offset, self.nbytes)
-            views = self._slots[offset] = (raw, self.layout.chunk_rows_view(raw, self.chunk_size))
+            views = table[key] = (raw, self.layout.chunk_rows_view(raw, self.chunk_size))
         return views
 
     def clear(self) -> None:
-        self._slots.clear()
+        """Forget every view of the table (those of the SlotViews that share it too)."""
+        self._table.clear()
 
 
 @functools.lru_cache(maxsize=64)

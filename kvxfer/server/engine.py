@@ -80,6 +80,8 @@ from kvxfer.transport.contract import Queued, ServerContext, ServerTransport, St
 from kvxfer.units import format_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from kvxfer.server.metrics import MetricsExporter
 
 __all__ = ["CacheServer", "validate_registration"]
@@ -333,6 +335,9 @@ class CacheServer:
         self.limits = config.limits.resolved(self.arena.size)
         self.index = ChunkIndex(self.arena.size, on_evict=self._on_evict)
         self.contexts: dict[int, RegisteredContext] = {}
+        #: The arena's slots as the registered layouts see them, shared by every context
+        #: (kvxfer.copies.SlotViews: loop thread; one bound for the server)
+        self._slot_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         #: (model_name, world_size, rank) -> chunk format of the contexts registered now (built on
         #: demand by _chunk_format, dropped whenever a context comes or goes)
         self._formats: dict[tuple[str, int, int], str] | None = None
@@ -527,6 +532,7 @@ class CacheServer:
             self.tier.close()
         self.hooks.call("kvxfer_server_stopped", server=self)
         self._close_transports()
+        self._slot_views.clear()
         self.arena.close()
 
     # ------------------------------------------------------------------ dispatch
@@ -839,7 +845,6 @@ class CacheServer:
         if slots:
             log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open writes "
                         "until it exits", session.peer.label(), slots)
-        ctx.views.clear()  # (the copies queued keep the views they were given)
         ctx.executor.submit(self._close_server_context, ctx)
         ctx.executor.shutdown(wait=wait)
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
@@ -911,7 +916,8 @@ class CacheServer:
                 instance_id=reg.instance_id, model_name=reg.model_name, world_size=reg.world_size,
                 rank=reg.rank, layout=layout, transport=msg.transport, server_context=server_context,
                 session=session.identity, client_pid=session.pid, chunk_size=self.config.chunk_size,
-                executor=executor, views=SlotViews(self.arena.view, layout, self.config.chunk_size), owner=session,
+                executor=executor, views=SlotViews(self.arena.view, layout, self.config.chunk_size, self._slot_views),
+                owner=session,
             )
             self.contexts[ctx.instance_id] = ctx
             self._formats = None

@@ -63,7 +63,7 @@ class KvxferHookSpec:
 
     @hookspec
     def kvxfer_chunks_evicted(self, server: CacheServer, keys: list[ChunkKey]) -> None:
-        """Chunks were evicted to make room."""
+        """Chunks were evicted to make room: once per request that evicted any, with all of them."""
 
     @hookspec
     def kvxfer_status_section(self, server: CacheServer) -> tuple[str, dict[str, str]] | None:

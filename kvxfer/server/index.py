@@ -307,6 +307,22 @@ class ChunkIndex:
     ) -> tuple[Reservation, list[int], list[int]]:
         """Slots for the keys not present. Returns (reservation, present, no_space)."""
         res = Reservation(self._new_id(), True, instance_id, owner, [])
+        evicted: list[ChunkKey] = []
+        try:
+            present, no_space = self._reserve_slots(res, keys, fmt, size, evicted)
+        finally:  # one call for the request's evictions (also when a key's format refused it)
+            if evicted:
+                self.evictions += len(evicted)
+                if self._on_evict is not None:
+                    self._on_evict(evicted)
+        if res.entries:
+            res.filling = True
+            self.filling += 1
+        return self._open(res), present, no_space
+
+    def _reserve_slots(self, res: Reservation, keys: Sequence[ChunkKey], fmt: str, size: int,
+                       evicted: list[ChunkKey]) -> tuple[list[int], list[int]]:
+        """Fill ``res`` with an entry and slot for each key not present; (present, no_space)."""
         present: list[int] = []
         no_space: list[int] = []
         seen: set[ChunkKey] = set()
@@ -322,7 +338,7 @@ class ChunkIndex:
                     )
                 present.append(i)
                 continue
-            offset = self._allocate(size)
+            offset = self._allocate(size, evicted)
             if offset is None:
                 no_space.append(i)
                 continue
@@ -333,10 +349,7 @@ class ChunkIndex:
             seen.add(key)
             res.entries.append((i, e))
             res.nbytes += Allocator.rounded(size)
-        if res.entries:
-            res.filling = True
-            self.filling += 1
-        return self._open(res), present, no_space
+        return present, no_space
 
     def commit_write(self, res: Reservation, failed: Iterable[int] = ()) -> list[tuple[int, Entry]]:
         """READY the reservation's entries except ``failed`` indices (dropped)."""
@@ -398,11 +411,12 @@ class ChunkIndex:
 
     # ------------------------------------------------------------------ space
 
-    def _allocate(self, size: int) -> int | None:
+    def _allocate(self, size: int, evicted: list[ChunkKey]) -> int | None:
+        """A slot of ``size``, evicting the least recently used entries until one fits (their
+        keys added to ``evicted``, which the caller reports); None when nothing is left to evict."""
         offset = self.allocator.alloc(size)
         if offset is not None:
             return offset
-        evicted: list[ChunkKey] = []
         lru = self._lru
         while lru:  # the least recently used first; every entry here is evictable
             key, e = lru.popitem(last=False)
@@ -411,10 +425,6 @@ class ChunkIndex:
             offset = self.allocator.alloc(size)
             if offset is not None:
                 break
-        if evicted:
-            self.evictions += len(evicted)
-            if self._on_evict is not None:
-                self._on_evict(evicted)
         return offset
 
     def _drop(self, e: Entry) -> None:

@@ -306,6 +306,32 @@ def test_slot_views_are_made_once_and_forgotten_past_their_limit() -> None:
     assert views.bytes(size) is not raw
 
 
+def test_slot_views_sharing_a_table_share_one_bound_and_keep_formats_apart() -> None:
+    """SlotViews given one table (a server's contexts) reuse each other's views of a chunk
+    format (flash_attn's and flashinfer's chunks are alike), keep another format's views of the
+    same offset apart (another dtype), and count against one limit."""
+    fa = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
+    fi = KVLayout.infer(layers((NB, 2, BS, HEADS, HD)), BS)
+    half = KVLayout.infer(layers((2, NB, BS, HEADS, HD), dtype=torch.float16), BS)
+    chunk = 2 * BS
+    assert fa.chunk_format(chunk) == fi.chunk_format(chunk) != half.chunk_format(chunk)
+    arena = torch.zeros(4 * fa.chunk_bytes(chunk), dtype=torch.uint8)
+
+    def view(offset: int, nbytes: int) -> torch.Tensor:
+        return arena[offset:offset + nbytes]
+
+    table: dict = {}
+    a, b, other = (SlotViews(view, fa, chunk, table, limit=3), SlotViews(view, fi, chunk, table, limit=3),
+                   SlotViews(view, half, chunk, table, limit=3))
+    assert b.rows(0) is a.rows(0)  # one format: one view, made once
+    assert other.rows(0) is not a.rows(0) and other.rows(0).dtype == torch.float16
+    assert len(table) == 2
+    b.rows(4096)  # the third slot of the table
+    assert len(table) == 3
+    other.rows(8192)  # one more for any of them: the table is cleared first
+    assert len(table) == 1
+
+
 def test_only_a_whole_chunks_copy_carries_its_stamp() -> None:
     """RowCopy.stamp (what a prefetch is matched by) is given to the copy that moves a whole
     chunk, its slot's own, whatever the skip dropped before it; a chunk cut by the skip and
