@@ -46,10 +46,11 @@ class RowCopy:
     ``rows`` are row ids (int64, CPU) into each layer's row view (:meth:`KVLayout.row_view`);
     ``slot`` is ``[n, len(rows), row_elems]`` of the layout's dtype, a view of the arena, whose
     ``slot[i]`` belongs to layer ``first_layer + i`` (every layer, ``first_layer == 0``, unless
-    the core moves a transfer layer by layer). Store copies ``layer_rows[rows] -> slot[i]``;
-    retrieve the reverse. ``stamp`` (server side, retrieves): the stored chunk whose whole slot
-    this copy moves, the number :meth:`ServerContext.prefetch` was given for it (0: part of a
-    chunk, or not known).
+    the core moves a transfer layer by layer). The core hands the same slot view to later
+    transfers of the slot: copy into or out of it, never change the view itself (``resize_``,
+    ``as_strided_``). Store copies ``layer_rows[rows] -> slot[i]``; retrieve the reverse.
+    ``stamp`` (server side, retrieves): the stored chunk whose whole slot this copy moves, the
+    number :meth:`ServerContext.prefetch` was given for it (0: part of a chunk, or not known).
     """
 
     rows: torch.Tensor
