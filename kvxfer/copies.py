@@ -82,7 +82,7 @@ class SlotViews:
     ``table``: where the views are kept, keyed by offset and chunk format, and shared by every
     SlotViews given the same one (a server's contexts: views of one format are the same for all
     of them, and the table's bound is the server's). It holds at most ``limit`` slots (about
-    1.6 KB each); past that all are forgotten and made again as requests need them. Every view
+    1.6 KB each); past that the one made first is forgotten for each new one. Every view
     holds the arena's memory: clear the table before the arena is unmapped. Not thread-safe:
     one thread plans (the server's loop, a client context's worker).
     """
@@ -113,8 +113,8 @@ class SlotViews:
         table = self._table
         views = table.get(key)
         if views is None:
-            if len(table) >= self.limit:
-                table.clear()
+            if len(table) >= self.limit:  # the oldest goes (one at a time: no stall on the loop)
+                del table[next(iter(table))]
             raw = self._view(offset, self.nbytes)
             views = table[key] = (raw, self.layout.chunk_rows_view(raw, self.chunk_size))
         return views
@@ -213,6 +213,9 @@ def plan_copies(
     chunk_rows = all_rows.view(n_chunks, -1).unbind(0)
     copies = []
     for n, (index, view) in enumerate(slots):
+        if view.dim() != 3:
+            raise TypeError(f"plan_copies takes each slot as [num_layers, rows, row_elems] (SlotViews.rows), "
+                            f"got shape {list(view.shape)}")
         local_skip = min(bpc, max(0, skip_blocks - index * bpc))
         if local_skip == bpc:
             continue

@@ -43,7 +43,7 @@ class RegisteredContext:
     client_pid: int
     chunk_size: int
     executor: Lane
-    #: Its layout's views of the arena's slots (loop thread; cleared when it is dropped).
+    #: Its layout's views of the arena's slots, in the server's table (loop thread).
     views: SlotViews = field(repr=False)
     #: The session that registered it (kvxfer.server.sessions.Session).
     owner: Any = field(default=None, repr=False)

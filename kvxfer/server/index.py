@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -34,6 +35,8 @@ from kvxfer.errors import InvalidRequest
 from kvxfer.server.allocator import Allocator
 
 __all__ = ["ChunkKey", "Entry", "ChunkIndex", "Reservation", "Lease", "Usage"]
+
+log = logging.getLogger(__name__)
 
 
 class ChunkKey(NamedTuple):
@@ -305,51 +308,69 @@ class ChunkIndex:
     def reserve_write(
         self, keys: Sequence[ChunkKey], fmt: str, size: int, instance_id: int, owner: Usage
     ) -> tuple[Reservation, list[int], list[int]]:
-        """Slots for the keys not present. Returns (reservation, present, no_space)."""
+        """Slots for the keys not present. Returns (reservation, present, no_space).
+
+        Refused (InvalidRequest, before anything is evicted or reserved) when a key is stored in
+        another format. A present key counts as used: it is not evicted to make room for the
+        request's other chunks, and becomes the most recently used. The request's evictions are
+        reported in one ``on_evict`` call."""
+        present: list[int] = []
+        new: list[tuple[int, ChunkKey]] = []
+        held: list[Entry] = []
+        seen: set[ChunkKey] = set()
+        entries, lru = self.entries, self._lru
+        for i, key in enumerate(keys):
+            e = entries.get(key)
+            if e is None and key not in seen:
+                seen.add(key)
+                new.append((i, key))
+                continue
+            if e is not None and e.fmt != fmt:
+                for h in held:
+                    self._evictable(h)
+                raise InvalidRequest(
+                    f"chunk {key.chunk_hash.hex()} of {key.model_name!r} is stored in format {e.fmt}, "
+                    f"this instance writes {fmt}: two registrations of one model_name must have "
+                    "the same layout, dtype and number of layers"
+                )
+            present.append(i)
+            if e is not None and lru.pop(key, None) is not None:
+                held.append(e)  # out of the LRU while this request allocates
         res = Reservation(self._new_id(), True, instance_id, owner, [])
+        no_space: list[int] = []
         evicted: list[ChunkKey] = []
         try:
-            present, no_space = self._reserve_slots(res, keys, fmt, size, evicted)
-        finally:  # one call for the request's evictions (also when a key's format refused it)
+            for i, key in new:
+                offset = self._allocate(size, evicted)
+                if offset is None:
+                    no_space.append(i)
+                    continue
+                e = Entry(key, offset, size, fmt)
+                entries[key] = e
+                self._by_model.setdefault(key.model_name, set()).add(key)
+                self.changes += 1
+                res.entries.append((i, e))
+                res.nbytes += Allocator.rounded(size)
+        finally:
+            for h in held:
+                self._evictable(h)
             if evicted:
-                self.evictions += len(evicted)
-                if self._on_evict is not None:
-                    self._on_evict(evicted)
+                self._report_evicted(evicted)
         if res.entries:
             res.filling = True
             self.filling += 1
         return self._open(res), present, no_space
 
-    def _reserve_slots(self, res: Reservation, keys: Sequence[ChunkKey], fmt: str, size: int,
-                       evicted: list[ChunkKey]) -> tuple[list[int], list[int]]:
-        """Fill ``res`` with an entry and slot for each key not present; (present, no_space)."""
-        present: list[int] = []
-        no_space: list[int] = []
-        seen: set[ChunkKey] = set()
-        for i, key in enumerate(keys):
-            e = self.entries.get(key)
-            if e is not None or key in seen:
-                if e is not None and e.fmt != fmt:
-                    self.abort(res)
-                    raise InvalidRequest(
-                        f"chunk {key.chunk_hash.hex()} of {key.model_name!r} is stored in format {e.fmt}, "
-                        f"this instance writes {fmt}: two registrations of one model_name must have "
-                        "the same layout, dtype and number of layers"
-                    )
-                present.append(i)
-                continue
-            offset = self._allocate(size, evicted)
-            if offset is None:
-                no_space.append(i)
-                continue
-            e = Entry(key, offset, size, fmt)
-            self.entries[key] = e
-            self._by_model.setdefault(key.model_name, set()).add(key)
-            self.changes += 1
-            seen.add(key)
-            res.entries.append((i, e))
-            res.nbytes += Allocator.rounded(size)
-        return present, no_space
+    def _report_evicted(self, keys: list[ChunkKey]) -> None:
+        """Count ``keys`` evicted and tell ``on_evict`` (whose failure is logged: the index is
+        consistent either way, and the request that evicted them goes on)."""
+        self.evictions += len(keys)
+        if self._on_evict is None:
+            return
+        try:
+            self._on_evict(keys)
+        except Exception:  # noqa: BLE001  (bookkeeping of the caller's: never the index's state)
+            log.exception("reporting %d evicted chunks failed", len(keys))
 
     def commit_write(self, res: Reservation, failed: Iterable[int] = ()) -> list[tuple[int, Entry]]:
         """READY the reservation's entries except ``failed`` indices (dropped)."""

@@ -288,7 +288,7 @@ def test_planned_copies_are_the_arena_format(shape) -> None:
 
 def test_slot_views_are_made_once_and_forgotten_past_their_limit() -> None:
     """SlotViews gives the same views of a slot each time (bytes and rows over the same memory),
-    makes them again after clear(), and forgets all of them once ``limit`` slots are held."""
+    makes them again after clear(), and past ``limit`` slots forgets the oldest one."""
     lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
     chunk = 2 * BS
     size = lay.chunk_bytes(chunk)
@@ -298,10 +298,12 @@ def test_slot_views_are_made_once_and_forgotten_past_their_limit() -> None:
     assert views.bytes(size) is raw and views.rows(size) is rows
     assert raw.dtype == torch.uint8 and raw.numel() == size and raw.data_ptr() == arena[size:].data_ptr()
     assert rows.data_ptr() == raw.data_ptr() and rows.shape == lay.chunk_rows_view(raw, chunk).shape
-    views.rows(2 * size)
+    second = views.rows(2 * size)
     assert views.rows(size) is rows  # two held: within the limit
-    views.rows(3 * size)  # a third: all forgotten first
-    assert views.rows(size) is not rows and views.rows(size).data_ptr() == rows.data_ptr()
+    views.rows(3 * size)  # a third: the oldest (slot 1) is forgotten, slot 2 kept
+    assert views.rows(2 * size) is second
+    again = views.rows(size)
+    assert again is not rows and again.data_ptr() == rows.data_ptr()
     views.clear()
     assert views.bytes(size) is not raw
 
@@ -328,8 +330,15 @@ def test_slot_views_sharing_a_table_share_one_bound_and_keep_formats_apart() -> 
     assert len(table) == 2
     b.rows(4096)  # the third slot of the table
     assert len(table) == 3
-    other.rows(8192)  # one more for any of them: the table is cleared first
-    assert len(table) == 1
+    other.rows(8192)  # one more for any of them: the oldest of all goes
+    assert len(table) == 3 and (0, a._fmt) not in table and b.rows(4096) is a.rows(4096)
+
+
+def test_plan_copies_refuses_a_slot_that_is_not_shaped() -> None:
+    lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
+    blocks = check_transfer(lay, 2 * BS, 1, [4, 1])
+    with pytest.raises(TypeError, match=r"\[num_layers, rows, row_elems\]"):
+        plan_copies(lay, 2 * BS, blocks, [(0, torch.zeros(lay.chunk_bytes(2 * BS), dtype=torch.uint8))])
 
 
 def test_only_a_whole_chunks_copy_carries_its_stamp() -> None:

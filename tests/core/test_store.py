@@ -138,6 +138,63 @@ def test_lru_eviction_order() -> None:
     index.allocator.check()
 
 
+class Calls:
+    def __init__(self) -> None:
+        self.calls: list[list[ChunkKey]] = []
+
+    def __call__(self, keys: list[ChunkKey]) -> None:
+        self.calls.append(list(keys))
+
+
+def test_a_requests_evictions_are_reported_in_one_call() -> None:
+    ev = Calls()
+    index = ChunkIndex(4 * SIZE, on_evict=ev)
+    store(index, [key(i) for i in range(4)])
+    store(index, [key(i) for i in range(4, 7)])
+    assert ev.calls == [[key(0), key(1), key(2)]] and index.evictions == 3
+    index.allocator.check()
+
+
+def test_a_request_refused_for_its_format_evicts_nothing() -> None:
+    ev = Calls()
+    index = ChunkIndex(2 * SIZE, on_evict=ev)
+    store(index, [key(0), key(1)])
+    with pytest.raises(InvalidRequest, match="format"):
+        index.reserve_write([key(2), key(1)], "other-format", SIZE, 1, OWNER)
+    assert ev.calls == [] and index.evictions == 0 and not index.reservations
+    assert index.lookup("m", 1, [key(0).chunk_hash, key(1).chunk_hash]) == 2
+    index.allocator.check()
+
+
+def test_a_key_a_store_reports_present_is_not_evicted_by_that_store() -> None:
+    """A full arena, a store of [K (present, the least recently used), new]: room for the new
+    chunk is made from the others; K stays, used by that store (the new chunk, readable only
+    at its commit, is used later still)."""
+    ev = Calls()
+    index = ChunkIndex(2 * SIZE, on_evict=ev)
+    store(index, [key(0), key(1)])
+    stored, present, no_space = store(index, [key(0), key(2)])
+    assert (stored, present, no_space) == ([1], [0], [])
+    assert ev.calls == [[key(1)]]
+    assert index.lookup("m", 1, [key(0).chunk_hash, key(2).chunk_hash]) == 2
+    store(index, [key(1)])
+    assert ev.calls[-1] == [key(0)]  # then key(2)
+    store(index, [key(3)])
+    assert ev.calls[-1] == [key(2)]
+    index.allocator.check()
+
+
+def test_a_failing_eviction_report_leaves_the_index_whole(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(keys: list[ChunkKey]) -> None:
+        raise RuntimeError("stats broke")
+
+    index = ChunkIndex(1 * SIZE, on_evict=broken)
+    store(index, [key(0)])
+    assert store(index, [key(1)]) == ([0], [], [])  # reserved, committed, readable
+    assert index.evictions == 1 and not index.reservations and "evicted chunks failed" in caplog.text
+    index.allocator.check()
+
+
 def test_present_and_duplicate_keys_are_not_written_twice() -> None:
     index = ChunkIndex(8 * SIZE)
     store(index, [key(0)])
@@ -365,7 +422,8 @@ def test_a_session_pinning_the_same_chunks_again_holds_no_more_bytes() -> None:
 def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_use(seed: int) -> None:
     """Random stores, leases, reads (committed or aborted), L2-writer pins and releases against a
     model: after every step the LRU is the READY entries nothing pins, the least recently
-    unpinned first, and eviction takes from its front only (never a pinned entry)."""
+    unpinned (or stored again) first, and eviction takes from its front only (never a pinned
+    entry, nor one its own store names)."""
     import random
 
     rng = random.Random(seed)
@@ -390,9 +448,11 @@ def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_
         ready = [k for k, e in index.entries.items() if e.state is State.READY]
         if op == "store":
             keys = [key(rng.randrange(40)) for _ in range(rng.randint(1, 3))]
-            res, _, _ = index.reserve_write(keys, "f", SIZE, 1, owner)
+            res, present, _ = index.reserve_write(keys, "f", SIZE, 1, owner)
+            refresh([keys[i] for i in present])  # a store of a present chunk uses it
             stored = index.commit_write(res)
             for k in ev.evicted:
+                assert k not in keys, f"{k} was evicted by a store that names it"
                 assert k in model, f"{k} was evicted while pinned"
                 del model[k]
             ev.evicted.clear()
