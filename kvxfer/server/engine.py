@@ -1270,7 +1270,6 @@ class CacheServer:
         res.in_flight = True
         res.missing = len(missing)
         slot_views = ctx.views
-        views = [slot_views.bytes(e.offset) for _, e in res.entries]
         if layers is None and not self.stats.in_flight and self._prefetches(ctx) and not (
                 msg.deadline and time.time() > msg.deadline):
             # a lone retrieve (a resumed one counts in flight): its whole chunks are staged before
@@ -1280,8 +1279,9 @@ class CacheServer:
             # tell whether that prefetch staged anything (its copy stream busy, say) or whether a
             # transfer since took or dropped it, and the context keeps what it staged already.
             bpc = ctx.layout.blocks_per_chunk(ctx.chunk_size)
-            lead = zip(views, res.entries[:MAX_PREFETCH_CHUNKS])
-            self._hand_prefetch(ctx, [StoredSlot(v, e.stamp) for v, (i, e) in lead if (i + first) * bpc >= skip_blocks])
+            lead = res.entries[:MAX_PREFETCH_CHUNKS]
+            self._hand_prefetch(ctx, [StoredSlot(slot_views.bytes(e.offset), e.stamp) for i, e in lead
+                                      if (i + first) * bpc >= skip_blocks])
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, slot_views.rows(e.offset)) for i, e in res.entries], skip_blocks,
                              [e.stamp for _, e in res.entries])

@@ -316,30 +316,28 @@ class ChunkIndex:
         reported in one ``on_evict`` call."""
         present: list[int] = []
         new: list[tuple[int, ChunkKey]] = []
-        held: list[Entry] = []
-        seen: set[ChunkKey] = set()
-        entries, lru = self.entries, self._lru
-        for i, key in enumerate(keys):
-            e = entries.get(key)
-            if e is None and key not in seen:
-                seen.add(key)
-                new.append((i, key))
-                continue
-            if e is not None and e.fmt != fmt:
-                for h in held:
-                    self._evictable(h)
-                raise InvalidRequest(
-                    f"chunk {key.chunk_hash.hex()} of {key.model_name!r} is stored in format {e.fmt}, "
-                    f"this instance writes {fmt}: two registrations of one model_name must have "
-                    "the same layout, dtype and number of layers"
-                )
-            present.append(i)
-            if e is not None and lru.pop(key, None) is not None:
-                held.append(e)  # out of the LRU while this request allocates
+        held: list[Entry] = []  # present entries, out of the LRU while this request allocates
+        evicted: list[ChunkKey] = []
         res = Reservation(self._new_id(), True, instance_id, owner, [])
         no_space: list[int] = []
-        evicted: list[ChunkKey] = []
+        entries, lru = self.entries, self._lru
         try:
+            seen: set[ChunkKey] = set()
+            for i, key in enumerate(keys):
+                e = entries.get(key)
+                if e is None and key not in seen:
+                    seen.add(key)
+                    new.append((i, key))
+                    continue
+                if e is not None and e.fmt != fmt:
+                    raise InvalidRequest(
+                        f"chunk {key.chunk_hash.hex()} of {key.model_name!r} is stored in format {e.fmt}, "
+                        f"this instance writes {fmt}: two registrations of one model_name must have "
+                        "the same layout, dtype and number of layers"
+                    )
+                present.append(i)
+                if e is not None and lru.pop(key, None) is not None:
+                    held.append(e)
             for i, key in new:
                 offset = self._allocate(size, evicted)
                 if offset is None:

@@ -48,8 +48,6 @@ class ClientDrivenCore(ContextCore):
         super().__init__(*args, **kwargs)
         self._unmapping: Callable[[], None] | None = None
         self.arena = self._map_arena()
-        #: The arena's slots as this context's layout sees them (its worker plans every copy).
-        self._views = SlotViews(self.arena.view, self.layout, self.chunk_size)
         #: Queued requests whose reserve is not sent yet / stores whose commit is not sent yet.
         self._deferred = 0
         self._uncommitted = 0
@@ -71,6 +69,7 @@ class ClientDrivenCore(ContextCore):
     # ------------------------------------------------------------------ the arena mapping
 
     def _map_arena(self) -> ArenaMapping:
+        """Map the server's arena, and make the table of its slot views (:attr:`_views`)."""
         mapping = ArenaMapping(self.connection.arena_path, self.connection.arena_size)
         try:
             with self._step("on_arena"):
@@ -78,6 +77,8 @@ class ClientDrivenCore(ContextCore):
         except BaseException:
             mapping.close()
             raise
+        #: The arena's slots as this context's layout sees them (its worker plans every copy).
+        self._views = SlotViews(mapping.view, self.layout, self.chunk_size)
         return mapping
 
     def _unmap_arena(self) -> None:
@@ -94,7 +95,6 @@ class ClientDrivenCore(ContextCore):
         self._drain()  # copies still in flight must land before their slots are unmapped
         self._unmap_arena()
         self.arena = self._map_arena()
-        self._views = SlotViews(self.arena.view, self.layout, self.chunk_size)
         super().on_reconnect()
 
     def _released(self) -> None:
