@@ -120,8 +120,8 @@ class UnixListener:
         #: connections closed for a malformed stream, and refused for being over the limit
         self.malformed = 0
         self.refused = 0
-        #: per kind of connection refused or closed by the listener: (count, count logged, next log time)
-        self._shed = ThrottledLog(log)
+        #: the warnings a peer can cause at will (connections refused or closed), at most one a second per kind
+        self._throttled = ThrottledLog(log)
         self.fd_limit = ensure_fd_room(max_connections)
         #: freed to accept (and close) a connection when no descriptor is left; see the module doc
         self._spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -191,7 +191,7 @@ class UnixListener:
     def _refuse(self, why: str) -> None:
         """Count a connection closed at accept and log it."""
         self.refused += 1
-        self._shed.warning("refused", f"refused a connection: {why}")
+        self._throttled.warning("refused", f"refused a connection: {why}")
 
     def tick(self) -> None:
         """Periodic (the loop's tick): poll the listening socket again after a failed accept,
@@ -298,7 +298,8 @@ class UnixListener:
 
     def _malformed(self, conn: _Conn, exc: FramingError) -> None:
         self.malformed += 1
-        log.warning("closing the connection of %s: %s", conn.peer, exc)
+        # a peer may open connections and send a bad head as fast as it likes: throttled
+        self._throttled.warning("malformed", f"closing the connection of {conn.peer}: {exc}")
         self._close(conn)
 
     def _shed_buffered(self) -> None:
@@ -315,7 +316,7 @@ class UnixListener:
             if not held:
                 return
             victim = max(held, key=lambda c: len(c.reader))
-            self._shed.warning("buffered", f"closed the connection of {victim.peer}: it holds {len(victim.reader)} "
+            self._throttled.warning("buffered", f"closed the connection of {victim.peer}: it holds {len(victim.reader)} "
                            f"bytes of an unfinished message while all connections hold {self.buffered}, more than "
                            f"{self._max_buffered} (4 x max(--max-unread-reply-bytes, --max-message-size))")
             self._close(victim)

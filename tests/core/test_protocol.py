@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import struct
+import time
 
 from kvxfer.mq.stream import MAX_FRAMES, FrameReader, FramingError, pack
 from kvxfer.testing.wire import RawConnection
@@ -21,6 +22,7 @@ from kvxfer.errors import (
 from kvxfer.mq.client import MQClient
 from kvxfer.protocol import REQUESTS, HandlerKind, codec
 from kvxfer.protocol import messages as m
+from kvxfer_core_helpers import wait_until
 
 H = b"\x01" * 16
 
@@ -282,6 +284,30 @@ def test_a_malformed_stream_closes_its_connection_and_the_server_keeps_serving(s
     finally:
         conn.close()
     assert client.ping() > 0
+
+
+def test_a_flood_of_malformed_connections_does_not_flood_the_log(server, client) -> None:
+    """Each malformed connection is closed; the line saying so is logged at most once a second,
+    with the count of those left out (one line each once made the log grow 1 MB a second)."""
+    line = "closing the connection of"
+    before = server.log().count(line)
+    for _ in range(300):
+        conn = RawConnection(server.url)
+        try:
+            conn.send_bytes(struct.pack("<IB", 40, 0) + bytes(40))  # no frames
+            assert conn.closed(15.0)
+        finally:
+            conn.close()
+    assert client.ping() > 0
+    time.sleep(1.1)  # the next line is due: it counts the ones left out
+    conn = RawConnection(server.url)
+    try:
+        conn.send_bytes(struct.pack("<IB", 40, 0) + bytes(40))
+        assert conn.closed(15.0)
+    finally:
+        conn.close()
+    assert wait_until(lambda: "more since the last such line" in server.log(), 15), server.log()[-2000:]
+    assert server.log().count(line) - before <= 3, server.log()[-2000:]
 
 
 def test_a_connection_closed_mid_message_costs_nothing(server, client) -> None:
