@@ -54,6 +54,7 @@ from typing import Any, Final
 
 from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
+from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.protocol.messages import TierStatus
 from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State, Usage
 from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
@@ -431,6 +432,8 @@ class L2Tier:
         #: lookups count them as misses, and the format this server then wanted (one registered in
         #: the value's format since makes it loadable) (loop thread; see _UNLOADABLE_KEPT).
         self._unloadable: dict[ChunkKey, tuple[float, str | None]] = {}
+        #: lines lookups can cause at will (another layout's values in a shared store): one a second
+        self._throttled = ThrottledLog(log)
         self._threads: list[threading.Thread] = []
         self._health_thread: threading.Thread | None = None
         self._stop_health = threading.Event()
@@ -828,8 +831,9 @@ class L2Tier:
 
     def _wrong_size(self, key: ChunkKey, size: int, want: int) -> None:
         self._count("integrity_failures")
-        log.warning("L2 value of chunk %s of %r has %d bytes; the registered layout %s needs %d: ignored",
-                    key.chunk_hash.hex()[:16], key.model_name, size, self.expected_format(key), want)
+        self._throttled.warning("wrong size", f"L2 value of chunk {key.chunk_hash.hex()[:16]} of {key.model_name!r} "
+                                f"has {size} bytes; the registered layout {self.expected_format(key)} needs "
+                                f"{want}: ignored")
 
     # ------------------------------------------------------------------ promotion
 

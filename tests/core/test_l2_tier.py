@@ -501,6 +501,41 @@ def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path
         assert backend.submit_exists([l2[1]]).result(TIMEOUT) == [HEADER_SIZE + size]
 
 
+def test_lookups_meeting_values_of_another_size_do_not_flood_the_log(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """In process, with the real fs store, arena and index. A value of another size than the
+    registered layout's chunk (another layout's, in a store two layouts share) is a miss each
+    time a lookup meets it, and stays in the store: the warning comes at most once a second,
+    with the count of those left out (one line per lookup once grew the log 0.5 MB a second)."""
+    registered = {"fmt": None}
+    with in_process_tier(tmp_path, lambda key: registered["fmt"]) as (arena, index, tier, pump):
+        hashes = [bytes([i]) * 16 for i in range(2)]
+        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 8192, 1, Usage())
+        tier.offer([e for _, e in index.commit_write(res)])
+        pump(lambda: tier.writes == 2)
+        assert len(index.clear()) == 2
+        registered["fmt"] = "bfloat16:2x2x32x16"  # the model registered again with half the chunk
+
+        def lookup() -> int:
+            lk = tier.begin_lookup("m", 1, hashes, 0)
+            assert lk is not None
+            pump(lk.done)
+            return tier.finish_lookup(lk, promote=True)[0]
+
+        line = "needs 4096: ignored"
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="kvxfer.server.tier"):
+            for _ in range(100):
+                assert lookup() == 0
+            time.sleep(1.1)
+            assert lookup() == 0
+        lines = [r.getMessage() for r in caplog.records if line in r.getMessage()]
+        assert 2 <= len(lines) <= time.monotonic() - start + 1, lines  # one a second, and the first
+        assert "more since the last such line" in lines[-1], lines
+        assert tier.backend is not None and tier.backend.submit_exists([l2_key(ChunkKey("m", 1, 0, hashes[0]))]
+                                                                          ).result(TIMEOUT)[0] > 0, "the value stays"
+
+
 def test_every_dtype_a_kv_cache_may_have_has_its_chunk_size_in_l2() -> None:
     """A lookup that reaches L2 sizes the chunk from its format: every dtype a registration
     accepts must be known there (int8 and float64 chunks were written to L2 and never found)."""
