@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -253,25 +254,29 @@ def background_thread() -> None:
         pass
 
 
+#: A query option that carries a secret (``password``, ``ssl_password``, ...): its value is hidden.
+_SECRET_OPTION: Final = re.compile(r"(?i)((?:^|[&;])[^=&;]*(?:password|passwd|secret|token)[^=&;]*=)[^&;]*")
+
+
 def redact_url(url: str) -> str:
-    """``url`` with the password of its user info replaced by ``***`` (for every host of a
-    comma-separated list)."""
+    """``url`` with every secret replaced by ``***``: the password of its user info and the value
+    of any query option named like one (``?password=``, ``ssl_password=``), for every host of a
+    comma-separated list (those without a scheme too: they inherit the first one's); the rest,
+    hosts as written (IPv6 brackets, ports) included, unchanged."""
     out = []
     for part in url.split(","):
+        bare = "://" not in part
         try:
-            s = urlsplit(part)
+            s = urlsplit(f"x://{part}" if bare else part)
         except ValueError:
             out.append("<unparsable url>")
             continue
-        if s.password is None:
-            out.append(part)
-            continue
-        user = s.username or ""
-        host = s.hostname or ""
-        if s.port is not None:
-            host = f"{host}:{s.port}"
-        netloc = f"{user}:***@{host}" if user else f":***@{host}"
-        out.append(urlunsplit((s.scheme, netloc, s.path, s.query, s.fragment)))
+        netloc = s.netloc
+        user_info, at, host = netloc.rpartition("@")
+        if at and ":" in user_info:
+            netloc = f"{user_info.partition(':')[0]}:***@{host}"
+        shown = urlunsplit((s.scheme, netloc, s.path, _SECRET_OPTION.sub(r"\1***", s.query), s.fragment))
+        out.append(shown.removeprefix("x://") if bare else shown)
     return ",".join(out)
 
 

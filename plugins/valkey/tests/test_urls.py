@@ -37,6 +37,12 @@ def test_bad_urls(url: str, match: str) -> None:
 def test_passwords_never_shown() -> None:
     shown = redact_url("valkeys://kvx:s3cret@h1:6380,valkey://:other@h2:1?x=1")
     assert "s3cret" not in shown and "other" not in shown and "kvx:***@h1:6380" in shown
+    # the clients take a password as a query option too, and a host without a scheme inherits one
+    shown = redact_url("valkey://[fe80::1]:7000,u:pw2@h3:7002?password=hunter2&ssl_password=kp&ssl_ca_certs=/ca")
+    assert "hunter2" not in shown and "kp" not in shown and "pw2" not in shown, shown
+    assert shown == "valkey://[fe80::1]:7000,u:***@h3:7002?password=***&ssl_password=***&ssl_ca_certs=/ca", shown
+    hosts, kw = parse_valkey_urls("valkey://h:1?password=hunter2")
+    assert kw["password"] == "hunter2", "the option hidden is one the clients take"
     assert get_store("valkey").redact("valkey://h:1") == "valkey://h:1"
 
 
