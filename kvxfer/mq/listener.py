@@ -316,9 +316,10 @@ class UnixListener:
             if not held:
                 return
             victim = max(held, key=lambda c: len(c.reader))
-            self._throttled.warning("buffered", f"closed the connection of {victim.peer}: it holds {len(victim.reader)} "
-                           f"bytes of an unfinished message while all connections hold {self.buffered}, more than "
-                           f"{self._max_buffered} (4 x max(--max-unread-reply-bytes, --max-message-size))")
+            self._throttled.warning(
+                "buffered", f"closed the connection of {victim.peer}: it holds {len(victim.reader)} bytes of an "
+                f"unfinished message while all connections hold {self.buffered}, more than {self._max_buffered} "
+                "(4 x max(--max-unread-reply-bytes, --max-message-size))")
             self._close(victim)
 
     def _close(self, conn: _Conn) -> None:

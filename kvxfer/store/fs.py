@@ -10,7 +10,9 @@
   evicting the least recently used files; reads count as use;
 * the directory is private (0700, files 0600; checked as :mod:`kvxfer.private_dirs` checks
   kvxfer's own: never through a symbolic link) and held by one server at a time (an exclusive
-  ``flock``): give each server its own directory. A restarted server finds every value again
+  ``flock``): give each server its own directory. Every file operation goes through descriptors
+  of the directory and its subdirectories, opened without following links: a link put in place
+  of a subdirectory is never written, read or deleted through. A restarted server finds every value again
   (the index is rebuilt from the files, oldest first).
 
 Reads go straight into the caller's buffers (``readv``), writes straight from them (``writev``).
@@ -53,6 +55,8 @@ from kvxfer.urls import has_control_character
 __all__ = ["FsStore", "FsBackend"]
 
 _LOCK_NAME: Final = ".kvxfer-fs.lock"
+#: How the store opens its directory and subdirectories: never through a link.
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TMP_SUFFIX: Final = ".tmp"
 _OPTIONS: Final = frozenset({"max_size", "fsync"})
 
@@ -132,42 +136,101 @@ class FsBackend(ThreadedBackend):
         # descriptor of that very directory
         ensure_private_dir(root, "fs store directory", "choose another --l2-url: a directory of yours")
         _refuse_unless_own(root)  # before anything is changed in it
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._root_fd = os.open(root, _DIR_FLAGS)
+        #: subdirectory name -> its descriptor (at most 256), opened once (see _subdir)
+        self._subdirs: dict[str, int] = {}
+        self._subdirs_lock = threading.Lock()  # _subdir runs under _lock too (evictions)
         try:
-            os.fchmod(fd, 0o700)
-        finally:
-            os.close(fd)
-        self._lock_fd = os.open(root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+            os.fchmod(self._root_fd, 0o700)
+            self._lock_fd = os.open(_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                    dir_fd=self._root_fd)
+        except BaseException:
+            os.close(self._root_fd)
+            raise
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            os.close(self._lock_fd)
+            self.close_connections()
             raise ConfigError(f"another kvxfer server uses the fs store {root}; give each server its own "
                               "directory") from None
         self._scan()
 
     def _scan(self) -> None:
         found = []
-        for sub in self.root.iterdir():
-            if not _SUBDIR.fullmatch(sub.name) or not sub.is_dir() or sub.is_symlink():
-                continue
-            for f in sub.iterdir():
-                if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub.name):  # a write cut short by a crash
-                    f.unlink(missing_ok=True)
-                    continue
-                if not _FILE.fullmatch(f.name) or not f.name.startswith(sub.name):
-                    continue  # not this store's: never evicted
-                with contextlib.suppress(FileNotFoundError):
-                    st = f.lstat()
-                    if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name: not one
-                        found.append((st.st_mtime_ns, f.name, st.st_size))
+        with os.scandir(self._root_fd) as entries:
+            subs = sorted(e.name for e in entries if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+        for sub in subs:
+            fd = self._subdir(sub, create=False)
+            if fd is None:
+                continue  # gone, or a link put in its place meanwhile
+            with os.scandir(fd) as files:
+                for f in files:
+                    if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub):  # a write cut short by a crash
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(f.name, dir_fd=fd)
+                        continue
+                    if not _FILE.fullmatch(f.name) or not f.name.startswith(sub):
+                        continue  # not this store's: never evicted
+                    with contextlib.suppress(FileNotFoundError):
+                        st = f.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name: not one
+                            found.append((st.st_mtime_ns, f.name, st.st_size))
         for _, name, size in sorted(found):
             self._lru[name] = size
             self.used += size
         self._make_room(0)
 
-    def _path(self, name: str) -> Path:
-        return self.root / name[:2] / name
+    def _subdir(self, sub: str, create: bool) -> int | None:
+        """The descriptor of subdirectory ``sub``, opened once without following a link (made,
+        0700, with ``create``); None where there is none, or something else is in its place."""
+        fd = self._subdirs.get(sub)
+        if fd is not None:
+            return fd
+        with self._subdirs_lock:
+            fd = self._subdirs.get(sub)
+            if fd is not None:
+                return fd
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(sub, 0o700, dir_fd=self._root_fd)
+            try:
+                fd = os.open(sub, _DIR_FLAGS, dir_fd=self._root_fd)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                return None  # a link in its place: never followed
+            self._subdirs[sub] = fd
+            return fd
+
+    def _create(self, sub: str, tmp: str) -> tuple[int, int] | None:
+        """``(subdirectory fd, fd)`` of the new file ``tmp`` in ``sub``; None where ``sub`` cannot
+        be used. A subdirectory removed behind the store's back is made again."""
+        for _ in range(2):
+            fd = self._subdir(sub, create=True)
+            if fd is None:
+                return None
+            try:
+                return fd, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                   dir_fd=fd)
+            except FileNotFoundError:  # the directory of that descriptor was removed: open it anew
+                with self._subdirs_lock:
+                    if self._subdirs.get(sub) == fd:
+                        del self._subdirs[sub]
+                        os.close(fd)
+        return None
+
+    def _unlink(self, name: str) -> bool:
+        """Delete the value file ``name`` (not a directory in its place); whether one was deleted."""
+        fd = self._subdir(name[:2], create=False)
+        if fd is None:
+            return False
+        try:
+            os.unlink(name, dir_fd=fd)
+        except (FileNotFoundError, IsADirectoryError):  # a directory: not the store's to remove
+            return False
+        return True
 
     def _make_room(self, size: int) -> None:
         """Evict least recently used files until ``size`` more bytes fit (lock held or init)."""
@@ -175,8 +238,7 @@ class FsBackend(ThreadedBackend):
             name, old = self._lru.popitem(last=False)
             self.used -= old
             self.evictions += 1
-            with contextlib.suppress(FileNotFoundError):
-                self._path(name).unlink()
+            self._unlink(name)
 
     # ------------------------------------------------------------------ blocking operations
 
@@ -189,10 +251,13 @@ class FsBackend(ThreadedBackend):
         for key, parts in items:
             name = _name(key)
             want = sum(len(p) for p in parts)
+            sub = self._subdir(name[:2], create=False)
             try:
+                if sub is None:
+                    raise FileNotFoundError(name)
                 # not blocking: a FIFO put under the name behind the store's back would hold this
                 # thread in open() for ever; not following a link out of the directory
-                fd = os.open(self._path(name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
             except FileNotFoundError:
                 with self._lock:
                     gone = self._lru.pop(name, None)  # removed behind our back
@@ -228,10 +293,12 @@ class FsBackend(ThreadedBackend):
             if size > self.max_size:
                 out.append(False)
                 continue
-            final = self._path(name)
-            final.parent.mkdir(mode=0o700, exist_ok=True)
-            tmp = final.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP_SUFFIX}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            tmp = f"{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP_SUFFIX}"
+            opened = self._create(name[:2], tmp)
+            if opened is None:  # a link or a file where its subdirectory goes: not written through
+                out.append(False)
+                continue
+            sub, fd = opened
             try:
                 try:
                     _writev_all(fd, parts)
@@ -243,12 +310,12 @@ class FsBackend(ThreadedBackend):
                     old = self._lru.pop(name, 0)
                     self.used -= old
                     self._make_room(size)
-                    os.replace(tmp, final)
+                    os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
                     self._lru[name] = size
                     self.used += size
             except OSError as exc:
                 with contextlib.suppress(OSError):
-                    tmp.unlink()
+                    os.unlink(tmp, dir_fd=sub)
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise StoreUnavailable(f"fs store {self.root}: the disk is full ({exc.strerror}); lower "
                                            "max_size in --l2-url") from None
@@ -265,9 +332,7 @@ class FsBackend(ThreadedBackend):
                 if size is None:
                     continue
                 self.used -= size
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # a directory: not the store's to remove
-                self._path(name).unlink()
-                n += 1
+            n += self._unlink(name)
         return n
 
     def ping(self) -> None:
@@ -280,8 +345,10 @@ class FsBackend(ThreadedBackend):
                     "max_size": format_bytes(self.max_size), "evictions": str(self.evictions)}
 
     def close_connections(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
+        for fd in [*self._subdirs.values(), self._lock_fd, self._root_fd]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._subdirs.clear()
 
 
 class FsStore(Store):

@@ -156,6 +156,45 @@ def test_what_is_not_a_regular_file_in_place_of_a_value_is_a_wrong_size_not_a_ha
         b.close()
 
 
+def test_a_link_planted_in_place_of_a_subdirectory_is_never_written_read_or_deleted_through(tmp_path: Path) -> None:
+    """Values live in subdirectories named by their first two characters. A link put in place
+    of one (by a process of the server's user) once had puts write into its target and evictions
+    delete there: the store now opens its subdirectories without following links, so such a put
+    is refused, a get misses, and the target is left as it was; a subdirectory removed behind
+    the store's back is made again."""
+    import shutil
+
+    from kvxfer.store.fs import _name
+
+    root = tmp_path / "l2"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    key = b"planted"
+    name = _name(key)
+    (outside / name).write_bytes(b"o" * 4096)  # what a read through the link would find
+    b = FsStore().open(f"file://{root}?max_size=8KiB", StoreOptions())
+    try:
+        (root / name[:2]).symlink_to(outside)
+        assert not _put(b, key, b"v" * 4096)
+        assert b.submit_get([(key, [memoryview(bytearray(4096))])]).result(10) == [GetStatus.MISS]
+        others = [k for k in (b"k%d" % i for i in range(64)) if _name(k)[:2] != name[:2]][:3]
+        for k in others:  # the budget holds two: evictions go on around the link
+            assert _put(b, k, b"x" * 4096)
+        assert b.submit_exists(others).result(10).count(0) == 1
+        gone = root / _name(others[-1])[:2]
+        shutil.rmtree(gone)  # removed behind the store's back after it was opened
+        assert _put(b, others[-1], b"y" * 4096) and (gone / _name(others[-1])).read_bytes() == b"y" * 4096
+    finally:
+        b.close()
+    assert sorted(os.listdir(outside)) == [name] and (outside / name).read_bytes() == b"o" * 4096
+    b = FsStore().open(f"file://{root}?max_size=8KiB", StoreOptions())  # a restart skips the link too
+    try:
+        assert b.submit_exists([key]).result(10) == [0]
+    finally:
+        b.close()
+    assert sorted(os.listdir(outside)) == [name]
+
+
 def test_one_server_per_directory(tmp_path: Path) -> None:
     b = FsStore().open(f"file://{tmp_path}/l2", StoreOptions())
     try:
