@@ -88,6 +88,11 @@ def request_queue(max_message_size: int, max_unread_reply_bytes: int) -> int:
     return max(REQUEST_QUEUE_MIN, min(REQUEST_QUEUE_MAX, max_unread_reply_bytes // max(1, max_message_size)))
 
 
+#: How long a tcp:// peer may take to finish its CURVE handshake (ZeroMQ's default: 30 s). Before
+#: it has, ZeroMQ already takes a frame of up to --max-message-size from it, so a peer without a
+#: key can make the server hold that much per connection for this long: at most what it uploads
+#: in this time. A handshake is four short messages: a second on the slowest link.
+HANDSHAKE_MS = 5000
 #: What the backlog counts for a reply besides its bytes (Python objects, ZeroMQ frames).
 _REPLY_OVERHEAD = 256
 #: All connections' backlogs together hold at most this many times max_unread_reply_bytes.
@@ -283,6 +288,7 @@ class MQServer:
             router.setsockopt(zmq.SNDHWM, REPLY_QUEUE)
             router.setsockopt(zmq.RCVHWM, request_queue(max_message_size, max_unread_reply_bytes))
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
             if curve is not None and url.startswith("tcp://"):
                 router.curve_server = True
                 router.curve_publickey = curve.public

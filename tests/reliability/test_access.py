@@ -168,6 +168,37 @@ def _stranger_keys(server_public: bytes) -> CurveClientKeys:
     return CurveClientKeys(public, secret, server_public)
 
 
+def test_a_peer_without_a_key_stalled_in_its_handshake_is_dropped(tcp_server):
+    """Before a peer's CURVE handshake is done ZeroMQ already takes a frame of up to
+    --max-message-size from it (16 MiB held per connection): one that never finishes its
+    handshake is dropped after HANDSHAKE_MS (ZeroMQ's default kept it 30 s), and the server
+    serves its authorized clients meanwhile."""
+    import socket
+    import time
+
+    from kvxfer.mq.server import HANDSHAKE_MS
+
+    host, port = tcp_server.url.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        # ZMTP 3 greeting naming CURVE, then the head of a 16 MiB frame and all of it but its last byte
+        s.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + bytes(32))
+        greeting = b""
+        while len(greeting) < 64:
+            got = s.recv(64 - len(greeting))
+            assert got, "the server closed the connection before its greeting"
+            greeting += got
+        s.sendall(bytes([0x06]) + (16 << 20).to_bytes(8, "big") + b"B" * ((16 << 20) - 1))
+        start = time.monotonic()
+        with CacheClient(tcp_server.url, curve=load_client_keys(tcp_server.curve_dir), connect_timeout=10) as c:
+            assert c.status().url == tcp_server.url
+        assert s.recv(16) == b"", "a peer stalled in its handshake got an answer"
+        held = time.monotonic() - start
+    finally:
+        s.close()
+    assert held < 3 * HANDSHAKE_MS / 1e3, f"the stalled peer was held {held:.1f} s"
+
+
 @pytest.mark.parametrize("who", ["no keys", "unknown client key", "wrong server key", "raw zmq, no keys"])
 def test_tcp_client_without_the_key_is_refused(tcp_server, who):
     server_public = load_server_keys(tcp_server.curve_dir).public
