@@ -60,6 +60,7 @@ from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State,
 from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
 from kvxfer.store.format import (
     HEADER_SIZE,
+    ChunkL2Keys,
     DamagedValue,
     IntegrityError,
     checksum,
@@ -427,6 +428,8 @@ class L2Tier:
         self._waiting: list[TierLookup] = []
         #: Per (model, world size), per chunk hash: every rank's chunk key and L2 key.
         self._keys: dict[tuple[str, int], dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]]] = {}
+        #: (model name, world size) -> its ranks' L2 key maker, forgotten with the keys
+        self._key_makers: dict[tuple[str, int], ChunkL2Keys] = {}
         self._keys_kept = 0
         #: Chunk keys whose value this server found intact but of another chunk format: until when
         #: lookups count them as misses, and the format this server then wanted (one registered in
@@ -667,6 +670,7 @@ class L2Tier:
             return None
         if self._keys_kept >= _KEYS_KEPT:  # forget them all (a lookup adds at most its own keys)
             self._keys.clear()
+            self._key_makers.clear()
             self._keys_kept = 0
         cache = self._keys.get((model_name, world_size))
         if cache is None:
@@ -706,7 +710,12 @@ class L2Tier:
                     world_size: int, chunk_hash: bytes) -> tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]:
         """Every rank's chunk key and L2 key of one chunk, remembered in ``cache``."""
         ck = tuple(ChunkKey(model_name, world_size, r, chunk_hash) for r in range(world_size))
-        known = cache[chunk_hash] = (ck, tuple(l2_key(k) for k in ck))
+        make = self._key_makers.get((model_name, world_size))
+        if make is None:
+            make = self._key_makers[(model_name, world_size)] = ChunkL2Keys(
+                [ChunkKey(model_name, world_size, r, b"") for r in range(world_size)])
+            self._keys_kept += world_size  # a hasher per rank, forgotten with the keys
+        known = cache[chunk_hash] = (ck, make(chunk_hash))
         self._keys_kept += len(ck)  # keys, not chunks: a chunk of world_size 65536 has as many
         return known
 

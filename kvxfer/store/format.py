@@ -48,6 +48,7 @@ __all__ = [
     "DamagedValue",
     "Header",
     "l2_key",
+    "ChunkL2Keys",
     "fingerprint",
     "encode_header",
     "decode_header",
@@ -102,6 +103,38 @@ def l2_key(key: Sequence[object]) -> bytes:
     the key (so a richer chunk identity changes L2 keys with it). ``key`` must be hashable (a
     ``ChunkKey``); recent keys are remembered (lookups ask about the same chunks again)."""
     return KEY_PREFIX + hashlib.blake2b(_identity(key), digest_size=20).hexdigest().encode()
+
+
+class ChunkL2Keys:
+    """The L2 keys of a chunk for every rank of one model and world size: ``self(chunk_hash)`` is
+    ``tuple(l2_key(k) for k in keys)`` for ``keys`` the chunk's keys of each rank (``ranks``:
+    ``rank -> template``, each template a chunk key whose last field, the chunk hash, is
+    ``b""``). Each rank's hash starts from a copy of one primed with the fields before the
+    chunk hash: a lookup of thousands of chunks derives their keys several times faster than
+    :func:`l2_key` (which encodes every field of every key), with the same result."""
+
+    __slots__ = ("_bases",)
+
+    def __init__(self, templates: Sequence[Sequence[object]]) -> None:
+        self._bases = []
+        for t in templates:
+            head = _identity(t)
+            if not head.endswith(_EMPTY_BIN):
+                raise ValueError(f"a chunk key template must end with an empty chunk hash, got {t!r}")
+            self._bases.append(hashlib.blake2b(head[:-len(_EMPTY_BIN)], digest_size=20))
+
+    def __call__(self, chunk_hash: bytes) -> tuple[bytes, ...]:
+        tail = msgspec.msgpack.encode(chunk_hash)
+        out = []
+        for base in self._bases:
+            h = base.copy()
+            h.update(tail)
+            out.append(KEY_PREFIX + h.hexdigest().encode())
+        return tuple(out)
+
+
+#: How the identity of a chunk key ends when its chunk hash is empty (MessagePack's bin 8 of 0).
+_EMPTY_BIN: Final = msgspec.msgpack.encode(b"")
 
 
 def fingerprint(key: Sequence[object], fmt: str) -> bytes:

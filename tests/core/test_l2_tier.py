@@ -24,6 +24,7 @@ from kvxfer.server.tier import Breaker, L2Tier, TierConfig, parse_admission
 from kvxfer.store import GetStatus
 from kvxfer.store.format import (
     FORMAT_VERSION,
+    ChunkL2Keys,
     HEADER_SIZE,
     DamagedValue,
     IntegrityError,
@@ -92,6 +93,20 @@ def test_l2_keys_follow_every_field_of_the_chunk_key() -> None:
     keys = {l2_key(k) for k in [base, *variants]}
     assert len(keys) == 5 and all(k.startswith(b"kvxfer:") for k in keys)
     assert l2_key(base) == l2_key(ChunkKey("m", 2, 1, b"h" * 16))
+
+
+@pytest.mark.parametrize("model", ["m", "x" * 300, "modèle/ünï"])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_l2_keys_a_lookup_derives_are_those_of_l2_key(model: str, world_size: int) -> None:
+    """Lookups derive every rank's L2 key from hashers primed with the fields before the chunk
+    hash (ChunkL2Keys): the keys must be exactly l2_key's (values stored under those are found),
+    for any model name and hash length (MessagePack's encoding of each changes with its length)."""
+    make = ChunkL2Keys([ChunkKey(model, world_size, r, b"") for r in range(world_size)])
+    for n in (0, 1, 16, 32, 255, 256, 70_000):
+        h = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
+        assert make(h) == tuple(l2_key(ChunkKey(model, world_size, r, h)) for r in range(world_size)), n
+    with pytest.raises(ValueError, match="empty chunk hash"):
+        ChunkL2Keys([ChunkKey(model, world_size, 0, b"h")])
 
 
 # --------------------------------------------------------------------------- configuration
