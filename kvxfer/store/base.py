@@ -51,7 +51,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Final, Protocol, TypeVar, runtime_checkable
-from urllib.parse import urlsplit, urlunsplit
 
 from kvxfer.errors import StoreUnavailable
 from kvxfer.transport.contract import Probe
@@ -261,22 +260,19 @@ _SECRET_OPTION: Final = re.compile(r"(?i)((?:^|[&;])[^=&;]*(?:password|passwd|se
 def redact_url(url: str) -> str:
     """``url`` with every secret replaced by ``***``: the password of its user info and the value
     of any query option named like one (``?password=``, ``ssl_password=``), for every host of a
-    comma-separated list (those without a scheme too: they inherit the first one's); the rest,
-    hosts as written (IPv6 brackets, ports) included, unchanged."""
+    comma-separated list (those without a scheme too: they inherit the first one's); everything
+    else exactly as written (hosts, IPv6 brackets, ports, a plain path)."""
     out = []
     for part in url.split(","):
-        bare = "://" not in part
-        try:
-            s = urlsplit(f"x://{part}" if bare else part)
-        except ValueError:
-            out.append("<unparsable url>")
-            continue
-        netloc = s.netloc
-        user_info, at, host = netloc.rpartition("@")
+        head, sep, query = part.partition("?")
+        scheme = head.find("://")
+        start = scheme + 3 if scheme >= 0 else 0
+        end = head.find("/", start)
+        end = len(head) if end < 0 else end
+        user_info, at, host = head[start:end].rpartition("@")
         if at and ":" in user_info:
-            netloc = f"{user_info.partition(':')[0]}:***@{host}"
-        shown = urlunsplit((s.scheme, netloc, s.path, _SECRET_OPTION.sub(r"\1***", s.query), s.fragment))
-        out.append(shown.removeprefix("x://") if bare else shown)
+            head = f"{head[:start]}{user_info.partition(':')[0]}:***@{host}{head[end:]}"
+        out.append(head + sep + _SECRET_OPTION.sub(r"\1***", query))
     return ",".join(out)
 
 

@@ -41,6 +41,8 @@ def test_passwords_never_shown() -> None:
     shown = redact_url("valkey://[fe80::1]:7000,u:pw2@h3:7002?password=hunter2&ssl_password=kp&ssl_ca_certs=/ca")
     assert "hunter2" not in shown and "kp" not in shown and "pw2" not in shown, shown
     assert shown == "valkey://[fe80::1]:7000,u:***@h3:7002?password=***&ssl_password=***&ssl_ca_certs=/ca", shown
+    for plain in ("/srv/kvxfer/l2", "file:///srv/kvxfer/l2?max_size=1GiB"):  # fs URLs stay as written
+        assert redact_url(plain) == plain
     hosts, kw = parse_valkey_urls("valkey://h:1?password=hunter2")
     assert kw["password"] == "hunter2", "the option hidden is one the clients take"
     assert get_store("valkey").redact("valkey://h:1") == "valkey://h:1"
