@@ -57,7 +57,7 @@ from kvxfer.errors import (
     VersionMismatch,
 )
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
-from kvxfer.mq.server import MQServer, claim_socket
+from kvxfer.mq.server import MQServer, check_url, claim_socket
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind, RequestSpec
@@ -312,14 +312,25 @@ class CacheServer:
 
     def __init__(self, config: ServerConfig, hooks: HookRelay | None = None) -> None:
         self.config = config
-        if config.l2 is not None:  # an unknown store fails before anything is created
+        # what can be checked at once is, before the arena: faulting that in may take minutes
+        if config.l2 is not None:  # an unknown store
             get_store(config.l2.store)
+        check_url(config.url, config.curve)  # tcp:// without keys, a scheme not served
+        for name in config.transports or ():  # a transport named that is not installed or cannot run here
+            registry.get_transport(name)
         #: This server's hold on its ipc:// socket, from before its arena to its end: a second
         #: server at the socket fails here, whether the first listens yet or not.
         self._claim = claim_socket(config.url)
+        self._metrics: MetricsExporter | None = None
         try:
+            if config.metrics_port is not None:  # a port in use; served once the server is whole
+                from kvxfer.server.metrics import MetricsExporter
+
+                self._metrics = MetricsExporter(self, config.metrics_host, config.metrics_port)
             self._start(config, hooks)
         except BaseException:
+            if self._metrics is not None:
+                self._metrics.close()
             self._release_claim()
             raise
 
@@ -347,7 +358,6 @@ class CacheServer:
         self.dropped_connections = 0
         #: Running figures (status, `kvxfer top`, Prometheus metrics); loop thread only.
         self.stats = ServerStats(tuple(REQUESTS), config.metrics_max_models)
-        self._metrics: MetricsExporter | None = None
         #: Registrations sent to a worker and not finished yet (they count against the limits).
         self._registering = 0
         #: Open writes of silent clients whose process still lives, by the secret of the session
@@ -393,18 +403,8 @@ class CacheServer:
             self._pool.shutdown(wait=False)
             self.arena.close()
             raise
-        if config.metrics_port is not None:
-            from kvxfer.server.metrics import MetricsExporter
-
-            try:
-                self._metrics = MetricsExporter(self, config.metrics_host, config.metrics_port)
-            except BaseException:
-                self._mq.close()
-                if self.tier is not None:
-                    self.tier.close()
-                self._close_transports()
-                self.arena.close()
-                raise
+        if self._metrics is not None:
+            self._metrics.start()
         #: The request table's kind picks the table a handler is in, and how its answer is sent.
         #: Either may answer later (_Awaiting): a lookup that asks L2, a read that waits for promotions.
         self._control: dict[str, Callable[[Session, Any], msgspec.Struct | _Awaiting]] = {

@@ -456,7 +456,8 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
 
 class MetricsExporter:
     """prometheus-client's HTTP server for one :class:`CacheServer`, bound at construction
-    (raises :class:`ConfigError` if the address is unusable); :meth:`close` stops it."""
+    (raises :class:`ConfigError` if the address is unusable: the server binds it before it makes
+    its arena), serving from :meth:`start` (once the server is whole); :meth:`close` stops it."""
 
     def __init__(self, server: CacheServer, host: str, port: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -475,15 +476,19 @@ class MetricsExporter:
                               "(0 picks a free one) or --metrics-host") from None
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="kvxfer-metrics", daemon=True)
-        self._thread.start()
         self.host = host
         self.port = int(self._httpd.server_port)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/metrics"  # `kvxfer serve` prints it in its ready line
 
+    def start(self) -> None:
+        """Serve scrapes (on a thread of its own)."""
+        self._thread.start()
+
     def close(self) -> None:
         self.collector.closed = True
-        self._httpd.shutdown()
+        if self._thread.is_alive():
+            self._httpd.shutdown()  # waits for serve_forever, which a server that never started never runs
         self._httpd.server_close()
-        if self._thread is not threading.current_thread():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)

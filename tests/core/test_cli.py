@@ -510,6 +510,30 @@ def test_a_tcp_server_on_a_port_in_use_is_refused_in_one_line_before_its_arena(t
     assert f"cannot listen at {url}: its port is in use" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("mistake", ["unknown transport", "metrics port in use", "tcp without keys"])
+def test_serve_refuses_a_mistake_before_its_arena(tmp_path: Path, mistake: str) -> None:
+    """Faulting in an arena takes seconds per GiB: a mistake that can be seen at once must be
+    reported before it (a 64 TiB arena, which this host cannot hold, shows the order: its error
+    would come first otherwise)."""
+    import socket
+
+    url = f"ipc://{tmp_path}/run/kvxfer.sock"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        args, said = {
+            "unknown transport": (["--url", url, "--transports", "nope"], "nope"),
+            "metrics port in use": (["--url", url, "--metrics-port", port], f"cannot serve metrics on 127.0.0.1:{port}"),
+            "tcp without keys": (["--url", f"tcp://127.0.0.1:{port}"], "tcp:// needs CURVE keys"),
+        }[mistake]
+        proc = run("serve", *args, "--l1-size", "64TiB")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "64.0 TiB" not in proc.stderr and "--shm-dir" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "kvxfer.sock").exists()
+
+
 def test_serve_at_a_url_naming_a_directory_says_to_name_the_socket_in_it(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir(mode=0o700)
     proc = run("serve", "--url", f"ipc://{tmp_path}/run", "--l1-size", "64TiB")
