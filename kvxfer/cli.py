@@ -402,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run a cache server")
     s.add_argument("--url", default=default_url(), help="ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
     s.add_argument("--l1-size", default="1GiB",
-                   help="host memory for chunks, e.g. 4GiB: all of it is allocated in --shm-dir and faulted in at "
-                        "start-up, before the server answers (default: %(default)s)")
+                   help="host memory for chunks, e.g. 4GiB (or 4G; 4GB is 4 x 1000^3 bytes): all of it is allocated "
+                        "in --shm-dir and faulted in at start-up, before the server answers (default: %(default)s)")
     s.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default: %(default)s)")
     s.add_argument("--transports", default="", help="comma-separated transports to load (default: every installed "
                                                     "one meant for production that can run here)")

@@ -156,9 +156,20 @@ def test_status_at_a_socket_that_accepts_but_does_not_answer_says_wait(tmp_path:
     assert "--timeout S" in err and "start one" not in err and "kvxfer serve --url" not in err
 
 
+@pytest.mark.parametrize("text, size", [("4GiB", 4 << 30), ("4G", 4 << 30), ("4gb", 4 * 1000**3), ("1.5 t", 3 << 39),
+                                        ("1TB", 1000**4), ("2TiB", 2 << 40), ("512", 512)])
+def test_sizes_as_people_write_them(text: str, size: int) -> None:
+    """KiB and K are powers of 1024 (as docker's --shm-size reads them), KB powers of 1000, every
+    unit up to T."""
+    from kvxfer.units import parse_size
+
+    assert parse_size(text) == size
+
+
 def test_bad_arguments(capsys) -> None:
     assert main(["serve", "--l1-size", "lots"]) == 2
-    assert "not a size: 'lots'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a size: 'lots'" in err and "4G (4 x 1024^3 bytes), 4GB (4 x 1000^3)" in err, err
     with pytest.raises(SystemExit) as info:
         main(["nonsense"])
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
