@@ -739,6 +739,15 @@ class Transport(ABC):
         """Whether it can move KV tensors on ``device`` here."""
         return self.refusal(device) is None
 
+    @staticmethod
+    def probe_problem(probe: Probe) -> str | None:
+        """What makes an available ``probe`` one no device can use (``kvxfer plugins`` then shows
+        the transport as unavailable), or None."""
+        if probe.available and not probe.device_types:
+            return ("its probe() answered available but named no device types "
+                    "(Probe.device_types is empty: list those it serves here, e.g. ('cpu',), or '*' for any)")
+        return None
+
     def refusal(self, device: torch.device) -> str | None:
         """Why it cannot move KV tensors on ``device`` here (what to do), or None when it can."""
         probe = self.probe()
@@ -746,9 +755,9 @@ class Transport(ABC):
             return probe.reason or "its probe() says it cannot run here"
         if not self.capabilities.serves(device):
             return f"its capabilities claim device types {', '.join(sorted(self.capabilities.device_types))}"
-        if not probe.device_types:
-            return ("its probe() answered available but named no device types "
-                    "(Probe.device_types is empty: list those it serves here, e.g. ('cpu',), or '*' for any)")
+        problem = self.probe_problem(probe)
+        if problem is not None:
+            return problem
         if "*" not in probe.device_types and device.type not in probe.device_types:
             return f"its probe() found only {', '.join(probe.device_types)} here ({probe.reason})"
         return None

@@ -211,6 +211,9 @@ class EntryPointGroup:
                 probe = plugin.probe()
             except Exception as exc:  # noqa: BLE001  (a probe must not raise; report it if it does)
                 probe = Probe(False, f"probe() raised {type(exc).__name__}: {exc}")
+            problem = getattr(plugin, "probe_problem", lambda _: None)(probe)  # transports: no device named
+            if problem is not None:
+                probe = Probe(False, problem)
             style = getattr(plugin, "style", "")
             out.append(PluginInfo(
                 **base,

@@ -74,6 +74,8 @@ def test_plugins_json_lists_every_plugin_with_its_health(test_plugin_path: Path)
     assert old["health"] == "broken" and "api_version 0" in old["detail"] and "implements 2" in old["detail"]
     nodev = by_name["test_nodevice"]
     assert nodev["health"] == "unavailable" and "no test accelerator" in nodev["detail"]
+    notypes = by_name["test_notypes"]  # available by its probe, yet no device could use it
+    assert notypes["health"] == "unavailable" and "named no device types" in notypes["detail"]
     # broken neighbours break nothing else
     assert by_name["cpu_gather"]["health"] == "available"
 
