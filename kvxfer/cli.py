@@ -62,6 +62,12 @@ def _curve_server(curve_dir: str | None) -> CurveServerKeys | None:
 L2_PASSWORD_ENV = "KVXFER_L2_PASSWORD"
 
 
+#: The defaults of the ``--l2-*`` options of ``kvxfer serve`` (by dest).
+_L2_DEFAULTS: Final[dict[str, object]] = {"l2_url": "", "l2_admission": "all", "l2_queue": 64, "l2_writers": 2,
+                                          "l2_readers": 2, "l2_timeout": 0.5, "l2_bulk_timeout": 10.0,
+                                          "l2_write_yield": 0.1}
+
+
 def _l2_config(args: argparse.Namespace) -> TierConfig | None:
     """The TierConfig of ``--l2 ...`` (None without ``--l2``). A password in
     ``$KVXFER_L2_PASSWORD`` goes into the URL here, so it need not be on the command line."""
@@ -72,8 +78,11 @@ def _l2_config(args: argparse.Namespace) -> TierConfig | None:
     from kvxfer.server.tier import TierConfig
 
     if not args.l2:
-        if args.l2_url:
-            raise ConfigError("--l2-url needs --l2 NAME (the store backend: see `kvxfer plugins`)")
+        given = [f"--{dest.replace('_', '-')}" for dest, default in _L2_DEFAULTS.items()
+                 if getattr(args, dest) != default]
+        if given:  # an option of a tier that is not there would be ignored without a word
+            raise ConfigError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --l2 NAME (the store backend: "
+                              "see `kvxfer plugins`)")
         return None
     url = args.l2_url or ""
     password = os.environ.get(L2_PASSWORD_ENV)
@@ -426,21 +435,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "'Busy polling'); at most 1000000; 0: off (default: %(default)g)")
     g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
-    g.add_argument("--l2-url", default="", metavar="URL",
+    g.add_argument("--l2-url", default=_L2_DEFAULTS["l2_url"], metavar="URL",
                    help="valkey://[USER@]HOST:PORT[,HOST2:PORT...] (a cluster is discovered), valkeys:// for TLS, "
                         f"file:///DIR?max_size=SIZE for fs; the password may come from ${L2_PASSWORD_ENV}")
-    g.add_argument("--l2-admission", default="all", metavar="POLICY",
+    g.add_argument("--l2-admission", default=_L2_DEFAULTS["l2_admission"], metavar="POLICY",
                    help="which stored chunks go to L2: all, or hits:N once N lookups found them (default: %(default)s)")
-    g.add_argument("--l2-queue", type=int, default=64, metavar="N",
+    g.add_argument("--l2-queue", type=int, default=_L2_DEFAULTS["l2_queue"], metavar="N",
                    help="chunks waiting for an L2 writer; more are dropped (default: %(default)s)")
-    g.add_argument("--l2-writers", type=int, default=2, metavar="N", help="L2 writer threads (default: %(default)s)")
-    g.add_argument("--l2-readers", type=int, default=2, metavar="N",
+    g.add_argument("--l2-writers", type=int, default=_L2_DEFAULTS["l2_writers"], metavar="N",
+                   help="L2 writer threads (default: %(default)s)")
+    g.add_argument("--l2-readers", type=int, default=_L2_DEFAULTS["l2_readers"], metavar="N",
                    help="L2 connections for promotions (default: %(default)s)")
-    g.add_argument("--l2-timeout", type=float, default=0.5, metavar="S",
+    g.add_argument("--l2-timeout", type=float, default=_L2_DEFAULTS["l2_timeout"], metavar="S",
                    help="longest wait for the L2 store in a lookup: what a lookup pays at most (default: %(default)s)")
-    g.add_argument("--l2-bulk-timeout", type=float, default=10.0, metavar="S",
+    g.add_argument("--l2-bulk-timeout", type=float, default=_L2_DEFAULTS["l2_bulk_timeout"], metavar="S",
                    help="longest silence while chunks move to or from L2 (default: %(default)s)")
-    g.add_argument("--l2-write-yield", type=float, default=0.1, metavar="S",
+    g.add_argument("--l2-write-yield", type=float, default=_L2_DEFAULTS["l2_write_yield"], metavar="S",
                    help="longest an L2 writer waits for stores and promotions in progress before it writes anyway; "
                         "0: writes run beside them (default: %(default)s)")
     _limit_options(s)

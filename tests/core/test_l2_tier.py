@@ -180,6 +180,9 @@ def test_serve_refuses_unknown_store_and_url_without_store(tmp_path: Path,
     assert "kvxfer-nosuch" not in err, err  # no distribution of that name exists
     assert main(["serve", "--url", f"ipc://{tmp_path}/s.sock", "--l2-url", "file:///tmp/x"]) == 2
     assert "--l2-url needs --l2 NAME" in capsys.readouterr().err
+    # any option of the tier without one would be ignored without a word: refused, each named
+    assert main(["serve", "--url", f"ipc://{tmp_path}/s.sock", "--l2-admission", "hits", "--l2-queue", "8"]) == 2
+    assert "--l2-admission, --l2-queue need --l2 NAME" in capsys.readouterr().err
     assert not (tmp_path / "s.sock").exists()
 
 
