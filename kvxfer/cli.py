@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -408,7 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvxfer", description="KV cache transfer server and tools")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run a cache server")
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        """A subcommand's parser, which its namespace names (its own usage for an unknown option)."""
+        parser = sub.add_parser(name, **kwargs)
+        parser.set_defaults(parser=parser)
+        return parser
+
+    s = command("serve", help="run a cache server")
     s.add_argument("--url", default=default_url(), help="ipc://PATH or tcp://HOST:PORT (default: %(default)s)")
     s.add_argument("--l1-size", default="1GiB",
                    help="host memory for chunks, e.g. 4GiB (or 4G; 4GB is 4 x 1000^3 bytes): all of it is allocated "
@@ -457,11 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     s.set_defaults(fn=cmd_serve)
 
-    s = sub.add_parser("plugins", help="list installed transports and store backends, and their health")
+    s = command("plugins", help="list installed transports and store backends, and their health")
     s.add_argument("--json", action="store_true", help="print the list as one JSON object")
     s.set_defaults(fn=cmd_plugins)
 
-    s = sub.add_parser("status", help="show a server's report")
+    s = command("status", help="show a server's report")
     s.add_argument("--url", default=default_url(), help="the server's address (default: %(default)s)")
     s.add_argument("--json", action="store_true",
                    help="print the report as one JSON object (the server's own figures: its 'sessions' counts "
@@ -473,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_status)
 
-    s = sub.add_parser("top", help="a live view of a server's figures (q quits)")
+    s = command("top", help="a live view of a server's figures (q quits)")
     s.add_argument("--url", default=default_url(), help="the server's address (default: %(default)s)")
     s.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
     s.add_argument("--once", action="store_true", help="print one frame and exit (also when stdout is not a terminal)")
@@ -484,13 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_top)
 
-    s = sub.add_parser("keys", help="make CURVE keys for tcp:// serving")
+    s = command("keys", help="make CURVE keys for tcp:// serving")
     s.add_argument("dir", help="directory to create the keys in (made 0700)")
     s.add_argument("--client", default=None, metavar="NAME",
                    help="add and authorize another client key pair NAME in an existing key directory")
     s.set_defaults(fn=cmd_keys)
 
-    s = sub.add_parser("demo", help="start a server, store and load a real paged KV cache, report, stop")
+    s = command("demo", help="start a server, store and load a real paged KV cache, report, stop")
     s.add_argument("--transport", default="cpu_gather", help="transport to register through (default: %(default)s)")
     s.add_argument("--layers", type=positive_int, default=32, help="layers of the KV cache (default: %(default)s)")
     s.add_argument("--blocks", type=positive_int, default=512,
@@ -506,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--l2", default=None, help="the L2 store of --nodes 2 (default: valkey)")
     s.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("bench", help="transfer benchmark (see benchmarks/transfer.py --help)", add_help=False)
+    s = command("bench", help="transfer benchmark (see benchmarks/transfer.py --help)", add_help=False)
     s.add_argument("bench_args", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_bench)
     return p
@@ -519,7 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         command, run = "bench", functools.partial(bench_main, argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:  # the subcommand's usage, not kvxfer's
+            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         command, run = args.command, functools.partial(args.fn, args)
     try:
         code = int(run() or 0)

@@ -173,6 +173,11 @@ def test_bad_arguments(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["nonsense"])
     assert info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # a misspelt option: the subcommand's usage, not kvxfer's
+        main(["serve", "--l1size", "4GiB"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "kvxfer serve: error: unrecognized arguments: --l1size 4GiB" in err, err
+    assert "usage: kvxfer serve" in err and "--l1-size" in err, err
 
 
 def test_every_option_says_what_it_does() -> None:
