@@ -137,6 +137,10 @@ class ConnectorConfig:
             if close:
                 raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {close[0]!r}?")
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvxfer.") and k not in KEYS)
+        for k in unknown:
+            close = difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8)
+            if close:
+                raise ConfigError(f"unknown kv_connector_extra_config key {k!r}; did you mean {close[0]!r}?")
         if unknown:
             raise ConfigError(
                 f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; kvxfer knows: "
@@ -216,10 +220,15 @@ def _default_model_name(model_config: Any, cache_config: Any) -> str:
 
 
 def _load_timeout(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    """Numbers may come as strings (``--kv-transfer-config`` JSON written by hand), as for every key."""
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = math.nan
+    if isinstance(value, bool) or not math.isfinite(ms) or ms < 0:
         raise ConfigError(f"kvxfer.load_timeout_ms must be a non-negative number of milliseconds (0: no deadline), "
                           f"got {value!r}")
-    return float(value) / 1000.0
+    return ms / 1000.0
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -231,6 +240,8 @@ def _bool(key: str, value: Any) -> bool:
 
 
 def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():  # as written in JSON by hand: "256"
+        return _positive_int(key, int(value))
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     return value
