@@ -137,9 +137,6 @@ class FsBackend(ThreadedBackend):
         ensure_private_dir(root, "fs store directory", "choose another --l2-url: a directory of yours")
         _refuse_unless_own(root)  # before anything is changed in it
         self._root_fd = os.open(root, _DIR_FLAGS)
-        #: subdirectory name -> its descriptor (at most 256), opened once (see _subdir)
-        self._subdirs: dict[str, int] = {}
-        self._subdirs_lock = threading.Lock()  # _subdir runs under _lock too (evictions)
         try:
             os.fchmod(self._root_fd, 0o700)
             self._lock_fd = os.open(_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
@@ -153,84 +150,74 @@ class FsBackend(ThreadedBackend):
             self.close_connections()
             raise ConfigError(f"another kvxfer server uses the fs store {root}; give each server its own "
                               "directory") from None
-        self._scan()
+        try:
+            self._scan()
+        except BaseException:
+            self.close_connections()
+            raise
 
     def _scan(self) -> None:
         found = []
         with os.scandir(self._root_fd) as entries:
             subs = sorted(e.name for e in entries if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
         for sub in subs:
-            fd = self._subdir(sub, create=False)
-            if fd is None:
-                continue  # gone, or a link put in its place meanwhile
-            with os.scandir(fd) as files:
-                for f in files:
-                    if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub):  # a write cut short by a crash
+            with self._subdir(sub) as fd:
+                if fd is None:
+                    continue  # gone, or a link put in its place meanwhile
+                with os.scandir(fd) as files:
+                    for f in files:
+                        if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub):  # a write cut short by a crash
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(f.name, dir_fd=fd)
+                            continue
+                        if not _FILE.fullmatch(f.name) or not f.name.startswith(sub):
+                            continue  # not this store's: never evicted
                         with contextlib.suppress(FileNotFoundError):
-                            os.unlink(f.name, dir_fd=fd)
-                        continue
-                    if not _FILE.fullmatch(f.name) or not f.name.startswith(sub):
-                        continue  # not this store's: never evicted
-                    with contextlib.suppress(FileNotFoundError):
-                        st = f.stat(follow_symlinks=False)
-                        if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name: not one
-                            found.append((st.st_mtime_ns, f.name, st.st_size))
+                            st = f.stat(follow_symlinks=False)
+                            if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name: not one
+                                found.append((st.st_mtime_ns, f.name, st.st_size))
         for _, name, size in sorted(found):
             self._lru[name] = size
             self.used += size
         self._make_room(0)
 
-    def _subdir(self, sub: str, create: bool) -> int | None:
-        """The descriptor of subdirectory ``sub``, opened once without following a link (made,
-        0700, with ``create``); None where there is none, or something else is in its place."""
-        fd = self._subdirs.get(sub)
-        if fd is not None:
-            return fd
-        with self._subdirs_lock:
-            fd = self._subdirs.get(sub)
-            if fd is not None:
-                return fd
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(sub, 0o700, dir_fd=self._root_fd)
-            try:
-                fd = os.open(sub, _DIR_FLAGS, dir_fd=self._root_fd)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    raise
-                return None  # a link in its place: never followed
-            self._subdirs[sub] = fd
-            return fd
+    def _open_subdir(self, sub: str, create: bool = False) -> int | None:
+        """A new descriptor of subdirectory ``sub``, opened without following a link (made, 0700,
+        with ``create``); None where there is none, or something else is in its place. Each
+        operation opens its own and closes it (:meth:`_subdir`): the store holds no descriptor
+        but its directory's and its lock's."""
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(sub, 0o700, dir_fd=self._root_fd)
+        try:
+            return os.open(sub, _DIR_FLAGS, dir_fd=self._root_fd)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            return None  # a link in its place: never followed
 
-    def _create(self, sub: str, tmp: str) -> tuple[int, int] | None:
-        """``(subdirectory fd, fd)`` of the new file ``tmp`` in ``sub``; None where ``sub`` cannot
-        be used. A subdirectory removed behind the store's back is made again."""
-        for _ in range(2):
-            fd = self._subdir(sub, create=True)
-            if fd is None:
-                return None
-            try:
-                return fd, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                                   dir_fd=fd)
-            except FileNotFoundError:  # the directory of that descriptor was removed: open it anew
-                with self._subdirs_lock:
-                    if self._subdirs.get(sub) == fd:
-                        del self._subdirs[sub]
-                        os.close(fd)
-        return None
+    @contextlib.contextmanager
+    def _subdir(self, sub: str, create: bool = False) -> Iterator[int | None]:
+        """:meth:`_open_subdir`, closed at the end of the block."""
+        fd = self._open_subdir(sub, create)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _unlink(self, name: str) -> bool:
         """Delete the value file ``name`` (not a directory in its place); whether one was deleted."""
-        fd = self._subdir(name[:2], create=False)
-        if fd is None:
-            return False
-        try:
-            os.unlink(name, dir_fd=fd)
-        except (FileNotFoundError, IsADirectoryError):  # a directory: not the store's to remove
-            return False
-        return True
+        with self._subdir(name[:2]) as fd:
+            if fd is None:
+                return False
+            try:
+                os.unlink(name, dir_fd=fd)
+            except (FileNotFoundError, IsADirectoryError):  # a directory: not the store's to remove
+                return False
+            return True
 
     def _make_room(self, size: int) -> None:
         """Evict least recently used files until ``size`` more bytes fit (lock held or init)."""
@@ -251,13 +238,13 @@ class FsBackend(ThreadedBackend):
         for key, parts in items:
             name = _name(key)
             want = sum(len(p) for p in parts)
-            sub = self._subdir(name[:2], create=False)
             try:
-                if sub is None:
-                    raise FileNotFoundError(name)
-                # not blocking: a FIFO put under the name behind the store's back would hold this
-                # thread in open() for ever; not following a link out of the directory
-                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
+                with self._subdir(name[:2]) as sub:
+                    if sub is None:
+                        raise FileNotFoundError(name)
+                    # not blocking: a FIFO put under the name behind the store's back would hold
+                    # this thread in open() for ever; not following a link out of the directory
+                    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
             except FileNotFoundError:
                 with self._lock:
                     gone = self._lru.pop(name, None)  # removed behind our back
@@ -294,32 +281,33 @@ class FsBackend(ThreadedBackend):
                 out.append(False)
                 continue
             tmp = f"{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP_SUFFIX}"
-            opened = self._create(name[:2], tmp)
-            if opened is None:  # a link or a file where its subdirectory goes: not written through
-                out.append(False)
-                continue
-            sub, fd = opened
-            try:
+            with self._subdir(name[:2], create=True) as sub:
+                if sub is None:  # a link or a file where its subdirectory goes: not written through
+                    out.append(False)
+                    continue
                 try:
-                    _writev_all(fd, parts)
-                    if self.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                with self._lock:
-                    old = self._lru.pop(name, 0)
-                    self.used -= old
-                    self._make_room(size)
-                    os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
-                    self._lru[name] = size
-                    self.used += size
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp, dir_fd=sub)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise StoreUnavailable(f"fs store {self.root}: the disk is full ({exc.strerror}); lower "
-                                           "max_size in --l2-url") from None
-                raise
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                 dir_fd=sub)
+                    try:
+                        _writev_all(fd, parts)
+                        if self.fsync:
+                            os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    with self._lock:
+                        old = self._lru.pop(name, 0)
+                        self.used -= old
+                        self._make_room(size)
+                        os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+                        self._lru[name] = size
+                        self.used += size
+                except OSError as exc:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=sub)
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise StoreUnavailable(f"fs store {self.root}: the disk is full ({exc.strerror}); lower "
+                                               "max_size in --l2-url") from None
+                    raise
             out.append(True)
         return out
 
@@ -336,8 +324,16 @@ class FsBackend(ThreadedBackend):
         return n
 
     def ping(self) -> None:
-        if not self.root.is_dir():
-            raise StoreUnavailable(f"fs store directory {self.root} is gone")
+        """StoreUnavailable once the directory the store opened is gone or another is at its path
+        (the store works through its descriptor: a directory made anew there is not its own)."""
+        try:
+            opened, now = os.fstat(self._root_fd), os.stat(self.root, follow_symlinks=False)
+            same = opened.st_nlink > 0 and (opened.st_dev, opened.st_ino) == (now.st_dev, now.st_ino)
+        except OSError:
+            same = False
+        if not same:
+            raise StoreUnavailable(f"fs store directory {self.root} is gone (removed or replaced since the server "
+                                   "opened it): restart the server to use the directory there now")
 
     def stats(self) -> dict[str, str]:
         with self._lock:
@@ -345,10 +341,9 @@ class FsBackend(ThreadedBackend):
                     "max_size": format_bytes(self.max_size), "evictions": str(self.evictions)}
 
     def close_connections(self) -> None:
-        for fd in [*self._subdirs.values(), self._lock_fd, self._root_fd]:
+        for fd in (self._lock_fd, self._root_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._subdirs.clear()
 
 
 class FsStore(Store):

@@ -195,6 +195,46 @@ def test_a_link_planted_in_place_of_a_subdirectory_is_never_written_read_or_dele
     assert sorted(os.listdir(outside)) == [name]
 
 
+def test_the_store_holds_no_descriptor_but_its_directorys_and_its_locks(tmp_path: Path) -> None:
+    """Each operation opens the subdirectory it needs and closes it: a store that kept one per
+    subdirectory (256) took the descriptors a server near its open-file limit keeps for itself."""
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    b = FsStore().open(f"file://{tmp_path}/l2", StoreOptions())
+    try:
+        for i in range(600):  # values in (nearly) every one of the 256 subdirectories
+            assert _put(b, b"k%d" % i, b"v" * 64)
+        assert b.submit_get([(b"k1", [memoryview(bytearray(64))])]).result(10) == [GetStatus.HIT]
+        assert b.submit_delete([b"k2"]).result(10) == 1
+        assert len({p.name for p in (tmp_path / "l2").iterdir() if p.is_dir()}) > 200
+        assert open_fds() - before == 2, "the directory and the lock"
+    finally:
+        b.close()
+    assert open_fds() == before
+
+
+def test_a_directory_replaced_behind_the_store_fails_its_ping(tmp_path: Path) -> None:
+    """The store works through the descriptor of the directory it opened: one removed and made
+    anew at its path (a temporary-file cleaner) is not its own, and its health check says so
+    rather than passing while every write fails."""
+    import shutil
+
+    from kvxfer.errors import StoreUnavailable
+
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        b.ping()
+        shutil.rmtree(root)
+        root.mkdir(mode=0o700)
+        with pytest.raises(StoreUnavailable, match="removed or replaced"):
+            b.ping()
+    finally:
+        b.close()
+
+
 def test_one_server_per_directory(tmp_path: Path) -> None:
     b = FsStore().open(f"file://{tmp_path}/l2", StoreOptions())
     try:
