@@ -253,26 +253,34 @@ def background_thread() -> None:
         pass
 
 
-#: A query option that carries a secret (``password``, ``ssl_password``, ...): its value is hidden.
-_SECRET_OPTION: Final = re.compile(r"(?i)((?:^|[&;])[^=&;]*(?:password|passwd|secret|token)[^=&;]*=)[^&;]*")
+#: A query option whose name (decoded) says it carries a secret: ``password``, ``ssl_password``, ...
+_SECRET_OPTION: Final = re.compile(r"(?i)password|passwd|secret|token")
+#: What URL parsers drop from a URL before they read it (urllib's rule, the clients' too).
+_URL_BLANKS: Final = str.maketrans("", "", "\t\r\n")
 
 
 def redact_url(url: str) -> str:
     """``url`` with every secret replaced by ``***``: the password of its user info and the value
-    of any query option named like one (``?password=``, ``ssl_password=``), for every host of a
-    comma-separated list (those without a scheme too: they inherit the first one's); everything
-    else exactly as written (hosts, IPv6 brackets, ports, a plain path)."""
+    of any query option named like one (``?password=``, ``ssl_password=``, names decoded as the
+    clients decode them), for every host of a comma-separated list (those without a scheme too:
+    they inherit the first one's); the rest as written (hosts, IPv6 brackets, ports, a plain path)."""
+    from urllib.parse import unquote_plus
+
     out = []
     for part in url.split(","):
-        head, sep, query = part.partition("?")
+        head, sep, query = part.translate(_URL_BLANKS).partition("?")
         scheme = head.find("://")
-        start = scheme + 3 if scheme >= 0 else 0
+        start = scheme + 3 if scheme >= 0 else 2 if head.startswith("//") else 0
         end = head.find("/", start)
         end = len(head) if end < 0 else end
         user_info, at, host = head[start:end].rpartition("@")
         if at and ":" in user_info:
             head = f"{head[:start]}{user_info.partition(':')[0]}:***@{host}{head[end:]}"
-        out.append(head + sep + _SECRET_OPTION.sub(r"\1***", query))
+        options = []
+        for option in query.split("&") if query else ():  # as parse_qs splits them
+            name, eq, _ = option.partition("=")
+            options.append(f"{name}=***" if eq and _SECRET_OPTION.search(unquote_plus(name)) else option)
+        out.append(head + sep + "&".join(options))
     return ",".join(out)
 
 

@@ -53,6 +53,7 @@ from kvxfer.store import (
     StoreCapabilities,
     StoreOptions,
     ThreadedBackend,
+    redact_url,
 )
 from kvxfer_valkey.resp import ErrorReply, RespReader, pack, pack_bulk_header
 
@@ -91,6 +92,12 @@ def _acl_names(commands: tuple[str, ...]) -> str:
     return ", ".join(c.replace("|", " ").upper() for c in commands)
 
 
+def _shown(part: str) -> str:
+    """A URL the client cannot read, as an error may show it: not at all when it has user info
+    (where its password ends cannot be told then), else redacted."""
+    return "the URL given (not shown: it names a user or password)" if "@" in part else repr(redact_url(part))
+
+
 def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """``valkey://[user:pass@]h1:p1[,h2:p2...][?ssl_ca_certs=...]`` -> ([(host, port)], connection
     kwargs of the first URL: user, password, TLS options). Raises :class:`ConfigError`."""
@@ -108,11 +115,12 @@ def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
         if "://" not in part:  # h2:p2 after the first URL inherits its scheme and options
             part = f"{scheme}://{part}"
         if part.split("://", 1)[0].lower() not in _SCHEMES:
-            raise ConfigError(f"valkey store: unsupported URL scheme in {part.split('://', 1)[0]!r}; {_HINT}")
+            raise ConfigError(f"valkey store: {_shown(parts[i])} is not a valkey:// or valkeys:// URL; {_HINT}")
         try:
             kw = parse_url(part)
-        except ValueError as exc:
-            raise ConfigError(f"valkey store: {exc}; {_HINT}") from None
+        except ValueError as exc:  # its text may quote a password cut in the wrong place: not shown then
+            why = f": {exc}" if "@" not in part else ""
+            raise ConfigError(f"valkey store: {_shown(parts[i])} does not parse{why}; {_HINT}") from None
         if "host" not in kw:
             raise ConfigError(f"valkey store: no host in the URL; {_HINT}")
         hosts.append((kw.pop("host"), int(kw.pop("port", 6379))))

@@ -27,7 +27,7 @@ def test_hosts_users_and_tls_options_pass_through() -> None:
     assert hosts == [("127.0.0.1", 6379)] and "password" not in kw
 
 
-@pytest.mark.parametrize("url, match", [("", "empty URL"), ("http://h:1", "unsupported URL scheme"),
+@pytest.mark.parametrize("url, match", [("", "empty URL"), ("http://h:1", "'http://h:1' is not a valkey:// or valkeys:// URL"),
                                         ("valkey://", "no host")])
 def test_bad_urls(url: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -43,6 +43,22 @@ def test_passwords_never_shown() -> None:
     assert shown == "valkey://[fe80::1]:7000,u:***@h3:7002?password=***&ssl_password=***&ssl_ca_certs=/ca", shown
     for plain in ("/srv/kvxfer/l2", "file:///srv/kvxfer/l2?max_size=1GiB"):  # fs URLs stay as written
         assert redact_url(plain) == plain
+    # whatever the client takes as a password is hidden: options are split and their names decoded as
+    # the client does it, and the blanks URL parsers drop are dropped first
+    for url in ("valkey://h:1?password=abc;SECRET1", "valkey://h:1?pass%77ord=SECRET2", "valkey://h:1?%70assword=SECRET3",
+                "valkey://h:1?ssl_password=k%26SECRET4", "VALKEY://u:SECRET6@h:1",
+                "valkey://u:SECRET7@h:1?password=SECRET8&password=SECRET9"):
+        _, kw = parse_valkey_urls(url)
+        used = [kw[k] for k in ("password", "ssl_password") if kw.get(k)]
+        assert used and not any(secret in redact_url(url) for secret in used), (url, redact_url(url))
+        assert "SECRET" not in redact_url(url), (url, redact_url(url))
+    assert redact_url("//u:SECRET@h:1") == "//u:***@h:1"  # no scheme at all
+    assert redact_url("valkey:/\t/u:SECRET@h:1") == "valkey://u:***@h:1"  # the blanks parsers drop
+    # nor do the errors for URLs the client cannot read show one
+    for bad in ("u:SECRET@h:1", "valkyy://u:SECRET@h:1", "valkey://u:SECRET/x@h:1", "valkey://u:SECRET@h:port"):
+        with pytest.raises(ConfigError) as info:
+            parse_valkey_urls(bad)
+        assert "SECRET" not in str(info.value), str(info.value)
     hosts, kw = parse_valkey_urls("valkey://h:1?password=hunter2")
     assert kw["password"] == "hunter2", "the option hidden is one the clients take"
     assert get_store("valkey").redact("valkey://h:1") == "valkey://h:1"
