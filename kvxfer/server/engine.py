@@ -377,9 +377,10 @@ class CacheServer:
         self._waiting = 0
         #: The L2 tier under the arena (``--l2``), or None.
         self.tier: L2Tier | None = None
+        mq: MQServer | None = None
         try:
             self._load_transports()
-            self._mq = MQServer(
+            self._mq = mq = MQServer(
                 config.url,
                 self._dispatch,
                 max_message_size=config.max_message_size,
@@ -396,15 +397,17 @@ class CacheServer:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
                                    watch=self._mq.watch, unwatch=self._mq.unwatch)
                 self.tier.start()
+            if self._metrics is not None:
+                self._metrics.start()
         except BaseException:
             if self.tier is not None:
                 self.tier.close()
+            if mq is not None:
+                mq.close()
             self._close_transports()
             self._pool.shutdown(wait=False)
             self.arena.close()
             raise
-        if self._metrics is not None:
-            self._metrics.start()
         #: The request table's kind picks the table a handler is in, and how its answer is sent.
         #: Either may answer later (_Awaiting): a lookup that asks L2, a read that waits for promotions.
         self._control: dict[str, Callable[[Session, Any], msgspec.Struct | _Awaiting]] = {

@@ -393,7 +393,14 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
         #: Connections closed at once because every slot was taken, and those cut at their deadline.
         self.refused = 0
         self.expired = 0
-        super().__init__(address, handler)
+        # bound here, listening from server_activate() on (MetricsExporter.start): a port taken
+        # fails at once, yet nothing connects before the server is whole
+        super().__init__(address, handler, bind_and_activate=False)
+        try:
+            self.server_bind()
+        except BaseException:
+            self.server_close()
+            raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
         now = time.monotonic()  # (the accept loop's thread only)
@@ -457,7 +464,8 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
 class MetricsExporter:
     """prometheus-client's HTTP server for one :class:`CacheServer`, bound at construction
     (raises :class:`ConfigError` if the address is unusable: the server binds it before it makes
-    its arena), serving from :meth:`start` (once the server is whole); :meth:`close` stops it."""
+    its arena), listening and serving from :meth:`start` (once the server is whole: a scrape or a
+    TCP probe before is refused, not held); :meth:`close` stops it."""
 
     def __init__(self, server: CacheServer, host: str, port: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -482,7 +490,13 @@ class MetricsExporter:
         self.url = f"http://{shown}:{self.port}/metrics"  # `kvxfer serve` prints it in its ready line
 
     def start(self) -> None:
-        """Serve scrapes (on a thread of its own)."""
+        """Listen, and serve scrapes (on a thread of its own). ConfigError if another socket
+        started listening at the port since it was bound (one bound alone does not hold it)."""
+        try:
+            self._httpd.server_activate()
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {self.host}:{self.port}: {exc}; choose another "
+                              "--metrics-port (0 picks a free one) or --metrics-host") from None
         self._thread.start()
 
     def close(self) -> None:

@@ -346,3 +346,24 @@ def test_an_l2_tier_is_exported_per_tier(tmp_path: Path) -> None:
     console.print(render(st))
     line = next(x for x in console.export_text().splitlines() if x.startswith("l2 fs up"))
     assert "hits 100.0% of 3 chunks asked" in line and "queue 0/64" in line
+
+
+def test_the_metrics_port_is_taken_at_once_and_listens_once_the_server_is_whole() -> None:
+    """A server binds its metrics port before it makes its arena (a port in use fails at once),
+    but listens only once it is whole: a scrape or a TCP probe meanwhile is refused, not held
+    while the arena faults in (the exporter is made here on its own: nothing is scraped)."""
+    import socket
+
+    from kvxfer.errors import ConfigError
+    from kvxfer.server.metrics import MetricsExporter
+
+    exporter = MetricsExporter(object(), "127.0.0.1", 0)  # type: ignore[arg-type]  # never scraped here
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", exporter.port), timeout=5).close()
+        exporter.start()
+        socket.create_connection(("127.0.0.1", exporter.port), timeout=5).close()
+        with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{exporter.port}"):
+            MetricsExporter(object(), "127.0.0.1", exporter.port)  # type: ignore[arg-type]
+    finally:
+        exporter.close()

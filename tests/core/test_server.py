@@ -332,3 +332,36 @@ def test_a_busy_polling_server_keeps_its_cpu_after_a_request_then_sleeps(tmp_pat
             assert slept < 0.05, f"the server without busy polling used {slept:.3f} s of CPU after a request"
             assert wait_until(lambda: _cpu_over(busy.pid, 0.2) < 0.05, timeout=30), "it never stops polling"
             assert a.ping() > 0  # and it answers as before
+
+
+def test_a_server_that_fails_at_its_last_step_of_start_up_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The metrics exporter starts listening last: a failure there (its thread cannot start; made
+    here by a stand-in for ``start``, since a real one cannot be provoked reliably) closes the
+    socket, the L2 tier, the transports and the arena made before it, and frees the port."""
+    import socket
+    from unittest import mock
+
+    from kvxfer.server import CacheServer, ServerConfig
+    from kvxfer.server.metrics import MetricsExporter
+    from kvxfer.server.tier import TierConfig
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sock = tmp_path / "run" / "s.sock"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def fails(self: MetricsExporter) -> None:
+        raise RuntimeError("can't start new thread")
+
+    config = ServerConfig(url=f"ipc://{sock}", l1_size=8 << 20, shm_dir=str(shm), metrics_port=port,
+                          transports=("cpu_gather",), l2=TierConfig("fs", f"file://{tmp_path}/l2"))
+    with mock.patch.object(MetricsExporter, "start", fails), pytest.raises(RuntimeError, match="new thread"):
+        CacheServer(config)
+    assert not sock.exists() and os.listdir(shm) == []
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))  # the exporter's port is free again
+    with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       url=f"ipc://{sock}") as srv, CacheClient(srv.url) as c:
+        assert c.ping() > 0  # the socket's claim was let go too
