@@ -525,9 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         command, run = "bench", functools.partial(bench_main, argv[1:])
     else:
-        args, unknown = build_parser().parse_known_args(argv)
-        if unknown:  # the subcommand's usage, not kvxfer's
-            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the usage of the subcommand the options follow (kvxfer's for those before it)
+            before = argv[:argv.index(args.command)] if args.command in argv else []
+            (parser if any(u in before for u in unknown) else args.parser).error(
+                f"unrecognized arguments: {' '.join(unknown)}")
         command, run = args.command, functools.partial(args.fn, args)
     try:
         code = int(run() or 0)

@@ -314,9 +314,10 @@ def test_the_vllm_connector_reads_booleans_alike_and_names_a_misspelt_key() -> N
     with pytest.raises(ConfigError, match="'kvxfr.url' is not kvxfer's; did you mean 'kvxfer.url'"):
         ConnectorConfig.from_mapping({"kvxfr.url": "ipc:///tmp/x/k.sock"}, **args)
     assert ConnectorConfig.from_mapping({"other_connector.option": 1}, **args)  # another's key: not ours to judge
-    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key 'kvxfer.timeout'; did you mean "
-                                          "'kvxfer.timeout_s'"):
-        ConnectorConfig.from_mapping({"kvxfer.timeout": 7}, **args)
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key\\(s\\) 'kvxfer.lease' \\(did you "
+                                          "mean 'kvxfer.lease_s'\\?\\), 'kvxfer.nonsense', 'kvxfer.timeout' \\(did "
+                                          "you mean 'kvxfer.timeout_s'\\?\\)"):
+        ConnectorConfig.from_mapping({"kvxfer.timeout": 7, "kvxfer.lease": 9, "kvxfer.nonsense": 1}, **args)
 
 
 def test_the_vllm_connector_reads_numbers_written_as_strings_alike() -> None:
@@ -329,8 +330,10 @@ def test_the_vllm_connector_reads_numbers_written_as_strings_alike() -> None:
                                       "kvxfer.timeout_s": "7", "kvxfer.lease_s": "30", "kvxfer.retry_s": "2.5"}, **args)
     assert (c.chunk_size, c.load_timeout_s, c.timeout_s, c.lease_s, c.retry_s) == (256, 2.0, 7.0, 30.0, 2.5)
     for key, bad in (("kvxfer.chunk_size", "256.5"), ("kvxfer.chunk_size", "-16"), ("kvxfer.chunk_size", True),
+                     ("kvxfer.chunk_size", "\u00b2"), ("kvxfer.chunk_size", "9" * 5000),
                      ("kvxfer.load_timeout_ms", "soon"), ("kvxfer.load_timeout_ms", "-1"),
-                     ("kvxfer.load_timeout_ms", "nan")):
+                     ("kvxfer.load_timeout_ms", "nan"), ("kvxfer.load_timeout_ms", 10**400),
+                     ("kvxfer.timeout_s", 10**400)):
         with pytest.raises(ConfigError, match=key):
             ConnectorConfig.from_mapping({key: bad}, **args)
 

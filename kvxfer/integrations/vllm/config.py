@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -137,15 +138,11 @@ class ConnectorConfig:
             if close:
                 raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {close[0]!r}?")
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvxfer.") and k not in KEYS)
-        for k in unknown:
-            close = difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8)
-            if close:
-                raise ConfigError(f"unknown kv_connector_extra_config key {k!r}; did you mean {close[0]!r}?")
         if unknown:
-            raise ConfigError(
-                f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; kvxfer knows: "
-                + "; ".join(f"{k}: {v}" for k, v in KEYS.items())
-            )
+            guesses = {k: difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) for k in unknown}
+            named = ", ".join(f"{k!r} (did you mean {g[0]!r}?)" if g else repr(k) for k, g in guesses.items())
+            raise ConfigError(f"unknown kv_connector_extra_config key(s) {named}; kvxfer knows: "
+                              + "; ".join(f"{k}: {v}" for k, v in KEYS.items()))
         if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
         on_error = extra.get("kvxfer.on_server_error", "fail")
@@ -223,7 +220,7 @@ def _load_timeout(value: Any) -> float:
     """Numbers may come as strings (``--kv-transfer-config`` JSON written by hand), as for every key."""
     try:
         ms = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         ms = math.nan
     if isinstance(value, bool) or not math.isfinite(ms) or ms < 0:
         raise ConfigError(f"kvxfer.load_timeout_ms must be a non-negative number of milliseconds (0: no deadline), "
@@ -240,10 +237,10 @@ def _bool(key: str, value: Any) -> bool:
 
 
 def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, str) and value.strip().isdigit():  # as written in JSON by hand: "256"
-        return _positive_int(key, int(value))
+    if isinstance(value, str) and re.fullmatch(r"\s*[0-9]{1,18}\s*", value):  # as written in JSON by hand: "256"
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}"[:300])
     return value
 
 
@@ -251,8 +248,8 @@ def _positive_float(key: str, value: Any, most: float = math.inf) -> float:
     what = f"a positive number of seconds{f' up to {most:g}' if most < math.inf else ''}"
     try:
         out = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key} must be {what}, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key} must be {what}, got {value!r}"[:300]) from None
     if isinstance(value, bool) or not math.isfinite(out) or not 0 < out <= most:
         raise ConfigError(f"{key} must be {what}, got {value!r}")
     return out
