@@ -25,6 +25,7 @@ from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, LimitExceeded
 from kvxfer.hashing import chunk_hashes
 from kvxfer.layout import KVLayout, LayoutKind
+from kvxfer.transport.contract import TransferContext
 from kvxfer.units import format_bytes
 
 __all__ = ["run_demo"]
@@ -66,21 +67,29 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     from kvxfer.cli import client_curve
 
     client = CacheClient(url, name="kvxfer demo", curve=client_curve(args))
+    try:  # a demo that fails still ends its session (the server would wait for it to time out)
+        return _demo_with(client, url, args)
+    finally:
+        client.close()
+
+
+def demo_model_name(layers: int) -> str:
+    """The model name the demo stores under: one per KV layout (a server keeps one chunk format
+    per name, and demos of other --layers may share it)."""
+    return "demo-llama-8b" if layers == 32 else f"demo-llama-8b-{layers}-layers"
+
+
+def _demo_with(client: CacheClient, url: str, args: argparse.Namespace) -> int:
     cs = client.chunk_size
     bpc = cs // BLOCK_SIZE
     tokens_per_prompt = args.prompt_tokens // cs * cs
     chunks_per_prompt = tokens_per_prompt // cs
     if not chunks_per_prompt:
-        client.close()
         raise ConfigError(f"--prompt-tokens {args.prompt_tokens}: a prompt must hold at least one chunk "
                           f"({cs} tokens at this server)")
     num_blocks = max(args.blocks, 2 * args.prompts * chunks_per_prompt * bpc)
     layout = KVLayout(LayoutKind.FLASH_ATTN, args.layers, num_blocks, BLOCK_SIZE, HEADS * HEAD_SIZE, torch.bfloat16)
-    try:
-        check_kv_fits(layout, HEADS, torch.device("cpu"))
-    except ConfigError:
-        client.close()
-        raise
+    check_kv_fits(layout, HEADS, torch.device("cpu"))
     print(f"server {client.server_version} at {url}: chunk size {cs} tokens, transports "
           f"{', '.join(client.server_transports)}")
     print(f"KV cache: {args.layers} layers x {list(layout.layer_shape(HEADS))} bf16 "
@@ -91,8 +100,21 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     kv = [torch.empty(layout.layer_shape(HEADS), dtype=torch.bfloat16) for _ in range(args.layers)]
     for layer in kv:  # random bits (NaN patterns too): the check below compares bytes
         layer.view(torch.int16).random_(generator=gen)
-    ctx = client.register(kv, model_name="demo-llama-8b", block_size=BLOCK_SIZE, transport=args.transport)
+    model = demo_model_name(args.layers)
+    ctx = client.register(kv, model_name=model, block_size=BLOCK_SIZE, transport=args.transport)
     print(f"registered through {ctx.transport_name} as instance {ctx.instance_id}")
+    try:
+        return _store_and_load(client, ctx, model, layout, kv, gen, cs, tokens_per_prompt, num_blocks, args)
+    finally:
+        ctx.close()
+
+
+def _store_and_load(client: CacheClient, ctx: TransferContext, model: str, layout: KVLayout, kv: list[torch.Tensor],
+                    gen: torch.Generator, cs: int, tokens_per_prompt: int, num_blocks: int,
+                    args: argparse.Namespace) -> int:
+    """Store the prompts' chunks, look them up, load them into other blocks, check, report."""
+    bpc = cs // BLOCK_SIZE
+    chunks_per_prompt = tokens_per_prompt // cs
 
     # Prompts: prompt 1 repeats the first half of prompt 0 (a shared system prompt), so half of its
     # chunks are already stored when it comes.
@@ -128,9 +150,9 @@ def _demo(url: str, args: argparse.Namespace) -> int:
     store_s = time.perf_counter() - t
     store_bytes = stored * layout.chunk_bytes(cs)
 
-    hits = [client.lookup("demo-llama-8b", 1, hashes=h) for h in hashes]
+    hits = [client.lookup(model, 1, hashes=h) for h in hashes]
     unseen = chunk_hashes(torch.randint(0, 128_000, (tokens_per_prompt,), generator=gen).tolist(), cs)
-    miss = client.lookup("demo-llama-8b", 1, hashes=unseen)
+    miss = client.lookup(model, 1, hashes=unseen)
 
     loaded = 0
     t = time.perf_counter()
@@ -148,8 +170,6 @@ def _demo(url: str, args: argparse.Namespace) -> int:
         for layer in kv for s, d, n in zip(src_blocks, dst_blocks, hits)
     )
     st = client.status()
-    ctx.close()
-    client.close()
 
     print()
     print(f"prompts: {args.prompts} x {tokens_per_prompt} tokens = {args.prompts * chunks_per_prompt} chunks")
@@ -221,7 +241,7 @@ def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
     for layer in kv_a:
         layer.view(torch.int16).random_(generator=gen)
     kv_b = [torch.zeros(layout.layer_shape(HEADS), dtype=torch.bfloat16) for _ in range(args.layers)]
-    model = "demo-llama-8b"
+    model = demo_model_name(args.layers)
     ctx_a = ca.register(kv_a, model_name=model, block_size=BLOCK_SIZE, transport=args.transport)
     ctx_b = cb.register(kv_b, model_name=model, block_size=BLOCK_SIZE, transport=args.transport)
     print(f"host A: instance {ctx_a.instance_id} through {ctx_a.transport_name}; host B: instance "
