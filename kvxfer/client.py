@@ -62,6 +62,11 @@ def _serve_command(url: str) -> str:
     return f"kvxfer serve --url {url}" + (" --curve-dir DIR" if url.startswith("tcp://") else "")
 
 
+#: Said where nothing is at the address at all: the address itself may be the mistake.
+_OR_ITS_ADDRESS: Final = ("or, if one runs elsewhere, give its address (--url or $KVXFER_URL; the vLLM "
+                          "connector's kvxfer.url)")
+
+
 def _socket_missing(url: str) -> str:
     path = ipc_path(url)
     assert path is not None
@@ -85,7 +90,7 @@ def no_server_starting(url: str, wait_s: float = 0.0) -> str | None:
     while not (ipc_server_ready(url) or socket_claimed(url)):
         if time.monotonic() >= deadline:
             return (f"no kvxfer server is listening at {url}, and none is starting: {_socket_missing(url)}; start "
-                    f"one with `{_serve_command(url)}`")
+                    f"one with `{_serve_command(url)}`, {_OR_ITS_ADDRESS}")
         time.sleep(0.02)
     return None
 
@@ -181,7 +186,7 @@ class CacheClient:
                     "pre-faulted (seconds per GiB on some hosts); wait for its 'kvxfer server ready' line and try "
                     "again, or allow longer (kvxfer status --timeout S, CacheClient(connect_timeout=S))")
         return (f"no kvxfer server is listening at {self.url}: {_socket_missing(self.url)} (waited "
-                f"{self.connect_timeout:g} s); start one with `{_serve_command(self.url)}`")
+                f"{self.connect_timeout:g} s); start one with `{_serve_command(self.url)}`, {_OR_ITS_ADDRESS}")
 
     def _claim_path(self) -> Path:
         path = ipc_path(self.url)
@@ -327,8 +332,8 @@ class CacheClient:
             registry.get_transport(name)
             raise TransportUnavailable(
                 f"the server at {self.url} did not load transport {name!r}; it has "
-                f"{', '.join(self.server_transports)}. Start it with `kvxfer serve --transports {name}` (or a list "
-                f"naming {name})"
+                f"{', '.join(self.server_transports)}. Start it with `kvxfer serve --url {self.url} --transports "
+                f"{name}` (or a list naming {name})"
             )
         try:
             return registry.select(name, device, among=self.server_transports, kv=(layout, layers))

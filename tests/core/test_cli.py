@@ -122,6 +122,7 @@ def test_status_without_a_server_says_how_to_start_one_at_once(tmp_path: Path, c
     err = capsys.readouterr().err
     assert f"neither {tmp_path}/nodir/none.sock nor its directory exists" in err, err
     assert f"kvxfer serve --url {url}" in err
+    assert "or, if one runs elsewhere, give its address (--url or $KVXFER_URL" in err, err  # a typo'd address
 
 
 def test_status_at_a_socket_nobody_listens_on_says_it_is_stale(tmp_path: Path, capsys) -> None:
@@ -313,6 +314,8 @@ def test_the_vllm_connector_reads_booleans_alike_and_names_a_misspelt_key() -> N
     assert ConnectorConfig.from_mapping({"kvxfer.fingerprint": True}, **args).fingerprint
     with pytest.raises(ConfigError, match="'kvxfr.url' is not kvxfer's; did you mean 'kvxfer.url'"):
         ConnectorConfig.from_mapping({"kvxfr.url": "ipc:///tmp/x/k.sock"}, **args)
+    with pytest.raises(ConfigError, match="'url' is not kvxfer's; did you mean 'kvxfer.url'"):  # the prefix left out
+        ConnectorConfig.from_mapping({"url": "ipc:///tmp/x/k.sock"}, **args)
     assert ConnectorConfig.from_mapping({"other_connector.option": 1}, **args)  # another's key: not ours to judge
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key\\(s\\) 'kvxfer.lease' \\(did you "
                                           "mean 'kvxfer.lease_s'\\?\\), 'kvxfer.nonsense', 'kvxfer.timeout' \\(did "

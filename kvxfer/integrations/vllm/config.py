@@ -133,8 +133,9 @@ class ConnectorConfig:
     ) -> ConnectorConfig:
         """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the key."""
         for k in extra:  # a key of another prefix is not kvxfer's, unless it is one of kvxfer's misspelt
-            close = difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) if isinstance(k, str) and k not in KEYS \
-                and not k.startswith("kvxfer.") else []
+            close = [f"kvxfer.{k}"] if isinstance(k, str) and f"kvxfer.{k}" in KEYS else \
+                difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) if isinstance(k, str) and k not in KEYS \
+                and not k.startswith("kvxfer.") else []  # "url" for "kvxfer.url" too
             if close:
                 raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {close[0]!r}?")
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvxfer.") and k not in KEYS)
