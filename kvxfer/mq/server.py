@@ -60,8 +60,8 @@ from kvxfer.protocol import codec
 from kvxfer.protocol.messages import ErrorReply
 from kvxfer.urls import ipc_path, socket_dir_hint
 
-__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "check_url", "claim_socket", "ipc_path", "refuse_if_served",
-           "request_queue"]
+__all__ = ["MQServer", "CurveServerKeys", "Dispatcher", "claim_socket", "ipc_path", "refuse_if_served",
+           "request_queue", "require_curve"]
 
 log = logging.getLogger(__name__)
 
@@ -195,18 +195,14 @@ def _socket_is_live(path: Path) -> bool:
     return True
 
 
-def check_url(url: str, curve: CurveServerKeys | None) -> None:
-    """ConfigError unless a server may listen at ``url`` with ``curve``: ipc://, inproc://, or
-    tcp:// with CURVE keys (checked before anything is made: a server refuses a bad url at once)."""
-    if url.startswith("tcp://"):
-        if curve is None:
-            raise ConfigError(
-                f"refusing to serve {url} without authentication: tcp:// needs CURVE keys "
-                "(make them with `kvxfer keys DIR`, then `kvxfer serve --curve-dir DIR`), "
-                "or use an ipc:// url"
-            )
-    elif not url.startswith(("ipc://", "inproc://")):
-        raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
+def require_curve(url: str, curve: CurveServerKeys | None) -> None:
+    """ConfigError for a tcp:// ``url`` without CURVE keys: kvxfer never serves tcp:// unauthenticated."""
+    if url.startswith("tcp://") and curve is None:
+        raise ConfigError(
+            f"refusing to serve {url} without authentication: tcp:// needs CURVE keys "
+            "(make them with `kvxfer keys DIR`, then `kvxfer serve --curve-dir DIR`), "
+            "or use an ipc:// url"
+        )
 
 
 class MQServer:
@@ -241,7 +237,7 @@ class MQServer:
         self._backlog: dict[bytes, collections.deque[tuple[bytes, bytes, bytes, int]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
         self._backlog_total = 0
-        check_url(url, curve)
+        require_curve(url, curve)
         if url.startswith("tcp://"):
             assert curve is not None
             from zmq.auth.thread import ThreadAuthenticator
@@ -249,6 +245,8 @@ class MQServer:
             self._auth = ThreadAuthenticator(self._ctx)
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))
+        elif not url.startswith(("ipc://", "inproc://")):
+            raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
         #: every descriptor the loop waits on (Linux epoll: one system call a wait, nothing rebuilt)
         self._poller = select.epoll()
         #: the ipc:// connections (None on tcp:// and inproc://, served by the ROUTER socket)

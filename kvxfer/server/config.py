@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvxfer.arena import DEFAULT_SHM_DIR
 from kvxfer.errors import ConfigError
-from kvxfer.mq.server import CurveServerKeys
+from kvxfer.mq.server import CurveServerKeys, require_curve
 from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
 from kvxfer.urls import check_url, default_url
@@ -74,6 +74,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_url(self.url)
+        require_curve(self.url, self.curve)
         if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
             raise ConfigError(f"--chunk-size must be a positive number of tokens of at most {MAX_CHUNK_SIZE}, got "
                               f"{self.chunk_size}")

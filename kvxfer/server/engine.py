@@ -57,7 +57,7 @@ from kvxfer.errors import (
     VersionMismatch,
 )
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
-from kvxfer.mq.server import MQServer, check_url, claim_socket
+from kvxfer.mq.server import MQServer, claim_socket
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind, RequestSpec
@@ -312,10 +312,10 @@ class CacheServer:
 
     def __init__(self, config: ServerConfig, hooks: HookRelay | None = None) -> None:
         self.config = config
-        # what can be checked at once is, before the arena: faulting that in may take minutes
+        # what can be checked at once is, before the arena: faulting that in may take minutes (the
+        # url and its keys were, by ServerConfig)
         if config.l2 is not None:  # an unknown store
             get_store(config.l2.store)
-        check_url(config.url, config.curve)  # tcp:// without keys, a scheme not served
         for name in config.transports or ():  # a transport named that is not installed or cannot run here
             registry.get_transport(name)
         #: This server's hold on its ipc:// socket, from before its arena to its end: a second

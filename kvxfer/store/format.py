@@ -106,12 +106,11 @@ def l2_key(key: Sequence[object]) -> bytes:
 
 
 class ChunkL2Keys:
-    """The L2 keys of a chunk for every rank of one model and world size: ``self(chunk_hash)`` is
-    ``tuple(l2_key(k) for k in keys)`` for ``keys`` the chunk's keys of each rank (``ranks``:
-    ``rank -> template``, each template a chunk key whose last field, the chunk hash, is
-    ``b""``). Each rank's hash starts from a copy of one primed with the fields before the
-    chunk hash: a lookup of thousands of chunks derives their keys several times faster than
-    :func:`l2_key` (which encodes every field of every key), with the same result."""
+    """The L2 keys of a chunk for every rank of one model and world size: ``templates`` are the
+    ranks' chunk keys with an empty chunk hash (their last field), and ``self(chunk_hash)`` is
+    ``tuple(l2_key(t with chunk_hash) for t in templates)``. Each rank's hash starts from a copy
+    of one primed with the fields before the chunk hash, so a lookup of thousands of chunks does
+    not encode every field of every key again (what :func:`l2_key` does), with the same keys."""
 
     __slots__ = ("_bases",)
 

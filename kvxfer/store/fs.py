@@ -186,17 +186,21 @@ class FsBackend(ThreadedBackend):
         with ``create``); None where there is none, or something else is in its place. Each
         operation opens its own and closes it (:meth:`_subdir`): the store holds no descriptor
         but its directory's and its lock's."""
-        if create:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(sub, 0o700, dir_fd=self._root_fd)
-        try:
-            return os.open(sub, _DIR_FLAGS, dir_fd=self._root_fd)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            return None  # a link in its place: never followed
+        for attempt in range(2 if create else 1):
+            if attempt:  # not there yet (made once; a put finds it there after)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(sub, 0o700, dir_fd=self._root_fd)
+            try:
+                return os.open(sub, _DIR_FLAGS, dir_fd=self._root_fd)
+            except FileNotFoundError:
+                continue
+            except NotADirectoryError:
+                return None
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                return None  # a link in its place: never followed
+        return None
 
     @contextlib.contextmanager
     def _subdir(self, sub: str, create: bool = False) -> Iterator[int | None]:
