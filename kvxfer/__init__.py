@@ -1,8 +1,8 @@
 """kvxfer: store LLM KV cache in a host-memory cache server and load it back, over pluggable
 transports (see docs/architecture.md).
 
-The data path's names (``KVLayout``, ``LayoutKind``, ``TransferContext``, ``LayerwiseFuture``)
-are loaded on first use, so that ``import kvxfer`` stays small. No module a plugin's entry point,
+The data path's names (``KVLayout``, ``LayoutKind``, ``TransferContext``, ``TransferFuture``,
+``LayerwiseFuture``) are loaded on first use, so that ``import kvxfer`` stays small. No module a plugin's entry point,
 ``kvxfer plugins`` or ``kvxfer status`` imports imports torch: torch is imported where tensors are
 handled (it takes about a second).
 """
@@ -31,7 +31,7 @@ from kvxfer.server.hooks import hookimpl
 
 if TYPE_CHECKING:
     from kvxfer.layout import KVLayout, LayoutKind
-    from kvxfer.transport.contract import LayerwiseFuture, TransferContext
+    from kvxfer.transport.contract import LayerwiseFuture, TransferContext, TransferFuture
 
 try:  # the version is the distribution's (pyproject.toml), defined there once
     __version__ = version("kvxfer")
@@ -46,6 +46,7 @@ __all__ = [
     "KVLayout",
     "LayoutKind",
     "TransferContext",
+    "TransferFuture",
     "LayerwiseFuture",
     "StoreResult",
     "RetrieveResult",
@@ -65,6 +66,7 @@ _LAZY = {
     "KVLayout": "kvxfer.layout",
     "LayoutKind": "kvxfer.layout",
     "TransferContext": "kvxfer.transport.contract",
+    "TransferFuture": "kvxfer.transport.contract",
     "LayerwiseFuture": "kvxfer.transport.contract",
 }
 

@@ -214,17 +214,6 @@ class ClientDrivenCore(ContextCore):
             done()
             abandon(exc)
 
-    def _resolve(self, commit_reply: Future[Any], resolve: Callable[[Future[Any]], None]) -> None:
-        """``resolve(commit_reply)`` once it is done, on the finisher: the caller's callbacks then
-        never run on a thread that holds this context's locks (replies are completed by
-        whichever thread drains the socket, e.g. one inside :meth:`_send_then`)."""
-        def later(f: Future[Any]) -> None:
-            try:
-                self._finisher.submit(resolve, f)
-            except RuntimeError:  # closed: nothing of ours is held any more
-                resolve(f)
-
-        commit_reply.add_done_callback(later)
 
     def _copy_parts(self, copy: Callable[[list[RowCopy], Transfer], Waiter | None], step: str,
                     copies: list[RowCopy], transfer: Transfer, layered: LayerwiseFuture[Any] | None,
@@ -350,8 +339,10 @@ class ClientDrivenCore(ContextCore):
         def commit() -> None:
             try:  # the copy's time (gather and its waiter) goes to the server's figures
                 copy_s = time.perf_counter() - started if rep.slots else 0.0
-                self._resolve(self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
-                                                                   copy_s=copy_s)), committed)
+                # resolved on the thread that reads the reply (the caller's callbacks still run
+                # on the finisher: TransferFuture), so that a waiting caller wakes at once
+                self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
+                                                     copy_s=copy_s)).add_done_callback(committed)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
             finally:
@@ -410,17 +401,24 @@ class ClientDrivenCore(ContextCore):
             # The server keeps a session, and so the reservation's pins, for session_timeout after
             # the last request it got from it, here at the latest the reserve (sent after sent_at).
             # A copy that ended well within that cannot have read reused slots: resolve now.
+            # The caller learns of it before the commit is sent: a lone load's end waits for no
+            # send.
             landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
+            copy_s = time.perf_counter() - started if rep.slots else 0.0
+            if landed_in_time:
+                outer.set_result(result)
             try:  # the copy's time (scatter and its waiter) goes to the server's figures
-                reply = unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True)
+                reply = unpin(copy_s, loaded=True)
                 if landed_in_time:
                     reply.add_done_callback(self._log_late_commit)
-                    outer.set_result(result)
                 else:
-                    self._resolve(reply, committed)
+                    reply.add_done_callback(committed)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 if not outer.done():
                     outer.set_exception(exc)
+                else:
+                    log.warning("%s: unpinning a finished retrieve failed (the server frees its pins when "
+                                "the session or reservation goes): %s", self.transport_name, exc)
 
         def abandon(exc: BaseException) -> None:
             try:

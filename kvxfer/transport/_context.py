@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         LayerwiseFuture,
         Transfer,
         TransferContextBase,
+        TransferFuture,
         TransferKind,
         Transport,
         Waiter,
@@ -182,6 +183,13 @@ class ContextCore:
         with self._step("on_submit"):
             return self.on_submit(kind)
 
+    def _future(self) -> TransferFuture[Any]:
+        """A request's future: any of the core's threads may complete it, its done-callbacks
+        run on the finisher."""
+        from kvxfer.transport.contract import TransferFuture
+
+        return TransferFuture(self._finisher)
+
     def _layered(self, kind: TransferKind) -> LayerwiseFuture[Any]:
         """A layer-wise transfer's future. A store's ``layer_ready`` calls make the tokens of
         its parts (each on the thread that declares layers ready): every call for a
@@ -192,7 +200,8 @@ class ContextCore:
         def on_ready(last: bool) -> Any:
             return self._token(kind) if last or self._token_per_part else None
 
-        fut: LayerwiseFuture[Any] = LayerwiseFuture(self.layout.num_layers, on_ready if kind == "store" else None)
+        fut: LayerwiseFuture[Any] = LayerwiseFuture(self.layout.num_layers, on_ready if kind == "store" else None,
+                                                    self._finisher)
         with self._lock:
             self._layer_feeds.add(fut)
         return fut
@@ -205,7 +214,7 @@ class ContextCore:
             self._check_open()
         if by_layer:  # the tokens come with the layers (layer_ready)
             return self._start_store(self._transfer("store", keys, blocks, with_token=False), self._layered("store"))
-        return self._start_store(self._transfer("store", keys, blocks), Future())
+        return self._start_store(self._transfer("store", keys, blocks), self._future())
 
     def submit_retrieve(
         self,
@@ -221,7 +230,7 @@ class ContextCore:
         with self._lock:
             self._check_open()
         skip = skip_first_n_tokens // self.layout.block_size
-        outer: Future[m.RetrieveResult] = self._layered("retrieve") if by_layer else Future()
+        outer: Future[m.RetrieveResult] = self._layered("retrieve") if by_layer else self._future()
         return self._start_retrieve(self._transfer("retrieve", keys, blocks, skip), lease_id, outer)
 
     def _start_store(self, transfer: Transfer, outer: Future[m.StoreResult]) -> Future[m.StoreResult]:

@@ -190,7 +190,7 @@ class ServerDrivenCore(ContextCore):
         the finisher thread in reply order, resolving ``outer`` (a new future when None);
         ``release_params`` runs exactly once either way."""
         if outer is None:
-            outer = Future()
+            outer = self._future()
 
         def release(params: msgspec.Struct | None) -> BaseException | None:
             try:

@@ -23,7 +23,8 @@ styles are the core's (private modules); a transport never sees them.
 submission order; its hooks run on that thread, never two at once, except
 :meth:`TransferContextBase.on_submit` (the submitting thread), waiters,
 ``finish_retrieve`` and ``release_params`` (the context's finisher thread, in request order)
-and ``release`` (the thread that closes the context). Server side: :meth:`ServerTransport.start` runs on the
+and ``release`` (the thread that closes the context); the done-callbacks of the futures
+``submit_*`` return run on that finisher too. Server side: :meth:`ServerTransport.start` runs on the
 server's loop; ``open``, ``store``, ``retrieve`` and ``close`` of one registration run on that
 registration's worker thread, one at a time, in arrival order; waiters on a separate thread.
 
@@ -37,11 +38,12 @@ futures therefore fail only with :class:`kvxfer.errors.KvxferError`.
 from __future__ import annotations
 
 import enum
+import logging
 import secrets
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, Protocol, TypeVar, get_args, get_origin
 
@@ -63,6 +65,7 @@ __all__ = [
     "Connection",
     "InstanceIdentity",
     "LayerwiseFuture",
+    "TransferFuture",
     "Probe",
     "RowCopy",
     "StoredSlot",
@@ -265,9 +268,10 @@ class TransferContext(ABC):
     Made and registered by :meth:`kvxfer.CacheClient.register`. ``submit_*`` may be called from
     any thread; the transfers run in submission order. A future resolves when the bytes have
     arrived (in the server for a store, in the engine's blocks for a retrieve) or raises a
-    :class:`kvxfer.errors.KvxferError`. After :meth:`close`, ``submit_*`` raise. Done-callbacks
-    run on a thread of the context (never one inside ``submit_*``), so they may submit the next
-    request; they must not call :meth:`close`, which waits for that thread.
+    :class:`kvxfer.errors.KvxferError`. After :meth:`close`, ``submit_*`` raise. Each future is a
+    :class:`TransferFuture`: its done-callbacks run on the context's finisher thread (never one
+    inside ``submit_*``), so they may submit the next request; they must not call :meth:`close`,
+    which waits for that thread.
 
     ``keys`` are chunk hashes from :func:`kvxfer.chunk_hashes`; ``block_ids`` are the engine's
     blocks for those chunks in order, ``chunk_size // block_size`` per chunk.
@@ -330,7 +334,40 @@ class TransferContext(ABC):
         self.close()
 
 
-class LayerwiseFuture(Future[LT]):
+class TransferFuture(Future[LT]):
+    """The future that ``submit_*`` return. The core completes it on whichever of its threads
+    learns that the transfer ended, so that a caller waiting in ``result()`` wakes at once; its
+    done-callbacks run on the context's finisher thread all the same (in the order the futures
+    complete), never on a thread that holds a lock of the core. A callback that raises is
+    logged, as :class:`~concurrent.futures.Future` does."""
+
+    def __init__(self, callbacks: Executor | None = None) -> None:
+        super().__init__()
+        self._callbacks = callbacks
+
+    def add_done_callback(self, fn: Callable[[Future[LT]], object]) -> None:
+        run_on = self._callbacks
+        if run_on is None:
+            super().add_done_callback(fn)
+            return
+
+        def hop(f: Future[LT]) -> None:
+            try:
+                run_on.submit(_run_callback, fn, f)
+            except RuntimeError:  # the context closed: its finisher takes no more work
+                _run_callback(fn, f)
+
+        super().add_done_callback(hop)
+
+
+def _run_callback(fn: Callable[[Future[LT]], object], f: Future[LT]) -> None:
+    try:
+        fn(f)
+    except Exception:
+        logging.getLogger(__name__).exception("exception calling callback for %r", f)
+
+
+class LayerwiseFuture(TransferFuture[LT]):
     """The future of a transfer submitted with ``by_layer=True``: the whole transfer's result,
     plus per-layer progress.
 
@@ -342,8 +379,9 @@ class LayerwiseFuture(Future[LT]):
     otherwise every layer completes with the whole transfer. Thread-safe.
     """
 
-    def __init__(self, num_layers: int, on_ready: Callable[[bool], Any] | None = None) -> None:
-        super().__init__()
+    def __init__(self, num_layers: int, on_ready: Callable[[bool], Any] | None = None,
+                 callbacks: Executor | None = None) -> None:
+        super().__init__(callbacks)
         self.num_layers = num_layers
         self._on_ready = on_ready
         self._cond = threading.Condition()

@@ -178,3 +178,74 @@ def test_callbacks_may_submit_on_the_same_context(client: CacheClient) -> None:
     assert done.wait(60), f"the chain stopped after {len(results)} requests"
     assert [getattr(r, "stored", None) or getattr(r, "loaded", None) for r in results] == [[0]] * 16
     ctx.close()
+
+
+def test_callbacks_run_on_the_finisher_whichever_thread_completes(client: CacheClient) -> None:
+    """A store completes on the thread that reads its commit's reply, a retrieve on the worker
+    that copied it (a caller waiting in result() wakes at once); their callbacks still run on
+    the context's finisher."""
+    kv, ctx = _register(client, "waiter-callback-thread")
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="callback-thread")
+    threads: list[str] = []
+    seen = threading.Event()
+
+    def record(f) -> None:
+        threads.append(threading.current_thread().name)
+        seen.set()
+
+    for fut in (ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))),
+                ctx.submit_retrieve(hashes, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)))):
+        seen.clear()
+        fut.add_done_callback(record)
+        fut.result(30)
+        assert seen.wait(30)
+    assert threads == ["kvxfer-cpu_gather-commit_0"] * 2, threads
+    ctx.close()
+
+
+def test_a_callback_that_raises_is_logged(client: CacheClient, caplog: pytest.LogCaptureFixture) -> None:
+    kv, ctx = _register(client, "waiter-callback-raises")
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="callback-raises")
+    fut = ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK)))
+
+    def fail(f) -> None:
+        raise RuntimeError("a caller's callback failed")
+
+    fut.add_done_callback(fail)
+    assert fut.result(30).stored == [0]
+    wait_until(lambda: "a caller's callback failed" in caplog.text, 10)
+    assert "exception calling callback" in caplog.text
+    ctx.close()
+    fut.add_done_callback(fail)  # after close: runs on the calling thread, logged all the same
+
+
+def test_a_retrieve_resolves_before_its_commit_is_sent(client: CacheClient) -> None:
+    """A lone load's end waits for no send: the caller has its result while the commit that
+    unpins the slots is still to go out (here held back by a spy on the real connection)."""
+    kv, ctx = _register(client, "waiter-commit-after")
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="commit-after")
+    assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+    conn = ctx.connection
+    submit = conn.submit
+    go = threading.Event()
+    held: list[str] = []
+
+    def spy(payload, timeout=None):
+        if type(payload).__name__ == "CommitRead":
+            held.append("commit_read")
+            go.wait(30)
+        return submit(payload, timeout)
+
+    conn.submit = spy
+    try:
+        fut = ctx.submit_retrieve(hashes, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)))
+        assert fut.result(10).loaded == [0]
+        assert held == ["commit_read"]  # its commit was being sent, not sent yet
+    finally:
+        go.set()
+        del conn.submit
+    sl = slice(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)
+    assert all(torch.equal(layer[:, sl], want) for layer, want in zip(kv, _chunk(kv, 0)))
+    wait_until(lambda: client.status().reservations == 0, 10)
+    assert client.status().reservations == 0 and client.status().arena.pinned_chunks == 0
+    ctx.close()
