@@ -400,25 +400,20 @@ class ClientDrivenCore(ContextCore):
         def commit() -> None:
             # The server keeps a session, and so the reservation's pins, for session_timeout after
             # the last request it got from it, here at the latest the reserve (sent after sent_at).
-            # A copy that ended well within that cannot have read reused slots: resolve now.
-            # The caller learns of it before the commit is sent: a lone load's end waits for no
-            # send.
+            # A copy that ended well within that cannot have read reused slots: resolve as soon
+            # as the commit is sent (not answered). Sent first, so that whatever the caller sends
+            # next reaches the server after the unpin (the connection keeps order).
             landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
-            copy_s = time.perf_counter() - started if rep.slots else 0.0
-            if landed_in_time:
-                outer.set_result(result)
             try:  # the copy's time (scatter and its waiter) goes to the server's figures
-                reply = unpin(copy_s, loaded=True)
-                if landed_in_time:
-                    reply.add_done_callback(self._log_late_commit)
-                else:
-                    reply.add_done_callback(committed)
+                reply = unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
-                if not outer.done():
-                    outer.set_exception(exc)
-                else:
-                    log.warning("%s: unpinning a finished retrieve failed (the server frees its pins when "
-                                "the session or reservation goes): %s", self.transport_name, exc)
+                outer.set_exception(exc)
+                return
+            if landed_in_time:
+                reply.add_done_callback(self._log_late_commit)
+                outer.set_result(result)
+            else:
+                reply.add_done_callback(committed)
 
         def abandon(exc: BaseException) -> None:
             try:

@@ -338,8 +338,11 @@ class TransferFuture(Future[LT]):
     """The future that ``submit_*`` return. The core completes it on whichever of its threads
     learns that the transfer ended, so that a caller waiting in ``result()`` wakes at once; its
     done-callbacks run on the context's finisher thread all the same (in the order the futures
-    complete), never on a thread that holds a lock of the core. A callback that raises is
-    logged, as :class:`~concurrent.futures.Future` does."""
+    complete), not on the thread that completed it, which may hold a lock of the core. That holds
+    for a callback added to a future already done too (it runs soon after, on the finisher, not
+    inside ``add_done_callback``); once the context is closed, callbacks run on the thread that
+    completes the future or adds them. A callback that raises is logged, as
+    :class:`~concurrent.futures.Future` does."""
 
     def __init__(self, callbacks: Executor | None = None) -> None:
         super().__init__()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
@@ -219,33 +221,38 @@ def test_a_callback_that_raises_is_logged(client: CacheClient, caplog: pytest.Lo
     fut.add_done_callback(fail)  # after close: runs on the calling thread, logged all the same
 
 
-def test_a_retrieve_resolves_before_its_commit_is_sent(client: CacheClient) -> None:
-    """A lone load's end waits for no send: the caller has its result while the commit that
-    unpins the slots is still to go out (here held back by a spy on the real connection)."""
+def test_a_retrieve_resolves_once_its_commit_is_sent_not_answered(client: CacheClient) -> None:
+    """A lone load's end waits for no round trip, and what the caller sends next reaches the
+    server after the unpin: the commit goes out before the future resolves, and its reply
+    (here held back by a spy on the real connection) is not waited for."""
     kv, ctx = _register(client, "waiter-commit-after")
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="commit-after")
     assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
     conn = ctx.connection
     submit = conn.submit
-    go = threading.Event()
-    held: list[str] = []
+    answered = threading.Event()
+    done_when_sent: list[bool] = []
+    fut: Future[Any] | None = None
 
     def spy(payload, timeout=None):
-        if type(payload).__name__ == "CommitRead":
-            held.append("commit_read")
-            go.wait(30)
-        return submit(payload, timeout)
+        reply = submit(payload, timeout)
+        if type(payload).__name__ != "CommitRead":
+            return reply
+        done_when_sent.append(fut is not None and fut.done())
+        held: Future[Any] = Future()
+        threading.Thread(target=lambda: (answered.wait(30), held.set_result(reply.result(30)))).start()
+        return held
 
     conn.submit = spy
     try:
         fut = ctx.submit_retrieve(hashes, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)))
         assert fut.result(10).loaded == [0]
-        assert held == ["commit_read"]  # its commit was being sent, not sent yet
+        assert done_when_sent == [False]  # resolved after its commit was sent ...
+        assert client.status().reservations == 0  # ... so a request sent next finds it unpinned
     finally:
-        go.set()
+        answered.set()
         del conn.submit
     sl = slice(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)
     assert all(torch.equal(layer[:, sl], want) for layer, want in zip(kv, _chunk(kv, 0)))
-    wait_until(lambda: client.status().reservations == 0, 10)
-    assert client.status().reservations == 0 and client.status().arena.pinned_chunks == 0
+    assert client.status().arena.pinned_chunks == 0
     ctx.close()
