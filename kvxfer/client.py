@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TypeVar
@@ -272,12 +272,10 @@ class CacheClient:
 
     # ------------------------------------------------------------------ Connection protocol
 
-    def submit(self, payload: m.Request[Reply], timeout: float | None = None, *,
-               queued: Callable[[], None] | None = None) -> Future[Reply]:
+    def submit(self, payload: m.Request[Reply], timeout: float | None = None) -> Future[Reply]:
         """Send ``payload`` (its type names the request and its reply type); the future resolves
-        to the reply or raises a :class:`kvxfer.errors.KvxferError`. ``queued``: see
-        :meth:`kvxfer.transport.contract.Connection.submit`."""
-        return self._mq.submit(payload, timeout, queued=queued)
+        to the reply or raises a :class:`kvxfer.errors.KvxferError`."""
+        return self._mq.submit(payload, timeout)
 
     def request(self, payload: m.Request[Reply], timeout: float | None = None) -> Reply:
         """``submit(payload, timeout).result()``, without the hand-off to a future."""

@@ -383,28 +383,22 @@ class MQClient:
 
     # ------------------------------------------------------------------ public
 
-    def submit(self, payload: Request[Reply], timeout: float | None = None, *,
-               queued: Callable[[], None] | None = None) -> ReplyFuture[Reply]:
+    def submit(self, payload: Request[Reply], timeout: float | None = None) -> ReplyFuture[Reply]:
         """Send ``payload`` (its type names the request); the future resolves to the decoded
-        reply. ValueError for a Struct that is no request.
-
-        ``queued`` runs exactly once on the calling thread, as soon as the message has its place
-        in the connection's order (whatever is submitted after that goes out after it) and
-        without waiting for it to be written: for what must not wait for the send, nor let a
-        later message overtake it. On a closed client it runs all the same (the future fails)."""
+        reply. ValueError for a Struct that is no request."""
         name = spec_of(payload).name
         fut: ReplyFuture[Reply] = ReplyFuture(self.url, name)
         rid = next(self._ids)
         frames = [codec.pack_id(rid), name.encode(), codec.encode(payload)]
         deadline = time.monotonic() + (self.default_timeout if timeout is None else timeout)
-        done: list[tuple[ReplyFuture[Any], bool, Any]] = []
         with self._lock:
-            closed = self._closed
-            if not closed:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
                 self._pending[rid] = _Pending(fut, name, deadline)
-                if queued is not None:
-                    self._backlog.append(frames)  # its place in the order: written below
-                elif self._backlog:
+                done: list[tuple[ReplyFuture[Any], bool, Any]] = []
+                if self._backlog:
                     self._backlog.append(frames)
                     self._wake()
                 else:
@@ -414,14 +408,7 @@ class MQClient:
                         self._wake()
                     elif self._leader is None and not self._io_watching:
                         self._wake()  # nobody watches the socket for the reply
-                    done += self._drain()
-        if queued is not None:
-            try:
-                queued()
-            finally:
-                if not closed:
-                    with self._lock:
-                        done = self._write_backlog()
+                done += self._drain()
         if closed:
             fut.set_exception(ConnectionFailed(f"client for {self.url} is closed"))
             return fut
@@ -584,23 +571,6 @@ class MQClient:
                 os.write(self._leader_w, b"x")
             except (BlockingIOError, OSError):
                 pass  # a wake-up is already pending, or the pipe is closed
-
-    def _write_backlog(self) -> list[tuple[ReplyFuture[Any], bool, Any]]:
-        """For ``submit(queued=...)``: write the backlog, oldest first, until the socket takes no
-        more, then drain (lock held). What is left, and the watch for replies nobody waits on,
-        is the I/O thread's: woken when it has either to do. Nothing after close(): the I/O
-        thread fails what is pending as it ends."""
-        if self._closed:
-            return []
-        sent, done = True, []
-        while self._backlog and sent:
-            sent, failed = self._send_or_fail(self._backlog[0])
-            done += failed
-            if sent:
-                self._backlog.popleft()
-        if self._backlog or (self._pending and self._leader is None and not self._io_watching):
-            self._wake()
-        return done + self._drain()
 
     def _send_or_fail(self, frames: list[Any]) -> tuple[bool, list[tuple[ReplyFuture[Any], bool, Any]]]:
         """:meth:`_send` for the I/O thread: when no connection can be made, every waiting

@@ -374,10 +374,8 @@ class ClientDrivenCore(ContextCore):
         keys = transfer.keys
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
-        def unpin(copy_s: float = 0.0, loaded: bool = False,
-                  queued: Callable[[], None] | None = None) -> Future[m.Empty]:  # and release the lease
-            return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id, copy_s, loaded),
-                                          queued=queued)
+        def unpin(copy_s: float = 0.0, loaded: bool = False) -> Future[m.Empty]:  # and release the lease
+            return self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id, copy_s, loaded))
 
         if not outer.set_running_or_notify_cancel():  # cancelled before its copy: the blocks stay untouched
             unpin()
@@ -402,19 +400,20 @@ class ClientDrivenCore(ContextCore):
         def commit() -> None:
             # The server keeps a session, and so the reservation's pins, for session_timeout after
             # the last request it got from it, here at the latest the reserve (sent after sent_at).
-            # A copy that ended well within that cannot have read reused slots: resolve once the
-            # commit has its place in the connection's order, before it is written (whatever the
-            # caller sends next reaches the server after the unpin, and the caller's wake-up
-            # waits for no send), its reply answered in the background.
+            # A copy that ended well within that cannot have read reused slots: resolve as soon
+            # as the commit is sent (not answered). Sent first, so that whatever the caller sends
+            # next reaches the server after the unpin (the connection keeps order).
             landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
             try:  # the copy's time (scatter and its waiter) goes to the server's figures
-                reply = unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True,
-                              queued=(lambda: outer.set_result(result)) if landed_in_time else None)
+                reply = unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
-                if not outer.done():
-                    outer.set_exception(exc)
+                outer.set_exception(exc)
                 return
-            reply.add_done_callback(self._log_late_commit if landed_in_time else committed)
+            if landed_in_time:
+                reply.add_done_callback(self._log_late_commit)
+                outer.set_result(result)
+            else:
+                reply.add_done_callback(committed)
 
         def abandon(exc: BaseException) -> None:
             try:

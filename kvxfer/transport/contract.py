@@ -241,13 +241,9 @@ class Connection(Protocol):
         """Counts handshakes; a context registered in an older epoch must register again."""
         ...
 
-    def submit(self, payload: Request[Reply], timeout: float | None = None, *,
-               queued: Callable[[], None] | None = None) -> Future[Reply]:
+    def submit(self, payload: Request[Reply], timeout: float | None = None) -> Future[Reply]:
         """Send ``payload`` (its type names the request); the future resolves to the request's
-        reply Struct or raises a :class:`kvxfer.errors.KvxferError`. Messages go out in the
-        order they were submitted. ``queued`` runs exactly once on the calling thread, as soon
-        as ``payload`` has its place in that order, without waiting for it to be written: what
-        it makes known cannot make a later message overtake this one, nor wait for the send."""
+        reply Struct or raises a :class:`kvxfer.errors.KvxferError`."""
         ...
 
     def request(self, payload: Request[Reply], timeout: float | None = None) -> Reply:

@@ -18,7 +18,7 @@ from kvxfer.errors import ConnectionFailed, NoSession, RequestTimeout
 from kvxfer.mq.client import MQClient
 from kvxfer.mq.futures import ReplyFuture
 from kvxfer.mq.server import MQServer
-from kvxfer.mq.stream import FrameReader, pack
+from kvxfer.mq.stream import pack
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
@@ -355,47 +355,3 @@ def test_a_connection_closed_by_another_connections_reply_does_not_stop_the_serv
             c.close()
         server.stop()
         loop.join(30)
-
-
-def test_what_queued_submits_goes_out_after_the_message(tmp_path: Path) -> None:
-    """``submit(queued=...)``: the message has its place in the connection's order before
-    ``queued`` runs, so a message submitted from it (as a caller woken there would) reaches the
-    server second. A raw listener records the order in which requests arrive."""
-    path = tmp_path / "order.sock"
-    names: list[bytes] = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(str(path))
-        listener.listen(1)
-
-        def read() -> None:
-            conn, _ = listener.accept()
-            reader = FrameReader(1 << 20)
-            with conn:
-                while len(names) < 3 and (data := conn.recv(65536)):
-                    reader.feed(data)
-                    while (frames := reader.next()) is not None:
-                        names.append(frames[1])
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        mq = MQClient(f"ipc://{path}")
-        calls: list[str] = []
-        try:
-            mq.submit(m.Ping(), timeout=30)  # connects
-            mq.submit(m.StatusRequest(), timeout=30,
-                      queued=lambda: calls.append("queued") or mq.submit(m.Ping(), timeout=30))
-            assert calls == ["queued"]
-            t.join(10)
-            assert names == [b"ping", b"status", b"ping"]
-        finally:
-            mq.close()
-
-
-def test_queued_runs_once_on_a_closed_client(silent_url: str) -> None:
-    mq = MQClient(silent_url)
-    mq.close()
-    calls: list[int] = []
-    fut = mq.submit(m.Ping(), queued=lambda: calls.append(1))
-    assert calls == [1]
-    with pytest.raises(ConnectionFailed):
-        fut.result(5)
