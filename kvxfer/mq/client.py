@@ -332,7 +332,8 @@ class MQClient:
     thread waits on the socket's file descriptor (for ZeroMQ ``zmq.FD``, edge-triggered, so it
     never polls the ZeroMQ socket without the lock) while no leader does, then receives
     replies, expires deadlines and sends heartbeats. Futures are completed outside the lock, so
-    callbacks may submit again.
+    callbacks may submit again. Messages go out in the order they were submitted: one the socket
+    cannot take now waits in a backlog, and later ones queue behind it.
     """
 
     def __init__(

@@ -243,7 +243,8 @@ class Connection(Protocol):
 
     def submit(self, payload: Request[Reply], timeout: float | None = None) -> Future[Reply]:
         """Send ``payload`` (its type names the request); the future resolves to the request's
-        reply Struct or raises a :class:`kvxfer.errors.KvxferError`."""
+        reply Struct or raises a :class:`kvxfer.errors.KvxferError`. Messages reach the server
+        in the order they were submitted, whichever threads submit them."""
         ...
 
     def request(self, payload: Request[Reply], timeout: float | None = None) -> Reply:

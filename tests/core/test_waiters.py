@@ -221,38 +221,51 @@ def test_a_callback_that_raises_is_logged(client: CacheClient, caplog: pytest.Lo
     fut.add_done_callback(fail)  # after close: runs on the calling thread, logged all the same
 
 
-def test_a_retrieve_resolves_once_its_commit_is_sent_not_answered(client: CacheClient) -> None:
+def test_a_retrieve_resolves_once_its_commit_is_submitted_not_answered(client: CacheClient) -> None:
     """A lone load's end waits for no round trip, and what the caller sends next reaches the
-    server after the unpin: the commit goes out before the future resolves, and its reply
-    (here held back by a spy on the real connection) is not waited for."""
+    server after the unpin: the commit is submitted before the future resolves (the connection
+    keeps the order of submission), and its reply (here held back by a spy on the real
+    connection) is not waited for."""
     kv, ctx = _register(client, "waiter-commit-after")
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="commit-after")
     assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
     conn = ctx.connection
     submit = conn.submit
     answered = threading.Event()
-    done_when_sent: list[bool] = []
+    done_when_submitted: list[bool | None] = []
+    holders: list[threading.Thread] = []
     fut: Future[Any] | None = None
 
     def spy(payload, timeout=None):
         reply = submit(payload, timeout)
         if type(payload).__name__ != "CommitRead":
             return reply
-        done_when_sent.append(fut is not None and fut.done())
+        done_when_submitted.append(None if fut is None else fut.done())
         held: Future[Any] = Future()
-        threading.Thread(target=lambda: (answered.wait(30), held.set_result(reply.result(30)))).start()
+
+        def hold() -> None:  # the reply reaches the caller only once the test lets it
+            answered.wait(30)
+            try:
+                held.set_result(reply.result(30))
+            except BaseException as exc:  # noqa: BLE001  (handed on to the held future)
+                held.set_exception(exc)
+
+        holders.append(threading.Thread(target=hold, daemon=True))
+        holders[-1].start()
         return held
 
     conn.submit = spy
     try:
         fut = ctx.submit_retrieve(hashes, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)))
-        assert fut.result(10).loaded == [0]
-        assert done_when_sent == [False]  # resolved after its commit was sent ...
+        assert fut.result(10).loaded == [0]  # while its commit's reply is held back
+        assert done_when_submitted == [False]  # resolved after its commit was submitted ...
         assert client.status().reservations == 0  # ... so a request sent next finds it unpinned
     finally:
         answered.set()
         del conn.submit
-    sl = slice(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)
+        for t in holders:
+            t.join(30)
+        sl = slice(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)
+        ctx.close()
     assert all(torch.equal(layer[:, sl], want) for layer, want in zip(kv, _chunk(kv, 0)))
     assert client.status().arena.pinned_chunks == 0
-    ctx.close()
