@@ -401,8 +401,8 @@ class ClientDrivenCore(ContextCore):
             # The server keeps a session, and so the reservation's pins, for session_timeout after
             # the last request it got from it, here at the latest the reserve (sent after sent_at).
             # A copy that ended well within that cannot have read reused slots: resolve as soon
-            # as the commit is sent (not answered). Sent first, so that whatever the caller sends
-            # next reaches the server after the unpin (the connection keeps order).
+            # as the commit is submitted (not answered). Submitted first, so that whatever the
+            # caller sends next reaches the server after the unpin (Connection.submit keeps order).
             landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
             try:  # the copy's time (scatter and its waiter) goes to the server's figures
                 reply = unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True)

@@ -265,7 +265,7 @@ def test_a_retrieve_resolves_once_its_commit_is_submitted_not_answered(client: C
         del conn.submit
         for t in holders:
             t.join(30)
-        sl = slice(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)
         ctx.close()
+    sl = slice(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)
     assert all(torch.equal(layer[:, sl], want) for layer, want in zip(kv, _chunk(kv, 0)))
     assert client.status().arena.pinned_chunks == 0
