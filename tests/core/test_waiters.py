@@ -183,9 +183,8 @@ def test_callbacks_may_submit_on_the_same_context(client: CacheClient) -> None:
 
 
 def test_callbacks_run_on_the_finisher_whichever_thread_completes(client: CacheClient) -> None:
-    """A store completes on the thread that reads its commit's reply, a retrieve on the worker
-    that copied it (a caller waiting in result() wakes at once); their callbacks still run on
-    the context's finisher."""
+    """A store and a retrieve complete on the worker that copied them (a caller waiting in
+    result() wakes at once); their callbacks still run on the context's finisher."""
     kv, ctx = _register(client, "waiter-callback-thread")
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="callback-thread")
     threads: list[str] = []
@@ -221,51 +220,104 @@ def test_a_callback_that_raises_is_logged(client: CacheClient, caplog: pytest.Lo
     fut.add_done_callback(fail)  # after close: runs on the calling thread, logged all the same
 
 
-def test_a_retrieve_resolves_once_its_commit_is_submitted_not_answered(client: CacheClient) -> None:
-    """A lone load's end waits for no round trip, and what the caller sends next reaches the
-    server after the unpin: the commit is submitted before the future resolves (the connection
-    keeps the order of submission), and its reply (here held back by a spy on the real
-    connection) is not waited for."""
-    kv, ctx = _register(client, "waiter-commit-after")
-    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="commit-after")
-    assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
-    conn = ctx.connection
-    submit = conn.submit
-    answered = threading.Event()
-    done_when_submitted: list[bool | None] = []
-    holders: list[threading.Thread] = []
-    fut: Future[Any] | None = None
+class _HeldCommits:
+    """A spy on a context's real connection: the replies to its commits of one kind reach the
+    core only once :meth:`release` is called; ``done_when_submitted`` records, at each such
+    commit's submission, whether the future in ``fut`` was done already."""
 
-    def spy(payload, timeout=None):
-        reply = submit(payload, timeout)
-        if type(payload).__name__ != "CommitRead":
+    def __init__(self, ctx, commit: str) -> None:
+        self.conn, self.commit = ctx.connection, commit
+        self.submit = self.conn.submit
+        self.answered = threading.Event()
+        self.done_when_submitted: list[bool | None] = []
+        self.holders: list[threading.Thread] = []
+        self.fut: Future[Any] | None = None
+
+    def __enter__(self) -> _HeldCommits:
+        self.conn.submit = self.spy
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        del self.conn.submit
+        for t in self.holders:
+            t.join(30)
+
+    def release(self) -> None:
+        self.answered.set()
+
+    def spy(self, payload, timeout=None):
+        reply = self.submit(payload, timeout)
+        if type(payload).__name__ != self.commit:
             return reply
-        done_when_submitted.append(None if fut is None else fut.done())
+        self.done_when_submitted.append(None if self.fut is None else self.fut.done())
         held: Future[Any] = Future()
 
-        def hold() -> None:  # the reply reaches the caller only once the test lets it
-            answered.wait(30)
+        def hold() -> None:
+            self.answered.wait(30)
             try:
                 held.set_result(reply.result(30))
             except BaseException as exc:  # noqa: BLE001  (handed on to the held future)
                 held.set_exception(exc)
 
-        holders.append(threading.Thread(target=hold, daemon=True))
-        holders[-1].start()
+        self.holders.append(threading.Thread(target=hold, daemon=True))
+        self.holders[-1].start()
         return held
 
-    conn.submit = spy
+
+@pytest.mark.parametrize("kind", ["store", "retrieve"])
+def test_a_request_resolves_once_its_commit_is_submitted_not_answered(client: CacheClient, kind: str) -> None:
+    """A lone request's end waits for no round trip after its copy, and what the caller sends
+    next reaches the server after the commit: the commit is submitted before the future resolves
+    (the connection keeps the order of submission), and its reply (here held back by a spy on
+    the real connection) is not waited for. A store's result is the one its commit gives."""
+    model = f"waiter-commit-after-{kind}"
+    kv, ctx = _register(client, model)
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=model)
+    dst = list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK))
     try:
-        fut = ctx.submit_retrieve(hashes, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)))
-        assert fut.result(10).loaded == [0]  # while its commit's reply is held back
-        assert done_when_submitted == [False]  # resolved after its commit was submitted ...
-        assert client.status().reservations == 0  # ... so a request sent next finds it unpinned
+        if kind == "retrieve":
+            assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+        with _HeldCommits(ctx, "CommitRead" if kind == "retrieve" else "CommitWrite") as held:
+            if kind == "store":
+                held.fut = ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK)))
+                res = held.fut.result(10)  # while its commit's reply is held back
+                assert (res.stored, res.present, res.failed) == ([0], [], [])
+                assert held.done_when_submitted == [False]  # resolved after its commit was submitted ...
+                assert client.lookup(model, hashes=hashes) == 1  # ... so a request sent next finds the chunk
+            else:
+                held.fut = ctx.submit_retrieve(hashes, dst)
+                assert held.fut.result(10).loaded == [0]  # while its commit's reply is held back
+                assert held.done_when_submitted == [False]  # resolved after its commit was submitted ...
+                assert client.status().reservations == 0  # ... so a request sent next finds it unpinned
+        if kind == "store":  # what it wrote loads back
+            assert ctx.submit_retrieve(hashes, dst).result(30).loaded == [0]
     finally:
-        answered.set()
-        del conn.submit
-        for t in holders:
-            t.join(30)
         ctx.close()
-    sl = slice(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)
-    assert all(torch.equal(layer[:, sl], want) for layer, want in zip(kv, _chunk(kv, 0)))
-    assert client.status().arena.pinned_chunks == 0
+    assert all(torch.equal(layer[:, dst], want) for layer, want in zip(kv, _chunk(kv, 0)))
+    assert client.status().arena.pinned_chunks == 0 and client.status().reservations == 0
+
+
+def test_a_store_whose_copy_outlasts_half_the_session_timeout_resolves_on_its_commits_reply(
+        client: CacheClient) -> None:
+    """Past half the session timeout since its reserve, the server may have dropped the
+    reservation (the client frozen, say) and the commit would store nothing: the store then
+    resolves on the commit's answer, with what it says. (The session timeout is shortened on
+    the client's side only; the server keeps the reservation, so the commit stores it.)"""
+    model = "waiter-commit-late"
+    kv, ctx = _register(client, model)
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=model)
+    _with_waiter(ctx, "gather", lambda: time.sleep(0.3))
+    timeout, client.session_timeout = client.session_timeout, 0.2
+    try:
+        with _HeldCommits(ctx, "CommitWrite") as held:
+            held.fut = ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK)))
+            wait_until(lambda: held.done_when_submitted, 10)
+            time.sleep(0.2)
+            assert held.done_when_submitted == [False] and not held.fut.done()  # waits for the answer
+            held.release()
+            assert held.fut.result(10).stored == [0]
+        assert client.lookup(model, hashes=hashes) == 1
+    finally:
+        client.session_timeout = timeout
+        ctx.close()
