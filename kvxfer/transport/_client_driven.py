@@ -4,11 +4,10 @@ Each request's reserve is sent when it is submitted (so its round trip overlaps 
 requests ahead of it); the worker waits for the reply, copies (the transport's ``gather`` or
 ``scatter``), and sends the commit without waiting (so it can start the next copy). A copy that
 returns a waiter leaves the wait and the commit to the finisher thread; once one does, later
-requests commit there too until it is idle, so commits keep request order. A request resolves
-once its copy has landed and its commit is submitted, when that is well within the time for which
-the server surely holds its reservation (its commit, which makes a store's chunks readable or
-unpins a retrieve's and releases its lease, is answered in the background; whatever the caller
-sends next reaches the server after it); later than that, on the commit's reply. A layer-wise transfer is copied
+requests commit there too until it is idle, so commits keep request order. A store resolves
+when its commit is answered (its chunks are then readable); a retrieve as soon as its copy has
+landed, well within the time for which the server surely holds its pins (its commit, which
+unpins and releases the lease, is answered in the background). A layer-wise transfer is copied
 in parts, one range of layers each, in order (:meth:`ClientDrivenCore._copy_parts`). A request's
 future can be cancelled until its copy starts; then it copies nothing and gives its reservation
 back.
@@ -105,10 +104,10 @@ class ClientDrivenCore(ContextCore):
     # of requests ahead of it); the worker waits for the reply, copies, and sends the commit
     # without waiting (so it can start the next copy). A copy that returns a waiter leaves the
     # wait and the commit to the finisher thread; once one does, later requests commit there too
-    # until it is idle, so commits keep request order. A request resolves as soon as its copy has
-    # landed and its commit is submitted, the commit answered in the background, unless so much
-    # time passed since its reserve that the server may have dropped its reservation (then on
-    # the commit's reply).
+    # until it is idle, so commits keep request order. A store resolves when its commit is
+    # answered (its chunks are then readable); a retrieve as soon as its copy has landed, its
+    # commit (unpin, release the lease) answered in the background, unless so much time passed
+    # since its reserve that the server may have dropped its pins (then on the commit's reply).
 
     def _start_store(self, transfer: Transfer, outer: Future[m.StoreResult]) -> Future[m.StoreResult]:
         self._send_then(m.ReserveWrite(self.instance_id, transfer.keys), self._store, transfer, outer)
@@ -318,7 +317,7 @@ class ClientDrivenCore(ContextCore):
                outer: Future[m.StoreResult]) -> None:
         from kvxfer.transport.contract import LayerwiseFuture
 
-        rep, sent_at = reserved()
+        rep, _ = reserved()
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
         def drop() -> None:  # commit every slot as failed: nothing half written becomes readable
@@ -338,26 +337,16 @@ class ClientDrivenCore(ContextCore):
                 outer.set_exception(exc)
 
         def commit() -> None:
-            # As a retrieve's (see there): a copy that ended well within half the session timeout
-            # of its reserve cannot find its reservation dropped, and the commit of a reservation
-            # the server holds stores every slot it did not mark failed: resolve with that result
-            # as soon as the commit is submitted. Whatever the caller sends next reaches the
-            # server after the commit (Connection.submit keeps order), so it finds the chunks.
-            landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
             try:  # the copy's time (gather and its waiter) goes to the server's figures
                 copy_s = time.perf_counter() - started if rep.slots else 0.0
-                reply = self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id, copy_s=copy_s))
+                # resolved on the thread that reads the reply (the caller's callbacks still run
+                # on the finisher: TransferFuture), so that a waiting caller wakes at once
+                self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
+                                                     copy_s=copy_s)).add_done_callback(committed)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
-                return
             finally:
                 self._commit_sent()
-            if landed_in_time:
-                reply.add_done_callback(self._log_late_commit)
-                outer.set_result(m.StoreResult([s.index for s in rep.slots], sorted(rep.present),
-                                               sorted(rep.no_space)))
-            else:  # resolved on the thread that reads the reply (callbacks run on the finisher)
-                reply.add_done_callback(committed)
 
         def abandon(exc: BaseException) -> None:
             try:
@@ -444,14 +433,12 @@ class ClientDrivenCore(ContextCore):
         self._copy_parts(self.scatter, "scatter", copies, transfer, layered,
                          lambda waiter: self._then(waiter, commit, abandon), abandon)
 
-    def _log_late_commit(self, reply: Future[Any]) -> None:
-        """A request that resolved before its commit was answered: report a failure (a store's
-        chunks are then not stored; a retrieve's pins go with the session or reservation)."""
+    def _log_late_commit(self, reply: Future[m.Empty]) -> None:
+        """A retrieve that resolved before its commit_read was answered: report a failure."""
         exc = reply.exception()
         if exc is not None:
-            log.warning("%s: the commit of a finished request failed (a store's chunks were not stored; the "
-                        "server frees a retrieve's pins when the session or reservation goes): %s",
-                        self.transport_name, exc)
+            log.warning("%s: unpinning a finished retrieve failed (the server frees its pins when the "
+                        "session or reservation goes): %s", self.transport_name, exc)
 
     def _drain(self) -> None:
         """Wait until the finisher has sent every commit left to it."""

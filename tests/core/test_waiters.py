@@ -265,59 +265,45 @@ class _HeldCommits:
         return held
 
 
-@pytest.mark.parametrize("kind", ["store", "retrieve"])
-def test_a_request_resolves_once_its_commit_is_submitted_not_answered(client: CacheClient, kind: str) -> None:
-    """A lone request's end waits for no round trip after its copy, and what the caller sends
-    next reaches the server after the commit: the commit is submitted before the future resolves
-    (the connection keeps the order of submission), and its reply (here held back by a spy on
-    the real connection) is not waited for. A store's result is the one its commit gives."""
-    model = f"waiter-commit-after-{kind}"
+def test_a_retrieve_resolves_once_its_commit_is_submitted_not_answered(client: CacheClient) -> None:
+    """A lone load's end waits for no round trip, and what the caller sends next reaches the
+    server after the unpin: the commit is submitted before the future resolves (the connection
+    keeps the order of submission), and its reply (here held back by a spy on the real
+    connection) is not waited for."""
+    model = "waiter-commit-after"
     kv, ctx = _register(client, model)
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=model)
     dst = list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK))
     try:
-        if kind == "retrieve":
-            assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
-        with _HeldCommits(ctx, "CommitRead" if kind == "retrieve" else "CommitWrite") as held:
-            if kind == "store":
-                held.fut = ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK)))
-                res = held.fut.result(10)  # while its commit's reply is held back
-                assert (res.stored, res.present, res.failed) == ([0], [], [])
-                assert held.done_when_submitted == [False]  # resolved after its commit was submitted ...
-                assert client.lookup(model, hashes=hashes) == 1  # ... so a request sent next finds the chunk
-            else:
-                held.fut = ctx.submit_retrieve(hashes, dst)
-                assert held.fut.result(10).loaded == [0]  # while its commit's reply is held back
-                assert held.done_when_submitted == [False]  # resolved after its commit was submitted ...
-                assert client.status().reservations == 0  # ... so a request sent next finds it unpinned
-        if kind == "store":  # what it wrote loads back
-            assert ctx.submit_retrieve(hashes, dst).result(30).loaded == [0]
+        assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+        with _HeldCommits(ctx, "CommitRead") as held:
+            held.fut = ctx.submit_retrieve(hashes, dst)
+            assert held.fut.result(10).loaded == [0]  # while its commit's reply is held back
+            assert held.done_when_submitted == [False]  # resolved after its commit was submitted ...
+            assert client.status().reservations == 0  # ... so a request sent next finds it unpinned
     finally:
         ctx.close()
     assert all(torch.equal(layer[:, dst], want) for layer, want in zip(kv, _chunk(kv, 0)))
-    assert client.status().arena.pinned_chunks == 0 and client.status().reservations == 0
+    assert client.status().arena.pinned_chunks == 0
 
 
-def test_a_store_whose_copy_outlasts_half_the_session_timeout_resolves_on_its_commits_reply(
-        client: CacheClient) -> None:
-    """Past half the session timeout since its reserve, the server may have dropped the
-    reservation (the client frozen, say) and the commit would store nothing: the store then
-    resolves on the commit's answer, with what it says. (The session timeout is shortened on
-    the client's side only; the server keeps the reservation, so the commit stores it.)"""
-    model = "waiter-commit-late"
+def test_a_store_resolves_once_its_commit_is_answered(server, client: CacheClient) -> None:
+    """A store's result is what the server's commit says, and once it resolves its chunks are
+    readable from every connection, not only the storing client's: another client's lookup
+    right after it finds them. (Resolving at the commit's submission, as a retrieve does, was
+    measured and not kept: docs/performance.md.)"""
+    model = "waiter-store-answered"
     kv, ctx = _register(client, model)
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=model)
-    _with_waiter(ctx, "gather", lambda: time.sleep(0.3))
-    timeout, client.session_timeout = client.session_timeout, 0.2
     try:
-        with _HeldCommits(ctx, "CommitWrite") as held:
-            held.fut = ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK)))
-            wait_until(lambda: held.done_when_submitted, 10)
-            time.sleep(0.2)
-            assert held.done_when_submitted == [False] and not held.fut.done()  # waits for the answer
-            held.release()
-            assert held.fut.result(10).stored == [0]
-        assert client.lookup(model, hashes=hashes) == 1
+        with CacheClient(server.url) as other:
+            with _HeldCommits(ctx, "CommitWrite") as held:
+                held.fut = ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK)))
+                wait_until(lambda: held.done_when_submitted, 10)
+                time.sleep(0.2)
+                assert held.done_when_submitted == [False] and not held.fut.done()  # waits for the answer
+                held.release()
+                assert held.fut.result(10).stored == [0]
+            assert other.lookup(model, hashes=hashes) == 1
     finally:
-        client.session_timeout = timeout
         ctx.close()
