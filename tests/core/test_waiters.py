@@ -183,8 +183,9 @@ def test_callbacks_may_submit_on_the_same_context(client: CacheClient) -> None:
 
 
 def test_callbacks_run_on_the_finisher_whichever_thread_completes(client: CacheClient) -> None:
-    """A store and a retrieve complete on the worker that copied them (a caller waiting in
-    result() wakes at once); their callbacks still run on the context's finisher."""
+    """A store completes on the thread that reads its commit's reply, a retrieve on the worker
+    that copied it (a caller waiting in result() wakes at once); their callbacks still run on
+    the context's finisher."""
     kv, ctx = _register(client, "waiter-callback-thread")
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="callback-thread")
     threads: list[str] = []
