@@ -1,6 +1,8 @@
 """Finding plugins: transports (entry points in group ``kvxfer.transports``) and store backends
 (``kvxfer.stores``, see :mod:`kvxfer.store`), loaded lazily by name through one
-:class:`EntryPointGroup` each.
+:class:`EntryPointGroup` each. Both discovery and loading go through :mod:`importlib.metadata`,
+which reads the installed metadata every time it is asked (a cache of entry points on disk, as
+stevedore keeps one, can miss a plugin installed within two minutes of the previous change).
 
 A plugin that fails to import, declares another ``api_version`` or names something that is not
 a plugin of its group is reported (``kvxfer plugins``) and breaks nothing else. An unknown name
@@ -16,8 +18,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Final
-
-from stevedore import DriverManager, ExtensionManager
 
 from kvxfer.errors import (
     KvxferError,
@@ -111,23 +111,12 @@ class EntryPointGroup:
                 self._entry_points = found
             return self._entry_points
 
-    def _import(self, name: str) -> object:
-        """Import one plugin through stevedore; the plugin's own exception propagates."""
-        def fail(_mgr: object, _ep: object, exc: BaseException) -> None:
-            raise exc
-
-        mgr: DriverManager[object] = DriverManager(self.namespace, name, invoke_on_load=False,
-                                                   on_load_failure_callback=fail)
-        return mgr.driver
-
     def refresh(self) -> None:
         """Forget what was discovered and loaded (tests that install plugins call this)."""
         with self._lock:
             self._entry_points = None
             self._loaded.clear()
             self._broken.clear()
-            # stevedore keeps its own per-namespace list of entry points for the process' life
-            ExtensionManager.ENTRY_POINT_CACHE.pop(self.namespace, None)
 
     def names(self) -> list[str]:
         return sorted(self.entry_points())
@@ -145,7 +134,7 @@ class EntryPointGroup:
         if ep is None:
             raise self.not_found(self._unknown(name, eps))
         try:
-            target = self._import(name)
+            target = ep.load()  # the entry point just read from metadata (no cache that could be stale)
             plugin = target() if isinstance(target, type) else target
             if not isinstance(plugin, self.base):
                 raise TypeError(f"{ep.value} is a {type(plugin).__name__}, not a kvxfer {self.base.__name__}")
@@ -157,7 +146,8 @@ class EntryPointGroup:
                 )
             called = getattr(plugin, "name", None)
             if called != name:
-                raise TypeError(f"entry point {name!r} names a {self.kind} called {called!r}")
+                raise TypeError(f"entry point {name!r} names a {self.kind} called {called!r}; the two must be equal "
+                                f"(set name = {name!r} on {type(plugin).__name__}, or rename the entry point)")
             check = getattr(plugin, "contract_errors", None)
             wrong = check() if callable(check) else []
             if wrong:
@@ -166,6 +156,7 @@ class EntryPointGroup:
         except self.broken as exc:
             with self._lock:
                 self._broken[name] = str(exc)
+            log.warning("%s", exc)
             raise
         except Exception as exc:  # noqa: BLE001  (any import-time failure of a third-party plugin)
             msg = (f"{self.kind} plugin {name!r} ({self.namespace}: {_dist(ep)}) failed to load: "

@@ -126,6 +126,54 @@ def test_auto_picks_by_device(on_path) -> None:
         registry.select("test_loop", torch.device("meta"))
 
 
+def test_an_entry_point_added_after_a_first_load_is_found_after_refresh(tmp_path: Path) -> None:
+    """A distribution gains a second transport (pip install -e . after editing its entry points):
+    after ``refresh()`` it loads. Looked up again in stevedore's cache of entry points (in the
+    process, and on disk keyed on ``sys.path``'s modification times in steps of about two
+    minutes), it was listed and then reported broken ("No 'kvxfer.transports' driver found")."""
+    dist = tmp_path / "kvxfer_late-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvxfer-late\nVersion: 0.1\n")
+    (tmp_path / "kvxfer_late.py").write_text(
+        "from kvxfer_cpu_gather import CpuGatherTransport\n"
+        "class First(CpuGatherTransport):\n    name = 'late_first'\n    production = False\n"
+        "class Second(CpuGatherTransport):\n    name = 'late_second'\n    production = False\n")
+    points = "[kvxfer.transports]\nlate_first = kvxfer_late:First\n"
+    (dist / "entry_points.txt").write_text(points)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        registry.refresh()
+        assert registry.get_transport("late_first").name == "late_first"
+        (dist / "entry_points.txt").write_text(points + "late_second = kvxfer_late:Second\n")
+        registry.refresh()
+        assert registry.get_transport("late_second").name == "late_second"
+        assert {"late_first", "late_second"} <= set(registry.installed_names())
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("kvxfer_late", None)
+        registry.refresh()
+
+
+def test_a_plugin_named_unlike_its_entry_point_is_broken_with_the_fix_named(tmp_path: Path, caplog) -> None:
+    dist = tmp_path / "kvxfer_misnamed-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvxfer-misnamed\nVersion: 0.1\n")
+    (tmp_path / "kvxfer_misnamed.py").write_text(
+        "from kvxfer_cpu_gather import CpuGatherTransport\n"
+        "class Misnamed(CpuGatherTransport):\n    name = 'other'\n")
+    (dist / "entry_points.txt").write_text("[kvxfer.transports]\nmisnamed = kvxfer_misnamed:Misnamed\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        registry.refresh()
+        with pytest.raises(TransportBroken, match="set name = 'misnamed' on Misnamed, or rename the entry point"):
+            registry.get_transport("misnamed")
+        assert "names a transport called 'other'" in caplog.text  # logged once, as every broken plugin is
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("kvxfer_misnamed", None)
+        registry.refresh()
+
+
 def test_why_a_transport_does_not_serve_a_device_is_named() -> None:
     """A probe that answers available but lists no device types serves nothing: the reason
     says so (an author following the guide otherwise hears only that the device is wrong)."""
