@@ -162,7 +162,9 @@ def _fits(t: torch.Tensor, size: int) -> bool:
 def copy_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     """The widest element type every one of ``tensors`` (each dense in its last dim) can be
     reinterpreted with by :func:`copy_view`: its last dimension's bytes, its other strides and
-    its storage offset are multiples of the element size. Use one for both sides of a copy."""
+    its storage offset are multiples of the element size. Use one for both sides of a copy.
+    One of ``complex128``, ``int64``, ``int32``, ``int16``, ``uint8`` (16 to 1 bytes): each has a
+    numpy equivalent, whatever the KV dtype (bf16 and fp8 have none)."""
     ts = list(tensors)
     for size, dt in _copy_dtypes():
         if all(_fits(t, size) for t in ts):

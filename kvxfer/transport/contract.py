@@ -33,6 +33,14 @@ input the user can fix. Anything else a hook raises is caught at the core's one 
 re-raised as :class:`kvxfer.errors.TransportFailed` naming the transport and the step, with the
 original as ``__cause__`` (server side: an ``internal`` error reply with that message). Client
 futures therefore fail only with :class:`kvxfer.errors.KvxferError`.
+
+**Defined beside it.** Four types and two functions a transport uses live with the code that
+makes them and are re-exported by :mod:`kvxfer.transport`: :class:`~kvxfer.copies.RowCopy` and
+:class:`~kvxfer.copies.StoredSlot` (what one copy moves; ``kvxfer.copies``),
+:class:`~kvxfer.layout.KVLayout` with :func:`~kvxfer.layout.copy_dtype` and
+:func:`~kvxfer.layout.copy_view` (``kvxfer.layout``: rows as wide integer elements, for copies at
+memcpy speed) and :class:`~kvxfer.protocol.messages.Registration` (``kvxfer.protocol.messages``).
+Their docstrings are part of this contract.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, Literal, Protocol, TypeVar, get_args, get_origin
 
 import msgspec
@@ -140,10 +148,12 @@ _ALL_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a transport claims to support. The conformance kit tests exactly these claims, and
-    the core registers nothing else with it (:meth:`refusal`; ``"auto"`` passes it over)."""
+    the core registers nothing else with it (:meth:`refusal`; ``"auto"`` passes it over). Every
+    field but ``device_types`` is a keyword (two are bools, easy to swap by position)."""
 
     #: torch device types whose KV tensors it can move (``"*"``: any).
     device_types: frozenset[str]
+    _: KW_ONLY
     layouts: frozenset[LayoutKind] = field(default_factory=lambda: frozenset(LayoutKind))
     dtypes: frozenset[str] = _ALL_DTYPES
     #: Its copy code honours :attr:`RowCopy.first_layer` (copies of a range of layers, for

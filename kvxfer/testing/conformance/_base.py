@@ -91,7 +91,11 @@ class KitBase:
         except Exception as exc:  # noqa: BLE001  (the reference missing in any way fails the kit)
             # exc says how to install it when it is not installed (TransportNotFound)
             pytest.fail(f"conformance kit: the reference transport {REFERENCE!r} is needed: {exc}", pytrace=False)
-        probe = transport.probe()
+        try:
+            probe = transport.probe()
+        except Exception as exc:  # noqa: BLE001  (a probe that raises breaks the contract: say so once)
+            pytest.fail(f"conformance kit: transport {name!r}: probe() raised {type(exc).__name__}: {exc}; a probe "
+                        "never raises: return Probe(False, reason) where the transport cannot run", pytrace=False)
         if not probe.available:
             pytest.skip(f"transport {name!r} cannot run here: {probe.reason}")
         device = cls.kit_device_name(request)
@@ -100,8 +104,10 @@ class KitBase:
             pytest.skip(f"transport {name!r} on {device}: {why}")
         refusal = transport.refusal(torch.device(device))
         if refusal is not None:
+            chosen = ("`device` on the test class" if getattr(request.cls, "device", None)
+                      else "--kvxfer-device")
             pytest.fail(f"conformance kit: transport {name!r} does not serve device {device!r} here: {refusal}; "
-                        "fix that, or `device` on the test class", pytrace=False)
+                        f"fix that, or {chosen}", pytrace=False)
         return transport
 
     @staticmethod

@@ -190,21 +190,28 @@ def test_own_tests_and_other_marks_are_allowed() -> None:
 
 def test_command_line_suite_and_gates(tmp_path: Path) -> None:
     """``--kvxfer-transport`` runs the packaged suite; a class naming a transport that is not
-    installed fails with the installed names; a missing device skips with the reason."""
+    installed fails with the installed names; a missing device skips with the reason; a probe
+    that raises fails with what it raised; a device the transport does not serve fails with the
+    setting that picked it."""
     (tmp_path / "test_gates.py").write_text(
         "from kvxfer.testing import TransportConformance\n\n"
         "class TestNotInstalled(TransportConformance):\n"
         "    transport = 'no_such_transport'\n\n"
         "class TestNoSuchDevice(TransportConformance):\n"
         "    transport = 'cpu_gather'\n"
-        "    device = 'xla'\n"
+        "    device = 'xla'\n\n"
+        "class TestProbeRaises(TransportConformance):\n"
+        "    transport = 'mutant_probe_raises'\n\n"
+        "class TestDeviceNotServed(TransportConformance):\n"
+        "    transport = 'mutant_cuda_only'\n"
     )
     report = tmp_path / "report.xml"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--kvxfer-transport=cpu_gather",
          "-m", "kvxfer_conformance", "-k", "test_empty_requests", f"--junitxml={report}",
          "--pyargs", "kvxfer.testing.suite", "test_gates.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(MUTANTS), os.environ.get("PYTHONPATH")]))))
     out = proc.stdout + proc.stderr
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
@@ -217,6 +224,10 @@ def test_command_line_suite_and_gates(tmp_path: Path) -> None:
     assert kind == "error" and "no transport named 'no_such_transport'" in msg and "cpu_gather" in msg, out
     kind, msg = outcomes["TestNoSuchDevice"]
     assert kind == "skipped" and "xla" in msg, out
+    kind, msg = outcomes["TestProbeRaises"]
+    assert kind == "error" and "probe() raised RuntimeError: driver library not found" in msg, out
+    kind, msg = outcomes["TestDeviceNotServed"]
+    assert kind == "error" and "does not serve device 'cpu'" in msg and "--kvxfer-device" in msg, out
 
 
 def test_private_imports_are_found(tmp_path: Path) -> None:

@@ -113,3 +113,21 @@ class ContiguousOnlyTransport(CpuGatherTransport):
     name = "contiguous_only"
     context_type = ContiguousContext
     capabilities = Capabilities(device_types=frozenset({"*"}), strided_layers=False)
+
+
+class ProbeRaisesTransport(CpuGatherTransport):
+    """Its probe raises instead of answering unavailable: the kit fails it with that said once."""
+
+    name = "mutant_probe_raises"
+    production = False
+
+    def probe(self) -> Any:
+        raise RuntimeError("driver library not found")
+
+
+class CudaOnlyTransport(CpuGatherTransport):
+    """Claims CUDA tensors only: the kit on cpu says how to pick the device under test."""
+
+    name = "mutant_cuda_only"
+    production = False
+    capabilities = Capabilities(device_types=frozenset({"cuda"}))
