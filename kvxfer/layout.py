@@ -37,6 +37,7 @@ while layouts that differ only in where pages sit (``LBHNC`` vs ``BLHNC``) do.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 import itertools
@@ -358,6 +359,37 @@ class KVLayout:
         if len(offsets) * self.row_elems != planes * self.block_size * self.hidden_dim_size:
             raise LayoutError(f"{len(offsets)} runs of {self.row_elems} elements are not a page of {self.block_size} "
                               f"tokens x {self.hidden_dim_size} elements")
+        self._check_disjoint()
+
+    def _check_disjoint(self) -> None:
+        """No two runs of the cache share memory (a registration from the wire says what
+        :meth:`infer` would have checked on tensors). Run ``o`` of block ``b`` is row
+        ``x = o + b * block_stride`` of the row view, elements ``[x * row_pitch, + row_elems)``;
+        rows closer than ``k = ceil(row_elems / row_pitch)`` overlap. Each offset is a residue
+        ``r`` and a quotient ``q`` modulo the stride: two offsets whose residues are less than
+        ``k`` apart (on the circle of the stride) overlap exactly when their blocks' quotient
+        ranges ``[q, q + num_blocks)`` meet. Swept in residue order, O(runs log runs)."""
+        stride, blocks = self.block_stride, self.num_blocks
+        k = -(-self.row_elems // self.row_pitch)
+        if blocks > 1 and stride < k:
+            raise LayoutError(f"block_stride {stride} rows is less than a run ({self.row_elems} elements at a "
+                              f"row_pitch of {self.row_pitch}): consecutive blocks would overlap")
+        items = sorted((o % stride, o // stride) for o in self.run_offsets)
+        # a run near the stride's end meets runs at its start one block later: the same rows as
+        # residue r + stride, quotient q - 1
+        items += [(r + stride, q - 1) for r, q in items if r < k]
+        window: list[tuple[int, int]] = []  # (residue, quotient), residues within k of the newest
+        quotients: list[int] = []  # the window's quotients, sorted: pairwise at least blocks apart
+        for r, q in items:
+            while window and window[0][0] <= r - k:
+                quotients.pop(bisect.bisect_left(quotients, window.pop(0)[1]))
+            i = bisect.bisect_left(quotients, q)
+            if (i < len(quotients) and quotients[i] - q < blocks) or (i > 0 and q - quotients[i - 1] < blocks):
+                raise LayoutError(f"run_offsets {list(self.run_offsets)[:16]} with block_stride {stride}, "
+                                  f"{blocks} blocks and rows of {self.row_elems} elements {self.row_pitch} apart "
+                                  "make two runs share memory")
+            quotients.insert(i, q)
+            window.append((r, q))
 
     # ------------------------------------------------------------------ derived sizes
 

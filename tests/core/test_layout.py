@@ -232,10 +232,34 @@ def test_chunk_format_and_sizes() -> None:
      "row_pitch must be a positive integer"),
     ({"row_elems": 512, "row_pitch": 512, "run_offsets": (0,), "block_stride": 1, "page": "|H2,N16,c16"},
      "axis letter and a size"),
+    # memory shared by two runs: the server-driven copies of such a registration would overlap
+    ({"row_elems": 512, "row_pitch": 100, "run_offsets": (0,), "block_stride": 1, "page": "|H2,N16,C16"},
+     "consecutive blocks would overlap"),
+    ({"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 1), "block_stride": 1, "page": "H2|N16,C16"},
+     "make two runs share memory"),
+    ({"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 9), "block_stride": 1, "page": "H2|N16,C16"},
+     "make two runs share memory"),  # head 1 of block 0 is head 0 of block 9
+    ({"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 4), "block_stride": 2, "page": "H2|N16,C16"},
+     "make two runs share memory"),  # row 4: run 1 of block 0 and run 0 of block 2
+    ({"row_elems": 256, "row_pitch": 64, "run_offsets": (0, 2), "block_stride": 8, "page": "H2|N16,C16"},
+     "make two runs share memory"),  # rows 4 apart make a run; 0 and 2 are 2 apart
+    ({"row_elems": 256, "row_pitch": 64, "run_offsets": (1, 6), "block_stride": 8, "page": "H2|N16,C16"},
+     "make two runs share memory"),  # row 6 of block b runs into row 1 of block b + 1 (9)
 ])
 def test_geometry_is_validated(fields, needle) -> None:
     with pytest.raises(LayoutError, match=needle):
         KVLayout(LayoutKind.BHNC, 2, 10, 16, 32, torch.float16, **fields)
+
+
+@pytest.mark.parametrize("fields", [
+    {"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 10), "block_stride": 1, "page": "H2|N16,C16"},  # heads out
+    {"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 1), "block_stride": 2, "page": "H2|N16,C16"},  # blocks out
+    {"row_elems": 256, "row_pitch": 300, "run_offsets": (1, 0), "block_stride": 3, "page": "H2|N16,C16"},  # padded
+    {"row_elems": 256, "row_pitch": 64, "run_offsets": (0, 4), "block_stride": 8, "page": "H2|N16,C16"},  # 4 rows a run
+    {"row_elems": 256, "row_pitch": 64, "run_offsets": (2, 80), "block_stride": 8, "page": "H2|N16,C16"},  # planes
+])
+def test_geometry_of_disjoint_runs_is_accepted(fields) -> None:
+    KVLayout(LayoutKind.BHNC, 2, 10, 16, 32, torch.float16, **fields)
 
 
 def test_check_tensors() -> None:
