@@ -1336,14 +1336,15 @@ class CacheServer:
         for res in self.hooks.call("kvxfer_status_section", server=self):
             try:
                 title, values = res
-                sections[str(title)] = {str(k): str(v) for k, v in values.items()}
+                sections[str(title)[:figures.MAX_PLUGIN_TEXT]] = figures.plugin_strings(
+                    self, f"status section {str(title)[:64]!r}", values)
             except (TypeError, ValueError, AttributeError):
                 self.hooks.errors += 1
                 log.warning("a kvxfer_status_section hook returned %r, not (title, dict)", res)
         transports = []
         for name, lt in sorted(self.transports.items()):
             try:
-                state = {str(k): str(v) for k, v in lt.server.status().items()}
+                state = figures.plugin_strings(self, f"transport {name!r} status()", lt.server.status())
             except Exception as exc:  # noqa: BLE001  (a status() that raises is reported, not fatal)
                 state = {"error": f"{type(exc).__name__}: {exc}"}
             transports.append(m.TransportStatus(

@@ -20,13 +20,17 @@ from kvxfer.server.stats import OTHER_MODEL, Histogram, ServerStats
 if TYPE_CHECKING:
     from kvxfer.server.engine import CacheServer
 
-__all__ = ["model_status", "traffic_status", "latency_status", "plugin_metrics", "check_sample",
-           "MAX_PLUGIN_SAMPLES"]
+__all__ = ["model_status", "traffic_status", "latency_status", "plugin_metrics", "check_sample", "plugin_strings",
+           "MAX_PLUGIN_SAMPLES", "MAX_PLUGIN_STRINGS", "MAX_PLUGIN_TEXT"]
 
 log = logging.getLogger(__name__)
 
 #: Most samples one plugin's ``kvxfer_metrics`` may return (more are dropped).
 MAX_PLUGIN_SAMPLES: Final = 512
+#: Most entries of one plugin's ``status()`` map or status section (more are dropped), and the
+#: most characters of each key and value (longer ones are cut).
+MAX_PLUGIN_STRINGS: Final = 64
+MAX_PLUGIN_TEXT: Final = 256
 _MAX_LABELS: Final = 8
 _MAX_LABEL_VALUE: Final = 128
 _NAME: Final = re.compile(r"kvxfer_[a-z0-9_]*[a-z0-9]")
@@ -139,7 +143,7 @@ def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
         except TypeError:
             samples = [result]
         if len(samples) > MAX_PLUGIN_SAMPLES:
-            _reject(server, "kvxfer_metrics", f"{len(samples)} samples from one plugin, at most "
+            _reject(server, "kvxfer_metrics", f"a kvxfer_metrics hook returned {len(samples)} samples, at most "
                                               f"{MAX_PLUGIN_SAMPLES}; the rest are dropped")
             samples = samples[:MAX_PLUGIN_SAMPLES]
         for sample in samples:
@@ -150,7 +154,8 @@ def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
                 if known != shape:
                     why = f"{sample.name}: kind/labels {shape} differ from an earlier sample's {known}"
             if why:
-                _reject(server, getattr(sample, "name", "?"), why)
+                _reject(server, getattr(sample, "name", "?"),
+                        f"a kvxfer_metrics hook returned a sample that cannot be exported ({why}); dropping it")
                 continue
             out.append(sample)
     return out
@@ -159,8 +164,26 @@ def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
 _warned: set[str] = set()
 
 
-def _reject(server: CacheServer, key: str, why: str) -> None:
+def plugin_strings(server: CacheServer, source: str, values: object) -> dict[str, str]:
+    """A plugin's map of strings for ``status`` (a transport's ``status()``, a status section),
+    bounded: at most :data:`MAX_PLUGIN_STRINGS` entries of at most :data:`MAX_PLUGIN_TEXT`
+    characters each, whatever a plugin that counts something a client names returns. Past the
+    bound the rest is dropped and counted as a hook error (logged once per source). Raises
+    ``AttributeError`` for something that is not a mapping."""
+    items = values.items()  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for k, v in items:
+        if len(out) == MAX_PLUGIN_STRINGS:
+            _reject(server, source, f"{source} returned more than {MAX_PLUGIN_STRINGS} entries for status; "
+                                    "the rest are dropped")
+            break
+        out[str(k)[:MAX_PLUGIN_TEXT]] = str(v)[:MAX_PLUGIN_TEXT]
+    return out
+
+
+def _reject(server: CacheServer, key: str, message: str) -> None:
+    """Count a hook error; log ``message`` once per ``key``."""
     server.hooks.errors += 1
     if key not in _warned and len(_warned) < 1000:
         _warned.add(key)
-        log.warning("a kvxfer_metrics hook returned a sample that cannot be exported (%s); dropping it", why)
+        log.warning("%s", message)

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvxfer import CacheClient, chunk_hashes
 from kvxfer.errors import InvalidRequest
 from kvxfer.protocol import messages as m
+from kvxfer.server.figures import MAX_PLUGIN_STRINGS, MAX_PLUGIN_TEXT
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import registry
 
@@ -272,7 +273,8 @@ def test_plugins_metrics_are_exported_and_bad_samples_dropped(on_path: Path, tmp
             samples = scrape(c.status().metrics_url)
             st = c.status()
             kv.close()
-        assert "cannot be exported" in srv.log()
+        log = srv.log()
+        assert "cannot be exported" in log
     chunk = kv.layout.chunk_bytes(CHUNK_SIZE)
     # the transport's server half took part in the hooks: it saw both transfers, with their bytes
     assert value(samples, "kvxfer_test_loop_transfers_total", op="store") == 1
@@ -285,6 +287,11 @@ def test_plugins_metrics_are_exported_and_bad_samples_dropped(on_path: Path, tmp
     # each scrape and status call dropped the three bad samples, counting each
     assert st.hook_errors >= errors_before + 6
     assert {s.name for s in st.plugin_metrics} >= {"kvxfer_test_recorder_calls", "kvxfer_test_loop_transfers_total"}
+    # a transport's status() of 201 long entries: the first MAX_PLUGIN_STRINGS, each cut short
+    (state,) = [t.state for t in st.transports if t.name == "test_loop"]
+    assert len(state) == MAX_PLUGIN_STRINGS and state["kind"] == "test", len(state)
+    assert max(len(v) for v in state.values()) == MAX_PLUGIN_TEXT
+    assert f"transport 'test_loop' status() returned more than {MAX_PLUGIN_STRINGS} entries" in log
 
 
 def test_metrics_port_in_use_is_refused_with_advice(url: str, tmp_path) -> None:

@@ -13,6 +13,11 @@ mapping, and how much device memory its staging takes. Samples (see docs/metrics
   each has run a transfer (none for KV tensors in host memory);
 * ``kvxfer_hpu_contexts{device,pinned}``: open registrations, by device type and whether the
   arena mapping is pinned for DMA.
+
+A registration names its device type, and a client may name any: the figures keep at most
+:data:`MAX_DEVICE_LABELS` device types. A new one takes the place of one that no open
+registration names (whose totals move to ``device="_other"``, so that the sums stay
+monotonic); where every kept one is in use, the new registration's figures go to ``_other``.
 """
 
 from __future__ import annotations
@@ -25,11 +30,16 @@ from typing import Any, Final
 from kvxfer import ConfigError, hookimpl
 from kvxfer.transport import KVLayout, MetricSample, Registration, ServerContext, ServerTransport
 
-__all__ = ["HpuServerTransport", "MAX_STAGING_BYTES"]
+__all__ = ["HpuServerTransport", "MAX_DEVICE_LABELS", "MAX_STAGING_BYTES", "OTHER_DEVICE"]
 
 #: Largest staging a registration may declare (a sanity bound on a figure from the wire).
 MAX_STAGING_BYTES: Final = 1 << 40
+#: Most device types the figures keep by name (a host has one or two).
+MAX_DEVICE_LABELS: Final = 8
+#: The ``device`` label of the figures of device types past :data:`MAX_DEVICE_LABELS`.
+OTHER_DEVICE: Final = "_other"  # no device type matches it: they start with a letter
 _DEVICE_TYPE: Final = re.compile(r"[a-z][a-z0-9_]{0,15}")
+_OPS: Final = ("store", "retrieve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +72,26 @@ class HpuServerTransport(ServerTransport):
         if not 0 <= staging <= MAX_STAGING_BYTES:
             raise ConfigError(f"hpu registration: staging_bytes must be in [0, {MAX_STAGING_BYTES}], got {staging}")
         with self._lock:
-            self._open[registration.instance_id] = _Declared(device, bool(getattr(registration, "host_pinned", False)),
-                                                             staging)
+            self._open[registration.instance_id] = _Declared(self._label(device),
+                                                             bool(getattr(registration, "host_pinned", False)), staging)
         return None  # client-driven: the core keeps the registration; nothing to copy here
+
+    def _label(self, device: str) -> str:
+        """The ``device`` label for a new registration's figures (under the lock)."""
+        in_use = {d.device for d in self._open.values()}
+        kept = ({dev for dev, _ in self._copies} | in_use) - {OTHER_DEVICE}
+        if device in kept or len(kept) < MAX_DEVICE_LABELS:
+            return device
+        idle = sorted(kept - in_use)
+        if not idle:
+            return OTHER_DEVICE
+        for op in _OPS:  # the idle type's totals go on under _other
+            gone = self._copies.pop((idle[0], op), None)
+            if gone is not None:
+                t = self._copies.setdefault((OTHER_DEVICE, op), [0, 0, 0.0])
+                for i, v in enumerate(gone):
+                    t[i] += v
+        return device
 
     @hookimpl
     def kvxfer_context_unregistered(self, context: Any) -> None:

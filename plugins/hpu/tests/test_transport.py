@@ -299,3 +299,63 @@ def test_cuda_contexts_report_pinned_staging_to_the_server(client: CacheClient) 
         assert figures[("kvxfer_hpu_copy_seconds_total", (("device", "cuda"), ("op", "store")))] > 0
     finally:
         ctx.close()
+
+
+def test_figures_keep_a_bounded_number_of_device_types(client: CacheClient) -> None:
+    """A registration names its device type, and a client may name any: one that cycled through
+    new names (register, store, unregister) once grew hpu's figures by three samples a name, for
+    ever, until the server's cut at 512 samples dropped the open registrations' gauges. Now at
+    most MAX_DEVICE_LABELS types are kept by name; an idle one makes room (its totals go on under
+    ``_other``), and where all are in use a new type's figures go to ``_other`` from the start."""
+    import msgspec
+
+    from kvxfer.protocol import codec
+    from kvxfer.protocol import messages as m
+    from kvxfer_hpu import HpuRegistration
+    from kvxfer_hpu.server import MAX_DEVICE_LABELS, OTHER_DEVICE
+
+    base = HpuRegistration(instance_id=0, model_name="labels", world_size=1, rank=0, layout="flash_attn",
+                           num_layers=2, num_blocks=16, block_size=BLOCK, hidden_dim_size=32, dtype="bfloat16",
+                           use_mla=False, device="cpu")
+    first = secrets.randbits(50) + 1
+
+    def register(j: int, device: str) -> int:
+        reg = msgspec.structs.replace(base, instance_id=first + j, device=device)
+        client.request(m.Register("hpu", msgspec.Raw(codec.encode(reg))))
+        return first + j
+
+    def store(iid: int) -> None:
+        reserved = client.request(m.ReserveWrite(iid, [b"\x01" * 16]))
+        client.request(m.CommitWrite(iid, reserved.reservation_id, copy_s=0.001))
+
+    def stores(figures: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> float:
+        return sum(v for (name, labels), v in figures.items()
+                   if name == "kvxfer_hpu_copies_total" and ("op", "store") in labels)
+
+    before = _plugin_figures(client)
+    live = register(0, "cpu")  # stays open throughout
+    cycled = 3 * MAX_DEVICE_LABELS
+    for j in range(1, cycled + 1):
+        iid = register(j, f"dev{j}")
+        store(iid)
+        client.request(m.Unregister(iid))
+    figures = _plugin_figures(client)
+    devices = {dict(labels)["device"] for name, labels in figures if name == "kvxfer_hpu_copies_total"}
+    assert len(devices - {OTHER_DEVICE}) <= MAX_DEVICE_LABELS and OTHER_DEVICE in devices, devices
+    assert stores(figures) - stores(before) == cycled  # no store lost from the sums
+    assert figures[("kvxfer_hpu_contexts", (("device", "cpu"), ("pinned", "false")))] >= 1
+    (hpu,) = [t for t in client.status().transports if t.name == "hpu"]
+    assert len(hpu.state) <= (MAX_DEVICE_LABELS + 1) * 2 * 3, len(hpu.state)
+    # every kept type in use: a new one is counted as _other, and the kept ones keep their names
+    held = [register(cycled + j, f"held{j}") for j in range(1, MAX_DEVICE_LABELS + 1)]
+    try:
+        extra = register(cycled + MAX_DEVICE_LABELS + 1, "onemore")
+        store(extra)
+        figures = _plugin_figures(client)
+        assert ("kvxfer_hpu_contexts", (("device", OTHER_DEVICE), ("pinned", "false"))) in figures
+        assert not any(dict(labels).get("device") == "onemore" for _, labels in figures)
+        assert figures[("kvxfer_hpu_contexts", (("device", "cpu"), ("pinned", "false")))] >= 1
+        client.request(m.Unregister(extra))
+    finally:
+        for iid in [*held, live]:
+            client.request(m.Unregister(iid))
