@@ -350,7 +350,13 @@ def test_a_kv_cache_larger_than_the_gpu_is_refused(server: ServerProcess) -> Non
         blocks = max(torch.cuda.get_device_properties(i).total_memory
                      for i in range(torch.cuda.device_count())) // per_block + 1
         real = ctx.registration
-        ctx.registration = lambda: msgspec.structs.replace(real(), num_blocks=blocks)  # type: ignore[method-assign]
+
+        def huge() -> msgspec.Struct:  # the same layout with more blocks: planes that far apart
+            reg = real()
+            offsets = [o // reg.num_blocks * blocks + o % reg.num_blocks for o in reg.run_offsets]
+            return msgspec.structs.replace(reg, num_blocks=blocks, run_offsets=offsets)
+
+        ctx.registration = huge  # type: ignore[method-assign]
         with pytest.raises(RemoteError, match="more than this transport can address"):
             ctx.register()
         ctx.close()
