@@ -251,6 +251,15 @@ def test_geometry_is_validated(fields, needle) -> None:
         KVLayout(LayoutKind.BHNC, 2, 10, 16, 32, torch.float16, **fields)
 
 
+def test_runs_of_a_one_block_cache_may_not_overlap_whatever_its_stride() -> None:
+    """One block: the stride names no memory, and a stride below a run once hid two runs two
+    rows apart in rows 512 elements long."""
+    one = {"row_elems": 256, "row_pitch": 1, "page": "H2|N16,C16"}
+    with pytest.raises(LayoutError, match="make two runs share memory"):
+        KVLayout(LayoutKind.BHNC, 2, 1, 16, 32, torch.float16, run_offsets=(0, 2), block_stride=1, **one)
+    KVLayout(LayoutKind.BHNC, 2, 1, 16, 32, torch.float16, run_offsets=(0, 256), block_stride=1, **one)
+
+
 @pytest.mark.parametrize("fields", [
     {"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 10), "block_stride": 1, "page": "H2|N16,C16"},  # heads out
     {"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 1), "block_stride": 2, "page": "H2|N16,C16"},  # blocks out
