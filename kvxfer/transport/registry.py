@@ -97,15 +97,18 @@ class EntryPointGroup:
         self._entry_points: dict[str, EntryPoint] | None = None
         self._loaded: dict[str, Any] = {}
         self._broken: dict[str, str] = {}
+        #: names that more than one distribution provides -> those distributions
+        self._twice: dict[str, list[str]] = {}
 
     def entry_points(self) -> dict[str, EntryPoint]:
         """Installed entry points by name, read from package metadata without importing them."""
         with self._lock:
             if self._entry_points is None:
                 found: dict[str, EntryPoint] = {}
+                self._twice = {}
                 for ep in entry_points(group=self.namespace):
                     if ep.name in found:
-                        log.warning("%s %r is installed twice; using %s", self.kind, ep.name, found[ep.name].value)
+                        self._twice.setdefault(ep.name, [_dist(found[ep.name])]).append(_dist(ep))
                         continue
                     found[ep.name] = ep
                 self._entry_points = found
@@ -133,6 +136,14 @@ class EntryPointGroup:
         ep = eps.get(name)
         if ep is None:
             raise self.not_found(self._unknown(name, eps))
+        twice = self._twice.get(name)
+        if twice:  # which one would load depends on the order of sys.path and of directory listings
+            msg = (f"{self.kind} {name!r} is provided by {len(twice)} distributions ({', '.join(twice)}); "
+                   "uninstall all but one")
+            with self._lock:
+                self._broken[name] = msg
+            log.warning("%s", msg)
+            raise self.broken(msg)
         try:
             target = ep.load()  # the entry point just read from metadata (no cache that could be stale)
             plugin = target() if isinstance(target, type) else target

@@ -154,6 +154,31 @@ def test_an_entry_point_added_after_a_first_load_is_found_after_refresh(tmp_path
         registry.refresh()
 
 
+def test_a_name_two_distributions_provide_is_broken_naming_both(tmp_path: Path) -> None:
+    """Which of the two would load depends on the order of sys.path and of directory listings:
+    neither does, and the message names both distributions."""
+    (tmp_path / "kvxfer_twice.py").write_text(
+        "from kvxfer_cpu_gather import CpuGatherTransport\n"
+        "class Twice(CpuGatherTransport):\n    name = 'twice'\n    production = False\n")
+    for dist in ("kvxfer-twice-a", "kvxfer-twice-b"):
+        info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text("[kvxfer.transports]\ntwice = kvxfer_twice:Twice\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        registry.refresh()
+        with pytest.raises(TransportBroken, match="provided by 2 distributions") as info:
+            registry.get_transport("twice")
+        assert "kvxfer-twice-a 0.1" in str(info.value) and "kvxfer-twice-b 0.1" in str(info.value)
+        (row,) = [p for p in registry.list_plugins() if p.name == "twice"]
+        assert row.health == "broken" and "uninstall all but one" in row.detail
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("kvxfer_twice", None)
+        registry.refresh()
+
+
 def test_a_plugin_named_unlike_its_entry_point_is_broken_with_the_fix_named(tmp_path: Path, caplog) -> None:
     dist = tmp_path / "kvxfer_misnamed-0.1.dist-info"
     dist.mkdir()
