@@ -359,3 +359,39 @@ def test_figures_keep_a_bounded_number_of_device_types(client: CacheClient) -> N
     finally:
         for iid in [*held, live]:
             client.request(m.Unregister(iid))
+
+
+def test_a_registration_opened_but_refused_by_the_core_is_never_counted() -> None:
+    """The core can refuse a registration after hpu's open() (its session ended, or another took
+    its id while it opened); nothing then closes it. hpu counts a registration only once the
+    core registered it, matched by the layout object both calls get, so such a one once stayed
+    in kvxfer_hpu_contexts for the server's life and kept its device type in use. In process:
+    no real client can end its session inside the server's open() at will, so the registered
+    context is a stand-in with the three attributes the hook reads."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kvxfer_hpu import HpuRegistration
+    from kvxfer_hpu.server import HpuServerTransport
+
+    server = HpuServerTransport(HpuTransport())
+    layout = KVLayout.infer(_kv("cpu", layers=2, blocks=16), BLOCK)
+
+    def reg(instance_id: int, device: str) -> HpuRegistration:
+        return HpuRegistration(instance_id=instance_id, model_name="refused", world_size=1, rank=0,
+                               layout="flash_attn", num_layers=2, num_blocks=16, block_size=BLOCK,
+                               hidden_dim_size=32, dtype="bfloat16", use_mla=False, device=device)
+
+    def contexts() -> dict[str, float]:
+        return {s.labels["device"]: s.value for s in server.kvxfer_metrics() if s.name == "kvxfer_hpu_contexts"}
+
+    refused, kept = KVLayout.infer(_kv("cpu", layers=2, blocks=16), BLOCK), layout
+    assert server.open(reg(1, "npu"), refused) is None  # opened; the core never registers it
+    assert server.open(reg(1, "cpu"), kept) is None  # the same id, opened at the same time
+    assert contexts() == {}
+    server.kvxfer_context_registered(SimpleNamespace(instance_id=1, transport="hpu", layout=kept))
+    assert contexts() == {"cpu": 1}  # the one registered, with what it declared
+    equal = dataclasses.replace(refused)  # an equal layout, not the object opened
+    assert equal == refused and equal is not refused
+    server.kvxfer_context_registered(SimpleNamespace(instance_id=2, transport="hpu", layout=equal))
+    assert contexts() == {"cpu": 1}
