@@ -4,8 +4,9 @@
 which reads the installed metadata every time it is asked (a cache of entry points on disk, as
 stevedore keeps one, can miss a plugin installed within two minutes of the previous change).
 
-A plugin that fails to import, declares another ``api_version`` or names something that is not
-a plugin of its group is reported (``kvxfer plugins``) and breaks nothing else. An unknown name
+A plugin that fails to import, declares another ``api_version``, names something that is not
+a plugin of its group or has a name another distribution also provides is reported (``kvxfer
+plugins``) and breaks nothing else. An unknown name
 raises :class:`TransportNotFound` (or :class:`~kvxfer.errors.StoreNotFound`) listing what is
 installed and the distributions of the kvxfer project that provide more (:data:`DISTRIBUTIONS`).
 """
