@@ -70,7 +70,32 @@ _OR_ITS_ADDRESS: Final = ("or, if one runs elsewhere, give its address (--url or
 def _socket_missing(url: str) -> str:
     path = ipc_path(url)
     assert path is not None
-    return f"{path} does not exist" if path.parent.exists() else f"neither {path} nor its directory exists"
+    if not path.parent.exists():
+        return f"neither {path} nor its directory exists"
+    others = _sockets_in(path.parent)
+    if not others:
+        return f"{path} does not exist"
+    return f"{path} does not exist, but {path.parent} holds {', '.join(others)} (a misspelt name?)"
+
+
+def _sockets_in(directory: Path, most: int = 3) -> list[str]:
+    """Names of up to ``most`` Unix sockets in ``directory`` (for a message; errors: none)."""
+    import stat
+
+    found: list[str] = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                try:
+                    if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                        found.append(entry.name)
+                except OSError:
+                    continue
+                if len(found) == most:
+                    break
+    except OSError:
+        return []
+    return sorted(found)
 
 
 def no_server_starting(url: str, wait_s: float = 0.0) -> str | None:

@@ -123,6 +123,14 @@ def test_status_without_a_server_says_how_to_start_one_at_once(tmp_path: Path, c
     assert f"neither {tmp_path}/nodir/none.sock nor its directory exists" in err, err
     assert f"kvxfer serve --url {url}" in err
     assert "or, if one runs elsewhere, give its address (--url or $KVXFER_URL" in err, err  # a typo'd address
+    # a misspelt socket name beside a real one: the message names the one that is there
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as there:
+        there.bind(str(tmp_path / "kvxfer.sock"))
+        assert main(["status", "--url", f"ipc://{tmp_path}/kvxfer.soc", "--timeout", "3600"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/kvxfer.soc does not exist, but {tmp_path} holds kvxfer.sock (a misspelt name?)" in err, err
 
 
 def test_status_at_a_socket_nobody_listens_on_says_it_is_stale(tmp_path: Path, capsys) -> None:
@@ -321,6 +329,9 @@ def test_the_vllm_connector_reads_booleans_alike_and_names_a_misspelt_key() -> N
                                           "mean 'kvxfer.lease_s'\\?\\), 'kvxfer.nonsense', 'kvxfer.timeout' \\(did "
                                           "you mean 'kvxfer.timeout_s'\\?\\)"):
         ConnectorConfig.from_mapping({"kvxfer.timeout": 7, "kvxfer.lease": 9, "kvxfer.nonsense": 1}, **args)
+    with pytest.raises(ConfigError) as info:  # the names, not every key's help (vLLM prints it once a process)
+        ConnectorConfig.from_mapping({"kvxfer.ulr": "ipc:///tmp/x/k.sock"}, **args)
+    assert "kvxfer.url, kvxfer.transport" in str(info.value) and len(str(info.value)) < 800, str(info.value)
 
 
 def test_the_vllm_connector_reads_numbers_written_as_strings_alike() -> None:

@@ -142,8 +142,8 @@ class ConnectorConfig:
         if unknown:
             guesses = {k: difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) for k in unknown}
             named = ", ".join(f"{k!r} (did you mean {g[0]!r}?)" if g else repr(k) for k, g in guesses.items())
-            raise ConfigError(f"unknown kv_connector_extra_config key(s) {named}; kvxfer knows: "
-                              + "; ".join(f"{k}: {v}" for k, v in KEYS.items()))
+            raise ConfigError(f"unknown kv_connector_extra_config key(s) {named}; kvxfer knows "
+                              f"{', '.join(KEYS)} (docs/vllm.md, section 3, says what each does)")
         if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
         on_error = extra.get("kvxfer.on_server_error", "fail")
