@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import threading
 import time
 import weakref
@@ -80,8 +81,6 @@ def _socket_missing(url: str) -> str:
 
 def _sockets_in(directory: Path, most: int = 3) -> list[str]:
     """Names of up to ``most`` Unix sockets in ``directory`` (for a message; errors: none)."""
-    import stat
-
     found: list[str] = []
     try:
         with os.scandir(directory) as entries:

@@ -1336,8 +1336,8 @@ class CacheServer:
         for res in self.hooks.call("kvxfer_status_section", server=self):
             try:
                 title, values = res
-                sections[str(title)[:figures.MAX_PLUGIN_TEXT]] = figures.plugin_strings(
-                    self, f"status section {str(title)[:64]!r}", values)
+                title = str(title)[:figures.MAX_PLUGIN_TEXT]
+                sections[title] = figures.plugin_strings(self, f"status section {title[:64]!r}", values)
             except (TypeError, ValueError, AttributeError):
                 self.hooks.errors += 1
                 log.warning("a kvxfer_status_section hook returned %r, not (title, dict)", res)

@@ -137,15 +137,11 @@ class EntryPointGroup:
         ep = eps.get(name)
         if ep is None:
             raise self.not_found(self._unknown(name, eps))
-        twice = self._twice.get(name)
-        if twice:  # which one would load depends on the order of sys.path and of directory listings
-            msg = (f"{self.kind} {name!r} is provided by {len(twice)} distributions ({', '.join(twice)}); "
-                   "uninstall all but one")
-            with self._lock:
-                self._broken[name] = msg
-            log.warning("%s", msg)
-            raise self.broken(msg)
         try:
+            twice = self._twice.get(name)
+            if twice:  # which one would load depends on the order of sys.path and of directory listings
+                raise self.broken(f"{self.kind} {name!r} is provided by {len(twice)} distributions "
+                                  f"({', '.join(twice)}); uninstall all but one")
             target = ep.load()  # the entry point just read from metadata (no cache that could be stale)
             plugin = target() if isinstance(target, type) else target
             if not isinstance(plugin, self.base):

@@ -7,12 +7,14 @@ process (and takes it off again afterwards) so that a client here can use ``test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -126,77 +128,71 @@ def test_auto_picks_by_device(on_path) -> None:
         registry.select("test_loop", torch.device("meta"))
 
 
+def _distribution(root: Path, name: str, entry_points: str) -> Path:
+    """A distribution's dist-info under ``root`` (the directory a test puts on ``sys.path``):
+    ``entry_points`` is its ``[kvxfer.transports]`` lines. Returns its entry_points.txt."""
+    info = root / f"{name.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    points = info / "entry_points.txt"
+    points.write_text(f"[kvxfer.transports]\n{entry_points}")
+    return points
+
+
+@contextlib.contextmanager
+def _importable(root: Path, module: str, source: str) -> Iterator[None]:
+    """``module`` (``source``) and the distributions under ``root`` found by this process's
+    registry for the block; forgotten after it."""
+    (root / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(root))
+    try:
+        registry.refresh()
+        yield
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop(module, None)
+        registry.refresh()
+
+
+_TRANSPORT = "from kvxfer_cpu_gather import CpuGatherTransport\n"
+
+
 def test_an_entry_point_added_after_a_first_load_is_found_after_refresh(tmp_path: Path) -> None:
     """A distribution gains a second transport (pip install -e . after editing its entry points):
     after ``refresh()`` it loads. Looked up again in stevedore's cache of entry points (in the
     process, and on disk keyed on ``sys.path``'s modification times in steps of about two
     minutes), it was listed and then reported broken ("No 'kvxfer.transports' driver found")."""
-    dist = tmp_path / "kvxfer_late-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvxfer-late\nVersion: 0.1\n")
-    (tmp_path / "kvxfer_late.py").write_text(
-        "from kvxfer_cpu_gather import CpuGatherTransport\n"
-        "class First(CpuGatherTransport):\n    name = 'late_first'\n    production = False\n"
-        "class Second(CpuGatherTransport):\n    name = 'late_second'\n    production = False\n")
-    points = "[kvxfer.transports]\nlate_first = kvxfer_late:First\n"
-    (dist / "entry_points.txt").write_text(points)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        registry.refresh()
+    points = _distribution(tmp_path, "kvxfer-late", "late_first = kvxfer_late:First\n")
+    with _importable(tmp_path, "kvxfer_late", _TRANSPORT
+                     + "class First(CpuGatherTransport):\n    name = 'late_first'\n    production = False\n"
+                     + "class Second(CpuGatherTransport):\n    name = 'late_second'\n    production = False\n"):
         assert registry.get_transport("late_first").name == "late_first"
-        (dist / "entry_points.txt").write_text(points + "late_second = kvxfer_late:Second\n")
+        points.write_text(points.read_text() + "late_second = kvxfer_late:Second\n")
         registry.refresh()
         assert registry.get_transport("late_second").name == "late_second"
         assert {"late_first", "late_second"} <= set(registry.installed_names())
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("kvxfer_late", None)
-        registry.refresh()
 
 
 def test_a_name_two_distributions_provide_is_broken_naming_both(tmp_path: Path) -> None:
     """Which of the two would load depends on the order of sys.path and of directory listings:
     neither does, and the message names both distributions."""
-    (tmp_path / "kvxfer_twice.py").write_text(
-        "from kvxfer_cpu_gather import CpuGatherTransport\n"
-        "class Twice(CpuGatherTransport):\n    name = 'twice'\n    production = False\n")
     for dist in ("kvxfer-twice-a", "kvxfer-twice-b"):
-        info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text("[kvxfer.transports]\ntwice = kvxfer_twice:Twice\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        registry.refresh()
+        _distribution(tmp_path, dist, "twice = kvxfer_twice:Twice\n")
+    with _importable(tmp_path, "kvxfer_twice",
+                     _TRANSPORT + "class Twice(CpuGatherTransport):\n    name = 'twice'\n    production = False\n"):
         with pytest.raises(TransportBroken, match="provided by 2 distributions") as info:
             registry.get_transport("twice")
         assert "kvxfer-twice-a 0.1" in str(info.value) and "kvxfer-twice-b 0.1" in str(info.value)
         (row,) = [p for p in registry.list_plugins() if p.name == "twice"]
         assert row.health == "broken" and "uninstall all but one" in row.detail
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("kvxfer_twice", None)
-        registry.refresh()
 
 
 def test_a_plugin_named_unlike_its_entry_point_is_broken_with_the_fix_named(tmp_path: Path, caplog) -> None:
-    dist = tmp_path / "kvxfer_misnamed-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvxfer-misnamed\nVersion: 0.1\n")
-    (tmp_path / "kvxfer_misnamed.py").write_text(
-        "from kvxfer_cpu_gather import CpuGatherTransport\n"
-        "class Misnamed(CpuGatherTransport):\n    name = 'other'\n")
-    (dist / "entry_points.txt").write_text("[kvxfer.transports]\nmisnamed = kvxfer_misnamed:Misnamed\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        registry.refresh()
+    _distribution(tmp_path, "kvxfer-misnamed", "misnamed = kvxfer_misnamed:Misnamed\n")
+    with _importable(tmp_path, "kvxfer_misnamed", _TRANSPORT + "class Misnamed(CpuGatherTransport):\n    name = 'other'\n"):
         with pytest.raises(TransportBroken, match="set name = 'misnamed' on Misnamed, or rename the entry point"):
             registry.get_transport("misnamed")
         assert "names a transport called 'other'" in caplog.text  # logged once, as every broken plugin is
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("kvxfer_misnamed", None)
-        registry.refresh()
 
 
 def test_why_a_transport_does_not_serve_a_device_is_named() -> None:
