@@ -8,7 +8,7 @@ from typing import Any
 
 from kvxfer.copies import SlotViews
 from kvxfer.layout import KVLayout, dtype_name
-from kvxfer.protocol.messages import ContextStatus
+from kvxfer.protocol.messages import ContextStatus, Registration
 from kvxfer.server.index import ChunkKey
 from kvxfer.server.workers import Lane
 from kvxfer.transport.contract import ServerContext
@@ -38,6 +38,9 @@ class RegisteredContext:
     rank: int
     layout: KVLayout
     transport: str
+    #: The registration as the client sent it, decoded as its transport's ``registration_type``
+    #: and validated (read-only: hooks read what a transport's registration declared from it).
+    registration: Registration
     server_context: ServerContext[Any, Any] | None
     session: bytes
     client_pid: int

@@ -917,7 +917,7 @@ class CacheServer:
                 raise UnknownInstance("the session ended or the id was taken while registering")
             ctx = RegisteredContext(
                 instance_id=reg.instance_id, model_name=reg.model_name, world_size=reg.world_size,
-                rank=reg.rank, layout=layout, transport=msg.transport, server_context=server_context,
+                rank=reg.rank, layout=layout, transport=msg.transport, registration=reg, server_context=server_context,
                 session=session.identity, client_pid=session.pid, chunk_size=self.config.chunk_size,
                 executor=executor, views=SlotViews(self.arena.view, layout, self.config.chunk_size, self._slot_views),
                 owner=session,

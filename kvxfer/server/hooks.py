@@ -47,7 +47,9 @@ class KvxferHookSpec:
 
     @hookspec
     def kvxfer_context_registered(self, server: CacheServer, context: RegisteredContext) -> None:
-        """An engine instance registered a KV cache."""
+        """An engine instance registered a KV cache (``context.registration``: what it sent,
+        decoded and checked; the server may refuse a registration after its transport's ``open()``,
+        and then calls no hook for it)."""
 
     @hookspec
     def kvxfer_context_unregistered(self, server: CacheServer, context: RegisteredContext, reason: str) -> None:

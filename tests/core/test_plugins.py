@@ -322,6 +322,9 @@ def test_server_driven_round_trip_and_hooks(loop_client, tmp_path: Path, hook_lo
     assert kinds[0] == "server_started"
     assert [e["transport"] for e in ev if e["event"] == "context_registered" and e["model"] == "loop"] == \
         ["test_loop", "test_loop"]
+    # the hook's context carries the registration as sent, decoded as the transport's type
+    assert [(e["registration"], e["instance"]) for e in ev if e["event"] == "context_registered"
+            and e["model"] == "loop"] == [("LoopRegistration", a.instance_id), ("LoopRegistration", b.instance_id)]
     assert [e["hashes"] for e in ev if e["event"] == "chunks_stored" and e["model"] == "loop"] == \
         [[h.hex() for h in hashes]]
     assert [e["hashes"] for e in ev if e["event"] == "chunks_retrieved" and e["model"] == "loop"] == \

@@ -18,15 +18,15 @@ A registration names its device type, and a client may name any: the figures kee
 :data:`MAX_DEVICE_LABELS` device types. A new one takes the place of one that no open
 registration names (whose totals move to ``device="_other"``, so that the sums stay
 monotonic); where every kept one is in use, the new registration's figures go to ``_other``.
-A registration counts from the core's ``kvxfer_context_registered`` on (the core can still
-refuse one after :meth:`HpuServerTransport.open`, and then nothing closes it).
+A registration counts from the core's ``kvxfer_context_registered`` on, with what its
+``context.registration`` declares (:meth:`HpuServerTransport.open` only checks it: the core can
+still refuse a registration after ``open()``, and then nothing closes it).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,8 +43,6 @@ MAX_DEVICE_LABELS: Final = 8
 OTHER_DEVICE: Final = "_other"  # no device type matches it: they start with a letter
 _DEVICE_TYPE: Final = re.compile(r"[a-z][a-z0-9_]{0,15}")
 _OPS: Final = ("store", "retrieve")
-#: Seconds an opened registration waits for the core's answer before hpu forgets it.
-PENDING_S: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +54,18 @@ class _Declared:
     staging_bytes: int
 
 
+def _declared(registration: Registration) -> _Declared:
+    """What ``registration`` (an :class:`~kvxfer_hpu.HpuRegistration`) declares; ConfigError for
+    a device type or staging size hpu does not accept."""
+    device = getattr(registration, "device", "cpu")
+    staging = getattr(registration, "staging_bytes", 0)
+    if not isinstance(device, str) or not _DEVICE_TYPE.fullmatch(device):
+        raise ConfigError(f"hpu registration: device must be a torch device type such as 'hpu', got {device!r}")
+    if not 0 <= staging <= MAX_STAGING_BYTES:
+        raise ConfigError(f"hpu registration: staging_bytes must be in [0, {MAX_STAGING_BYTES}], got {staging}")
+    return _Declared(device, bool(getattr(registration, "host_pinned", False)), staging)
+
+
 class HpuServerTransport(ServerTransport):
     """The core's server half of a client-driven transport, keeping hpu's figures. The server
     registers it as a hook plugin (its hooks run on the server's loop thread; :meth:`open` on
@@ -64,40 +74,21 @@ class HpuServerTransport(ServerTransport):
     def __init__(self, transport: Any) -> None:
         super().__init__(transport)
         self._lock = threading.Lock()
-        #: registrations opened and not yet registered, by the identity of their layout (the
-        #: object the core gives both open() and the registered context): (when, layout, declared)
-        self._pending: dict[int, tuple[float, KVLayout, _Declared]] = {}
         #: instance id -> what its registration declared, from registered until unregistered
         self._open: dict[int, _Declared] = {}
         #: (device type, op) -> [transfers, bytes, seconds]
         self._copies: dict[tuple[str, str], list[float]] = {}
 
     def open(self, registration: Registration, layout: KVLayout) -> ServerContext[Any, Any] | None:
-        device = getattr(registration, "device", "cpu")
-        staging = getattr(registration, "staging_bytes", 0)
-        if not isinstance(device, str) or not _DEVICE_TYPE.fullmatch(device):
-            raise ConfigError(f"hpu registration: device must be a torch device type such as 'hpu', got {device!r}")
-        if not 0 <= staging <= MAX_STAGING_BYTES:
-            raise ConfigError(f"hpu registration: staging_bytes must be in [0, {MAX_STAGING_BYTES}], got {staging}")
-        now = time.monotonic()
-        with self._lock:
-            # the core may still refuse it (its session ended, or its id was taken meanwhile):
-            # counted once registered; forgotten if that does not follow within PENDING_S
-            for key in [k for k, (t, _, _) in self._pending.items() if now - t > PENDING_S]:
-                del self._pending[key]
-            declared = _Declared(device, bool(getattr(registration, "host_pinned", False)), staging)
-            self._pending[id(layout)] = (now, layout, declared)
+        _declared(registration)
         return None  # client-driven: the core keeps the registration; nothing to copy here
 
     @hookimpl
     def kvxfer_context_registered(self, context: Any) -> None:
         if context.transport != self.transport.name:
             return
+        declared = _declared(context.registration)  # checked by open() already
         with self._lock:
-            pending = self._pending.pop(id(context.layout), None)
-            if pending is None or pending[1] is not context.layout:
-                return
-            declared = pending[2]
             self._open[context.instance_id] = _Declared(self._label(declared.device), declared.pinned,
                                                         declared.staging_bytes)
 

@@ -363,12 +363,11 @@ def test_figures_keep_a_bounded_number_of_device_types(client: CacheClient) -> N
 
 def test_a_registration_opened_but_refused_by_the_core_is_never_counted() -> None:
     """The core can refuse a registration after hpu's open() (its session ended, or another took
-    its id while it opened); nothing then closes it. hpu counts a registration only once the
-    core registered it, matched by the layout object both calls get, so such a one once stayed
-    in kvxfer_hpu_contexts for the server's life and kept its device type in use. In process:
-    no real client can end its session inside the server's open() at will, so the registered
-    context is a stand-in with the three attributes the hook reads."""
-    import dataclasses
+    its id while it opened); nothing then closes it. hpu's open() only checks the registration:
+    it counts one from the core's kvxfer_context_registered on, with what the registered
+    context's registration declares. In process: no real client can end its session inside the
+    server's open() at will, so the registered contexts are stand-ins with the three attributes
+    the hook reads (a real server's registrations are counted in the tests above)."""
     from types import SimpleNamespace
 
     from kvxfer_hpu import HpuRegistration
@@ -385,13 +384,12 @@ def test_a_registration_opened_but_refused_by_the_core_is_never_counted() -> Non
     def contexts() -> dict[str, float]:
         return {s.labels["device"]: s.value for s in server.kvxfer_metrics() if s.name == "kvxfer_hpu_contexts"}
 
-    refused, kept = KVLayout.infer(_kv("cpu", layers=2, blocks=16), BLOCK), layout
-    assert server.open(reg(1, "npu"), refused) is None  # opened; the core never registers it
-    assert server.open(reg(1, "cpu"), kept) is None  # the same id, opened at the same time
+    assert server.open(reg(1, "npu"), layout) is None  # opened; the core never registers it
+    assert server.open(reg(1, "cpu"), layout) is None  # the same id, opened at the same time
     assert contexts() == {}
-    server.kvxfer_context_registered(SimpleNamespace(instance_id=1, transport="hpu", layout=kept))
+    server.kvxfer_context_registered(SimpleNamespace(instance_id=1, transport="hpu", registration=reg(1, "cpu")))
     assert contexts() == {"cpu": 1}  # the one registered, with what it declared
-    equal = dataclasses.replace(refused)  # an equal layout, not the object opened
-    assert equal == refused and equal is not refused
-    server.kvxfer_context_registered(SimpleNamespace(instance_id=2, transport="hpu", layout=equal))
-    assert contexts() == {"cpu": 1}
+    server.kvxfer_context_registered(SimpleNamespace(instance_id=2, transport="other", registration=reg(2, "npu")))
+    assert contexts() == {"cpu": 1}  # another transport's registration is not hpu's to count
+    with pytest.raises(ConfigError, match="device must be a torch device type"):
+        server.open(reg(3, "Bad-Type"), layout)
