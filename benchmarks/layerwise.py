@@ -81,8 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compute-ratios", type=float, nargs="+", default=[0.5, 1.0, 2.0],
                    help="per-layer compute time as a multiple of the load's per-layer time (default: %(default)s)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--layer-parts", type=int, nargs="+", default=[0], metavar="N",
+                   help="cut a layer-wise load into at most N parts (requests or copy rounds), each N in turn; "
+                        "0: the transport's own choice (default)")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
+    if any(n < 0 for n in args.layer_parts):
+        p.error("--layer-parts must be >= 0")
 
     device = torch.device(args.device)
     dtype = dtype_from_name("bfloat16")
@@ -101,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     nbytes = n * layout.chunk_bytes(chunk)
     results: dict[str, Any] = {"transport": args.transport, "device": str(device), "layers": layers,
                                "prefix_chunks": n, "tokens": n * chunk, "mib": nbytes / 2**20, "rows": []}
+    own_parts: int | None = None
     with ServerProcess(l1_size=str(2 * nbytes + (64 << 20)), chunk_size=chunk) as server:
         client = CacheClient(server.url)
         model = f"layerwise-{os.getpid()}"
@@ -147,8 +153,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not torch.equal(rows[layout.rows(src.to(device))], rows[layout.rows(dst.to(device))]):
                 raise SystemExit("loaded blocks differ from stored blocks")
         base = statistics.median(load(False, 0.0) for _ in range(args.iters))
-        bar = progress_bar(len(args.compute_ratios) * args.iters, f"layerwise {args.transport}")
-        for ratio in args.compute_ratios:
+        own_parts = len(ctx._layer_groups(nbytes))  # type: ignore[attr-defined]  # the core's choice
+        bar = progress_bar(len(args.layer_parts) * len(args.compute_ratios) * args.iters, f"layerwise {args.transport}")
+        for parts, ratio in [(p_, r) for p_ in args.layer_parts for r in args.compute_ratios]:
+            if parts:
+                ctx.max_layer_parts = parts  # type: ignore[attr-defined]  # the core's bound, for this run
+                ctx.min_layer_part_bytes = 0  # type: ignore[attr-defined]
+            else:
+                for name in ("max_layer_parts", "min_layer_part_bytes"):
+                    ctx.__dict__.pop(name, None)
             per_layer = ratio * base / layers
             t: dict[str, list[float]] = {"load": [], "compute": [], "sequential": [], "layerwise": []}
             for _ in range(args.iters):
@@ -159,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bar.update(1)
             med = {k: statistics.median(v) for k, v in t.items()}
             results["rows"].append({
+                "layer_parts": len(ctx._layer_groups(nbytes)),  # type: ignore[attr-defined]
                 "compute_ratio": ratio, "per_layer_ms": per_layer * 1e3,
                 **{f"{k}_ms": v * 1e3 for k, v in med.items()},
                 "hidden": (med["sequential"] - med["layerwise"]) / med["load"],
@@ -171,13 +185,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvxfer.text_table import print_table
 
     print_table(
-        [(args.transport, str(device), f"{r['compute_ratio']:g}", f"{r['per_layer_ms']:.3f}", f"{r['load_ms']:.2f}",
+        [(args.transport, str(device), str(r["layer_parts"]), f"{r['compute_ratio']:g}", f"{r['per_layer_ms']:.3f}", f"{r['load_ms']:.2f}",
           f"{r['compute_ms']:.2f}", f"{r['sequential_ms']:.2f}", f"{r['layerwise_ms']:.2f}", f"{r['hidden']:.2f}",
           f"{r['best_hidden']:.2f}") for r in results["rows"]],
-        ["transport", "device", "compute/load", "compute ms/layer", "load ms", "compute ms", "sequential ms",
+        ["transport", "device", "parts", "compute/load", "compute ms/layer", "load ms", "compute ms", "sequential ms",
          "layerwise ms", "hidden", "at most"],
     )
+    print(f"parts: requests (server-driven) or copy rounds (client-driven) of a layer-wise load of {nbytes >> 20} MiB; "
+          f"the transport's own choice: {own_parts}")
     if args.json:
+        results["own_layer_parts"] = own_parts
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else None
         print(f"wrote {write_results(args.json, f'layerwise-{args.transport}-{args.device}', {'gpu': gpu, **results})}")
     return 0

@@ -237,7 +237,7 @@ class ClientDrivenCore(ContextCore):
             done(waiter)
             return
         lw = layered
-        groups = self._layer_groups()
+        groups = self._layer_groups(sum(c.slot.numel() * c.slot.element_size() for c in copies))
         parts: list[tuple[Waiter | None, range]] = []
         state = {"next": 0, "queued": False, "over": False}
         lock = threading.Lock()

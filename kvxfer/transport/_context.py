@@ -79,8 +79,10 @@ class ContextCore:
 
     #: Names the second thread, which finishes requests after the worker (see each style).
     _finisher_role: ClassVar[str] = "done"
-    #: At most this many parts (ranges of layers) per layer-wise transfer (see each style).
+    #: At most this many parts (ranges of layers) per layer-wise transfer, each of at least
+    #: ``min_layer_part_bytes`` (see the contract's TransferContextBase and each style).
     max_layer_parts: ClassVar[int] = 64
+    min_layer_part_bytes: ClassVar[int] = 0
     #: Whether each part of a layer-wise store gets its own token (see :meth:`_layered`).
     _token_per_part: ClassVar[bool] = True
 
@@ -243,15 +245,24 @@ class ContextCore:
         """Start a validated retrieve that resolves ``outer``; the style implements it."""
         raise NotImplementedError
 
-    def _layer_groups(self) -> list[range]:
-        """The layer ranges a layer-wise transfer is copied in, in order: one per layer group
-        of at most ``ceil(num_layers / max_layer_parts)`` layers; one range of every layer when
-        the transport does not copy ranges of layers."""
+    def _layer_groups(self, nbytes: int) -> list[range]:
+        """The layer ranges a layer-wise transfer of ``nbytes`` is copied in, in order: at most
+        ``max_layer_parts`` groups of ``ceil(num_layers / parts)`` layers, and no more than each
+        moving ``min_layer_part_bytes``; one range of every layer when the transport does not
+        copy ranges of layers."""
         n = self.layout.num_layers
         if not self.transport.capabilities.layer_ranges:
             return [range(n)]
-        size = -(-n // max(1, min(n, self.max_layer_parts)))
+        parts = max(1, min(n, self.max_layer_parts))
+        if self.min_layer_part_bytes > 0:
+            parts = max(1, min(parts, nbytes // self.min_layer_part_bytes))
+        size = -(-n // parts)
         return [range(a, min(a + size, n)) for a in range(0, n, size)]
+
+    def _transfer_bytes(self, transfer: Transfer) -> int:
+        """Bytes ``transfer`` copies at most (its chunks past the skipped blocks)."""
+        blocks = transfer.blocks.numel() - transfer.skip_blocks
+        return blocks * (self.chunk_bytes // self.blocks_per_chunk)
 
     # ------------------------------------------------------------------ close
 

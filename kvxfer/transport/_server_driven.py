@@ -119,7 +119,7 @@ class ServerDrivenCore(ContextCore):
                         outer: Future[m.RetrieveResult]) -> Future[m.RetrieveResult]:
         from kvxfer.transport.contract import LayerwiseFuture
 
-        groups = self._layer_groups() if isinstance(outer, LayerwiseFuture) else []
+        groups = self._layer_groups(self._transfer_bytes(transfer)) if isinstance(outer, LayerwiseFuture) else []
         if len(groups) < 2 or "retrieve_layers" not in self.connection.features:
             return self._retrieve_part(transfer, lease_id, outer, None)
         # one request per group of layers, in order; each its own token (the first is the

@@ -518,7 +518,20 @@ class TransferContextBase(ContextCore, TransferContext):
     (override :meth:`Transport.client_context` to pass more). Attributes for the hooks:
     ``transport``, ``connection``, ``layers`` (the KV tensors, checked against ``layout``),
     ``layout``, ``identity``, ``chunk_size``, ``blocks_per_chunk``, ``chunk_bytes``.
+
+    A layer-wise transfer (``by_layer=True``) is copied in parts, each a range of layers: a
+    request each (server-driven) or a round of :meth:`~ClientDrivenContext.gather`/
+    :meth:`~ClientDrivenContext.scatter` calls (client-driven). Two class attributes bound
+    them: at most ``max_layer_parts`` parts (one per layer at most), and each part at least
+    ``min_layer_part_bytes`` (a transfer of fewer bytes is one part). A part costs a fixed time
+    besides its copy; set the floor where the copy of that many bytes outlasts it, or the parts
+    run slower than the whole transfer would.
     """
+
+    #: At most this many parts per layer-wise transfer.
+    max_layer_parts: ClassVar[int] = 64
+    #: Each part of a layer-wise transfer moves at least this many bytes (0: no floor).
+    min_layer_part_bytes: ClassVar[int] = 0
 
     def registration_extra(self) -> dict[str, Any]:
         """The transport's own registration fields (those of its ``registration_type`` beyond
