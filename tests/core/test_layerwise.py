@@ -64,6 +64,42 @@ def test_a_layerwise_retrieve_lands_layer_by_layer(client: CacheClient) -> None:
     ctx.close()
 
 
+@pytest.mark.parametrize(("floor_of", "max_parts", "want"), [
+    (0, 64, [[0], [1], [2], [3]]),          # no floor: one layer per part
+    (2, 64, [[0, 1], [2, 3]]),              # parts of at least half the transfer
+    (0, 2, [[0, 1], [2, 3]]),               # max_layer_parts bounds the count
+    (None, 64, [[0, 1, 2, 3]]),             # a transfer smaller than the floor is one part
+])
+def test_a_layerwise_retrieve_is_cut_into_parts_of_at_least_min_layer_part_bytes(
+        client: CacheClient, floor_of: int | None, max_parts: int, want: list[list[int]]) -> None:
+    """min_layer_part_bytes (a context's class attribute, set here on the instance) keeps the
+    parts of a layer-wise transfer from being smaller than it; max_layer_parts bounds their
+    count. Every layer still lands, byte-exact."""
+    kv, ctx = _register(client, f"lw-parts-{floor_of}-{max_parts}", seed=3)
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=f"lw-parts-{floor_of}")
+    src, dst = _blocks(0, 2), _blocks(2, 2)
+    assert ctx.submit_store(hashes, src).result(30).stored == [0, 1]
+    nbytes = 2 * ctx.chunk_bytes
+    ctx.min_layer_part_bytes = nbytes + 1 if floor_of is None else (nbytes // floor_of if floor_of else 0)
+    ctx.max_layer_parts = max_parts
+    parts: list[list[int]] = []
+    scatter = ctx.scatter
+
+    def recorded(copies, transfer):
+        parts.append(list(copies[0].layers))
+        return scatter(copies, transfer)
+
+    ctx.scatter = recorded
+    fut = ctx.submit_retrieve(hashes, dst, by_layer=True)
+    for i in range(LAYERS):
+        fut.wait_layer(i, timeout=30)
+    assert fut.result(30).loaded == [0, 1]
+    assert parts == want
+    for i in range(LAYERS):
+        assert torch.equal(kv[i][:, dst], kv[i][:, src])
+    ctx.close()
+
+
 def _worker_caught_up(ctx, salt: str) -> None:
     """Returns once the context's worker has run every job submitted before this call: a plain
     store submitted now is copied on that worker behind them (a layer-wise store's job goes as
