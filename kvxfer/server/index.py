@@ -371,7 +371,8 @@ class ChunkIndex:
             log.exception("reporting %d evicted chunks failed", len(keys))
 
     def commit_write(self, res: Reservation, failed: Iterable[int] = ()) -> list[tuple[int, Entry]]:
-        """READY the reservation's entries except ``failed`` indices (dropped)."""
+        """READY the reservation's entries except ``failed`` indices (dropped); each becomes
+        evictable unless a lease took it while it was written (a promotion's entries)."""
         self._close(res)
         if res.filling:
             res.filling = False
@@ -385,7 +386,7 @@ class ChunkIndex:
             else:
                 e.state = State.READY
                 self.changes += 1
-                self._lru[e.key] = e
+                self._evictable(e)  # not while a lease holds it (a promotion's, leased as it was written)
                 stored.append((i, e))
         return stored
 

@@ -834,9 +834,29 @@ class L2Tier:
         l2_hits = bisect.bisect_left(lk.l2_chunks, end)
         self.lookup_hits += len(wanted)
         if promote and wanted:
-            hits = min(hits, self._promote(wanted))
+            # the L1 entries of the hits are pinned while the promotion makes room: its slots
+            # must not come from the chunks this lookup counts (and then leases)
+            held = self._readable_entries(lk, first + end)
+            for e in held:
+                self.index.pin(e)
+            try:
+                hits = min(hits, self._promote(wanted))
+            finally:
+                for e in held:
+                    self.index.unpin(e)
             return hits, bisect.bisect_left(lk.l2_chunks, hits - first), hits
         return hits, l2_hits, wanted[0][0] if wanted else hits
+
+    def _readable_entries(self, lk: TierLookup, stop: int) -> list[Entry]:
+        """The READY L1 entries of every rank of ``lk``'s chunks before ``stop``."""
+        entries = self.index.entries
+        out = []
+        for h in lk.hashes[:stop]:
+            for rank in range(lk.world_size):
+                e = entries.get(ChunkKey(lk.model_name, lk.world_size, rank, h))
+                if e is not None and e.state is State.READY:
+                    out.append(e)
+        return out
 
     def _wrong_size(self, key: ChunkKey, size: int, want: int) -> None:
         self._count("integrity_failures")

@@ -275,6 +275,40 @@ def test_lookup_without_promotion_counts_l2_and_leases_only_l1(fs_server: Server
         ctx.close()
 
 
+def test_a_promoting_lookup_keeps_its_l1_hits_and_its_promoted_chunks_under_their_lease(tmp_path: Path) -> None:
+    """A lookup whose first chunks are in L1 and whose next ones come from L2 makes room for the
+    promotion without evicting its own L1 hits (it once evicted them, then failed with an
+    internal KeyError while leasing them); once promoted, the leased chunks stay pinned, so an
+    arena filled by other stores meanwhile evicts none of them before the load."""
+    kv = big_kv(7)
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--l2", "fs", "--l2-url", f"file://{tmp_path}/store"]) as srv, \
+            CacheClient(srv.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="own-hits", block_size=BLOCK_SIZE, transport="cpu_gather")
+        x = [b"X" + bytes([i]) * 15 for i in range(8)]
+        p = [b"P" + bytes([i]) * 15 for i in range(2)]
+        fill = [b"F" + bytes([i]) * 15 for i in range(30)]
+        want = [torch.cat([a, b], dim=1) for a, b in zip(rows(kv, blocks_of(8, 2)), rows(kv, blocks_of(0, 8)))]
+        written = 0
+        for keys, first in ((x, 0), (p, 8), (fill[:6], 10), (fill[6:14], 10)):  # the arena holds 16: X leaves it
+            assert not ctx.submit_store(keys, blocks_of(first, len(keys))).result(TIMEOUT).failed
+            written += len(keys)
+            assert settled(c, written), c.status().tiers[0]
+        assert c.lookup("own-hits", hashes=p, promote=False) == 2  # P: first in line to be evicted
+        reply = c.lookup_and_lease("own-hits", hashes=p + x, lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (10, 8)
+        assert wait_until(lambda: c.status().tiers[0].promoting == 0, TIMEOUT, 0.02)
+        # other stores fill the arena: only the 6 unleased chunks may make room
+        stored = ctx.submit_store(fill[14:30], blocks_of(10, 16)).result(TIMEOUT)
+        assert len(stored.stored) == 6, stored
+        res = ctx.submit_retrieve(p + x, blocks_of(12, 10), lease_id=reply.lease_id).result(TIMEOUT)
+        assert (res.loaded, res.missing) == (list(range(10)), [])
+        got = rows(kv, blocks_of(12, 10))
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got))
+        assert "Traceback" not in srv.log() and "KeyError" not in srv.log()
+        ctx.close()
+
+
 def test_status_shows_the_tier(fs_server: ServerProcess) -> None:
     out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--url", fs_server.url], capture_output=True,
                          text=True, timeout=60)

@@ -263,6 +263,26 @@ def test_leases_are_honoured_until_they_expire() -> None:
     index.allocator.check()
 
 
+def test_a_chunk_leased_while_it_is_written_stays_pinned_once_committed() -> None:
+    """A promotion from L2 writes chunks that its lookup (and any lookup counting chunks being
+    promoted) leases before they are READY: committing them must not make them evictable while
+    the lease holds them, or the load that follows finds them gone."""
+    ev = Recorder()
+    index = ChunkIndex(3 * SIZE, on_evict=ev)
+    res, _, _ = index.reserve_write([key(0), key(1)], "f", SIZE, 1, Usage())  # a promotion's slots
+    lid = lease(index, "m", 1, [key(0).chunk_hash, key(1).chunk_hash])
+    index.commit_write(res)
+    assert index.pinned_chunks() == 2 and not index._lru
+    assert store(index, [key(2)])[0] == [0]
+    assert store(index, [key(3)])[0] == [0]  # room made from 2, never from the leased 0 and 1
+    assert ev.evicted == [key(2)]
+    assert read(index, [key(0), key(1)], lid) == []  # the load the lease was for finds them
+    assert not index.leases and index.pinned_chunks() == 0
+    assert store(index, [key(4)])[0] == [0]
+    assert ev.evicted == [key(2), key(3)]  # 0 and 1 are evictable again, more recently used than 3
+    index.allocator.check()
+
+
 def test_a_read_naming_the_lease_releases_its_rank_only() -> None:
     index = ChunkIndex(8 * SIZE)
     store(index, [key(0, 0, 2), key(1, 0, 2), key(0, 1, 2), key(1, 1, 2)])
