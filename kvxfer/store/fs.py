@@ -6,7 +6,8 @@
   written to a temporary file in the same directory and renamed over the old one (atomic: a
   reader sees a whole old value or a whole new one, never a torn one), ``fsync``'d when the URL
   says ``fsync=1``;
-* a byte budget (``max_size``, default: 90% of the file system's free space at open) kept by
+* a byte budget (``max_size``, default: 90% of what the store may take at open: the file
+  system's free space plus its own files, so that a restart does not shrink it) kept by
   evicting the least recently used files; reads count as use;
 * the directory is private (0700, files 0600; checked as :mod:`kvxfer.private_dirs` checks
   kvxfer's own: never through a symbolic link) and held by one server at a time (an exclusive
@@ -59,6 +60,8 @@ _LOCK_NAME: Final = ".kvxfer-fs.lock"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TMP_SUFFIX: Final = ".tmp"
 _OPTIONS: Final = frozenset({"max_size", "fsync"})
+#: The default budget's share of the file system's free space plus the store's own files.
+DEFAULT_SHARE: Final = 0.9
 
 
 #: Why opening a value's file may fail when something other than a readable regular file is
@@ -120,10 +123,11 @@ def _writev_all(fd: int, parts: Sequence[memoryview]) -> None:
 class FsBackend(ThreadedBackend):
     """An open ``fs`` store: the directory, its lock and an LRU index of its files."""
 
-    def __init__(self, root: Path, max_size: int, fsync: bool, options: StoreOptions) -> None:
+    def __init__(self, root: Path, max_size: int | None, fsync: bool, options: StoreOptions) -> None:
+        """``max_size`` None: 90% of the file system's free space plus the files found."""
         super().__init__("fs", options)
         self.root = root
-        self.max_size = max_size
+        self.max_size = max_size or 0
         self.fsync = fsync
         self._lock = threading.Lock()
         #: file name -> size, least recently used first
@@ -151,12 +155,14 @@ class FsBackend(ThreadedBackend):
             raise ConfigError(f"another kvxfer server uses the fs store {root}; give each server its own "
                               "directory") from None
         try:
-            self._scan()
+            self._scan(max_size)
         except BaseException:
             self.close_connections()
             raise
 
-    def _scan(self) -> None:
+    def _scan(self, max_size: int | None) -> None:
+        """Index the store's files, oldest first; set the default budget (``max_size`` None)
+        from the free space and the files found; evict down to the budget."""
         found = []
         with os.scandir(self._root_fd) as entries:
             subs = sorted(e.name for e in entries if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
@@ -179,6 +185,9 @@ class FsBackend(ThreadedBackend):
         for _, name, size in sorted(found):
             self._lru[name] = size
             self.used += size
+        if max_size is None:  # the files found are the store's to keep: counted with the free space
+            vfs = os.fstatvfs(self._root_fd)
+            self.max_size = max(1, int((vfs.f_bavail * vfs.f_frsize + self.used) * DEFAULT_SHARE))
         self._make_room(0)
 
     def _open_subdir(self, sub: str, create: bool = False) -> int | None:
@@ -374,8 +383,10 @@ class FsStore(Store):
             shutil.rmtree(root, ignore_errors=True)
 
 
-def parse_fs_url(url: str) -> tuple[Path, int, bool]:
-    """``file:///abs/dir?max_size=SIZE&fsync=0|1`` (or a plain absolute path) -> (dir, bytes, fsync)."""
+def parse_fs_url(url: str) -> tuple[Path, int | None, bool]:
+    """``file:///abs/dir?max_size=SIZE&fsync=0|1`` (or a plain absolute path) -> (dir, bytes, fsync);
+    bytes None without ``max_size`` (:class:`FsBackend` then takes :data:`DEFAULT_SHARE` of the
+    free space and its files)."""
     hint = "expected file:///ABSOLUTE/DIR[?max_size=200GiB&fsync=1]"
     s = urlsplit(url)
     if s.scheme not in ("file", ""):
@@ -394,14 +405,9 @@ def parse_fs_url(url: str) -> tuple[Path, int, bool]:
     if fsync_text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ConfigError(f"fs store: fsync must be 0 or 1 in {url!r}, got {fsync_text!r}; {hint}")
     fsync = fsync_text in ("1", "true", "yes", "on")
+    max_size = None
     if "max_size" in query:
         max_size = parse_size(query["max_size"][-1])
         if max_size <= 0:
             raise ConfigError(f"fs store: max_size must be positive in {url!r}")
-    else:
-        probe_dir = root
-        while not probe_dir.exists() and probe_dir != probe_dir.parent:
-            probe_dir = probe_dir.parent
-        vfs = os.statvfs(probe_dir)
-        max_size = int(vfs.f_bavail * vfs.f_frsize * 0.9)
     return root, max_size, fsync

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -256,11 +257,50 @@ def test_bad_urls_say_what_a_good_one_is(url: str, match: str) -> None:
         parse_fs_url(url)
 
 
+def test_the_default_budget_counts_the_stores_own_files_so_a_restart_keeps_them(tmp_path: Path) -> None:
+    """Without max_size the budget is 90% of the free space plus what the store already holds:
+    a restart sees less free space (its files take it) and must not evict them for that."""
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        vfs = os.statvfs(root)
+        first = b.max_size
+        assert first == int(vfs.f_bavail * vfs.f_frsize * 0.9) or abs(first - vfs.f_bavail * vfs.f_frsize * 0.9) < (1 << 20)
+        for i in range(4):
+            assert _put(b, b"k%d" % i, bytes([i]) * (1 << 20))
+    finally:
+        b.close()
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        assert b.used == 4 << 20 and b.evictions == 0
+        assert b.submit_exists([b"k%d" % i for i in range(4)]).result(10) == [1 << 20] * 4
+        assert abs(b.max_size - first) < (16 << 20)  # the same budget, give or take other writers to the disk
+    finally:
+        b.close()
+
+
+def test_a_budget_smaller_than_the_files_found_evicts_the_oldest_at_open(tmp_path: Path) -> None:
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        for i in range(4):
+            assert _put(b, b"k%d" % i, bytes([i]) * 4096)
+            time.sleep(0.01)  # distinct modification times: the scan orders by them
+    finally:
+        b.close()
+    b = FsStore().open(f"file://{root}?max_size=8KiB", StoreOptions())
+    try:
+        assert b.submit_exists([b"k%d" % i for i in range(4)]).result(10) == [0, 0, 4096, 4096]
+        assert b.evictions == 2
+    finally:
+        b.close()
+
+
 def test_url_options(tmp_path: Path) -> None:
     root, size, fsync = parse_fs_url(f"file://{tmp_path}/a?max_size=2GiB&fsync=1")
     assert (root, size, fsync) == (tmp_path / "a", 2 << 30, True)
     root, size, fsync = parse_fs_url(str(tmp_path / "b"))
-    assert root == tmp_path / "b" and size > 0 and not fsync
+    assert root == tmp_path / "b" and size is None and not fsync  # the default: set at open
     assert os.path.isabs(root)
     assert parse_fs_url(f"file://{tmp_path}/c?fsync=on")[2] and not parse_fs_url(f"file://{tmp_path}/c?fsync=off")[2]
     with pytest.raises(ConfigError, match="fsync must be 0 or 1"):
