@@ -8,6 +8,7 @@ lines left out since the last one.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Final
 
@@ -18,19 +19,23 @@ INTERVAL_S: Final = 1.0
 
 class ThrottledLog:
     """``warning(kind, line)``: log ``line`` unless a line of ``kind`` was logged less than
-    :data:`INTERVAL_S` ago (loop thread only)."""
+    :data:`INTERVAL_S` ago (any thread)."""
 
     def __init__(self, log: logging.Logger) -> None:
         self._log = log
+        self._lock = threading.Lock()
         #: kind -> (lines asked for, lines logged, when the next may be logged)
         self._kinds: dict[str, tuple[int, int, float]] = {}
 
     def warning(self, kind: str, line: str) -> None:
-        count, logged, at = self._kinds.get(kind, (0, 0, 0.0))
-        count += 1
         now = time.monotonic()
-        if now >= at:
-            more = count - logged - 1
+        with self._lock:
+            count, logged, at = self._kinds.get(kind, (0, 0, 0.0))
+            count += 1
+            more = -1
+            if now >= at:
+                more = count - logged - 1
+                logged, at = count, now + INTERVAL_S
+            self._kinds[kind] = (count, logged, at)
+        if more >= 0:
             self._log.warning("%s%s", line, f" (and {more} more since the last such line)" if more else "")
-            logged, at = count, now + INTERVAL_S
-        self._kinds[kind] = (count, logged, at)

@@ -58,6 +58,7 @@ from kvxfer.errors import (
 )
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
 from kvxfer.mq.server import MQServer, claim_socket
+from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.table import REQUESTS, HandlerKind, RequestSpec
@@ -358,6 +359,8 @@ class CacheServer:
         self.dropped_connections = 0
         #: Running figures (status, `kvxfer top`, Prometheus metrics); loop thread only.
         self.stats = ServerStats(tuple(REQUESTS), config.metrics_max_models)
+        #: warnings a client's requests can cause at will: at most one a second per kind
+        self._throttled = ThrottledLog(log)
         #: Registrations sent to a worker and not finished yet (they count against the limits).
         self._registering = 0
         #: Open writes of silent clients whose process still lives, by the secret of the session
@@ -1258,6 +1261,8 @@ class CacheServer:
                                       "chunks promoted from L2: nothing loaded; retrieve again once registered")
             slot = waited[1]
         _check_hashes(msg.hashes)
+        if not (math.isfinite(msg.deadline) and msg.deadline >= 0):
+            raise _invalid("deadline", f"must be a Unix time (0: none), got {msg.deadline!r}")
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
         layers = self._layer_range(ctx, msg.layers)
@@ -1313,8 +1318,9 @@ class CacheServer:
                 self.index.abort(res)
             gone = lost
             if fut.result() is expired:
-                log.warning("instance %d: a retrieve reached its copy %.1f s past the deadline its client "
-                            "stopped waiting at: nothing copied", ctx.instance_id, time.time() - msg.deadline)
+                self._throttled.warning("past deadline", f"instance {ctx.instance_id}: a retrieve reached its copy "
+                                        f"{time.time() - msg.deadline:.1f} s past the deadline its client stopped "
+                                        "waiting at: nothing copied")
                 gone = set(range(first, len(msg.hashes)))
             return result(gone)
 

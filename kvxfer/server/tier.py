@@ -946,14 +946,15 @@ class L2Tier:
             except DamagedValue as exc:
                 self._count("integrity_failures")
                 damaged.append(l2_key(e.key))
-                log.warning("L2 value of chunk %s of %r is damaged (%s): not loaded; deleting it from the store",
-                            e.key.chunk_hash.hex()[:16], e.key.model_name, exc)
+                self._throttled.warning("damaged", f"L2 value of chunk {e.key.chunk_hash.hex()[:16]} of "
+                                        f"{e.key.model_name!r} is damaged ({exc}): not loaded; deleting it "
+                                        "from the store")
                 continue
             except IntegrityError as exc:  # intact, but another layout's: left alone
                 self._count("integrity_failures")
                 unloadable.append((e.key, p.expected[j]))
-                log.warning("L2 value of chunk %s of %r is not loaded: %s", e.key.chunk_hash.hex()[:16],
-                            e.key.model_name, exc)
+                self._throttled.warning("unloadable", f"L2 value of chunk {e.key.chunk_hash.hex()[:16]} of "
+                                        f"{e.key.model_name!r} is not loaded: {exc}")
                 continue
             found[-1] = header.fmt
         if damaged:

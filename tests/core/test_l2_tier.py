@@ -588,6 +588,32 @@ def test_lookups_meeting_values_of_another_size_do_not_flood_the_log(tmp_path: P
                                                                           ).result(TIMEOUT)[0] > 0, "the value stays"
 
 
+def test_promotions_meeting_values_of_another_layout_do_not_flood_the_log(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """In process, with the real fs store, arena and index. Values of the same size as the
+    registered chunk but another layout's (here another dtype) fail their promotion, each
+    counted; one lookup of many such chunks (a client may name 16,384) logs one line, not one
+    per chunk, and the next at most a second later, with the count of those left out."""
+    registered = {"fmt": None}
+    with in_process_tier(tmp_path, lambda key: registered["fmt"]) as (arena, index, tier, pump):
+        hashes = [bytes([i]) * 16 for i in range(40)]
+        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 8192, 1, Usage())
+        tier.offer([e for _, e in index.commit_write(res)])
+        pump(lambda: tier.writes == 40)
+        assert len(index.clear()) == 40
+        registered["fmt"] = FMT.replace("bfloat16", "float16")  # the model registered again in float16
+        line = "is not loaded: "
+        with caplog.at_level("WARNING", logger="kvxfer.server.tier"):
+            lk = tier.begin_lookup("m", 1, hashes, 0)
+            assert lk is not None
+            pump(lk.done)
+            assert tier.finish_lookup(lk, promote=True)[0] == 40  # counted: their size is right
+            pump(lambda: not tier.promoting)
+        assert tier.integrity_failures == 40
+        lines = [r.getMessage() for r in caplog.records if line in r.getMessage()]
+        assert 1 <= len(lines) <= 2, lines
+
+
 def test_every_dtype_a_kv_cache_may_have_has_its_chunk_size_in_l2() -> None:
     """A lookup that reaches L2 sizes the chunk from its format: every dtype a registration
     accepts must be known there (int8 and float64 chunks were written to L2 and never found)."""

@@ -424,6 +424,45 @@ def test_a_flood_of_requests_without_a_request_id_does_not_flood_the_log(debug_s
     assert debug_server.log().count(line) - before <= 3, debug_server.log()[-2000:]
 
 
+def test_retrieves_past_their_deadline_do_not_flood_the_log_and_a_bad_deadline_is_refused(debug_server, tmp_path):
+    """A server-driven retrieve whose deadline has passed copies nothing and is logged; a client
+    sending thousands of them gets that line at most once a second (with the count of those left
+    out). A deadline that is no Unix time (NaN, infinite, negative) is an invalid request."""
+    import math
+    import time
+
+    from kvxfer_file_transport.transport import FileParams
+
+    line = "past the deadline its client stopped waiting at"
+    before = debug_server.log().count(line)
+    with CacheClient(debug_server.url, timeout=30) as client:
+        ref = Writer(client, model="deadline")
+        keys = [key("deadline", 0)]
+        assert ref.store(keys).stored == [0]
+        peer = RawPeer(debug_server.url)
+        try:
+            iid = 4343_0000
+            assert peer.call(b"register", file_debug_registration(ref, iid, spool_dir=str(tmp_path)))[0] == codec.OK
+
+            def retrieve(deadline: float) -> bytes:
+                return codec.encode(m.Retrieve(iid, keys, ref.blocks(1), params=msgspec.Raw(codec.encode(FileParams(0))),
+                                               deadline=deadline))
+
+            peer.handshake()
+            last = [peer.send(b"retrieve", retrieve(1.0)) for _ in range(1000)][-1]
+            status, reply = peer.recv(last, 60)
+            assert status == codec.OK and codec.decode(reply, m.RetrieveResult).missing == [0]  # nothing copied
+            time.sleep(1.1)
+            assert peer.call(b"retrieve", retrieve(1.0))[0] == codec.OK
+            wait_until(lambda: "more since the last such line" in debug_server.log(), 20, "the count of those left out")
+            for bad in (math.nan, math.inf, -1.0):
+                code, message = peer.error(b"retrieve", retrieve(bad))
+                assert code == "invalid_request" and "deadline: must be a Unix time" in message, message
+        finally:
+            peer.close()
+    assert debug_server.log().count(line) - before <= 3, debug_server.log()[-2000:]
+
+
 def test_a_connection_without_a_session_gets_no_payload_decoded(debug_server):
     """Decoding a large payload costs the loop time and memory: a request of a connection that
     has not handshaked is refused before its payload is looked at (a malformed one included)."""
