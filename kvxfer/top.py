@@ -15,6 +15,7 @@ use directly.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import select
@@ -49,6 +50,8 @@ def _duration(s: float) -> str:
 
 
 def _uptime(s: float) -> str:
+    if not math.isfinite(s) or s < 0:  # a reply from the wire: shown, never trusted
+        return "-"
     s = int(s)
     d, s = divmod(s, 86400)
     h, s = divmod(s, 3600)
@@ -88,7 +91,7 @@ _FILE_COLUMNS = 200
 
 
 def _bar(fraction: float, width: int = 24) -> str:
-    n = max(0, min(width, round(fraction * width)))
+    n = max(0, min(width, round(fraction * width))) if math.isfinite(fraction) else 0
     return "█" * n + "░" * (width - n)
 
 

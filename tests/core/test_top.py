@@ -4,6 +4,7 @@ terminal (or with ``--once``) it prints one frame."""
 
 from __future__ import annotations
 
+import math
 import io
 import os
 import secrets
@@ -13,12 +14,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
 
 from kvxfer import CacheClient, chunk_hashes
 from kvxfer.security import make_keys
 from kvxfer.testing.server import ServerProcess
+from kvxfer.protocol import messages as m
 from kvxfer.top import render
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
@@ -91,6 +94,32 @@ def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
     assert "lookup" in text and "store" in text and "retrieve" in text
     console.print(render(after, None, None, error="no answer from tcp://x: gone"))
     assert "no answer from tcp://x: gone" in console.export_text()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_reply_with_non_finite_figures_renders(curve_client: CacheClient, bad: float) -> None:
+    """The status reply comes from the wire: every float in it NaN or infinite (a broken or
+    hostile server) still renders a frame (figures shown as "-" or as they are), never raises."""
+    from rich.console import Console
+
+    def spoil(value: object) -> object:
+        if isinstance(value, float):
+            return bad
+        if isinstance(value, msgspec.Struct):
+            return msgspec.structs.replace(value, **{f: spoil(getattr(value, f)) for f in value.__struct_fields__})
+        if isinstance(value, list):
+            return [spoil(v) for v in value]
+        if isinstance(value, dict):
+            return {k: spoil(v) for k, v in value.items()}
+        return value
+
+    _workload(curve_client, "spoiled-model", 1)
+    st = spoil(curve_client.status())
+    assert isinstance(st, m.StatusReply) and not math.isfinite(st.uptime_s)
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(render(st, st, 1.0))
+    console.print(render(st, None, None))
+    assert "spoiled-model" in console.export_text()
 
 
 def test_an_80_column_frame_fits_and_tells_long_model_names_apart(curve_client: CacheClient) -> None:
