@@ -326,7 +326,8 @@ def _tier_text(t: TierStatus) -> str:
     lines = [
         f"{t.name}: {t.store} at {t.url}: {t.state}{' (' + t.detail + ')' if t.detail else ''}",
         f"  size: {', '.join(f'{k} {v}' for k, v in t.store_stats.items()) or '-'}",
-        f"  lookups: {t.lookups} ({t.lookup_chunks} chunks asked, hit rate {rate}, {t.timeouts} timeouts)",
+        (f"  lookups: {t.lookups} ({t.lookup_chunks} chunks asked, hit rate {rate}, {t.timeouts} timeouts, "
+         f"{t.busy_lookups} not asked: busy)"),
         (f"  promotions: {t.promotions} chunks ({t.promoting} running, {t.promote_failures} failed, "
          f"{t.integrity_failures} failed integrity checks, {t.damaged_deleted} damaged values deleted)"),
         (f"  writes: {t.writes} chunks ({format_bytes(t.write_bytes)}; {t.write_skipped} already stored); "

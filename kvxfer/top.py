@@ -162,7 +162,7 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
             (f"written {_short_rate(tier.write_bytes, pt_.write_bytes if pt_ else None, dt)}/s "
              f"({format_bytes(tier.write_bytes)})"),
             f"queue {tier.queue_depth}/{tier.queue_capacity}", f"drops {tier.drops}", f"errors {tier.errors}",
-            f"timeouts {tier.timeouts}"]
+            f"timeouts {tier.timeouts}", f"busy {tier.busy_lookups}"]
         if tier.detail:
             fields.append(Text(printable(tier.detail), style="red"))
         parts.append(_Fields(*fields))

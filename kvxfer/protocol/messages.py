@@ -406,6 +406,9 @@ class TierStatus(Message, frozen=True):
     lookup_hits: int = 0
     #: Lookups that gave up waiting for the store (answered from L1).
     timeouts: int = 0
+    #: Lookups that did not ask the store: the checks of earlier lookups had as many keys there
+    #: as the server allows at once (answered from L1).
+    busy_lookups: int = 0
     #: Chunks promoted into L1; that failed to promote (store error or gone); being promoted now.
     promotions: int = 0
     promote_failures: int = 0

@@ -291,6 +291,8 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
         ("kvxfer_tier_lookup_hit_chunks", "Chunks the tier had.", lambda t: t.lookup_hits),
         ("kvxfer_tier_lookup_timeouts", "Lookups that gave up waiting for the tier (answered from L1).",
          lambda t: t.timeouts),
+        ("kvxfer_tier_busy_lookups", ("Lookups that did not ask the tier: earlier lookups' checks had as many keys "
+                                      "there as allowed at once (answered from L1)."), lambda t: t.busy_lookups),
         ("kvxfer_tier_promoted_chunks", "Chunks copied from the tier into the arena.", lambda t: t.promotions),
         ("kvxfer_tier_promote_failures", "Promotions that failed (store error, or the value was gone).",
          lambda t: t.promote_failures),

@@ -289,6 +289,11 @@ _UNLOADABLE_S: Final = 60.0
 #: the chunks past them count as misses. Each key costs the loop a few microseconds, and a lookup
 #: names up to 262,144 keys in a hundred bytes (kvxfer.server.engine.MAX_LOOKUP_KEYS).
 L2_LOOKUP_KEYS: Final = 1 << 15
+#: Most keys the existence checks of lookups may have at the store at once: a lookup that would
+#: pass it does not ask the store (answered from L1, counted as busy). Clients pipelining wide
+#: lookups would otherwise queue checks at the store until lookups time out, which the breaker
+#: counts as failures of a healthy store: L2 down for every client.
+L2_KEYS_IN_FLIGHT: Final = 2 * L2_LOOKUP_KEYS
 
 
 class TierLookup:
@@ -299,7 +304,7 @@ class TierLookup:
     :meth:`L2Tier.finish_lookup`."""
 
     __slots__ = ("tier", "model_name", "world_size", "hashes", "l1_hits", "keys", "sizes", "deadline", "changes",
-                 "need", "stop", "l2_chunks", "_callbacks", "_done")
+                 "need", "stop", "l2_chunks", "in_flight", "_callbacks", "_done")
 
     def __init__(self, tier: L2Tier, model_name: str, world_size: int, hashes: Sequence[bytes], l1_hits: int,
                  keys: list[ChunkKey]) -> None:
@@ -321,6 +326,8 @@ class TierLookup:
         self.stop = 0
         #: the chunks (counted from ``l1_hits``) that come from L2, in part or whole.
         self.l2_chunks: list[int] = []
+        #: (backend, keys) its check holds in the tier's count of keys at the store, until answered
+        self.in_flight: tuple[object, int] | None = None
         self._callbacks: list[Callable[[TierLookup], None]] = []
         self._done = False
 
@@ -336,6 +343,9 @@ class TierLookup:
     def arrived(self, sizes: list[int] | None, error: BaseException | None = None) -> None:
         """The store's answer (None: the check failed, with ``error`` when known), on the loop."""
         tier = self.tier
+        if self.in_flight is not None:
+            tier._landed(*self.in_flight)
+            self.in_flight = None
         if sizes is None:
             if not self._done:  # (a lookup that timed out was counted as failed then)
                 tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
@@ -417,6 +427,11 @@ class L2Tier:
         self._drain_until = 0.0
         # -------- plain counters (status and metrics read them)
         self.lookups = self.lookup_chunks = self.lookup_hits = self.timeouts = 0
+        #: Lookups that did not ask the store: L2_KEYS_IN_FLIGHT keys of earlier ones were there.
+        self.lookups_busy = 0
+        #: Keys of existence checks at the store now (loop thread), and the backend they went to.
+        self._keys_in_flight = 0
+        self._in_flight_backend: object | None = None
         self.promotions = self.promoted = self.promote_failures = self.integrity_failures = 0
         #: Damaged values this tier deleted from the store (see _check).
         self.damaged_deleted = 0
@@ -683,6 +698,11 @@ class L2Tier:
                 known = self._chunk_keys(cache, model_name, world_size, h)
             keys += known[0]
             l2 += known[1]
+        if self._in_flight_backend is not backend:  # a new backend: the old one's checks are gone
+            self._in_flight_backend, self._keys_in_flight = backend, 0
+        if self._keys_in_flight + len(l2) > L2_KEYS_IN_FLIGHT:
+            self.lookups_busy += 1
+            return None
         lk = TierLookup(self, model_name, world_size, hashes, l1_hits, keys)
         loop = self._loop_exists
         sent = False
@@ -697,6 +717,9 @@ class L2Tier:
                 self._failed(exc, "lookup")
                 return None
             fut.add_done_callback(functools.partial(_answer_on_loop, lk))
+        if not lk.done():  # (an answer within the send has been counted out already)
+            lk.in_flight = (backend, len(l2))
+            self._keys_in_flight += len(l2)
         # after the send: this overlaps the store's answer
         self.lookups += 1
         self.lookup_chunks += len(keys)
@@ -705,6 +728,11 @@ class L2Tier:
             lk.deadline = time.monotonic() + self.config.timeout_s
             self._waiting.append(lk)
         return lk
+
+    def _landed(self, backend: object, n: int) -> None:
+        """A check of ``n`` keys sent to ``backend`` was answered or failed (loop thread)."""
+        if backend is self._in_flight_backend:
+            self._keys_in_flight = max(0, self._keys_in_flight - n)
 
     def _chunk_keys(self, cache: dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]], model_name: str,
                     world_size: int, chunk_hash: bytes) -> tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]:
@@ -1089,6 +1117,7 @@ class L2Tier:
             lookup_chunks=self.lookup_chunks,
             lookup_hits=self.lookup_hits,
             timeouts=self.timeouts,
+            busy_lookups=self.lookups_busy,
             promotions=self.promoted,
             promote_failures=self.promote_failures,
             promoting=len(self.promoting),

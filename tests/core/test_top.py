@@ -120,6 +120,7 @@ def test_a_reply_with_non_finite_figures_renders(curve_client: CacheClient, bad:
     console.print(render(st, st, 1.0))
     console.print(render(st, None, None))
     assert "spoiled-model" in console.export_text()
+    curve_client.clear("spoiled-model")  # the arena as the next tests expect it
 
 
 def test_an_80_column_frame_fits_and_tells_long_model_names_apart(curve_client: CacheClient) -> None:

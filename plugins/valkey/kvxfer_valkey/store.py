@@ -69,6 +69,11 @@ _REDIRECTS: Final = frozenset({"MOVED", "ASK"})
 _STRLEN_KEPT: Final = 1 << 16
 #: Bytes read from the loop connection at a time.
 _READ: Final = 1 << 14
+#: Largest pipeline sent on a loop connection (about 3,000 keys): the kernel takes it whole
+#: whatever Valkey is doing; a wider check goes through a store thread, which may block.
+_LOOP_SEND_MAX: Final = 1 << 18
+#: Errors of one key (a third party made it a list, say): that key is absent, the store is fine.
+_KEY_ERRORS: Final = frozenset({"WRONGTYPE"})
 #: Longest unfinished reply line kept from the loop connection (an answer to STRLEN is at most
 #: 21 bytes, a redirect about a hundred): a longer one is not Valkey's, and the connection is dropped.
 _LOOP_LINE_MAX: Final = 1 << 12
@@ -149,6 +154,9 @@ class _LoopConnection:
         self.pending: deque[tuple[int, Callable[[list[int] | None], None], float]] = deque()
         self.got: list[int] = []
         self.broken = False
+        #: When a reply last arrived (checks queued behind others wait for those, not for a node
+        #: that stopped answering).
+        self.last_read = 0.0
 
 
 class _Gather:
@@ -304,11 +312,12 @@ class ValkeyBackend(ThreadedBackend):
         return out
 
     def _stuck(self, lc: _LoopConnection) -> bool:
-        """Drop ``lc`` if its oldest check went unanswered for longer than a lookup may wait
-        (the lookup ended without it): a node that skipped a reply would have the next checks
-        read each other's answers, and one that stopped answering would take every lookup's
-        timeout. True if dropped."""
-        if not lc.pending or time.monotonic() - lc.pending[0][2] <= self.options.timeout_s:
+        """Drop ``lc`` if it went silent for longer than a lookup may wait while a check was
+        unanswered (since that check was sent, or since the last reply when it was sent behind
+        others): a node that skipped a reply would have the next checks read each other's
+        answers, and one that stopped answering would take every lookup's timeout. A node still
+        working through earlier checks is not stuck. True if dropped."""
+        if not lc.pending or time.monotonic() - max(lc.pending[0][2], lc.last_read) <= self.options.timeout_s:
             return False
         log.debug("valkey: no answer to an existence check on the loop connection to %s within %g s: "
                   "dropping it", lc.node, self.options.timeout_s)
@@ -316,11 +325,16 @@ class ValkeyBackend(ThreadedBackend):
         return True
 
     def _send(self, lc: _LoopConnection, data: bytes) -> bool:
+        """Send a whole pipeline, or nothing (False: the check goes through a store thread)."""
+        if len(data) > _LOOP_SEND_MAX:
+            return False
         try:
             sent = lc.sock.send(data)
+        except BlockingIOError:  # the socket's buffer is full (a busy node): nothing was sent
+            return False
         except OSError:
             sent = -1
-        if sent != len(data):  # the stream is no longer usable: a new connection will be made
+        if sent != len(data):  # a part sent: the stream is no longer usable; a new connection will be made
             self._fail_loop(lc)
             return False
         return True
@@ -339,6 +353,7 @@ class ValkeyBackend(ThreadedBackend):
         if not data:  # Valkey closed the connection
             self._fail_loop(lc)
             return
+        lc.last_read = time.monotonic()
         if lc.buf:
             data = lc.buf + data
         # every reply to STRLEN is ":N\r\n" (or a redirect); what follows the last CRLF is unfinished
@@ -361,6 +376,8 @@ class ValkeyBackend(ThreadedBackend):
                 got.append(0)
                 self.redirects += 1
                 self._stale_topology.set()
+            elif line[:1] == b"-" and line[1:].split(b" ", 1)[0].decode("ascii", "replace") in _KEY_ERRORS:
+                got.append(0)  # not a value of ours (another type under the key): absent
             else:  # an error, or anything unexpected: give up this connection
                 log.debug("valkey: unexpected reply to STRLEN from %s: %r", lc.node, line[:80])
                 self._fail_loop(lc)
@@ -457,6 +474,8 @@ class ValkeyBackend(ThreadedBackend):
                     try:
                         out[i] = int(r.reply_simple() or 0)
                     except ErrorReply as err:
+                        if err.kind in _KEY_ERRORS:
+                            continue  # not a value of ours: absent
                         if err.kind not in _REDIRECTS:
                             raise StoreUnavailable(f"valkey: STRLEN failed: {err.text}") from None
                         moved.append(i)
@@ -478,6 +497,8 @@ class ValkeyBackend(ThreadedBackend):
                     try:
                         n = r.bulk_into(parts)
                     except ErrorReply as err:
+                        if err.kind in _KEY_ERRORS:
+                            continue  # not a value of ours: a miss
                         if err.kind not in _REDIRECTS:
                             raise StoreUnavailable(f"valkey: GET failed: {err.text}") from None
                         moved.append(i)

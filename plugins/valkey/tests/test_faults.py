@@ -158,6 +158,67 @@ def test_hung_valkey_costs_lookups_at_most_the_l2_timeout(valkey: ValkeyServer, 
     ctx.close()
 
 
+def test_a_key_a_third_party_made_another_type_is_a_miss_not_an_outage(valkey: ValkeyServer,
+                                                                         healthy: CacheClient) -> None:
+    """A kvxfer key that someone with write access turned into a list answers STRLEN and GET with
+    WRONGTYPE: that chunk is a miss, on the loop connection and on the store threads alike, and
+    the tier stays up for every other chunk (each lookup of it once counted as a store failure:
+    three opened the breaker). A store of the chunk writes a value over it."""
+    import valkey as valkey_py
+
+    from kvxfer.server.index import ChunkKey
+    from kvxfer.store.format import l2_key
+
+    c = healthy
+    layers = kv(11)
+    ctx = c.register(layers, model_name="wrongtype", block_size=BLOCK, transport="cpu_gather")
+    good = [b"g" + bytes([i]) * 15 for i in range(2)]
+    bad = b"w" * 16
+    before = tier(c)
+    assert not ctx.submit_store(good, blocks(0, 2)).result(TIMEOUT).failed
+    settle_writes(c, before.writes + before.write_skipped + 2)
+    assert c.clear("wrongtype") == 2
+    third = valkey_py.Valkey(host="127.0.0.1", port=valkey.port)
+    try:
+        third.rpush(l2_key(ChunkKey("wrongtype", 1, 0, bad)), b"x")
+        for _ in range(5):
+            assert c.lookup("wrongtype", hashes=[bad]) == 0
+            assert c.lookup("wrongtype", hashes=good + [bad]) == 2  # the loop connection
+        wide = [bad] * 2000 + good  # past what the loop connection sends: a store thread asks
+        assert c.lookup("wrongtype", hashes=wide, promote=False) == 0
+        after = tier(c)
+        assert after.state == "up" and after.errors == before.errors and after.outages == before.outages, after
+        assert not ctx.submit_store([bad], blocks(4, 1)).result(TIMEOUT).failed
+        settle_writes(c, after.writes + after.write_skipped + 1)
+        assert c.clear("wrongtype") == 1
+        assert c.lookup("wrongtype", hashes=[bad]) == 1  # a value of ours now
+    finally:
+        third.close()
+        ctx.close()
+
+
+def test_wide_lookups_pipelined_by_one_client_do_not_take_the_tier_down(healthy: CacheClient) -> None:
+    """One client pipelines lookups of 16,384 chunks of world size 2 (32,768 keys each, the most
+    one lookup asks the store about): the server keeps at most 65,536 keys at the store at once
+    and answers the others from L1 (counted as busy), and checks queued behind others are not
+    taken for a node that stopped answering. The store stays up (such lookups once timed out in a
+    queue of their own making, and each timeout opened the breaker a little more)."""
+    import os
+
+    from kvxfer.protocol import messages as m
+
+    c = healthy
+    before = tier(c)
+    hashes = [os.urandom(16) for _ in range(16384)]
+    futures = [c.submit(m.Lookup("wide", 2, hashes)) for _ in range(8)]
+    for f in futures:
+        assert f.result(timeout=120).hits == 0
+    after = tier(c)
+    assert after.state == "up" and after.outages == before.outages and after.errors == before.errors, after
+    assert after.busy_lookups > before.busy_lookups, after
+    assert after.lookups - before.lookups + after.busy_lookups - before.busy_lookups == 8
+
+
 def test_full_valkey_evicts_or_refuses_and_nothing_breaks(tmp_path: Path) -> None:
     src = kv(14)
     keys = [b"x" + bytes([i]) * 15 for i in range(24)]  # 24 x 128 KiB into a 2 MiB Valkey
