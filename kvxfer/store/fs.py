@@ -308,10 +308,16 @@ class FsBackend(ThreadedBackend):
                     finally:
                         os.close(fd)
                     with self._lock:
-                        old = self._lru.pop(name, 0)
-                        self.used -= old
+                        old = self._lru.pop(name, None)  # not evicted to make its own room
+                        self.used -= old or 0
                         self._make_room(size)
-                        os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+                        try:
+                            os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
+                        except OSError:
+                            if old is not None:  # the old value is still there: indexed again
+                                self._lru[name] = old
+                                self.used += old
+                            raise
                         self._lru[name] = size
                         self.used += size
                 except OSError as exc:
@@ -320,6 +326,9 @@ class FsBackend(ThreadedBackend):
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                         raise StoreUnavailable(f"fs store {self.root}: the disk is full ({exc.strerror}); lower "
                                                "max_size in --l2-url") from None
+                    if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
+                        out.append(False)  # something not a value's file in its place: this key only is refused
+                        continue
                     raise
             out.append(True)
         return out
@@ -328,12 +337,12 @@ class FsBackend(ThreadedBackend):
         n = 0
         for key in keys:
             name = _name(key)
-            with self._lock:
+            with self._lock:  # unlinked under the lock: a put of the key cannot land in between
                 size = self._lru.pop(name, None)
                 if size is None:
                     continue
                 self.used -= size
-            n += self._unlink(name)
+                n += self._unlink(name)
         return n
 
     def ping(self) -> None:

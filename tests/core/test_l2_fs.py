@@ -157,6 +157,31 @@ def test_what_is_not_a_regular_file_in_place_of_a_value_is_a_wrong_size_not_a_ha
         b.close()
 
 
+def test_a_directory_planted_in_place_of_a_value_refuses_that_key_only(tmp_path: Path) -> None:
+    """A directory where a value's file goes (made by a process of the server's user) makes the
+    rename of that value fail: the put of that key is refused (False), not a store failure (a
+    raise, which the tier counts: three in a row took L2 down for every client); the old value's
+    entry stays indexed while its file stays, and other keys are written as usual."""
+    from kvxfer.store.fs import _name
+
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        assert _put(b, b"kept", b"k" * 4096)
+        planted = root / _name(b"planted")[:2] / _name(b"planted")
+        planted.parent.mkdir(mode=0o700, exist_ok=True)
+        planted.mkdir()
+        (planted / "inside").write_text("not the store's")  # not even an empty directory
+        for _ in range(4):
+            assert b.submit_put([(b"planted", [memoryview(b"v" * 4096)])]).result(10) == [False]
+        assert _put(b, b"other", b"o" * 4096)
+        assert b.submit_exists([b"kept", b"planted", b"other"]).result(10) == [4096, 0, 4096]
+        assert b.used == 2 * 4096 and (planted / "inside").read_text() == "not the store's"
+        assert not [p for p in planted.parent.iterdir() if p.name.endswith(".tmp")], "no temporary file left"
+    finally:
+        b.close()
+
+
 def test_a_link_planted_in_place_of_a_subdirectory_is_never_written_read_or_deleted_through(tmp_path: Path) -> None:
     """Values live in subdirectories named by their first two characters. A link put in place
     of one (by a process of the server's user) once had puts write into its target and evictions
