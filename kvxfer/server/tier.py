@@ -56,6 +56,7 @@ from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
 from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.protocol.messages import TierStatus
+from kvxfer.server.allocator import Allocator
 from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State, Usage
 from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
 from kvxfer.store.format import (
@@ -823,12 +824,14 @@ class L2Tier:
                 l2_chunks.append(c)
         lk.changes = (self.index.changes, self.promoting_changes)
 
-    def finish_lookup(self, lk: TierLookup, promote: bool) -> tuple[int, int, int]:
+    def finish_lookup(self, lk: TierLookup, promote: bool,
+                      before_promote: Callable[[int, int], None] | None = None) -> tuple[int, int, int]:
         """Count the leading chunks present for every rank in L1, being promoted, or in L2 (the
         sizes the store answered); with ``promote``, start promoting the L2 ones. Returns
         ``(hits, l2_hits, leasable)``: leasable chunks have an L1 entry for every rank (readable,
         or being promoted). When the index or the promotions changed while the store answered,
-        L1 is read again."""
+        L1 is read again. ``before_promote(keys, nbytes)`` is called with the keys and arena
+        bytes about to be promoted; what it raises refuses the lookup with nothing promoted."""
         if lk.changes != (self.index.changes, self.promoting_changes):
             hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:lk.l1_hits])
             if hits < lk.l1_hits:  # L1 hits left meanwhile: answer with what is left
@@ -862,6 +865,8 @@ class L2Tier:
         l2_hits = bisect.bisect_left(lk.l2_chunks, end)
         self.lookup_hits += len(wanted)
         if promote and wanted:
+            if before_promote is not None:
+                before_promote(len(wanted), sum(Allocator.rounded(size) for _, _, size in wanted))
             # the L1 entries of the hits are pinned while the promotion makes room: its slots
             # must not come from the chunks this lookup counts (and then leases)
             held = self._readable_entries(lk, first + end)

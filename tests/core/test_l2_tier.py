@@ -309,6 +309,35 @@ def test_a_promoting_lookup_keeps_its_l1_hits_and_its_promoted_chunks_under_thei
         ctx.close()
 
 
+def test_a_lookup_refused_for_its_lease_promotes_nothing(tmp_path: Path) -> None:
+    """A lookup whose lease would pass the session's limits is refused before it promotes: the
+    arena and the store are left as they were (it once promoted its L2 hits, evicting others'
+    chunks, and then was refused)."""
+    from kvxfer.errors import LimitExceeded
+
+    kv = big_kv(9)
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--l2", "fs", "--l2-url", f"file://{tmp_path}/store",
+                                   "--max-leases-per-session", "1"]) as srv, \
+            CacheClient(srv.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="refused", block_size=BLOCK_SIZE, transport="cpu_gather")
+        keys = [b"R" + bytes([i]) * 15 for i in range(6)]
+        assert not ctx.submit_store(keys, blocks_of(0, 6)).result(TIMEOUT).failed
+        assert settled(c, 6)
+        assert c.clear("refused") == 6
+        first = c.lookup_and_lease("refused", hashes=keys[:2], lease_s=30)  # the one lease allowed
+        assert (first.hits, first.l2_hits) == (2, 2) and first.lease_id
+        assert wait_until(lambda: c.status().tiers[0].promoting == 0, TIMEOUT, 0.02)
+        before = c.status()
+        with pytest.raises(LimitExceeded, match="max_leases_per_session"):
+            c.lookup_and_lease("refused", hashes=keys[2:], lease_s=30)
+        after = c.status()
+        assert after.tiers[0].promotions == before.tiers[0].promotions == 2
+        assert after.arena.chunks == before.arena.chunks == 2
+        assert c.lookup("refused", hashes=keys[2:], promote=True) == 4  # without a lease: promoted
+        ctx.close()
+
+
 def test_status_shows_the_tier(fs_server: ServerProcess) -> None:
     out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--url", fs_server.url], capture_output=True,
                          text=True, timeout=60)
