@@ -55,7 +55,7 @@ from kvxfer.store import (
     ThreadedBackend,
     redact_url,
 )
-from kvxfer_valkey.resp import ErrorReply, RespReader, pack, pack_bulk_header
+from kvxfer_valkey.resp import ErrorReply, RespError, RespReader, pack, pack_bulk_header
 
 __all__ = ["ValkeyStore", "ValkeyBackend", "parse_valkey_urls"]
 
@@ -553,7 +553,25 @@ class ValkeyBackend(ThreadedBackend):
         return out
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return int(_sync(self.client.delete(*keys))) if keys else 0
+        n = 0
+        moved: list[int] = []
+        for pool, idx in self._by_pool(keys):
+            def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> int:
+                conn.send_packed_command([b"".join(pack(b"DEL", keys[i]) for i in idx)], check_health=False)
+                deleted = 0
+                for i in idx:  # one DEL per key: a cluster node refuses one naming keys of two slots
+                    try:
+                        deleted += _count(r.reply_simple())
+                    except ErrorReply as err:
+                        if err.kind not in _REDIRECTS:
+                            raise StoreUnavailable(f"valkey: DEL failed: {err.text}") from None
+                        moved.append(i)
+                return deleted
+            n += self._on(pool, run, self.options.timeout_s)
+        for i in moved:
+            self.redirects += 1
+            n += int(_sync(self.client.delete(keys[i])))
+        return n
 
     def ping(self) -> None:
         try:
@@ -568,19 +586,21 @@ class ValkeyBackend(ThreadedBackend):
             raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
 
     def stats(self) -> dict[str, str]:
+        """Each node's INFO memory, INFO stats and DBSIZE, read through :func:`_node_figures`
+        (bounded in size and time: the health thread that asks also probes the store)."""
         try:
-            if self.cluster:
-                info = _sync(self.client.info("memory", target_nodes=ValkeyCluster.PRIMARIES))
-                nodes = info if isinstance(info, dict) and all(isinstance(v, dict) for v in info.values()) else {}
-                used = sum(int(v.get("used_memory", 0)) for v in nodes.values())
-                return {"nodes": str(len(nodes)), "keys": str(_sync(self.client.dbsize())), "used": _human(used),
-                        "redirects": str(self.redirects)}
-            mem: dict[str, Any] = _sync(self.client.info("memory"))
-            st: dict[str, Any] = _sync(self.client.info("stats"))
-            return {"keys": str(_sync(self.client.dbsize())), "used": _human(int(mem.get("used_memory", 0))),
-                    "maxmemory": _human(int(mem.get("maxmemory", 0))) if mem.get("maxmemory") else "none",
-                    "policy": str(mem.get("maxmemory_policy", "?")), "evicted": str(st.get("evicted_keys", 0))}
-        except ValkeyError as exc:
+            if isinstance(self.client, ValkeyCluster):
+                nodes = [_node_figures(self.client.get_valkey_connection(node).connection_pool, self._on,
+                                       self.options.timeout_s) for node in self.client.get_primaries()]
+                used = sum(_count(f.get("used_memory")) for f in nodes)
+                return {"nodes": str(len(nodes)), "keys": str(sum(_count(f.get("keys")) for f in nodes)),
+                        "used": _human(used), "redirects": str(self.redirects)}
+            f = _node_figures(self._node_pool(), self._on, self.options.timeout_s)
+            maxmemory = _count(f.get("maxmemory"))
+            return {"keys": str(_count(f.get("keys"))), "used": _human(_count(f.get("used_memory"))),
+                    "maxmemory": _human(maxmemory) if maxmemory else "none",
+                    "policy": f.get("maxmemory_policy", "?")[:32], "evicted": str(_count(f.get("evicted_keys")))}
+        except (ValkeyError, OSError, RespError) as exc:
             raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
 
     def close_connections(self) -> None:
@@ -594,6 +614,68 @@ class ValkeyBackend(ThreadedBackend):
                 lc.conn.disconnect()
         with contextlib.suppress(Exception):
             self.client.close()
+
+
+def _count(value: object) -> int:
+    """A non-negative count from a node's reply (anything else: 0)."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    try:
+        return max(0, int(value))  # type: ignore[call-overload]  # checked by the except
+    except (TypeError, ValueError):
+        return 0
+
+
+def _node_figures(pool: ConnectionPool, on: Callable[..., Any], timeout: float) -> dict[str, str]:
+    """``INFO memory``, ``INFO stats`` (fields as text) and ``DBSIZE`` (as ``keys``) of one
+    node, pipelined on one connection of ``pool`` through ``on`` (the backend's ``_on``): every
+    reply at most 64 KiB, all within ``timeout``, so that a node that trickles or inflates them
+    can neither hold the caller nor fill the server's memory."""
+
+    def run(conn: Connection, r: RespReader) -> dict[str, str]:
+        conn.send_packed_command([pack(b"INFO", b"memory") + pack(b"INFO", b"stats") + pack(b"DBSIZE")],
+                                 check_health=False)
+        out: dict[str, str] = {}
+        for _ in range(2):
+            text = r.reply_simple()
+            if not isinstance(text, bytes):
+                raise StoreUnavailable(f"valkey: INFO answered {text!r}")
+            for line in text.decode("utf-8", "replace").splitlines():
+                name, sep, value = line.partition(":")
+                if sep and len(out) < 512:
+                    out[name.strip()] = value.strip()
+        out["keys"] = str(_count(r.reply_simple()))
+        return out
+
+    result: dict[str, str] = on(pool, run, timeout)
+    return result
+
+
+def _cluster_enabled(pool: ConnectionPool, timeout: float) -> bool:
+    """Whether the node of ``pool`` is in cluster mode (``INFO cluster``), its reply read at
+    most 64 KiB and within ``timeout``."""
+    conn = pool.get_connection("INFO")  # connects and authenticates (valkey-py's errors as they are)
+    try:
+        sock = conn._sock
+        if sock is None:
+            raise ConnectionError("the pool gave a connection with no socket")
+        sock.settimeout(timeout)
+        reader = RespReader(sock, time.monotonic() + timeout)
+        conn.send_packed_command([pack(b"INFO", b"cluster")], check_health=False)
+        try:
+            text = reader.reply_simple()
+        except ErrorReply as err:
+            if err.kind == "NOPERM":  # an ACL user not granted INFO: the credentials' error, as valkey-py's
+                raise NoPermissionError(err.text) from None
+            raise StoreUnavailable(f"valkey: INFO cluster failed: {err.text}") from None
+        except (OSError, RespError) as exc:
+            raise StoreUnavailable(f"valkey: INFO cluster: {type(exc).__name__}: {exc}") from None
+        if not isinstance(text, bytes):
+            raise StoreUnavailable(f"valkey: INFO cluster answered {text!r}")
+        return any(line.strip() == b"cluster_enabled:1" for line in text.splitlines())
+    finally:
+        conn.disconnect()
+        pool.release(conn)
 
 
 def _sync(value: Any) -> Any:
@@ -647,14 +729,13 @@ class ValkeyStore(Store):
         for host, port in hosts:
             probe = valkey.Valkey(host=host, port=port, **{**kw, "socket_timeout": options.timeout_s})
             try:
-                cluster_info: dict[str, Any] = _sync(probe.info("cluster"))
-                cluster = bool(int(cluster_info.get("cluster_enabled", 0)))
+                cluster = _cluster_enabled(probe.connection_pool, options.timeout_s)
                 if cluster:  # the cluster client turns a refused CLUSTER SLOTS into "not a cluster"
                     _sync(probe.execute_command("CLUSTER", "SLOTS"))
                 break
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
                 raise _refused(f"{host}:{port}", exc) from None
-            except ValkeyError as exc:
+            except (ValkeyError, StoreUnavailable) as exc:
                 errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
             finally:
                 probe.close()

@@ -46,6 +46,8 @@ class FakeValkey:
 
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
+        #: INFO's reply instead of a single node's few fields (None: those)
+        self.info: bytes | Trickle | None = None
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"valkey://127.0.0.1:{self._sock.getsockname()[1]}"
         self._conns: list[socket.socket] = []
@@ -79,6 +81,8 @@ class FakeValkey:
                 name = cmd[0].upper()
                 if name == b"CLIENT":
                     out: bytes | Trickle | None = b"+OK\r\n"
+                elif name == b"INFO" and self.info is not None:
+                    out = self.info
                 elif name == b"INFO":
                     body = b"cluster_enabled:0\r\nused_memory:0\r\n"
                     out = b"$%d\r\n%s\r\n" % (len(body), body)

@@ -181,6 +181,38 @@ def test_a_get_that_trickles_in_ends_by_its_deadline() -> None:
             backend.close()
 
 
+INFO_BODY = b"used_memory:1000\r\nmaxmemory:0\r\nmaxmemory_policy:allkeys-lru\r\nevicted_keys:0\r\n"
+
+
+@pytest.mark.parametrize("how", ["inflated", "trickled"])
+def test_a_node_that_inflates_or_trickles_info_holds_neither_memory_nor_the_health_thread(how: str) -> None:
+    """The tier's health thread asks the store for its figures (INFO, DBSIZE) and is the thread
+    that probes a store found down: a node that answers INFO with hundreds of MB (read whole by
+    the client library: 1.7 GB of the server's memory for a 300 MB reply) or a byte every so
+    often (never silent for the socket timeout, so never ending) once held the server's memory
+    or that thread, and L2 then stayed down for good. Each reply is now at most 64 KiB and read
+    within the lookup timeout, at open as at every refresh."""
+    timeout = 0.5
+    bad = (b"$%d\r\n" % (300 << 20)) if how == "inflated" else \
+        Trickle(b"$%d\r\n%s\r\n" % (len(INFO_BODY), INFO_BODY), step=1, every_s=0.1)
+    with FakeValkey(_strlen(b":0\r\n")) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=timeout, bulk_timeout_s=10.0))
+        try:
+            fake.info = b"$%d\r\n%s\r\n" % (len(INFO_BODY), INFO_BODY)
+            assert backend.stats()["policy"] == "allkeys-lru"
+            fake.info = bad
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                backend.stats()
+            assert time.monotonic() - start < timeout + 1.0
+        finally:
+            backend.close()
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no Valkey node answered"):
+            ValkeyStore().open(fake.url, StoreOptions(timeout_s=timeout, bulk_timeout_s=10.0)).close()
+        assert time.monotonic() - start < timeout + 1.0
+
+
 # --------------------------------------------------------------------------- a kvxfer server on it
 
 L2_TIMEOUT = 0.5
