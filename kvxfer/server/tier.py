@@ -552,6 +552,16 @@ class L2Tier:
         if not self.breaker.closed or self.backend is None:
             self._count("drops", len(entries))
             return
+        largest = self.store.capabilities.max_value_bytes - HEADER_SIZE
+        if any(e.size > largest for e in entries):  # the store would refuse them (Valkey: its connection too)
+            too_big = [e for e in entries if e.size > largest]
+            self._count("drops", len(too_big))
+            self._throttled.warning("too big", f"chunks of {too_big[0].size} bytes are more than the L2 store "
+                                    f"{self.store.name} holds in one value ({largest} bytes and a header): not "
+                                    "written to L2 (register with a smaller --chunk-size to share them)")
+            entries = [e for e in entries if e.size <= largest]
+            if not entries:
+                return
         with self._cond:
             queued = 0
             for e in entries:

@@ -643,6 +643,30 @@ def test_promotions_meeting_values_of_another_layout_do_not_flood_the_log(tmp_pa
         assert 1 <= len(lines) <= 2, lines
 
 
+def test_chunks_larger_than_the_store_holds_are_not_written_and_do_not_fail_it(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A chunk (plus its header) larger than the store's largest value (Valkey: 512 MiB, past which
+    it refuses the command and drops the connection) is not written: dropped and counted, logged
+    at most once a second, and no store failure (each once counted as one, and three took L2
+    down for every client). In process; the fs store holds values of 1 TiB, so its limit is
+    lowered on the instance to one 8 KiB chunk cannot meet (a 512 MiB chunk is more than this
+    VM's tests may allocate)."""
+    from kvxfer.store import StoreCapabilities
+
+    with in_process_tier(tmp_path) as (arena, index, tier, pump):
+        tier.store.capabilities = StoreCapabilities(shared=False, persistent=True, max_value_bytes=8192)
+        with caplog.at_level("WARNING", logger="kvxfer.server.tier"):
+            for i in range(5):
+                res, _, _ = index.reserve_write([ChunkKey("big", 1, 0, bytes([i]) * 16)], FMT, 8192, 1, Usage())
+                tier.offer([e for _, e in index.commit_write(res)])
+        assert tier.drops == 5 and tier.errors == 0 and tier.breaker.closed and tier.queue_depth == 0
+        lines = [r.getMessage() for r in caplog.records if "more than the L2 store" in r.getMessage()]
+        assert len(lines) == 1, lines
+        res, _, _ = index.reserve_write([ChunkKey("small", 1, 0, b"s" * 16)], FMT, 4096, 1, Usage())
+        tier.offer([e for _, e in index.commit_write(res)])
+        pump(lambda: tier.writes == 1)  # smaller chunks are written as ever
+
+
 def test_every_dtype_a_kv_cache_may_have_has_its_chunk_size_in_l2() -> None:
     """A lookup that reaches L2 sizes the chunk from its format: every dtype a registration
     accepts must be known there (int8 and float64 chunks were written to L2 and never found)."""

@@ -530,11 +530,15 @@ class ValkeyBackend(ThreadedBackend):
         moved: list[int] = []
         for pool, idx in self._by_pool(keys):
             def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
+                sock = r.sock
                 for i in idx:
                     key, parts = items[i]
                     size = sum(len(p) for p in parts)
+                    # a socket's timeout bounds a whole sendall: as long as the value takes at the slowest rate
+                    sock.settimeout(self.options.bulk_timeout_s + size / _MIN_BYTES_PER_S)
                     conn.send_packed_command([pack_bulk_header(b"SET", key, size), *parts, b"\r\n"],
                                              check_health=False)
+                sock.settimeout(self.options.bulk_timeout_s)
                 for i in idx:
                     try:
                         out[i] = r.reply_simple() == b"OK"
