@@ -269,8 +269,10 @@ def _geometry(shape: Sequence[int], strides: Sequence[int], kind: LayoutKind, bl
         raise LayoutError(f"{where}: {len(offsets)} separate runs per page; at most {MAX_RUNS}")
     planes = dims["P"].size if "P" in dims else 1
     page = ",".join(f"{d.axis}{d.size}" for d in outer) + "|" + ",".join(f"{d.axis}{d.size}" for d in content)
-    return _Geometry(num_blocks, len(offsets) * run // (planes * block_size), run, pitch, offsets,
-                     block_stride // pitch, page)
+    # one block: its stride names no memory (it may even be less than a page); any that keeps
+    # the page's rows apart will do
+    stride_rows = block_stride // pitch if num_blocks > 1 else max(1, block_stride // pitch, -(-extent // pitch))
+    return _Geometry(num_blocks, len(offsets) * run // (planes * block_size), run, pitch, offsets, stride_rows, page)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:

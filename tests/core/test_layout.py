@@ -260,6 +260,22 @@ def test_runs_of_a_one_block_cache_may_not_overlap_whatever_its_stride() -> None
     KVLayout(LayoutKind.BHNC, 2, 1, 16, 32, torch.float16, run_offsets=(0, 256), block_stride=1, **one)
 
 
+@pytest.mark.parametrize(("kind", "shape", "stride"), [
+    ("mla", [1, 4, 3], [3, 9, 1]),          # one block whose stride is less than its page
+    ("bhnc", [1, 3, 4, 4], [4, 16, 4, 1]),
+])
+def test_a_one_block_cache_with_any_block_stride_is_inferred(kind: str, shape: list[int], stride: list[int]) -> None:
+    """A cache of one block: its block stride names no memory and may be anything, even less
+    than one page (it was taken for a row stride of 0 and refused). Its rows are exactly its
+    elements."""
+    base = torch.arange(256, dtype=torch.float32).to(torch.bfloat16)
+    t = base.as_strided(shape, stride)
+    lay = KVLayout.infer([t], shape[-2] if kind == "mla" else shape[2], kind)
+    got = lay.row_view(t)[lay.rows(torch.tensor([0]))]
+    assert sorted(got.flatten().tolist()) == sorted(t.flatten().tolist())
+    assert got.numel() == t.numel()
+
+
 @pytest.mark.parametrize("fields", [
     {"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 10), "block_stride": 1, "page": "H2|N16,C16"},  # heads out
     {"row_elems": 256, "row_pitch": 256, "run_offsets": (0, 1), "block_stride": 2, "page": "H2|N16,C16"},  # blocks out
