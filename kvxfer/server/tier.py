@@ -483,6 +483,9 @@ class L2Tier:
                             self.store.name, self.url, msg)
             self.breaker.trip(msg)
             return False
+        if self._stop_health.is_set():  # closed while this opened (a slow store): not kept
+            backend.close()
+            return False
         #: The backend when the loop reads its lookups itself (checked once: isinstance of a
         #: runtime-checkable Protocol is slow).
         self._loop_exists = backend if self._watch is not None and isinstance(backend, LoopExists) else None

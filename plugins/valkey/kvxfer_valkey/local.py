@@ -194,16 +194,21 @@ class ValkeyCluster:
         return ",".join(n.url for n in self.nodes)
 
     def start(self, timeout: float = 60.0) -> ValkeyCluster:
-        for n in self.nodes:
-            n.start()
-        subprocess.run([valkey_binary("valkey-cli"), "--cluster", "create", *(n.address for n in self.nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=timeout,
-                       check=True)
-        deadline = time.monotonic() + timeout
-        while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Valkey cluster did not reach cluster_state:ok")
-            time.sleep(0.1)
+        """Start the nodes and join them; if that fails, every node started is stopped again."""
+        try:
+            for n in self.nodes:
+                n.start()
+            subprocess.run([valkey_binary("valkey-cli"), "--cluster", "create", *(n.address for n in self.nodes),
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                           timeout=timeout, check=True)
+            deadline = time.monotonic() + timeout
+            while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Valkey cluster did not reach cluster_state:ok")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
