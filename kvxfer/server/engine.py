@@ -1098,8 +1098,11 @@ class CacheServer:
 
     def _check_reservation(self, session: Session, nbytes: int, pins: int = 0) -> None:
         """Raise LimitExceeded unless ``session`` may open one more reservation of ``nbytes``
-        (a read: that pins ``pins`` chunks)."""
-        self.limits.check("max_reservations", len(self.index.reservations))
+        (a read: that pins ``pins`` chunks). Promotions from L2 are the tier's reservations, bounded
+        by the arena's slots: they do not count, so that one client's promoting lookups cannot use
+        up the reservations every client's stores need."""
+        promoting = len(self.tier.usage.reservations) if self.tier is not None else 0
+        self.limits.check("max_reservations", len(self.index.reservations) - promoting)
         self.limits.check("max_reservations_per_session", len(session.usage.reservations))
         self.limits.check("max_reserved_bytes_per_session", session.usage.reserved_bytes, nbytes)
         if pins:

@@ -44,7 +44,8 @@ SPECS: Final[dict[str, LimitSpec]] = {s.name: s for s in (
     LimitSpec("max_registrations_per_session", "--max-registrations-per-session", "count",
               "registered KV caches of one session", "close contexts no longer in use"),
     LimitSpec("max_reservations", "--max-reservations", "count",
-              "open reservations in all (uncommitted reserve_write/reserve_read, server-driven transfers)",
+              "open reservations in all (uncommitted reserve_write/reserve_read, server-driven transfers; "
+              "not promotions from L2)",
               "wait for transfers in flight"),
     LimitSpec("max_reservations_per_session", "--max-reservations-per-session", "count",
               "open reservations of one session", "commit the reservations it holds before reserving more"),

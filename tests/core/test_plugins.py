@@ -34,7 +34,7 @@ from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import registry
-from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, env_with, wait_until
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, env_with, flash_attn_kv, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -579,6 +579,32 @@ def test_a_retrieve_waiting_for_l2_keeps_its_place_before_the_instances_later_tr
             assert torch.equal(v_layer[:, blocks], s_layer[:, blocks]), "the store ran before the retrieve"
         for kv in (a, b, v):
             kv.close()
+
+
+def test_promotions_held_at_the_store_do_not_use_up_the_reservations_stores_need(on_path: Path, tmp_path: Path) -> None:
+    """Promotions from L2 are the tier's reservations, bounded by the arena: however many one
+    client's lookups keep running (held here at the store), they do not count against
+    --max-reservations, so every client's stores still get theirs (a burst of promoting lookups
+    once made other clients' stores fail with limit_exceeded)."""
+    l2 = tmp_path / "l2"
+    gate = Path(f"{l2}.gate")  # test_gated's reads (the promotions) wait while it exists
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(on_path),
+                       extra_args=["--l2", "test_gated", "--l2-url", f"file://{l2}", "--max-reservations", "2"]) as srv, \
+            CacheClient(srv.url, timeout=30) as c:
+        kv = flash_attn_kv(num_layers=2, num_blocks=64, seed=31)
+        ctx = c.register(kv, model_name="burst", block_size=BLOCK_SIZE, transport="cpu_gather")
+        hashes = chunk_hashes(list(range(4 * CHUNK_SIZE)), CHUNK_SIZE, salt="burst")
+        only_in_l2(c, ctx, "burst", hashes, list(range(4 * BLOCKS_PER_CHUNK)), gate)
+        try:
+            for h in hashes:  # one promotion each, no lease: each a reservation of the tier's, held
+                assert c.lookup("burst", hashes=[h], promote=True) == 1
+            assert c.status().tiers[0].promoting == 4
+            later = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="burst-later")
+            assert ctx.submit_store(later, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+        finally:
+            gate.unlink()
+        assert wait_until(lambda: c.status().tiers[0].promoting == 0, timeout=30)
+        ctx.close()
 
 
 def test_a_retrieve_whose_instance_is_unregistered_while_it_waits_for_l2_pins_nothing(
