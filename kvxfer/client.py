@@ -16,6 +16,7 @@ requests in flight at the time fail with :class:`kvxfer.errors.ConnectionFailed`
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import stat
@@ -25,7 +26,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from kvxfer import liveness
 from kvxfer.errors import (
@@ -52,6 +53,8 @@ if TYPE_CHECKING:  # loaded by register(): a client that only looks up or report
 Reply = TypeVar("Reply", bound=m.Message)
 
 __all__ = ["CacheClient", "MAX_TIMEOUT_S", "no_server_starting"]
+
+log = logging.getLogger(__name__)
 
 #: Longest timeout a client takes (a year; a request's wait is counted in milliseconds).
 MAX_TIMEOUT_S: Final = 365 * 86400.0
@@ -151,7 +154,8 @@ class CacheClient:
         self.name = name
         self._lock = threading.RLock()
         self._contexts: weakref.WeakSet[TransferContextBase] = weakref.WeakSet()
-        self._mq = MQClient(self.url, default_timeout=timeout, curve=curve)
+        self._mq = MQClient(self.url, default_timeout=timeout, curve=curve, on_late_reply=self._release_late,
+                            late_names=frozenset({"reserve_write", "reserve_read"}))
         self._epoch = 0
         #: The server-issued secret of our session (presented to resume it) and lock token.
         self._secret = b""
@@ -201,6 +205,23 @@ class CacheClient:
         self._hold_liveness_lock()
         self._epoch += 1
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
+
+    def _release_late(self, name: str, request: Any, reply: Any) -> None:
+        """A reservation the server granted after its request had timed out here (the server
+        stalled): nobody will fill or read its slots, so release it now rather than leave them
+        held for the rest of the session (a write's slots are dropped, a read's unpinned)."""
+        if name == "reserve_write":
+            release: m.Request[Any] = m.CommitWrite(request.instance_id, reply.reservation_id,
+                                                    [s.index for s in reply.slots])
+        else:
+            release = m.CommitRead(request.instance_id, reply.reservation_id, loaded=False)
+        try:
+            self._mq.request(release)
+        except (KvxferError, ConnectionError) as exc:  # the session or the server is gone: so is the reservation
+            log.debug("releasing a %s granted after its request timed out failed: %s", name, exc)
+            return
+        log.info("released a %s of instance %d that the server granted after its request had timed out",
+                 name, request.instance_id)
 
     def _no_socket(self) -> str:
         """Why nobody answered at an ``ipc://`` url whose socket never appeared."""

@@ -303,6 +303,8 @@ class _UnixWire:
 
 
 _UNSET: Any = object()
+#: Requests of ``late_names`` remembered after their deadline, for a reply that may still come.
+_EXPIRED_KEPT = 1024
 
 Reply = TypeVar("Reply", bound=Message)
 
@@ -315,6 +317,8 @@ class _Pending:
     deadline: float
     #: sent by the I/O thread to keep the session alive; nobody waits for it
     heartbeat: bool = False
+    #: the request, kept for ``on_late_reply`` (requests named in ``late_names`` only)
+    payload: Any = None
     ok: bool = False
     value: Any = _UNSET
     #: when it was sent: silence counts against the server only while a request older than
@@ -345,12 +349,21 @@ class MQClient:
         dead_after_s: float = 6.0,
         curve: CurveClientKeys | None = None,
         on_session_lost: Callable[[], None] | None = None,
+        on_late_reply: Callable[[str, Any, Any], None] | None = None,
+        late_names: frozenset[str] = frozenset(),
     ) -> None:
+        """``on_late_reply(name, request, reply)`` is called, on a thread of its own, with the
+        successful reply to a request named in ``late_names`` that came after the request had
+        failed for its deadline (the server did what was asked: e.g. release what it granted)."""
         self.url = url
         self.default_timeout = default_timeout
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self._on_session_lost = on_session_lost
+        self._on_late_reply = on_late_reply
+        self._late_names = late_names
+        #: requests of late_names that failed for their deadline: id -> (name, request), the newest kept
+        self._expired: collections.OrderedDict[int, tuple[str, Any]] = collections.OrderedDict()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -397,7 +410,8 @@ class MQClient:
                 closed = True
             else:
                 closed = False
-                self._pending[rid] = _Pending(fut, name, deadline)
+                self._pending[rid] = _Pending(fut, name, deadline,
+                                              payload=payload if name in self._late_names else None)
                 done: list[tuple[ReplyFuture[Any], bool, Any]] = []
                 if self._backlog:
                     self._backlog.append(frames)
@@ -431,7 +445,8 @@ class MQClient:
             if lead:
                 self._leader = threading.get_ident()
                 rid = next(self._ids)
-                slot = _Pending(None, name, time.monotonic() + t)
+                slot = _Pending(None, name, time.monotonic() + t,
+                                payload=payload if name in self._late_names else None)
                 self._pending[rid] = slot
                 frames = [codec.pack_id(rid), name.encode(), data]
                 try:
@@ -466,8 +481,8 @@ class MQClient:
                 self._leader = None
                 if self._pipes_closing:
                     self._close_leader_pipe()  # close() came while this thread waited
-                if slot.value is _UNSET:
-                    self._pending.pop(rid, None)
+                if slot.value is _UNSET and self._pending.pop(rid, None) is not None:
+                    self._keep_expired(rid, slot)
                 if self._pending and not self._io_watching:
                     self._wake()  # hand the socket (and what may be left in it) back to the I/O thread
         if slot.value is _UNSET:
@@ -667,20 +682,46 @@ class MQClient:
             log.warning("dropping a reply with a bad request id from %s", self.url)
             return None
         pending = self._pending.pop(rid, None)
-        if pending is None:
-            return None  # a reply after its deadline: the request already failed
+        if pending is None:  # a reply after its deadline: the request already failed
+            late = self._expired.pop(rid, None)
+            if late is not None and frames[1] == codec.OK and self._on_late_reply is not None:
+                self._late_reply(*late, frames[2])
+            return None
         name = pending.name
         try:
             if frames[1] == codec.OK:
                 return pending, True, codec.decode(frames[2], REQUESTS[name].reply)
             if frames[1] == codec.ERR:
                 err = codec.ERROR_DECODER.decode(frames[2])
+                if err.code == ErrorCode.NO_SESSION and pending.heartbeat:
+                    # the server lost the session (it restarted): pinging it again only adds
+                    # no_session errors to its figures; the next request finds out and
+                    # handshakes again, which restarts the heartbeat (enable_heartbeat)
+                    self._heartbeat_enabled = False
                 if err.code == ErrorCode.NO_SESSION and self._on_session_lost is not None:
                     self._on_session_lost()
                 return pending, False, remote_error(err.code, err.message, name)
             return pending, False, ProtocolError(f"reply to {name!r} has unknown status {frames[1]!r}")
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return pending, False, ProtocolError(f"undecodable reply to {name!r} from {self.url}: {exc}")
+
+    def _keep_expired(self, rid: int, p: _Pending) -> None:
+        """Remember a request of ``late_names`` that failed for its deadline (lock held)."""
+        if p.payload is None or self._on_late_reply is None:
+            return
+        self._expired[rid] = (p.name, p.payload)
+        while len(self._expired) > _EXPIRED_KEPT:
+            self._expired.popitem(last=False)
+
+    def _late_reply(self, name: str, payload: Any, data: bytes) -> None:
+        """Hand a late reply to ``on_late_reply`` on a thread of its own (it may send requests)."""
+        try:
+            reply = codec.decode(data, REQUESTS[name].reply)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        callback = self._on_late_reply
+        assert callback is not None
+        threading.Thread(target=callback, args=(name, payload, reply), name="kvxfer-late-reply", daemon=True).start()
 
     def _expire(self, now: float) -> list[tuple[ReplyFuture[Any], bool, Any]]:
         late = [rid for rid, p in self._pending.items() if p.deadline < now]
@@ -689,6 +730,7 @@ class MQClient:
             p = self._pending.pop(rid)
             if p.heartbeat:
                 continue
+            self._keep_expired(rid, p)
             exc = RequestTimeout(
                 f"request {p.name!r} to the kvxfer server at {self.url} got no reply in time; "
                 f"is the server running? (`kvxfer status --url {self.url}`)"

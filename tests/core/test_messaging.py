@@ -355,3 +355,51 @@ def test_a_connection_closed_by_another_connections_reply_does_not_stop_the_serv
             c.close()
         server.stop()
         loop.join(30)
+
+
+def test_a_reservation_granted_after_its_request_timed_out_is_released(tmp_path: Path) -> None:
+    """A server that stalls (SIGSTOP here) past a reserve's timeout still grants it once it runs
+    again; the client, which failed the request, releases the reservation when the late reply
+    comes instead of leaving its slots held for the rest of the session (a vLLM worker kept them
+    for the engine's life after each stall)."""
+    import signal
+    import time
+
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as srv, \
+            CacheClient(srv.url, timeout=30) as c:
+        ctx = c.register(flash_attn_kv(num_layers=2, num_blocks=16), model_name="late", block_size=16,
+                         transport="cpu_gather")
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="late")
+        assert srv.proc is not None
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            writes = c.submit(m.ReserveWrite(ctx.instance_id, hashes), timeout=0.3)
+            reads = c.submit(m.ReserveRead(ctx.instance_id, hashes), timeout=0.3)
+            for fut in (writes, reads):
+                with pytest.raises(RequestTimeout):
+                    fut.result(5)
+            time.sleep(0.2)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert wait_until(lambda: c.status().reservations == 0, timeout=10), c.status().reservations
+        assert c.lookup("late", hashes=hashes) == 0  # the write's slots were dropped, not made readable
+        assert ctx.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+        ctx.close()
+
+
+def test_an_idle_client_stops_pinging_a_restarted_server_that_lost_its_session(tmp_path: Path) -> None:
+    """After a server restart, an idle client's heartbeat is answered no_session; it stops there
+    (each ping once added a no_session error to the server's figures, every second, until the
+    client's next request), and its next request opens a session again."""
+    import time
+
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as srv, \
+            CacheClient(srv.url, timeout=30) as c:
+        c.ping()
+        srv.restart()
+        time.sleep(3.5)  # heartbeats every second (the server's heartbeat_s)
+        with CacheClient(srv.url, timeout=30) as other:
+            errors = other.status().errors_by_code
+        assert errors.get("no_session", 0) <= 1, errors
+        c.reconnect()
+        assert c.lookup("anything", hashes=[b"h" * 16]) == 0
