@@ -180,3 +180,24 @@ def test_server_dies_fail_mode_raises_clearly(srv: ServerProcess) -> None:
     finally:
         engine.worker.worker.link.close()
         engine.scheduler.scheduler.link.close()
+
+
+def test_a_store_the_dead_server_failed_is_counted_as_dropped(srv: ServerProcess) -> None:
+    """A store submitted to a server that died is counted in vLLM's kvxfer_dropped_stores (it
+    was counted nowhere: the figures said every store went through)."""
+    cfg = make_vllm_config(srv.url, model_name="counted", on_server_error="recompute", timeout_s=1, retry_s=0.2)
+    engine = MiniEngine(cfg, enable_prefix_caching=False)
+    work = engine.worker.worker
+    try:
+        feed(engine, workload("c", n=1, seed=5), per_step=1)
+        engine.check_drained()
+        stats = dict(work.stats)
+        assert stats["stores"] >= 1 and stats["stored_chunks"] >= 1 and stats["dropped_stores"] == 0
+        srv.kill()
+        feed(engine, workload("d", n=1, seed=6), per_step=1)
+        engine.check_drained()
+        submitted = work.stats["stores"] - stats["stores"]
+        assert work.stats["stored_chunks"] == stats["stored_chunks"]
+        assert work.stats["dropped_stores"] - stats["dropped_stores"] >= max(1, submitted), work.stats
+    finally:
+        engine.shutdown()

@@ -97,8 +97,8 @@ class WorkerConnector:
         self.stats = {"loads": 0, "loaded_chunks": 0, "loaded_bytes": 0, "load_failures": 0, "failed_load_blocks": 0,
                       "expired_loads": 0, "stores": 0, "stored_chunks": 0, "stored_bytes": 0, "present_chunks": 0,
                       "failed_store_chunks": 0, "dropped_stores": 0}
-        #: bytes of one chunk of the KV cache group each pending store is of
-        self._store_chunk_bytes: dict[Future[StoreResult], int] = {}
+        #: each store in flight: (bytes of one chunk, chunks asked), for the figures once it is done
+        self._store_chunk_bytes: dict[Future[StoreResult], tuple[int, int]] = {}
         self.link = ServerLink(config, f"worker rank {config.rank}", self._on_connect)
         self.link.get(startup=True)
 
@@ -293,9 +293,10 @@ class WorkerConnector:
             fut = ctx.submit_store(op.keys, op.block_ids, by_layer=by_layer)
         except ConfigError:
             log.exception("kvxfer: cannot store request %s", op.req_id)
+            self.stats["dropped_stores"] += 1
             return None
         self._stores.setdefault(op.req_id, []).append(fut)
-        self._store_chunk_bytes[fut] = self._chunk_bytes(op.group)
+        self._store_chunk_bytes[fut] = (self._chunk_bytes(op.group), len(op.keys))
         if op.sync:
             self._sync.append(fut)
         self.stats["stores"] += 1
@@ -450,13 +451,15 @@ class WorkerConnector:
         """Account for a done store (waiting for it when ``wait``); False if still pending."""
         if not wait and not fut.done():
             return False
-        chunk_bytes = self._store_chunk_bytes.pop(fut, 0)
+        chunk_bytes, chunks = self._store_chunk_bytes.pop(fut, (0, 0))
         try:
             res = fut.result(timeout=self.config.timeout_s * 2 + 5 if wait else None)
         except TransportFailed:  # the transport's copy failed: the chunks are not stored
             log.exception("kvxfer: a store failed")
+            self.stats["failed_store_chunks"] += chunks
             return True
         except KvxferError as exc:  # before FutureTimeout: RequestTimeout is a TimeoutError too
+            self.stats["dropped_stores"] += 1  # the server failed it: nothing stored
             self._server_failed(exc, "storing KV")
             return True
         except CancelledError:  # cancelled by _server_failed: the server is gone
