@@ -281,7 +281,9 @@ def _cut_middle(text: str, width: int) -> str:
     """``text`` in at most ``width`` characters: a third of them from its start, an ellipsis, the
     rest from its end. An identity (``label#fingerprint``) gives up its fingerprint's digits but
     the first few before its label is cut: the label's end tells model variants apart, which a
-    fingerprint alone does not tell a reader."""
+    fingerprint alone does not tell a reader. A label ``model@dtype`` (the vLLM connector's)
+    then gives up its dtype, unless the model keeps :data:`_CUT_MIN` characters beside it: every
+    model of a server would otherwise end in the same ``@bfloat16``."""
     if len(text) <= width:
         return text
     m = _IDENTITY.fullmatch(text)
@@ -292,7 +294,14 @@ def _cut_middle(text: str, width: int) -> str:
             return f"{label}#{fp[:digits]}…"
         tail = f"#{fp[:_FINGERPRINT_KEPT]}…"
         if width >= len(tail) + _CUT_MIN // 2:
-            return _cut_middle(label, width - len(tail)) + tail
+            room = width - len(tail)
+            model, at, dtype = label.rpartition("@")
+            if at and model:
+                suffix = at + dtype
+                if room - len(suffix) >= _CUT_MIN:
+                    return _cut_middle(model, room - len(suffix)) + suffix + tail
+                return _cut_middle(model, room) + tail
+            return _cut_middle(label, room) + tail
     if width <= 1:
         return text[-width:] if width else ""
     head = (width - 1) // 3

@@ -159,9 +159,16 @@ def test_identities_cut_their_fingerprint_before_their_label(width: int) -> None
     cut = [_cut_middle(n, width) for n in names]
     assert all(len(c) <= width for c in cut), cut
     assert cut[0].endswith("#0123…") and cut[1].endswith("#fedc…"), cut
-    assert "8@auto#" in cut[0] and "6@auto#" in cut[1], cut  # the label's end shows
+    assert "w8a8" in cut[0] and "w4a16" in cut[1], cut  # the model's end shows
+    assert ("@auto#" in cut[0]) == (width >= 30), cut  # the dtype, where the model keeps 12 beside it
     assert _cut_middle(names[0], len(names[0])) == names[0]
     assert _cut_middle("abc#0123456789abcdef", 18) == "abc#0123456789abc…", "digits the label leaves are kept"
+    # the vLLM connector's labels end in their dtype, the same for every model of a server: at the
+    # width of top's model column the models' ends show, not "…float16"
+    vllm = [f"{m}@bfloat16#{fp}" for m, fp in (("meta-llama/Llama-3.1-8B-Instruct", "6042" + "0" * 12),
+                                                ("Qwen/Qwen2.5-7B-Instruct", "abcd" + "0" * 12))]
+    assert [_cut_middle(n, 17) for n in vllm] == ["met…nstruct#6042…", "Qwe…nstruct#abcd…"]
+    assert _cut_middle(vllm[0], 30) == "meta…B-Instruct@bfloat16#6042…"  # room for the dtype too
 
 
 def test_once_without_a_terminal_prints_one_frame(curve_server: ServerProcess, curve_client: CacheClient) -> None:
