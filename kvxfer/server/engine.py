@@ -986,23 +986,30 @@ class CacheServer:
             if pending is not None:
                 return _Awaiting(session, pending, lambda: self._lookup_reply(
                     session, msg, *tier.finish_lookup(pending, msg.promote,
-                                                      functools.partial(self._check_lease_of, session, msg, hits))))
+                                                      functools.partial(self._check_lease_of, session, msg))))
         return self._lookup_reply(session, msg, hits, 0, hits)
 
-    def _check_lease_of(self, session: Session, msg: m.Lookup, l1_hits: int, promoted: int, nbytes: int) -> None:
-        """Before a lookup promotes ``promoted`` keys (``nbytes`` of arena) from L2: raise
-        LimitExceeded if the lease it will take of them and of its ``l1_hits`` leading L1 chunks
-        is past the session's limits, so that a refused lookup has promoted nothing."""
+    def _check_lease_of(self, session: Session, msg: m.Lookup, hits: int, promoted: set[ChunkKey],
+                        nbytes: int) -> None:
+        """Before a lookup promotes the keys ``promoted`` (``nbytes`` of arena) from L2: raise
+        LimitExceeded if the lease it will then take of its ``hits`` leading chunks (every rank:
+        the L1 entries there, those being promoted by others, and these) is past the session's
+        limits, so that a refused lookup has promoted nothing."""
         if msg.lease_s <= 0 or self.sessions.get(session.identity) is not session:
             return  # nothing will be leased
         usage = session.usage
         self.limits.check("max_leases", len(self.index.leases))
         self.limits.check("max_leases_per_session", len(usage.leases))
         entries = self.index.entries
-        held = {e for h in msg.hashes[:l1_hits] for r in range(msg.world_size)  # (some may have gone meanwhile)
-                if (e := entries.get(ChunkKey(msg.model_name, msg.world_size, r, h))) is not None}
+        held = set()
+        for h in msg.hashes[:hits]:
+            for r in range(msg.world_size):
+                key = ChunkKey(msg.model_name, msg.world_size, r, h)
+                e = entries.get(key)
+                if e is not None and key not in promoted:
+                    held.add(e)
         self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(held) + nbytes)
-        self._check_chunk_pins(session, len(held) + promoted)
+        self._check_chunk_pins(session, len(held) + len(promoted))
 
     def _lookup_reply(self, session: Session, msg: m.Lookup, hits: int, l2_hits: int,
                       leasable: int) -> m.LookupReply:

@@ -352,7 +352,7 @@ class TierLookup:
                 tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
             self.resolve([])
             return
-        if tier.breaker.failures or not tier.breaker.proven:
+        if sizes and (tier.breaker.failures or not tier.breaker.proven):  # ([]: the store was not asked)
             tier.breaker.success()
         self.resolve(sizes)
 
@@ -798,6 +798,9 @@ class L2Tier:
             if lk.deadline > now:
                 keep.append(lk)
             elif lk.resolve([]):
+                if lk.in_flight is not None:  # no longer counted at the store: a node that went
+                    self._landed(*lk.in_flight)  # silent must not leave every later lookup "busy"
+                    lk.in_flight = None
                 self._count("timeouts")
                 self._failed(TimeoutError(f"no answer within {self.config.timeout_s:g} s"), "lookup")
         self._waiting = keep
@@ -838,13 +841,15 @@ class L2Tier:
         lk.changes = (self.index.changes, self.promoting_changes)
 
     def finish_lookup(self, lk: TierLookup, promote: bool,
-                      before_promote: Callable[[int, int], None] | None = None) -> tuple[int, int, int]:
+                      before_promote: Callable[[int, set[ChunkKey], int], None] | None = None,
+                      ) -> tuple[int, int, int]:
         """Count the leading chunks present for every rank in L1, being promoted, or in L2 (the
         sizes the store answered); with ``promote``, start promoting the L2 ones. Returns
         ``(hits, l2_hits, leasable)``: leasable chunks have an L1 entry for every rank (readable,
         or being promoted). When the index or the promotions changed while the store answered,
-        L1 is read again. ``before_promote(keys, nbytes)`` is called with the keys and arena
-        bytes about to be promoted; what it raises refuses the lookup with nothing promoted."""
+        L1 is read again. ``before_promote(hits, keys, nbytes)`` is called with the leading
+        chunks counted, the keys about to be promoted and their arena bytes; what it raises
+        refuses the lookup with nothing promoted."""
         if lk.changes != (self.index.changes, self.promoting_changes):
             hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:lk.l1_hits])
             if hits < lk.l1_hits:  # L1 hits left meanwhile: answer with what is left
@@ -876,10 +881,10 @@ class L2Tier:
             wanted.pop()
         hits = first + end
         l2_hits = bisect.bisect_left(lk.l2_chunks, end)
+        if promote and wanted and before_promote is not None:
+            before_promote(hits, {key for _, key, _ in wanted}, sum(Allocator.rounded(size) for _, _, size in wanted))
         self.lookup_hits += len(wanted)
         if promote and wanted:
-            if before_promote is not None:
-                before_promote(len(wanted), sum(Allocator.rounded(size) for _, _, size in wanted))
             # the L1 entries of the hits are pinned while the promotion makes room: its slots
             # must not come from the chunks this lookup counts (and then leases)
             held = self._readable_entries(lk, first + end)

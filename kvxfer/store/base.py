@@ -225,9 +225,10 @@ class LoopExists(Protocol):
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
         """Send an existence check of ``keys`` (sizes, 0 where absent) without blocking. ``done``
         is called on the loop, from :meth:`on_readable`, with the sizes, or with None if a
-        connection failed (possibly before this returns, when a check going to several
-        connections could be sent on some only). Returns False (and never calls ``done``) when it
-        cannot send now."""
+        connection failed, or with ``[]`` (no hits, not a failure) when a check going to several
+        connections could be sent on some only (either possibly before this returns). Returns
+        False (and never calls ``done``) when it cannot send now: the check then goes through
+        :meth:`Backend.submit_exists`."""
         ...
 
     def on_readable(self, fd: int) -> None:

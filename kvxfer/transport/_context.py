@@ -9,6 +9,7 @@ is what a transport sees.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -247,17 +248,23 @@ class ContextCore:
 
     def _layer_groups(self, nbytes: int) -> list[range]:
         """The layer ranges a layer-wise transfer of ``nbytes`` is copied in, in order: at most
-        ``max_layer_parts`` groups of ``ceil(num_layers / parts)`` layers, and no more than each
-        moving ``min_layer_part_bytes``; one range of every layer when the transport does not
-        copy ranges of layers."""
+        ``max_layer_parts`` groups, their sizes at most one layer apart, as many as keep each
+        moving at least ``min_layer_part_bytes``; one range of every layer when the transport
+        does not copy ranges of layers."""
         n = self.layout.num_layers
         if not self.transport.capabilities.layer_ranges:
             return [range(n)]
         parts = max(1, min(n, self.max_layer_parts))
-        if self.min_layer_part_bytes > 0:
-            parts = max(1, min(parts, nbytes // self.min_layer_part_bytes))
-        size = -(-n // parts)
-        return [range(a, min(a + size, n)) for a in range(0, n, size)]
+        if self.min_layer_part_bytes > 0 and nbytes > 0:
+            fewest = max(1, math.ceil(self.min_layer_part_bytes * n / nbytes))  # layers such a part needs
+            parts = max(1, min(parts, n // fewest))
+        base, extra = divmod(n, parts)
+        groups, start = [], 0
+        for i in range(parts):
+            stop = start + base + (i < extra)
+            groups.append(range(start, stop))
+            start = stop
+        return groups
 
     def _transfer_bytes(self, transfer: Transfer) -> int:
         """Bytes ``transfer`` copies at most (its chunks past the skipped blocks)."""

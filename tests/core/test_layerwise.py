@@ -10,6 +10,7 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -98,6 +99,34 @@ def test_a_layerwise_retrieve_is_cut_into_parts_of_at_least_min_layer_part_bytes
     for i in range(LAYERS):
         assert torch.equal(kv[i][:, dst], kv[i][:, src])
     ctx.close()
+
+
+@pytest.mark.parametrize(("layers", "mib", "floor_mib", "max_parts", "want"), [
+    (32, 256, 128, 8, [16, 16]),
+    (32, 640, 128, 8, [8, 8, 8, 8]),        # 4 parts of 160 MiB, not 7-layer parts and a 4-layer one
+    (80, 384, 128, 8, [40, 40]),            # none under the floor (27, 27, 26 layers had 124.8 MiB)
+    (61, 256, 128, 8, [61]),                # two parts would leave one under it
+    (30, 64, 0, 8, [4, 4, 4, 4, 4, 4, 3, 3]),  # no floor: sizes at most one layer apart
+    (32, 64, 128, 8, [32]),
+])
+def test_layer_parts_are_even_and_none_is_under_the_floor(client: CacheClient, layers: int, mib: int, floor_mib: int,
+                                                          max_parts: int, want: list[int]) -> None:
+    """The parts a layer-wise transfer is cut into: as many as keep every part at or above
+    min_layer_part_bytes, at most max_layer_parts, their sizes at most one layer apart, in order
+    and covering every layer once."""
+    _, ctx = _register(client, f"lw-even-{layers}-{mib}-{floor_mib}")
+    try:
+        ctx.min_layer_part_bytes = floor_mib << 20
+        ctx.max_layer_parts = max_parts
+        ctx.layout = dataclasses.replace(ctx.layout, num_layers=layers)  # the sizing reads only the count
+        groups = ctx._layer_groups(mib << 20)
+        assert [len(g) for g in groups] == want
+        assert [i for g in groups for i in g] == list(range(layers))
+        if floor_mib:
+            assert min(len(g) for g in groups) * (mib << 20) // layers >= floor_mib << 20 or len(groups) == 1
+    finally:
+        ctx.layout = dataclasses.replace(ctx.layout, num_layers=LAYERS)
+        ctx.close()
 
 
 def _worker_caught_up(ctx, salt: str) -> None:

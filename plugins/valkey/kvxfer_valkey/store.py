@@ -179,6 +179,10 @@ class _Gather:
             self.done = None
             done(None)
             return
+        if not sizes and positions:  # that node was not asked (see skip)
+            self.done = None
+            done([])
+            return
         out = self.sizes
         for i, size in zip(positions, sizes):
             out[i] = size
@@ -295,12 +299,17 @@ class ValkeyBackend(ThreadedBackend):
                 self._want_loops.set()
                 return False
             conns.append(lc)
+        pipelines = [b"".join(parts) for _, parts in groups.values()]
+        if any(len(data) > _LOOP_SEND_MAX for data in pipelines):
+            return False  # a store thread asks (nothing sent)
         gather = _Gather(len(keys), len(groups), done)
-        for n, (lc, (positions, parts)) in enumerate(zip(conns, groups.values())):
-            if not self._send(lc, b"".join(parts)):
+        for n, (lc, (positions, _), data) in enumerate(zip(conns, groups.values(), pipelines)):
+            if not self._send(lc, data):
                 if n == 0:
                     return False  # nothing sent
-                gather.part(positions, None)  # fails the check now; the others' answers are read and ignored
+                # a node whose connection could take nothing now: the check answers no L2 hits
+                # (not a store failure); the other nodes' answers are read and ignored
+                gather.part(positions, [])
                 return True
             lc.pending.append((len(positions), functools.partial(gather.part, positions), time.monotonic()))
         return True
@@ -325,7 +334,10 @@ class ValkeyBackend(ThreadedBackend):
         return True
 
     def _send(self, lc: _LoopConnection, data: bytes) -> bool:
-        """Send a whole pipeline, or nothing (False: the check goes through a store thread)."""
+        """Send a whole pipeline, or nothing (False: the check goes through a store thread, or
+        the connection failed). The rest of a pipeline the socket took only part of is sent
+        blocking, for at most the lookup timeout (the node reads while it works: a few ms at
+        most), so that no half pipeline is ever left on the stream."""
         if len(data) > _LOOP_SEND_MAX:
             return False
         try:
@@ -334,7 +346,17 @@ class ValkeyBackend(ThreadedBackend):
             return False
         except OSError:
             sent = -1
-        if sent != len(data):  # a part sent: the stream is no longer usable; a new connection will be made
+        if 0 <= sent < len(data):
+            try:
+                lc.sock.settimeout(self.options.timeout_s)
+                lc.sock.sendall(memoryview(data)[sent:])
+                sent = len(data)
+            except OSError:
+                sent = -1
+            finally:
+                with contextlib.suppress(OSError):
+                    lc.sock.setblocking(False)
+        if sent != len(data):  # the stream is no longer usable: a new connection will be made
             self._fail_loop(lc)
             return False
         return True

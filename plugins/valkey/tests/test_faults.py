@@ -184,8 +184,15 @@ def test_a_key_a_third_party_made_another_type_is_a_miss_not_an_outage(valkey: V
         for _ in range(5):
             assert c.lookup("wrongtype", hashes=[bad]) == 0
             assert c.lookup("wrongtype", hashes=good + [bad]) == 2  # the loop connection
-        wide = [bad] * 2000 + good  # past what the loop connection sends: a store thread asks
+        wide = [bad] * 4000 + good  # 292 KB of STRLEN, past what the loop connection sends: a store thread asks
         assert c.lookup("wrongtype", hashes=wide, promote=False) == 0
+        backend = ValkeyStore().open(valkey.url, StoreOptions(timeout_s=2.0))
+        try:  # the store threads' own paths: an existence check and a get
+            key = l2_key(ChunkKey("wrongtype", 1, 0, bad))
+            assert backend.submit_exists([key]).result(10) == [0]
+            assert backend.submit_get([(key, [memoryview(bytearray(16))])]).result(10) == [GetStatus.MISS]
+        finally:
+            backend.close()
         after = tier(c)
         assert after.state == "up" and after.errors == before.errors and after.outages == before.outages, after
         assert not ctx.submit_store([bad], blocks(4, 1)).result(TIMEOUT).failed

@@ -181,6 +181,73 @@ def test_a_get_that_trickles_in_ends_by_its_deadline() -> None:
             backend.close()
 
 
+def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_timeout(tmp_path) -> None:
+    """In process: a real L2 tier over a fake node that stops answering existence checks.
+    Lookups time out (the breaker opens); once the node answers again, later lookups ask it
+    again. The keys of the timed-out checks no longer count against the bound on keys at the
+    store (they once did for ever: every later lookup was "busy", no L2 hit until a restart,
+    while status said up), and the silent loop connection is dropped by the next lookup."""
+    import os
+
+    from kvxfer.arena import Arena
+    from kvxfer.server.index import ChunkIndex
+    from kvxfer.server.tier import L2Tier, TierConfig
+
+    state = {"silent": True}
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        if cmd[0].upper() == b"STRLEN":
+            return None if state["silent"] else b":0\r\n"
+        return b"-ERR unexpected\r\n"
+
+    with FakeValkey(reply) as fake:
+        arena = Arena.create(1 << 20, tmp_path)
+        index = ChunkIndex(arena.size)
+        calls: list = []
+        watched: dict = {}
+        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=2.0, backoff_s=0.2, write_yield_s=0), index, arena,
+                      calls.append, lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
+                      unwatch=lambda fd: watched.pop(fd, None))
+        tier.start()
+        try:
+            def pump(seconds: float) -> None:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    poller = select.poll()
+                    for fd in list(watched):
+                        poller.register(fd, select.POLLIN)
+                    for fd, _ in poller.poll(10):
+                        cb = watched.get(fd)
+                        if cb is not None:
+                            cb()
+                    while calls:
+                        calls.pop(0)()
+                    tier.tick()
+
+            def lookups(n: int) -> None:
+                for _ in range(n):
+                    tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(3300)], 0)  # loop connection
+                    pump(0.02)
+
+            pump(0.3)
+            assert tier._watched_fds, "a loop connection"
+            lookups(25)  # 82,500 keys asked of a silent node: past the bound, some are busy
+            assert tier.lookups_busy > 0
+            pump(3.0)  # past the lookups' timeout
+            assert tier.timeouts > 0
+            state["silent"] = False
+            assert wait_for(lambda: (pump(0.1), tier.breaker.closed)[1], 10), "the store is up again"
+            asked = tier.lookups
+            busy = tier.lookups_busy
+            lookups(5)
+            pump(0.5)
+            assert tier.lookups - asked == 5 and tier.lookups_busy == busy, (tier.lookups, tier.lookups_busy)
+            assert tier.breaker.closed and tier._keys_in_flight == 0
+        finally:
+            tier.close()
+            arena.close()
+
+
 INFO_BODY = b"used_memory:1000\r\nmaxmemory:0\r\nmaxmemory_policy:allkeys-lru\r\nevicted_keys:0\r\n"
 
 
