@@ -156,11 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         own_parts = len(ctx._layer_groups(nbytes))  # type: ignore[attr-defined]  # the core's choice
         bar = progress_bar(len(args.layer_parts) * len(args.compute_ratios) * args.iters, f"layerwise {args.transport}")
         for parts, ratio in [(p_, r) for p_ in args.layer_parts for r in args.compute_ratios]:
+            floors = ("min_layer_part_bytes", "min_layer_chunk_bytes")
             if parts:
                 ctx.max_layer_parts = parts  # type: ignore[attr-defined]  # the core's bound, for this run
-                ctx.min_layer_part_bytes = 0  # type: ignore[attr-defined]
+                for name in floors:
+                    setattr(ctx, name, 0)
             else:
-                for name in ("max_layer_parts", "min_layer_part_bytes"):
+                for name in ("max_layer_parts", *floors):
                     ctx.__dict__.pop(name, None)
             per_layer = ratio * base / layers
             t: dict[str, list[float]] = {"load": [], "compute": [], "sequential": [], "layerwise": []}

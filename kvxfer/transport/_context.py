@@ -81,9 +81,11 @@ class ContextCore:
     #: Names the second thread, which finishes requests after the worker (see each style).
     _finisher_role: ClassVar[str] = "done"
     #: At most this many parts (ranges of layers) per layer-wise transfer, each of at least
-    #: ``min_layer_part_bytes`` (see the contract's TransferContextBase and each style).
+    #: ``min_layer_part_bytes``, and of ``min_layer_chunk_bytes`` of each chunk (see the
+    #: contract's TransferContextBase and each style).
     max_layer_parts: ClassVar[int] = 64
     min_layer_part_bytes: ClassVar[int] = 0
+    min_layer_chunk_bytes: ClassVar[int] = 0
     #: Whether each part of a layer-wise store gets its own token (see :meth:`_layered`).
     _token_per_part: ClassVar[bool] = True
 
@@ -249,15 +251,16 @@ class ContextCore:
     def _layer_groups(self, nbytes: int) -> list[range]:
         """The layer ranges a layer-wise transfer of ``nbytes`` is copied in, in order: at most
         ``max_layer_parts`` groups, their sizes at most one layer apart, as many as keep each
-        moving at least ``min_layer_part_bytes``; one range of every layer when the transport
-        does not copy ranges of layers."""
+        moving at least ``min_layer_part_bytes`` in all and ``min_layer_chunk_bytes`` of each
+        chunk; one range of every layer when the transport does not copy ranges of layers."""
         n = self.layout.num_layers
         if not self.transport.capabilities.layer_ranges:
             return [range(n)]
         parts = max(1, min(n, self.max_layer_parts))
-        if self.min_layer_part_bytes > 0 and nbytes > 0:
-            fewest = max(1, math.ceil(self.min_layer_part_bytes * n / nbytes))  # layers such a part needs
-            parts = max(1, min(parts, n // fewest))
+        for floor, total in ((self.min_layer_part_bytes, nbytes), (self.min_layer_chunk_bytes, self.chunk_bytes)):
+            if floor > 0 and total > 0:
+                fewest = max(1, math.ceil(floor * n / total))  # layers a part needs to move that much
+                parts = max(1, min(parts, n // fewest))
         base, extra = divmod(n, parts)
         groups, start = [], 0
         for i in range(parts):

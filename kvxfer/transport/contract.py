@@ -521,17 +521,20 @@ class TransferContextBase(ContextCore, TransferContext):
 
     A layer-wise transfer (``by_layer=True``) is copied in parts, each a range of layers: a
     request each (server-driven) or a round of :meth:`~ClientDrivenContext.gather`/
-    :meth:`~ClientDrivenContext.scatter` calls (client-driven). Two class attributes bound
-    them: at most ``max_layer_parts`` parts (one per layer at most), and each part at least
-    ``min_layer_part_bytes`` (a transfer of fewer bytes is one part). A part costs a fixed time
-    besides its copy; set the floor where the copy of that many bytes outlasts it, or the parts
-    run slower than the whole transfer would.
+    :meth:`~ClientDrivenContext.scatter` calls (client-driven). Three class attributes bound
+    them: at most ``max_layer_parts`` parts (one per layer at most), each part moving at least
+    ``min_layer_part_bytes`` in all (a transfer of fewer bytes is one part) and at least
+    ``min_layer_chunk_bytes`` of each of its chunks. A part costs a fixed time besides its copy,
+    and each chunk in it a little more (a copy to queue, a kernel to launch); set the floors
+    where the copies outlast those, or the parts run slower than the whole transfer would.
     """
 
     #: At most this many parts per layer-wise transfer.
     max_layer_parts: ClassVar[int] = 64
     #: Each part of a layer-wise transfer moves at least this many bytes (0: no floor).
     min_layer_part_bytes: ClassVar[int] = 0
+    #: Each part moves at least this many bytes of each chunk (0: no floor).
+    min_layer_chunk_bytes: ClassVar[int] = 0
 
     def registration_extra(self) -> dict[str, Any]:
         """The transport's own registration fields (those of its ``registration_type`` beyond

@@ -101,22 +101,25 @@ def test_a_layerwise_retrieve_is_cut_into_parts_of_at_least_min_layer_part_bytes
     ctx.close()
 
 
-@pytest.mark.parametrize(("layers", "mib", "floor_mib", "max_parts", "want"), [
-    (32, 256, 128, 8, [16, 16]),
-    (32, 640, 128, 8, [8, 8, 8, 8]),        # 4 parts of 160 MiB, not 7-layer parts and a 4-layer one
-    (80, 384, 128, 8, [40, 40]),            # none under the floor (27, 27, 26 layers had 124.8 MiB)
-    (61, 256, 128, 8, [61]),                # two parts would leave one under it
-    (30, 64, 0, 8, [4, 4, 4, 4, 4, 4, 3, 3]),  # no floor: sizes at most one layer apart
-    (32, 64, 128, 8, [32]),
+@pytest.mark.parametrize(("layers", "mib", "floor_mib", "chunk_floor", "max_parts", "want"), [
+    (32, 256, 128, 0, 8, [16, 16]),
+    (32, 640, 128, 0, 8, [8, 8, 8, 8]),        # 4 parts of 160 MiB, not 7-layer parts and a 4-layer one
+    (80, 384, 128, 0, 8, [40, 40]),            # none under the floor (27, 27, 26 layers had 124.8 MiB)
+    (61, 256, 128, 0, 8, [61]),                # two parts would leave one under it
+    (30, 64, 0, 0, 8, [4, 4, 4, 4, 4, 4, 3, 3]),  # no floor: sizes at most one layer apart
+    (32, 64, 128, 0, 8, [32]),
+    (32, 1024, 128, 2, 8, [16, 16]),           # 8 parts by bytes, 2 by each chunk's half (here: half of its bytes)
 ])
 def test_layer_parts_are_even_and_none_is_under_the_floor(client: CacheClient, layers: int, mib: int, floor_mib: int,
-                                                          max_parts: int, want: list[int]) -> None:
+                                                          chunk_floor: int, max_parts: int, want: list[int]) -> None:
     """The parts a layer-wise transfer is cut into: as many as keep every part at or above
-    min_layer_part_bytes, at most max_layer_parts, their sizes at most one layer apart, in order
-    and covering every layer once."""
-    _, ctx = _register(client, f"lw-even-{layers}-{mib}-{floor_mib}")
+    min_layer_part_bytes in all and min_layer_chunk_bytes of each chunk (``chunk_floor``: that
+    floor as a fraction 1/chunk_floor of the chunk), at most max_layer_parts, their sizes at most
+    one layer apart, in order and covering every layer once."""
+    _, ctx = _register(client, f"lw-even-{layers}-{mib}-{floor_mib}-{chunk_floor}")
     try:
         ctx.min_layer_part_bytes = floor_mib << 20
+        ctx.min_layer_chunk_bytes = ctx.chunk_bytes // chunk_floor if chunk_floor else 0
         ctx.max_layer_parts = max_parts
         ctx.layout = dataclasses.replace(ctx.layout, num_layers=layers)  # the sizing reads only the count
         groups = ctx._layer_groups(mib << 20)

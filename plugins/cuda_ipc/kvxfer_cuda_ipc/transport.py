@@ -204,11 +204,13 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
     #: prepare() only looks up the cached IPC handle of the request's event: a lone request is
     #: sent from the submitting thread, without the hand-off to the context's worker.
     prepare_inline = True
-    #: A layer-wise retrieve is one request per part of at least 128 MiB: a request costs 1-2 ms
-    #: of host work besides its copies. An H200 loaded a 256 MiB prefix layer by layer in 23-27 ms
-    #: as 8 requests, against 10-20 ms loaded first; as 2 requests it hid up to 0.26 of the load
-    #: behind the forward pass, and a 64 MiB prefix lost nothing as 1 (docs/cuda_ipc.md).
+    #: A layer-wise retrieve is one request per part of at least 128 MiB, and 16 MiB of each
+    #: chunk: a request costs 1-2 ms of host work besides its copies, and each chunk in it about
+    #: 0.1 ms more. On an H200, as 2 requests a 256 MiB prefix hid up to 0.26 of its load behind
+    #: the forward pass and a 1 GiB one up to 0.41; as 8, both were slower than loaded first; a
+    #: 64 MiB prefix lost nothing as 1 (docs/cuda_ipc.md).
     min_layer_part_bytes = 128 << 20
+    min_layer_chunk_bytes = 16 << 20
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import torch

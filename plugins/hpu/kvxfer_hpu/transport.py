@@ -114,11 +114,13 @@ class HpuContext(ClientDrivenContext):
     #: launches at 32 MiB (0.69-0.86x of the pinned copy on an H100, against 0.95x at 128 MiB in
     #: the same call; docs/hpu.md); on a faster host the sizes performed alike.
     GROUP_BYTES: ClassVar[int] = 128 << 20
-    #: A layer-wise transfer is cut into parts of at least 128 MiB: a part costs 1-2 ms of host
-    #: work besides its copy. An H200 (CUDA standing in) loaded a 256 MiB prefix layer by layer in
-    #: 45-55 ms in 32 parts, against 11-22 ms loaded first; in 2 parts it hid 0.09-0.22 of the
-    #: load behind the forward pass, and a 64 MiB prefix lost nothing in 1 part (docs/hpu.md).
+    #: A layer-wise transfer is cut into parts of at least 128 MiB, and 16 MiB of each chunk: a
+    #: part costs 1-2 ms of host work besides its copy, each chunk in it more. On an H200 (CUDA
+    #: standing in), in 2 parts a 256 MiB prefix hid 0.09-0.22 of its load behind the forward pass
+    #: and a 1 GiB one 0.25-0.44; in 32 (or 8) parts both were slower than loaded first; a 64 MiB
+    #: prefix lost nothing in 1 part (docs/hpu.md).
     min_layer_part_bytes: ClassVar[int] = 128 << 20
+    min_layer_chunk_bytes: ClassVar[int] = 16 << 20
 
     def __init__(
         self,
