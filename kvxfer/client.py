@@ -302,8 +302,7 @@ class CacheClient:
             except NoSession:
                 self._handshake()
                 log.info("kvxfer: the server at %s had lost this client's session (it restarted, or timed the "
-                         "client out): opened a new one; registering %d transfer contexts again", self.url,
-                         sum(1 for c in self._contexts if c.epoch != self._epoch))
+                         "client out): opened a new one", self.url)
             targets = [c for c in self._contexts if c.epoch != self._epoch]
             if context is not None and context not in targets:
                 targets.append(context)

@@ -989,27 +989,23 @@ class CacheServer:
                                                       functools.partial(self._check_lease_of, session, msg))))
         return self._lookup_reply(session, msg, hits, 0, hits)
 
-    def _check_lease_of(self, session: Session, msg: m.Lookup, hits: int, promoted: set[ChunkKey],
+    def _check_lease_of(self, session: Session, msg: m.Lookup, held: list[Entry], promoted: int,
                         nbytes: int) -> None:
-        """Before a lookup promotes the keys ``promoted`` (``nbytes`` of arena) from L2: raise
-        LimitExceeded if the lease it will then take of its ``hits`` leading chunks (every rank:
-        the L1 entries there, those being promoted by others, and these) is past the session's
-        limits, so that a refused lookup has promoted nothing."""
-        if msg.lease_s <= 0 or self.sessions.get(session.identity) is not session:
-            return  # nothing will be leased
+        """Before a lookup promotes ``promoted`` keys (``nbytes`` of arena) from L2: raise
+        LimitExceeded if the lease it will then take (of ``held``, the L1 entries of every rank of
+        its leading chunks, and of the promoted ones) is past the session's limits, so that a
+        refused lookup has promoted nothing."""
+        if msg.lease_s > 0 and self.sessions.get(session.identity) is session:  # else nothing is leased
+            self._check_lease(session, session.usage.lease_need(held) + nbytes, len(held) + promoted)
+
+    def _check_lease(self, session: Session, nbytes: int, pins: int) -> None:
+        """Raise LimitExceeded unless ``session`` may take one more lease of ``pins`` chunks
+        adding ``nbytes`` to its leased bytes."""
         usage = session.usage
         self.limits.check("max_leases", len(self.index.leases))
         self.limits.check("max_leases_per_session", len(usage.leases))
-        entries = self.index.entries
-        held = set()
-        for h in msg.hashes[:hits]:
-            for r in range(msg.world_size):
-                key = ChunkKey(msg.model_name, msg.world_size, r, h)
-                e = entries.get(key)
-                if e is not None and key not in promoted:
-                    held.add(e)
-        self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(held) + nbytes)
-        self._check_chunk_pins(session, len(held) + len(promoted))
+        self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, nbytes)
+        self._check_chunk_pins(session, pins)
 
     def _lookup_reply(self, session: Session, msg: m.Lookup, hits: int, l2_hits: int,
                       leasable: int) -> m.LookupReply:
@@ -1020,12 +1016,8 @@ class CacheServer:
         leased = min(hits, leasable)
         if msg.lease_s > 0 and leased and self.sessions.get(session.identity) is session:
             entries = self.index.lease_keys(msg.model_name, msg.world_size, msg.hashes[:leased])
-            usage = session.usage
-            self.limits.check("max_leases", len(self.index.leases))
-            self.limits.check("max_leases_per_session", len(usage.leases))
-            self.limits.check("max_leased_bytes_per_session", usage.leased_bytes, usage.lease_need(entries.values()))
-            self._check_chunk_pins(session, len(entries))
-            lease_id = self.index.lease(entries, msg.lease_s, usage)
+            self._check_lease(session, session.usage.lease_need(entries.values()), len(entries))
+            lease_id = self.index.lease(entries, msg.lease_s, session.usage)
             if msg.prefetch:  # right after the reply is sent
                 self._mq.after_reply(functools.partial(self._prefetch, msg, entries))
         return m.LookupReply(hits, lease_id, l2_hits)

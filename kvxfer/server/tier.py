@@ -327,8 +327,8 @@ class TierLookup:
         self.stop = 0
         #: the chunks (counted from ``l1_hits``) that come from L2, in part or whole.
         self.l2_chunks: list[int] = []
-        #: (backend, keys) its check holds in the tier's count of keys at the store, until answered
-        self.in_flight: tuple[object, int] | None = None
+        #: keys its check holds in the tier's count of keys at the store, until answered or timed out
+        self.in_flight = 0
         self._callbacks: list[Callable[[TierLookup], None]] = []
         self._done = False
 
@@ -344,9 +344,7 @@ class TierLookup:
     def arrived(self, sizes: list[int] | None, error: BaseException | None = None) -> None:
         """The store's answer (None: the check failed, with ``error`` when known), on the loop."""
         tier = self.tier
-        if self.in_flight is not None:
-            tier._landed(*self.in_flight)
-            self.in_flight = None
+        tier._landed(self)
         if sizes is None:
             if not self._done:  # (a lookup that timed out was counted as failed then)
                 tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
@@ -430,9 +428,9 @@ class L2Tier:
         self.lookups = self.lookup_chunks = self.lookup_hits = self.timeouts = 0
         #: Lookups that did not ask the store: L2_KEYS_IN_FLIGHT keys of earlier ones were there.
         self.lookups_busy = 0
-        #: Keys of existence checks at the store now (loop thread), and the backend they went to.
+        #: Keys of existence checks at the store now (loop thread): each lookup's, until answered
+        #: or timed out.
         self._keys_in_flight = 0
-        self._in_flight_backend: object | None = None
         self.promotions = self.promoted = self.promote_failures = self.integrity_failures = 0
         #: Damaged values this tier deleted from the store (see _check).
         self.damaged_deleted = 0
@@ -556,8 +554,8 @@ class L2Tier:
             self._count("drops", len(entries))
             return
         largest = self.store.capabilities.max_value_bytes - HEADER_SIZE
-        if any(e.size > largest for e in entries):  # the store would refuse them (Valkey: its connection too)
-            too_big = [e for e in entries if e.size > largest]
+        too_big = [e for e in entries if e.size > largest]
+        if too_big:  # the store would refuse them (Valkey: its connection too)
             self._count("drops", len(too_big))
             self._throttled.warning("too big", f"chunks of {too_big[0].size} bytes are more than the L2 store "
                                     f"{self.store.name} holds in one value ({largest} bytes and a header): not "
@@ -712,8 +710,6 @@ class L2Tier:
                 known = self._chunk_keys(cache, model_name, world_size, h)
             keys += known[0]
             l2 += known[1]
-        if self._in_flight_backend is not backend:  # a new backend: the old one's checks are gone
-            self._in_flight_backend, self._keys_in_flight = backend, 0
         if self._keys_in_flight + len(l2) > L2_KEYS_IN_FLIGHT:
             self.lookups_busy += 1
             return None
@@ -732,7 +728,7 @@ class L2Tier:
                 return None
             fut.add_done_callback(functools.partial(_answer_on_loop, lk))
         if not lk.done():  # (an answer within the send has been counted out already)
-            lk.in_flight = (backend, len(l2))
+            lk.in_flight = len(l2)
             self._keys_in_flight += len(l2)
         # after the send: this overlaps the store's answer
         self.lookups += 1
@@ -743,10 +739,11 @@ class L2Tier:
             self._waiting.append(lk)
         return lk
 
-    def _landed(self, backend: object, n: int) -> None:
-        """A check of ``n`` keys sent to ``backend`` was answered or failed (loop thread)."""
-        if backend is self._in_flight_backend:
-            self._keys_in_flight = max(0, self._keys_in_flight - n)
+    def _landed(self, lk: TierLookup) -> None:
+        """``lk``'s check is no longer counted at the store: answered, failed or timed out (loop
+        thread; once per lookup)."""
+        self._keys_in_flight -= lk.in_flight
+        lk.in_flight = 0
 
     def _chunk_keys(self, cache: dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]], model_name: str,
                     world_size: int, chunk_hash: bytes) -> tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]:
@@ -798,9 +795,7 @@ class L2Tier:
             if lk.deadline > now:
                 keep.append(lk)
             elif lk.resolve([]):
-                if lk.in_flight is not None:  # no longer counted at the store: a node that went
-                    self._landed(*lk.in_flight)  # silent must not leave every later lookup "busy"
-                    lk.in_flight = None
+                self._landed(lk)  # a node gone silent must not leave every later lookup "busy"
                 self._count("timeouts")
                 self._failed(TimeoutError(f"no answer within {self.config.timeout_s:g} s"), "lookup")
         self._waiting = keep
@@ -841,15 +836,15 @@ class L2Tier:
         lk.changes = (self.index.changes, self.promoting_changes)
 
     def finish_lookup(self, lk: TierLookup, promote: bool,
-                      before_promote: Callable[[int, set[ChunkKey], int], None] | None = None,
+                      before_promote: Callable[[list[Entry], int, int], None] | None = None,
                       ) -> tuple[int, int, int]:
         """Count the leading chunks present for every rank in L1, being promoted, or in L2 (the
         sizes the store answered); with ``promote``, start promoting the L2 ones. Returns
         ``(hits, l2_hits, leasable)``: leasable chunks have an L1 entry for every rank (readable,
         or being promoted). When the index or the promotions changed while the store answered,
-        L1 is read again. ``before_promote(hits, keys, nbytes)`` is called with the leading
-        chunks counted, the keys about to be promoted and their arena bytes; what it raises
-        refuses the lookup with nothing promoted."""
+        L1 is read again. ``before_promote(entries, keys, nbytes)`` is called with the L1
+        entries of the leading chunks counted, the number of keys about to be promoted and their
+        arena bytes; what it raises refuses the lookup with nothing promoted."""
         if lk.changes != (self.index.changes, self.promoting_changes):
             hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:lk.l1_hits])
             if hits < lk.l1_hits:  # L1 hits left meanwhile: answer with what is left
@@ -881,33 +876,32 @@ class L2Tier:
             wanted.pop()
         hits = first + end
         l2_hits = bisect.bisect_left(lk.l2_chunks, end)
-        if promote and wanted and before_promote is not None:
-            before_promote(hits, {key for _, key, _ in wanted}, sum(Allocator.rounded(size) for _, _, size in wanted))
+        if not (promote and wanted):
+            self.lookup_hits += len(wanted)
+            return hits, l2_hits, wanted[0][0] if wanted else hits
+        held = self._entries_of(lk, hits)
+        if before_promote is not None:
+            before_promote(held, len(wanted), sum(Allocator.rounded(size) for _, _, size in wanted))
         self.lookup_hits += len(wanted)
-        if promote and wanted:
-            # the L1 entries of the hits are pinned while the promotion makes room: its slots
-            # must not come from the chunks this lookup counts (and then leases)
-            held = self._readable_entries(lk, first + end)
-            for e in held:
-                self.index.pin(e)
-            try:
-                hits = min(hits, self._promote(wanted))
-            finally:
-                for e in held:
-                    self.index.unpin(e)
-            return hits, bisect.bisect_left(lk.l2_chunks, hits - first), hits
-        return hits, l2_hits, wanted[0][0] if wanted else hits
+        # the readable L1 entries of the hits are pinned while the promotion makes room: its
+        # slots must not come from the chunks this lookup counts (and then leases)
+        readable = [e for e in held if e.state is State.READY]
+        for e in readable:
+            self.index.pin(e)
+        try:
+            hits = min(hits, self._promote(wanted))
+        finally:
+            for e in readable:
+                self.index.unpin(e)
+        return hits, bisect.bisect_left(lk.l2_chunks, hits - first), hits
 
-    def _readable_entries(self, lk: TierLookup, stop: int) -> list[Entry]:
-        """The READY L1 entries of every rank of ``lk``'s chunks before ``stop``."""
+    def _entries_of(self, lk: TierLookup, stop: int) -> list[Entry]:
+        """The L1 entries (readable, or being written) of every rank of ``lk``'s chunks before
+        ``stop``, each once (a lookup may name a chunk twice)."""
         entries = self.index.entries
-        out = []
-        for h in lk.hashes[:stop]:
-            for rank in range(lk.world_size):
-                e = entries.get(ChunkKey(lk.model_name, lk.world_size, rank, h))
-                if e is not None and e.state is State.READY:
-                    out.append(e)
-        return out
+        found = (entries.get(ChunkKey(lk.model_name, lk.world_size, rank, h))
+                 for h in lk.hashes[:stop] for rank in range(lk.world_size))
+        return list(dict.fromkeys(e for e in found if e is not None))
 
     def _wrong_size(self, key: ChunkKey, size: int, want: int) -> None:
         self._count("integrity_failures")

@@ -526,15 +526,9 @@ class TransferContextBase(ContextCore, TransferContext):
     ``min_layer_part_bytes`` in all (a transfer of fewer bytes is one part) and at least
     ``min_layer_chunk_bytes`` of each of its chunks. A part costs a fixed time besides its copy,
     and each chunk in it a little more (a copy to queue, a kernel to launch); set the floors
-    where the copies outlast those, or the parts run slower than the whole transfer would.
+    where the copies outlast those, or the parts run slower than the whole transfer would
+    (defaults: 64 parts, no floors; a server-driven transfer, 8 parts).
     """
-
-    #: At most this many parts per layer-wise transfer.
-    max_layer_parts: ClassVar[int] = 64
-    #: Each part of a layer-wise transfer moves at least this many bytes (0: no floor).
-    min_layer_part_bytes: ClassVar[int] = 0
-    #: Each part moves at least this many bytes of each chunk (0: no floor).
-    min_layer_chunk_bytes: ClassVar[int] = 0
 
     def registration_extra(self) -> dict[str, Any]:
         """The transport's own registration fields (those of its ``registration_type`` beyond

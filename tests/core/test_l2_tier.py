@@ -414,6 +414,20 @@ def in_process_tier(tmp_path: Path, expected_format: Callable[[ChunkKey], str | 
         arena.close()
 
 
+def offer(index: ChunkIndex, tier: L2Tier, keys: list[ChunkKey], size: int) -> None:
+    """Store ``keys`` in L1 (chunks of ``size`` bytes) and offer them to the tier."""
+    res, _, _ = index.reserve_write(keys, FMT, size, 1, Usage())
+    tier.offer([e for _, e in index.commit_write(res)])
+
+
+def only_in_l2(index: ChunkIndex, tier: L2Tier, pump: Callable[[Callable[[], bool]], None],
+               hashes: list[bytes], size: int) -> None:
+    """Chunks ``hashes`` of model "m" written to L2 and dropped from L1."""
+    offer(index, tier, [ChunkKey("m", 1, 0, h) for h in hashes], size)
+    pump(lambda: tier.writes == len(hashes))
+    assert len(index.clear()) == len(hashes)
+
+
 def test_a_lookup_reads_l1_again_when_the_index_changed_while_the_store_answered(tmp_path: Path) -> None:
     """In process, with the real fs store, arena and index: what a lookup read of L1 while its
     check was out holds only while nothing changed; a change makes it read L1 again, and hits
@@ -456,10 +470,7 @@ def test_a_promotion_whose_get_raises_at_submit_ends_and_wakes_its_waiters(tmp_p
     with in_process_tier(tmp_path) as (_arena, index, tier, pump):
         hashes = [bytes([i]) * 16 for i in range(2)]
         keys = [ChunkKey("m", 1, 0, h) for h in hashes]
-        res, _, _ = index.reserve_write(keys, FMT, 4096, 1, Usage())
-        tier.offer([e for _, e in index.commit_write(res)])
-        pump(lambda: tier.writes == 2)
-        assert len(index.clear()) == 2
+        only_in_l2(index, tier, pump, hashes, 4096)
 
         def refuse(items):
             raise ConnectionError("the store's client broke")
@@ -591,10 +602,7 @@ def test_lookups_meeting_values_of_another_size_do_not_flood_the_log(tmp_path: P
     registered = {"fmt": None}
     with in_process_tier(tmp_path, lambda key: registered["fmt"]) as (arena, index, tier, pump):
         hashes = [bytes([i]) * 16 for i in range(2)]
-        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 8192, 1, Usage())
-        tier.offer([e for _, e in index.commit_write(res)])
-        pump(lambda: tier.writes == 2)
-        assert len(index.clear()) == 2
+        only_in_l2(index, tier, pump, hashes, 8192)
         registered["fmt"] = "bfloat16:2x2x32x16"  # the model registered again with half the chunk
 
         def lookup() -> int:
@@ -626,10 +634,7 @@ def test_promotions_meeting_values_of_another_layout_do_not_flood_the_log(tmp_pa
     registered = {"fmt": None}
     with in_process_tier(tmp_path, lambda key: registered["fmt"]) as (arena, index, tier, pump):
         hashes = [bytes([i]) * 16 for i in range(40)]
-        res, _, _ = index.reserve_write([ChunkKey("m", 1, 0, h) for h in hashes], FMT, 8192, 1, Usage())
-        tier.offer([e for _, e in index.commit_write(res)])
-        pump(lambda: tier.writes == 40)
-        assert len(index.clear()) == 40
+        only_in_l2(index, tier, pump, hashes, 8192)
         registered["fmt"] = FMT.replace("bfloat16", "float16")  # the model registered again in float16
         line = "is not loaded: "
         with caplog.at_level("WARNING", logger="kvxfer.server.tier"):
@@ -657,13 +662,11 @@ def test_chunks_larger_than_the_store_holds_are_not_written_and_do_not_fail_it(t
         tier.store.capabilities = StoreCapabilities(shared=False, persistent=True, max_value_bytes=8192)
         with caplog.at_level("WARNING", logger="kvxfer.server.tier"):
             for i in range(5):
-                res, _, _ = index.reserve_write([ChunkKey("big", 1, 0, bytes([i]) * 16)], FMT, 8192, 1, Usage())
-                tier.offer([e for _, e in index.commit_write(res)])
+                offer(index, tier, [ChunkKey("big", 1, 0, bytes([i]) * 16)], 8192)
         assert tier.drops == 5 and tier.errors == 0 and tier.breaker.closed and tier.queue_depth == 0
         lines = [r.getMessage() for r in caplog.records if "more than the L2 store" in r.getMessage()]
         assert len(lines) == 1, lines
-        res, _, _ = index.reserve_write([ChunkKey("small", 1, 0, b"s" * 16)], FMT, 4096, 1, Usage())
-        tier.offer([e for _, e in index.commit_write(res)])
+        offer(index, tier, [ChunkKey("small", 1, 0, b"s" * 16)], 4096)
         pump(lambda: tier.writes == 1)  # smaller chunks are written as ever
 
 

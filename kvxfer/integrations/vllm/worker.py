@@ -98,7 +98,7 @@ class WorkerConnector:
                       "expired_loads": 0, "stores": 0, "stored_chunks": 0, "stored_bytes": 0, "present_chunks": 0,
                       "failed_store_chunks": 0, "dropped_stores": 0}
         #: each store in flight: (bytes of one chunk, chunks asked), for the figures once it is done
-        self._store_chunk_bytes: dict[Future[StoreResult], tuple[int, int]] = {}
+        self._store_sizes: dict[Future[StoreResult], tuple[int, int]] = {}
         self.link = ServerLink(config, f"worker rank {config.rank}", self._on_connect)
         self.link.get(startup=True)
 
@@ -296,7 +296,7 @@ class WorkerConnector:
             self.stats["dropped_stores"] += 1
             return None
         self._stores.setdefault(op.req_id, []).append(fut)
-        self._store_chunk_bytes[fut] = (self._chunk_bytes(op.group), len(op.keys))
+        self._store_sizes[fut] = (self._chunk_bytes(op.group), len(op.keys))
         if op.sync:
             self._sync.append(fut)
         self.stats["stores"] += 1
@@ -451,7 +451,7 @@ class WorkerConnector:
         """Account for a done store (waiting for it when ``wait``); False if still pending."""
         if not wait and not fut.done():
             return False
-        chunk_bytes, chunks = self._store_chunk_bytes.pop(fut, (0, 0))
+        chunk_bytes, chunks = self._store_sizes.pop(fut, (0, 0))
         try:
             res = fut.result(timeout=self.config.timeout_s * 2 + 5 if wait else None)
         except TransportFailed:  # the transport's copy failed: the chunks are not stored

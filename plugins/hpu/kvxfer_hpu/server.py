@@ -25,6 +25,7 @@ still refuse a registration after ``open()``, and then nothing closes it).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 from dataclasses import dataclass
@@ -89,8 +90,7 @@ class HpuServerTransport(ServerTransport):
             return
         declared = _declared(context.registration)  # checked by open() already
         with self._lock:
-            self._open[context.instance_id] = _Declared(self._label(declared.device), declared.pinned,
-                                                        declared.staging_bytes)
+            self._open[context.instance_id] = dataclasses.replace(declared, device=self._label(declared.device))
 
     def _label(self, device: str) -> str:
         """The ``device`` label for a new registration's figures (under the lock)."""

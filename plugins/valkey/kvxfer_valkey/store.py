@@ -457,30 +457,13 @@ class ValkeyBackend(ThreadedBackend):
 
     def _on(self, pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float,
             nbytes: int = 0) -> T:
-        """Run ``fn`` on an idle connection of ``pool``, each socket operation bounded by
-        ``timeout``, and the replies read by ``timeout`` plus ``nbytes`` (the values moved) at
-        :data:`_MIN_BYTES_PER_S`; a failure drops the connection."""
-        deadline = time.monotonic() + timeout + nbytes / _MIN_BYTES_PER_S
-        conn = pool.get_connection("GET")
+        """:func:`_run_on`; a failure on a cluster has the slot map read again."""
         try:
-            sock = conn._sock  # the bulk path: see the module docstring
-            if sock is None:
-                raise ConnectionError("the pool gave a connection with no socket")
-            sock.settimeout(timeout)
-            reader = RespReader(sock, deadline)
-            out = fn(conn, reader)
-            if reader.buffered:
-                raise ConnectionError(f"{reader.buffered} unexpected bytes after the replies")
-            if sock.gettimeout() != timeout:  # lowered near the deadline: the pool's next user expects it
-                sock.settimeout(timeout)
-            return out
+            return _run_on(pool, fn, timeout, nbytes)
         except BaseException:
-            conn.disconnect()
             if self.cluster:
                 self._stale_topology.set()
             raise
-        finally:
-            pool.release(conn)
 
     # ------------------------------------------------------------------ operations
 
@@ -615,13 +598,14 @@ class ValkeyBackend(ThreadedBackend):
         """Each node's INFO memory, INFO stats and DBSIZE, read through :func:`_node_figures`
         (bounded in size and time: the health thread that asks also probes the store)."""
         try:
+            timeout = self.options.timeout_s
             if isinstance(self.client, ValkeyCluster):
-                nodes = [_node_figures(self.client.get_valkey_connection(node).connection_pool, self._on,
-                                       self.options.timeout_s) for node in self.client.get_primaries()]
+                nodes = [self._on(self.client.get_valkey_connection(node).connection_pool, _node_figures, timeout)
+                         for node in self.client.get_primaries()]
                 used = sum(_count(f.get("used_memory")) for f in nodes)
                 return {"nodes": str(len(nodes)), "keys": str(sum(_count(f.get("keys")) for f in nodes)),
                         "used": _human(used), "redirects": str(self.redirects)}
-            f = _node_figures(self._node_pool(), self._on, self.options.timeout_s)
+            f = self._on(self._node_pool(), _node_figures, timeout)
             maxmemory = _count(f.get("maxmemory"))
             return {"keys": str(_count(f.get("keys"))), "used": _human(_count(f.get("used_memory"))),
                     "maxmemory": _human(maxmemory) if maxmemory else "none",
@@ -642,6 +626,31 @@ class ValkeyBackend(ThreadedBackend):
             self.client.close()
 
 
+def _run_on(pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float, nbytes: int = 0) -> T:
+    """Run ``fn`` on an idle connection of ``pool``, each socket operation bounded by
+    ``timeout``, and the replies read by ``timeout`` plus ``nbytes`` (the values moved) at
+    :data:`_MIN_BYTES_PER_S`; a failure drops the connection."""
+    deadline = time.monotonic() + timeout + nbytes / _MIN_BYTES_PER_S
+    conn = pool.get_connection("GET")
+    try:
+        sock = conn._sock  # the bulk path: see the module docstring
+        if sock is None:
+            raise ConnectionError("the pool gave a connection with no socket")
+        sock.settimeout(timeout)
+        reader = RespReader(sock, deadline)
+        out = fn(conn, reader)
+        if reader.buffered:
+            raise ConnectionError(f"{reader.buffered} unexpected bytes after the replies")
+        if sock.gettimeout() != timeout:  # lowered near the deadline: the pool's next user expects it
+            sock.settimeout(timeout)
+        return out
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 def _count(value: object) -> int:
     """A non-negative count from a node's reply (anything else: 0)."""
     if isinstance(value, bytes):
@@ -652,56 +661,38 @@ def _count(value: object) -> int:
         return 0
 
 
-def _node_figures(pool: ConnectionPool, on: Callable[..., Any], timeout: float) -> dict[str, str]:
-    """``INFO memory``, ``INFO stats`` (fields as text) and ``DBSIZE`` (as ``keys``) of one
-    node, pipelined on one connection of ``pool`` through ``on`` (the backend's ``_on``): every
-    reply at most 64 KiB, all within ``timeout``, so that a node that trickles or inflates them
-    can neither hold the caller nor fill the server's memory."""
-
-    def run(conn: Connection, r: RespReader) -> dict[str, str]:
-        conn.send_packed_command([pack(b"INFO", b"memory") + pack(b"INFO", b"stats") + pack(b"DBSIZE")],
-                                 check_health=False)
-        out: dict[str, str] = {}
-        for _ in range(2):
-            text = r.reply_simple()
-            if not isinstance(text, bytes):
-                raise StoreUnavailable(f"valkey: INFO answered {text!r}")
-            for line in text.decode("utf-8", "replace").splitlines():
-                name, sep, value = line.partition(":")
-                if sep and len(out) < 512:
-                    out[name.strip()] = value.strip()
-        out["keys"] = str(_count(r.reply_simple()))
-        return out
-
-    result: dict[str, str] = on(pool, run, timeout)
-    return result
-
-
-def _cluster_enabled(pool: ConnectionPool, timeout: float) -> bool:
-    """Whether the node of ``pool`` is in cluster mode (``INFO cluster``), its reply read at
-    most 64 KiB and within ``timeout``."""
-    conn = pool.get_connection("INFO")  # connects and authenticates (valkey-py's errors as they are)
-    try:
-        sock = conn._sock
-        if sock is None:
-            raise ConnectionError("the pool gave a connection with no socket")
-        sock.settimeout(timeout)
-        reader = RespReader(sock, time.monotonic() + timeout)
-        conn.send_packed_command([pack(b"INFO", b"cluster")], check_health=False)
-        try:
-            text = reader.reply_simple()
-        except ErrorReply as err:
-            if err.kind == "NOPERM":  # an ACL user not granted INFO: the credentials' error, as valkey-py's
-                raise NoPermissionError(err.text) from None
-            raise StoreUnavailable(f"valkey: INFO cluster failed: {err.text}") from None
-        except (OSError, RespError) as exc:
-            raise StoreUnavailable(f"valkey: INFO cluster: {type(exc).__name__}: {exc}") from None
+def _node_figures(conn: Connection, r: RespReader) -> dict[str, str]:
+    """``INFO memory``, ``INFO stats`` (fields as text) and ``DBSIZE`` (as ``keys``) of one node,
+    pipelined (run by :func:`_run_on`: every reply at most 64 KiB, all within its timeout, so that
+    a node that trickles or inflates them can neither hold the caller nor fill the server's memory)."""
+    conn.send_packed_command([pack(b"INFO", b"memory") + pack(b"INFO", b"stats") + pack(b"DBSIZE")],
+                             check_health=False)
+    out: dict[str, str] = {}
+    for _ in range(2):
+        text = r.reply_simple()
         if not isinstance(text, bytes):
-            raise StoreUnavailable(f"valkey: INFO cluster answered {text!r}")
-        return any(line.strip() == b"cluster_enabled:1" for line in text.splitlines())
-    finally:
-        conn.disconnect()
-        pool.release(conn)
+            raise StoreUnavailable(f"valkey: INFO answered {text!r}")
+        for line in text.decode("utf-8", "replace").splitlines():
+            name, sep, value = line.partition(":")
+            if sep and len(out) < 512:
+                out[name.strip()] = value.strip()
+    out["keys"] = str(_count(r.reply_simple()))
+    return out
+
+
+def _cluster_enabled(conn: Connection, r: RespReader) -> bool:
+    """Whether the node is in cluster mode (``INFO cluster``; run by :func:`_run_on`, as
+    :func:`_node_figures`)."""
+    conn.send_packed_command([pack(b"INFO", b"cluster")], check_health=False)
+    try:
+        text = r.reply_simple()
+    except ErrorReply as err:
+        if err.kind == "NOPERM":  # an ACL user not granted INFO: the credentials' error, as valkey-py's
+            raise NoPermissionError(err.text) from None
+        raise StoreUnavailable(f"valkey: INFO cluster failed: {err.text}") from None
+    if not isinstance(text, bytes):
+        raise StoreUnavailable(f"valkey: INFO cluster answered {text!r}")
+    return any(line.strip() == b"cluster_enabled:1" for line in text.splitlines())
 
 
 def _sync(value: Any) -> Any:
@@ -755,7 +746,10 @@ class ValkeyStore(Store):
         for host, port in hosts:
             probe = valkey.Valkey(host=host, port=port, **{**kw, "socket_timeout": options.timeout_s})
             try:
-                cluster = _cluster_enabled(probe.connection_pool, options.timeout_s)
+                try:
+                    cluster = _run_on(probe.connection_pool, _cluster_enabled, options.timeout_s)
+                except (OSError, RespError) as exc:
+                    raise StoreUnavailable(f"valkey: INFO cluster: {type(exc).__name__}: {exc}") from None
                 if cluster:  # the cluster client turns a refused CLUSTER SLOTS into "not a cluster"
                     _sync(probe.execute_command("CLUSTER", "SLOTS"))
                 break
