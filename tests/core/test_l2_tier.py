@@ -649,17 +649,19 @@ def test_promotions_meeting_values_of_another_layout_do_not_flood_the_log(tmp_pa
 
 
 def test_chunks_larger_than_the_store_holds_are_not_written_and_do_not_fail_it(tmp_path: Path,
-                                                                             caplog: pytest.LogCaptureFixture) -> None:
+                                                                             caplog: pytest.LogCaptureFixture,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk (plus its header) larger than the store's largest value (Valkey: 512 MiB, past which
     it refuses the command and drops the connection) is not written: dropped and counted, logged
     at most once a second, and no store failure (each once counted as one, and three took L2
     down for every client). In process; the fs store holds values of 1 TiB, so its limit is
     lowered on the instance to one 8 KiB chunk cannot meet (a 512 MiB chunk is more than this
-    VM's tests may allocate)."""
+    VM's tests may allocate; the store object is the registry's, shared: put back after the test)."""
     from kvxfer.store import StoreCapabilities
 
     with in_process_tier(tmp_path) as (arena, index, tier, pump):
-        tier.store.capabilities = StoreCapabilities(shared=False, persistent=True, max_value_bytes=8192)
+        monkeypatch.setattr(tier.store, "capabilities",
+                            StoreCapabilities(shared=False, persistent=True, max_value_bytes=8192))
         with caplog.at_level("WARNING", logger="kvxfer.server.tier"):
             for i in range(5):
                 offer(index, tier, [ChunkKey("big", 1, 0, bytes([i]) * 16)], 8192)
