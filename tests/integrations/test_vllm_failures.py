@@ -51,11 +51,14 @@ def test_server_dies_mid_run_recompute_mode_carries_on_and_recovers(srv: ServerP
     try:
         reqs = workload("e", n=16, seed=4)
         feed(engine, reqs[:6], per_step=3)
+        assert sched.stats["lookups"] >= 6 and sched.stats["unanswered_lookups"] == 0
         srv.kill()
         feed(engine, reqs[6:], per_step=3)  # no server: every request recomputes, none fails
         engine.check_drained()
         assert sched.link.outages >= 1 and work.link.outages >= 1
         assert sched.link.down and work.link.down
+        # each prompt computed without the cache is counted (vllm:kvxfer_unanswered_lookups_total)
+        assert sched.stats["unanswered_lookups"] >= len(reqs[6:]), sched.stats
 
         srv.start()  # same address, empty cache: the connector finds it again by itself
         probes = _until_up(engine, 0)

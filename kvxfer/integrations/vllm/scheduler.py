@@ -97,8 +97,8 @@ class SchedulerConnector:
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadOp] = []
         self._preempted: set[str] = set()
-        self.stats = {"lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0, "loads": 0, "stores": 0,
-                      "store_chunks": 0}
+        self.stats = {"lookups": 0, "unanswered_lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0,
+                      "loads": 0, "stores": 0, "store_chunks": 0}
         self.link = ServerLink(config, "scheduler", self._on_connect)
         self.link.get(startup=True)
 
@@ -172,7 +172,8 @@ class SchedulerConnector:
         if not self.config.loads:
             return 0, False
         client = self.link.get()
-        if client is None or self.chunk_size is None:
+        if client is None or self.chunk_size is None:  # no server (recompute mode): counted, not asked
+            self.stats["unanswered_lookups"] += 1
             return 0, False
         chunk = self.chunk_size
         hashes = self._hashes(st)
@@ -195,7 +196,8 @@ class SchedulerConnector:
                                                     promote=True, prefetch=self.config.prefetch)
             except KvxferError as exc:
                 self._release_lease(st)
-                self.link.failed(exc, f"lookup for request {request.request_id}")
+                self.link.failed(exc, f"lookup for request {request.request_id}")  # raises in fail mode
+                self.stats["unanswered_lookups"] += 1
                 return 0, False
             st.leases.append(reply.lease_id)
             hits = min(hits, reply.hits)

@@ -60,6 +60,8 @@ except ImportError:
 #: Every figure: name (``vllm:kvxfer_<name>_total`` in vLLM's /metrics) -> what it counts.
 FIELDS: Final[dict[str, str]] = {
     "lookups": "Lookups kvxfer's scheduler side asked the cache server.",
+    "unanswered_lookups": "Lookups the cache server did not answer (unreachable or failing, with "
+                          "kvxfer.on_server_error=recompute): vLLM computed those prompts in full.",
     "lookup_tokens": "Prompt tokens (full chunks beyond vLLM's own prefix-cache hit) the lookups asked about.",
     "hit_tokens": "Tokens the cache server had and kvxfer offered vLLM to load instead of computing.",
     "loads": "Loads kvxfer's workers submitted (one per request and rank).",
@@ -75,8 +77,8 @@ FIELDS: Final[dict[str, str]] = {
     "dropped_stores": "Stores not sent (no server, or the server failed).",
 }
 #: What the scheduler side reports: its stats key -> field.
-SCHEDULER_FIELDS: Final[dict[str, str]] = {"lookups": "lookups", "lookup_tokens": "lookup_tokens",
-                                           "lookup_hit_tokens": "hit_tokens"}
+SCHEDULER_FIELDS: Final[dict[str, str]] = {"lookups": "lookups", "unanswered_lookups": "unanswered_lookups",
+                                           "lookup_tokens": "lookup_tokens", "lookup_hit_tokens": "hit_tokens"}
 #: What a worker reports: its stats key -> field.
 WORKER_FIELDS: Final[dict[str, str]] = {k: k for k in (
     "loads", "loaded_chunks", "loaded_bytes", "load_failures", "failed_load_blocks", "expired_loads", "stores",
@@ -114,6 +116,7 @@ class KvxferConnectorStats(KVConnectorStats):
         d = self.data
         return {
             "Lookups": d["lookups"],
+            "Unanswered lookups": d["unanswered_lookups"],
             "Hit tokens": d["hit_tokens"],
             "Hit rate (%)": round(100 * d["hit_tokens"] / d["lookup_tokens"], 1) if d["lookup_tokens"] else 0.0,
             "Loaded chunks": d["loaded_chunks"],
