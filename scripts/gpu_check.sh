@@ -13,7 +13,8 @@
 #   4. benchmarks/layerwise.py, cuda_ipc and hpu: how much of a 2,048-token prefix load hides behind
 #      a simulated per-layer compute time when it is loaded layer by layer;
 #   5. benchmarks/lone_trace.py, cuda_ipc and hpu: where a lone 2,048-token load's and store's time
-#      goes (each step's start and end in both processes);
+#      goes (each step's start and end in both processes); benchmarks/device_timeline.py, hpu: where
+#      the GPU idles in its lone requests (the DMAs and kernels of each, from torch's profiler);
 #   6. benchmarks/gpu_summary.py: every figure next to its floor (summary.json).
 # Each step writes its JSON (or log) under $OUT as soon as it is done; a failed or skipped step does
 # not stop the others. GPU_CHECK_BREAKDOWN=1 also runs each plugin's own copy-time breakdown;
@@ -90,6 +91,9 @@ for t in cuda_ipc hpu; do
     python3 benchmarks/lone_trace.py --transport "$t" --device cuda --chunks 8 --iters 30 \
       --json "$out/lone-trace-$t.json"
 done
+step "benchmarks/device_timeline.py hpu (8 chunks)" 50 \
+  python3 benchmarks/device_timeline.py --transport hpu --device cuda --chunks 8 --iters 20 \
+    --json "$out/device-timeline-hpu.json"
 if [[ ${GPU_CHECK_BREAKDOWN:-0} == 1 ]]; then
   step "benchmarks/cuda_ipc.py" 100 python3 benchmarks/cuda_ipc.py --transports cuda_ipc --json "$out/cuda_ipc-breakdown.json"
   step "benchmarks/hpu.py" 100 python3 benchmarks/hpu.py --device cuda --transports hpu --json "$out/hpu-breakdown.json"

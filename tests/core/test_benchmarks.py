@@ -1,5 +1,6 @@
 """The transfer, prefix-load, lone-request trace, layer-wise, start-up, eviction and L2 benchmarks run end to end on a tiny workload (real
-server processes), write their JSON with the run record, and the GPU check's summary reads it."""
+server processes), write their JSON with the run record, and the GPU check's summary reads it; the
+device timeline (GPU only) reads a profiler's trace."""
 
 from __future__ import annotations
 
@@ -165,3 +166,38 @@ def test_eviction_benchmark(tmp_path: Path) -> None:
     assert "1024 entries: reserve_write of 8 chunks" in stdout
     written = json.loads((tmp_path / "eviction.json").read_text())
     assert [r["entries"] for r in written["results"]] == [256, 1024] and written["run"]["commit"]
+
+
+def test_device_timeline_reads_each_requests_dmas_from_the_profilers_trace() -> None:
+    """benchmarks/device_timeline.py (a GPU's profiler trace, so no run here): a request's
+    figures come from the DMAs and kernels inside its range only, small uploads are not DMAs of
+    the copy, and idle time is the DMA engine's gaps between the first DMA's start and the last's
+    end. The benchmark itself refuses a device without CUDA's profiler activities."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import device_timeline
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def ev(cat: str, ts: float, dur: float, name: str = "x") -> dict[str, object]:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        ev("user_annotation", 1000, 2000, "request.store"),
+        ev("gpu_memcpy", 1010, 5),  # the row ids' upload: not a DMA of the copy
+        ev("kernel", 1100, 50),
+        ev("gpu_memcpy", 1200, 600), ev("gpu_memcpy", 1850, 600),  # 50 us idle between them
+        ev("kernel", 2500, 100),
+        ev("user_annotation", 5000, 1000, "request.retrieve"),
+        ev("gpu_memcpy", 5300, 400),
+        ev("gpu_memcpy", 9000, 400),  # after both requests: nobody's
+    ]}
+    store, retrieve = device_timeline._requests(trace)
+    assert store == {"kind": "store", "request_us": 2000, "first_dma_us": 200, "dma_span_us": 1250,
+                     "dma_busy_us": 1200, "dma_idle_us": 50, "dmas": 2, "gpu_end_us": 1600, "after_gpu_us": 400,
+                     "kernels": 2}
+    assert (retrieve["kind"], retrieve["first_dma_us"], retrieve["dma_idle_us"], retrieve["gpu_end_us"]) == \
+        ("retrieve", 300, 0, 700)
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_timeline.py")], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "needs --device cuda" in out.stderr
