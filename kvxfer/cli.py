@@ -87,10 +87,12 @@ def _l2_config(args: argparse.Namespace) -> TierConfig | None:
     url = args.l2_url or ""
     password = os.environ.get(L2_PASSWORD_ENV)
     if password and url:
+        from kvxfer.store import split_hosts
+
         parts = []
-        for part in url.split(","):
+        for part in split_hosts(url):
             s = urlsplit(part)
-            if s.password is None and s.hostname:
+            if s.password is None and s.hostname and s.scheme.lower() != "file":  # a network store's host
                 user = s.username or ""
                 host = s.netloc.rpartition("@")[2]
                 part = urlunsplit((s.scheme, f"{user}:{quote(password, safe='')}@{host}", s.path, s.query, s.fragment))

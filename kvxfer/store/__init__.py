@@ -18,6 +18,7 @@ from kvxfer.store.base import (
     StoreOptions,
     ThreadedBackend,
     redact_url,
+    split_hosts,
 )
 from kvxfer.store.registry import NAMESPACE, get_store, list_stores
 
@@ -42,4 +43,5 @@ __all__ = [
     "get_store",
     "list_stores",
     "redact_url",
+    "split_hosts",
 ]

@@ -69,6 +69,7 @@ __all__ = [
     "StoreOptions",
     "ThreadedBackend",
     "redact_url",
+    "split_hosts",
 ]
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,19 @@ _SECRET_OPTION: Final = re.compile(r"(?i)password|passwd|secret|token")
 _URL_BLANKS: Final = str.maketrans("", "", "\t\r\n")
 
 
+def split_hosts(url: str) -> list[str]:
+    """The comma-separated parts of a store URL, ``scheme://[USER[:PASSWORD]@]HOST[,HOST2...]``
+    (each later part a host, or a URL of its own): split at the commas after the first URL's user
+    info only, which may hold commas (RFC 3986 allows them there, unescaped)."""
+    start = url.find("://")
+    start = start + 3 if start >= 0 else 0
+    ends = [i for i in (url.find(c, start) for c in "/?#") if i >= 0]
+    at = url.rfind("@", start, min(ends, default=len(url)))
+    parts = url[at + 1:].split(",")
+    parts[0] = url[:at + 1] + parts[0]
+    return parts
+
+
 def redact_url(url: str) -> str:
     """``url`` with every secret replaced by ``***``: the password of its user info and the value
     of any query option named like one (``?password=``, ``ssl_password=``, names decoded as the
@@ -268,8 +282,8 @@ def redact_url(url: str) -> str:
     from urllib.parse import unquote_plus
 
     out = []
-    for part in url.split(","):
-        head, sep, query = part.translate(_URL_BLANKS).partition("?")
+    for part in split_hosts(url.translate(_URL_BLANKS)):
+        head, sep, query = part.partition("?")
         scheme = head.find("://")
         start = scheme + 3 if scheme >= 0 else 2 if head.startswith("//") else 0
         end = head.find("/", start)

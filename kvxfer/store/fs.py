@@ -49,6 +49,7 @@ from kvxfer.store.base import (
     StoreCapabilities,
     StoreOptions,
     ThreadedBackend,
+    redact_url,
 )
 from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import has_control_character
@@ -397,26 +398,27 @@ def parse_fs_url(url: str) -> tuple[Path, int | None, bool]:
     bytes None without ``max_size`` (:class:`FsBackend` then takes :data:`DEFAULT_SHARE` of the
     free space and its files)."""
     hint = "expected file:///ABSOLUTE/DIR[?max_size=200GiB&fsync=1]"
+    shown = repr(redact_url(url))  # what an error may quote of it
     s = urlsplit(url)
     if s.scheme not in ("file", ""):
-        raise ConfigError(f"fs store: unsupported URL {url!r}; {hint}")
+        raise ConfigError(f"fs store: unsupported URL {shown}; {hint}")
     path = unquote(s.path)
     if s.netloc not in ("", "localhost") or not path.startswith("/"):
-        raise ConfigError(f"fs store: {url!r} is not an absolute local path; {hint}")
+        raise ConfigError(f"fs store: {shown} is not an absolute local path; {hint}")
     if has_control_character(path):
-        raise ConfigError(f"fs store: the path of {url!r} holds a control character (a NUL?); {hint}")
+        raise ConfigError(f"fs store: the path of {shown} holds a control character (a NUL?); {hint}")
     query = parse_qs(s.query, keep_blank_values=True)
     unknown = sorted(set(query) - _OPTIONS)
     if unknown:
-        raise ConfigError(f"fs store: unknown option(s) {', '.join(unknown)} in {url!r}; {hint}")
+        raise ConfigError(f"fs store: unknown option(s) {', '.join(unknown)} in {shown}; {hint}")
     root = Path(path)
     fsync_text = query.get("fsync", ["0"])[-1].lower()
     if fsync_text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ConfigError(f"fs store: fsync must be 0 or 1 in {url!r}, got {fsync_text!r}; {hint}")
+        raise ConfigError(f"fs store: fsync must be 0 or 1 in {shown}, got {fsync_text!r}; {hint}")
     fsync = fsync_text in ("1", "true", "yes", "on")
     max_size = None
     if "max_size" in query:
         max_size = parse_size(query["max_size"][-1])
         if max_size <= 0:
-            raise ConfigError(f"fs store: max_size must be positive in {url!r}")
+            raise ConfigError(f"fs store: max_size must be positive in {shown}")
     return root, max_size, fsync

@@ -282,6 +282,14 @@ def test_bad_urls_say_what_a_good_one_is(url: str, match: str) -> None:
         parse_fs_url(url)
 
 
+@pytest.mark.parametrize("url", ["file:///tmp/x?password=SECRET", "file://u:SECRET@host/tmp/x",
+                                 "s3://u:SECRET@bucket/x", "file:///tmp/x?fsync=2&token=SECRET"])
+def test_errors_never_quote_a_secret(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_fs_url(url)
+    assert "SECRET" not in str(info.value) and "***" in str(info.value), str(info.value)
+
+
 def test_the_default_budget_counts_the_stores_own_files_so_a_restart_keeps_them(tmp_path: Path) -> None:
     """Without max_size the budget is 90% of the free space plus what the store already holds:
     a restart sees less free space (its files take it) and must not evict them for that."""

@@ -186,6 +186,28 @@ def test_serve_refuses_unknown_store_and_url_without_store(tmp_path: Path,
     assert not (tmp_path / "s.sock").exists()
 
 
+def test_the_password_from_the_environment_goes_to_network_hosts_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$KVXFER_L2_PASSWORD`` is the password of a store URL's hosts: the first URL's (after a
+    user info that holds commas too), or a later URL's; never a local path's, whose errors would
+    then quote it."""
+    from kvxfer.cli import L2_PASSWORD_ENV, _l2_config, build_parser
+
+    monkeypatch.setenv(L2_PASSWORD_ENV, "S3cretPW")
+
+    def url_of(*args: str) -> str:
+        config = _l2_config(build_parser().parse_args(["serve", *args]))
+        assert config is not None
+        return config.url
+
+    for local in ("file://localhost/srv/l2", "file:///srv/l2", "/srv/l2"):
+        assert url_of("--l2", "fs", "--l2-url", local) == local
+    assert url_of("--l2", "valkey", "--l2-url", "valkey://kv@h1:1,h2:2") == "valkey://kv:S3cretPW@h1:1,h2:2"
+    assert url_of("--l2", "valkey", "--l2-url", "valkey://h1:1,valkey://kv@h2:2") == \
+        "valkey://:S3cretPW@h1:1,valkey://kv:S3cretPW@h2:2"
+    given = "valkey://kv:a,b@h1:1"  # a password of its own, commas and all, is kept
+    assert url_of("--l2", "valkey", "--l2-url", given) == given
+
+
 def test_an_unknown_store_is_answered_with_distributions_that_exist() -> None:
     """A group where a published backend is not installed suggests its real distribution, and
     only that one: never a package name made up from the unknown name."""

@@ -39,7 +39,7 @@ from valkey.backoff import NoBackoff
 from valkey.cluster import ClusterNode, ValkeyCluster
 from valkey.connection import Connection, ConnectionPool, SSLConnection, parse_url
 from valkey.crc import key_slot
-from valkey.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, ValkeyError
+from valkey.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, ResponseError, ValkeyError
 from valkey.retry import Retry
 
 from kvxfer.errors import ConfigError, StoreUnavailable
@@ -54,6 +54,7 @@ from kvxfer.store import (
     StoreOptions,
     ThreadedBackend,
     redact_url,
+    split_hosts,
 )
 from kvxfer_valkey.resp import ErrorReply, RespError, RespReader, pack, pack_bulk_header
 
@@ -93,6 +94,15 @@ ACL_COMMANDS: Final = ("get", "set", "strlen", "del", "ping", "info", "dbsize", 
                        *CLUSTER_ACL_COMMANDS)
 
 
+#: The query options a URL may give, passed to the client as they are: the user, the database
+#: and TLS. The backend sets its own timeouts, retries and client name, and speaks RESP2 on its
+#: loop connections (no ``protocol=3``); any other option is refused, rather than failing every
+#: connection later as if the store were down.
+URL_OPTIONS: Final = frozenset({
+    "db", "username", "password", "socket_keepalive", "health_check_interval", "ssl_keyfile", "ssl_certfile",
+    "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_check_hostname", "ssl_password", "ssl_ciphers"})
+
+
 def _acl_names(commands: tuple[str, ...]) -> str:
     return ", ".join(c.replace("|", " ").upper() for c in commands)
 
@@ -106,7 +116,7 @@ def _shown(part: str) -> str:
 def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """``valkey://[user:pass@]h1:p1[,h2:p2...][?ssl_ca_certs=...]`` -> ([(host, port)], connection
     kwargs of the first URL: user, password, TLS options). Raises :class:`ConfigError`."""
-    parts = [p.strip() for p in url.split(",") if p.strip()]
+    parts = [p.strip() for p in split_hosts(url) if p.strip()]
     if not parts:
         raise ConfigError(f"valkey store: empty URL; {_HINT}")
     last, sep, query = parts[-1].partition("?")
@@ -128,6 +138,12 @@ def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
             raise ConfigError(f"valkey store: {_shown(parts[i])} does not parse{why}; {_HINT}") from None
         if "host" not in kw:
             raise ConfigError(f"valkey store: no host in the URL; {_HINT}")
+        unknown = sorted(set(kw) - URL_OPTIONS - {"host", "port", "connection_class"})
+        if unknown:
+            raise ConfigError(f"valkey store: unknown option(s) {', '.join(map(repr, unknown))} in the URL: it "
+                              f"takes {', '.join(sorted(URL_OPTIONS))}; {_HINT}")
+        if kw.get("db", 0) < 0:
+            raise ConfigError(f"valkey store: the database number must be 0 or more, got {kw['db']}; {_HINT}")
         hosts.append((kw.pop("host"), int(kw.pop("port", 6379))))
         if kw.pop("connection_class", None) is not None:  # valkeys:// (the clients take ssl=True)
             kw["ssl"] = True
@@ -755,6 +771,10 @@ class ValkeyStore(Store):
                 break
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
                 raise _refused(f"{host}:{port}", exc) from None
+            except ResponseError as exc:  # a command of the connection's set-up (SELECT) refused: not an outage
+                raise ConfigError(f"valkey: {host}:{port} refused the connection's set-up: {exc}; check the "
+                                  "database number of --l2-url (a node has 0-15 unless configured otherwise, "
+                                  "a cluster only 0)") from None
             except (ValkeyError, StoreUnavailable) as exc:
                 errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
             finally:

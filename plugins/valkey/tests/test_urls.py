@@ -28,7 +28,12 @@ def test_hosts_users_and_tls_options_pass_through() -> None:
 
 
 @pytest.mark.parametrize("url, match", [("", "empty URL"), ("http://h:1", "'http://h:1' is not a valkey:// or valkeys:// URL"),
-                                        ("valkey://", "no host")])
+                                        ("valkey://", "no host"),
+                                        # options the client would fail every connection with later, as if down
+                                        ("valkey://h:1?foo=bar", "unknown option.*'foo'.*it takes db, "),
+                                        ("valkey://h:1?protocol=3", "unknown option.*'protocol'"),
+                                        ("valkey://h:1,h2:2?socket_timeout=nan", "unknown option.*'socket_timeout'"),
+                                        ("valkey://h:1?db=-1", "database number must be 0 or more")])
 def test_bad_urls(url: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_valkey_urls(url)
@@ -37,10 +42,16 @@ def test_bad_urls(url: str, match: str) -> None:
 def test_passwords_never_shown() -> None:
     shown = redact_url("valkeys://kvx:s3cret@h1:6380,valkey://:other@h2:1?x=1")
     assert "s3cret" not in shown and "other" not in shown and "kvx:***@h1:6380" in shown
-    # the clients take a password as a query option too, and a host without a scheme inherits one
-    shown = redact_url("valkey://[fe80::1]:7000,u:pw2@h3:7002?password=hunter2&ssl_password=kp&ssl_ca_certs=/ca")
+    # the clients take a password as a query option too, and a later host may be a URL of its own
+    shown = redact_url("valkey://[fe80::1]:7000,valkey://u:pw2@h3:7002?password=hunter2&ssl_password=kp&ssl_ca_certs=/ca")
     assert "hunter2" not in shown and "kp" not in shown and "pw2" not in shown, shown
-    assert shown == "valkey://[fe80::1]:7000,u:***@h3:7002?password=***&ssl_password=***&ssl_ca_certs=/ca", shown
+    assert shown == "valkey://[fe80::1]:7000,valkey://u:***@h3:7002?password=***&ssl_password=***&ssl_ca_certs=/ca", shown
+    # a password may hold commas (RFC 3986 allows them in user info): the list of hosts starts after it
+    for url, hosts, kw in (("valkey://admin:9,Tr0ub4dor@127.0.0.1:6399", [("127.0.0.1", 6399)], {}),
+                           ("valkey://admin:a,b,SECRET@h1:1,h2:2?db=2", [("h1", 1), ("h2", 2)], {"db": 2})):
+        password = url.partition("admin:")[2].rpartition("@")[0]
+        assert parse_valkey_urls(url) == (hosts, {"username": "admin", "password": password, **kw}), url
+        assert password.rpartition(",")[2] not in redact_url(url) and redact_url(url).startswith("valkey://admin:***@")
     for plain in ("/srv/kvxfer/l2", "file:///srv/kvxfer/l2?max_size=1GiB"):  # fs URLs stay as written
         assert redact_url(plain) == plain
     # whatever the client takes as a password is hidden: options are split and their names decoded as
@@ -81,6 +92,14 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
 def test_several_hosts_need_a_cluster(node: ValkeyServer) -> None:
     with pytest.raises(ConfigError, match="not in cluster mode"):
         ValkeyStore().open(f"{node.url},127.0.0.1:{free_port()}", StoreOptions())
+
+
+def test_a_database_the_node_does_not_have_is_a_configuration_error(node: ValkeyServer) -> None:
+    """The node refuses the connection's SELECT: a URL to fix, not an outage to wait out (the
+    server would start with L2 down and retry it for ever)."""
+    with pytest.raises(ConfigError, match="refused the connection's set-up: DB index is out of range"):
+        ValkeyStore().open(f"{node.url}/99999", StoreOptions(timeout_s=0.5))
+    ValkeyStore().open(f"{node.url}/3", StoreOptions(timeout_s=0.5)).close()
 
 
 def test_tls_to_a_plain_node_is_refused_not_hung(node: ValkeyServer, tmp_path: Path) -> None:
