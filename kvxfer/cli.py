@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from kvxfer.errors import ConfigError, KvxferError
-from kvxfer.text_table import print_table, printable
+from kvxfer.text_table import print_table, printable, printable_lines, printable_struct
 from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import default_url
 
@@ -272,9 +272,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with _connect(args, "kvxfer status") as client:
         st = client.status()
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(st), indent=2))
+    if args.json:  # JSON escapes control characters, and writes a NaN figure as null (JSON has no NaN)
+        print(msgspec.json.format(msgspec.json.encode(st), indent=2).decode())
         return 0
+    st = printable_struct(st)  # the server's text goes to a terminal
     a = st.arena
     print(f"kvxfer {st.server_version} (protocol {st.protocol_version}) at {st.url}, pid {st.pid}, "
           f"up {st.uptime_s:.0f} s, chunk size {st.chunk_size}, {sessions_besides_asker(st)}")
@@ -544,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except KvxferError as exc:
-        print(f"kvxfer {command}: error: {exc}", file=sys.stderr)
+        print(f"kvxfer {command}: error: {printable_lines(exc)}", file=sys.stderr)  # it may quote a server
         return 2
     except KeyboardInterrupt:
         return 130

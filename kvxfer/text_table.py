@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import TextIO, TypeVar
 
-__all__ = ["print_table", "printable"]
+T = TypeVar("T")
+
+__all__ = ["print_table", "printable", "printable_lines", "printable_struct"]
 
 
 def printable(text: object) -> str:
@@ -17,6 +19,29 @@ def printable(text: object) -> str:
     if s.isprintable():
         return s
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+
+
+def printable_lines(text: object) -> str:
+    """:func:`printable` line by line: the line breaks are kept (an error's message may have
+    several lines; a server's text, too, goes to a terminal)."""
+    return "\n".join(printable(line) for line in str(text).split("\n"))
+
+
+def printable_struct(value: T) -> T:
+    """``value`` (a decoded message: Structs, lists, dicts, strings, numbers) with every string in
+    it :func:`printable`, keys too: what a server sent, made safe to show on a terminal."""
+    import msgspec
+
+    if isinstance(value, str):
+        return printable(value)  # type: ignore[return-value]
+    if isinstance(value, msgspec.Struct):
+        changes = {f: printable_struct(getattr(value, f)) for f in value.__struct_fields__}
+        return msgspec.structs.replace(value, **changes)
+    if isinstance(value, (list, tuple)):
+        return type(value)(printable_struct(v) for v in value)
+    if isinstance(value, dict):
+        return {printable_struct(k): printable_struct(v) for k, v in value.items()}  # type: ignore[return-value]
+    return value
 
 
 def print_table(rows: Sequence[Sequence[object]], headers: Sequence[str], file: TextIO | None = None) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from kvxfer.protocol import messages as m
-from kvxfer.text_table import printable
+from kvxfer.text_table import printable, printable_lines, printable_struct
 from kvxfer.units import format_bytes
 
 if TYPE_CHECKING:
@@ -375,10 +375,11 @@ def _poll(client: Any) -> m.StatusReply:
     from kvxfer.errors import NoSession
 
     try:
-        return client.status()
+        st = client.status()
     except NoSession:  # the server restarted: open a new session and ask again
         client.reconnect()
-        return client.status()
+        st = client.status()
+    return printable_struct(st)  # the server's text goes to a terminal
 
 
 def _frames(client: Any, st: m.StatusReply, interval: float, keys: bool) -> Iterator[RenderableType]:
@@ -393,7 +394,7 @@ def _frames(client: Any, st: m.StatusReply, interval: float, keys: bool) -> Iter
             new = _poll(client)
             prev, prev_t, st, t_st = st, t_st, new, time.monotonic()
         except KvxferError as exc:
-            error = f"no answer from {client.url}: {exc} (retrying every {interval:g} s)"
+            error = printable_lines(f"no answer from {client.url}: {exc} (retrying every {interval:g} s)")
             t_st = time.monotonic()
         yield render(st, prev, t_st - prev_t if prev is not None else None, error)
 

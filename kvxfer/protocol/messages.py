@@ -11,7 +11,7 @@ never sees token ids or salts.
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Annotated, Generic, TypeVar
 
 import msgspec
 
@@ -31,6 +31,20 @@ FEATURES: tuple[str, ...] = ("retrieve_layers",)
 #: Bounds applied to every chunk hash on the wire.
 HASH_MIN_BYTES = 8
 HASH_MAX_BYTES = 64
+
+#: The session timing a server may announce (``HandshakeReply``): a client sends something every
+#: ``heartbeat_s`` and is dropped after ``session_timeout_s`` of silence. A reply outside these
+#: (NaN, 0: a client pinging without pause) is refused as it is decoded.
+MIN_HEARTBEAT_S = 0.01
+MIN_SESSION_TIMEOUT_S = 0.5
+MAX_SESSION_TIMEOUT_S = 3600.0
+
+#: A status reply holds at most this many status sections, and each plugin map in it (a
+#: transport's ``state``, a section) at most this many entries: the server drops the rest, and a
+#: client decoding a reply refuses more (a hostile server's millions of entries would take
+#: gigabytes in ``kvxfer top``).
+MAX_STATUS_ENTRIES = 64
+PluginStrings = Annotated[dict[str, str], msgspec.Meta(max_length=MAX_STATUS_ENTRIES)]
 
 
 def name_bytes(name: str) -> int:
@@ -89,8 +103,8 @@ class HandshakeReply(Message, frozen=True):
     arena_path: str
     arena_size: int
     #: The client must send something (a ping will do) at least this often, or lose its session.
-    heartbeat_s: float
-    session_timeout_s: float
+    heartbeat_s: Annotated[float, msgspec.Meta(ge=MIN_HEARTBEAT_S, le=MAX_SESSION_TIMEOUT_S)]
+    session_timeout_s: Annotated[float, msgspec.Meta(ge=MIN_SESSION_TIMEOUT_S, le=MAX_SESSION_TIMEOUT_S)]
     max_message_size: int
     #: Optional features this server implements (:data:`FEATURES`); older servers send none.
     features: list[str] = []
@@ -386,7 +400,7 @@ class TransportStatus(Message, frozen=True):
     name: str
     style: str
     contexts: int
-    state: dict[str, str] = {}
+    state: PluginStrings = {}
 
 
 class TierStatus(Message, frozen=True):
@@ -531,7 +545,7 @@ class StatusReply(Message, frozen=True):
     #: Connections whose session was ended because they left too many replies unread.
     dropped_connections: int = 0
     #: Extra sections contributed by hook plugins: name -> key -> value.
-    sections: dict[str, dict[str, str]] = {}
+    sections: Annotated[dict[str, PluginStrings], msgspec.Meta(max_length=MAX_STATUS_ENTRIES)] = {}
     #: Storage tiers below the arena (``kvxfer serve --l2``); empty without one.
     tiers: list[TierStatus] = []
     #: ``http://HOST:PORT/metrics`` when the server exports Prometheus metrics, else "".

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from kvxfer.arena import DEFAULT_SHM_DIR
 from kvxfer.errors import ConfigError
 from kvxfer.mq.server import CurveServerKeys, require_curve
+from kvxfer.protocol import messages as m
 from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
 from kvxfer.urls import check_url, default_url
 
 __all__ = ["ServerConfig", "MAX_BUSY_POLL_S", "MAX_METRICS_MODELS", "MIN_L1_SIZE", "MIN_MESSAGE_SIZE",
-           "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S", "MIN_SESSION_TIMEOUT_S", "MAX_CHUNK_SIZE"]
+           "MAX_MESSAGE_SIZE", "MAX_SESSION_TIMEOUT_S", "MIN_SESSION_TIMEOUT_S", "MIN_HEARTBEAT_S", "MAX_CHUNK_SIZE"]
 
 #: Upper bound of ``metrics_max_models``: every model label multiplies the series per metric.
 MAX_METRICS_MODELS = 1024
@@ -23,11 +24,12 @@ MAX_MESSAGE_SIZE = 1 << 31
 #: Smallest ``l1_size``: one page (a size given without a unit is bytes, and a few bytes are
 #: never what was meant).
 MIN_L1_SIZE = 4 << 10
-#: Longest ``session_timeout_s``: a dead client's registrations and reservations wait this long.
-MAX_SESSION_TIMEOUT_S = 3600.0
-#: Shortest session timeout: clients send a heartbeat every third of it (a millisecond timeout
-#: made every idle client send one every few hundred microseconds).
-MIN_SESSION_TIMEOUT_S = 0.5
+#: Longest ``session_timeout_s`` (a dead client's registrations and reservations wait this long),
+#: shortest (a millisecond timeout made every idle client send a heartbeat every few hundred
+#: microseconds) and shortest ``heartbeat_s``: what clients accept in the handshake.
+MAX_SESSION_TIMEOUT_S = m.MAX_SESSION_TIMEOUT_S
+MIN_SESSION_TIMEOUT_S = m.MIN_SESSION_TIMEOUT_S
+MIN_HEARTBEAT_S = m.MIN_HEARTBEAT_S
 #: Longest chunk, in tokens (a chunk is at least one KV block of every layer).
 MAX_CHUNK_SIZE = 1 << 20
 #: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
@@ -84,8 +86,8 @@ class ServerConfig:
         if not MIN_SESSION_TIMEOUT_S <= self.session_timeout_s <= MAX_SESSION_TIMEOUT_S:  # NaN fails too
             raise ConfigError(f"--session-timeout must be in [{MIN_SESSION_TIMEOUT_S:g}, {MAX_SESSION_TIMEOUT_S:g}] "
                               f"seconds, got {self.session_timeout_s!r}")
-        if not 0 < self.heartbeat_s < self.session_timeout_s:
-            raise ConfigError(f"heartbeat_s must be positive and shorter than session_timeout_s "
+        if not MIN_HEARTBEAT_S <= self.heartbeat_s < self.session_timeout_s:
+            raise ConfigError(f"heartbeat_s must be at least {MIN_HEARTBEAT_S:g} s and shorter than session_timeout_s "
                               f"({self.session_timeout_s:g} s), got {self.heartbeat_s!r}")
         if not MIN_MESSAGE_SIZE <= self.max_message_size <= MAX_MESSAGE_SIZE:
             raise ConfigError(f"--max-message-size must be in [{MIN_MESSAGE_SIZE >> 10} KiB, "

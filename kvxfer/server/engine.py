@@ -1358,6 +1358,10 @@ class CacheServer:
         totals = self.stats.totals()
         sections: dict[str, dict[str, str]] = {}
         for res in self.hooks.call("kvxfer_status_section", server=self):
+            if len(sections) == m.MAX_STATUS_ENTRIES:  # a client refuses a reply with more
+                self.hooks.errors += 1
+                log.warning("more than %d status sections; the rest are dropped", m.MAX_STATUS_ENTRIES)
+                break
             try:
                 title, values = res
                 title = str(title)[:figures.MAX_PLUGIN_TEXT]

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 MAX_PLUGIN_SAMPLES: Final = 512
 #: Most entries of one plugin's ``status()`` map or status section (more are dropped), and the
 #: most characters of each key and value (longer ones are cut).
-MAX_PLUGIN_STRINGS: Final = 64
+MAX_PLUGIN_STRINGS: Final = m.MAX_STATUS_ENTRIES
 MAX_PLUGIN_TEXT: Final = 256
 _MAX_LABELS: Final = 8
 _MAX_LABEL_VALUE: Final = 128
