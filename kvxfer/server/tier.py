@@ -70,6 +70,7 @@ from kvxfer.store.format import (
     encode_header,
     l2_key,
 )
+from kvxfer.store.guard import GuardedBackend, PluginFault
 from kvxfer.store.registry import get_store
 
 __all__ = ["TierConfig", "L2Tier", "Breaker", "parse_admission"]
@@ -148,7 +149,16 @@ class TierConfig:
         if not 0 < self.bulk_timeout_s <= 600:
             raise ConfigError(f"--l2-bulk-timeout must be in (0, 600] seconds, got {self.bulk_timeout_s}")
         if not self.url:
-            raise ConfigError(f"--l2 {self.store} needs --l2-url (e.g. valkey://HOST:6379 or file:///DIR)")
+            raise ConfigError(f"--l2 {self.store} needs --l2-url ({_url_hint(self.store)}; docs/l2.md)")
+
+
+def _url_hint(store: str) -> str:
+    """What an URL of ``store`` looks like, from its ``url_schemes`` (when it loads)."""
+    try:
+        schemes = get_store(store, require_available=False).url_schemes
+    except Exception:  # noqa: BLE001  (a store that does not load is reported when the tier starts)
+        schemes = ()
+    return f"a URL of scheme {', '.join(f'{x}://' for x in schemes)}" if schemes else "where the store is"
 
 
 class Breaker:
@@ -350,6 +360,13 @@ class TierLookup:
                 tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
             self.resolve([])
             return
+        if sizes and len(sizes) != len(self.keys) or sizes and not _sizes_ok(sizes):  # a plugin's loop check
+            if not self._done:
+                tier._failed(PluginFault(f"store {tier.store.name!r}: a loop existence check (LoopExists) answered "
+                                         f"{len(sizes)} sizes for {len(self.keys)} keys, or sizes that are not "
+                                         "ints >= 0 (a fault of the store plugin)"), "lookup")
+            self.resolve([])
+            return
         if sizes and (tier.breaker.failures or not tier.breaker.proven):  # ([]: the store was not asked)
             tier.breaker.success()
         self.resolve(sizes)
@@ -364,6 +381,14 @@ class TierLookup:
         for fn in callbacks:
             fn(self)
         return True
+
+
+def _sizes_ok(sizes: list[int]) -> bool:
+    """Every size an int >= 0 (a lookup's answer, on the loop)."""
+    try:
+        return min(sizes) >= 0 and all(type(x) is int for x in sizes)
+    except TypeError:
+        return False
 
 
 def _answer_on_loop(lk: TierLookup, fut: Future[list[int]]) -> None:
@@ -470,23 +495,36 @@ class L2Tier:
         self._health_thread = t
 
     def _open_backend(self) -> bool:
+        """Open the store: True once open; False when it does not answer (the breaker then
+        retries). A URL it cannot use (ConfigError), or a fault of the plugin (``open`` raised
+        anything but ConfigError or StoreUnavailable, or returned something other than a
+        Backend), raises ConfigError: at start that stops the server, naming the store."""
+        name = self.store.name
         try:
-            backend = self.store.open(self.config.url, self.options)
+            opened = self.store.open(self.config.url, self.options)
         except ConfigError:
             raise
-        except Exception as exc:  # noqa: BLE001  (a store that cannot be opened leaves L2 down, retrying)
+        except (StoreUnavailable, OSError) as exc:  # a store that does not answer leaves L2 down, retrying
             msg = self._describe(exc)
             if self.backend is None and self.breaker.closed:
                 log.warning("L2 store %s at %s is unavailable (%s); serving from L1, retrying with backoff",
-                            self.store.name, self.url, msg)
+                            name, self.url, msg)
             self.breaker.trip(msg)
             return False
+        except Exception as exc:
+            raise ConfigError(f"store {name!r}: open() raised {self._describe(exc)} (a fault of the store plugin: "
+                              "the contract allows ConfigError for a bad URL and StoreUnavailable for a store "
+                              "that does not answer)") from exc
+        if not isinstance(opened, Backend):
+            raise ConfigError(f"store {name!r}: open() returned {type(opened).__name__}, not a kvxfer.store.Backend "
+                              "(a fault of the store plugin)")
+        backend = GuardedBackend(name, opened)
         if self._stop_health.is_set():  # closed while this opened (a slow store): not kept
             backend.close()
             return False
         #: The backend when the loop reads its lookups itself (checked once: isinstance of a
-        #: runtime-checkable Protocol is slow).
-        self._loop_exists = backend if self._watch is not None and isinstance(backend, LoopExists) else None
+        #: runtime-checkable Protocol is slow); the sizes it reports are checked as they arrive.
+        self._loop_exists = opened if self._watch is not None and isinstance(opened, LoopExists) else None
         self.backend = backend
         log.info("L2 store %s at %s is up", self.store.name, self.url)
         return True
@@ -1096,7 +1134,11 @@ class L2Tier:
             elif self.breaker.closed and self.backend is not None and time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + _STATS_EVERY_S
                 try:
-                    self.store_stats = {str(k): str(v) for k, v in self.backend.stats().items()}
+                    self.store_stats = self.backend.stats()
+                except PluginFault as exc:  # its data operations may work: a bug, not an outage
+                    self.store_stats = {}
+                    self._throttled.warning("stats fault", str(exc))
+                    next_stats = time.monotonic() + _STATS_EVERY_S
                 except Exception as exc:  # noqa: BLE001  (a store that cannot say its size may be gone)
                     # no stale figures; a failure like any other (soon again), so that a store that
                     # died while nothing else used it shows down within seconds, not up for ever

@@ -102,7 +102,9 @@ PutItem = tuple[bytes, Sequence[memoryview]]
 
 @dataclass(frozen=True, slots=True)
 class StoreCapabilities:
-    """What a store claims. The conformance kit tests exactly these claims."""
+    """What a store claims. The conformance kit tests these claims: ``shared`` by another process
+    using the store at the same URL, ``persistent`` by a restart, ``max_value_bytes`` with a value
+    that large, up to 64 MiB."""
 
     #: Several kvxfer servers on several hosts can share one store (Valkey: yes; a local directory: no).
     shared: bool
@@ -170,7 +172,8 @@ class Store(ABC):
 
     ``name`` equals the entry point name (what users pass to ``kvxfer serve --l2``);
     ``api_version`` must equal :data:`STORE_API_VERSION`; ``url_schemes`` lists the URL schemes
-    it opens (for messages); ``capabilities`` states what it claims.
+    it opens (the message for a missing ``--l2-url`` names them); ``capabilities`` states what it
+    claims.
     """
 
     name: ClassVar[str]
@@ -302,8 +305,9 @@ def redact_url(url: str) -> str:
 class ThreadedBackend(Backend):
     """A :class:`Backend` whose ``submit_*`` run blocking methods on the backend's threads.
 
-    Subclasses implement :meth:`exists`, :meth:`get`, :meth:`put` and :meth:`delete` (blocking,
-    each bounded by ``options.timeout_s`` per operation), plus ``ping``; they may raise
+    Subclasses implement :meth:`exists`, :meth:`get`, :meth:`put` and :meth:`delete` (blocking:
+    ``exists`` and ``delete`` each bounded by ``options.timeout_s``, ``get`` and ``put`` by
+    ``options.bulk_timeout_s`` of silence), plus ``ping``; they may raise
     anything: whatever is not a :class:`~kvxfer.errors.StoreUnavailable` is wrapped in one naming
     the store. Lookups and deletes run on a control thread pool, gets on ``read_workers``
     threads and puts on ``write_workers`` threads.

@@ -7,7 +7,7 @@ from typing import Final
 
 from kvxfer.errors import StoreBroken, StoreNotFound, StoreUnavailable
 from kvxfer.store.base import STORE_API_VERSION, Store
-from kvxfer.transport.registry import EntryPointGroup, PluginInfo
+from kvxfer.transport.registry import EntryPointGroup, PluginInfo, checked_probe
 
 __all__ = ["DISTRIBUTIONS", "NAMESPACE", "STORES", "get_store", "list_stores"]
 
@@ -25,7 +25,7 @@ def get_store(name: str, *, require_available: bool = True) -> Store:
     """The store backend called ``name``; with ``require_available``, one whose probe says yes."""
     store: Store = STORES.load(name)
     if require_available:
-        probe = store.probe()
+        probe = checked_probe(store)
         if not probe.available:
             raise StoreUnavailable(f"store {name!r} cannot run here: {probe.reason}")
     return store

@@ -1,4 +1,5 @@
-"""A plugin may import only the public API of kvxfer: ``kvxfer`` and ``kvxfer.transport``.
+"""A plugin may import only the public API of kvxfer: ``kvxfer``, ``kvxfer.transport`` (for
+transports) and ``kvxfer.store`` (for store backends).
 
 :func:`private_imports` lists the imports of a plugin's source that reach further (e.g.
 ``kvxfer.server.arena``), so a plugin's tests can assert there are none::
@@ -16,7 +17,7 @@ from typing import Final
 __all__ = ["PUBLIC_MODULES", "private_imports"]
 
 #: The modules of kvxfer a plugin may import from.
-PUBLIC_MODULES: Final = frozenset({"kvxfer", "kvxfer.transport"})
+PUBLIC_MODULES: Final = frozenset({"kvxfer", "kvxfer.transport", "kvxfer.store"})
 
 
 def private_imports(package_dir: Path) -> list[str]:

@@ -27,6 +27,8 @@ never loaded). Like the transport kit, it refuses subclasses that override or si
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -46,6 +48,7 @@ from kvxfer.store.registry import get_store
 from kvxfer.testing.conformance import guard_test, refuse_overrides
 from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
 from kvxfer.testing.server import ServerProcess
+from kvxfer.transport.registry import run_probe
 
 __all__ = ["StoreConformance"]
 
@@ -53,6 +56,8 @@ __all__ = ["StoreConformance"]
 CONFIGURABLE: Final = frozenset({"store", "store_url"})
 #: Seconds any single operation of the kit may take.
 TIMEOUT: Final = 30.0
+#: The largest value the kit round-trips (a store claims at least this much: max_value_bytes).
+LARGE_VALUE: Final = 64 << 20
 CHUNK_SIZE: Final = 32
 
 
@@ -91,7 +96,10 @@ class StoreConformance:
             store = get_store(name, require_available=False)
         except (StoreNotFound, StoreBroken) as exc:
             pytest.fail(f"store conformance kit: {exc}", pytrace=False)
-        probe = store.probe()
+        probe, faulty = run_probe(store)
+        if faulty:  # a probe that raises, or returns something else, breaks the contract: say so once
+            pytest.fail(f"store conformance kit: store {name!r}: {probe.reason}; a probe never raises and returns "
+                        "a Probe: Probe(False, reason) where the store cannot run", pytrace=False)
         if not probe.available:
             pytest.skip(f"store {name!r} cannot run here: {probe.reason}")
         return store
@@ -105,9 +113,9 @@ class StoreConformance:
         if url:
             yield url
             return
-        if not isinstance(kit_store, LocalInstance):
-            pytest.skip(f"store {kit_store.name!r} has no local_instance(): pass --kvxfer-store-url=URL or define "
-                        "a store_url fixture")
+        if not isinstance(kit_store, LocalInstance):  # nothing to test: a failure, not a skip that reads as a pass
+            pytest.fail(f"store conformance kit: store {kit_store.name!r} has no local_instance(): pass "
+                        "--kvxfer-store-url=URL or define a store_url fixture", pytrace=False)
         with kit_store.local_instance(tmp_path_factory.mktemp(f"kit-{kit_store.name}")) as url:
             yield url
 
@@ -131,9 +139,17 @@ class StoreConformance:
 
         assert kit_store.api_version == STORE_API_VERSION
         assert isinstance(kit_store.capabilities, StoreCapabilities)
-        assert kit_store.capabilities.max_value_bytes >= 64 << 20, "a store must hold at least 64 MiB values"
+        assert kit_store.capabilities.max_value_bytes >= LARGE_VALUE, "a store must hold at least 64 MiB values"
         assert kit_store.probe().available
         assert "secret" not in kit_store.redact("x://user:secret@host:1")
+
+    def test_kit_ping_and_stats(self, kit_backend: Backend) -> None:
+        """The server pings an open store for its health, and shows its ``stats()`` in status:
+        strings to strings, at most 64 of them (more are cut)."""
+        kit_backend.ping()
+        stats = kit_backend.stats()
+        assert isinstance(stats, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in stats.items()), \
+            f"stats() must return a dict of str to str, got {stats!r:.200}"
 
     # ------------------------------------------------------------------ the backend
 
@@ -188,9 +204,11 @@ class StoreConformance:
         assert kit_backend.submit_delete(keys).result(TIMEOUT) == 2
         assert kit_backend.submit_exists(keys).result(TIMEOUT) == [0, 0, 0]
 
-    def test_kit_large_value_round_trips(self, kit_backend: Backend) -> None:
+    def test_kit_large_value_round_trips(self, kit_store: Store, kit_backend: Backend) -> None:
+        """A value as large as the store claims to hold (``max_value_bytes``), up to 64 MiB: a
+        2,048-token chunk of a 70B model is 10 MiB, of an 8B one 64 MiB at 512 tokens."""
         (key,) = self.kit_keys(1)
-        value = os.urandom(HEADER_SIZE + (16 << 20))
+        value = os.urandom(min(kit_store.capabilities.max_value_bytes, LARGE_VALUE))
         assert kit_backend.submit_put([(key, _parts(value))]).result(TIMEOUT) == [True]
         buf = bytearray(len(value))
         assert kit_backend.submit_get([(key, _parts(buf))]).result(TIMEOUT) == [GetStatus.HIT]
@@ -225,6 +243,28 @@ class StoreConformance:
         backend.close()
         with pytest.raises(StoreUnavailable):
             backend.submit_exists([b"kvxfer:kit:closed"])
+
+    def test_kit_a_shared_store_is_shared_with_another_process(self, kit_store: Store, kit_backend: Backend,
+                                                               store_url: str) -> None:
+        """``shared``: kvxfer servers on other hosts use the store at the same URL. Another process
+        opens it there, finds a value written here, and writes one that is read here."""
+        if not kit_store.capabilities.shared:
+            pytest.skip(f"{kit_store.name} does not claim to be shared (StoreCapabilities.shared)")
+        mine, theirs = self.kit_keys(2)
+        kit_backend.submit_put([(mine, [memoryview(b"written here")])]).result(TIMEOUT)
+        script = ("import sys\nfrom kvxfer.store import StoreOptions, get_store\n"
+                  "b = get_store(sys.argv[1]).open(sys.argv[2], StoreOptions(timeout_s=5.0))\n"
+                  "print(b.submit_exists([sys.argv[3].encode()]).result(60)[0])\n"
+                  "b.submit_put([(sys.argv[4].encode(), [memoryview(b'written there')])]).result(60)\n"
+                  "b.close()\n")
+        out = subprocess.run([sys.executable, "-c", script, kit_store.name, store_url, mine.decode(), theirs.decode()],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"another process could not use the store at {store_url!r}: {out.stderr}"
+        assert out.stdout.split() == [str(len(b"written here"))], \
+            f"another process found no value written here (it saw size {out.stdout.strip()!r})"
+        buf = bytearray(len(b"written there"))
+        assert kit_backend.submit_get([(theirs, [memoryview(buf)])]).result(TIMEOUT) == [GetStatus.HIT]
+        assert buf == b"written there"
 
     def test_kit_values_outlive_the_backend_that_wrote_them(self, kit_store: Store, store_url: str) -> None:
         if not kit_store.capabilities.persistent:
@@ -272,6 +312,8 @@ class StoreConformance:
             server.stop()
             a, b = (get_chunks(as_bytes(kv), spec, ids, 2) for ids in (src, dst))
             assert torch.equal(a, b), "chunks promoted from L2 differ from those stored"
+            if not kit_store.capabilities.persistent:
+                return  # the rest needs values that outlive the server (a restart, the store opened here)
             # behind the server's back: damage chunk 2's value (a bit flipped after the header), and
             # give chunk 4's value the intact header of another layout of the same size (float16
             # for bfloat16), as a server of that layout would have written it under the same key

@@ -812,7 +812,9 @@ class Transport(ABC):
 
     def refusal(self, device: torch.device) -> str | None:
         """Why it cannot move KV tensors on ``device`` here (what to do), or None when it can."""
-        probe = self.probe()
+        from kvxfer.transport.registry import checked_probe
+
+        probe = checked_probe(self)
         if not probe.available:
             return probe.reason or "its probe() says it cannot run here"
         if not self.capabilities.serves(device):

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
     from kvxfer.layout import KVLayout
 
-__all__ = ["DISTRIBUTIONS", "NAMESPACE", "EntryPointGroup", "PluginInfo", "TRANSPORTS", "get_transport",
-           "list_plugins", "select", "refresh"]
+__all__ = ["DISTRIBUTIONS", "NAMESPACE", "EntryPointGroup", "PluginInfo", "TRANSPORTS", "checked_probe",
+           "get_transport", "list_plugins", "run_probe", "select", "refresh"]
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +206,7 @@ class EntryPointGroup:
             except self.broken as exc:
                 out.append(PluginInfo(**base, health="broken", detail=str(exc), api_version=None))
                 continue
-            try:
-                probe = plugin.probe()
-            except Exception as exc:  # noqa: BLE001  (a probe must not raise; report it if it does)
-                probe = Probe(False, f"probe() raised {type(exc).__name__}: {exc}")
+            probe = checked_probe(plugin)
             problem = getattr(plugin, "probe_problem", lambda _: None)(probe)  # transports: no device named
             if problem is not None:
                 probe = Probe(False, problem)
@@ -223,6 +220,24 @@ class EntryPointGroup:
                 production=bool(getattr(plugin, "production", False)),
             ))
         return out
+
+
+def run_probe(plugin: Any) -> tuple[Probe, bool]:
+    """``(plugin.probe(), False)``; ``(an unavailable Probe saying what was wrong, True)`` when the
+    probe broke its contract (it must not raise, and returns a :class:`Probe`): one plugin's fault
+    is its own, never every plugin's (``kvxfer plugins``) or a traceback (``kvxfer serve``)."""
+    try:
+        probe = plugin.probe()
+    except Exception as exc:  # noqa: BLE001  (a probe must not raise; report it if it does)
+        return Probe(False, f"probe() raised {type(exc).__name__}: {exc}"), True
+    if not isinstance(probe, Probe) or not isinstance(probe.available, bool) or not isinstance(probe.reason, str):
+        return Probe(False, f"probe() returned {probe!r:.200}, not a kvxfer Probe(available: bool, reason: str)"), True
+    return probe, False
+
+
+def checked_probe(plugin: Any) -> Probe:
+    """``plugin.probe()``, or an unavailable Probe saying how it broke its contract (:func:`run_probe`)."""
+    return run_probe(plugin)[0]
 
 
 #: The transports' group.
@@ -258,7 +273,7 @@ def get_transport(name: str, *, require_available: bool = True) -> Transport:
     """The transport called ``name``; with ``require_available``, one whose probe says yes."""
     transport = _load(name)
     if require_available:
-        probe = transport.probe()
+        probe = checked_probe(transport)
         if not probe.available:
             raise TransportUnavailable(f"transport {name!r} cannot run here: {probe.reason}")
     return transport

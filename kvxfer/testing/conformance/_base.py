@@ -91,11 +91,10 @@ class KitBase:
         except Exception as exc:  # noqa: BLE001  (the reference missing in any way fails the kit)
             # exc says how to install it when it is not installed (TransportNotFound)
             pytest.fail(f"conformance kit: the reference transport {REFERENCE!r} is needed: {exc}", pytrace=False)
-        try:
-            probe = transport.probe()
-        except Exception as exc:  # noqa: BLE001  (a probe that raises breaks the contract: say so once)
-            pytest.fail(f"conformance kit: transport {name!r}: probe() raised {type(exc).__name__}: {exc}; a probe "
-                        "never raises: return Probe(False, reason) where the transport cannot run", pytrace=False)
+        probe, faulty = registry.run_probe(transport)
+        if faulty:  # a probe that raises, or returns something else, breaks the contract: say so once
+            pytest.fail(f"conformance kit: transport {name!r}: {probe.reason}; a probe never raises and returns a "
+                        "Probe: Probe(False, reason) where the transport cannot run", pytrace=False)
         if not probe.available:
             pytest.skip(f"transport {name!r} cannot run here: {probe.reason}")
         device = cls.kit_device_name(request)

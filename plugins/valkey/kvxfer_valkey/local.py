@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Final
 
-from kvxfer.errors import ConfigError
+from kvxfer import ConfigError
 
 __all__ = ["ValkeyServer", "ValkeyCluster", "TlsTerminator", "valkey_binary", "stunnel_binary", "make_tls_files",
            "free_port"]

@@ -42,7 +42,7 @@ from valkey.crc import key_slot
 from valkey.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, ResponseError, ValkeyError
 from valkey.retry import Retry
 
-from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer import ConfigError
 from kvxfer.store import (
     STORE_API_VERSION,
     GetItem,
@@ -52,6 +52,7 @@ from kvxfer.store import (
     Store,
     StoreCapabilities,
     StoreOptions,
+    StoreUnavailable,
     ThreadedBackend,
     redact_url,
     split_hosts,

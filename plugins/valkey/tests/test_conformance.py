@@ -48,3 +48,14 @@ def test_a_cluster_spreads_keys_over_its_nodes(tmp_path_factory: pytest.TempPath
             assert backend.stats()["nodes"] == "3"
         finally:
             backend.close()
+
+
+def test_the_plugin_imports_only_kvxfers_public_api() -> None:
+    """``kvxfer``, ``kvxfer.transport`` and, for a store backend, ``kvxfer.store``: what a
+    third-party plugin may rely on (``kvxfer.testing.imports``)."""
+    from pathlib import Path
+
+    import kvxfer_valkey
+    from kvxfer.testing.imports import private_imports
+
+    assert private_imports(Path(kvxfer_valkey.__file__).parent) == []

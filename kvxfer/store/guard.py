@@ -1,0 +1,149 @@
+"""The one boundary around a store plugin's backend, as the L2 tier calls it.
+
+The contract (:mod:`kvxfer.store.base`): a backend's ``submit_*`` raise nothing but
+:class:`~kvxfer.errors.StoreUnavailable`, and their futures resolve to the documented results or
+fail with it. :class:`GuardedBackend` holds a backend to that. Anything else it raises or a future
+fails with, and any result of the wrong type or length, becomes a :class:`PluginFault`: a
+StoreUnavailable naming the store, the method and what was wrong. So the tier counts a plugin's
+bug as a store failure (its breaker opens, the server answers from L1): a lookup never gets
+``internal``, and a short answer never passes for one that found nothing. ``stats()`` is held to
+its ``dict[str, str]`` and to the status reply's bounds; a fault there is not a failure of the
+store (its data operations may work), so the tier logs it instead of opening the breaker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Final, TypeVar
+
+from kvxfer.errors import StoreUnavailable
+from kvxfer.protocol.messages import MAX_STATUS_ENTRIES
+from kvxfer.store.base import Backend, GetItem, GetStatus, PutItem
+
+__all__ = ["GuardedBackend", "PluginFault"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The most characters of a key or value of ``stats()`` kept (longer ones are cut).
+MAX_STATS_TEXT: Final = 256
+
+
+class PluginFault(StoreUnavailable):
+    """A store plugin broke its contract (raised something else, or returned a wrong result)."""
+
+
+class GuardedBackend(Backend):
+    """``inner`` behind the boundary; ``store`` names it in every message."""
+
+    def __init__(self, store: str, inner: Backend) -> None:
+        self.store = store
+        self.inner = inner
+
+    def _fault(self, method: str, what: str) -> PluginFault:
+        return PluginFault(f"store {self.store!r}: {method} {what} (a fault of the store plugin: see the "
+                           "contract in kvxfer.store.base)")
+
+    def _submit(self, method: str, check: Callable[[Any], T], *args: Any) -> Future[T]:
+        try:
+            fut = getattr(self.inner, method)(*args)
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            raise self._fault(method, f"raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(fut, Future):
+            raise self._fault(method, f"returned {type(fut).__name__}, not a concurrent.futures.Future")
+        out: Future[T] = Future()
+
+        def done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if isinstance(exc, StoreUnavailable):
+                out.set_exception(exc)
+            elif exc is not None:
+                out.set_exception(self._fault(method, f"failed with {type(exc).__name__}: {exc}"))
+            else:
+                try:
+                    out.set_result(check(f.result()))
+                except ValueError as why:
+                    out.set_exception(self._fault(method, str(why)))
+
+        fut.add_done_callback(done)
+        return out
+
+    def submit_exists(self, keys: Sequence[bytes]) -> Future[list[int]]:
+        n = len(keys)
+        return self._submit("submit_exists", lambda r: _list_of(r, n, _is_size, "sizes (ints >= 0)"), keys)
+
+    def submit_get(self, items: Sequence[GetItem]) -> Future[list[GetStatus]]:
+        n = len(items)
+        return self._submit("submit_get", lambda r: _list_of(r, n, _is_status, "GetStatus values"), items)
+
+    def submit_put(self, items: Sequence[PutItem]) -> Future[list[bool]]:
+        n = len(items)
+        return self._submit("submit_put", lambda r: _list_of(r, n, _is_bool, "bools"), items)
+
+    def submit_delete(self, keys: Sequence[bytes]) -> Future[int]:
+        return self._submit("submit_delete", _count, keys)
+
+    def ping(self) -> None:
+        self._call("ping")
+
+    def stats(self) -> dict[str, str]:
+        """The inner ``stats()`` as strings, at most the status reply's entries of at most
+        :data:`MAX_STATS_TEXT` characters each."""
+        got = self._call("stats")
+        if not isinstance(got, Mapping):
+            raise self._fault("stats", f"returned {type(got).__name__}, not a dict of str to str")
+        out: dict[str, str] = {}
+        for k, v in got.items():
+            if len(out) == MAX_STATUS_ENTRIES:
+                break
+            out[str(k)[:MAX_STATS_TEXT]] = str(v)[:MAX_STATS_TEXT]
+        return out
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        except Exception:  # noqa: BLE001  (a close that raises leaves nothing to do but say so)
+            log.exception("store %r: close() raised (a fault of the store plugin)", self.store)
+
+    def _call(self, method: str) -> Any:
+        try:
+            return getattr(self.inner, method)()
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            raise self._fault(method, f"raised {type(exc).__name__}: {exc}") from exc
+
+
+def _is_size(x: object) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _is_status(x: object) -> bool:
+    return isinstance(x, GetStatus)
+
+
+def _is_bool(x: object) -> bool:
+    return type(x) is bool
+
+
+def _list_of(result: object, n: int, ok: Callable[[object], bool], what: str) -> list[Any]:
+    """``result`` as a list of ``n`` items that pass ``ok``; ValueError saying what is wrong."""
+    if not isinstance(result, (list, tuple)):
+        raise ValueError(f"resolved to {type(result).__name__}, not a list of {n} {what}")
+    if len(result) != n:
+        raise ValueError(f"resolved to {len(result)} results for {n} keys")
+    for x in result:
+        if not ok(x):
+            raise ValueError(f"resolved to {x!r:.80} among its results, not one of {what}")
+    return list(result)
+
+
+def _count(result: object) -> int:
+    if type(result) is not int or result < 0:
+        raise ValueError(f"resolved to {result!r:.80}, not a count (an int >= 0)")
+    return result

@@ -1,0 +1,161 @@
+"""A store plugin that breaks the store contract, behind a real server: ``test_faulty`` (the ``fs``
+store of the really installed test plugin, faulty as its fault file says, turned on and off while
+the server runs). Its faults are counted as store failures (the server answers from L1, never
+``internal``), a short answer loses no chunk, a fault in ``stats()`` does not take L2 down, and a
+fault in ``open()`` stops ``kvxfer serve`` with the store's name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, env_with, flash_attn_kv, wait_until
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.protocol import messages as m
+from kvxfer.testing.server import ServerProcess
+
+
+def _server(test_plugin_path: Path, l2: Path) -> ServerProcess:
+    return ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
+                         extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", "--l2-timeout", "0.5"])
+
+
+def _tier(c: CacheClient) -> m.TierStatus:
+    return c.status().tiers[0]
+
+
+def _internal_errors(c: CacheClient) -> int:
+    return c.status().errors_by_code.get("internal", 0)
+
+
+@pytest.mark.parametrize("fault", ["exists_raises", "exists_short", "exists_strings", "put_ints"])
+def test_a_faulty_write_path_loses_no_chunk_and_is_counted(test_plugin_path: Path, tmp_path: Path, fault: str) -> None:
+    """The writers check what L2 holds before they write: a check that raises or answers wrong
+    (one size too few made chunks count as stored that were not) fails the batch, counted as a
+    store error, never as written or skipped; a put answered wrong likewise. With the fault gone
+    the same chunks are written and come back from L2."""
+    l2 = tmp_path / "l2"
+    fault_file = Path(f"{l2}.fault")
+    with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="faulty", block_size=BLOCK_SIZE,
+                        transport="cpu_gather")
+        hashes = chunk_hashes(list(range(4 * CHUNK_SIZE)), CHUNK_SIZE, salt=fault)
+        fault_file.write_text(fault)
+        assert kv.submit_store(hashes, list(range(4 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1, 2, 3]
+        wait_until(lambda: _tier(c).errors >= 1 and _tier(c).queue_depth == 0, timeout=30)
+        t = _tier(c)
+        assert t.write_skipped == 0, f"a faulty check passed chunks as stored: {t}"
+        assert t.writes == 0, f"a batch whose check or put was answered wrong counted as written: {t}"
+        assert _internal_errors(c) == 0
+        fault_file.unlink()
+        wait_until(lambda: _tier(c).state == "up", timeout=30)
+        # stored again with the store healthy: written, and loaded from L2 once L1 drops them
+        c.clear("faulty")
+        assert kv.submit_store(hashes, list(range(4 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1, 2, 3]
+        wait_until(lambda: (x := _tier(c)).writes + x.write_skipped >= 4 and x.queue_depth == 0, timeout=30)
+        assert c.clear("faulty") == 4
+        lease = c.lookup_and_lease("faulty", hashes=hashes, lease_s=30)
+        assert (lease.hits, lease.l2_hits) == (4, 4)
+        got = kv.submit_retrieve(hashes, list(range(4 * BLOCKS_PER_CHUNK, 8 * BLOCKS_PER_CHUNK)),
+                                 lease_id=lease.lease_id).result(30)
+        assert got.loaded == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("fault", ["exists_raises", "exists_short", "exists_strings", "get_fails"])
+def test_a_faulty_lookup_or_promotion_is_a_miss_from_l2_not_an_internal_error(test_plugin_path: Path, tmp_path: Path,
+                                                                             fault: str) -> None:
+    """Chunks only L2 holds: with the store's check or get faulty, a lookup answers what L1 has
+    (an ``internal`` error before: ``TypeError``, ``KeyError``), the fault is counted, and a
+    retrieve of a chunk whose promotion failed reports it missing."""
+    l2 = tmp_path / "l2"
+    with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="faulty", block_size=BLOCK_SIZE,
+                        transport="cpu_gather")
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=f"lookup-{fault}")
+        assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+        wait_until(lambda: (t := _tier(c)).writes == 2 and t.queue_depth == 0, timeout=30)
+        assert c.clear("faulty") == 2
+        Path(f"{l2}.fault").write_text(fault)
+        before = _tier(c).errors + _tier(c).promote_failures
+        lease = c.lookup_and_lease("faulty", hashes=hashes, lease_s=30)
+        if fault == "get_fails":  # the check works: both found in L2, their promotion fails
+            assert (lease.hits, lease.l2_hits) == (2, 2)
+            got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)),
+                                     lease_id=lease.lease_id).result(30)
+            assert got.missing == [0, 1]
+        else:
+            assert (lease.hits, lease.l2_hits) == (0, 0)
+        wait_until(lambda: _tier(c).errors + _tier(c).promote_failures > before, timeout=10)
+        assert _internal_errors(c) == 0
+
+
+def test_a_fault_in_stats_does_not_take_l2_down(test_plugin_path: Path, tmp_path: Path) -> None:
+    """``stats()`` raising is the plugin's bug, not the store gone: its data operations work, so
+    the tier stays up (before, it went down every few seconds, its breaker opened by the health
+    thread's stats calls); the figures are left out."""
+    l2 = tmp_path / "l2"
+    Path(f"{l2}.fault").write_text("stats_raises")
+    with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        deadline = time.monotonic() + 7  # the health thread asks for stats every few seconds
+        while time.monotonic() < deadline:
+            t = _tier(c)
+            assert t.state == "up" and t.outages == 0 and t.errors == 0, t
+            time.sleep(0.25)
+        assert t.store_stats == {}
+
+
+def test_a_fault_in_open_stops_serve_naming_the_store(test_plugin_path: Path, tmp_path: Path) -> None:
+    """``open()`` may raise ConfigError (a bad URL) or StoreUnavailable (no answer: L2 starts down
+    and is retried); anything else is a fault of the plugin, which no retry mends."""
+    l2 = tmp_path / "l2"
+    Path(f"{l2}.fault").write_text("open_raises")
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/s.sock", "--l1-size",
+                          "8MiB", "--l2", "test_faulty", "--l2-url", f"file://{l2}"],
+                         capture_output=True, text=True, timeout=120, env=env_with(test_plugin_path))
+    assert out.returncode == 2, out.stderr
+    assert "store 'test_faulty': open() raised ValueError: open exploded (a fault of the store plugin" in out.stderr
+
+
+def test_a_probe_that_breaks_its_contract_is_the_plugins_fault_alone(test_plugin_path: Path, tmp_path: Path) -> None:
+    """A store whose ``probe()`` returns something other than a Probe crashed ``kvxfer plugins``
+    (every plugin's listing) and ``kvxfer serve --l2`` with a traceback: it is listed as
+    unavailable, saying what its probe returned, and ``serve`` stops with that message."""
+    env = env_with(test_plugin_path)
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "plugins", "--json"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    stores = {p["name"]: p for p in json.loads(out.stdout)["stores"]}
+    assert stores["test_wrongprobe"]["health"] == "unavailable"
+    assert "probe() returned True, not a kvxfer Probe" in stores["test_wrongprobe"]["detail"]
+    assert stores["fs"]["health"] == "available" and stores["test_faulty"]["health"] == "available"
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/s.sock", "--l1-size",
+                          "8MiB", "--l2", "test_wrongprobe", "--l2-url", f"file://{tmp_path}/l2"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "probe() returned True, not a kvxfer Probe" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("store, fault, url_options, failing", [
+    ("test_sharedclaim", "", "", "test_kit_a_shared_store_is_shared_with_another_process"),
+    ("test_faulty", "exists_short", "", "test_kit_absent_keys_have_size_zero_and_get_as_miss"),
+    ("fs", "", "?max_size=32MiB", "test_kit_large_value_round_trips"),  # holds less than it claims
+    ("test_wrongprobe", "", "", "probe() returned True, not a kvxfer Probe"),
+])
+def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: Path, tmp_path: Path, store: str,
+                                                             fault: str, url_options: str, failing: str) -> None:
+    """The store kit (``--pyargs kvxfer.testing.store_suite``) run against stores that break a
+    claim or the contract: each fails, in the kit test that checks it (and says what it saw)."""
+    l2 = tmp_path / "l2"
+    if fault:
+        Path(f"{l2}.fault").write_text(fault)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kvxfer-store", store,
+                          "--kvxfer-store-url", f"file://{l2}{url_options}", "--pyargs", "kvxfer.testing.store_suite",
+                          "-k", "not through_a_server"],
+                         capture_output=True, text=True, timeout=300, env=env_with(test_plugin_path), cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert failing in out.stdout, out.stdout
