@@ -152,6 +152,10 @@ class TierConfig:
             raise ConfigError(f"--l2 {self.store} needs --l2-url ({_url_hint(self.store)}; docs/l2.md)")
 
 
+#: A backend's submit_exists that takes longer than this on the loop is reported (it must not block).
+_SUBMIT_BLOCKED_S: Final = 0.005
+
+
 def _url_hint(store: str) -> str:
     """What an URL of ``store`` looks like, from its ``url_schemes`` (when it loads)."""
     try:
@@ -666,6 +670,10 @@ class L2Tier:
                 self.write_refused += r
                 self._count("drops", r)  # refused by a full store that may not evict: not in L2
                 self.write_bytes += n
+                if r:  # not a full queue: the store said no (its budget, its largest value)
+                    self._throttled.warning("refused", f"L2 store {self.store.name} refused {r} of {len(batch)} "
+                                            "values (no room it will make: its size budget, or values larger "
+                                            "than it holds); they stay in L1 only")
 
             if self._stopping:
                 done()  # the loop no longer runs; the arena outlives this thread (close joins it)
@@ -759,11 +767,17 @@ class L2Tier:
                 self._sync_watch(loop)
             sent = bool(self._watched_fds) and loop.exists_nowait(l2, lk.arrived)
         if not sent:
+            start = time.perf_counter()
             try:
                 fut = backend.submit_exists(l2)
             except StoreUnavailable as exc:
                 self._failed(exc, "lookup")
                 return None
+            took = time.perf_counter() - start
+            if took > _SUBMIT_BLOCKED_S:  # the loop waited: every client did
+                self._throttled.warning("blocking submit", f"L2 store {self.store.name}: submit_exists took "
+                                        f"{took * 1e3:.1f} ms on the server's loop; a submit must return at once "
+                                        "and run the operation on the backend's threads (ThreadedBackend does)")
             fut.add_done_callback(functools.partial(_answer_on_loop, lk))
         if not lk.done():  # (an answer within the send has been counted out already)
             lk.in_flight = len(l2)

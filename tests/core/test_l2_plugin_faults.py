@@ -94,6 +94,21 @@ def test_a_faulty_lookup_or_promotion_is_a_miss_from_l2_not_an_internal_error(te
         assert _internal_errors(c) == 0
 
 
+def test_a_submit_that_blocks_the_loop_is_reported(test_plugin_path: Path, tmp_path: Path) -> None:
+    """A ``submit_exists`` that does its work before it returns holds the server's loop, and so
+    every client, for as long (the store kit cannot tell it from a fast store): the server logs
+    how long, once a second at most."""
+    l2 = tmp_path / "l2"
+    with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        Path(f"{l2}.fault").write_text("exists_blocks")
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="blocks")
+        for _ in range(6):  # 0.3 s of blocked loop
+            c.lookup_and_lease("faulty", hashes=hashes, lease_s=1, promote=False)
+        wait_until(lambda: "submit_exists took" in srv.log(), timeout=10)
+        assert srv.log().count("submit_exists took") < 6, "once a second at most"
+        assert "a submit must return at once" in srv.log()
+
+
 def test_a_fault_in_stats_does_not_take_l2_down(test_plugin_path: Path, tmp_path: Path) -> None:
     """``stats()`` raising is the plugin's bug, not the store gone: its data operations work, so
     the tier stays up (before, it went down every few seconds, its breaker opened by the health
