@@ -365,6 +365,19 @@ class ServerCollector(Collector):
         yield from families(snap)
 
 
+def _only_at_metrics(app: Any) -> Any:
+    """``app`` at ``/metrics`` (and ``/``, where Prometheus' own exporters answer too); 404 for
+    any other path, so that a scraper or a probe misconfigured gets an error, not the figures."""
+
+    def only(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ.get("PATH_INFO", "") in ("/metrics", "/"):
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"kvxfer serves its metrics at /metrics\n"]
+
+    return only
+
+
 class _QuietHandler(WSGIRequestHandler):
     """Logs nothing per request (a scrape a second would flood the log)."""
 
@@ -480,8 +493,8 @@ class MetricsExporter:
             self._httpd = _BoundedHttpServer((str(sockaddr[0]), port), _QuietHandler, family=family,
                                              max_connections=MAX_SCRAPERS, lifetime_s=SCRAPE_CONNECTION_S,
                                              per_s=MAX_SCRAPES_PER_S)
-            self._httpd.set_app(make_wsgi_app(self.registry))
-        except OSError as exc:
+            self._httpd.set_app(_only_at_metrics(make_wsgi_app(self.registry)))
+        except (OSError, UnicodeError) as exc:  # (a host name that is no IDNA label: UnicodeError)
             raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}; choose another --metrics-port "
                               "(0 picks a free one) or --metrics-host") from None
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},

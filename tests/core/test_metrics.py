@@ -73,6 +73,32 @@ def test_metrics_url_is_local_and_announced(server: ServerProcess, url: str) -> 
     assert f"metrics at {url}" in server.log()
 
 
+def test_only_the_metrics_path_serves_the_figures(url: str) -> None:
+    """Any other path is a 404 (a misconfigured scraper or probe gets an error, not the figures)."""
+    import urllib.error
+
+    base = url.rsplit("/", 1)[0]
+    assert "kvxfer_lookups_total" in scrape_text(url) and "kvxfer_lookups_total" in scrape_text(base + "/")
+    for path in ("/etc/passwd", "/metrics/x", "/favicon.ico"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(base + path, timeout=30)
+        assert info.value.code == 404, path
+
+
+def test_a_metrics_host_that_is_no_host_name_is_a_clean_error(tmp_path) -> None:
+    """``getaddrinfo`` raises UnicodeError (not OSError) for a label it cannot encode: a traceback
+    and exit code 1 before."""
+    import subprocess
+    import sys
+
+    for host in ("a..b", "x" * 64):
+        out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/s.sock",
+                              "--l1-size", "8MiB", "--metrics-port", "0", "--metrics-host", host],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "cannot serve metrics on" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
 def test_counters_move_by_exactly_what_the_workload_did(client: CacheClient, url: str) -> None:
     kv = client.register(flash_attn_kv(), model_name="alpha", block_size=BLOCK_SIZE, transport="cpu_gather")
     chunk = kv.layout.chunk_bytes(CHUNK_SIZE)
