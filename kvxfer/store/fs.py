@@ -146,6 +146,12 @@ class FsBackend(ThreadedBackend):
             os.fchmod(self._root_fd, 0o700)
             self._lock_fd = os.open(_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                                     dir_fd=self._root_fd)
+        except OSError as exc:  # a link or a directory planted as the lock file: refused, not followed
+            os.close(self._root_fd)
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EACCES, errno.EPERM):
+                raise ConfigError(f"the fs store's lock file {root / _LOCK_NAME} is not a regular file of yours "
+                                  f"({exc.strerror}): remove it, or choose another --l2-url") from None
+            raise
         except BaseException:
             os.close(self._root_fd)
             raise

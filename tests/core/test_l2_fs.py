@@ -338,3 +338,19 @@ def test_url_options(tmp_path: Path) -> None:
     assert parse_fs_url(f"file://{tmp_path}/c?fsync=on")[2] and not parse_fs_url(f"file://{tmp_path}/c?fsync=off")[2]
     with pytest.raises(ConfigError, match="fsync must be 0 or 1"):
         parse_fs_url(f"file://{tmp_path}/c?fsync=always")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_a_lock_file_planted_as_a_link_or_directory_is_refused_with_what_to_do(tmp_path: Path, kind: str) -> None:
+    """The lock file is opened without following links: one planted in its place was an
+    OSError with no advice (and L2 started down, retrying for ever)."""
+    root = tmp_path / "l2"
+    root.mkdir(mode=0o700)
+    lock = root / ".kvxfer-fs.lock"
+    if kind == "symlink":
+        lock.symlink_to(tmp_path / "elsewhere")
+    else:
+        lock.mkdir()
+    with pytest.raises(ConfigError, match="lock file .* is not a regular file of yours .*remove it"):
+        FsStore().open(f"file://{root}", StoreOptions())
+    assert not (tmp_path / "elsewhere").exists()
