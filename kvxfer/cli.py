@@ -111,6 +111,13 @@ def _limits(args: argparse.Namespace) -> Limits:
     return Limits(**given)
 
 
+def _given(option: str, value: str) -> str:
+    """``value``, unless it is empty (``--shm-dir ''`` would be the current directory)."""
+    if not value.strip():
+        raise ConfigError(f"{option} is empty: give a directory")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvxfer.server import CacheServer, ServerConfig
 
@@ -123,8 +130,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         url=args.url,
         l1_size=parse_size(args.l1_size),
         chunk_size=args.chunk_size,
-        transports=tuple(t.strip() for t in args.transports.split(",") if t.strip()) if args.transports else None,
-        shm_dir=os.path.abspath(args.shm_dir),  # clients map the arena by the path the server gives them
+        transports=tuple(dict.fromkeys(t.strip() for t in args.transports.split(",") if t.strip()))  # each once
+        if args.transports else None,
+        shm_dir=os.path.abspath(_given("--shm-dir", args.shm_dir)),  # clients map the arena by its path
         session_timeout_s=args.session_timeout,
         heartbeat_s=min(1.0, args.session_timeout / 3),
         max_message_size=parse_size(args.max_message_size),

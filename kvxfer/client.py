@@ -265,6 +265,9 @@ class CacheClient:
             return (f"no kvxfer server is listening at {self.url}: its socket file is left from a server that "
                     f"did not stop cleanly (nothing accepts connections on it); start one with "
                     f"`{_serve_command(self.url)}` (it replaces the file)")
+        if self.url.startswith("inproc://"):
+            return (f"no kvxfer server is reachable at {self.url}: an inproc:// server (CacheServer in a process) "
+                    f"answers only clients of its own process; give a server's ipc:// or tcp:// address{cause}")
         what = "connection refused" if knocked == "refused" else knocked
         return (f"no kvxfer server is listening at {self.url} ({what}){cause}; start one with "
                 f"`{_serve_command(self.url)}`")

@@ -87,19 +87,19 @@ _STATS_EVERY_S: Final = 5.0
 _STATS_RETRY_S: Final = 0.5
 
 
+#: The most lookups ``hits:N`` may wait for (a chunk found more often than this is hot by any measure).
+MAX_ADMISSION_HITS: Final = 1_000_000
+
+
 def parse_admission(text: str) -> int:
     """``"all"`` -> 0; ``"hits:N"`` -> N (write a chunk to L2 once N lookups found it in L1)."""
     if text == "all":
         return 0
-    if text.startswith("hits:"):
-        try:
-            n = int(text[5:])
-        except ValueError:
-            n = 0
-        if n > 0:
-            return n
+    digits = text[5:] if text.startswith("hits:") else ""
+    if digits.isascii() and digits.isdigit() and 0 < int(digits) <= MAX_ADMISSION_HITS:  # int() takes " 3", "٣"
+        return int(digits)
     raise ConfigError(f"--l2-admission {text!r}: use 'all' (every stored chunk) or 'hits:N' (a chunk once N "
-                      "lookups found it, N >= 1)")
+                      f"lookups found it, N in [1, {MAX_ADMISSION_HITS}])")
 
 
 @dataclass(frozen=True)

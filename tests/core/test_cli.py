@@ -187,6 +187,8 @@ def test_bad_arguments(capsys) -> None:
     err = capsys.readouterr().err
     assert info.value.code == 2 and "kvxfer serve: error: unrecognized arguments: --l1size 4GiB" in err, err
     assert "usage: kvxfer serve" in err and "--l1-size" in err, err
+    assert main(["serve", "--shm-dir", "", "--l1-size", "8MiB"]) == 2  # the arena went to the current directory
+    assert "--shm-dir is empty" in capsys.readouterr().err
 
 
 def test_every_option_says_what_it_does() -> None:
@@ -591,3 +593,22 @@ def test_serve_at_a_url_naming_a_directory_says_to_name_the_socket_in_it(tmp_pat
     proc = run("serve", "--url", f"ipc://{tmp_path}/run", "--l1-size", "64TiB")
     assert proc.returncode == 2, proc.stderr
     assert f"names the directory {tmp_path}/run: name the socket to make in it" in proc.stderr, proc.stderr
+
+
+def test_a_transport_named_twice_is_loaded_once(tmp_path: Path) -> None:
+    """``--transports cpu_gather,cpu_gather`` loaded the plugin twice: its second registration
+    as a hook plugin failed with an ERROR and a traceback about hook specs."""
+    from kvxfer import CacheClient
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather,cpu_gather") as srv, \
+            CacheClient(srv.url, timeout=30) as client:
+        assert [t.name for t in client.status().transports] == ["cpu_gather"]
+        assert "Traceback" not in srv.log() and "ERROR" not in srv.log(), srv.log()
+
+
+def test_status_at_an_inproc_url_says_it_is_reachable_only_in_its_process() -> None:
+    """It said to start one with `kvxfer serve --url inproc://x`, which serve refuses."""
+    proc = run("status", "--url", "inproc://x", "--timeout", "1")
+    assert proc.returncode == 2 and "answers only clients of its own process" in proc.stderr, proc.stderr
+    assert "kvxfer serve --url inproc" not in proc.stderr

@@ -114,7 +114,8 @@ def test_the_l2_keys_a_lookup_derives_are_those_of_l2_key(model: str, world_size
 
 def test_admission_and_config_are_validated_with_a_way_out() -> None:
     assert parse_admission("all") == 0 and parse_admission("hits:3") == 3
-    for bad in ("some", "hits:0", "hits:x"):
+    # int() takes blanks, signs and non-ASCII digits: none of them is what N means here
+    for bad in ("some", "hits:0", "hits:x", "hits: 3", "hits:+3", "hits:\u0663", "hits:99999999999999999999"):
         with pytest.raises(ConfigError, match="'all'.*'hits:N'"):
             parse_admission(bad)
     with pytest.raises(ConfigError, match="needs --l2-url"):
