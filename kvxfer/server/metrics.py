@@ -17,9 +17,10 @@ and nothing is written to disk. Every family is documented in ``docs/metrics.md`
 
 The HTTP endpoint listens on TCP, where any local user (or anyone who can reach
 ``--metrics-host``) may connect, so what a connection can hold is bounded
-(:class:`_BoundedHttpServer`): at most :data:`MAX_SCRAPERS` connections are served at once
-(more are closed as they come), and each is closed :data:`SCRAPE_CONNECTION_S` after it was
-accepted, whatever it is doing (sending its request slowly, or not reading the reply).
+(:class:`_BoundedHttpServer`): at most :data:`MAX_SCRAPERS` connections are served at once (a
+newcomer takes the place of the oldest one that has not sent its request whole; with none such,
+it is closed), and each is closed :data:`SCRAPE_CONNECTION_S` after it was accepted, whatever it
+is doing (sending its request slowly, or not reading the reply).
 Connections are taken at most :data:`MAX_SCRAPES_PER_S` a second (the accept loop waits for the
 next free moment; each connection carries one request, HTTP/1.0), so that scrapes in a loop, or
 connections opened and dropped, or garbage sent, cannot take the loop's snapshots and the
@@ -379,7 +380,16 @@ def _only_at_metrics(app: Any) -> Any:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Logs nothing per request (a scrape a second would flood the log)."""
+    """Logs nothing per request (a scrape a second would flood the log); tells the server when
+    its request is read whole (from then on the connection is not the one evicted for a newcomer)."""
+
+    server: _BoundedHttpServer
+
+    def parse_request(self) -> bool:
+        ok = bool(super().parse_request())
+        if ok:
+            self.server.requested(self.connection)
+        return ok
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
         pass
@@ -403,10 +413,14 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lifetime_s = lifetime_s
         self._lock = threading.Lock()
-        #: connection -> monotonic time past which it is shut down
+        #: connection -> monotonic time past which it is shut down (in order of acceptance)
         self._open: dict[socket.socket, float] = {}
-        #: Connections closed at once because every slot was taken, and those cut at their deadline.
+        #: the open connections whose request was read whole
+        self._whole: set[socket.socket] = set()
+        #: Connections closed at once because every slot was taken by one past its request, those
+        #: cut for a newcomer before their request was whole, and those cut at their deadline.
         self.refused = 0
+        self.evicted = 0
         self.expired = 0
         # bound here, listening from server_activate() on (MetricsExporter.start): a port taken
         # fails at once, yet nothing connects before the server is whole
@@ -422,7 +436,7 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
         if self._next_at > now:
             time.sleep(self._next_at - now)
         self._next_at = max(now, self._next_at) + 1.0 / self._per_s
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not self._evict_for_newcomer():
             self.refused += 1
             self.shutdown_request(request)
             return
@@ -436,6 +450,28 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
             self.shutdown_request(request)
             raise
 
+    def requested(self, request: socket.socket) -> None:
+        """``request`` has sent its request whole (its handler's thread)."""
+        with self._lock:
+            self._whole.add(request)
+
+    def _evict_for_newcomer(self) -> bool:
+        """Every slot is taken: shut down the oldest connection that has not sent its request
+        whole (idle, or sending it slowly), and take its slot once its thread let it go (within
+        a second). So connections that never finish a request cannot keep a scraper out for
+        ``lifetime_s``; one whose request is read is never cut for a newcomer. False when every
+        connection is past its request (the newcomer is refused)."""
+        with self._lock:
+            idle = [r for r in self._open if r not in self._whole]  # in order of acceptance
+        if not idle:
+            return False
+        self.evicted += 1
+        try:
+            idle[0].shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return self._slots.acquire(timeout=1.0)
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
@@ -445,6 +481,7 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
     def _forget(self, request: Any) -> None:
         with self._lock:
             known = self._open.pop(request, None) is not None
+            self._whole.discard(request)
         if known:
             self._slots.release()
 

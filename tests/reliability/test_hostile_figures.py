@@ -90,6 +90,29 @@ def test_the_metrics_endpoint_holds_a_bounded_number_of_connections(server: Serv
     assert "kvxfer_sessions" in text
 
 
+def test_connections_that_never_finish_a_request_do_not_keep_a_scraper_out(server: ServerProcess,
+                                                                             client: CacheClient):
+    """MAX_SCRAPERS connections that send the start of a request and no more held every slot:
+    scrapes were refused until SCRAPE_CONNECTION_S cut them. A newcomer now takes the place of
+    the oldest such connection, so a scrape is answered while they stay; one served is never
+    cut for a newcomer."""
+    url = client.status().metrics_url
+    host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+    slow = []
+    try:
+        for _ in range(2 * MAX_SCRAPERS):  # more than the slots, kept open, each half a request
+            s = socket.create_connection((host, int(port)), timeout=60)
+            s.sendall(b"GET /metrics HTTP/1.0\r\nX-Slow: ")
+            slow.append(s)
+        t0 = time.monotonic()
+        for _ in range(3):
+            assert "kvxfer_sessions" in _scrape(url), "a scrape was refused while half-sent requests held the slots"
+        assert time.monotonic() - t0 < SCRAPE_CONNECTION_S, "scrapes waited for the slow connections' deadline"
+    finally:
+        for s in slow:
+            s.close()
+
+
 def test_scrapes_in_a_loop_are_paced(server: ServerProcess, client: CacheClient):
     """Each answer costs the server's loop a snapshot and its process ~10 ms of interpreter time:
     8 local scrapers in a loop once took a whole core and made lookups 6-60x slower. Connections
