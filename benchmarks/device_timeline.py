@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 
-def _dma_denominators(ctx: Any, nbytes: int, chunk_bytes: int, chunks: int, repeats: int = 10) -> dict[str, float]:
+def _dma_denominators(ctx: Any, dev: Any, nbytes: int, chunk_bytes: int, chunks: int,
+                      repeats: int = 10) -> dict[str, float]:
     """Milliseconds (median) of one pinned copy of ``nbytes`` each way, and of ``chunks`` DMAs
-    of ``chunk_bytes`` between the device and the transport's own (registered) arena mapping."""
+    of ``chunk_bytes`` between the device ``dev`` and the transport's own (registered) arena mapping."""
     import torch
 
-    dev = torch.device("cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     arena = ctx.arena.tensor.view(torch.uint8).view(-1)[:nbytes]
@@ -75,17 +75,35 @@ def _requests(trace: dict[str, Any]) -> list[dict[str, Any]]:
     for r in ranges:
         t0, t1 = float(r["ts"]), float(r["ts"]) + float(r["dur"])
         mine = [e for e in gpu if t0 <= float(e["ts"]) < t1]
-        dmas = [e for e in mine if e["cat"] == "gpu_memcpy" and float(e["dur"]) > 50]  # not the row-id uploads
+        dmas = [e for e in mine if e["cat"] == "gpu_memcpy" and _copy_sized(e)]  # not the row-id uploads
         if not dmas:
             continue
-        first, last = float(dmas[0]["ts"]), float(dmas[-1]["ts"]) + float(dmas[-1]["dur"])
-        busy = sum(float(e["dur"]) for e in dmas)
+        first = float(dmas[0]["ts"])
+        last = max(float(e["ts"]) + float(e["dur"]) for e in dmas)
+        busy = _union_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in dmas])  # (engines overlap)
         end_gpu = max(float(e["ts"]) + float(e["dur"]) for e in mine)
         out.append({"kind": r["name"].split(".", 1)[1], "request_us": t1 - t0, "first_dma_us": first - t0,
                     "dma_span_us": last - first, "dma_busy_us": busy, "dma_idle_us": last - first - busy,
                     "dmas": len(dmas), "gpu_end_us": end_gpu - t0, "after_gpu_us": t1 - end_gpu,
                     "kernels": sum(1 for e in mine if e["cat"] == "kernel")})
     return out
+
+
+def _copy_sized(event: dict[str, Any]) -> bool:
+    """A DMA of the data, not a small upload (row ids): a MiB or more where the trace gives the
+    bytes, else over 50 us."""
+    nbytes = event.get("args", {}).get("bytes")
+    return int(nbytes) >= 1 << 20 if isinstance(nbytes, (int, float)) else float(event["dur"]) > 50
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Time covered by at least one of ``spans`` (two copy engines may run DMAs at once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = CacheClient(server.url)
         model = f"timeline-{os.getpid()}"
         ctx = client.register(kv, model_name=model, block_size=bs, transport=args.transport, layout=args.layout)
-        denominators = _dma_denominators(ctx, nbytes, layout.chunk_bytes(chunk), n)
+        denominators = _dma_denominators(ctx, torch.device(args.device), nbytes, layout.chunk_bytes(chunk), n)
 
         plain: dict[str, list[float]] = {"store": [], "retrieve": []}
 
@@ -180,11 +198,13 @@ def print_summary(result: dict[str, Any]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvxfer.bench_prefix import add_workload_arguments
+    from kvxfer.cli import positive_int
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(p)
-    p.add_argument("--chunks", type=int, default=8, help="chunks per request (default: %(default)s)")
-    p.add_argument("--iters", type=int, default=20, help="profiled stores and retrieves (default: %(default)s)")
+    p.add_argument("--chunks", type=positive_int, default=8, help="chunks per request (default: %(default)s)")
+    p.add_argument("--iters", type=positive_int, default=20,
+                   help="stores and retrieves timed alone, and as many profiled (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write the results here (a directory: a file named by date and commit)")
     return p

@@ -280,8 +280,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with _connect(args, "kvxfer status") as client:
         st = client.status()
-    if args.json:  # JSON escapes control characters, and writes a NaN figure as null (JSON has no NaN)
-        print(msgspec.json.format(msgspec.json.encode(st), indent=2).decode())
+    if args.json:  # ASCII: every character a terminal may act on escaped; a NaN figure is null (JSON has none)
+        print(json.dumps(msgspec.json.decode(msgspec.json.encode(st)), indent=2))
         return 0
     st = printable_struct(st)  # the server's text goes to a terminal
     a = st.arena

@@ -44,7 +44,12 @@ MAX_SESSION_TIMEOUT_S = 3600.0
 #: client decoding a reply refuses more (a hostile server's millions of entries would take
 #: gigabytes in ``kvxfer top``).
 MAX_STATUS_ENTRIES = 64
+#: ...of at most this many characters each key and value (the server cuts longer ones).
+MAX_STATUS_TEXT = 256
 PluginStrings = Annotated[dict[str, str], msgspec.Meta(max_length=MAX_STATUS_ENTRIES)]
+#: ...and at most this many items in each of its lists and maps (registrations, models, traffic,
+#: latency, figures, error codes; a server lists its first registrations only, by model and rank).
+MAX_STATUS_ITEMS = 1 << 16
 
 
 def name_bytes(name: str) -> int:
@@ -119,6 +124,11 @@ class HandshakeReply(Message, frozen=True):
     #: The longest model or client name this server takes, in UTF-8 bytes (``--max-name-length``);
     #: 0 from servers that do not say.
     max_name_length: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_s < self.session_timeout_s:  # (a ValidationError of the decode)
+            raise ValueError(f"heartbeat_s {self.heartbeat_s:g} s is not shorter than session_timeout_s "
+                             f"{self.session_timeout_s:g} s")
 
 
 class Ping(Request["Pong"], frozen=True):
@@ -447,7 +457,7 @@ class TierStatus(Message, frozen=True):
     errors: int = 0
     outages: int = 0
     #: The store's own figures (bytes used, values, nodes), refreshed every few seconds.
-    store_stats: dict[str, str] = {}
+    store_stats: PluginStrings = {}
 class ModelStatus(Message, frozen=True):
     """Lookups and evictions of one model label since the server started. Labels are bounded:
     models beyond the server's ``--metrics-max-models`` (and lookups of models that never
@@ -515,7 +525,7 @@ class MetricSample(Message, frozen=True):
     name: str
     kind: str
     value: float
-    labels: dict[str, str] = {}
+    labels: PluginStrings = {}
     help: str = ""
 
 
@@ -531,9 +541,9 @@ class StatusReply(Message, frozen=True):
     uptime_s: float
     chunk_size: int
     sessions: int
-    contexts: list[ContextStatus]
+    contexts: Annotated[list[ContextStatus], msgspec.Meta(max_length=MAX_STATUS_ITEMS)]
     arena: ArenaStatus
-    transports: list[TransportStatus]
+    transports: Annotated[list[TransportStatus], msgspec.Meta(max_length=MAX_STATUS_ENTRIES)]
     lookups: int
     lookup_chunks: int
     lookup_hits: int
@@ -547,18 +557,18 @@ class StatusReply(Message, frozen=True):
     #: Extra sections contributed by hook plugins: name -> key -> value.
     sections: Annotated[dict[str, PluginStrings], msgspec.Meta(max_length=MAX_STATUS_ENTRIES)] = {}
     #: Storage tiers below the arena (``kvxfer serve --l2``); empty without one.
-    tiers: list[TierStatus] = []
+    tiers: Annotated[list[TierStatus], msgspec.Meta(max_length=MAX_STATUS_ENTRIES)] = []
     #: ``http://HOST:PORT/metrics`` when the server exports Prometheus metrics, else "".
     metrics_url: str = ""
     #: Requests received and not answered yet (transfers running on worker threads).
     requests_in_flight: int = 0
     #: Error replies since start, by error code.
-    errors_by_code: dict[str, int] = {}
-    models: list[ModelStatus] = []
-    traffic: list[TrafficStatus] = []
-    latency: list[LatencyStatus] = []
+    errors_by_code: Annotated[dict[str, int], msgspec.Meta(max_length=MAX_STATUS_ENTRIES)] = {}
+    models: Annotated[list[ModelStatus], msgspec.Meta(max_length=MAX_STATUS_ITEMS)] = []
+    traffic: Annotated[list[TrafficStatus], msgspec.Meta(max_length=MAX_STATUS_ITEMS)] = []
+    latency: Annotated[list[LatencyStatus], msgspec.Meta(max_length=MAX_STATUS_ITEMS)] = []
     #: Figures contributed by plugins (hook ``kvxfer_metrics``).
-    plugin_metrics: list[MetricSample] = []
+    plugin_metrics: Annotated[list[MetricSample], msgspec.Meta(max_length=MAX_STATUS_ITEMS)] = []
     #: Periodic passes of the server's loop completed since it started (about 4 a second: leases
     #: expired, silent sessions dropped, parked writes of gone clients freed). They run on the
     #: thread that answers status: a reply with more ``ticks`` than an earlier one means a whole

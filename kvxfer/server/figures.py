@@ -30,7 +30,7 @@ MAX_PLUGIN_SAMPLES: Final = 512
 #: Most entries of one plugin's ``status()`` map or status section (more are dropped), and the
 #: most characters of each key and value (longer ones are cut).
 MAX_PLUGIN_STRINGS: Final = m.MAX_STATUS_ENTRIES
-MAX_PLUGIN_TEXT: Final = 256
+MAX_PLUGIN_TEXT: Final = m.MAX_STATUS_TEXT
 _MAX_LABELS: Final = 8
 _MAX_LABEL_VALUE: Final = 128
 _NAME: Final = re.compile(r"kvxfer_[a-z0-9_]*[a-z0-9]")

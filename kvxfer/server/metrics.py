@@ -18,9 +18,10 @@ and nothing is written to disk. Every family is documented in ``docs/metrics.md`
 The HTTP endpoint listens on TCP, where any local user (or anyone who can reach
 ``--metrics-host``) may connect, so what a connection can hold is bounded
 (:class:`_BoundedHttpServer`): at most :data:`MAX_SCRAPERS` connections are served at once (a
-newcomer takes the place of the oldest one that has not sent its request whole; with none such,
-it is closed), and each is closed :data:`SCRAPE_CONNECTION_S` after it was accepted, whatever it
-is doing (sending its request slowly, or not reading the reply).
+newcomer takes the place of the oldest one that has not sent its request whole, or else of one
+answered for more than :data:`SCRAPE_STALLED_S`; with none such, it is closed), and each is
+closed :data:`SCRAPE_CONNECTION_S` after it was accepted, whatever it is doing (sending its
+request slowly, or not reading the reply).
 Connections are taken at most :data:`MAX_SCRAPES_PER_S` a second (the accept loop waits for the
 next free moment; each connection carries one request, HTTP/1.0), so that scrapes in a loop, or
 connections opened and dropped, or garbage sent, cannot take the loop's snapshots and the
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from kvxfer.server.engine import CacheServer
 
 __all__ = ["MetricsExporter", "ServerCollector", "Snapshot", "SCRAPE_TIMEOUT_S", "CORE_FAMILIES", "MAX_SCRAPERS",
-           "SCRAPE_CONNECTION_S", "MAX_SCRAPES_PER_S", "ACCEPT_RETRY_S"]
+           "SCRAPE_CONNECTION_S", "SCRAPE_STALLED_S", "MAX_SCRAPES_PER_S", "ACCEPT_RETRY_S"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ SCRAPE_TIMEOUT_S: Final = 5.0
 MAX_SCRAPERS: Final = 8
 #: Longest life of one connection to the metrics endpoint, from its accept to its close.
 SCRAPE_CONNECTION_S: Final = 15.0
+#: A connection answered for longer than this (past the scrape's wait for the loop and its
+#: send) gives its place to a newcomer when every place is taken: its reader does not read.
+SCRAPE_STALLED_S: Final = SCRAPE_TIMEOUT_S + 3.0
 #: Most connections (each one request) the endpoint takes per second (Prometheus scrapes a target
 #: every few seconds; each answer costs the server's loop a snapshot and its process about 10 ms
 #: of interpreter time).
@@ -457,17 +461,22 @@ class _BoundedHttpServer(ThreadingMixIn, WSGIServer):
 
     def _evict_for_newcomer(self) -> bool:
         """Every slot is taken: shut down the oldest connection that has not sent its request
-        whole (idle, or sending it slowly), and take its slot once its thread let it go (within
-        a second). So connections that never finish a request cannot keep a scraper out for
-        ``lifetime_s``; one whose request is read is never cut for a newcomer. False when every
-        connection is past its request (the newcomer is refused)."""
-        with self._lock:
-            idle = [r for r in self._open if r not in self._whole]  # in order of acceptance
-        if not idle:
+        whole (idle, or sending it slowly), else the oldest one answered for more than
+        :data:`SCRAPE_STALLED_S` (its reader does not read), and take its slot once its thread let
+        it go (within a second). So connections that never finish a request, or never read the
+        answer, cannot keep a scraper out for ``lifetime_s``. False when every connection is
+        being answered and none for that long (the newcomer is refused)."""
+        now = time.monotonic()
+        with self._lock:  # in order of acceptance
+            idle = [r for r in self._open if r not in self._whole]
+            stalled = [r for r, deadline in self._open.items()
+                       if deadline - self._lifetime_s + SCRAPE_STALLED_S <= now]
+        victims = idle or stalled
+        if not victims:
             return False
         self.evicted += 1
         try:
-            idle[0].shutdown(socket.SHUT_RDWR)
+            victims[0].shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         return self._slots.acquire(timeout=1.0)

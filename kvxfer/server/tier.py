@@ -70,7 +70,7 @@ from kvxfer.store.format import (
     encode_header,
     l2_key,
 )
-from kvxfer.store.guard import GuardedBackend, PluginFault
+from kvxfer.store.guard import GuardedBackend, PluginFault, check_sizes
 from kvxfer.store.registry import get_store
 
 __all__ = ["TierConfig", "L2Tier", "Breaker", "parse_admission"]
@@ -92,11 +92,13 @@ MAX_ADMISSION_HITS: Final = 1_000_000
 
 
 def parse_admission(text: str) -> int:
-    """``"all"`` -> 0; ``"hits:N"`` -> N (write a chunk to L2 once N lookups found it in L1)."""
+    """``"all"`` -> 0; ``"hits:N"`` -> N (write a chunk to L2 once N lookups found it in L1): ASCII
+    digits only (``int()`` takes " 3" and other scripts' digits, and refuses 4,300 digits with a
+    ValueError of its own)."""
     if text == "all":
         return 0
     digits = text[5:] if text.startswith("hits:") else ""
-    if digits.isascii() and digits.isdigit() and 0 < int(digits) <= MAX_ADMISSION_HITS:  # int() takes " 3", "٣"
+    if digits.isascii() and digits.isdigit() and len(digits) <= 7 and 0 < int(digits) <= MAX_ADMISSION_HITS:
         return int(digits)
     raise ConfigError(f"--l2-admission {text!r}: use 'all' (every stored chunk) or 'hits:N' (a chunk once N "
                       f"lookups found it, N in [1, {MAX_ADMISSION_HITS}])")
@@ -152,8 +154,9 @@ class TierConfig:
             raise ConfigError(f"--l2 {self.store} needs --l2-url ({_url_hint(self.store)}; docs/l2.md)")
 
 
-#: A backend's submit_exists that takes longer than this on the loop is reported (it must not block).
-_SUBMIT_BLOCKED_S: Final = 0.005
+#: A backend's submit_exists that takes longer than this on the loop is reported (it must not block;
+#: a garbage collection or a first thread's start may take a few ms).
+_SUBMIT_BLOCKED_S: Final = 0.02
 
 
 def _url_hint(store: str) -> str:
@@ -355,8 +358,9 @@ class TierLookup:
         else:
             self._callbacks.append(fn)
 
-    def arrived(self, sizes: list[int] | None, error: BaseException | None = None) -> None:
-        """The store's answer (None: the check failed, with ``error`` when known), on the loop."""
+    def arrived(self, sizes: list[int] | None, error: BaseException | None = None, checked: bool = False) -> None:
+        """The store's answer (None: the check failed, with ``error`` when known), on the loop;
+        ``checked``: by the guard already (a threaded check), else checked here (a loop check)."""
         tier = self.tier
         tier._landed(self)
         if sizes is None:
@@ -364,13 +368,15 @@ class TierLookup:
                 tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
             self.resolve([])
             return
-        if sizes and len(sizes) != len(self.keys) or sizes and not _sizes_ok(sizes):  # a plugin's loop check
-            if not self._done:
-                tier._failed(PluginFault(f"store {tier.store.name!r}: a loop existence check (LoopExists) answered "
-                                         f"{len(sizes)} sizes for {len(self.keys)} keys, or sizes that are not "
-                                         "ints >= 0 (a fault of the store plugin)"), "lookup")
-            self.resolve([])
-            return
+        if not checked and sizes != []:  # ([]: the store was not asked) a loop check: checked as the guard does
+            try:
+                sizes = check_sizes(sizes, len(self.keys))
+            except ValueError as why:
+                if not self._done:
+                    tier._failed(PluginFault(f"store {tier.store.name!r}: its loop existence check (LoopExists) "
+                                             f"{why} (a fault of the store plugin)"), "lookup")
+                self.resolve([])
+                return
         if sizes and (tier.breaker.failures or not tier.breaker.proven):  # ([]: the store was not asked)
             tier.breaker.success()
         self.resolve(sizes)
@@ -387,20 +393,12 @@ class TierLookup:
         return True
 
 
-def _sizes_ok(sizes: list[int]) -> bool:
-    """Every size an int >= 0 (a lookup's answer, on the loop)."""
-    try:
-        return min(sizes) >= 0 and all(type(x) is int for x in sizes)
-    except TypeError:
-        return False
-
-
 def _answer_on_loop(lk: TierLookup, fut: Future[list[int]]) -> None:
     """Hand a threaded existence check's outcome to its lookup, on the loop (any store failure
     is a miss, counted)."""
     exc = fut.exception()
     sizes = fut.result() if exc is None else None
-    lk.tier.call_soon(lambda: lk.arrived(sizes, exc))
+    lk.tier.call_soon(lambda: lk.arrived(sizes, exc, checked=True))
 
 
 class L2Tier:
@@ -763,9 +761,14 @@ class L2Tier:
         loop = self._loop_exists
         sent = False
         if loop is not None:
-            if loop.loop_fds() is not self._watched_fds:
-                self._sync_watch(loop)
-            sent = bool(self._watched_fds) and loop.exists_nowait(l2, lk.arrived)
+            try:  # plugin code on the loop: what it raises is a failed check, never the lookup's error
+                if loop.loop_fds() is not self._watched_fds:
+                    self._sync_watch(loop)
+                sent = bool(self._watched_fds) and loop.exists_nowait(l2, lk.arrived)
+            except Exception as exc:  # noqa: BLE001  (then through the backend's threads, as for any refusal)
+                self._failed(PluginFault(f"store {self.store.name!r}: its loop existence check raised "
+                                         f"{type(exc).__name__}: {exc} (a fault of the store plugin)"), "lookup")
+                sent = False
         if not sent:
             start = time.perf_counter()
             try:
@@ -827,16 +830,24 @@ class L2Tier:
         self._watched_fds = fds
 
     def _readable(self, backend: LoopExists, fd: int) -> None:
-        backend.on_readable(fd)
-        if backend.loop_fds() is not self._watched_fds:
-            self._sync_watch(backend)
+        try:  # plugin code on the loop (the lookups it left unanswered end at their timeout)
+            backend.on_readable(fd)
+            if backend.loop_fds() is not self._watched_fds:
+                self._sync_watch(backend)
+        except Exception as exc:  # noqa: BLE001  (counted as the store's failure, never the loop's)
+            self._failed(PluginFault(f"store {self.store.name!r}: on_readable raised {type(exc).__name__}: {exc} "
+                                     "(a fault of the store plugin)"), "lookup")
 
     def tick(self) -> None:
         """On the loop, a few times a second: poll a new loop connection of the store (so that
         its loss is seen at once), and answer lookups whose store did not (a backstop: backends
         bound their own operations by ``timeout_s``)."""
         if self._loop_exists is not None:
-            self._sync_watch(self._loop_exists)
+            try:
+                self._sync_watch(self._loop_exists)
+            except Exception as exc:  # noqa: BLE001  (plugin code on the loop: counted, never the loop's)
+                self._failed(PluginFault(f"store {self.store.name!r}: its loop connections raised "
+                                         f"{type(exc).__name__}: {exc} (a fault of the store plugin)"), "lookup")
         if not self._waiting:
             return
         now = time.monotonic()

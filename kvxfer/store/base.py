@@ -265,15 +265,20 @@ _URL_BLANKS: Final = str.maketrans("", "", "\t\r\n")
 
 
 def split_hosts(url: str) -> list[str]:
-    """The comma-separated parts of a store URL, ``scheme://[USER[:PASSWORD]@]HOST[,HOST2...]``
-    (each later part a host, or a URL of its own): split at the commas after the first URL's user
-    info only, which may hold commas (RFC 3986 allows them there, unescaped)."""
+    """The comma-separated parts of a store URL, ``scheme://[USER[:PASSWORD]@]HOST[,HOST2...][?OPTIONS]``
+    (each later part a host, or a URL of its own): split at the commas between the first URL's
+    user info and the options only. The user info may hold commas (RFC 3986 allows them there,
+    unescaped), and so may an option's value (``ssl_ciphers=A,B``); the options stay with the last
+    part."""
     start = url.find("://")
     start = start + 3 if start >= 0 else 0
     ends = [i for i in (url.find(c, start) for c in "/?#") if i >= 0]
     at = url.rfind("@", start, min(ends, default=len(url)))
-    parts = url[at + 1:].split(",")
+    rest = url[at + 1:]
+    opts = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    parts = rest[:opts].split(",")
     parts[0] = url[:at + 1] + parts[0]
+    parts[-1] += rest[opts:]
     return parts
 
 

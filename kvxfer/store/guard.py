@@ -16,21 +16,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 from kvxfer.errors import StoreUnavailable
-from kvxfer.protocol.messages import MAX_STATUS_ENTRIES
+from kvxfer.protocol.messages import MAX_STATUS_ENTRIES, MAX_STATUS_TEXT
 from kvxfer.store.base import Backend, GetItem, GetStatus, PutItem
 
-__all__ = ["GuardedBackend", "PluginFault"]
+__all__ = ["GuardedBackend", "PluginFault", "check_sizes"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: The most characters of a key or value of ``stats()`` kept (longer ones are cut).
-MAX_STATS_TEXT: Final = 256
-
 
 class PluginFault(StoreUnavailable):
     """A store plugin broke its contract (raised something else, or returned a wrong result)."""
@@ -58,24 +54,30 @@ class GuardedBackend(Backend):
             raise self._fault(method, f"returned {type(fut).__name__}, not a concurrent.futures.Future")
         out: Future[T] = Future()
 
-        def done(f: Future[Any]) -> None:
-            exc = f.exception()
-            if isinstance(exc, StoreUnavailable):
-                out.set_exception(exc)
-            elif exc is not None:
-                out.set_exception(self._fault(method, f"failed with {type(exc).__name__}: {exc}"))
+        def done(f: Future[Any]) -> None:  # resolves ``out`` in every case: a caller may wait without a timeout
+            try:
+                if f.cancelled():
+                    raise self._fault(method, "returned a future that was cancelled")
+                exc = f.exception()
+                if isinstance(exc, StoreUnavailable):
+                    raise exc
+                if exc is not None:
+                    raise self._fault(method, f"failed with {type(exc).__name__}: {exc}")
+                result = check(f.result())
+            except StoreUnavailable as failed:
+                out.set_exception(failed)
+            except Exception as why:  # noqa: BLE001  (a check that found the result wrong, or broke on it)
+                out.set_exception(self._fault(method, str(why) if isinstance(why, ValueError) else
+                                              f"resolved to a result that could not be read: {why!r:.120}"))
             else:
-                try:
-                    out.set_result(check(f.result()))
-                except ValueError as why:
-                    out.set_exception(self._fault(method, str(why)))
+                out.set_result(result)
 
         fut.add_done_callback(done)
         return out
 
     def submit_exists(self, keys: Sequence[bytes]) -> Future[list[int]]:
         n = len(keys)
-        return self._submit("submit_exists", lambda r: _list_of(r, n, _is_size, "sizes (ints >= 0)"), keys)
+        return self._submit("submit_exists", lambda r: check_sizes(r, n), keys)
 
     def submit_get(self, items: Sequence[GetItem]) -> Future[list[GetStatus]]:
         n = len(items)
@@ -98,10 +100,13 @@ class GuardedBackend(Backend):
         if not isinstance(got, Mapping):
             raise self._fault("stats", f"returned {type(got).__name__}, not a dict of str to str")
         out: dict[str, str] = {}
-        for k, v in got.items():
-            if len(out) == MAX_STATUS_ENTRIES:
-                break
-            out[str(k)[:MAX_STATS_TEXT]] = str(v)[:MAX_STATS_TEXT]
+        try:
+            for k, v in got.items():
+                if len(out) == MAX_STATUS_ENTRIES:
+                    break
+                out[str(k)[:MAX_STATUS_TEXT]] = str(v)[:MAX_STATUS_TEXT]
+        except Exception as exc:
+            raise self._fault("stats", f"returned what cannot be read as text: {type(exc).__name__}: {exc}") from exc
         return out
 
     def close(self) -> None:
@@ -115,8 +120,16 @@ class GuardedBackend(Backend):
             return getattr(self.inner, method)()
         except StoreUnavailable:
             raise
+        except OSError as exc:  # the store's connection or disk, not the plugin's logic: the store is gone
+            raise StoreUnavailable(f"store {self.store!r}: {method}: {type(exc).__name__}: {exc}") from exc
         except Exception as exc:
             raise self._fault(method, f"raised {type(exc).__name__}: {exc}") from exc
+
+
+def check_sizes(result: object, n: int) -> list[int]:
+    """An existence check's answer for ``n`` keys, as a list of ``n`` ints >= 0 (a ``[]`` for a
+    store that was not asked is the caller's to allow); ValueError saying what is wrong."""
+    return _list_of(result, n, _is_size, "sizes (ints >= 0)")
 
 
 def _is_size(x: object) -> bool:

@@ -198,6 +198,7 @@ def test_device_timeline_reads_each_requests_dmas_from_the_profilers_trace() -> 
                      "kernels": 2}
     assert (retrieve["kind"], retrieve["first_dma_us"], retrieve["dma_idle_us"], retrieve["gpu_end_us"]) == \
         ("retrieve", 300, 0, 700)
+    assert device_timeline._union_us([(0, 10), (5, 15), (20, 25)]) == 20  # two copy engines at once
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_timeline.py")], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "needs --device cuda" in out.stderr

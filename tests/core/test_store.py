@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvxfer.errors import InvalidRequest
+from kvxfer.errors import InvalidRequest, StoreUnavailable
 from kvxfer.server.allocator import ALIGN, Allocator
 from kvxfer.server.index import ChunkIndex, ChunkKey, State, Usage
 
@@ -525,3 +525,66 @@ def test_clear_and_format_of_look_at_one_model_only() -> None:
     assert sorted(index.clear("b")) == sorted(b)
     assert index.format_of("b", 1) is None and index.clear("nobody") == []
     index.allocator.check()
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_the_guard_resolves_every_future_it_hands_out() -> None:
+    """A plugin's future that is cancelled, or whose result cannot even be read, must still end
+    the tier's: the writers wait on them without a timeout. (An in-process stand-in for a broken
+    plugin: the real broken stores behind a server are in test_l2_plugin_faults.py.)"""
+    from concurrent.futures import Future
+
+    from kvxfer.store import Backend
+    from kvxfer.store.guard import GuardedBackend, PluginFault
+
+    class Weird(list):  # a list whose items cannot be looked at
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("no items")
+
+    class Broken(Backend):
+        def submit_exists(self, keys):  # type: ignore[no-untyped-def]
+            fut: Future[object] = Future()
+            fut.cancel()
+            return fut
+
+        def submit_get(self, items):  # type: ignore[no-untyped-def]
+            fut: Future[object] = Future()
+            fut.set_result(Weird([None]))
+            return fut
+
+        def submit_put(self, items):  # type: ignore[no-untyped-def]
+            return [True]  # not a future
+
+        def submit_delete(self, keys):  # type: ignore[no-untyped-def]
+            fut: Future[object] = Future()
+            fut.set_result(True)  # a bool is no count
+            return fut
+
+        def ping(self) -> None:
+            raise ConnectionResetError("gone")
+
+        def stats(self):  # type: ignore[no-untyped-def]
+            return {_Unprintable(): 1}
+
+        def close(self) -> None:
+            raise RuntimeError("close exploded")
+
+    g = GuardedBackend("broken", Broken())
+    with pytest.raises(PluginFault, match="cancelled"):
+        g.submit_exists([b"k"]).result(1)
+    with pytest.raises(PluginFault, match="could not be read"):
+        g.submit_get([(b"k", [])]).result(1)
+    with pytest.raises(PluginFault, match="not a concurrent.futures.Future"):
+        g.submit_put([(b"k", [])])
+    with pytest.raises(PluginFault, match="not a count"):
+        g.submit_delete([b"k"]).result(1)
+    with pytest.raises(StoreUnavailable) as gone:  # an OSError is the store gone, not the plugin's fault
+        g.ping()
+    assert not isinstance(gone.value, PluginFault)
+    with pytest.raises(PluginFault, match="cannot be read as text"):
+        g.stats()
+    g.close()  # logged, not raised

@@ -23,7 +23,7 @@ from kvxfer.mq.stream import FrameReader, pack
 from kvxfer.protocol import messages as m
 
 #: Control sequences a terminal acts on: set the window title, clear the screen, turn text red.
-ESC = "\x1b]0;TITLE\x07\x1b[2J\x1b[31m"
+ESC = "\x1b]0;TITLE\x07\x1b[2J\x1b[31m\x9b31m\u202e\u2028"
 
 
 def _handshake(**changes: Any) -> dict[str, Any]:
@@ -119,12 +119,14 @@ def test_a_servers_text_never_drives_the_terminal(fake: Any) -> None:
     for args in (["status"], ["top", "--once"]):
         out = _kvxfer(*args, "--url", srv.url)
         assert out.returncode == 0, out.stderr
-        assert "\x1b" not in out.stdout and "\x07" not in out.stdout, (args, out.stdout)
+        assert not any(c in out.stdout for c in "\x1b\x07\x9b\u202e\u2028"), (args, out.stdout)
         assert "\\x1b]0;TITLE\\x07" in out.stdout, (args, out.stdout)  # shown, escaped
     out = _kvxfer("status", "--json", "--url", srv.url)
-    assert out.returncode == 0 and "\x1b" not in out.stdout and "NaN" not in out.stdout
+    assert out.returncode == 0 and "NaN" not in out.stdout
+    assert out.stdout.isascii(), "JSON escapes every character a terminal may act on (8-bit C1 controls too)"
     parsed = msgspec.json.decode(out.stdout)
     assert parsed["server_version"] == "0.1.0" + ESC and parsed["uptime_s"] is None
+    assert parsed["url"] == "ipc://x" + ESC
 
 
 def test_a_status_reply_with_more_entries_than_a_server_sends_is_refused(fake: Any) -> None:
@@ -137,10 +139,19 @@ def test_a_status_reply_with_more_entries_than_a_server_sends_is_refused(fake: A
     srv = fake(status=_status(sections={f"s{i}": {} for i in range(m.MAX_STATUS_ENTRIES + 1)}))
     with CacheClient(srv.url, timeout=30) as client, pytest.raises(KvxferError, match="length <= 64"):
         client.status()
+    # every map and list of the reply is bounded so, not only the sections
+    tier = {"name": "l2", "store": "x", "url": "", "state": "up", "store_stats": {str(i): "" for i in range(65)}}
+    sample = {"name": "kvxfer_x", "kind": "gauge", "value": 1.0, "labels": {str(i): "" for i in range(65)}}
+    for spoilt in ({"tiers": [tier]}, {"plugin_metrics": [sample]}, {"errors_by_code": {str(i): 1 for i in range(65)}},
+                   {"models": [{"model": str(i)} for i in range(m.MAX_STATUS_ITEMS + 1)]}):
+        srv = fake(status=_status(**spoilt))
+        with CacheClient(srv.url, timeout=30) as client, pytest.raises(KvxferError, match="length <= "):
+            client.status()
 
 
 @pytest.mark.parametrize("timing", [{"heartbeat_s": float("nan")}, {"heartbeat_s": 0.0}, {"heartbeat_s": -1.0},
-                                    {"session_timeout_s": float("inf")}, {"session_timeout_s": 0.0}])
+                                    {"session_timeout_s": float("inf")}, {"session_timeout_s": 0.0},
+                                    {"heartbeat_s": 3600.0, "session_timeout_s": 0.5}])
 def test_a_handshake_with_impossible_session_timing_is_refused(fake: Any, timing: dict[str, float]) -> None:
     """The client pings every ``heartbeat_s`` the server announces: NaN killed its I/O thread
     (heartbeats then stopped, the session was lost), 0 or less made it ping a thousand times a

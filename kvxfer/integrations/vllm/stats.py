@@ -60,8 +60,9 @@ except ImportError:
 #: Every figure: name (``vllm:kvxfer_<name>_total`` in vLLM's /metrics) -> what it counts.
 FIELDS: Final[dict[str, str]] = {
     "lookups": "Lookups kvxfer's scheduler side asked the cache server.",
-    "unanswered_lookups": "Lookups the cache server did not answer (unreachable or failing, with "
-                          "kvxfer.on_server_error=recompute): vLLM computed those prompts in full.",
+    "unanswered_lookups": "Lookups of prompts with a whole chunk to ask about that the cache server did not "
+                          "answer (unreachable or failing, with kvxfer.on_server_error=recompute): vLLM computed "
+                          "them without the cache.",
     "lookup_tokens": "Prompt tokens (full chunks beyond vLLM's own prefix-cache hit) the lookups asked about.",
     "hit_tokens": "Tokens the cache server had and kvxfer offered vLLM to load instead of computing.",
     "loads": "Loads kvxfer's workers submitted (one per request and rank).",

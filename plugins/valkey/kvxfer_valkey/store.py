@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import socket
 import threading
 import time
@@ -39,7 +40,14 @@ from valkey.backoff import NoBackoff
 from valkey.cluster import ClusterNode, ValkeyCluster
 from valkey.connection import Connection, ConnectionPool, SSLConnection, parse_url
 from valkey.crc import key_slot
-from valkey.exceptions import AuthenticationError, AuthorizationError, NoPermissionError, ResponseError, ValkeyError
+from valkey.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    NoPermissionError,
+    ResponseError,
+    ValkeyClusterException,
+    ValkeyError,
+)
 from valkey.retry import Retry
 
 from kvxfer import ConfigError
@@ -95,6 +103,9 @@ ACL_COMMANDS: Final = ("get", "set", "strlen", "del", "ping", "info", "dbsize", 
                        *CLUSTER_ACL_COMMANDS)
 
 
+#: How Valkey refuses the database a connection selects ("DB index is out of range", "SELECT is not
+#: allowed in cluster mode").
+_DATABASE_REFUSED: Final = re.compile(r"DB index|SELECT", re.IGNORECASE)
 #: The query options a URL may give, passed to the client as they are: the user, the database
 #: and TLS. The backend sets its own timeouts, retries and client name, and speaks RESP2 on its
 #: loop connections (no ``protocol=3``); any other option is refused, rather than failing every
@@ -120,6 +131,10 @@ def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     parts = [p.strip() for p in split_hosts(url) if p.strip()]
     if not parts:
         raise ConfigError(f"valkey store: empty URL; {_HINT}")
+    if "," in parts[0].partition("://")[2].rpartition("@")[0]:  # not shown: where its password ends is the question
+        raise ConfigError("valkey store: the user info of --l2-url holds a comma (the URL is not shown: it names a "
+                          "password): write a comma in a password as %2C, and give user info in the first URL "
+                          f"only; {_HINT}")
     last, sep, query = parts[-1].partition("?")
     if sep:  # options after the last host apply to every host
         parts = [p.partition("?")[0] for p in parts[:-1]] + [last]
@@ -772,10 +787,13 @@ class ValkeyStore(Store):
                 break
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
                 raise _refused(f"{host}:{port}", exc) from None
-            except ResponseError as exc:  # a command of the connection's set-up (SELECT) refused: not an outage
-                raise ConfigError(f"valkey: {host}:{port} refused the connection's set-up: {exc}; check the "
-                                  "database number of --l2-url (a node has 0-15 unless configured otherwise, "
-                                  "a cluster only 0)") from None
+            except ResponseError as exc:
+                if not _DATABASE_REFUSED.search(str(exc)):
+                    errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
+                    continue
+                # the connection's SELECT of the URL's database refused: a URL to fix, not an outage
+                raise ConfigError(f"valkey: {host}:{port} refused the database of --l2-url: {exc} (a node has "
+                                  "0-15 unless configured otherwise, a cluster only 0)") from None
             except (ValkeyError, StoreUnavailable) as exc:
                 errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
             finally:
@@ -790,6 +808,9 @@ class ValkeyStore(Store):
                     require_full_coverage=False, **kw)
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
                 raise _refused(where, exc) from None
+            except (ValkeyError, ValkeyClusterException, OSError) as exc:  # its nodes went away since the probe
+                raise StoreUnavailable(f"no Valkey cluster node answered at {where}: {type(exc).__name__}: {exc}") \
+                    from None
         else:
             if len(hosts) > 1:
                 raise ConfigError(f"--l2-url lists {len(hosts)} hosts but {hosts[0][0]}:{hosts[0][1]} is not in "
