@@ -2,7 +2,8 @@
 
 The contract (:mod:`kvxfer.store.base`): a backend's ``submit_*`` raise nothing but
 :class:`~kvxfer.errors.StoreUnavailable`, and their futures resolve to the documented results or
-fail with it. :class:`GuardedBackend` holds a backend to that. Anything else it raises or a future
+fail with it. :class:`GuardedBackend` holds a backend to that. An ``OSError`` becomes a
+StoreUnavailable (the store's connection or disk failed); anything else it raises or a future
 fails with, and any result of the wrong type or length, becomes a :class:`PluginFault`: a
 StoreUnavailable naming the store, the method and what was wrong. So the tier counts a plugin's
 bug as a store failure (its breaker opens, the server answers from L1): a lookup never gets
@@ -43,11 +44,17 @@ class GuardedBackend(Backend):
         return PluginFault(f"store {self.store!r}: {method} {what} (a fault of the store plugin: see the "
                            "contract in kvxfer.store.base)")
 
+    def _gone(self, method: str, exc: OSError) -> StoreUnavailable:
+        """An OSError is the store's connection or disk failing, not the plugin's logic."""
+        return StoreUnavailable(f"store {self.store!r}: {method}: {type(exc).__name__}: {exc}")
+
     def _submit(self, method: str, check: Callable[[Any], T], *args: Any) -> Future[T]:
         try:
             fut = getattr(self.inner, method)(*args)
         except StoreUnavailable:
             raise
+        except OSError as exc:
+            raise self._gone(method, exc) from exc
         except Exception as exc:
             raise self._fault(method, f"raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(fut, Future):
@@ -61,6 +68,8 @@ class GuardedBackend(Backend):
                 exc = f.exception()
                 if isinstance(exc, StoreUnavailable):
                     raise exc
+                if isinstance(exc, OSError):
+                    raise self._gone(method, exc)
                 if exc is not None:
                     raise self._fault(method, f"failed with {type(exc).__name__}: {exc}")
                 result = check(f.result())
@@ -95,7 +104,7 @@ class GuardedBackend(Backend):
 
     def stats(self) -> dict[str, str]:
         """The inner ``stats()`` as strings, at most the status reply's entries of at most
-        :data:`MAX_STATS_TEXT` characters each."""
+        :data:`~kvxfer.protocol.messages.MAX_STATUS_TEXT` characters each."""
         got = self._call("stats")
         if not isinstance(got, Mapping):
             raise self._fault("stats", f"returned {type(got).__name__}, not a dict of str to str")
@@ -120,8 +129,8 @@ class GuardedBackend(Backend):
             return getattr(self.inner, method)()
         except StoreUnavailable:
             raise
-        except OSError as exc:  # the store's connection or disk, not the plugin's logic: the store is gone
-            raise StoreUnavailable(f"store {self.store!r}: {method}: {type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
+            raise self._gone(method, exc) from exc
         except Exception as exc:
             raise self._fault(method, f"raised {type(exc).__name__}: {exc}") from exc
 
