@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from kvxfer.errors import ConfigError, KvxferError
-from kvxfer.text_table import print_table, printable, printable_lines, printable_struct
+from kvxfer.text_table import percent, print_table, printable, printable_lines, printable_struct
 from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import default_url
 
@@ -289,7 +289,7 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"up {st.uptime_s:.0f} s, chunk size {st.chunk_size}, {sessions_besides_asker(st)}")
     print(f"arena: {format_bytes(a.used)} of {format_bytes(a.capacity)} used, {a.chunks} chunks, "
           f"{a.free_extents} free extents (largest {format_bytes(a.largest_free)}), {a.evictions} evictions; {a.path}")
-    rate = f"{100 * st.lookup_hits / st.lookup_chunks:.1f}%" if st.lookup_chunks else "-"
+    rate = percent(st.lookup_hits, st.lookup_chunks)
     print(f"lookups: {st.lookups} ({st.lookup_chunks} chunks, hit rate {rate}); leases: {st.leases} "
           f"({st.leased_chunks} chunks); reservations: {st.reservations}; errors: {st.errors}; "
           f"hook errors: {st.hook_errors}")
@@ -333,7 +333,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _tier_text(t: TierStatus) -> str:
     """The lines ``kvxfer status`` prints for one storage tier."""
-    rate = f"{100 * t.lookup_hits / t.lookup_chunks:.1f}%" if t.lookup_chunks else "-"
+    rate = percent(t.lookup_hits, t.lookup_chunks)
     lines = [
         f"{t.name}: {t.store} at {t.url}: {t.state}{' (' + t.detail + ')' if t.detail else ''}",
         f"  size: {', '.join(f'{k} {v}' for k, v in t.store_stats.items()) or '-'}",

@@ -8,7 +8,7 @@ from typing import TextIO, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["print_table", "printable", "printable_lines", "printable_struct"]
+__all__ = ["percent", "print_table", "printable", "printable_lines", "printable_struct"]
 
 
 def printable(text: object) -> str:
@@ -42,6 +42,12 @@ def printable_struct(value: T) -> T:
     if isinstance(value, dict):
         return {printable_struct(k): printable_struct(v) for k, v in value.items()}  # type: ignore[return-value]
     return value
+
+
+def percent(part: float, whole: float) -> str:
+    """``part`` of ``whole`` as ``"12.5%"``; ``"-"`` unless 0 <= part <= whole and whole > 0 (a
+    rate of figures that came from a server: a broken one's showed "-500.0%")."""
+    return f"{100 * part / whole:.1f}%" if 0 <= part <= whole and whole > 0 else "-"
 
 
 def print_table(rows: Sequence[Sequence[object]], headers: Sequence[str], file: TextIO | None = None) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from kvxfer.protocol import messages as m
-from kvxfer.text_table import printable, printable_lines, printable_struct
+from kvxfer.text_table import percent, printable, printable_lines, printable_struct
 from kvxfer.units import format_bytes
 
 if TYPE_CHECKING:
@@ -79,10 +79,6 @@ def _short_rate(now: float, before: float | None, dt: float | None) -> str:
     if before is None or not dt:
         return "-"
     return _short_bytes(max(0.0, now - before) / dt)
-
-
-def _pct(num: float, den: float) -> str:
-    return f"{100 * num / den:.1f}%" if den else "-"
 
 
 #: Width of a frame printed to a pipe or a file (``$COLUMNS`` overrides it): wide enough that no
@@ -143,10 +139,10 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
                          f"{a.free_extents} free extents", f"evictions {evictions}/s ({a.evictions} total)"))
     hit_now = "-"
     if prev is not None and st.lookup_chunks > prev.lookup_chunks:
-        hit_now = _pct(st.lookup_hits - prev.lookup_hits, st.lookup_chunks - prev.lookup_chunks)
+        hit_now = percent(st.lookup_hits - prev.lookup_hits, st.lookup_chunks - prev.lookup_chunks)
     errors = ", ".join(f"{code} {n}" for code, n in sorted(st.errors_by_code.items())) or "none"
     parts.append(_Fields(f"lookups {_rate(st.lookups, prev.lookups if prev else None, dt)}/s ({st.lookups} total)",
-                         f"hit rate {hit_now} now, {_pct(st.lookup_hits, st.lookup_chunks)} total",
+                         f"hit rate {hit_now} now, {percent(st.lookup_hits, st.lookup_chunks)} total",
                          f"leases {st.leases} ({st.leased_chunks} chunks)", f"reservations {st.reservations}",
                          f"errors {st.errors} ({errors})", f"hook errors {st.hook_errors}"))
 
@@ -156,7 +152,7 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
         name = Text(printable(f"{tier.name} {tier.store} "))
         name.append(tier.state, style="green" if tier.state == "up" else "bold red")
         fields: list[Text | str] = [
-            name, f"hits {_pct(tier.lookup_hits, tier.lookup_chunks)} of {tier.lookup_chunks} chunks asked",
+            name, f"hits {percent(tier.lookup_hits, tier.lookup_chunks)} of {tier.lookup_chunks} chunks asked",
             (f"promoted {_rate(tier.promotions, pt_.promotions if pt_ else None, dt)}/s "
              f"({tier.promotions}, {tier.promoting} now)"),
             (f"written {_short_rate(tier.write_bytes, pt_.write_bytes if pt_ else None, dt)}/s "
@@ -185,10 +181,10 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     t = _table("models", "model", "contexts", "lookups/s", "lookups", "hit now", "hit total", "evicted/s", "evicted")
     for md in st.models:
         pm = prev_models.get(md.model, m.ModelStatus(md.model) if prev else None)
-        now = (_pct(md.lookup_hits - pm.lookup_hits, md.lookup_chunks - pm.lookup_chunks)
+        now = (percent(md.lookup_hits - pm.lookup_hits, md.lookup_chunks - pm.lookup_chunks)
                if pm is not None and md.lookup_chunks > pm.lookup_chunks else "-")
         _row(t, md.model, str(md.contexts), _rate(md.lookups, pm.lookups if pm else None, dt), str(md.lookups),
-                  now, _pct(md.lookup_hits, md.lookup_chunks),
+                  now, percent(md.lookup_hits, md.lookup_chunks),
                   _rate(md.evicted_chunks, pm.evicted_chunks if pm else None, dt), str(md.evicted_chunks))
     parts += [Text(""), t if st.models else Text("no models yet", style="dim")]
 

@@ -109,18 +109,21 @@ def _kvxfer(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_servers_text_never_drives_the_terminal(fake: Any) -> None:
     """Every string of a status reply (the version, the url, the arena's path, the metrics url,
     model names, section titles) is shown with its control characters escaped, by ``status`` and
-    by ``top``; ``status --json`` escapes them as JSON does, and writes a NaN figure as null."""
+    by ``top``; ``status --json`` escapes them as JSON does, and writes a NaN figure as null; a
+    hit rate of impossible figures is shown as "-"."""
     ctx = {"instance_id": 1, "model_name": "m" + ESC, "world_size": 1, "rank": 0, "transport": "t" + ESC,
            "layout": "flash_attn", "num_layers": 1, "block_size": 16, "hidden_dim_size": 8, "dtype": "bfloat16",
            "use_mla": False, "num_blocks": 4, "chunk_bytes": 1024, "client_pid": 1, "stores": 0, "retrieves": 0}
     srv = fake(status=_status(server_version="0.1.0" + ESC, url="ipc://x" + ESC, metrics_url="http://h" + ESC,
                               arena={**_status()["arena"], "path": "/dev/shm/x" + ESC}, contexts=[ctx],
-                              sections={"s" + ESC: {"k" + ESC: "v" + ESC}}, uptime_s=float("nan")))
+                              sections={"s" + ESC: {"k" + ESC: "v" + ESC}}, uptime_s=float("nan"),
+                              lookup_chunks=1, lookup_hits=5))
     for args in (["status"], ["top", "--once"]):
         out = _kvxfer(*args, "--url", srv.url)
         assert out.returncode == 0, out.stderr
         assert not any(c in out.stdout for c in "\x1b\x07\x9b\u202e\u2028"), (args, out.stdout)
         assert "\\x1b]0;TITLE\\x07" in out.stdout, (args, out.stdout)  # shown, escaped
+        assert "500.0%" not in out.stdout, "a hit rate of more hits than chunks asked is no rate"
     out = _kvxfer("status", "--json", "--url", srv.url)
     assert out.returncode == 0 and "NaN" not in out.stdout
     assert out.stdout.isascii(), "JSON escapes every character a terminal may act on (8-bit C1 controls too)"
