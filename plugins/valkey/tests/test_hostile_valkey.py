@@ -205,7 +205,10 @@ def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_time
         index = ChunkIndex(arena.size)
         calls: list = []
         watched: dict = {}
-        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=2.0, backoff_s=0.2, write_yield_s=0), index, arena,
+        # timeout_s: the 20-odd lookups that pass the bound must all be sent before the first of
+        # them times out (on a loaded 2-CPU machine 2 s was not always enough: the silent node was
+        # then taken for failed, and L2 down, before any lookup was busy)
+        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=6.0, backoff_s=0.2, write_yield_s=0), index, arena,
                       calls.append, lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
                       unwatch=lambda fd: watched.pop(fd, None))
         tier.start()
@@ -232,8 +235,8 @@ def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_time
             pump(0.3)
             assert tier._watched_fds, "a loop connection"
             lookups(25)  # 82,500 keys asked of a silent node: past the bound, some are busy
-            assert tier.lookups_busy > 0
-            pump(3.0)  # past the lookups' timeout
+            assert tier.lookups_busy > 0, (tier.lookups, tier.breaker.closed, tier._keys_in_flight)
+            pump(7.0)  # past the lookups' timeout
             assert tier.timeouts > 0
             state["silent"] = False
             assert wait_for(lambda: (pump(0.1), tier.breaker.closed)[1], 10), "the store is up again"
