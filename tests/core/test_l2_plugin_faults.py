@@ -155,22 +155,65 @@ def test_a_probe_that_breaks_its_contract_is_the_plugins_fault_alone(test_plugin
     assert "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("store, fault, url_options, failing", [
-    ("test_sharedclaim", "", "", "test_kit_a_shared_store_is_shared_with_another_process"),
-    ("test_faulty", "exists_short", "", "test_kit_absent_keys_have_size_zero_and_get_as_miss"),
-    ("fs", "", "?max_size=32MiB", "test_kit_large_value_round_trips"),  # holds less than it claims
-    ("test_wrongprobe", "", "", "probe() returned True, not a kvxfer Probe"),
-])
-def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: Path, tmp_path: Path, store: str,
-                                                             fault: str, url_options: str, failing: str) -> None:
-    """The store kit (``--pyargs kvxfer.testing.store_suite``) run against stores that break a
-    claim or the contract: each fails, in the kit test that checks it (and says what it saw)."""
-    l2 = tmp_path / "l2"
+_KIT_MUTANTS = '''
+import pytest
+from pathlib import Path
+from kvxfer.testing import StoreConformance
+
+
+def _url(tmp_path_factory, fault="", options=""):
+    root = tmp_path_factory.mktemp("store") / "l2"
     if fault:
-        Path(f"{l2}.fault").write_text(fault)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kvxfer-store", store,
-                          "--kvxfer-store-url", f"file://{l2}{url_options}", "--pyargs", "kvxfer.testing.store_suite",
+        Path(f"{root}.fault").write_text(fault)
+    return f"file://{root}{options}"
+
+
+class TestSharedClaim(StoreConformance):  # claims to be shared; a directory held by one process is not
+    store = "test_sharedclaim"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory)
+
+
+class TestShortExists(StoreConformance):  # existence checks one size short
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="exists_short")
+
+
+class TestSmallBudget(StoreConformance):  # holds less than the 512 MiB values fs claims
+    store = "fs"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, options="?max_size=32MiB")
+
+
+class TestWrongProbe(StoreConformance):  # its probe() returns True
+    store = "test_wrongprobe"
+'''
+
+
+def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: Path, tmp_path: Path) -> None:
+    """The store kit run against stores that break a claim or the contract (one pytest run, a
+    class each, as a plugin's own tests subclass the kit): each fails, in the kit test that checks
+    it, and says what it saw."""
+    (tmp_path / "test_mutants.py").write_text(_KIT_MUTANTS)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "test_mutants.py",
                           "-k", "not through_a_server"],
                          capture_output=True, text=True, timeout=300, env=env_with(test_plugin_path), cwd=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert failing in out.stdout, out.stdout
+    failed = [line for line in out.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    for cls, test in (("TestSharedClaim", "test_kit_a_shared_store_is_shared_with_another_process"),
+                      ("TestShortExists", "test_kit_absent_keys_have_size_zero_and_get_as_miss"),
+                      ("TestSmallBudget", "test_kit_large_value_round_trips"),
+                      ("TestWrongProbe", "test_kit_plugin_declares_the_contract")):
+        assert any(f"{cls}::{test}" in line for line in failed), (cls, test, out.stdout)
+    assert not any("TestShortExists::test_kit_a_shared" in line for line in failed), "fs claims no sharing: skipped"
+    assert "probe() returned True, not a kvxfer Probe" in out.stdout and "[0, 0] == [0, 0, 0]" in out.stdout, out.stdout
