@@ -57,8 +57,10 @@ def test_server_dies_mid_run_recompute_mode_carries_on_and_recovers(srv: ServerP
         engine.check_drained()
         assert sched.link.outages >= 1 and work.link.outages >= 1
         assert sched.link.down and work.link.down
-        # each prompt computed without the cache is counted (vllm:kvxfer_unanswered_lookups_total)
-        assert sched.stats["unanswered_lookups"] >= len(reqs[6:]), sched.stats
+        # each prompt with a whole chunk to ask about, computed without the cache, is counted
+        # (vllm:kvxfer_unanswered_lookups_total); shorter ones had nothing to ask
+        askable = sum(len(r.prompt_token_ids) >= CHUNK for r in reqs[6:])
+        assert askable > 0 and sched.stats["unanswered_lookups"] >= askable, (askable, sched.stats)
 
         srv.start()  # same address, empty cache: the connector finds it again by itself
         probes = _until_up(engine, 0)
