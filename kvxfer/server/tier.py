@@ -766,8 +766,7 @@ class L2Tier:
                     self._sync_watch(loop)
                 sent = bool(self._watched_fds) and loop.exists_nowait(l2, lk.arrived)
             except Exception as exc:  # noqa: BLE001  (then through the backend's threads, as for any refusal)
-                self._failed(PluginFault(f"store {self.store.name!r}: its loop existence check raised "
-                                         f"{type(exc).__name__}: {exc} (a fault of the store plugin)"), "lookup")
+                self._loop_fault("its loop existence check", exc)
                 sent = False
         if not sent:
             start = time.perf_counter()
@@ -835,8 +834,12 @@ class L2Tier:
             if backend.loop_fds() is not self._watched_fds:
                 self._sync_watch(backend)
         except Exception as exc:  # noqa: BLE001  (counted as the store's failure, never the loop's)
-            self._failed(PluginFault(f"store {self.store.name!r}: on_readable raised {type(exc).__name__}: {exc} "
-                                     "(a fault of the store plugin)"), "lookup")
+            self._loop_fault("on_readable", exc)
+
+    def _loop_fault(self, what: str, exc: Exception) -> None:
+        """Plugin code the loop runs (LoopExists) raised: counted as the store's failure, never the loop's."""
+        self._failed(PluginFault(f"store {self.store.name!r}: {what} raised {type(exc).__name__}: {exc} "
+                                 "(a fault of the store plugin)"), "lookup")
 
     def tick(self) -> None:
         """On the loop, a few times a second: poll a new loop connection of the store (so that
@@ -846,8 +849,7 @@ class L2Tier:
             try:
                 self._sync_watch(self._loop_exists)
             except Exception as exc:  # noqa: BLE001  (plugin code on the loop: counted, never the loop's)
-                self._failed(PluginFault(f"store {self.store.name!r}: its loop connections raised "
-                                         f"{type(exc).__name__}: {exc} (a fault of the store plugin)"), "lookup")
+                self._loop_fault("its loop connections", exc)
         if not self._waiting:
             return
         now = time.monotonic()

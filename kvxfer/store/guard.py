@@ -48,15 +48,26 @@ class GuardedBackend(Backend):
         """An OSError is the store's connection or disk failing, not the plugin's logic."""
         return StoreUnavailable(f"store {self.store!r}: {method}: {type(exc).__name__}: {exc}")
 
-    def _submit(self, method: str, check: Callable[[Any], T], *args: Any) -> Future[T]:
+    def _failure(self, method: str, exc: BaseException, did: str) -> StoreUnavailable:
+        """What ``exc``, which ``method`` ``did`` (raised, failed with), is at the boundary: itself
+        if a StoreUnavailable, the store gone if an OSError, else a fault of the plugin."""
+        if isinstance(exc, StoreUnavailable):
+            return exc
+        if isinstance(exc, OSError):
+            return self._gone(method, exc)
+        return self._fault(method, f"{did} {type(exc).__name__}: {exc}")
+
+    def _call(self, method: str, *args: Any) -> Any:
         try:
-            fut = getattr(self.inner, method)(*args)
-        except StoreUnavailable:
-            raise
-        except OSError as exc:
-            raise self._gone(method, exc) from exc
+            return getattr(self.inner, method)(*args)
         except Exception as exc:
-            raise self._fault(method, f"raised {type(exc).__name__}: {exc}") from exc
+            failure = self._failure(method, exc, "raised")
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def _submit(self, method: str, check: Callable[[Any], T], *args: Any) -> Future[T]:
+        fut = self._call(method, *args)
         if not isinstance(fut, Future):
             raise self._fault(method, f"returned {type(fut).__name__}, not a concurrent.futures.Future")
         out: Future[T] = Future()
@@ -66,12 +77,8 @@ class GuardedBackend(Backend):
                 if f.cancelled():
                     raise self._fault(method, "returned a future that was cancelled")
                 exc = f.exception()
-                if isinstance(exc, StoreUnavailable):
-                    raise exc
-                if isinstance(exc, OSError):
-                    raise self._gone(method, exc)
                 if exc is not None:
-                    raise self._fault(method, f"failed with {type(exc).__name__}: {exc}")
+                    raise self._failure(method, exc, "failed with")
                 result = check(f.result())
             except StoreUnavailable as failed:
                 out.set_exception(failed)
@@ -123,16 +130,6 @@ class GuardedBackend(Backend):
             self.inner.close()
         except Exception:  # noqa: BLE001  (a close that raises leaves nothing to do but say so)
             log.exception("store %r: close() raised (a fault of the store plugin)", self.store)
-
-    def _call(self, method: str) -> Any:
-        try:
-            return getattr(self.inner, method)()
-        except StoreUnavailable:
-            raise
-        except OSError as exc:
-            raise self._gone(method, exc) from exc
-        except Exception as exc:
-            raise self._fault(method, f"raised {type(exc).__name__}: {exc}") from exc
 
 
 def check_sizes(result: object, n: int) -> list[int]:
