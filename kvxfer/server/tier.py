@@ -58,7 +58,7 @@ from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.protocol.messages import TierStatus
 from kvxfer.server.allocator import Allocator
 from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State, Usage
-from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread
+from kvxfer.store.base import Backend, GetStatus, LoopExists, Store, StoreOptions, background_thread, url_secrets
 from kvxfer.store.format import (
     HEADER_SIZE,
     ChunkL2Keys,
@@ -72,6 +72,7 @@ from kvxfer.store.format import (
 )
 from kvxfer.store.guard import GuardedBackend, PluginFault, check_sizes
 from kvxfer.store.registry import get_store
+from kvxfer.text_table import printable
 
 __all__ = ["TierConfig", "L2Tier", "Breaker", "parse_admission"]
 
@@ -89,6 +90,8 @@ _STATS_RETRY_S: Final = 0.5
 
 #: The most lookups ``hits:N`` may wait for (a chunk found more often than this is hot by any measure).
 MAX_ADMISSION_HITS: Final = 1_000_000
+#: Longest text of a store error the log and ``kvxfer status`` show (a node chooses its words).
+ERROR_TEXT_MAX: Final = 512
 
 
 def parse_admission(text: str) -> int:
@@ -431,6 +434,7 @@ class L2Tier:
         self.admission_hits = parse_admission(config.admission)
         self.store: Store = get_store(config.store)
         self.url = self.store.redact(config.url)
+        self._secrets = url_secrets(config.url)
         self.options = StoreOptions(timeout_s=config.timeout_s, bulk_timeout_s=config.bulk_timeout_s,
                                     read_workers=config.readers,
                                     write_workers=config.writers)
@@ -720,8 +724,18 @@ class L2Tier:
             log.debug("L2 %s failed: %s", what, msg)
 
     def _describe(self, exc: BaseException) -> str:
+        """``exc`` as the log and ``kvxfer status`` show it. Its text may quote a store node's
+        (or a plugin's) words: those may hold the URL's secrets (a node can echo what it was
+        sent), terminal escapes, or a lot of text; so the URL is redacted, any secret of it
+        replaced, every unprintable character escaped, and the text cut at
+        :data:`ERROR_TEXT_MAX` characters."""
         text = f"{type(exc).__name__}: {exc}"
-        return text.replace(self.config.url, self.url) if self.config.url else text
+        if self.config.url:
+            text = text.replace(self.config.url, self.url)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        text = printable(text)
+        return text if len(text) <= ERROR_TEXT_MAX else f"{text[:ERROR_TEXT_MAX - 3]}..."
 
     # ------------------------------------------------------------------ lookups (loop thread)
 
@@ -1057,14 +1071,14 @@ class L2Tier:
                 self._count("integrity_failures")
                 damaged.append(l2_key(e.key))
                 self._throttled.warning("damaged", f"L2 value of chunk {e.key.chunk_hash.hex()[:16]} of "
-                                        f"{e.key.model_name!r} is damaged ({exc}): not loaded; deleting it "
+                                        f"{e.key.model_name!r} is damaged ({printable(exc)}): not loaded; deleting it "
                                         "from the store")
                 continue
             except IntegrityError as exc:  # intact, but another layout's: left alone
                 self._count("integrity_failures")
                 unloadable.append((e.key, p.expected[j]))
                 self._throttled.warning("unloadable", f"L2 value of chunk {e.key.chunk_hash.hex()[:16]} of "
-                                        f"{e.key.model_name!r} is not loaded: {exc}")
+                                        f"{e.key.model_name!r} is not loaded: {printable(exc)}")
                 continue
             found[-1] = header.fmt
         if damaged:
@@ -1164,7 +1178,7 @@ class L2Tier:
                     self.store_stats = self.backend.stats()
                 except PluginFault as exc:  # its data operations may work: a bug, not an outage
                     self.store_stats = {}
-                    self._throttled.warning("stats fault", str(exc))
+                    self._throttled.warning("stats fault", self._describe(exc))
                     next_stats = time.monotonic() + _STATS_EVERY_S
                 except Exception as exc:  # noqa: BLE001  (a store that cannot say its size may be gone)
                     # no stale figures; a failure like any other (soon again), so that a store that

@@ -45,7 +45,7 @@ import logging
 import re
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -287,24 +287,54 @@ def redact_url(url: str) -> str:
     of any query option named like one (``?password=``, ``ssl_password=``, names decoded as the
     clients decode them), for every host of a comma-separated list (those without a scheme too:
     they inherit the first one's); the rest as written (hosts, IPv6 brackets, ports, a plain path)."""
+    out = []
+    for head, start, end, user_info, host, sep, query in _url_parts(url):
+        if ":" in user_info:
+            head = f"{head[:start]}{user_info.partition(':')[0]}:***@{host}{head[end:]}"
+        options = []
+        for option in query.split("&") if query else ():  # as parse_qs splits them
+            name, eq, _ = option.partition("=")
+            options.append(f"{name}=***" if eq and _secret_option(name) else option)
+        out.append(head + sep + "&".join(options))
+    return ",".join(out)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets :func:`redact_url` hides in ``url`` (passwords of user info, values of options
+    named like one), each as written and as decoded, longest first: to take out of any text that
+    may quote them (an error's text, which a node may have echoed them into)."""
+    from urllib.parse import unquote, unquote_plus
+
+    found: set[str] = set()
+    for _, _, _, user_info, _, _, query in _url_parts(url):
+        if ":" in user_info:
+            password = user_info.partition(":")[2]
+            found |= {password, unquote(password)}
+        for option in query.split("&") if query else ():
+            name, eq, value = option.partition("=")
+            if eq and _secret_option(name):
+                found |= {value, unquote_plus(value)}
+    return sorted(found - {""}, key=lambda s: (-len(s), s))
+
+
+def _secret_option(name: str) -> bool:
     from urllib.parse import unquote_plus
 
-    out = []
+    return _SECRET_OPTION.search(unquote_plus(name)) is not None  # names decoded as the clients decode them
+
+
+def _url_parts(url: str) -> Iterator[tuple[str, int, int, str, str, str, str]]:
+    """Per host part of ``url`` (:func:`split_hosts`): its head (before ``?``), where its
+    authority starts and ends in the head, its user info ("" without one) and the rest of the
+    authority, and the ``?`` and the options."""
     for part in split_hosts(url.translate(_URL_BLANKS)):
         head, sep, query = part.partition("?")
         scheme = head.find("://")
         start = scheme + 3 if scheme >= 0 else 2 if head.startswith("//") else 0
         end = head.find("/", start)
         end = len(head) if end < 0 else end
-        user_info, at, host = head[start:end].rpartition("@")
-        if at and ":" in user_info:
-            head = f"{head[:start]}{user_info.partition(':')[0]}:***@{host}{head[end:]}"
-        options = []
-        for option in query.split("&") if query else ():  # as parse_qs splits them
-            name, eq, _ = option.partition("=")
-            options.append(f"{name}=***" if eq and _SECRET_OPTION.search(unquote_plus(name)) else option)
-        out.append(head + sep + "&".join(options))
-    return ",".join(out)
+        user_info, _, host = head[start:end].rpartition("@")
+        yield head, start, end, user_info, host, sep, query
 
 
 class ThreadedBackend(Backend):

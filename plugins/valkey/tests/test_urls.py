@@ -12,6 +12,7 @@ from valkey.connection import SSLConnection
 
 from kvxfer.errors import ConfigError, StoreUnavailable
 from kvxfer.store import StoreOptions, get_store, redact_url
+from kvxfer.store.base import url_secrets
 from kvxfer_valkey import ValkeyServer, ValkeyStore
 from kvxfer_valkey.local import free_port
 from kvxfer_valkey.store import parse_valkey_urls
@@ -69,6 +70,14 @@ def test_passwords_never_shown() -> None:
     hosts, kw = parse_valkey_urls("valkey://h:1?password=hunter2")
     assert kw["password"] == "hunter2", "the option hidden is one the clients take"
     assert get_store("valkey").redact("valkey://h:1") == "valkey://h:1"
+
+
+def test_the_secrets_redaction_hides_are_known_as_written_and_decoded() -> None:
+    """The tier takes these out of any error text it logs or shows (a node may echo them)."""
+    url = "valkeys://kvx:s3%2Ccret@h1:6380,valkey://:other@h2:1?password=hun+ter2&ssl_password=kp&ssl_ca_certs=/ca"
+    assert url_secrets(url) == ["s3%2Ccret", "hun ter2", "hun+ter2", "s3,cret", "other", "kp"]
+    assert url_secrets("valkey://h:1?db=2") == [] and url_secrets("valkey://u@h:1") == []
+    assert url_secrets("valkey://u:@h:1") == []  # an empty password is no secret to hide
 
 
 def test_nothing_listening_fails_fast_with_the_address() -> None:
