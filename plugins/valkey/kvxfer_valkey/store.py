@@ -5,17 +5,20 @@ Who does what:
 * the ``valkey`` client (valkey-py with its ``libvalkey`` parser; chosen because it exposes its
   connections, so bulk bytes can bypass its parser, and because it is the project's own Python
   client) owns connection pools, cluster topology (``ValkeyCluster``: which node holds a key's
-  slot), MOVED/ASK redirects and failover, AUTH/ACL users and TLS (``valkeys://``);
+  slot, read again after a redirect or a failover), AUTH/ACL users and TLS (``valkeys://``);
 * this module takes a connection from the pool of the node that holds a key, sends pipelined
   ``STRLEN`` / ``GET`` / ``SET`` commands on it, and moves the values between the socket and the
   caller's buffers (:class:`~kvxfer_valkey.resp.RespReader`: ``recv_into`` the arena slot;
-  ``sendall`` of the slot's memoryview). A redirect reply is handed back to the client: the key
-  is fetched or written again through its own command path, which follows the redirect and
-  updates its slot map (slow, once per moved slot).
+  ``sendall`` of the slot's memoryview). A key whose node answers with a redirect (``MOVED``,
+  ``ASK``: its slot moved or is moving) is absent, a miss, not written or not deleted for that
+  call, and the health thread reads the slot map again; redirects are not followed, since the
+  client's own command path reads a reply whole whatever its size.
 
 Every socket operation is bounded (``options.timeout_s`` for lookups, ``bulk_timeout_s`` while
-values move; the client's own commands use ``bulk_timeout_s``), and so is each operation as a
-whole (``timeout_s``, or ``bulk_timeout_s`` plus the values' bytes at 16 MiB/s); a connection that
+values move), and so is each operation as a whole (``timeout_s``, or ``bulk_timeout_s`` plus the
+values' bytes at 16 MiB/s). What the client reads itself (the handshake, PING, COMMAND, CLUSTER
+SLOTS) is bounded too: each reply within its socket timeout and 4 MiB, and CLUSTER SLOTS checked
+(:mod:`kvxfer_valkey.connection`). A connection that
 fails mid-reply is disconnected (the pool makes a new one next time). Errors become
 :class:`~kvxfer.errors.StoreUnavailable`; a wrong user or password is a
 :class:`~kvxfer.errors.ConfigError` at open.
@@ -65,6 +68,7 @@ from kvxfer.store import (
     redact_url,
     split_hosts,
 )
+from kvxfer_valkey.connection import BoundedConnection, BoundedSSLConnection, raw_socket
 from kvxfer_valkey.resp import ErrorReply, RespError, RespReader, pack, pack_bulk_header
 
 __all__ = ["ValkeyStore", "ValkeyBackend", "parse_valkey_urls"]
@@ -95,10 +99,10 @@ _HINT: Final = "expected valkey://[USER[:PASSWORD]@]HOST:PORT[,HOST2:PORT...] (v
 #: Every command this backend sends, as ACL rules name them; ``docs/l2.md``'s ACL user is granted
 #: exactly these. This module sends STRLEN, GET, SET, DEL, PING, INFO and DBSIZE; valkey-py sends
 #: CLIENT SETNAME and CLIENT SETINFO on each new connection (a refused SETINFO is ignored, but
-#: logged by Valkey) and, on a cluster, COMMAND when the client starts, CLUSTER SLOTS to read the
-#: slot map and ASKING before a command it redirects to a slot being migrated. AUTH (and HELLO, for
-#: a URL with ``protocol=3``) need no grant; a URL naming a database (``/N``) adds SELECT.
-CLUSTER_ACL_COMMANDS: Final = ("command", "cluster|slots", "asking")
+#: logged by Valkey) and, on a cluster, COMMAND when the client starts and CLUSTER SLOTS to read the
+#: slot map (redirects are not followed: no ASKING). AUTH needs no grant; a URL naming a database
+#: (``/N``) adds SELECT.
+CLUSTER_ACL_COMMANDS: Final = ("command", "cluster|slots")
 ACL_COMMANDS: Final = ("get", "set", "strlen", "del", "ping", "info", "dbsize", "client|setname", "client|setinfo",
                        *CLUSTER_ACL_COMMANDS)
 
@@ -176,8 +180,9 @@ class _LoopConnection:
     def __init__(self, node: str, conn: Connection) -> None:
         self.node = node
         self.conn = conn
-        assert conn._sock is not None, "connect() first"
-        self.sock: socket.socket = conn._sock
+        sock = raw_socket(conn)
+        assert sock is not None, "connect() first"
+        self.sock: socket.socket = sock
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
         #: The start of a reply not read whole yet.
@@ -503,7 +508,6 @@ class ValkeyBackend(ThreadedBackend):
         if self._want_loops.is_set():
             self._new_loop_connections()  # for the next lookups
         out = [0] * len(keys)
-        moved: list[int] = []
         for pool, idx in self._by_pool(keys):
             def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
                 conn.send_packed_command([b"".join(pack(b"STRLEN", keys[i]) for i in idx)], check_health=False)
@@ -513,19 +517,13 @@ class ValkeyBackend(ThreadedBackend):
                     except ErrorReply as err:
                         if err.kind in _KEY_ERRORS:
                             continue  # not a value of ours: absent
-                        if err.kind not in _REDIRECTS:
-                            raise StoreUnavailable(f"valkey: STRLEN failed: {err.text}") from None
-                        moved.append(i)
+                        self._redirected(err, "STRLEN")  # absent for now
             self._on(pool, run, self.options.timeout_s)
-        for i in moved:  # the client follows the redirect and updates its slot map
-            self.redirects += 1
-            out[i] = int(_sync(self.client.strlen(keys[i])))
         return out
 
     def get(self, items: Sequence[GetItem]) -> list[GetStatus]:
         keys = [k for k, _ in items]
         out = [GetStatus.MISS] * len(items)
-        moved: list[int] = []
         for pool, idx in self._by_pool(keys):
             def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
                 conn.send_packed_command([b"".join(pack(b"GET", keys[i]) for i in idx)], check_health=False)
@@ -534,37 +532,19 @@ class ValkeyBackend(ThreadedBackend):
                     try:
                         n = r.bulk_into(parts)
                     except ErrorReply as err:
-                        if err.kind in _KEY_ERRORS:
-                            continue  # not a value of ours: a miss
-                        if err.kind not in _REDIRECTS:
-                            raise StoreUnavailable(f"valkey: GET failed: {err.text}") from None
-                        moved.append(i)
-                        continue
+                        if err.kind not in _KEY_ERRORS:  # another type under the key: not a value of ours
+                            self._redirected(err, "GET")
+                        continue  # a miss
                     if n is None:
                         out[i] = GetStatus.MISS
                     else:
                         out[i] = GetStatus.HIT if n == sum(len(p) for p in parts) else GetStatus.WRONG_SIZE
             self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
-        for i in moved:
-            self.redirects += 1
-            data: bytes | None = _sync(self.client.get(keys[i]))
-            parts = items[i][1]
-            if data is None:
-                out[i] = GetStatus.MISS
-            elif len(data) != sum(len(p) for p in parts):
-                out[i] = GetStatus.WRONG_SIZE
-            else:
-                pos = 0
-                for p in parts:
-                    p[:] = data[pos:pos + len(p)]
-                    pos += len(p)
-                out[i] = GetStatus.HIT
         return out
 
     def put(self, items: Sequence[PutItem]) -> list[bool]:
         keys = [k for k, _ in items]
         out = [False] * len(items)
-        moved: list[int] = []
         for pool, idx in self._by_pool(keys):
             def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
                 sock = r.sock
@@ -580,39 +560,36 @@ class ValkeyBackend(ThreadedBackend):
                     try:
                         out[i] = r.reply_simple() == b"OK"
                     except ErrorReply as err:
-                        if err.kind in _REDIRECTS:
-                            moved.append(i)
-                        elif err.kind == "OOM":  # full and not allowed to evict: refused
-                            out[i] = False
-                        else:
-                            raise StoreUnavailable(f"valkey: SET failed: {err.text}") from None
+                        if err.kind != "OOM":  # OOM: full and not allowed to evict: refused
+                            self._redirected(err, "SET")  # not written
             self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
-        for i in moved:
-            self.redirects += 1
-            key, parts = items[i]
-            out[i] = bool(self.client.set(key, b"".join(bytes(p) for p in parts)))
         return out
 
     def delete(self, keys: Sequence[bytes]) -> int:
         n = 0
-        moved: list[int] = []
         for pool, idx in self._by_pool(keys):
             def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> int:
                 conn.send_packed_command([b"".join(pack(b"DEL", keys[i]) for i in idx)], check_health=False)
                 deleted = 0
-                for i in idx:  # one DEL per key: a cluster node refuses one naming keys of two slots
+                for _ in idx:  # one DEL per key: a cluster node refuses one naming keys of two slots
                     try:
                         deleted += _count(r.reply_simple())
                     except ErrorReply as err:
-                        if err.kind not in _REDIRECTS:
-                            raise StoreUnavailable(f"valkey: DEL failed: {err.text}") from None
-                        moved.append(i)
+                        self._redirected(err, "DEL")  # left for now
                 return deleted
             n += self._on(pool, run, self.options.timeout_s)
-        for i in moved:
-            self.redirects += 1
-            n += int(_sync(self.client.delete(keys[i])))
         return n
+
+    def _redirected(self, err: ErrorReply, command: str) -> None:
+        """A key's reply was an error: on a cluster, a redirect (the key's slot moved, or is
+        moving) has the health thread read the slot map again and leaves the key as it is for
+        this call (absent, a miss, not written, not deleted); anything else fails the call.
+        Redirects are not followed: the client's own command path reads a reply whole, whatever
+        its size, and may connect wherever the node points."""
+        if not (self.cluster and err.kind in _REDIRECTS):
+            raise StoreUnavailable(f"valkey: {command} failed: {err.text}")
+        self.redirects += 1
+        self._stale_topology.set()
 
     def ping(self) -> None:
         try:
@@ -623,7 +600,7 @@ class ValkeyBackend(ThreadedBackend):
                 self.client.ping()
             else:
                 self._on(self._node_pool(), _ping, self.options.timeout_s)
-        except ValkeyError as exc:
+        except (ValkeyError, ValkeyClusterException) as exc:
             raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
 
     def stats(self) -> dict[str, str]:
@@ -665,7 +642,7 @@ def _run_on(pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], tim
     deadline = time.monotonic() + timeout + nbytes / _MIN_BYTES_PER_S
     conn = pool.get_connection("GET")
     try:
-        sock = conn._sock  # the bulk path: see the module docstring
+        sock = raw_socket(conn)  # the bulk path: see the module docstring
         if sock is None:
             raise ConnectionError("the pool gave a connection with no socket")
         sock.settimeout(timeout)
@@ -727,6 +704,23 @@ def _cluster_enabled(conn: Connection, r: RespReader) -> bool:
     return any(line.strip() == b"cluster_enabled:1" for line in text.splitlines())
 
 
+def _connection_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
+    """The connection arguments of ``kw`` (:func:`parse_valkey_urls`' options, timeouts) with the
+    backend's connection class (:mod:`kvxfer_valkey.connection`), TLS for ``ssl``."""
+    out = dict(kw)
+    out["connection_class"] = BoundedSSLConnection if out.pop("ssl", False) else BoundedConnection
+    return out
+
+
+def _node_client(host: str, port: int, kw: dict[str, Any]) -> valkey.Valkey:
+    """A client of one node whose connections are the backend's."""
+    return valkey.Valkey(connection_pool=ConnectionPool(host=host, port=port, **_connection_kwargs(kw)))
+
+
+def _plain_url(host: str, port: int) -> str:
+    return f"valkey://[{host}]:{port}" if ":" in host else f"valkey://{host}:{port}"
+
+
 def _sync(value: Any) -> Any:
     """A reply of the synchronous client (its commands are typed for the async one too)."""
     return value
@@ -776,7 +770,7 @@ class ValkeyStore(Store):
         cluster = None
         errors = []
         for host, port in hosts:
-            probe = valkey.Valkey(host=host, port=port, **{**kw, "socket_timeout": options.timeout_s})
+            probe = _node_client(host, port, {**kw, "socket_timeout": options.timeout_s})
             try:
                 try:
                     cluster = _run_on(probe.connection_pool, _cluster_enabled, options.timeout_s)
@@ -803,9 +797,10 @@ class ValkeyStore(Store):
         if cluster:
             kw.pop("db", None)
             try:  # the cluster client asks every node for its commands and slots at once
+                # (a URL, not a host, so that its nodes' pools make the backend's connections)
                 client: valkey.Valkey | ValkeyCluster = ValkeyCluster(
-                    startup_nodes=[ClusterNode(h, p) for h, p in hosts], cluster_error_retry_attempts=1,
-                    require_full_coverage=False, **kw)
+                    url=_plain_url(*hosts[0]), startup_nodes=[ClusterNode(h, p) for h, p in hosts[1:]],
+                    cluster_error_retry_attempts=1, require_full_coverage=False, **_connection_kwargs(kw))
             except (AuthenticationError, AuthorizationError, NoPermissionError) as exc:
                 raise _refused(where, exc) from None
             except (ValkeyError, ValkeyClusterException, OSError) as exc:  # its nodes went away since the probe
@@ -815,7 +810,7 @@ class ValkeyStore(Store):
             if len(hosts) > 1:
                 raise ConfigError(f"--l2-url lists {len(hosts)} hosts but {hosts[0][0]}:{hosts[0][1]} is not in "
                                   "cluster mode; give one URL for a single node")
-            client = valkey.Valkey(host=hosts[0][0], port=hosts[0][1], **kw)
+            client = _node_client(hosts[0][0], hosts[0][1], kw)
         return ValkeyBackend(client, cluster, options)
 
     @contextlib.contextmanager

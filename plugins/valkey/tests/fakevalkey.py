@@ -1,5 +1,5 @@
 """A fake Valkey node for tests of a broken or hostile one: it speaks RESP2 on a loopback port,
-answers the commands a client sends when it connects (``CLIENT``, ``INFO``, ``PING``) as a
+answers the commands a client sends when it connects (``AUTH``, ``CLIENT``, ``INFO``, ``PING``) as a
 single node would, and hands every other command to the test's ``reply`` function, whose bytes
 it sends back as they are (None: no answer at all; a :class:`Trickle`: those bytes, a few at a
 time). A real Valkey cannot be made to send these replies, hence the fake."""
@@ -48,6 +48,10 @@ class FakeValkey:
         self.reply = reply
         #: INFO's reply instead of a single node's few fields (None: those)
         self.info: bytes | Trickle | None = None
+        #: the reply to each CLIENT command (SETNAME, SETINFO: the client's handshake)
+        self.client_reply: bytes | Trickle | None = b"+OK\r\n"
+        #: bytes of replies sent whole or in part (sendall that failed: its bytes not counted)
+        self.sent = 0
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"valkey://127.0.0.1:{self._sock.getsockname()[1]}"
         self._conns: list[socket.socket] = []
@@ -80,12 +84,14 @@ class FakeValkey:
                     self.commands.append(cmd)
                 name = cmd[0].upper()
                 if name == b"CLIENT":
-                    out: bytes | Trickle | None = b"+OK\r\n"
+                    out: bytes | Trickle | None = self.client_reply
                 elif name == b"INFO" and self.info is not None:
                     out = self.info
                 elif name == b"INFO":
                     body = b"cluster_enabled:0\r\nused_memory:0\r\n"
                     out = b"$%d\r\n%s\r\n" % (len(body), body)
+                elif name == b"AUTH":  # any user and password
+                    out = b"+OK\r\n"
                 elif name == b"PING":
                     out = b"+PONG\r\n"
                 elif name == b"DBSIZE":
@@ -95,9 +101,11 @@ class FakeValkey:
                 if isinstance(out, Trickle):
                     for i in range(0, len(out.data), out.step):
                         conn.sendall(out.data[i:i + out.step])
+                        self.sent += len(out.data[i:i + out.step])
                         time.sleep(out.every_s)
                 elif out:
                     conn.sendall(out)
+                    self.sent += len(out)
         except (OSError, ValueError, ConnectionError):
             pass
         finally:

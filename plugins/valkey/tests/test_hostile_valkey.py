@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from fakevalkey import FakeValkey, Trickle
@@ -331,3 +331,115 @@ def test_lookups_recover_from_a_node_that_skipped_or_garbled_an_answer(fake: Fak
         assert after.state == "up"
     finally:
         fake.reply = _strlen(b":0\r\n")
+
+
+# --------------------------------------------------------------------------- what the client library reads
+
+INFO_CLUSTER = b"cluster_enabled:1\r\nused_memory:0\r\n"
+
+
+def _cluster_node(fake: FakeValkey, slots: bytes | None = None,
+                  other: Callable[[list[bytes]], bytes | None] | None = None) -> None:
+    """Make ``fake`` a node of a cluster whose CLUSTER SLOTS answers ``slots`` (default: every slot
+    its own), COMMAND an empty table, and every other command ``other``."""
+    port = int(fake.url.rsplit(":", 1)[1])
+    mine = b"*3\r\n:0\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:%d\r\n$2\r\nid\r\n" % port
+    fake.info = b"$%d\r\n%s\r\n" % (len(INFO_CLUSTER), INFO_CLUSTER)
+
+    def reply(cmd: list[bytes]) -> bytes | None:
+        name = b" ".join(cmd[:2]).upper()
+        if name == b"CLUSTER SLOTS":
+            return slots if slots is not None else b"*1\r\n" + mine
+        if name.startswith(b"COMMAND"):
+            return b"*0\r\n"
+        return other(cmd) if other is not None else b"-ERR unexpected\r\n"
+
+    fake.reply = reply
+
+
+@pytest.mark.parametrize("how", ["trickled", "inflated"])
+def test_a_handshake_reply_is_bounded_in_time_and_bytes(how: str) -> None:
+    """The client's own handshake (CLIENT SETNAME on every new connection) is read by its parser,
+    which waits for a reply whole: a node that sent it a byte every 0.2 s without an end held
+    ``kvxfer serve`` at start for ever (each read was within the socket timeout), and one that
+    declared a 3 GiB reply had it all read into memory. Every reply the client reads itself must
+    now come whole within the socket timeout of its command, and be at most 4 MiB."""
+    timeout = 0.5
+    with FakeValkey(_strlen(b":0\r\n")) as fake:
+        if how == "trickled":
+            fake.client_reply = Trickle(b"+" + b"O" * 1000, step=1, every_s=0.2)
+        else:  # 64 MiB of a declared 3 GiB, a MiB at a time: all of it is sent unless reading stops
+            fake.client_reply = Trickle(b"$%d\r\n" % (3 << 30) + bytes(64 << 20), step=1 << 20, every_s=0.0)
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no Valkey node answered"):
+            ValkeyStore().open(fake.url, StoreOptions(timeout_s=timeout, bulk_timeout_s=2.0)).close()
+        assert time.monotonic() - start < timeout + 2.0
+        if how == "inflated":
+            wait_for(lambda: False, 0.5)  # the fake's last sends fail once the client has gone
+            assert fake.sent < 32 << 20, f"the client read {fake.sent >> 20} MiB of a reply"
+
+
+@pytest.mark.parametrize("slots, match", [
+    (b"*1\r\n*3\r\n:0\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n" % (1 << 40), "outside 0..16383"),
+    (b"*1\r\n*3\r\n:5\r\n:2\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n", "outside 0..16383"),
+    (b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:0\r\n", "node port 0"),
+    (b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$7\r\n\x1b]0;x\x07\x07\r\n:7000\r\n", "not a host name"),
+    (b"*1\r\n" + b"*%d\r\n:0\r\n:16383\r\n" % 1003 + b"".join(
+        b"*2\r\n$9\r\n127.0.1.%d\r\n:%d\r\n" % (i % 10, 7000 + i) for i in range(1001)), "more than 1000 nodes"),
+    (b":1\r\n", "not a list"),
+], ids=["a slot past the last", "a range backwards", "a port out of range", "escapes for a host",
+        "too many nodes", "not a list"])
+def test_a_hostile_cluster_slots_reply_is_refused_before_the_client_walks_it(slots: bytes, match: str) -> None:
+    """The cluster client walks every slot of every range CLUSTER SLOTS names and connects to every
+    node: a range 0..2**40 took 4 GB of memory and never ended, and 4,000 nodes 4,000 loop
+    connections. A reply a cluster could not send is refused (the store is unavailable)."""
+    with FakeValkey(_strlen(b":0\r\n")) as fake:
+        _cluster_node(fake, slots)
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=match) as info:
+            ValkeyStore().open(fake.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=2.0)).close()
+        assert time.monotonic() - start < 5.0
+        assert "\x1b" not in str(info.value)
+
+
+def test_a_redirect_is_never_followed() -> None:
+    """A key's node answering MOVED had the key read or written again through the client's own
+    command path, which reads a reply whole (a 3 GiB one: into memory) and connects wherever the
+    node points. A redirect now leaves the key as it is for that call (a miss, not written,
+    absent) and has the slot map read again; on a node not in cluster mode it is a failure."""
+    moved = b"-MOVED 1234 127.0.0.1:1\r\n"
+    with FakeValkey(lambda cmd: moved) as fake:
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=2.0))
+        try:
+            with pytest.raises(StoreUnavailable, match="GET failed: MOVED"):
+                backend.get([(KEYS[0], [memoryview(bytearray(8))])])
+        finally:
+            backend.close()
+    with FakeValkey(lambda cmd: None) as fake:
+        _cluster_node(fake, other=lambda cmd: moved)
+        backend = ValkeyStore().open(fake.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=2.0))
+        try:
+            assert backend.get([(KEYS[0], [memoryview(bytearray(8))])]) == [GetStatus.MISS]
+            assert backend.put([(KEYS[0], [memoryview(b"12345678")])]) == [False]
+            assert backend.exists(KEYS) == [0, 0]
+            assert backend.delete(KEYS) == 0
+            assert backend.redirects == 6
+            sent = [c[0].upper() for c in fake.commands]
+            assert sent.count(b"GET") == 1 and sent.count(b"SET") == 1 and b"ASKING" not in sent, sent
+        finally:
+            backend.close()
+
+
+def test_a_node_s_words_reach_the_log_and_status_escaped_and_without_the_password(tmp_path) -> None:
+    """A node's error text goes into the server's log and ``kvxfer status``: one that answered
+    with terminal escapes and echoed the password it was sent had both printed as they were."""
+    with FakeValkey(_strlen(b":0\r\n")) as fake:
+        fake.info = b"-ERR \x1b]0;pwned\x07\x1b[2J node says: password=S3cretPassw0rd\r\n"
+        url = fake.url.replace("valkey://", "valkey://kvxfer:S3cretPassw0rd@")
+        args = ["--l2", "valkey", "--l2-url", url, "--l2-timeout", "0.5"]
+        with (ServerProcess(l1_size="8MiB", chunk_size=CHUNK, transports="cpu_gather", extra_args=args) as srv,
+              CacheClient(srv.url, timeout=TIMEOUT) as c):
+            detail = wait_for(lambda: "node says" in tier(c).detail and tier(c).detail, 30)
+            assert detail and "S3cret" not in detail and "\x1b" not in detail and "password=***" in detail, detail
+            log = srv.log()
+            assert "node says" in log and "S3cret" not in log and "\x1b" not in log, log

@@ -20,6 +20,7 @@ from kvxfer.errors import ConfigError, StoreUnavailable
 from kvxfer.store import StoreOptions
 from kvxfer.testing import StoreConformance
 from kvxfer_valkey import ValkeyServer, ValkeyStore
+from kvxfer_valkey.connection import raw_socket
 from kvxfer_valkey.local import TlsTerminator, stunnel_binary
 
 
@@ -52,11 +53,12 @@ class TestValkeyOverTLS(StoreConformance):
 def test_the_backend_speaks_tls_and_never_reads_on_the_loop(tls: TlsTerminator) -> None:
     backend = ValkeyStore().open(tls.url, StoreOptions())
     try:
-        sock = backend._node_pool().get_connection("PING")
+        conn = backend._node_pool().get_connection("PING")
         try:
-            assert type(sock._sock).__name__ == "SSLSocket" and sock._sock.version() in ("TLSv1.2", "TLSv1.3")
+            sock = raw_socket(conn)  # under the socket that bounds the client's own replies
+            assert type(sock).__name__ == "SSLSocket" and sock.version() in ("TLSv1.2", "TLSv1.3")
         finally:
-            backend._node_pool().release(sock)
+            backend._node_pool().release(conn)
         assert backend.loop_fds() == (), "TLS checks run on the backend's threads, not on the server's loop"
         backend.submit_put([(b"kvxfer:tls:a", [memoryview(b"h" * 5), memoryview(b"x" * 70000)])]).result(10)
         assert backend.submit_exists([b"kvxfer:tls:a", b"kvxfer:tls:none"]).result(10) == [70005, 0]
