@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from kvxfer_vllm_harness import MiniEngine, Request, feed, make_vllm_config, workload
 
-from kvxfer.errors import ConnectionFailed
+from kvxfer.errors import ConfigError, ConnectionFailed
 from kvxfer.testing.server import ServerProcess
 
 CHUNK = 16
@@ -172,6 +172,37 @@ def test_server_restart_between_requests_needs_no_vllm_restart(srv: ServerProces
         assert engine.worker.identity.startswith("restart#")  # the label, then the fingerprint
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_server_restarted_with_another_chunk_size_is_not_used(srv: ServerProcess, policy: str) -> None:
+    """A server restarted with another chunk size answers the scheduler's next lookup NoSession;
+    its side opened a new session and went on hashing prompts in the old chunks (every lookup a
+    miss, nothing said). Now the scheduler checks the chunk size of every new session: with
+    'recompute' it stops using that server and says why; with 'fail' the step raises."""
+    cfg = make_vllm_config(srv.url, model_name="rechunk", on_server_error=policy, timeout_s=1, retry_s=0.2)
+    engine = MiniEngine(cfg, enable_prefix_caching=False)
+    sched = engine.scheduler.scheduler
+    other = ServerProcess(l1_size="32MiB", chunk_size=CHUNK * 2, transports="cpu_gather", url=srv.url)
+    try:
+        feed(engine, workload("r", n=2, seed=8), per_step=2)
+        assert sched.chunk_size == CHUNK and not sched.link.down
+        srv.kill()
+        other.start()
+        reqs = [Request(f"rc-{i}", list(range(500, 500 + 4 * CHUNK)) + [i]) for i in range(2)]
+        if policy == "fail":
+            with pytest.raises(ConfigError, match=f"uses chunk size {2 * CHUNK} but this vLLM expects {CHUNK}"):
+                feed(engine, reqs, per_step=1)
+            return
+        before = sched.stats["unanswered_lookups"]
+        feed(engine, reqs, per_step=1)
+        engine.check_drained()
+        assert sched.link.down and sched.stats["unanswered_lookups"] - before == 2
+        assert sched.chunk_size == CHUNK
+    finally:
+        other.stop()
+        engine.worker.worker.link.close()
+        sched.link.close()
 
 
 def test_server_dies_fail_mode_raises_clearly(srv: ServerProcess) -> None:

@@ -183,13 +183,20 @@ class ConnectorConfig:
             check_url(url)
         except ConfigError as exc:
             raise ConfigError(f"kvxfer.url: {exc}") from None
+        timeout_s = _positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0), MAX_TIMEOUT_S)
+        load_timeout_s = _load_timeout(extra.get("kvxfer.load_timeout_ms", 0))
+        if load_timeout_s >= timeout_s:
+            raise ConfigError(f"kvxfer.load_timeout_ms ({load_timeout_s * 1000:g} ms) must be below kvxfer.timeout_s "
+                              f"({timeout_s:g} s): a load still waiting for the server at kvxfer.timeout_s fails as a "
+                              "server error (kvxfer.on_server_error), not as a late load; lower the one or raise "
+                              "the other")
         return cls(
             url=url,
             transport=transport,
             chunk_size=chunk_size,
-            timeout_s=_positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0), MAX_TIMEOUT_S),
+            timeout_s=timeout_s,
             lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0)),
-            load_timeout_s=_load_timeout(extra.get("kvxfer.load_timeout_ms", 0)),
+            load_timeout_s=load_timeout_s,
             on_server_error=on_error,
             retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0)),
             model_name=model_name,

@@ -116,6 +116,13 @@ class ServerLink:
             self.client.reconnect()
             self._on_connect(self.client)
 
+    def reconnect(self) -> None:
+        """The server lost this side's session (it restarted): open a new one, register again,
+        and run ``on_connect``, whose checks (the chunk size) hold for a restarted server too.
+        Raises what those raise."""
+        with self._connect_lock:
+            self._connect()
+
     def _start_attempts(self) -> None:
         """Start the thread that looks for the server (under ``_lock``), unless it runs or the
         link is closing."""
@@ -148,8 +155,12 @@ class ServerLink:
                 self._start_attempts()
 
     def failed(self, exc: BaseException, what: str) -> None:
-        """``what`` failed because of the server: raise (``fail``) or go degraded (``recompute``)."""
+        """``what`` failed because of the server: raise (``fail``) or go degraded (``recompute``).
+        In ``fail`` mode a configuration error (a server restarted with another chunk size, say)
+        is raised as it is: it is no outage, and ``recompute`` would not serve from that server."""
         if self.config.on_server_error == "fail":
+            if isinstance(exc, (ConfigError, TransportError)):
+                raise exc
             url = self.config.url
             # the client's own errors name the server and what to run; others get it said here
             check = "" if url in str(exc) else (f" Check the kvxfer server at {url} (`kvxfer status --url {url}`; "

@@ -189,8 +189,8 @@ class SchedulerConnector:
                     reply = client.lookup_and_lease(g.name, self.config.world_size, hashes=hashes[first:first + hits],
                                                     lease_s=self.config.lease_s, promote=True,
                                                     prefetch=self.config.prefetch)
-                except NoSession:  # the server restarted: open a new session and ask again
-                    client.reconnect()
+                except NoSession:  # the server restarted: open a new session, check it, ask again
+                    self.link.reconnect()
                     reply = client.lookup_and_lease(g.name, self.config.world_size,
                                                     hashes=hashes[first:first + hits], lease_s=self.config.lease_s,
                                                     promote=True, prefetch=self.config.prefetch)
