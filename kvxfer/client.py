@@ -382,8 +382,9 @@ class CacheClient:
             registry.get_transport(name)
             raise TransportUnavailable(
                 f"the server at {self.url} did not load transport {name!r}; it has "
-                f"{', '.join(self.server_transports)}. Start it with `kvxfer serve --url {self.url} --transports "
-                f"{name}` (or a list naming {name})"
+                f"{', '.join(self.server_transports)}. Add {name} to the server's --transports, keeping its other "
+                f"options and the transports other engines use: `kvxfer serve --url {self.url} --transports "
+                f"{','.join([*self.server_transports, name])} ...`"
             )
         try:
             return registry.select(name, device, among=self.server_transports, kv=(layout, layers))

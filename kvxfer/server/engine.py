@@ -482,9 +482,10 @@ class CacheServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
         self.hooks.call("kvxfer_server_started", server=self)
-        log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s",
+        log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s%s",
                  kvxfer.__version__, self.url, format_bytes(self.arena.size), self.arena.path,
-                 self.config.chunk_size, ", ".join(self.transports))
+                 self.config.chunk_size, ", ".join(self.transports),
+                 f", metrics at {self.metrics_url}" if self.metrics_url else "")
         try:
             self._mq.serve_forever()
         finally:

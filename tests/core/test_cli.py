@@ -352,6 +352,11 @@ def test_the_vllm_connector_reads_numbers_written_as_strings_alike() -> None:
                      ("kvxfer.timeout_s", 10**400)):
         with pytest.raises(ConfigError, match=key):
             ConnectorConfig.from_mapping({key: bad}, **args)
+    # a load deadline past the server timeout would never be the one that ends a load
+    with pytest.raises(ConfigError, match=r"kvxfer.load_timeout_ms \(10000 ms\) must be below kvxfer.timeout_s \(5 s\)"):
+        ConnectorConfig.from_mapping({"kvxfer.load_timeout_ms": 10000}, **args)
+    assert ConnectorConfig.from_mapping({"kvxfer.load_timeout_ms": 10000, "kvxfer.timeout_s": 11},
+                                        **args).load_timeout_s == 10.0
 
 
 @pytest.mark.parametrize("argv", [
