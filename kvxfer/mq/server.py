@@ -242,7 +242,7 @@ class MQServer:
             assert curve is not None
             from zmq.auth.thread import ThreadAuthenticator
 
-            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth = ThreadAuthenticator(self._ctx, log=_AuthLog())
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))
         elif not url.startswith(("ipc://", "inproc://")):
@@ -597,3 +597,26 @@ class MQServer:
                 path.unlink()
             except FileNotFoundError:
                 pass
+
+
+class _AuthLog:
+    """The log of the CURVE authenticator (pyzmq's ZAP handler, which says everything at DEBUG):
+    a client refused for a public key not in ``authorized/`` is a WARNING, at most one a second
+    (anyone who reaches the port can cause it); the rest stays DEBUG on ``zmq.auth``. A client
+    that has the wrong server public key fails before this handler: nothing says so."""
+
+    def __init__(self) -> None:
+        self._zmq = logging.getLogger("zmq.auth")
+        self._refused = ThrottledLog(log)
+
+    def debug(self, msg: str, *args: object) -> None:
+        if msg.startswith("%s (CURVE") and len(args) == 3 and args[0] == "DENIED":
+            key = args[2].decode("ascii", "replace") if isinstance(args[2], bytes) else str(args[2])
+            self._refused.warning("curve refused", f"refused a tcp:// client: its CURVE public key {key[:40]!r} is not "
+                                                   "in the server's authorized/ folder (add its .key file there and "
+                                                   "restart the server to let it in)")
+        else:
+            self._zmq.debug(msg, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._zmq, name)

@@ -231,6 +231,9 @@ def test_tcp_client_without_the_key_is_refused(tcp_server, who):
         # one message: no second server suggested (one listens), and the timeout is not repeated
         assert "kvxfer serve --url" not in str(info.value)
         assert "got no reply" not in str(info.value)
+        if who == "unknown client key":  # the operator learns which key knocked (the ZAP handler's words were DEBUG)
+            line = f"refused a tcp:// client: its CURVE public key {curve.public.decode()!r} is not in the server's"
+            assert any(line in ln for ln in tcp_server.log().splitlines()), tcp_server.log()[-2000:]
     if who == "no keys":
         r = kvxfer_cli("status", "--url", tcp_server.url, "--timeout", "1")
         assert r.returncode == 2 and "--curve-dir" in r.stderr
