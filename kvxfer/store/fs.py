@@ -26,6 +26,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -55,6 +56,8 @@ from kvxfer.units import format_bytes, parse_size
 from kvxfer.urls import has_control_character
 
 __all__ = ["FsStore", "FsBackend"]
+
+log = logging.getLogger(__name__)
 
 _LOCK_NAME: Final = ".kvxfer-fs.lock"
 #: How the store opens its directory and subdirectories: never through a link.
@@ -139,6 +142,10 @@ class FsBackend(ThreadedBackend):
         # checked on the path itself (a symbolic link in its place, or in a parent others may
         # write to, is refused: this store deletes files in it), then made 0700 through a
         # descriptor of that very directory
+        if not os.path.lexists(root) and not root.parent.is_dir():
+            raise ConfigError(f"the fs store's directory {root} cannot be made: {root.parent} does not exist. Create "
+                              "it, or mount the disk meant for the store there, first: kvxfer makes only the store's "
+                              "own directory, so that a disk that is not mounted is never filled in its place")
         ensure_private_dir(root, "fs store directory", "choose another --l2-url: a directory of yours")
         _refuse_unless_own(root)  # before anything is changed in it
         self._root_fd = os.open(root, _DIR_FLAGS)
@@ -192,9 +199,14 @@ class FsBackend(ThreadedBackend):
         for _, name, size in sorted(found):
             self._lru[name] = size
             self.used += size
-        if max_size is None:  # the files found are the store's to keep: counted with the free space
-            vfs = os.fstatvfs(self._root_fd)
-            self.max_size = max(1, int((vfs.f_bavail * vfs.f_frsize + self.used) * DEFAULT_SHARE))
+        vfs = os.fstatvfs(self._root_fd)
+        room = vfs.f_bavail * vfs.f_frsize + self.used  # the files found are the store's to keep
+        if max_size is None:
+            self.max_size = max(1, int(room * DEFAULT_SHARE))
+        elif max_size > room:
+            log.warning("fs store %s: max_size %s is more than its file system has free plus the store's files "
+                        "(%s): once that is full, writes fail and take L2 down until files are removed; lower "
+                        "max_size in --l2-url", self.root, format_bytes(max_size), format_bytes(room))
         self._make_room(0)
 
     def _open_subdir(self, sub: str, create: bool = False) -> int | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
@@ -354,3 +355,16 @@ def test_a_lock_file_planted_as_a_link_or_directory_is_refused_with_what_to_do(t
     with pytest.raises(ConfigError, match="lock file .* is not a regular file of yours .*remove it"):
         FsStore().open(f"file://{root}", StoreOptions())
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_store_whose_parent_is_missing_is_refused_and_a_budget_past_the_disk_is_warned(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``file:///mnt/nvme/kvxfer`` where no disk is mounted at /mnt/nvme made /mnt/nvme on the
+    root file system and went on to fill it: kvxfer makes only the store's own directory. A
+    ``max_size`` past what its file system has is accepted, with a warning (the disk may grow)."""
+    with pytest.raises(ConfigError, match=r"does not exist\. Create it, or mount the disk"):
+        FsStore().open(f"file://{tmp_path}/not-mounted/kvxfer", StoreOptions())
+    assert not (tmp_path / "not-mounted").exists()
+    with caplog.at_level(logging.WARNING, logger="kvxfer.store.fs"):
+        FsStore().open(f"file://{tmp_path}/l2?max_size=1000000TiB", StoreOptions()).close()
+    assert "max_size 1000000.0 TiB is more than its file system has free" in caplog.text
