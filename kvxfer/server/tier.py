@@ -92,6 +92,8 @@ _STATS_RETRY_S: Final = 0.5
 MAX_ADMISSION_HITS: Final = 1_000_000
 #: Longest text of a store error the log and ``kvxfer status`` show (a node chooses its words).
 ERROR_TEXT_MAX: Final = 512
+#: The same for a configuration error, which says what to change after what went wrong.
+CONFIG_ERROR_TEXT_MAX: Final = 2048
 
 
 def parse_admission(text: str) -> int:
@@ -508,8 +510,8 @@ class L2Tier:
         name = self.store.name
         try:
             opened = self.store.open(self.config.url, self.options)
-        except ConfigError:
-            raise
+        except ConfigError as exc:  # its text may quote the node (credentials refused: the node's words)
+            raise ConfigError(self._shown(str(exc), CONFIG_ERROR_TEXT_MAX)) from None
         except (StoreUnavailable, OSError) as exc:  # a store that does not answer leaves L2 down, retrying
             msg = self._describe(exc)
             if self.backend is None and self.breaker.closed:
@@ -729,13 +731,16 @@ class L2Tier:
         sent), terminal escapes, or a lot of text; so the URL is redacted, any secret of it
         replaced, every unprintable character escaped, and the text cut at
         :data:`ERROR_TEXT_MAX` characters."""
-        text = f"{type(exc).__name__}: {exc}"
+        return self._shown(f"{type(exc).__name__}: {exc}")
+
+    def _shown(self, text: str, limit: int = ERROR_TEXT_MAX) -> str:
+        """``text`` made safe to log and show (see :meth:`_describe`), at most ``limit`` characters."""
         if self.config.url:
             text = text.replace(self.config.url, self.url)
         for secret in self._secrets:
             text = text.replace(secret, "***")
         text = printable(text)
-        return text if len(text) <= ERROR_TEXT_MAX else f"{text[:ERROR_TEXT_MAX - 3]}..."
+        return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
     # ------------------------------------------------------------------ lookups (loop thread)
 
@@ -1192,7 +1197,7 @@ class L2Tier:
             try:
                 opened = self._open_backend()
             except ConfigError as exc:  # e.g. credentials revoked while the store was away
-                return False, str(exc)
+                return False, self._shown(str(exc), CONFIG_ERROR_TEXT_MAX)
             if not opened:
                 return False, self.breaker.last_error
         assert self.backend is not None

@@ -11,7 +11,7 @@ Who does what:
   caller's buffers (:class:`~kvxfer_valkey.resp.RespReader`: ``recv_into`` the arena slot;
   ``sendall`` of the slot's memoryview). A key whose node answers with a redirect (``MOVED``,
   ``ASK``: its slot moved or is moving) is absent, a miss, not written or not deleted for that
-  call, and the health thread reads the slot map again; redirects are not followed, since the
+  call, and a thread of the backend reads the slot map again at once; redirects are not followed, since the
   client's own command path reads a reply whole whatever its size.
 
 Every socket operation is bounded (``options.timeout_s`` for lookups, ``bulk_timeout_s`` while
@@ -86,6 +86,8 @@ _READ: Final = 1 << 14
 #: Largest pipeline sent on a loop connection (about 3,000 keys): the kernel takes it whole
 #: whatever Valkey is doing; a wider check goes through a store thread, which may block.
 _LOOP_SEND_MAX: Final = 1 << 18
+#: Shortest time between two readings of a cluster's slot map.
+_REFRESH_EVERY_S: Final = 0.5
 #: Errors of one key (a third party made it a list, say): that key is absent, the store is fine.
 _KEY_ERRORS: Final = frozenset({"WRONGTYPE"})
 #: Longest unfinished reply line kept from the loop connection (an answer to STRLEN is at most
@@ -236,7 +238,7 @@ class ValkeyBackend(ThreadedBackend):
     (each primary of a cluster) on which the server's loop sends ``STRLEN`` pipelines and reads
     their answers itself. A cluster check goes to the nodes that hold its keys' slots, by the
     client's slot map; a key whose slot moved (``MOVED``/``ASK``) counts as absent for that check
-    and has the health thread refresh the map. Loop connections are (re)made off the loop: at
+    and has the map read again (:meth:`_topology_stale`). Loop connections are (re)made off the loop: at
     open and by any threaded existence check that finds one missing."""
 
     def __init__(self, client: valkey.Valkey | ValkeyCluster, cluster: bool, options: StoreOptions) -> None:
@@ -244,7 +246,11 @@ class ValkeyBackend(ThreadedBackend):
         self.client = client
         self.cluster = cluster
         self.redirects = 0
+        #: Set by a redirect or a failure on a cluster: the slot map is read again (_refresh_topology).
         self._stale_topology = threading.Event()
+        self._topology_lock = threading.Lock()
+        self._refreshing = False
+        self._last_refresh = 0.0
         #: Loop connections by node name ("host:port"), and the descriptors of the healthy ones.
         self._loops: dict[str, _LoopConnection] = {}
         self._fds: tuple[int, ...] = ()
@@ -322,7 +328,7 @@ class ValkeyBackend(ThreadedBackend):
             cmd, slot = cmds.get(k) or self._strlen_of(k)
             nodes = slot_node.get(slot)
             if not nodes:
-                self._stale_topology.set()
+                self._topology_stale()
                 return False
             g = groups.get(nodes[0].name)
             if g is None:
@@ -434,7 +440,7 @@ class ValkeyBackend(ThreadedBackend):
             elif self.cluster and line.startswith((b"-MOVED ", b"-ASK ")):  # absent for now; refresh the map
                 got.append(0)
                 self.redirects += 1
-                self._stale_topology.set()
+                self._topology_stale()
             elif line[:1] == b"-" and line[1:].split(b" ", 1)[0].decode("ascii", "replace") in _KEY_ERRORS:
                 got.append(0)  # not a value of ours (another type under the key): absent
             else:  # an error, or anything unexpected: give up this connection
@@ -499,7 +505,7 @@ class ValkeyBackend(ThreadedBackend):
             return _run_on(pool, fn, timeout, nbytes)
         except BaseException:
             if self.cluster:
-                self._stale_topology.set()
+                self._topology_stale()
             raise
 
     # ------------------------------------------------------------------ operations
@@ -582,20 +588,54 @@ class ValkeyBackend(ThreadedBackend):
 
     def _redirected(self, err: ErrorReply, command: str) -> None:
         """A key's reply was an error: on a cluster, a redirect (the key's slot moved, or is
-        moving) has the health thread read the slot map again and leaves the key as it is for
+        moving) has the slot map read again (:meth:`_topology_stale`) and leaves the key as it is for
         this call (absent, a miss, not written, not deleted); anything else fails the call.
         Redirects are not followed: the client's own command path reads a reply whole, whatever
         its size, and may connect wherever the node points."""
         if not (self.cluster and err.kind in _REDIRECTS):
             raise StoreUnavailable(f"valkey: {command} failed: {err.text}")
         self.redirects += 1
+        self._topology_stale()
+
+    def _topology_stale(self) -> None:
+        """The slot map may be out of date (a redirect, or a failure on a cluster): read it again
+        soon, on a thread of its own (any thread may call this, the server's loop included)."""
         self._stale_topology.set()
+        if not self.cluster or self._closed:
+            return
+        with self._topology_lock:
+            if self._refreshing:
+                return
+            self._refreshing = True
+        threading.Thread(target=self._refresh_topology, name="kvxfer-valkey-slots", daemon=True).start()
+
+    def _refresh_topology(self) -> None:
+        """Read the slot map again while it is stale, at most once per :data:`_REFRESH_EVERY_S`
+        (a node that answers every command with a redirect must not make this a busy loop); then
+        have the loop connections of new primaries made."""
+        assert isinstance(self.client, ValkeyCluster)
+        try:
+            while self._stale_topology.is_set() and not self._closed:
+                wait = self._last_refresh + _REFRESH_EVERY_S - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                self._last_refresh = time.monotonic()
+                self._stale_topology.clear()
+                try:
+                    self.client.nodes_manager.initialize()
+                except Exception as exc:  # noqa: BLE001  (the nodes may be away: the breaker sees that; try again)
+                    self._stale_topology.set()
+                    log.debug("valkey: reading the slot map failed: %s: %s", type(exc).__name__, exc)
+                    continue
+                self._want_loops.set()
+        finally:
+            with self._topology_lock:
+                self._refreshing = False
+        if self._stale_topology.is_set() and not self._closed:  # marked stale as this thread ended
+            self._topology_stale()
 
     def ping(self) -> None:
         try:
-            if isinstance(self.client, ValkeyCluster) and self._stale_topology.is_set():
-                self.client.nodes_manager.initialize()
-                self._stale_topology.clear()
             if self.cluster:
                 self.client.ping()
             else:
@@ -742,7 +782,9 @@ def _human(n: int) -> str:
 
 def _refused(where: str, exc: Exception) -> ConfigError:
     """The error of credentials Valkey refused (a configuration error: retrying cannot help)."""
-    return ConfigError(f"valkey at {where} refused kvxfer's credentials ({exc}): check the user and password in "
+    said = str(exc)  # the node's words: kept short, so that what to check stays in the message
+    said = said if len(said) <= 200 else f"{said[:197]}..."
+    return ConfigError(f"valkey at {where} refused kvxfer's credentials ({said}): check the user and password in "
                        f"--l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run "
                        f"{_acl_names(ACL_COMMANDS[:-len(CLUSTER_ACL_COMMANDS)])} (and on a cluster "
                        f"{_acl_names(CLUSTER_ACL_COMMANDS)}) on keys ~kvxfer:* (docs/l2.md)")

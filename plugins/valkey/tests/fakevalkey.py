@@ -48,6 +48,8 @@ class FakeValkey:
         self.reply = reply
         #: INFO's reply instead of a single node's few fields (None: those)
         self.info: bytes | Trickle | None = None
+        #: the reply to AUTH (any user and password are taken)
+        self.auth_reply: bytes = b"+OK\r\n"
         #: the reply to each CLIENT command (SETNAME, SETINFO: the client's handshake)
         self.client_reply: bytes | Trickle | None = b"+OK\r\n"
         #: bytes of replies sent whole or in part (sendall that failed: its bytes not counted)
@@ -90,8 +92,8 @@ class FakeValkey:
                 elif name == b"INFO":
                     body = b"cluster_enabled:0\r\nused_memory:0\r\n"
                     out = b"$%d\r\n%s\r\n" % (len(body), body)
-                elif name == b"AUTH":  # any user and password
-                    out = b"+OK\r\n"
+                elif name == b"AUTH":
+                    out = self.auth_reply
                 elif name == b"PING":
                     out = b"+PONG\r\n"
                 elif name == b"DBSIZE":

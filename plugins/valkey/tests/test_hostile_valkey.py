@@ -443,3 +443,18 @@ def test_a_node_s_words_reach_the_log_and_status_escaped_and_without_the_passwor
             assert detail and "S3cret" not in detail and "\x1b" not in detail and "password=***" in detail, detail
             log = srv.log()
             assert "node says" in log and "S3cret" not in log and "\x1b" not in log, log
+
+
+def test_a_node_s_words_in_a_refusal_of_the_credentials_are_escaped_and_without_the_password(tmp_path) -> None:
+    """A refusal of the credentials stops ``kvxfer serve`` (a configuration error); its message
+    quoted the node's words as they came: terminal escapes, and the password the node echoed."""
+    import subprocess
+    import sys
+
+    with FakeValkey(_strlen(b":0\r\n")) as fake:
+        fake.auth_reply = b"-WRONGPASS \x1b]0;pwned\x07\x1b[2J you sent S3cretPassw0rd\r\n"
+        url = fake.url.replace("valkey://", "valkey://kvxfer:S3cretPassw0rd@")
+        out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/s.sock", "--l1-size",
+                              "8MiB", "--l2", "valkey", "--l2-url", url], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "refused kvxfer's credentials" in out.stderr, out.stderr
+    assert "you sent ***" in out.stderr and "S3cret" not in out.stderr and "\x1b" not in out.stderr, out.stderr
