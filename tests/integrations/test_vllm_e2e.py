@@ -124,6 +124,10 @@ def test_a_second_process_loads_the_prefix_the_first_stored(work: Path, models: 
     for side in ("scheduler", "worker rank 0"):
         assert store["log"].count(f"kvxfer {side}: connected to the kvxfer server at {server.url}") == 1, store["log"]
     assert store["batches"][0]["tokens"] == [baseline[0]], "the storing run must answer as vLLM alone"
+    # vLLM exited: both connector halves said goodbye (a session left to time out reads as a crash
+    # in the server's log); only the asking client's session is left
+    with CacheClient(server.url) as c:
+        assert c.status().sessions == 1
     assert hits(store["batches"][0]) == 0
     # kvxfer's figures in vLLM's own metrics (the connector's stats API) and its log line
     stored = store["batches"][0]["counters"]

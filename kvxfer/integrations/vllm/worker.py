@@ -236,7 +236,7 @@ class WorkerConnector:
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise mode, before attention of ``layer_name`` reads the KV cache: wait until that
         layer of this step's loads of its KV cache group has landed. A load that fails, or misses
-        its deadline (``kvxfer.load_timeout_ms``, else twice ``kvxfer.timeout_s``), is reported
+        its deadline (``kvxfer.load_timeout_ms``, else twice ``kvxfer.timeout_s`` plus 5 s), is reported
         at the end of the step: every block it was to fill counts as failed."""
         where = self._layer_index.get(layer_name)
         if where is None:
