@@ -169,6 +169,8 @@ def plugin_step_call(transport: str, step: str, call: Callable[[], Any]) -> Any:
 
 #: Why the session of a client that said goodbye ended (the log line's words).
 _CLOSED_BY_CLIENT: Final = "closed by the client"
+#: ... of a client whose process ended without saying goodbye (killed, or exited without closing).
+_PROCESS_GONE: Final = "its process ended without closing it"
 
 
 def _show(value: object, limit: int = 64) -> str:
@@ -785,7 +787,10 @@ class CacheServer:
             self.tier.tick()
         for identity, session in list(self.sessions.items()):
             if not stalled and now - session.last_seen > self.config.session_timeout_s:
-                self._drop_session(identity, "timed out")
+                # a crash or a kill (an engine stopped with SIGKILL) reads differently in the log
+                # from a client that stopped answering
+                gone = not liveness.holder_alive(self.arena.path, session.token)
+                self._drop_session(identity, _PROCESS_GONE if gone else "timed out")
         for parked in list(self._parked.values()):
             if not liveness.holder_alive(self.arena.path, parked.token):
                 self._free_parked(parked)
