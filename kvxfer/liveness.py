@@ -91,20 +91,34 @@ class ProcessLock:
 def holder_alive(arena_path: str | os.PathLike[str], token: str) -> bool:
     """The server's side: True while some process holds the lock of ``token``. False when the
     client never held one or its process is gone; the file is then removed."""
+    return _lock_state(arena_path, token) == "held"
+
+
+def holder_gone(arena_path: str | os.PathLike[str], token: str) -> bool:
+    """True when the client of ``token`` held its lock and its process has ended (the file is
+    there, and nobody holds it; it is then removed). False while it holds it, and for a client
+    that never held one (on another host, or where the arena's directory is out of its reach):
+    nothing is known of its process."""
+    return _lock_state(arena_path, token) == "released"
+
+
+def _lock_state(arena_path: str | os.PathLike[str], token: str) -> str:
+    """``held``, ``released`` (the file was left by a process that ended: removed now) or
+    ``none`` (no lock file of ours)."""
     if not valid_token(token):
-        return False
+        return "none"
     path = lock_path(arena_path, token)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
-        return False
+        return "none"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False  # not a lock file of ours (a FIFO, a directory): nobody holds it
+            return "none"  # not a lock file of ours (a FIFO, a directory): nobody holds it
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
+        return "held"
     finally:
         os.close(fd)
     path.unlink(missing_ok=True)
-    return False
+    return "released"

@@ -788,8 +788,8 @@ class CacheServer:
         for identity, session in list(self.sessions.items()):
             if not stalled and now - session.last_seen > self.config.session_timeout_s:
                 # a crash or a kill (an engine stopped with SIGKILL) reads differently in the log
-                # from a client that stopped answering
-                gone = not liveness.holder_alive(self.arena.path, session.token)
+                # from a client that stopped answering (one without a lock: nothing is known)
+                gone = liveness.holder_gone(self.arena.path, session.token)
                 self._drop_session(identity, _PROCESS_GONE if gone else "timed out")
         for parked in list(self._parked.values()):
             if not liveness.holder_alive(self.arena.path, parked.token):

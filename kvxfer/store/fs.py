@@ -145,7 +145,8 @@ class FsBackend(ThreadedBackend):
         if not os.path.lexists(root) and not root.parent.is_dir():
             raise ConfigError(f"the fs store's directory {root} cannot be made: {root.parent} does not exist. Create "
                               "it, or mount the disk meant for the store there, first: kvxfer makes only the store's "
-                              "own directory, so that a disk that is not mounted is never filled in its place")
+                              "own directory, so that a path meant for a disk that is not there is refused rather "
+                              "than made on the file system below")
         ensure_private_dir(root, "fs store directory", "choose another --l2-url: a directory of yours")
         _refuse_unless_own(root)  # before anything is changed in it
         self._root_fd = os.open(root, _DIR_FLAGS)

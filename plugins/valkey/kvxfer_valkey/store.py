@@ -86,8 +86,9 @@ _READ: Final = 1 << 14
 #: Largest pipeline sent on a loop connection (about 3,000 keys): the kernel takes it whole
 #: whatever Valkey is doing; a wider check goes through a store thread, which may block.
 _LOOP_SEND_MAX: Final = 1 << 18
-#: Shortest time between two readings of a cluster's slot map.
+#: Shortest time between two readings of a cluster's slot map, and the longest after failures.
 _REFRESH_EVERY_S: Final = 0.5
+_REFRESH_MAX_S: Final = 8.0
 #: Errors of one key (a third party made it a list, say): that key is absent, the store is fine.
 _KEY_ERRORS: Final = frozenset({"WRONGTYPE"})
 #: Longest unfinished reply line kept from the loop connection (an answer to STRLEN is at most
@@ -250,6 +251,8 @@ class ValkeyBackend(ThreadedBackend):
         self._stale_topology = threading.Event()
         self._topology_lock = threading.Lock()
         self._refreshing = False
+        #: Held while the slot map is read (by the refreshing thread, or a probe).
+        self._read_lock = threading.Lock()
         self._last_refresh = 0.0
         #: Loop connections by node name ("host:port"), and the descriptors of the healthy ones.
         self._loops: dict[str, _LoopConnection] = {}
@@ -607,40 +610,65 @@ class ValkeyBackend(ThreadedBackend):
             if self._refreshing:
                 return
             self._refreshing = True
-        threading.Thread(target=self._refresh_topology, name="kvxfer-valkey-slots", daemon=True).start()
+        try:
+            threading.Thread(target=self._refresh_topology, name="kvxfer-valkey-slots", daemon=True).start()
+        except RuntimeError:  # no thread can be started (the interpreter is ending): the next call tries again
+            with self._topology_lock:
+                self._refreshing = False
 
     def _refresh_topology(self) -> None:
-        """Read the slot map again while it is stale, at most once per :data:`_REFRESH_EVERY_S`
-        (a node that answers every command with a redirect must not make this a busy loop); then
-        have the loop connections of new primaries made."""
-        assert isinstance(self.client, ValkeyCluster)
+        """Read the slot map again while it is stale: at most once per :data:`_REFRESH_EVERY_S`
+        (a node that answers every command with a redirect must not make this a busy loop), and
+        after a failure (the nodes away) twice as long each time, up to :data:`_REFRESH_MAX_S`;
+        then have the loop connections of new primaries made."""
+        every = _REFRESH_EVERY_S
         try:
             while self._stale_topology.is_set() and not self._closed:
-                wait = self._last_refresh + _REFRESH_EVERY_S - time.monotonic()
+                wait = self._last_refresh + every - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
                 self._last_refresh = time.monotonic()
-                self._stale_topology.clear()
                 try:
-                    self.client.nodes_manager.initialize()
+                    self._read_slot_map()
                 except Exception as exc:  # noqa: BLE001  (the nodes may be away: the breaker sees that; try again)
-                    self._stale_topology.set()
-                    log.debug("valkey: reading the slot map failed: %s: %s", type(exc).__name__, exc)
+                    log.debug("valkey: reading the slot map failed (%s)", type(exc).__name__)
+                    every = min(2 * every, _REFRESH_MAX_S)
                     continue
-                self._want_loops.set()
+                every = _REFRESH_EVERY_S
         finally:
             with self._topology_lock:
                 self._refreshing = False
         if self._stale_topology.is_set() and not self._closed:  # marked stale as this thread ended
             self._topology_stale()
 
-    def ping(self) -> None:
+    def _read_slot_map(self) -> None:
+        """Read a cluster's slot map (clears the stale mark first: a redirect meanwhile marks it
+        again), then have the loop connections of new primaries made. Raises what the client
+        raises (the mark is then set again)."""
+        assert isinstance(self.client, ValkeyCluster)
+        self._stale_topology.clear()
         try:
-            if self.cluster:
-                self.client.ping()
-            else:
+            with self._read_lock:
+                self.client.nodes_manager.initialize()
+        except BaseException:
+            self._stale_topology.set()
+            raise
+        self._want_loops.set()
+
+    def ping(self) -> None:
+        """A single node: PING. A cluster: the slot map read again if it is stale, then PING to
+        every primary, each through the backend's own bounded reader (the client's own PING
+        goes to one node only, and on a connection error drops that node from the nodes it
+        starts from: a cluster of one node could then never read its map again)."""
+        try:
+            if not isinstance(self.client, ValkeyCluster):
                 self._on(self._node_pool(), _ping, self.options.timeout_s)
-        except (ValkeyError, ValkeyClusterException) as exc:
+                return
+            if self._stale_topology.is_set():
+                self._read_slot_map()
+            for node in self.client.get_primaries():
+                _run_on(self.client.get_valkey_connection(node).connection_pool, _ping, self.options.timeout_s)
+        except (ValkeyError, ValkeyClusterException, OSError, RespError) as exc:
             raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
 
     def stats(self) -> dict[str, str]:
@@ -782,12 +810,10 @@ def _human(n: int) -> str:
 
 def _refused(where: str, exc: Exception) -> ConfigError:
     """The error of credentials Valkey refused (a configuration error: retrying cannot help)."""
-    said = str(exc)  # the node's words: kept short, so that what to check stays in the message
-    said = said if len(said) <= 200 else f"{said[:197]}..."
-    return ConfigError(f"valkey at {where} refused kvxfer's credentials ({said}): check the user and password in "
+    return ConfigError(f"valkey at {where} refused kvxfer's credentials: check the user and password in "
                        f"--l2-url (or $KVXFER_L2_PASSWORD) and that the ACL user may run "
                        f"{_acl_names(ACL_COMMANDS[:-len(CLUSTER_ACL_COMMANDS)])} (and on a cluster "
-                       f"{_acl_names(CLUSTER_ACL_COMMANDS)}) on keys ~kvxfer:* (docs/l2.md)")
+                       f"{_acl_names(CLUSTER_ACL_COMMANDS)}) on keys ~kvxfer:* (docs/l2.md). The node said: {exc}")
 
 
 class ValkeyStore(Store):

@@ -93,16 +93,20 @@ def test_a_cluster_check_goes_to_the_nodes_that_hold_the_keys(tmp_path: Path) ->
 
 
 def until_exists(backend, keys: list[bytes], timeout: float = 10.0) -> list[int]:
-    """Existence checks on the loop connections until every key is found (or ``timeout``)."""
+    """Existence checks on the loop connections until every key is found (or ``timeout``); a
+    check the loop connections cannot take goes through a store thread, as the tier sends it
+    (which makes missing loop connections again)."""
     deadline = time.monotonic() + timeout
     while True:
         results: list = []
         if backend.exists_nowait(keys, results.append):
             pump(backend, results, 1)
             if results[0] and all(results[0]) or time.monotonic() > deadline:
-                return results[0]
-        elif time.monotonic() > deadline:
-            return []
+                return results[0] or []
+        else:
+            backend.exists(keys)
+            if time.monotonic() > deadline:
+                return []
         time.sleep(0.05)
 
 
@@ -133,3 +137,52 @@ def test_keys_of_a_slot_moved_to_another_node_are_found_again(tmp_path: Path) ->
             assert backend.submit_put([(b"kvxfer:moving", [memoryview(b"w" * 7)])]).result(10) == [True]
         finally:
             backend.close()
+
+
+def test_a_cluster_of_one_node_reads_its_slot_map_again_after_an_outage(tmp_path: Path) -> None:
+    """The client's own PING, on a connection error, drops the node it asked from the nodes it
+    reads the slot map from: a cluster of one node then had none left, and never read its map
+    again once the node was back. The backend pings every primary through its own reader."""
+    from kvxfer.errors import StoreUnavailable
+    from kvxfer_valkey import ValkeyServer
+
+    node = ValkeyServer(tmp_path / "one", cluster=True).start()
+    try:
+        node.cli("CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+        deadline = time.monotonic() + 30
+        while "cluster_state:ok" not in node.cli("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "the one-node cluster did not come up"
+            time.sleep(0.1)
+        backend = ValkeyStore().open(node.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=1.0))
+        try:
+            key = b"kvxfer:one"
+            assert backend.submit_put([(key, [memoryview(b"x" * 5)])]).result(10) == [True]
+            node.stop()
+            for _ in range(3):
+                try:
+                    backend.ping()
+                except StoreUnavailable:
+                    pass
+                else:
+                    raise AssertionError("a ping with the node away succeeded")
+            node.start()
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    backend.ping()
+                    break
+                except StoreUnavailable:
+                    assert time.monotonic() < deadline, "the backend did not reach its node again"
+                    time.sleep(0.2)
+            assert backend.client.nodes_manager.startup_nodes, "the node it starts from is kept"
+            while "cluster_state:ok" not in node.cli("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the one-node cluster did not come back"
+                time.sleep(0.1)
+            assert backend.submit_put([(key, [memoryview(b"y" * 5)])]).result(10) == [True]
+            assert backend.exists([key]) == [5]  # as the tier's store threads ask
+            assert until_exists(backend, [key]) == [5]
+            assert not backend._stale_topology.is_set(), "the slot map was read again"
+        finally:
+            backend.close()
+    finally:
+        node.stop()
