@@ -659,16 +659,18 @@ class ValkeyBackend(ThreadedBackend):
         """A single node: PING. A cluster: the slot map read again if it is stale, then PING to
         every primary, each through the backend's own bounded reader (the client's own PING
         goes to one node only, and on a connection error drops that node from the nodes it
-        starts from: a cluster of one node could then never read its map again)."""
+        starts from: a cluster of one node could then never read its map again). A primary that
+        fails marks the map stale, so that a replica promoted in its place is found. An error
+        reply (``LOADING``: a node reading its data after a restart) fails the probe."""
         try:
             if not isinstance(self.client, ValkeyCluster):
                 self._on(self._node_pool(), _ping, self.options.timeout_s)
                 return
             if self._stale_topology.is_set():
                 self._read_slot_map()
-            for node in self.client.get_primaries():
-                _run_on(self.client.get_valkey_connection(node).connection_pool, _ping, self.options.timeout_s)
-        except (ValkeyError, ValkeyClusterException, OSError, RespError) as exc:
+            for node in self.client.get_primaries():  # a failure marks the map stale: read again, with backoff
+                self._on(self.client.get_valkey_connection(node).connection_pool, _ping, self.options.timeout_s)
+        except (ValkeyError, ValkeyClusterException, OSError, RespError, ErrorReply) as exc:
             raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
 
     def stats(self) -> dict[str, str]:
@@ -687,7 +689,7 @@ class ValkeyBackend(ThreadedBackend):
             return {"keys": str(_count(f.get("keys"))), "used": _human(_count(f.get("used_memory"))),
                     "maxmemory": _human(maxmemory) if maxmemory else "none",
                     "policy": f.get("maxmemory_policy", "?")[:32], "evicted": str(_count(f.get("evicted_keys")))}
-        except (ValkeyError, OSError, RespError) as exc:
+        except (ValkeyError, OSError, RespError, ErrorReply) as exc:
             raise StoreUnavailable(f"valkey: {type(exc).__name__}: {exc}") from None
 
     def close_connections(self) -> None:

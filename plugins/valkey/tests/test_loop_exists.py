@@ -186,3 +186,29 @@ def test_a_cluster_of_one_node_reads_its_slot_map_again_after_an_outage(tmp_path
             backend.close()
     finally:
         node.stop()
+
+
+def test_a_primary_that_fails_a_probe_has_the_slot_map_read_again(tmp_path: Path) -> None:
+    """After a failover the map must be read again for the promoted replica to be found: a probe
+    that fails on a primary marks the map stale (it once pinged the dead address for good, and L2
+    stayed down while the cluster was healthy again)."""
+    from kvxfer.errors import StoreUnavailable
+
+    with ValkeyCluster(tmp_path / "c") as cluster:
+        backend = ValkeyStore().open(cluster.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=1.0))
+        try:
+            backend.ping()
+            before = backend._last_refresh
+            cluster.nodes[2].stop()
+            try:
+                backend.ping()
+            except StoreUnavailable:
+                pass
+            else:
+                raise AssertionError("a probe with a primary away succeeded")
+            deadline = time.monotonic() + 5
+            while backend._last_refresh == before:
+                assert time.monotonic() < deadline, "the slot map was not read again"
+                time.sleep(0.05)
+        finally:
+            backend.close()
