@@ -173,10 +173,11 @@ class SchedulerConnector:
             return 0, False
         client = self.link.get()
         chunk = self.chunk_size
-        hashes = self._hashes(st) if chunk is not None else []
-        first = num_computed_tokens // chunk if chunk is not None else 0
-        if chunk is not None and first >= len(hashes):
-            return 0, False  # no whole chunk beyond vLLM's own hit: nothing to ask, with or without a server
+        if chunk is not None:
+            hashes = self._hashes(st)
+            first = num_computed_tokens // chunk
+            if first >= len(hashes):
+                return 0, False  # no whole chunk beyond vLLM's own hit: nothing to ask, with or without a server
         if client is None or chunk is None:  # no server (recompute mode): counted, not asked
             self.stats["unanswered_lookups"] += 1
             return 0, False

@@ -11,15 +11,15 @@ Who does what:
   caller's buffers (:class:`~kvxfer_valkey.resp.RespReader`: ``recv_into`` the arena slot;
   ``sendall`` of the slot's memoryview). A key whose node answers with a redirect (``MOVED``,
   ``ASK``: its slot moved or is moving) is absent, a miss, not written or not deleted for that
-  call, and a thread of the backend reads the slot map again at once; redirects are not followed, since the
-  client's own command path reads a reply whole whatever its size.
+  call, and a thread of the backend reads the slot map again at once; redirects are not
+  followed, since the client's own command path reads a reply whole whatever its size.
 
 Every socket operation is bounded (``options.timeout_s`` for lookups, ``bulk_timeout_s`` while
 values move), and so is each operation as a whole (``timeout_s``, or ``bulk_timeout_s`` plus the
 values' bytes at 16 MiB/s). What the client reads itself (the handshake, PING, COMMAND, CLUSTER
 SLOTS) is bounded too: each reply within its socket timeout and 4 MiB, and CLUSTER SLOTS checked
-(:mod:`kvxfer_valkey.connection`). A connection that
-fails mid-reply is disconnected (the pool makes a new one next time). Errors become
+(:mod:`kvxfer_valkey.connection`). A connection that fails mid-reply is disconnected (the pool
+makes a new one next time). Errors become
 :class:`~kvxfer.errors.StoreUnavailable`; a wrong user or password is a
 :class:`~kvxfer.errors.ConfigError` at open.
 """
@@ -239,8 +239,8 @@ class ValkeyBackend(ThreadedBackend):
     (each primary of a cluster) on which the server's loop sends ``STRLEN`` pipelines and reads
     their answers itself. A cluster check goes to the nodes that hold its keys' slots, by the
     client's slot map; a key whose slot moved (``MOVED``/``ASK``) counts as absent for that check
-    and has the map read again (:meth:`_topology_stale`). Loop connections are (re)made off the loop: at
-    open and by any threaded existence check that finds one missing."""
+    and has the map read again (:meth:`_topology_stale`). Loop connections are (re)made off the
+    loop: at open and by any threaded existence check that finds one missing."""
 
     def __init__(self, client: valkey.Valkey | ValkeyCluster, cluster: bool, options: StoreOptions) -> None:
         super().__init__("valkey", options)
@@ -440,10 +440,9 @@ class ValkeyBackend(ThreadedBackend):
                 return
             if line[:1] == b":" and 1 < len(line) <= 20 and line[1:].isdigit():  # a size (never negative)
                 got.append(int(line[1:]))
-            elif self.cluster and line.startswith((b"-MOVED ", b"-ASK ")):  # absent for now; refresh the map
+            elif self.cluster and line.startswith((b"-MOVED ", b"-ASK ")):  # absent for now
                 got.append(0)
-                self.redirects += 1
-                self._topology_stale()
+                self._moved()
             elif line[:1] == b"-" and line[1:].split(b" ", 1)[0].decode("ascii", "replace") in _KEY_ERRORS:
                 got.append(0)  # not a value of ours (another type under the key): absent
             else:  # an error, or anything unexpected: give up this connection
@@ -591,12 +590,17 @@ class ValkeyBackend(ThreadedBackend):
 
     def _redirected(self, err: ErrorReply, command: str) -> None:
         """A key's reply was an error: on a cluster, a redirect (the key's slot moved, or is
-        moving) has the slot map read again (:meth:`_topology_stale`) and leaves the key as it is for
-        this call (absent, a miss, not written, not deleted); anything else fails the call.
+        moving) has the slot map read again (:meth:`_moved`) and leaves the key as it is for this
+        call (absent, a miss, not written, not deleted); anything else fails the call.
         Redirects are not followed: the client's own command path reads a reply whole, whatever
         its size, and may connect wherever the node points."""
         if not (self.cluster and err.kind in _REDIRECTS):
             raise StoreUnavailable(f"valkey: {command} failed: {err.text}")
+        self._moved()
+
+    def _moved(self) -> None:
+        """A key's slot moved (a redirect, on a store thread or on the loop): counted, and the
+        slot map read again."""
         self.redirects += 1
         self._topology_stale()
 
