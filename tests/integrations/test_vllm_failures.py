@@ -3,6 +3,7 @@ restarted by the tests; each test starts it if the previous one left it dead).""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -175,7 +176,8 @@ def test_server_restart_between_requests_needs_no_vllm_restart(srv: ServerProces
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_server_restarted_with_another_chunk_size_is_not_used(srv: ServerProcess, policy: str) -> None:
+def test_a_server_restarted_with_another_chunk_size_is_not_used(srv: ServerProcess, policy: str,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
     """A server restarted with another chunk size answers the scheduler's next lookup NoSession;
     its side opened a new session and went on hashing prompts in the old chunks (every lookup a
     miss, nothing said). Now the scheduler checks the chunk size of every new session: with
@@ -195,10 +197,19 @@ def test_a_server_restarted_with_another_chunk_size_is_not_used(srv: ServerProce
                 feed(engine, reqs, per_step=1)
             return
         before = sched.stats["unanswered_lookups"]
-        feed(engine, reqs, per_step=1)
-        engine.check_drained()
-        assert sched.link.down and sched.stats["unanswered_lookups"] - before == 2
-        assert sched.chunk_size == CHUNK
+        with caplog.at_level(logging.DEBUG, logger="kvxfer.integrations.vllm"):
+            feed(engine, reqs, per_step=1)
+            engine.check_drained()
+            assert sched.link.down and sched.stats["unanswered_lookups"] - before == 2
+            assert sched.chunk_size == CHUNK
+            deadline = time.monotonic() + 10
+            while sum("still unusable" in r.message for r in caplog.records) < 4:  # four retries, 0.2 s apart
+                assert time.monotonic() < deadline, "the scheduler did not retry the server"
+                time.sleep(0.05)
+        # the reason is said once as an ERROR, not at every retry (0.2 s here)
+        unusable = [r for r in caplog.records if "still unusable" in r.message]
+        assert [r.levelno for r in unusable].count(logging.ERROR) == 1, unusable
+        assert f"uses chunk size {2 * CHUNK}" in unusable[0].message
     finally:
         other.stop()
         engine.worker.worker.link.close()

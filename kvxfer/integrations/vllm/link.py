@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 from kvxfer.client import CacheClient
 from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError, TransportError
@@ -31,6 +32,9 @@ from kvxfer.transport import registry
 __all__ = ["ServerLink", "check_transport_name"]
 
 log = logging.getLogger("kvxfer.integrations.vllm")
+
+#: Seconds between two ERROR lines of the same reason from the background attempts.
+UNUSABLE_REPEAT_S: Final = 60
 
 
 def check_transport_name(name: str) -> None:
@@ -63,6 +67,9 @@ class ServerLink:
         self._recovered = False
         #: How many times the server was found unreachable (tests and logs read it).
         self.outages = 0
+        #: The last reason logged at ERROR by the background attempts, and when it may be again.
+        self._unusable = ""
+        self._unusable_at = 0.0
 
     def get(self, *, startup: bool = False) -> CacheClient | None:
         """The client; None while the server is unreachable in ``recompute`` mode (``fail``
@@ -141,8 +148,7 @@ class ServerLink:
                         break  # closing, or a start-up call connected meanwhile
                     self._connect()
             except Exception as exc:  # noqa: BLE001  (anything: stay degraded, try again later)
-                level = logging.ERROR if isinstance(exc, (ConfigError, TransportError)) else logging.DEBUG
-                log.log(level, "kvxfer %s: the server at %s is still unusable: %s", self.side, self.config.url, exc)
+                self._log_unusable(exc)
                 self._retry_at = time.monotonic() + self.config.retry_s
                 continue
             with self._lock:
@@ -153,6 +159,20 @@ class ServerLink:
             self._attempt = None
             if self.down:  # lost again while this thread was stopping: look on
                 self._start_attempts()
+
+    def _log_unusable(self, exc: Exception) -> None:
+        """A failed attempt: a server that answers but cannot be used (a configuration or
+        transport error) is an ERROR when its reason is new, and again at most every
+        :data:`UNUSABLE_REPEAT_S`; a server that does not answer is a DEBUG line (the WARNING that
+        started the outage said so)."""
+        text = str(exc)
+        now = time.monotonic()
+        if isinstance(exc, (ConfigError, TransportError)) and (text != self._unusable or now >= self._unusable_at):
+            self._unusable, self._unusable_at = text, now + UNUSABLE_REPEAT_S
+            log.error("kvxfer %s: the server at %s is still unusable: %s (said again every %d s while it lasts)",
+                      self.side, self.config.url, text, UNUSABLE_REPEAT_S)
+        else:
+            log.debug("kvxfer %s: the server at %s is still unusable: %s", self.side, self.config.url, text)
 
     def failed(self, exc: BaseException, what: str) -> None:
         """``what`` failed because of the server: raise (``fail``) or go degraded (``recompute``).
