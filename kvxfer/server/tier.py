@@ -929,6 +929,7 @@ class L2Tier:
         L1 is read again. ``before_promote(entries, keys, nbytes)`` is called with the L1
         entries of the leading chunks counted, the number of keys about to be promoted and their
         arena bytes; what it raises refuses the lookup with nothing promoted."""
+        self.lookup_hits += sum(size > 0 for size in lk.sizes)  # every key asked that the store had
         if lk.changes != (self.index.changes, self.promoting_changes):
             hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:lk.l1_hits])
             if hits < lk.l1_hits:  # L1 hits left meanwhile: answer with what is left
@@ -961,12 +962,10 @@ class L2Tier:
         hits = first + end
         l2_hits = bisect.bisect_left(lk.l2_chunks, end)
         if not (promote and wanted):
-            self.lookup_hits += len(wanted)
             return hits, l2_hits, wanted[0][0] if wanted else hits
         held = self._entries_of(lk, hits)
         if before_promote is not None:
             before_promote(held, len(wanted), sum(Allocator.rounded(size) for _, _, size in wanted))
-        self.lookup_hits += len(wanted)
         # the readable L1 entries of the hits are pinned while the promotion makes room: its
         # slots must not come from the chunks this lookup counts (and then leases)
         readable = [e for e in held if e.state is State.READY]
@@ -1234,6 +1233,7 @@ class L2Tier:
             queue_depth=self.queue_depth,
             queue_capacity=self.config.queue,
             pinned_bytes=self.pinned_bytes,
+            pin_limit=self.pin_limit,
             drops=self.drops,
             errors=self.errors,
             outages=b.opened,

@@ -298,6 +298,28 @@ def test_lookup_without_promotion_counts_l2_and_leases_only_l1(fs_server: Server
         ctx.close()
 
 
+def test_the_tiers_hit_rate_counts_every_key_it_had(fs_server: ServerProcess) -> None:
+    """A lookup asks the tier about every chunk after L1's leading hits, including chunks L1 has
+    further on: the tier's hits count every one of them it had (they counted only those L1
+    lacked, so a tier that had all it was asked read as a 50% hit rate)."""
+    kv = big_kv(5)
+    with CacheClient(fs_server.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="tierrate", block_size=BLOCK_SIZE, transport="cpu_gather")
+        keys = [b"t" + bytes([i]) * 15 for i in range(4)]
+        ctx.submit_store(keys, blocks_of(0, 4)).result(TIMEOUT)
+        assert settled(c, c.status().tiers[0].writes)
+        assert c.clear("tierrate") == 4
+        ctx.submit_store(keys[2:], blocks_of(2, 2)).result(TIMEOUT)  # L1: the last 2; L2: all 4
+        before = c.status().tiers[0]
+        assert c.lookup("tierrate", hashes=keys) == 4
+        after = c.status().tiers[0]
+        assert (after.lookup_chunks - before.lookup_chunks, after.lookup_hits - before.lookup_hits) == (4, 4)
+        assert c.lookup("tierrate", hashes=[b"u" * 16]) == 0  # asked, not had
+        last = c.status().tiers[0]
+        assert (last.lookup_chunks - after.lookup_chunks, last.lookup_hits - after.lookup_hits) == (1, 0)
+        ctx.close()
+
+
 def test_a_promoting_lookup_keeps_its_l1_hits_and_its_promoted_chunks_under_their_lease(tmp_path: Path) -> None:
     """A lookup whose first chunks are in L1 and whose next ones come from L2 makes room for the
     promotion without evicting its own L1 hits (it once evicted them, then failed with an
