@@ -343,7 +343,7 @@ def _tier_text(t: TierStatus) -> str:
          f"{t.integrity_failures} failed integrity checks, {t.damaged_deleted} damaged values deleted)"),
         (f"  writes: {t.writes} chunks ({format_bytes(t.write_bytes)}; {t.write_skipped} already stored); "
          f"admission {t.admission}; queue {t.queue_depth}/{t.queue_capacity} "
-         f"({format_bytes(t.pinned_bytes)} pinned); drops {t.drops}"),
+         f"({format_bytes(t.pinned_bytes)} pinned of at most {format_bytes(t.pin_limit)}); drops {t.drops}"),
         f"  errors: {t.errors}; outages: {t.outages}",
     ]
     return "\n".join(lines)

@@ -449,9 +449,10 @@ class TierStatus(Message, frozen=True):
     #: Chunks queued or being written now, and the queue's size.
     queue_depth: int = 0
     queue_capacity: int = 0
-    #: Arena bytes pinned by queued writes.
+    #: Arena bytes pinned by queued writes, and the most they may pin (half the arena).
     pinned_bytes: int = 0
-    #: Writes dropped (queue full, store down or failing).
+    pin_limit: int = 0
+    #: Writes dropped (queue full, pinned bytes at their limit, store down or failing).
     drops: int = 0
     #: Store operations that failed, and times the circuit breaker opened.
     errors: int = 0

@@ -98,7 +98,8 @@ CORE_FAMILIES: Final = frozenset({
         "up", "lookups_total", "lookup_chunks_total", "lookup_hit_chunks_total", "lookup_timeouts_total",
         "promoted_chunks_total", "promote_failures_total", "promoting_chunks", "integrity_failures_total",
         "damaged_deleted_total", "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total",
-        "dropped_writes_total", "queue_depth", "queue_capacity", "pinned_bytes", "errors_total", "outages_total")),
+        "dropped_writes_total", "queue_depth", "queue_capacity", "pinned_bytes", "pinned_bytes_limit", "errors_total",
+        "outages_total", "busy_lookups_total")),
 })
 
 
@@ -144,6 +145,7 @@ class Snapshot:
             key = (stats.model_label(ctx.model_name), ctx.transport)
             contexts[key] = contexts.get(key, 0) + 1
         writes = sum(r.write for r in server.index.reservations.values())
+        parked = server.parked_writes
         return Snapshot(
             status=server.status(),
             started=server.started,
@@ -153,8 +155,8 @@ class Snapshot:
                        for op, h in (("store", t.store), ("retrieve", t.retrieve))},
             errors=dict(stats.errors),
             contexts=contexts,
-            reservations={"write": writes, "read": len(server.index.reservations) - writes,
-                          "parked": server.parked_writes},
+            reservations={"write": writes - parked, "read": len(server.index.reservations) - writes,
+                          "parked": parked},  # (each reservation in one kind: the index holds parked writes too)
         )
 
 
@@ -292,8 +294,9 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
     yield up
     counters = [
         ("kvxfer_tier_lookups", "Lookups that asked the tier (their chunks missing from L1).", lambda t: t.lookups),
-        ("kvxfer_tier_lookup_chunks", "Chunks those lookups asked the tier for.", lambda t: t.lookup_chunks),
-        ("kvxfer_tier_lookup_hit_chunks", "Chunks the tier had.", lambda t: t.lookup_hits),
+        ("kvxfer_tier_lookup_chunks", ("Chunks those lookups asked the tier about (a key per rank): every chunk "
+                                       "after L1's leading hits."), lambda t: t.lookup_chunks),
+        ("kvxfer_tier_lookup_hit_chunks", "Of those, the chunks the tier had.", lambda t: t.lookup_hits),
         ("kvxfer_tier_lookup_timeouts", "Lookups that gave up waiting for the tier (answered from L1).",
          lambda t: t.timeouts),
         ("kvxfer_tier_busy_lookups", ("Lookups that did not ask the tier: earlier lookups' checks had as many keys "
@@ -310,7 +313,8 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
         ("kvxfer_tier_written_bytes", "Bytes written to the tier.", lambda t: t.write_bytes),
         ("kvxfer_tier_write_skipped_chunks", "Chunks not written: the tier had them already.",
          lambda t: t.write_skipped),
-        ("kvxfer_tier_dropped_writes", "Writes dropped: queue full, or the tier down or failing.", lambda t: t.drops),
+        ("kvxfer_tier_dropped_writes", ("Writes dropped: queue full, queued writes' pinned bytes at their limit, or "
+                                        "the tier down or failing."), lambda t: t.drops),
         ("kvxfer_tier_errors", "Store operations that failed.", lambda t: t.errors),
         ("kvxfer_tier_outages", "Times the circuit breaker opened.", lambda t: t.outages),
     ]
@@ -324,6 +328,8 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
         ("kvxfer_tier_queue_depth", "Chunks queued or being written to the tier now.", lambda t: t.queue_depth),
         ("kvxfer_tier_queue_capacity", "Size of the write queue (--l2-queue).", lambda t: t.queue_capacity),
         ("kvxfer_tier_pinned_bytes", "Arena bytes pinned by queued writes.", lambda t: t.pinned_bytes),
+        ("kvxfer_tier_pinned_bytes_limit", ("Arena bytes queued writes may pin (half the arena); a write past it is "
+                                            "dropped."), lambda t: t.pin_limit),
     ]
     for name, doc, get in gauges:
         g = _gauge(name, doc, labels)

@@ -23,6 +23,7 @@ from kvxfer import CacheClient, chunk_hashes
 from kvxfer.errors import InvalidRequest
 from kvxfer.protocol import messages as m
 from kvxfer.server.figures import MAX_PLUGIN_STRINGS, MAX_PLUGIN_TEXT
+from kvxfer.server.metrics import CORE_FAMILIES
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import registry
 
@@ -352,6 +353,11 @@ def test_an_l2_tier_is_exported_per_tier(tmp_path: Path) -> None:
         tier = {"tier": "l2", "store": "fs"}
         assert value(before, "kvxfer_tier_up", **tier) == 1
         assert value(before, "kvxfer_tier_queue_capacity", **tier) == 64
+        assert value(before, "kvxfer_tier_pinned_bytes_limit", **tier) == c.status().arena.capacity // 2
+        exported = {fam.name for fam in text_string_to_metric_families(scrape_text(url))}
+        # a plugin sample may not take a core family's name: the core knows every one it exports
+        assert all({n, f"{n}_total", f"{n}_info"} & CORE_FAMILIES for n in exported if n.startswith("kvxfer_")), \
+            sorted(n for n in exported if n.startswith("kvxfer_") and not {n, f"{n}_total", f"{n}_info"} & CORE_FAMILIES)
         kv = c.register(flash_attn_kv(), model_name="tiered", block_size=BLOCK_SIZE, transport="cpu_gather")
         hashes = chunk_hashes(list(range(3 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
         assert kv.submit_store(hashes, list(range(3 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1, 2]

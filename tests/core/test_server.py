@@ -9,10 +9,12 @@ import stat
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer import CacheClient, chunk_hashes
 from kvxfer.server.allocator import Allocator
@@ -159,7 +161,7 @@ CLIENT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def short_session_server():
     with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
-                       extra_args=["--session-timeout", "1.5"]) as srv:
+                       extra_args=["--session-timeout", "1.5", "--metrics-port", "0"]) as srv:
         yield srv
 
 
@@ -227,6 +229,11 @@ def test_a_woken_writer_frees_its_parked_slots_with_its_late_commit(short_sessio
                               timeout=15), observer.status()
             st = observer.status()
             assert st.reservations == 1 and st.arena.used == held, st
+            # the metrics count it once, as parked (it was counted as an open write too)
+            samples = {s.labels["kind"]: s.value for fam in text_string_to_metric_families(
+                urllib.request.urlopen(st.metrics_url, timeout=30).read().decode())
+                for s in fam.samples if s.name == "kvxfer_reservations"}
+            assert samples == {"write": 0, "read": 0, "parked": 1}, samples
             proc.stdin.write("go\n")  # type: ignore[union-attr]
             proc.stdin.flush()  # type: ignore[union-attr]
             os.kill(proc.pid, signal.SIGCONT)
