@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import statistics
 import sys
 import tempfile
@@ -308,10 +309,25 @@ def _timed(ctx: Any, reqs: list[tuple[list[bytes], torch.Tensor, torch.Tensor]],
     return phases[0], phases[1]
 
 
+def bench_model_name(what: str, layout: KVLayout, chunk_size: int) -> str:
+    """The model name a benchmark registers under: one per chunk format (a server keeps one
+    format per name), the same for every run, so that runs against a long-lived server
+    (``--url``) take one of its ``--metrics-max-models`` labels per format, not one each. Runs
+    salt their prefixes (:func:`run_salt`), so that none finds an earlier run's chunks."""
+    return f"kvxfer-{what}-{layout.chunk_format(chunk_size)}"
+
+
+def run_salt() -> str:
+    """A salt for one run's chunk hashes: its prefixes are its own (no dedupe against earlier
+    runs, or runs beside it, on the same server)."""
+    return secrets.token_hex(8)
+
+
 def _requests(n: int, counter: int, cpr: int, chunk_size: int, bpc: int, num_blocks: int,
-              gen: torch.Generator) -> list[tuple[list[bytes], torch.Tensor, torch.Tensor]]:
+              gen: torch.Generator, salt: str) -> list[tuple[list[bytes], torch.Tensor, torch.Tensor]]:
     """``n`` requests of ``cpr`` chunks each: (chunk hashes, source blocks, destination blocks),
-    random blocks, a prefix of its own each (``counter`` + 1, + 2, ...: no dedupe)."""
+    random blocks, a prefix of its own each (``counter`` + 1, + 2, ..., and the run's ``salt``:
+    no dedupe)."""
     from kvxfer.hashing import chunk_hashes
 
     out = []
@@ -319,7 +335,8 @@ def _requests(n: int, counter: int, cpr: int, chunk_size: int, bpc: int, num_blo
         tokens = torch.randint(0, 50000, (cpr * chunk_size,), generator=gen)
         tokens[0] = counter + 1 + i
         perm = torch.randperm(num_blocks, generator=gen)
-        out.append((chunk_hashes(tokens.tolist(), chunk_size), perm[:cpr * bpc], perm[cpr * bpc:2 * cpr * bpc]))
+        out.append((chunk_hashes(tokens.tolist(), chunk_size, salt=salt), perm[:cpr * bpc],
+                    perm[cpr * bpc:2 * cpr * bpc]))
     return out
 
 
@@ -365,7 +382,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             client = CacheClient(url, curve=client_curve(args))
             if client.chunk_size != chunk_size:
                 raise SystemExit(f"the server at {url} uses chunk size {client.chunk_size}, not {chunk_size}")
-            ctx = client.register(kv, model_name=f"bench-{os.getpid()}-{chunk_size}", block_size=bs,
+            salt = run_salt()
+            ctx = client.register(kv, model_name=bench_model_name("bench", layout, chunk_size), block_size=bs,
                                   transport=args.transport, layout=kind)
             bar = progress_bar(total_reqs, f"{args.transport} chunk {chunk_size}")
             counter = 0
@@ -373,7 +391,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 nbytes = cpr * chunk_bytes
                 limit = physical_limit(nbytes, device)
                 for inflight in args.inflight:
-                    reqs = _requests(args.iters + 1, counter, cpr, chunk_size, bpc, num_blocks, gen)
+                    reqs = _requests(args.iters + 1, counter, cpr, chunk_size, bpc, num_blocks, gen, salt)
                     counter += len(reqs)
                     keys, src, dst = reqs[0]  # warm-up, and the bit-exact check
                     ctx.submit_store(keys, src).result(timeout=300)
@@ -392,7 +410,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         retrieve_rounds: list[float] = []
                     else:  # the median round: one hiccup of the host in ~50 ms of copies is not the figure
                         for _ in range(args.rounds - 1):
-                            more = _timed(ctx, _requests(args.iters, counter, cpr, chunk_size, bpc, num_blocks, gen),
+                            more = _timed(ctx, _requests(args.iters, counter, cpr, chunk_size, bpc, num_blocks, gen,
+                                                         salt),
                                           inflight, device, bar)
                             counter += args.iters
                             store_t += more[0]
@@ -475,7 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with more than 1 in flight: rounds of --iters requests each (each round its own "
                         "requests), reported as the median round's GB/s (default: %(default)s)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: fits all)")
-    p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
+    p.add_argument("--url", default=None,
+                   help="use a running server (its chunk size must match); the run registers as the model "
+                        "kvxfer-bench-FORMAT (one per chunk format, every run the same: one metrics label) and "
+                        "leaves its chunks there, to be evicted like any other")
     p.add_argument("--server-transports", default="",
                    help="--transports of the started server (default: the --transport benchmarked)")
     add_busy_poll_argument(p)

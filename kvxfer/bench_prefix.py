@@ -24,7 +24,6 @@ the other, in turn first.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -37,10 +36,12 @@ from kvxfer.bench import (
     _sync,
     add_busy_poll_argument,
     add_kv_cache_arguments,
+    bench_model_name,
     busy_poll_args,
     check_kv_fits,
     json_target,
     progress_bar,
+    run_salt,
     save_results,
 )
 from kvxfer.cli import add_client_curve_arguments, client_curve, positive_int
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         client = CacheClient(url, curve=client_curve(args))
         if client.chunk_size != chunk:
             raise SystemExit(f"the server at {url} uses chunk size {client.chunk_size}, not {chunk}")
-        model = f"prefix-{os.getpid()}"
+        salt = run_salt()
+        model = bench_model_name("prefix", layout, chunk)
         ctx = client.register(kv, model_name=model, block_size=bs, transport=args.transport, layout=kind)
         loads = ["load"] + (["load_prefetch"] if args.prefetch else []) + (["load_layerwise"] if args.layerwise else [])
         kinds = ["store", *loads]
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 counter += 1
                 tokens = torch.randint(0, 50000, (n * chunk,), generator=gen)
                 tokens[0] = counter  # a fresh prefix every time: no dedupe
-                keys = chunk_hashes(tokens.tolist(), chunk)
+                keys = chunk_hashes(tokens.tolist(), chunk, salt=salt)
                 src = torch.randperm(num_blocks, generator=gen)[:n * bpc]
                 _sync(device)
                 t0 = time.perf_counter()
@@ -227,7 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "that prefetches, cuda_ipc, loads differently: with others it is the plain load again)")
     p.add_argument("--layerwise", action="store_true", help="also time layer-by-layer loads (by_layer=True)")
     p.add_argument("--l1-size", default=None, help="arena size of the benchmark's server (default: 3 longest prefixes)")
-    p.add_argument("--url", default=None, help="use a running server (its chunk size must match)")
+    p.add_argument("--url", default=None,
+                   help="use a running server (its chunk size must match); the run registers as the model "
+                        "kvxfer-prefix-FORMAT (one per chunk format, every run the same: one metrics label) and "
+                        "leaves its chunks there, to be evicted like any other")
     p.add_argument("--server-transports", default="",
                    help="--transports of the started server (default: the --transport benchmarked)")
     add_busy_poll_argument(p)

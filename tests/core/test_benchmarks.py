@@ -202,3 +202,26 @@ def test_device_timeline_reads_each_requests_dmas_from_the_profilers_trace() -> 
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_timeline.py")], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "needs --device cuda" in out.stderr
+
+
+def test_runs_against_a_running_server_share_one_model_label_and_no_chunks() -> None:
+    """``--url``: every run of a benchmark registers under one model name per chunk format (they
+    took one per process, so a long-lived server ran out of metrics labels), and each run's
+    prefixes are its own (no chunk of an earlier run is found present)."""
+    from kvxfer import CacheClient
+    from kvxfer.testing.server import ServerProcess
+
+    tiny = [a if a != "--chunk-size" else "--chunk-sizes" for a in TINY]
+    with ServerProcess(l1_size="64MiB", chunk_size=32, transports="cpu_gather") as srv:
+        for _ in range(2):
+            _run("-m", "kvxfer", "bench", *tiny, "--chunks-per-request", "2", "--inflight", "1", "--iters", "2",
+                 "--url", srv.url, "--transport", "cpu_gather")
+        _run("-m", "kvxfer", "bench", "--prefix", *TINY, "--prefix-chunks", "1", "--iters", "2", "--url", srv.url,
+             "--transport", "cpu_gather")
+        with CacheClient(srv.url) as c:
+            st = c.status()
+    models = sorted(md.model for md in st.models)
+    assert len(models) == 2 and models[0].startswith("kvxfer-bench-") and models[1].startswith("kvxfer-prefix-"), \
+        models
+    bench = next(t for t in st.traffic if t.model == models[0])
+    assert bench.stored_chunks == 2 * 3 * 2 and bench.present_chunks == 0, bench  # 2 runs x 3 requests x 2 chunks
