@@ -33,6 +33,7 @@ from typing import Final
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
 
 from kvxfer.errors import ConfigError
 from kvxfer.mq.client import CurveClientKeys
@@ -178,18 +179,93 @@ def add_client(directory: Path, name: str) -> dict[str, Path]:
     return {"client_public": public, "client_secret": secret, "authorized": _authorize(directory, public)}
 
 
+#: Longest key file read: a ZeroMQ certificate is a few hundred bytes.
+MAX_KEY_FILE_BYTES: Final = 4096
+#: Most public keys in ``authorized/``.
+MAX_AUTHORIZED_KEYS: Final = 10_000
+
+_KEY_LINE = re.compile(rb"^\s*(public|secret)-key\s*=\s*[\"']?([^\"'\s]*)[\"']?\s*$", re.M)
+
+
+def _read_key_file(path: Path, what: str) -> bytes:
+    """The bytes of key file ``path``: a regular file of at most :data:`MAX_KEY_FILE_BYTES`
+    (a FIFO would block the reader, ``/dev/zero`` fill its memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist; make keys with `kvxfer keys {path.parent}`") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what} {path} is not a regular file; a key file is what `kvxfer keys` writes")
+        data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ConfigError(f"{what} {path} has more than {MAX_KEY_FILE_BYTES} bytes; a ZeroMQ certificate has a "
+                          "few hundred")
+    return data
+
+
+def _z85_key(text: bytes) -> bytes | None:
+    """``text`` if it is a CURVE key in Z85 (40 characters, 32 bytes), else None."""
+    if len(text) != 40:
+        return None
+    try:
+        return text if len(z85.decode(text)) == 32 else None
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def _load(path: Path, what: str, secret: bool) -> tuple[bytes, bytes | None]:
+    """The public key (and, with ``secret``, the secret key) of certificate ``path``, read
+    through :func:`_read_key_file` and checked: keys in Z85 of 32 bytes."""
     if secret:
         _check_private(path, what)
-    elif not path.exists():
-        raise ConfigError(f"{what} {path} does not exist; make keys with `kvxfer keys {path.parent}`")
-    try:
-        public, secret_key = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{what} {path} is not a ZeroMQ certificate: {exc}") from None
-    if secret and not secret_key:
-        raise ConfigError(f"{what} {path} holds no secret key")
+    keys: dict[bytes, bytes] = {}
+    for kind, text in _KEY_LINE.findall(_read_key_file(path, what)):
+        keys.setdefault(kind, text)
+    public = _z85_key(keys.get(b"public", b""))
+    if public is None:
+        raise ConfigError(f"{what} {path} is not a ZeroMQ certificate: it holds no public key of 40 Z85 "
+                          "characters; make keys with `kvxfer keys DIR`")
+    if not secret:
+        return public, None
+    secret_key = _z85_key(keys.get(b"secret", b""))
+    if secret_key is None:
+        raise ConfigError(f"{what} {path} holds no secret key of 40 Z85 characters")
     return public, secret_key
+
+
+def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:
+    """The public keys of the ``.key`` files in ``authorized`` (at most
+    :data:`MAX_AUTHORIZED_KEYS`), each checked: a file that is no public key stops the server
+    with its name (pyzmq's own loader then let no client in at all, saying so only at start)."""
+    try:
+        names = sorted(e.name for e in os.scandir(authorized) if e.name.endswith(".key"))
+    except OSError as exc:
+        raise ConfigError(f"authorized client keys {authorized}: {exc.strerror or exc}") from None
+    if not names:
+        raise ConfigError(
+            f"no client is authorized: {authorized} holds no public keys (.key files); "
+            f"make some with `kvxfer keys {directory} --client NAME`"
+        )
+    if len(names) > MAX_AUTHORIZED_KEYS:
+        raise ConfigError(f"{authorized} holds {len(names)} .key files, more than the {MAX_AUTHORIZED_KEYS} "
+                          "clients a server authorizes")
+    keys = set()
+    for name in names:
+        try:
+            public, _ = _load(authorized / name, "authorized client key", secret=False)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; remove it from {authorized}, or put a client's .key file there "
+                              f"(`kvxfer keys {directory} --client NAME` makes one)") from None
+        keys.add(public)
+    return frozenset(keys)
 
 
 def load_server_keys(directory: Path) -> CurveServerKeys:
@@ -199,13 +275,13 @@ def load_server_keys(directory: Path) -> CurveServerKeys:
     directory = Path(directory)
     public, secret = _load(directory / f"{SERVER_NAME}.key_secret", "server secret key", secret=True)
     authorized = directory / AUTHORIZED_DIR
-    if not authorized.is_dir() or not any(p.suffix == ".key" for p in authorized.iterdir()):
+    if not authorized.is_dir():
         raise ConfigError(
-            f"no client is authorized: {authorized} holds no public keys (.key files); "
+            f"no client is authorized: {authorized} is no directory of public keys (.key files); "
             f"make some with `kvxfer keys {directory} --client NAME`"
         )
     assert secret is not None
-    return CurveServerKeys(public, secret, authorized)
+    return CurveServerKeys(public, secret, authorized, _authorized_keys(authorized, directory))
 
 
 def load_client_keys(directory: Path, name: str = CLIENT_NAME) -> CurveClientKeys:

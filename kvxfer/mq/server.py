@@ -101,11 +101,13 @@ BACKLOG_CONNECTIONS = 4
 
 @dataclass(frozen=True, slots=True)
 class CurveServerKeys:
-    """The server's CURVE key pair (z85 bytes) and the folder of client public keys allowed in."""
+    """The server's CURVE key pair (z85 bytes), the folder of client public keys allowed in,
+    and those keys (z85 bytes, as read and checked at start: the folder is not read again)."""
 
     public: bytes
     secret: bytes
     authorized_dir: Path
+    authorized: frozenset[bytes]
 
 
 def refuse_if_served(url: str) -> None:
@@ -244,7 +246,7 @@ class MQServer:
 
             self._auth = ThreadAuthenticator(self._ctx, log=_AuthLog())
             self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))
+            self._auth.configure_curve_callback(domain="*", credentials_provider=_Authorized(curve.authorized))
         elif not url.startswith(("ipc://", "inproc://")):
             raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
         #: every descriptor the loop waits on (Linux epoll: one system call a wait, nothing rebuilt)
@@ -597,6 +599,16 @@ class MQServer:
                 path.unlink()
             except FileNotFoundError:
                 pass
+
+
+class _Authorized:
+    """The CURVE authenticator's check of a client's public key (z85): one of the authorized."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self._keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._keys
 
 
 class _AuthLog:

@@ -103,6 +103,42 @@ def test_keys_that_others_can_read_are_refused(tmp_path):
         load_server_keys(tmp_path / "nowhere")
 
 
+def test_key_files_that_are_no_keys_are_refused_by_name_and_never_block(tmp_path):
+    """A stray file in authorized/ is refused at start, with its name (pyzmq's loader logged an
+    error and let no client in at all); key files that are FIFOs (a read would block), device
+    files (/dev/zero: a read would fill memory) or too large are refused before they are read."""
+    d = tmp_path / "keys"
+    make_keys(d)
+    load_server_keys(d)
+    stray = d / "authorized" / "stray.key"
+    stray.write_text("garbage\n")
+    with pytest.raises(ConfigError, match=rf"authorized client key {re.escape(str(stray))} is not a ZeroMQ "
+                                          r"certificate.*remove it from"):
+        load_server_keys(d)
+    stray.unlink()
+    os.mkfifo(stray, 0o600)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_server_keys(d)
+    stray.unlink()
+    stray.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_server_keys(d)
+    stray.unlink()
+    stray.write_bytes(b"#" * 5000)
+    with pytest.raises(ConfigError, match="has more than 4096 bytes"):
+        load_server_keys(d)
+    stray.unlink()
+    (d / "server.key").unlink()
+    os.mkfifo(d / "server.key", 0o600)
+    with pytest.raises(ConfigError, match="server public key .* is not a regular file"):
+        load_client_keys(d)
+    (d / "server.key_secret").write_text('public-key = "short"\nsecret-key = "short"\n')
+    with pytest.raises(ConfigError, match="server secret key .* holds no public key of 40 Z85 characters"):
+        load_server_keys(d)
+    r = kvxfer_cli("serve", "--url", f"tcp://127.0.0.1:{free_port()}", "--curve-dir", str(d), "--l1-size", "8MiB")
+    assert r.returncode == 2 and "holds no public key" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_kvxfer_keys_never_changes_an_existing_directory_and_names_what_it_cannot_use(tmp_path):
     """`kvxfer keys /tmp` must not make /tmp private: an existing directory open to others is
     refused with what to do, and left as it was; paths that cannot be a directory, and key
