@@ -74,8 +74,11 @@ _OR_ITS_ADDRESS: Final = ("or, if one runs elsewhere, give its address (--url or
 def _socket_missing(url: str) -> str:
     path = ipc_path(url)
     assert path is not None
-    if not path.parent.exists():
-        return f"neither {path} nor its directory exists"
+    try:
+        if not path.parent.exists():
+            return f"neither {path} nor its directory exists"
+    except OSError as exc:  # a directory this user may not enter, a name too long, ...
+        return f"{path.parent} cannot be looked at ({exc.strerror or exc})"
     others = _sockets_in(path.parent)
     if not others:
         return f"{path} does not exist"

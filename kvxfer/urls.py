@@ -21,11 +21,14 @@ __all__ = ["default_url", "has_control_character", "ipc_path", "private_runtime_
 #: The environment variable that names the server's address for clients and `kvxfer serve`.
 URL_ENV = "KVXFER_URL"
 
+#: Longest path of a Unix socket (``sun_path`` holds 108 bytes with the terminating NUL).
+SUN_PATH_MAX: Final = 107
+
 
 def private_runtime_dir() -> Path:
     """``$XDG_RUNTIME_DIR/kvxfer`` when set, else ``/tmp/kvxfer-<uid>`` (created 0700 by the server)."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and Path(xdg).is_dir():
+    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):  # (the XDG spec: absolute, or ignored)
         return Path(xdg) / "kvxfer"
     return Path("/tmp") / f"kvxfer-{os.getuid()}"
 
@@ -76,6 +79,8 @@ def check_url(url: str) -> str:
     elif scheme == "ipc" and not rest.startswith("/"):
         why = (f"an ipc:// url takes an absolute path, with three slashes: ipc:///{rest} (or, for {rest} "
                f"in this directory, ipc://{os.path.abspath(rest)})")
+    elif scheme == "ipc" and len(os.fsencode(rest)) > SUN_PATH_MAX:
+        why = f"a Unix socket's path has at most {SUN_PATH_MAX} bytes, this one {len(os.fsencode(rest))}"
     elif scheme == "tcp":
         host, colon, port = rest.rpartition(":")
         if not colon or not _TCP_HOST.fullmatch(host) or not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -98,6 +99,13 @@ def ipc_server_ready(url: str) -> bool:
     path = ipc_path(url)
     if path is None:
         return True
+    try:
+        return _socket_ready(url, path)
+    except OSError as exc:  # a directory this user may not enter, a name too long, ...
+        raise ConfigError(f"cannot reach {url}: {exc.filename or path}: {exc.strerror or exc}") from None
+
+
+def _socket_ready(url: str, path: Path) -> bool:
     if os.path.isdir(path) and not os.path.islink(path):
         raise ConfigError(f"{url} names the directory {path}, not a socket: name the server's socket in it "
                           f"(`kvxfer serve` prints its url, e.g. ipc://{path / 'kvxfer.sock'})")

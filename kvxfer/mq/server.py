@@ -148,10 +148,6 @@ def refuse_if_served(url: str) -> None:
                                       "that or choose another port") from None
 
 
-#: Longest path of a Unix socket (``sun_path`` holds 108 bytes with the terminating NUL).
-_SUN_PATH_MAX = 107
-
-
 def claim_socket(url: str) -> SocketClaim | None:
     """Claim the socket of ``ipc://`` ``url`` for this server (:mod:`kvxfer.mq.claim`), before
     it makes its arena, making the socket's private directory if missing; None for other
@@ -163,9 +159,6 @@ def claim_socket(url: str) -> SocketClaim | None:
     path = ipc_path(url)
     if path is None:
         return None
-    if len(os.fsencode(path)) > _SUN_PATH_MAX:
-        raise ConfigError(f"cannot listen at {url}: a Unix socket's path has at most {_SUN_PATH_MAX} bytes, this one "
-                          f"{len(os.fsencode(path))}; choose a shorter --url")
     ensure_private_dir(path.parent, "socket directory", socket_dir_hint())
     try:
         st = os.lstat(path)

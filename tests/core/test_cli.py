@@ -273,7 +273,7 @@ def test_lazy_names_still_resolve() -> None:
 
 
 @pytest.mark.parametrize("url", ["http://x", "ipc://", "tcp://", "tcp://host", "tcp://127.0.0.1:99999",
-                                 "tcp://127.0.0.1:0", "redis://127.0.0.1:6379"])
+                                 "tcp://127.0.0.1:0", "redis://127.0.0.1:6379", f"ipc:///tmp/{'a' * 256}/k.sock"])
 def test_a_bad_kvxfer_url_is_named_not_a_traceback(url: str) -> None:
     """$KVXFER_URL (and --url) once reached ZeroMQ unchecked: a traceback of ZMQError."""
     out = subprocess.run([str(KVXFER), "status", "--timeout", "1"], capture_output=True, text=True, timeout=120,
@@ -281,6 +281,20 @@ def test_a_bad_kvxfer_url_is_named_not_a_traceback(url: str) -> None:
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "not a kvxfer server address" in out.stderr
     assert "$KVXFER_URL" in out.stderr
+
+
+def test_a_relative_xdg_runtime_dir_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The XDG spec: a relative XDG_RUNTIME_DIR is ignored (it made the default url relative,
+    refused as such without naming the variable)."""
+    from kvxfer.urls import default_url
+
+    monkeypatch.delenv("KVXFER_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "run")
+    assert default_url() == f"ipc:///tmp/kvxfer-{os.getuid()}/kvxfer.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    assert default_url() == f"ipc://{tmp_path}/run/kvxfer/kvxfer.sock"
 
 
 @pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
