@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
@@ -75,6 +75,9 @@ from kvxfer.store.registry import get_store
 from kvxfer.text_table import printable
 
 __all__ = ["TierConfig", "L2Tier", "Breaker", "parse_admission"]
+
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +161,16 @@ class TierConfig:
         if not self.url:
             raise ConfigError(f"--l2 {self.store} needs --l2-url ({_url_hint(self.store)}; docs/l2.md)")
 
+    @property
+    def stuck_s(self) -> float:
+        """How long the tier waits for a store's write, get or close before it gives up on it:
+        a backstop for a plugin that does not bound its operations by ``timeout_s`` and
+        ``bulk_timeout_s``, as the store contract says they must be."""
+        return STUCK_FACTOR * (self.timeout_s + self.bulk_timeout_s)
+
+
+#: :attr:`TierConfig.stuck_s` is this many times a store operation's own bounds, summed.
+STUCK_FACTOR: Final = 4
 
 #: A backend's submit_exists that takes longer than this on the loop is reported (it must not block;
 #: a garbage collection or a first thread's start may take a few ms).
@@ -293,6 +306,10 @@ class _Promotion:
     #: Gets still running (the entries are split among the store's read connections).
     left: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: When it started (time.monotonic()); whether its waiters were told it failed because a
+    #: get did not end within ``stuck_s`` (its slots stay reserved until the gets end).
+    started: float = field(default_factory=time.monotonic)
+    abandoned: bool = False
 
 
 #: How long the arena must have had no slot being filled before an L2 writer starts (seconds).
@@ -446,6 +463,10 @@ class L2Tier:
         self.pin_limit = arena.size // 2
         # -------- loop-thread state
         self.promoting: dict[ChunkKey, Future[None]] = {}
+        #: Promotions whose gets have not all ended, oldest first (dicts keep their order).
+        self._running: dict[_Promotion, None] = {}
+        #: Whether close() left the backend's operations running (then nothing must wait for them).
+        self.left_running = False
         #: Promotions started or ended so far (see ChunkIndex.changes).
         self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
@@ -551,8 +572,17 @@ class L2Tier:
         if self._health_thread is not None:
             self._health_thread.join(self.config.timeout_s + 5)
         backend, self.backend = self.backend, None
-        if backend is not None:
-            backend.close()  # pending gets finish or fail: nothing writes into the arena after this
+        if backend is None:
+            return
+        # pending gets finish or fail: nothing writes into the arena after this; a store whose
+        # operations never end is left running (the server's process then exits without it)
+        closer = threading.Thread(target=backend.close, name="kvxfer-l2-close", daemon=True)
+        closer.start()
+        closer.join(self.config.stuck_s)
+        if closer.is_alive():
+            self.left_running = True
+            log.error("L2 store %s did not close within %g s: operations stuck in the store plugin are left "
+                      "running, and the server exits without them", self.store.name, self.config.stuck_s)
 
     # ------------------------------------------------------------------ write path (loop thread)
 
@@ -704,17 +734,29 @@ class L2Tier:
             return 0, 0, 0, 0
         keys = [l2_key(w.key) for w in batch]
         views = [self.arena.memoryview(w.entry.offset, w.entry.size) for w in batch]
-        sizes = backend.submit_exists(keys).result()
+        sizes = self._bounded(backend.submit_exists(keys), "submit_exists")
         todo = [i for i, (w, size) in enumerate(zip(batch, sizes)) if size != HEADER_SIZE + w.entry.size]
         skipped = len(batch) - len(todo)
         if not todo:
             self.breaker.success()
             return 0, skipped, 0, 0
         items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]]) for i in todo]
-        stored = backend.submit_put(items).result()
+        stored = self._bounded(backend.submit_put(items), "submit_put")
         self.breaker.success()
         ok = sum(stored)
         return ok, skipped, len(stored) - ok, sum(batch[i].entry.size for i, s in zip(todo, stored) if s)
+
+    def _bounded(self, fut: Future[T], what: str) -> T:
+        """``fut``'s result, waited for at most ``stuck_s`` (a writer's thread); TimeoutError
+        after, logged as the plugin's fault (the write is dropped, and the arena bytes it may
+        still read can be reused: what it then writes fails its checksum and is never loaded)."""
+        try:
+            return fut.result(timeout=self.config.stuck_s)
+        except TimeoutError:
+            self._throttled.warning("stuck write", f"L2 store {self.store.name}: {what} has not ended after "
+                                    f"{self.config.stuck_s:g} s; its writes are dropped (a fault of the store "
+                                    "plugin: its operations must end within --l2-timeout and --l2-bulk-timeout)")
+            raise TimeoutError(f"{what} did not end within {self.config.stuck_s:g} s") from None
 
     def _failed(self, exc: BaseException, what: str) -> None:
         self._count("errors")
@@ -869,6 +911,8 @@ class L2Tier:
                 self._sync_watch(self._loop_exists)
             except Exception as exc:  # noqa: BLE001  (plugin code on the loop: counted, never the loop's)
                 self._loop_fault("its loop connections", exc)
+        if self._running:
+            self._abandon_stuck()
         if not self._waiting:
             return
         now = time.monotonic()
@@ -883,6 +927,31 @@ class L2Tier:
                 self._count("timeouts")
                 self._failed(TimeoutError(f"no answer within {self.config.timeout_s:g} s"), "lookup")
         self._waiting = keep
+
+    def _abandon_stuck(self) -> None:
+        """On the loop: promotions whose gets have not ended within ``stuck_s`` fail for their
+        waiters (a retrieve reports their chunks missing), counted; their slots stay reserved
+        until the gets end, since the store may still write into them."""
+        since = time.monotonic() - self.config.stuck_s
+        for p in list(self._running):
+            if p.started > since:
+                break  # the rest started later
+            if p.abandoned:
+                continue
+            p.abandoned = True
+            self.promote_failures += len(p.res.entries)
+            self._failed(TimeoutError(f"a get of {len(p.res.entries)} values did not end within "
+                                      f"{self.config.stuck_s:g} s"), "promotion")
+            self._throttled.warning("stuck get", f"L2 store {self.store.name}: a get has not ended after "
+                                    f"{self.config.stuck_s:g} s; its {len(p.res.entries)} chunks are reported "
+                                    "missing and their arena slots stay reserved until it ends (a fault of the "
+                                    "store plugin: its operations must end within --l2-timeout and "
+                                    "--l2-bulk-timeout)")
+            for key, fut in p.done.items():
+                if self.promoting.get(key) is fut:
+                    del self.promoting[key]
+                    self.promoting_changes += 1
+                _settle(fut)
 
     def _plan(self, lk: TierLookup) -> None:
         """Read what L1 and the promotions say about the keys ``lk`` asked the store about, so
@@ -1022,6 +1091,7 @@ class L2Tier:
                            [self.expected_format(e.key) for _, e in res.entries], [None] * n, {})
             for _, e in res.entries:
                 p.done[e.key] = self.promoting[e.key] = Future()
+            self._running[p] = None
             self.promoting_changes += 1
             self.promotions += 1
             # split among the read connections: one Valkey thread serves two sockets faster than one
@@ -1141,7 +1211,12 @@ class L2Tier:
             self.call_soon(lambda: self._promoted(p))
 
     def _promoted(self, p: _Promotion) -> None:
-        """On the loop: make the verified chunks readable, drop the others, wake the waiters."""
+        """On the loop: make the verified chunks readable, drop the others, wake the waiters
+        (an abandoned promotion's chunks are dropped: its waiters were told they failed)."""
+        self._running.pop(p, None)
+        if p.abandoned:
+            self.index.commit_write(p.res, [i for i, _ in p.res.entries])
+            return
         failed = []
         for (i, e), fmt in zip(p.res.entries, p.found):
             if fmt is None:

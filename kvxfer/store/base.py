@@ -103,8 +103,8 @@ PutItem = tuple[bytes, Sequence[memoryview]]
 @dataclass(frozen=True, slots=True)
 class StoreCapabilities:
     """What a store claims. The conformance kit tests these claims: ``shared`` by another process
-    using the store at the same URL, ``persistent`` by a restart, ``max_value_bytes`` with a value
-    that large, up to 64 MiB."""
+    using the store at the same URL, ``persistent`` by a restart, ``max_value_bytes`` (at least
+    64 MiB: a 256-token chunk of an 8B model is 32 MiB) with a value that large, up to 64 MiB."""
 
     #: Several kvxfer servers on several hosts can share one store (Valkey: yes; a local directory: no).
     shared: bool

@@ -125,7 +125,7 @@ class StoreConformance:
         try:
             yield backend
         finally:
-            backend.close()
+            _close_within(backend, TIMEOUT)
 
     @staticmethod
     def kit_keys(n: int) -> list[bytes]:
@@ -387,6 +387,18 @@ class StoreConformance:
                 assert kept == foreign, "another layout's value must be left as it was"
             finally:
                 backend.close()
+
+
+def _close_within(backend: Backend, timeout: float) -> None:
+    """``backend.close()``, failing the test if it does not return within ``timeout`` (it waits
+    for the backend's operations: one that never ends would hang the kit)."""
+    closer = threading.Thread(target=backend.close, name="kit-close", daemon=True)
+    closer.start()
+    closer.join(timeout)
+    if closer.is_alive():
+        pytest.fail(f"store conformance kit: close() did not return within {timeout:g} s: an operation of the "
+                    "backend never ended (operations must end within StoreOptions.timeout_s and bulk_timeout_s; "
+                    "the server gives up on them after 4 x their sum)", pytrace=False)
 
 
 def _wait_l2_writes(client: CacheClient, n: int, timeout: float = TIMEOUT) -> None:

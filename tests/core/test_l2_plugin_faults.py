@@ -94,6 +94,69 @@ def test_a_faulty_lookup_or_promotion_is_a_miss_from_l2_not_an_internal_error(te
         assert _internal_errors(c) == 0
 
 
+def _stuck_server(test_plugin_path: Path, l2: Path) -> ServerProcess:
+    """A server whose tier gives up on a store operation after 4 x (0.2 + 0.5) = 2.8 s."""
+    return ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
+                         extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", "--l2-timeout", "0.2",
+                                     "--l2-bulk-timeout", "0.5"])
+
+
+def test_a_get_that_never_ends_fails_its_promotion_and_keeps_its_slots(test_plugin_path: Path,
+                                                                       tmp_path: Path) -> None:
+    """A store whose get never ends (it does not bound its operations) held the chunks' retrieve
+    until the client gave up, and the promotion for the server's life: after 4 x the store's
+    timeouts the promotion fails for its waiters (missing), counted and logged as the plugin's
+    fault; its slots stay reserved until the get ends, then are freed; the tier goes on."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    with _stuck_server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="stuck", block_size=BLOCK_SIZE,
+                        transport="cpu_gather")
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="stuck-get")
+        assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+        wait_until(lambda: (t := _tier(c)).writes == 2 and t.queue_depth == 0, timeout=30)
+        assert c.clear("stuck") == 2
+        fault.write_text("get_hangs")
+        lease = c.lookup_and_lease("stuck", hashes=hashes, lease_s=30)
+        assert (lease.hits, lease.l2_hits) == (2, 2)
+        got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)),
+                                 lease_id=lease.lease_id).result(20)
+        assert got.missing == [0, 1]
+        t = _tier(c)
+        assert t.promote_failures == 2 and t.promoting == 0, t
+        assert "a get has not ended after 2.8 s" in srv.log()
+        assert c.status().reservations == 1  # the promotion's slots: the store may still write there
+        fault.unlink()  # the get ends: its slots are freed, and the chunks promote again
+        wait_until(lambda: c.status().reservations == 0, timeout=10)
+        lease = c.lookup_and_lease("stuck", hashes=hashes, lease_s=30)
+        assert (lease.hits, lease.l2_hits) == (2, 2)
+        got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)),
+                                 lease_id=lease.lease_id).result(30)
+        assert got.loaded == [0, 1] and _internal_errors(c) == 0
+
+
+def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin_path: Path, tmp_path: Path) -> None:
+    """A put that never ends held its writer, its chunks' pins and then ``kvxfer serve``'s exit
+    for ever, with nothing logged: it is dropped after 4 x the store's timeouts, and at shutdown
+    the server exits without it, saying so."""
+    l2 = tmp_path / "l2"
+    Path(f"{l2}.fault").write_text("put_hangs")
+    srv = _stuck_server(test_plugin_path, l2)
+    srv.stop_timeout = 60
+    with srv, CacheClient(srv.url, timeout=30) as c:
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="stuckput", block_size=BLOCK_SIZE,
+                        transport="cpu_gather")
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="stuck-put")
+        assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+        wait_until(lambda: (t := _tier(c)).queue_depth == 0 and t.pinned_bytes == 0 and t.drops == 2, timeout=30)
+        assert _tier(c).writes == 0 and "submit_put has not ended after 2.8 s" in srv.log()
+        kv.close()
+        start = time.monotonic()
+        assert srv.stop() == 0
+        assert time.monotonic() - start < 30
+        assert "did not close within 2.8 s" in srv.log() and "stopped: its arena and socket are removed" in srv.log()
+
+
 def test_a_submit_that_blocks_the_loop_is_reported(test_plugin_path: Path, tmp_path: Path) -> None:
     """A ``submit_exists`` that does its work before it returns holds the server's loop, and so
     every client, for as long (the store kit cannot tell it from a fast store): the server logs
@@ -217,3 +280,23 @@ def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: 
         assert any(f"{cls}::{test}" in line for line in failed), (cls, test, out.stdout)
     assert not any("TestShortExists::test_kit_a_shared" in line for line in failed), "fs claims no sharing: skipped"
     assert "probe() returned True, not a kvxfer Probe" in out.stdout and "[0, 0] == [0, 0, 0]" in out.stdout, out.stdout
+
+
+def test_the_store_kit_fails_a_backend_whose_close_never_returns() -> None:
+    """The kit's backend fixture closed its backend without a limit: a backend with an operation
+    that never ended hung the whole kit run, with no report."""
+    import threading
+
+    from kvxfer.testing.stores import _close_within
+
+    release = threading.Event()
+
+    class Stuck:
+        def close(self) -> None:
+            release.wait(60)
+
+    try:
+        with pytest.raises(pytest.fail.Exception, match=r"close\(\) did not return within 0.5 s"):
+            _close_within(Stuck(), 0.5)  # type: ignore[arg-type]
+    finally:
+        release.set()
