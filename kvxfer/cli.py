@@ -86,6 +86,11 @@ def _l2_config(args: argparse.Namespace) -> TierConfig | None:
         return None
     url = args.l2_url or ""
     password = os.environ.get(L2_PASSWORD_ENV)
+    if password:
+        try:
+            password.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are no UTF-8 text (the value itself is never shown)
+            raise ConfigError(f"${L2_PASSWORD_ENV} is not UTF-8 text; set the store's password as text") from None
     if password and url:
         from kvxfer.store import split_hosts
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -207,6 +208,9 @@ def test_the_password_from_the_environment_goes_to_network_hosts_only(monkeypatc
         "valkey://:S3cretPW@h1:1,valkey://kv:S3cretPW@h2:2"
     given = "valkey://kv:a,b@h1:1"  # a password of its own, commas and all, is kept
     assert url_of("--l2", "valkey", "--l2-url", given) == given
+    monkeypatch.setenv(L2_PASSWORD_ENV, os.fsdecode(b"\xff\xfe"))  # bytes that are no UTF-8: a traceback before
+    with pytest.raises(ConfigError, match=r"\$KVXFER_L2_PASSWORD is not UTF-8 text"):
+        url_of("--l2", "valkey", "--l2-url", "valkey://h1:1")
 
 
 def test_an_unknown_store_is_answered_with_distributions_that_exist() -> None:
