@@ -179,29 +179,35 @@ class FsBackend(ThreadedBackend):
         """Index the store's files, oldest first; set the default budget (``max_size`` None)
         from the free space and the files found; evict down to the budget."""
         found = []
+        on_disk = 0  # the bytes the files found take on the disk (a sparse file's size takes none)
         with os.scandir(self._root_fd) as entries:
             subs = sorted(e.name for e in entries if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
         for sub in subs:
-            with self._subdir(sub) as fd:
-                if fd is None:
-                    continue  # gone, or a link put in its place meanwhile
-                with os.scandir(fd) as files:
-                    for f in files:
-                        if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub):  # a write cut short by a crash
+            try:
+                with self._subdir(sub) as fd:
+                    if fd is None:
+                        continue  # gone, or a link put in its place meanwhile
+                    with os.scandir(fd) as files:
+                        for f in files:
+                            if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub):  # a write cut short by a crash
+                                with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # (not a directory)
+                                    os.unlink(f.name, dir_fd=fd)
+                                continue
+                            if not _FILE.fullmatch(f.name) or not f.name.startswith(sub):
+                                continue  # not this store's: never evicted
                             with contextlib.suppress(FileNotFoundError):
-                                os.unlink(f.name, dir_fd=fd)
-                            continue
-                        if not _FILE.fullmatch(f.name) or not f.name.startswith(sub):
-                            continue  # not this store's: never evicted
-                        with contextlib.suppress(FileNotFoundError):
-                            st = f.stat(follow_symlinks=False)
-                            if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name: not one
-                                found.append((st.st_mtime_ns, f.name, st.st_size))
+                                st = f.stat(follow_symlinks=False)
+                                if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name
+                                    found.append((st.st_mtime_ns, f.name, st.st_size))
+                                    on_disk += min(st.st_size, st.st_blocks * 512)
+            except OSError as exc:  # a subdirectory this process may not read: its files are left alone
+                log.warning("fs store %s: cannot read %s (%s): its files are not indexed (not counted, not "
+                            "evicted, not found by lookups)", self.root, self.root / sub, exc.strerror or exc)
         for _, name, size in sorted(found):
             self._lru[name] = size
             self.used += size
         vfs = os.fstatvfs(self._root_fd)
-        room = vfs.f_bavail * vfs.f_frsize + self.used  # the files found are the store's to keep
+        room = vfs.f_bavail * vfs.f_frsize + on_disk  # the files found are the store's to keep
         if max_size is None:
             self.max_size = max(1, int(room * DEFAULT_SHARE))
         elif max_size > room:
