@@ -136,6 +136,11 @@ class ChunkIndex:
         self.entries: dict[ChunkKey, Entry] = {}
         #: The evictable entries (READY, unpinned), least recently used first.
         self._lru: OrderedDict[ChunkKey, Entry] = OrderedDict()
+        #: Entries held without being used (:meth:`hold`), with their hold counts: they stay in
+        #: the LRU, where eviction passes over them.
+        self._held: dict[Entry, int] = {}
+        #: Held entries that eviction passed over at the LRU's front: they go back there.
+        self._passed: set[ChunkKey] = set()
         #: The keys of every entry by model name: what clear(model) and format_of look at.
         self._by_model: dict[str, set[ChunkKey]] = {}
         self.leases: dict[int, Lease] = {}
@@ -187,6 +192,7 @@ class ChunkIndex:
         for e in lease.entries.values():
             e.leases += 1
             self._lru.pop(e.key, None)
+            self._passed.discard(e.key)  # a use: the most recent once released
             n = pins.get(e, 0)
             if not n:
                 owner.leased_bytes += Allocator.rounded(e.size)
@@ -231,14 +237,39 @@ class ChunkIndex:
         return sum(len(lease.entries) for lease in self.leases.values())
 
     def pinned_chunks(self) -> int:
-        """Entries that cannot be evicted now (being written, read or leased): zero whenever no
-        reservation or lease is open."""
-        return len(self.entries) - len(self._lru)
+        """Entries that cannot be evicted now (being written, read, leased or held): zero
+        whenever no reservation, lease or hold is open."""
+        lru = self._lru
+        return len(self.entries) - len(lru) + sum(1 for e in self._held if lru.get(e.key) is e)
 
     def pin(self, e: Entry) -> None:
-        """Pin a READY entry as a reader: a read reservation's, or the L2 writer's read of its slot."""
+        """Pin a READY entry as a reader (a read reservation's, a promoting lookup's hits): a
+        use, after which it is the most recently used."""
         e.readers += 1
         self._lru.pop(e.key, None)
+        self._passed.discard(e.key)
+
+    def hold(self, e: Entry) -> None:
+        """Keep a READY entry from eviction without using it (the L2 writer reads its slot): it
+        keeps its place in the LRU, eviction passes over it, and :meth:`release` puts it back
+        where it was (an entry passed over at the front goes back to the front)."""
+        e.readers += 1
+        self._held[e] = self._held.get(e, 0) + 1
+
+    def release(self, e: Entry) -> None:
+        """Undo :meth:`hold`."""
+        e.readers -= 1
+        n = self._held.pop(e) - 1
+        if n:
+            self._held[e] = n
+            return
+        if e.key in self._passed:
+            self._passed.discard(e.key)
+            if not e.pinned and self.entries.get(e.key) is e:
+                self._lru[e.key] = e
+                self._lru.move_to_end(e.key, last=False)
+            return
+        self._evictable(e)  # in the LRU still (where it stays), or out of it since a use: the most recent
 
     def unpin(self, e: Entry) -> None:
         """Undo :meth:`pin`."""
@@ -338,6 +369,7 @@ class ChunkIndex:
                 present.append(i)
                 if e is not None and lru.pop(key, None) is not None:
                     held.append(e)
+                self._passed.discard(key)  # stored again: a use
             for i, key in new:
                 offset = self._allocate(size, evicted)
                 if offset is None:
@@ -438,8 +470,11 @@ class ChunkIndex:
         if offset is not None:
             return offset
         lru = self._lru
-        while lru:  # the least recently used first; every entry here is evictable
+        while lru:  # the least recently used first; every entry here is evictable but the held
             key, e = lru.popitem(last=False)
+            if e.pinned:  # held (see hold): back at the front once released
+                self._passed.add(key)
+                continue
             self._drop(e)
             evicted.append(key)
             offset = self.allocator.alloc(size)
@@ -451,6 +486,7 @@ class ChunkIndex:
         self.changes += 1
         del self.entries[e.key]
         self._lru.pop(e.key, None)
+        self._passed.discard(e.key)
         keys = self._by_model[e.key.model_name]
         keys.discard(e.key)
         if not keys:
@@ -471,9 +507,9 @@ class ChunkIndex:
     def clear(self, model_name: str = "") -> list[ChunkKey]:
         """Drop READY, unpinned entries (of ``model_name`` only, when given)."""
         if model_name:  # that model's entries only, however many others the index holds
-            gone = [k for k in self._by_model.get(model_name, ()) if k in self._lru]
+            gone = [k for k in self._by_model.get(model_name, ()) if k in self._lru and not self._lru[k].pinned]
         else:
-            gone = list(self._lru)
+            gone = [k for k, e in self._lru.items() if not e.pinned]
         for key in gone:
             self._drop(self.entries[key])
         return gone

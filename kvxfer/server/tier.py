@@ -645,7 +645,7 @@ class L2Tier:
                 if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
                     self._count("drops", len(entries) - queued)
                     break
-                self.index.pin(e)  # pinned until its write is done: not evicted, not overwritten
+                self.index.hold(e)  # until its write is done: not evicted, not overwritten, not "used"
                 self.pinned_bytes += e.size
                 self._queue.append(_Write(e.key, e, e.fmt))
                 queued += 1
@@ -660,7 +660,7 @@ class L2Tier:
 
     def _unpin(self, batch: Sequence[_Write]) -> None:
         for w in batch:
-            self.index.unpin(w.entry)
+            self.index.release(w.entry)
             self.pinned_bytes -= w.entry.size
 
     @property

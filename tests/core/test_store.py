@@ -438,42 +438,58 @@ def test_a_session_pinning_the_same_chunks_again_holds_no_more_bytes() -> None:
     assert owner.reserved_bytes == 0 and not owner.read_pins
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_use(seed: int) -> None:
-    """Random stores, leases, reads (committed or aborted), L2-writer pins and releases against a
-    model: after every step the LRU is the READY entries nothing pins, the least recently
-    unpinned (or stored again) first, and eviction takes from its front only (never a pinned
-    entry, nor one its own store names)."""
+    """Random stores, leases, reads (committed or aborted), L2-writer holds and releases against
+    a model: after every step the LRU is the READY entries nothing pins but holds, the least
+    recently used (unpinned, or stored again) first, and eviction takes from its front only
+    (never a pinned or held entry, nor one its own store names). A hold is no use: the entry
+    keeps its place (it became the most recently used, so that chunks written to L2 outlived
+    the ones whose write was dropped), and one that eviction passed over goes back to the front."""
     import random
 
     rng = random.Random(seed)
     ev = Recorder()
     index = ChunkIndex(12 * SIZE, on_evict=ev)
-    model: dict[ChunkKey, int] = {}  # evictable key -> when it last became evictable
+    model: dict[ChunkKey, int] = {}  # key in the LRU -> its place (when it last became evictable)
+    passed: set[ChunkKey] = set()  # held keys eviction passed over (out of the LRU until released)
     clock = iter(range(10**9))
+    front = iter(range(-1, -10**9, -1))
     leases: list[int] = []
-    pinned_by_l2: list = []
+    held: list = []
     owner = Usage()
 
-    def refresh(keys) -> None:
+    def holds(k: ChunkKey) -> int:
+        return sum(1 for e in held if e.key == k)
+
+    def refresh(keys) -> None:  # a use of ``keys``: out of the LRU while pinned, else the most recent
         for k in keys:
+            passed.discard(k)
             e = index.entries.get(k)
             if e is not None and not e.pinned:
                 model[k] = next(clock)
             else:
                 model.pop(k, None)
 
-    for _ in range(400):
-        op = rng.choice(["store", "store", "lease", "release", "read", "abort", "pin", "unpin"])
+    for _ in range(500):
+        op = rng.choice(["store", "store", "lease", "release", "read", "abort", "hold", "unhold"])
         ready = [k for k, e in index.entries.items() if e.state is State.READY]
         if op == "store":
             keys = [key(rng.randrange(40)) for _ in range(rng.randint(1, 3))]
-            res, present, _ = index.reserve_write(keys, "f", SIZE, 1, owner)
+            in_order = sorted(model, key=model.__getitem__)
+            res, present, no_space = index.reserve_write(keys, "f", SIZE, 1, owner)
             refresh([keys[i] for i in present])  # a store of a present chunk uses it
             stored = index.commit_write(res)
+            if ev.evicted or no_space:  # no room: eviction went through the whole LRU
+                last = len(in_order) if no_space else max(in_order.index(k) for k in ev.evicted)
+                for k in in_order[:last]:  # what eviction met before its last victim: evicted, or held and passed
+                    if k not in ev.evicted and k not in keys:  # (the store's own present chunks were out of the LRU)
+                        assert holds(k), f"{k} was passed over but is not held"
+                        passed.add(k)
+                        del model[k]
             for k in ev.evicted:
                 assert k not in keys, f"{k} was evicted by a store that names it"
-                assert k in model, f"{k} was evicted while pinned"
+                assert k in model and not holds(k), f"{k} was evicted while pinned or held"
                 del model[k]
             ev.evicted.clear()
             refresh([e.key for _, e in stored])
@@ -483,33 +499,56 @@ def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_
             refresh(picked)
         elif op == "release" and leases:
             lid = leases.pop(rng.randrange(len(leases)))
-            held = list(index.leases[lid].entries) if lid in index.leases else []
+            was = list(index.leases[lid].entries) if lid in index.leases else []
             index.release_lease(lid)
-            refresh(held)
+            refresh([k for k in was if not holds(k)])  # a held one is released to the LRU by its last hold
         elif op in ("read", "abort") and ready:
             picked = rng.sample(ready, min(len(ready), rng.randint(1, 3)))
             res, _ = index.reserve_read(picked, "f", 1, owner)
             refresh(picked)
             assert not any(k in model for k in picked)
             (index.commit_read if op == "read" else index.abort)(res)
-            refresh(picked)
-        elif op == "pin" and ready:
+            refresh([k for k in picked if not holds(k)])
+        elif op == "hold" and ready:
             e = index.entries[rng.choice(ready)]
-            index.pin(e)
-            pinned_by_l2.append(e)
-            refresh([e.key])
-        elif op == "unpin" and pinned_by_l2:
-            e = pinned_by_l2.pop(rng.randrange(len(pinned_by_l2)))
-            index.unpin(e)
-            refresh([e.key])
+            index.hold(e)
+            held.append(e)  # no use: its place stays
+        elif op == "unhold" and held:
+            e = held.pop(rng.randrange(len(held)))
+            index.release(e)
+            k = e.key
+            if not holds(k) and not e.pinned:
+                if k in passed:
+                    passed.discard(k)
+                    model[k] = next(front)  # back at the front, where eviction met it
+                elif k not in model:
+                    model[k] = next(clock)  # used while held: the most recent
         in_order = sorted(model, key=model.__getitem__)
         assert list(index._lru) == in_order
         assert index.pinned_chunks() == sum(1 for e in index.entries.values() if e.pinned)
-        held = sum(len(lease.entries) for lease in index.leases.values()) + \
+        pins = sum(len(lease.entries) for lease in index.leases.values()) + \
             sum(len(r.entries) for r in index.reservations.values() if not r.write)
-        assert index.chunk_pins == owner.chunk_pins == held
+        assert index.chunk_pins == owner.chunk_pins == pins
         assert index._by_model == ({"m": set(index.entries)} if index.entries else {})
     index.allocator.check()
+
+
+def test_a_chunk_written_to_l2_keeps_its_place_in_the_lru() -> None:
+    """The L2 writer's read of a chunk is no use of it: the chunk keeps its place (it became the
+    most recently used, so the chunks whose L2 write was dropped, the only copies, went first)."""
+    ev = Recorder()
+    index = ChunkIndex(3 * SIZE, on_evict=ev)
+    a, b, c, d = (key(i) for i in range(4))
+    store(index, [a, b, c])
+    index.hold(index.entries[a])  # written to L2 ...
+    index.release(index.entries[a])  # ... and done
+    store(index, [d])
+    assert ev.evicted == [a]
+    index.hold(index.entries[b])  # held while eviction meets it: passed over, then back at the front
+    store(index, [a])
+    assert ev.evicted == [a, c]
+    index.release(index.entries[b])
+    assert list(index._lru) == [b, d, a]
 
 
 def test_clear_and_format_of_look_at_one_model_only() -> None:
