@@ -464,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
     g.add_argument("--l2-url", default=_L2_DEFAULTS["l2_url"], metavar="URL",
                    help="valkey://[USER@]HOST:PORT[,HOST2:PORT...] (a cluster is discovered), valkeys:// for TLS, "
-                        f"file:///DIR?max_size=SIZE for fs; the password may come from ${L2_PASSWORD_ENV}")
+                        "file:///DIR?max_size=SIZE for fs, another store plugin's own scheme for it; the password "
+                        f"may come from ${L2_PASSWORD_ENV}")
     g.add_argument("--l2-admission", default=_L2_DEFAULTS["l2_admission"], metavar="POLICY",
                    help="which stored chunks go to L2: all, or hits:N once N lookups found them (default: %(default)s)")
     g.add_argument("--l2-queue", type=int, default=_L2_DEFAULTS["l2_queue"], metavar="N",

@@ -1256,7 +1256,7 @@ class L2Tier:
                 try:
                     self.store_stats = self.backend.stats()
                 except PluginFault as exc:  # its data operations may work: a bug, not an outage
-                    self.store_stats = {}
+                    self.store_stats = {"unknown": self._shown(f"stats() failed: {exc}", 200)}  # (status says why)
                     self._throttled.warning("stats fault", self._describe(exc))
                     next_stats = time.monotonic() + _STATS_EVERY_S
                 except Exception as exc:  # noqa: BLE001  (a store that cannot say its size may be gone)

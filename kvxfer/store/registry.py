@@ -17,8 +17,8 @@ NAMESPACE: Final = "kvxfer.stores"
 #: installed from a kvxfer checkout, where it is ``plugins/<name>``.
 DISTRIBUTIONS: Final[dict[str, str]] = {"valkey": "kvxfer-valkey"}
 
-STORES: Final = EntryPointGroup(NAMESPACE, "store", Store, STORE_API_VERSION, StoreNotFound, StoreBroken,
-                                DISTRIBUTIONS)
+STORES: Final = EntryPointGroup(NAMESPACE, "store", Store, STORE_API_VERSION, "kvxfer.store.STORE_API_VERSION",
+                                StoreNotFound, StoreBroken, DISTRIBUTIONS)
 
 
 def get_store(name: str, *, require_available: bool = True) -> Store:

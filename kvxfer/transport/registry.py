@@ -77,14 +77,15 @@ class EntryPointGroup:
     found, loaded, checked against their contract version and reported.
 
     ``kind`` names the plugin kind in messages ("transport", "store"); ``base`` is the class a
-    loaded plugin must be an instance of; ``api_version`` the contract version it must declare;
+    loaded plugin must be an instance of; ``api_version`` the contract version it must declare
+    (kvxfer exports it as ``api_constant``, which messages to plugin authors name);
     ``not_found`` / ``broken`` the exceptions raised for an unknown name and for a plugin that
     fails to load; ``distributions`` the plugins of this kind the kvxfer project publishes
     (name -> distribution), which the error for an unknown name suggests. A plugin whose class
     has ``contract_errors()`` is refused when it returns any. Thread-safe.
     """
 
-    def __init__(self, namespace: str, kind: str, base: type, api_version: int,
+    def __init__(self, namespace: str, kind: str, base: type, api_version: int, api_constant: str,
                  not_found: type[KvxferError], broken: type[KvxferError],
                  distributions: dict[str, str] | None = None) -> None:
         self.namespace = namespace
@@ -92,6 +93,7 @@ class EntryPointGroup:
         self.kind = kind
         self.base = base
         self.api_version = api_version
+        self.api_constant = api_constant
         self.not_found = not_found
         self.broken = broken
         self._lock = threading.Lock()
@@ -150,7 +152,8 @@ class EntryPointGroup:
             if declared != self.api_version:
                 raise self.broken(
                     f"{self.kind} {name!r} ({_dist(ep)}) implements kvxfer {self.kind} api_version {declared}, "
-                    f"this kvxfer implements {self.api_version}; install matching versions of kvxfer and the plugin"
+                    f"this kvxfer implements {self.api_version}; install matching versions of kvxfer and the plugin "
+                    f"(a plugin declares api_version = {self.api_constant})"
                 )
             called = getattr(plugin, "name", None)
             if called != name:
@@ -241,8 +244,8 @@ def checked_probe(plugin: Any) -> Probe:
 
 
 #: The transports' group.
-TRANSPORTS: Final = EntryPointGroup(NAMESPACE, "transport", Transport, API_VERSION, TransportNotFound,
-                                    TransportBroken, DISTRIBUTIONS)
+TRANSPORTS: Final = EntryPointGroup(NAMESPACE, "transport", Transport, API_VERSION, "kvxfer.transport.API_VERSION",
+                                    TransportNotFound, TransportBroken, DISTRIBUTIONS)
 
 
 def refresh() -> None:

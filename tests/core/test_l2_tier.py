@@ -221,8 +221,8 @@ def test_an_unknown_store_is_answered_with_distributions_that_exist() -> None:
     from kvxfer.store.registry import DISTRIBUTIONS
     from kvxfer.transport.registry import EntryPointGroup
 
-    group = EntryPointGroup("kvxfer.no-such-group", "store", Store, STORE_API_VERSION, StoreNotFound, StoreBroken,
-                            DISTRIBUTIONS)
+    group = EntryPointGroup("kvxfer.no-such-group", "store", Store, STORE_API_VERSION,
+                            "kvxfer.store.STORE_API_VERSION", StoreNotFound, StoreBroken, DISTRIBUTIONS)
     with pytest.raises(StoreNotFound) as info:
         group.load("redis")
     msg = str(info.value)

@@ -74,6 +74,7 @@ def test_plugins_json_lists_every_plugin_with_its_health(test_plugin_path: Path)
     assert "no-such-dependency" in broken["detail"] and "kvxfer-test-transport" in broken["detail"]
     old = by_name["test_oldapi"]
     assert old["health"] == "broken" and "api_version 0" in old["detail"] and "implements 2" in old["detail"]
+    assert "a plugin declares api_version = kvxfer.transport.API_VERSION" in old["detail"]
     nodev = by_name["test_nodevice"]
     assert nodev["health"] == "unavailable" and "no test accelerator" in nodev["detail"]
     notypes = by_name["test_notypes"]  # available by its probe, yet no device could use it
