@@ -169,7 +169,8 @@ class StoreConformance:
         bufs = [bytearray(len(v)) for v in values]
         items = [(k, [memoryview(b)[:HEADER_SIZE], memoryview(b)[HEADER_SIZE:]]) for k, b in zip(keys, bufs)]
         assert kit_backend.submit_get(items).result(TIMEOUT) == [GetStatus.HIT] * 5
-        assert [bytes(b) for b in bufs] == values
+        for i, (b, v) in enumerate(zip(bufs, values)):
+            _same(b, v, f"value {i} of 5, read into two parts")
 
     def test_kit_exists_answers_many_keys_in_one_call(self, kit_backend: Backend) -> None:
         keys = self.kit_keys(64)
@@ -184,10 +185,10 @@ class StoreConformance:
         short, right = bytearray(4999), bytearray(3000)
         got = kit_backend.submit_get([(k1, [memoryview(short)]), (k2, [memoryview(right)])]).result(TIMEOUT)
         assert got == [GetStatus.WRONG_SIZE, GetStatus.HIT]
-        assert right == v2, "a wrong-size value must not disturb the next one"
+        _same(right, v2, "the value after a wrong-size one (it must not be disturbed)")
         again = bytearray(5000)
         assert kit_backend.submit_get([(k1, [memoryview(again)])]).result(TIMEOUT) == [GetStatus.HIT]
-        assert again == v1
+        _same(again, v1, "a value read again after a wrong-size get")
 
     def test_kit_overwrite_replaces_the_value_whole(self, kit_backend: Backend) -> None:
         (key,) = self.kit_keys(1)
@@ -196,7 +197,7 @@ class StoreConformance:
         assert kit_backend.submit_exists([key]).result(TIMEOUT) == [100]
         buf = bytearray(100)
         assert kit_backend.submit_get([(key, [memoryview(buf)])]).result(TIMEOUT) == [GetStatus.HIT]
-        assert buf == b"b" * 100
+        _same(buf, b"b" * 100, "an overwritten value")
 
     def test_kit_delete_removes_values(self, kit_backend: Backend) -> None:
         keys = self.kit_keys(3)
@@ -212,7 +213,7 @@ class StoreConformance:
         assert kit_backend.submit_put([(key, _parts(value))]).result(TIMEOUT) == [True]
         buf = bytearray(len(value))
         assert kit_backend.submit_get([(key, _parts(buf))]).result(TIMEOUT) == [GetStatus.HIT]
-        assert buf == value
+        _same(buf, value, f"a value of {len(value)} bytes (max_value_bytes, at most 64 MiB)")
         kit_backend.submit_delete([key]).result(TIMEOUT)
 
     def test_kit_operations_from_many_threads(self, kit_backend: Backend) -> None:
@@ -387,6 +388,15 @@ class StoreConformance:
                 assert kept == foreign, "another layout's value must be left as it was"
             finally:
                 backend.close()
+
+
+def _same(got: bytes | bytearray, want: bytes, what: str) -> None:
+    """Fail saying where ``got`` first differs from ``want`` (a byte diff of megabytes says little)."""
+    if got == want:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    pytest.fail(f"store conformance kit: {what}: the get returned other bytes than were put: {len(got)} bytes "
+                f"read, {len(want)} put, first difference at byte {at}", pytrace=False)
 
 
 def _close_within(backend: Backend, timeout: float) -> None:

@@ -249,6 +249,15 @@ class TestShortExists(StoreConformance):  # existence checks one size short
         return _url(tmp_path_factory, fault="exists_short")
 
 
+class TestFlippedGet(StoreConformance):  # gets flip the last byte of a value
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="get_flips")
+
+
 class TestSmallBudget(StoreConformance):  # holds less than the 512 MiB values fs claims
     store = "fs"
 
@@ -276,10 +285,13 @@ def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: 
     for cls, test in (("TestSharedClaim", "test_kit_a_shared_store_is_shared_with_another_process"),
                       ("TestShortExists", "test_kit_absent_keys_have_size_zero_and_get_as_miss"),
                       ("TestSmallBudget", "test_kit_large_value_round_trips"),
+                      ("TestFlippedGet", "test_kit_put_then_get_into_parts_exactly"),
                       ("TestWrongProbe", "test_kit_plugin_declares_the_contract")):
         assert any(f"{cls}::{test}" in line for line in failed), (cls, test, out.stdout)
     assert not any("TestShortExists::test_kit_a_shared" in line for line in failed), "fs claims no sharing: skipped"
     assert "probe() returned True, not a kvxfer Probe" in out.stdout and "[0, 0] == [0, 0, 0]" in out.stdout, out.stdout
+    assert ("value 0 of 5, read into two parts: the get returned other bytes than were put: 1192 bytes read, 1192 "
+            "put, first difference at byte 1191") in out.stdout, out.stdout
 
 
 def test_the_store_kit_fails_a_backend_whose_close_never_returns() -> None:
