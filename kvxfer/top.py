@@ -215,6 +215,32 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
     return Group(*parts)
 
 
+class _Fitted:
+    """A frame cut to the screen's height, saying how many lines did not fit (a live screen
+    crops what is taller without a sign)."""
+
+    def __init__(self, frame: RenderableType) -> None:
+        self.frame = frame
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
+        from rich.segment import Segment
+        from rich.text import Text
+
+        height = options.height or console.height
+        lines = console.render_lines(self.frame, options.update(height=None), pad=False)
+        if len(lines) > height:
+            more = len(lines) - height + 1
+            lines = lines[:height - 1]
+        else:
+            more = 0
+        for line in lines:
+            yield from line
+            yield Segment.line()
+        if more:
+            yield Text(f"... {more} more line{'' if more == 1 else 's'} (a taller terminal shows them)", style="dim",
+                       no_wrap=True, overflow="ellipsis")
+
+
 class _Fields:
     """A line of fields two spaces apart that breaks, where the width runs out, between fields
     rather than inside one (a field wider than the whole line is folded)."""
@@ -422,8 +448,8 @@ def run_top(client: Any, interval: float = 1.0, once: bool = False) -> int:
                 console.print()
                 console.print(frame)
             return 0
-        with Live(render(st), console=console, screen=True, auto_refresh=False, redirect_stdout=False,
+        with Live(_Fitted(render(st)), console=console, screen=True, auto_refresh=False, redirect_stdout=False,
                   redirect_stderr=False) as live:
             for frame in _frames(client, st, interval, keys):
-                live.update(frame, refresh=True)
+                live.update(_Fitted(frame), refresh=True)
     return 0

@@ -147,6 +147,25 @@ def test_an_80_column_frame_fits_and_tells_long_model_names_apart(curve_client: 
         assert all(shown.values()) and not set(shown[names[0]]) & set(shown[names[1]]), (table, rows)
 
 
+def test_a_frame_taller_than_the_screen_says_how_much_is_below(curve_client: CacheClient) -> None:
+    """A live screen crops a frame that is taller than it: the last line says how many lines
+    did not fit (a 60x15 terminal showed the figures and no table, with no sign of them)."""
+    from rich.console import Console
+
+    from kvxfer.top import _Fitted
+
+    _workload(curve_client, "tall", 1)
+    st = curve_client.status()
+    console = Console(width=60, height=15, record=True, file=io.StringIO())
+    whole = len(console.render_lines(render(st, st, 1.0), console.options, pad=False))
+    lines = console.render_lines(_Fitted(render(st, st, 1.0)), console.options.update(height=15), pad=False)
+    assert whole > 15 and len(lines) == 15, (whole, len(lines))
+    last = "".join(seg.text for seg in lines[-1])
+    assert f"... {whole - 14} more lines (a taller terminal shows them)" in last, last
+    short = console.render_lines(_Fitted(render(st, st, 1.0)), console.options.update(height=whole), pad=False)
+    assert len(short) == whole and "more line" not in "".join(seg.text for seg in short[-1])
+
+
 @pytest.mark.parametrize("width", [16, 20, 30])
 def test_identities_cut_their_fingerprint_before_their_label(width: int) -> None:
     """The vLLM connector names chunks ``label#<16 hex digits>``: cut in the middle as any name,
