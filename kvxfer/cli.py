@@ -340,6 +340,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _of_at_most(limit: int) -> str:
+    """`` of at most LIMIT``, or nothing from a server that does not say (an older one: 0)."""
+    return f" of at most {format_bytes(limit)}" if limit else ""
+
+
 def _tier_text(t: TierStatus) -> str:
     """The lines ``kvxfer status`` prints for one storage tier."""
     rate = percent(t.lookup_hits, t.lookup_chunks)
@@ -352,7 +357,7 @@ def _tier_text(t: TierStatus) -> str:
          f"{t.integrity_failures} failed integrity checks, {t.damaged_deleted} damaged values deleted)"),
         (f"  writes: {t.writes} chunks ({format_bytes(t.write_bytes)}; {t.write_skipped} already stored); "
          f"admission {t.admission}; queue {t.queue_depth}/{t.queue_capacity} "
-         f"({format_bytes(t.pinned_bytes)} pinned of at most {format_bytes(t.pin_limit)}); drops {t.drops}"),
+         f"({format_bytes(t.pinned_bytes)} pinned{_of_at_most(t.pin_limit)}); drops {t.drops}"),
         f"  errors: {t.errors}; outages: {t.outages}",
     ]
     return "\n".join(lines)

@@ -41,6 +41,8 @@ def default_url() -> str:
 def socket_dir_hint() -> str:
     """How to choose another socket directory (for error messages)."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and not os.path.isabs(xdg):
+        xdg = None  # ignored (private_runtime_dir): no advice about it
     first = (f"XDG_RUNTIME_DIR is {xdg}: make sure it is a private directory of yours" if xdg else
              f"set XDG_RUNTIME_DIR to a private directory of yours (systemd's /run/user/{os.getuid()}) to "
              "move the default there")

@@ -401,8 +401,8 @@ class ArenaStatus(Message, frozen=True):
     free_extents: int
     largest_free: int
     evictions: int
-    #: Chunks that cannot be evicted now (being written, being read, or leased), counted from
-    #: the chunks themselves: zero whenever no reservation or lease is open.
+    #: Chunks that cannot be evicted now (being written, being read, leased, or written to L2),
+    #: counted from the chunks themselves: zero whenever no reservation, lease or L2 write is open.
     pinned_chunks: int = 0
 
 

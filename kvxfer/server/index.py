@@ -8,9 +8,12 @@ fills the slot; ``commit_write`` makes it READY (and evictable, most recently us
 entries until it expires or its readers release it. Only READY entries with no readers and no
 leases are ever evicted, least recently used first, and only to make room for a new slot.
 
-The LRU holds the evictable entries only (READY, unpinned), least recently used first: an
-entry leaves it when pinned and comes back, as the most recently used, when the last pin goes,
-so that making room evicts from its front in constant time per chunk, however much is pinned.
+The LRU holds the evictable entries (READY, unpinned), least recently used first: an entry
+leaves it when pinned and comes back, as the most recently used, when the last pin goes, so
+that making room evicts from its front in constant time per chunk, however much is pinned. The
+one exception is a *hold* (the L2 writer reading a slot, which is no use of the chunk): a held
+entry keeps its place; eviction takes it out of the LRU when it meets it, and its release puts
+it back at the front.
 
 Accounting is exact by construction: an entry's ``leases`` counts the leases that hold it (a
 lease holds each key once, however often a request repeats it) and ``readers`` the read
@@ -134,7 +137,7 @@ class ChunkIndex:
     def __init__(self, capacity: int, on_evict: Callable[[list[ChunkKey]], None] | None = None) -> None:
         self.allocator = Allocator(capacity)
         self.entries: dict[ChunkKey, Entry] = {}
-        #: The evictable entries (READY, unpinned), least recently used first.
+        #: The evictable entries (READY, unpinned), and held ones in their places, least recently used first.
         self._lru: OrderedDict[ChunkKey, Entry] = OrderedDict()
         #: Entries held without being used (:meth:`hold`), with their hold counts: they stay in
         #: the LRU, where eviction passes over them.

@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
@@ -163,14 +164,22 @@ class TierConfig:
 
     @property
     def stuck_s(self) -> float:
-        """How long the tier waits for a store's write, get or close before it gives up on it:
-        a backstop for a plugin that does not bound its operations by ``timeout_s`` and
-        ``bulk_timeout_s``, as the store contract says they must be."""
+        """How long the tier waits, beyond the time its bytes take at :data:`STUCK_RATE`, for a
+        store's write, get or close before it gives up on it: a backstop for a plugin that does
+        not bound its operations by ``timeout_s`` and ``bulk_timeout_s``, as the store contract
+        says they must be."""
         return STUCK_FACTOR * (self.timeout_s + self.bulk_timeout_s)
+
+    def stuck_after(self, nbytes: int) -> float:
+        """:attr:`stuck_s` for an operation that moves ``nbytes``."""
+        return self.stuck_s + nbytes / STUCK_RATE
 
 
 #: :attr:`TierConfig.stuck_s` is this many times a store operation's own bounds, summed.
 STUCK_FACTOR: Final = 4
+#: Bytes a second below which a store operation's bytes alone would not excuse its time (the
+#: Valkey backend bounds a get or put as a whole by its bytes at 16 MiB/s, over its silence bound).
+STUCK_RATE: Final = 4 << 20
 
 #: A backend's submit_exists that takes longer than this on the loop is reported (it must not block;
 #: a garbage collection or a first thread's start may take a few ms).
@@ -310,6 +319,8 @@ class _Promotion:
     #: get did not end within ``stuck_s`` (its slots stay reserved until the gets end).
     started: float = field(default_factory=time.monotonic)
     abandoned: bool = False
+    #: Arena bytes it reads.
+    nbytes: int = 0
 
 
 #: How long the arena must have had no slot being filled before an L2 writer starts (seconds).
@@ -467,6 +478,9 @@ class L2Tier:
         self._running: dict[_Promotion, None] = {}
         #: Whether close() left the backend's operations running (then nothing must wait for them).
         self.left_running = False
+        #: When a get last ended (time.monotonic(), any thread): gets queued behind others at a
+        #: store that still answers are not stuck.
+        self._got_at = time.monotonic()
         #: Promotions started or ended so far (see ChunkIndex.changes).
         self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
@@ -566,8 +580,10 @@ class L2Tier:
             self._stopping = True
             self._drain_until = time.monotonic() + self.config.drain_s
             self._cond.notify_all()
+        # one deadline for all: the writers drain, then their last operations end or are given up
+        deadline = time.monotonic() + self.config.drain_s + self.config.stuck_s + 1
         for t in self._threads:
-            t.join(self.config.drain_s + 2 * self.config.bulk_timeout_s + 5)
+            t.join(max(0.0, deadline - time.monotonic()))
         self._stop_health.set()
         if self._health_thread is not None:
             self._health_thread.join(self.config.timeout_s + 5)
@@ -575,14 +591,16 @@ class L2Tier:
         if backend is None:
             return
         # pending gets finish or fail: nothing writes into the arena after this; a store whose
-        # operations never end is left running (the server's process then exits without it)
+        # operations never end is left running (kvxfer serve then exits without it; a process
+        # that embeds the server waits for them at its exit, as Python waits for pool threads)
         closer = threading.Thread(target=backend.close, name="kvxfer-l2-close", daemon=True)
         closer.start()
-        closer.join(self.config.stuck_s)
+        closer.join(max(5.0, deadline - time.monotonic()))
         if closer.is_alive():
             self.left_running = True
             log.error("L2 store %s did not close within %g s: operations stuck in the store plugin are left "
-                      "running, and the server exits without them", self.store.name, self.config.stuck_s)
+                      "running, and the server exits without them", self.store.name,
+                      self.config.drain_s + self.config.stuck_s + 1)
 
     # ------------------------------------------------------------------ write path (loop thread)
 
@@ -741,22 +759,24 @@ class L2Tier:
             self.breaker.success()
             return 0, skipped, 0, 0
         items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]]) for i in todo]
-        stored = self._bounded(backend.submit_put(items), "submit_put")
+        stored = self._bounded(backend.submit_put(items), "submit_put", sum(batch[i].entry.size for i in todo))
         self.breaker.success()
         ok = sum(stored)
         return ok, skipped, len(stored) - ok, sum(batch[i].entry.size for i, s in zip(todo, stored) if s)
 
-    def _bounded(self, fut: Future[T], what: str) -> T:
-        """``fut``'s result, waited for at most ``stuck_s`` (a writer's thread); TimeoutError
-        after, logged as the plugin's fault (the write is dropped, and the arena bytes it may
-        still read can be reused: what it then writes fails its checksum and is never loaded)."""
+    def _bounded(self, fut: Future[T], what: str, nbytes: int = 0) -> T:
+        """``fut``'s result, waited for at most ``stuck_after(nbytes)`` (a writer's thread, which
+        has no other operation at the store); TimeoutError after, logged as the plugin's fault
+        (the write is dropped, and the arena bytes it may still read can be reused: what it then
+        writes fails its checksum and is never loaded)."""
+        after = self.config.stuck_after(nbytes)
         try:
-            return fut.result(timeout=self.config.stuck_s)
-        except TimeoutError:
+            return fut.result(timeout=after)
+        except FutureTimeout:  # (not TimeoutError before Python 3.11)
             self._throttled.warning("stuck write", f"L2 store {self.store.name}: {what} has not ended after "
-                                    f"{self.config.stuck_s:g} s; its writes are dropped (a fault of the store "
-                                    "plugin: its operations must end within --l2-timeout and --l2-bulk-timeout)")
-            raise TimeoutError(f"{what} did not end within {self.config.stuck_s:g} s") from None
+                                    f"{after:g} s; its writes are dropped (a fault of the store plugin: its "
+                                    "operations must end within --l2-timeout and --l2-bulk-timeout)")
+            raise TimeoutError(f"{what} did not end within {after:g} s") from None
 
     def _failed(self, exc: BaseException, what: str) -> None:
         self._count("errors")
@@ -929,21 +949,23 @@ class L2Tier:
         self._waiting = keep
 
     def _abandon_stuck(self) -> None:
-        """On the loop: promotions whose gets have not ended within ``stuck_s`` fail for their
-        waiters (a retrieve reports their chunks missing), counted; their slots stay reserved
-        until the gets end, since the store may still write into them."""
-        since = time.monotonic() - self.config.stuck_s
+        """On the loop: promotions whose gets have not ended within ``stuck_after`` their bytes,
+        while no get of the store ended either, fail for their waiters (a retrieve reports their
+        chunks missing), counted; their slots stay reserved until the gets end, since the store
+        may still write into them."""
+        now = time.monotonic()
         for p in list(self._running):
-            if p.started > since:
+            if now - p.started <= self.config.stuck_s:
                 break  # the rest started later
-            if p.abandoned:
-                continue
+            if p.abandoned or now - max(p.started, self._got_at) <= self.config.stuck_after(p.nbytes):
+                continue  # (gets end meanwhile: this one waits its turn at a store that answers)
             p.abandoned = True
             self.promote_failures += len(p.res.entries)
-            self._failed(TimeoutError(f"a get of {len(p.res.entries)} values did not end within "
-                                      f"{self.config.stuck_s:g} s"), "promotion")
+            after = self.config.stuck_after(p.nbytes)
+            self._failed(TimeoutError(f"a get of {len(p.res.entries)} values did not end within {after:g} s"),
+                         "promotion")
             self._throttled.warning("stuck get", f"L2 store {self.store.name}: a get has not ended after "
-                                    f"{self.config.stuck_s:g} s; its {len(p.res.entries)} chunks are reported "
+                                    f"{after:g} s; its {len(p.res.entries)} chunks are reported "
                                     "missing and their arena slots stay reserved until it ends (a fault of the "
                                     "store plugin: its operations must end within --l2-timeout and "
                                     "--l2-bulk-timeout)")
@@ -1091,6 +1113,7 @@ class L2Tier:
                            [self.expected_format(e.key) for _, e in res.entries], [None] * n, {})
             for _, e in res.entries:
                 p.done[e.key] = self.promoting[e.key] = Future()
+            p.nbytes = sum(e.size for _, e in res.entries)
             self._running[p] = None
             self.promoting_changes += 1
             self.promotions += 1
@@ -1118,6 +1141,7 @@ class L2Tier:
 
     def _check(self, p: _Promotion, idx: list[int], fut: Future[list[GetStatus]]) -> None:
         """On a store thread: verify what one get read (header, length, checksum)."""
+        self._got_at = time.monotonic()
         try:
             statuses = fut.result()
         except Exception as exc:  # noqa: BLE001  (any store failure fails the promotion, counted)

@@ -179,7 +179,6 @@ class FsBackend(ThreadedBackend):
         """Index the store's files, oldest first; set the default budget (``max_size`` None)
         from the free space and the files found; evict down to the budget."""
         found = []
-        on_disk = 0  # the bytes the files found take on the disk (a sparse file's size takes none)
         with os.scandir(self._root_fd) as entries:
             subs = sorted(e.name for e in entries if _SUBDIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
         for sub in subs:
@@ -190,7 +189,7 @@ class FsBackend(ThreadedBackend):
                     with os.scandir(fd) as files:
                         for f in files:
                             if _TMP_FILE.fullmatch(f.name) and f.name.startswith(sub):  # a write cut short by a crash
-                                with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # (not a directory)
+                                with contextlib.suppress(OSError):  # (a directory in its place is left alone)
                                     os.unlink(f.name, dir_fd=fd)
                                 continue
                             if not _FILE.fullmatch(f.name) or not f.name.startswith(sub):
@@ -199,15 +198,17 @@ class FsBackend(ThreadedBackend):
                                 st = f.stat(follow_symlinks=False)
                                 if stat.S_ISREG(st.st_mode):  # a link, a FIFO, a directory under a value's name
                                     found.append((st.st_mtime_ns, f.name, st.st_size))
-                                    on_disk += min(st.st_size, st.st_blocks * 512)
-            except OSError as exc:  # a subdirectory this process may not read: its files are left alone
-                log.warning("fs store %s: cannot read %s (%s): its files are not indexed (not counted, not "
-                            "evicted, not found by lookups)", self.root, self.root / sub, exc.strerror or exc)
+            except OSError as exc:  # its files could be neither counted nor evicted, nor its keys written
+                raise ConfigError(f"the fs store cannot read its subdirectory {self.root / sub} "
+                                  f"({exc.strerror or exc}): make it the server user's again (mode 0700), or remove "
+                                  "it") from None
         for _, name, size in sorted(found):
             self._lru[name] = size
             self.used += size
         vfs = os.fstatvfs(self._root_fd)
-        room = vfs.f_bavail * vfs.f_frsize + on_disk  # the files found are the store's to keep
+        # the files found are the store's to keep, but never more than the disk holds (a sparse
+        # file's size is no room; blocks are not counted, as some file systems report none)
+        room = min(vfs.f_bavail * vfs.f_frsize + self.used, vfs.f_blocks * vfs.f_frsize)
         if max_size is None:
             self.max_size = max(1, int(room * DEFAULT_SHARE))
         elif max_size > room:

@@ -7,6 +7,7 @@ fault in ``open()`` stops ``kvxfer serve`` with the store's name."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -95,7 +96,8 @@ def test_a_faulty_lookup_or_promotion_is_a_miss_from_l2_not_an_internal_error(te
 
 
 def _stuck_server(test_plugin_path: Path, l2: Path) -> ServerProcess:
-    """A server whose tier gives up on a store operation after 4 x (0.2 + 0.5) = 2.8 s."""
+    """A server whose tier gives up on a store operation after 4 x (0.2 + 0.5) = 2.8 s (and the
+    time its bytes take at 4 MiB/s), and on its close 5 s (to drain the writes) + 2.8 s + 1 s."""
     return ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
                          extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", "--l2-timeout", "0.2",
                                      "--l2-bulk-timeout", "0.5"])
@@ -124,7 +126,7 @@ def test_a_get_that_never_ends_fails_its_promotion_and_keeps_its_slots(test_plug
         assert got.missing == [0, 1]
         t = _tier(c)
         assert t.promote_failures == 2 and t.promoting == 0, t
-        assert "a get has not ended after 2.8 s" in srv.log()
+        assert re.search(r"a get has not ended after 2\.8\d* s", srv.log())
         assert c.status().reservations == 1  # the promotion's slots: the store may still write there
         fault.unlink()  # the get ends: its slots are freed, and the chunks promote again
         wait_until(lambda: c.status().reservations == 0, timeout=10)
@@ -133,6 +135,35 @@ def test_a_get_that_never_ends_fails_its_promotion_and_keeps_its_slots(test_plug
         got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)),
                                  lease_id=lease.lease_id).result(30)
         assert got.loaded == [0, 1] and _internal_errors(c) == 0
+
+
+def test_gets_queued_behind_others_at_a_slow_store_are_not_stuck(test_plugin_path: Path, tmp_path: Path) -> None:
+    """Twelve promotions through one read connection of a store that takes 0.3 s a get: the
+    last waits 3.6 s, past the 2.8 s backstop, in the backend's queue. While gets end, none is
+    given up (the backstop counted from the promotion's start, so a slow but healthy store had
+    its promotions failed and its breaker opened)."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    srv = ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
+                        extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", "--l2-timeout", "0.2",
+                                    "--l2-bulk-timeout", "0.5", "--l2-readers", "1"])
+    with srv, CacheClient(srv.url, timeout=30) as c:
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="slow", block_size=BLOCK_SIZE, transport="cpu_gather")
+        hashes = [chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"slow-{i}")[0] for i in range(12)]
+        for i, h in enumerate(hashes):
+            assert kv.submit_store([h], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+        wait_until(lambda: (t := _tier(c)).writes == 12 and t.queue_depth == 0, timeout=30)
+        assert c.clear("slow") == 12
+        fault.write_text("get_slow")
+        leases = [c.lookup_and_lease("slow", hashes=[h], lease_s=60) for h in hashes]  # 12 promotions at once
+        assert all((r.hits, r.l2_hits) == (1, 1) for r in leases)
+        for h, r in zip(hashes, leases):
+            got = kv.submit_retrieve([h], list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)),
+                                     lease_id=r.lease_id).result(30)
+            assert got.loaded == [0], got
+        t = _tier(c)
+        assert (t.promotions, t.promote_failures, t.errors, t.state) == (12, 0, 0, "up"), t
+        assert "has not ended" not in srv.log()
 
 
 def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin_path: Path, tmp_path: Path) -> None:
@@ -149,12 +180,12 @@ def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="stuck-put")
         assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
         wait_until(lambda: (t := _tier(c)).queue_depth == 0 and t.pinned_bytes == 0 and t.drops == 2, timeout=30)
-        assert _tier(c).writes == 0 and "submit_put has not ended after 2.8 s" in srv.log()
+        assert _tier(c).writes == 0 and re.search(r"submit_put has not ended after 2\.8\d* s", srv.log())
         kv.close()
         start = time.monotonic()
         assert srv.stop() == 0
         assert time.monotonic() - start < 30
-        assert "did not close within 2.8 s" in srv.log() and "stopped: its arena and socket are removed" in srv.log()
+        assert "did not close within 8.8 s" in srv.log() and "stopped: its arena and socket are removed" in srv.log()
 
 
 def test_a_submit_that_blocks_the_loop_is_reported(test_plugin_path: Path, tmp_path: Path) -> None:

@@ -115,6 +115,9 @@ def test_key_files_that_are_no_keys_are_refused_by_name_and_never_block(tmp_path
     with pytest.raises(ConfigError, match=rf"authorized client key {re.escape(str(stray))} is not a ZeroMQ "
                                           r"certificate.*remove it from"):
         load_server_keys(d)
+    stray.write_text('public-key = "' + "#" * 40 + '"\n')  # 40 Z85 characters that decode past 32 bits
+    with pytest.raises(ConfigError, match="holds no public key of 40 Z85 characters"):
+        load_server_keys(d)
     stray.unlink()
     os.mkfifo(stray, 0o600)
     with pytest.raises(ConfigError, match="is not a regular file"):

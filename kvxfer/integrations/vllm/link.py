@@ -84,6 +84,7 @@ class ServerLink:
             if self._recovered:  # the background thread connected
                 self._recovered = False
                 self.down = False
+                self._unusable, self._unusable_at = "", 0.0  # a later outage says its reason again
                 log.info("kvxfer %s: the server at %s answers again; using the cache", self.side, self.config.url)
                 return self.client
             if not startup:
