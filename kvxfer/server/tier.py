@@ -950,18 +950,19 @@ class L2Tier:
 
     def _abandon_stuck(self) -> None:
         """On the loop: promotions whose gets have not ended within ``stuck_after`` their bytes,
-        while no get of the store ended either, fail for their waiters (a retrieve reports their
-        chunks missing), counted; their slots stay reserved until the gets end, since the store
-        may still write into them."""
+        while no get of the store ended either (or within :data:`STUCK_FACTOR` times that, while
+        others did: one connection stuck among working ones), fail for their waiters (a retrieve
+        reports their chunks missing), counted; their slots stay reserved until the gets end,
+        since the store may still write into them."""
         now = time.monotonic()
         for p in list(self._running):
             if now - p.started <= self.config.stuck_s:
                 break  # the rest started later
-            if p.abandoned or now - max(p.started, self._got_at) <= self.config.stuck_after(p.nbytes):
-                continue  # (gets end meanwhile: this one waits its turn at a store that answers)
+            after = self.config.stuck_after(p.nbytes)
+            if p.abandoned or (now - max(p.started, self._got_at) <= after and now - p.started <= STUCK_FACTOR * after):
+                continue  # (gets end meanwhile: this one waits its turn at a store that answers, for a while)
             p.abandoned = True
             self.promote_failures += len(p.res.entries)
-            after = self.config.stuck_after(p.nbytes)
             self._failed(TimeoutError(f"a get of {len(p.res.entries)} values did not end within {after:g} s"),
                          "promotion")
             self._throttled.warning("stuck get", f"L2 store {self.store.name}: a get has not ended after "
