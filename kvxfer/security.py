@@ -187,13 +187,13 @@ MAX_AUTHORIZED_KEYS: Final = 10_000
 _KEY_LINE = re.compile(rb"^\s*(public|secret)-key\s*=\s*[\"']?([^\"'\s]*)[\"']?\s*$", re.M)
 
 
-def _read_key_file(path: Path, what: str) -> bytes:
-    """The bytes of key file ``path``: a regular file of at most :data:`MAX_KEY_FILE_BYTES`
-    (a FIFO would block the reader, ``/dev/zero`` fill its memory)."""
+def _read_key_file(path: Path, what: str, keys_dir: Path) -> bytes:
+    """The bytes of key file ``path`` (of key directory ``keys_dir``): a regular file of at most
+    :data:`MAX_KEY_FILE_BYTES` (a FIFO would block the reader, ``/dev/zero`` fill its memory)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist; make keys with `kvxfer keys {path.parent}`") from None
+        raise ConfigError(f"{what} {path} does not exist; make keys with `kvxfer keys {keys_dir}`") from None
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     try:
@@ -221,13 +221,14 @@ def _z85_key(text: bytes) -> bytes | None:
         return None
 
 
-def _load(path: Path, what: str, secret: bool) -> tuple[bytes, bytes | None]:
-    """The public key (and, with ``secret``, the secret key) of certificate ``path``, read
-    through :func:`_read_key_file` and checked: keys in Z85 of 32 bytes."""
+def _load(path: Path, what: str, secret: bool, keys_dir: Path | None = None) -> tuple[bytes, bytes | None]:
+    """The public key (and, with ``secret``, the secret key) of certificate ``path`` (of key
+    directory ``keys_dir``, its parent by default), read through :func:`_read_key_file` and
+    checked: keys in Z85 of 32 bytes."""
     if secret:
         _check_private(path, what)
     keys: dict[bytes, bytes] = {}
-    for kind, text in _KEY_LINE.findall(_read_key_file(path, what)):
+    for kind, text in _KEY_LINE.findall(_read_key_file(path, what, keys_dir or path.parent)):
         keys.setdefault(kind, text)
     public = _z85_key(keys.get(b"public", b""))
     if public is None:
@@ -246,7 +247,8 @@ def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:
     :data:`MAX_AUTHORIZED_KEYS`), each checked: a file that is no public key stops the server
     with its name (pyzmq's own loader then let no client in at all, saying so only at start)."""
     try:
-        names = sorted(e.name for e in os.scandir(authorized) if e.name.endswith(".key"))
+        # (as pyzmq's own loader: hidden files are not keys, e.g. an editor's lock file .#c1.key)
+        names = sorted(e.name for e in os.scandir(authorized) if e.name.endswith(".key") and not e.name.startswith("."))
     except OSError as exc:
         raise ConfigError(f"authorized client keys {authorized}: {exc.strerror or exc}") from None
     if not names:
@@ -260,7 +262,7 @@ def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:
     keys = set()
     for name in names:
         try:
-            public, _ = _load(authorized / name, "authorized client key", secret=False)
+            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=directory)
         except ConfigError as exc:
             raise ConfigError(f"{exc}; remove it from {authorized}, or put a client's .key file there "
                               f"(`kvxfer keys {directory} --client NAME` makes one)") from None

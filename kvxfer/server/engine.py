@@ -21,11 +21,13 @@ import secrets
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import msgspec
@@ -382,6 +384,8 @@ class CacheServer:
         self._waiting = 0
         #: The L2 tier under the arena (``--l2``), or None.
         self.tier: L2Tier | None = None
+        #: Whether a stop signal came (a second one exits at once: _on_signal).
+        self._stop_signalled = False
         mq: MQServer | None = None
         try:
             self._load_transports()
@@ -480,9 +484,11 @@ class CacheServer:
     # ------------------------------------------------------------------ run
 
     def serve_forever(self, install_signal_handlers: bool = False) -> None:
+        """Serve until :meth:`stop`. With ``install_signal_handlers`` (the main thread only),
+        SIGTERM and SIGINT stop the server; a second one exits at once (see :meth:`_on_signal`)."""
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.stop())
+                signal.signal(sig, self._on_signal)
         self.hooks.call("kvxfer_server_started", server=self)
         log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s%s",
                  kvxfer.__version__, self.url, format_bytes(self.arena.size), self.arena.path,
@@ -496,6 +502,21 @@ class CacheServer:
     def stop(self) -> None:
         """Ask the loop to stop (any thread, or a signal handler)."""
         self._mq.stop()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The first SIGTERM or SIGINT stops the server. A second one exits at once, logging
+        where the main thread is: it is how an operator ends a server whose loop a plugin's call
+        holds (a store's submit that never returns), or whose shutdown waits too long. The
+        arena's directory is then left; the next server started removes it (its lock is free)."""
+        if not self._stop_signalled:
+            self._stop_signalled = True
+            self.stop()
+            return
+        where = "".join(traceback.format_stack(frame, limit=8)) if frame is not None else "(unknown)\n"
+        log.error("a second %s before the server stopped: exiting at once, without cleaning up. The server's "
+                  "main thread was in:\n%s", signal.Signals(signum).name, where.rstrip())
+        logging.shutdown()
+        os._exit(1)
 
     @property
     def metrics_url(self) -> str:

@@ -594,13 +594,18 @@ class L2Tier:
         # operations never end is left running (kvxfer serve then exits without it; a process
         # that embeds the server waits for them at its exit, as Python waits for pool threads)
         closer = threading.Thread(target=backend.close, name="kvxfer-l2-close", daemon=True)
+        started = time.monotonic()
         closer.start()
-        closer.join(max(5.0, deadline - time.monotonic()))
+        closer.join(max(5.0, deadline - started))
         if closer.is_alive():
             self.left_running = True
-            log.error("L2 store %s did not close within %g s: operations stuck in the store plugin are left "
-                      "running, and the server exits without them", self.store.name,
-                      self.config.drain_s + self.config.stuck_s + 1)
+            log.error("L2 store %s did not close within %.1f s: operations stuck in the store plugin are left "
+                      "running, and the server exits without them", self.store.name, time.monotonic() - started)
+        elif any(p.left for p in self._running):
+            # close() returned with gets still running in the plugin: the process must not wait for them
+            self.left_running = True
+            log.error("L2 store %s closed with gets still running in it: the server exits without them",
+                      self.store.name)
 
     # ------------------------------------------------------------------ write path (loop thread)
 

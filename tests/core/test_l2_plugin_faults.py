@@ -6,10 +6,13 @@ fault in ``open()`` stops ``kvxfer serve`` with the store's name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import pytest
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, env_with, flash_attn_kv, wait_until
 
 from kvxfer import CacheClient, chunk_hashes
+from kvxfer.errors import KvxferError
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
 
@@ -186,6 +190,77 @@ def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin
         assert srv.stop() == 0
         assert time.monotonic() - start < 30
         assert "did not close within 8.8 s" in srv.log() and "stopped: its arena and socket are removed" in srv.log()
+
+
+def _only_in_l2(c: CacheClient, model: str, n: int = 2) -> list[bytes]:
+    """``n`` chunks of ``model`` stored, written to L2 and cleared from L1."""
+    kv = c.register(flash_attn_kv(num_blocks=32), model_name=model, block_size=BLOCK_SIZE, transport="cpu_gather")
+    hashes = chunk_hashes(list(range(n * CHUNK_SIZE)), CHUNK_SIZE, salt=model)
+    assert kv.submit_store(hashes, list(range(n * BLOCKS_PER_CHUNK))).result(30).stored == list(range(n))
+    wait_until(lambda: (t := _tier(c)).writes == n and t.queue_depth == 0, timeout=30)
+    assert c.clear(model) == n
+    return hashes
+
+
+def test_a_second_stop_signal_ends_a_server_whose_loop_a_plugin_holds(test_plugin_path: Path, tmp_path: Path) -> None:
+    """A store's submit_get that never returns holds the server's loop (submits must return at
+    once): no client is answered and SIGTERM, which asks the loop to stop, did nothing. A second
+    SIGTERM exits at once, logging where the loop is."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    srv = _stuck_server(test_plugin_path, l2)
+    try:
+        with srv, CacheClient(srv.url, timeout=30) as c:
+            hashes = _only_in_l2(c, "held")
+            fault.write_text("submit_get_blocks")
+            asker = threading.Thread(target=_lookup_quietly, args=(srv.url, hashes), daemon=True)
+            asker.start()
+            wait_until(lambda: _loop_held(srv.url), timeout=30)
+            assert srv.proc is not None
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert srv.proc.poll() is None, "the loop is held: the first signal cannot stop it"
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(15) == 1
+            log = srv.log()
+            assert "a second SIGTERM before the server stopped: exiting at once" in log and "submit_get" in log, log
+    finally:
+        fault.unlink(missing_ok=True)
+
+
+def _lookup_quietly(url: str, hashes: list[bytes]) -> None:
+    with contextlib.suppress(KvxferError), CacheClient(url, timeout=30) as c:
+        c.lookup_and_lease("held", hashes=hashes, lease_s=30)
+
+
+def _loop_held(url: str) -> bool:
+    """Whether the server at ``url`` leaves a status request unanswered for a second."""
+    try:
+        with CacheClient(url, timeout=1, connect_timeout=1) as c:
+            c.status()
+    except KvxferError:
+        return True
+    return False
+
+
+def test_a_backend_that_closes_with_gets_running_does_not_hold_the_exit(test_plugin_path: Path,
+                                                                         tmp_path: Path) -> None:
+    """A backend whose close() returned while a get still ran in it left ``kvxfer serve`` alive
+    after its last line: Python waits for the plugin's threads at exit. The server says so and
+    exits without them."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    srv = _stuck_server(test_plugin_path, l2)
+    srv.stop_timeout = 60
+    try:
+        with srv, CacheClient(srv.url, timeout=30) as c:
+            hashes = _only_in_l2(c, "late")
+            fault.write_text("get_hangs_close_returns")
+            assert c.lookup_and_lease("late", hashes=hashes, lease_s=30).l2_hits == 2  # its promotion hangs
+            assert srv.stop() == 0
+            assert "closed with gets still running in it: the server exits without them" in srv.log()
+    finally:
+        fault.unlink(missing_ok=True)
 
 
 def test_a_submit_that_blocks_the_loop_is_reported(test_plugin_path: Path, tmp_path: Path) -> None:

@@ -109,7 +109,9 @@ def test_key_files_that_are_no_keys_are_refused_by_name_and_never_block(tmp_path
     files (/dev/zero: a read would fill memory) or too large are refused before they are read."""
     d = tmp_path / "keys"
     make_keys(d)
-    load_server_keys(d)
+    (d / "authorized" / ".#client.key").symlink_to("nowhere")  # an editor's lock file: hidden, no key
+    (d / "authorized" / "._client.key").write_bytes(b"\0\5\26\7")  # a macOS resource file
+    assert len(load_server_keys(d).authorized) == 1  # hidden files are skipped, as pyzmq's loader does
     stray = d / "authorized" / "stray.key"
     stray.write_text("garbage\n")
     with pytest.raises(ConfigError, match=rf"authorized client key {re.escape(str(stray))} is not a ZeroMQ "
@@ -121,6 +123,10 @@ def test_key_files_that_are_no_keys_are_refused_by_name_and_never_block(tmp_path
     stray.unlink()
     os.mkfifo(stray, 0o600)
     with pytest.raises(ConfigError, match="is not a regular file"):
+        load_server_keys(d)
+    stray.unlink()
+    stray.symlink_to("nowhere")
+    with pytest.raises(ConfigError, match=rf"does not exist; make keys with `kvxfer keys {re.escape(str(d))}`"):
         load_server_keys(d)
     stray.unlink()
     stray.symlink_to("/dev/zero")
