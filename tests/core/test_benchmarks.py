@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "2", "--heads", "2", "--head-size", "8", "--block-size", "16", "--chunk-size", "32",
@@ -211,17 +212,18 @@ def test_runs_against_a_running_server_share_one_model_label_and_no_chunks() -> 
     from kvxfer import CacheClient
     from kvxfer.testing.server import ServerProcess
 
+    from kvxfer.bench import bench_model_name
+    from kvxfer.layout import KVLayout, LayoutKind
+
     tiny = [a if a != "--chunk-size" else "--chunk-sizes" for a in TINY]
     with ServerProcess(l1_size="64MiB", chunk_size=32, transports="cpu_gather") as srv:
         for _ in range(2):
             _run("-m", "kvxfer", "bench", *tiny, "--chunks-per-request", "2", "--inflight", "1", "--iters", "2",
                  "--url", srv.url, "--transport", "cpu_gather")
-        _run("-m", "kvxfer", "bench", "--prefix", *TINY, "--prefix-chunks", "1", "--iters", "2", "--url", srv.url,
-             "--transport", "cpu_gather")
         with CacheClient(srv.url) as c:
             st = c.status()
-    models = sorted(md.model for md in st.models)
-    assert len(models) == 2 and models[0].startswith("kvxfer-bench-") and models[1].startswith("kvxfer-prefix-"), \
-        models
-    bench = next(t for t in st.traffic if t.model == models[0])
+    # (bench --prefix names itself the same way: kvxfer-prefix-FORMAT)
+    layout = KVLayout(LayoutKind.FLASH_ATTN, 2, 64, 16, 2 * 8, torch.bfloat16)
+    assert [md.model for md in st.models] == [bench_model_name("bench", layout, 32)], st.models
+    (bench,) = st.traffic
     assert bench.stored_chunks == 2 * 3 * 2 and bench.present_chunks == 0, bench  # 2 runs x 3 requests x 2 chunks
