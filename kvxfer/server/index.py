@@ -194,8 +194,7 @@ class ChunkIndex:
         pins = owner.lease_pins
         for e in lease.entries.values():
             e.leases += 1
-            self._lru.pop(e.key, None)
-            self._passed.discard(e.key)  # a use: the most recent once released
+            self._used(e.key)
             n = pins.get(e, 0)
             if not n:
                 owner.leased_bytes += Allocator.rounded(e.size)
@@ -249,8 +248,13 @@ class ChunkIndex:
         """Pin a READY entry as a reader (a read reservation's, a promoting lookup's hits): a
         use, after which it is the most recently used."""
         e.readers += 1
-        self._lru.pop(e.key, None)
-        self._passed.discard(e.key)
+        self._used(e.key)
+
+    def _used(self, key: ChunkKey) -> Entry | None:
+        """A use of ``key``'s entry: out of the LRU (the caller pins it; the most recent once
+        unpinned, even if eviction passed over it while held). Returns it if it was there."""
+        self._passed.discard(key)
+        return self._lru.pop(key, None)
 
     def hold(self, e: Entry) -> None:
         """Keep a READY entry from eviction without using it (the L2 writer reads its slot): it
@@ -354,7 +358,7 @@ class ChunkIndex:
         evicted: list[ChunkKey] = []
         res = Reservation(self._new_id(), True, instance_id, owner, [])
         no_space: list[int] = []
-        entries, lru = self.entries, self._lru
+        entries = self.entries
         try:
             seen: set[ChunkKey] = set()
             for i, key in enumerate(keys):
@@ -370,9 +374,8 @@ class ChunkIndex:
                         "the same layout, dtype and number of layers"
                     )
                 present.append(i)
-                if e is not None and lru.pop(key, None) is not None:
+                if e is not None and self._used(key) is not None:  # stored again: a use
                     held.append(e)
-                self._passed.discard(key)  # stored again: a use
             for i, key in new:
                 offset = self._allocate(size, evicted)
                 if offset is None:

@@ -71,7 +71,7 @@ from kvxfer.store.format import (
     encode_header,
     l2_key,
 )
-from kvxfer.store.guard import GuardedBackend, PluginFault, check_sizes
+from kvxfer.store.guard import GuardedBackend, PluginFault, check_sizes, close_within
 from kvxfer.store.registry import get_store
 from kvxfer.text_table import printable
 
@@ -319,8 +319,11 @@ class _Promotion:
     #: get did not end within ``stuck_s`` (its slots stay reserved until the gets end).
     started: float = field(default_factory=time.monotonic)
     abandoned: bool = False
-    #: Arena bytes it reads.
-    nbytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Arena bytes it reads."""
+        return sum(e.size for _, e in self.res.entries)
 
 
 #: How long the arena must have had no slot being filled before an L2 writer starts (seconds).
@@ -593,11 +596,8 @@ class L2Tier:
         # pending gets finish or fail: nothing writes into the arena after this; a store whose
         # operations never end is left running (kvxfer serve then exits without it; a process
         # that embeds the server waits for them at its exit, as Python waits for pool threads)
-        closer = threading.Thread(target=backend.close, name="kvxfer-l2-close", daemon=True)
         started = time.monotonic()
-        closer.start()
-        closer.join(max(5.0, deadline - started))
-        if closer.is_alive():
+        if not close_within(backend, max(5.0, deadline - started)):
             self.left_running = True
             log.error("L2 store %s did not close within %.1f s: operations stuck in the store plugin are left "
                       "running, and the server exits without them", self.store.name, time.monotonic() - started)
@@ -975,11 +975,7 @@ class L2Tier:
                                     "missing and their arena slots stay reserved until it ends (a fault of the "
                                     "store plugin: its operations must end within --l2-timeout and "
                                     "--l2-bulk-timeout)")
-            for key, fut in p.done.items():
-                if self.promoting.get(key) is fut:
-                    del self.promoting[key]
-                    self.promoting_changes += 1
-                _settle(fut)
+            self._end_waits(p)
 
     def _plan(self, lk: TierLookup) -> None:
         """Read what L1 and the promotions say about the keys ``lk`` asked the store about, so
@@ -1119,7 +1115,6 @@ class L2Tier:
                            [self.expected_format(e.key) for _, e in res.entries], [None] * n, {})
             for _, e in res.entries:
                 p.done[e.key] = self.promoting[e.key] = Future()
-            p.nbytes = sum(e.size for _, e in res.entries)
             self._running[p] = None
             self.promoting_changes += 1
             self.promotions += 1
@@ -1258,6 +1253,10 @@ class L2Tier:
         self.index.commit_write(p.res, failed)
         self.promoted += len(p.res.entries) - len(failed)
         self.promote_failures += len(failed)
+        self._end_waits(p)
+
+    def _end_waits(self, p: _Promotion) -> None:
+        """On the loop: ``p``'s chunks are no longer being promoted; wake their waiters."""
         for key, fut in p.done.items():
             if self.promoting.get(key) is fut:
                 del self.promoting[key]

@@ -15,6 +15,7 @@ store (its data operations may work), so the tier logs it instead of opening the
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from kvxfer.errors import StoreUnavailable
 from kvxfer.protocol.messages import MAX_STATUS_ENTRIES, MAX_STATUS_TEXT
 from kvxfer.store.base import Backend, GetItem, GetStatus, PutItem
 
-__all__ = ["GuardedBackend", "PluginFault", "check_sizes"]
+__all__ = ["GuardedBackend", "PluginFault", "check_sizes", "close_within"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,16 @@ class GuardedBackend(Backend):
             self.inner.close()
         except Exception:  # noqa: BLE001  (a close that raises leaves nothing to do but say so)
             log.exception("store %r: close() raised (a fault of the store plugin)", self.store)
+
+
+def close_within(backend: Backend, timeout: float) -> bool:
+    """Call ``backend.close()`` on a thread of its own; whether it returned within ``timeout``
+    seconds (it waits for the backend's operations: one that never ends would hold the caller;
+    the thread is a daemon's, left running if not)."""
+    closer = threading.Thread(target=backend.close, name="kvxfer-l2-close", daemon=True)
+    closer.start()
+    closer.join(timeout)
+    return not closer.is_alive()
 
 
 def check_sizes(result: object, n: int) -> list[int]:

@@ -44,6 +44,7 @@ from kvxfer.errors import StoreBroken, StoreNotFound, StoreUnavailable
 from kvxfer.layout import LayoutKind
 from kvxfer.store import Backend, GetStatus, LocalInstance, Store, StoreCapabilities, StoreOptions
 from kvxfer.store.format import HEADER_SIZE
+from kvxfer.store.guard import close_within
 from kvxfer.store.registry import get_store
 from kvxfer.testing.conformance import guard_test, refuse_overrides
 from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
@@ -402,10 +403,7 @@ def _same(got: bytes | bytearray, want: bytes, what: str) -> None:
 def _close_within(backend: Backend, timeout: float) -> None:
     """``backend.close()``, failing the test if it does not return within ``timeout`` (it waits
     for the backend's operations: one that never ends would hang the kit)."""
-    closer = threading.Thread(target=backend.close, name="kit-close", daemon=True)
-    closer.start()
-    closer.join(timeout)
-    if closer.is_alive():
+    if not close_within(backend, timeout):
         pytest.fail(f"store conformance kit: close() did not return within {timeout:g} s: an operation of the "
                     "backend never ended (operations must end within StoreOptions.timeout_s and bulk_timeout_s; "
                     "the server gives up on them after 4 x their sum)", pytrace=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvxfer import CacheClient
+from kvxfer import CacheClient, TransferContext
 from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, StoreUnavailable
 from kvxfer.server.index import ChunkIndex, ChunkKey, Usage
@@ -256,6 +256,15 @@ def settled(client: CacheClient, writes: int) -> object:
                       and t.queue_depth == 0, TIMEOUT, 0.02)
 
 
+def in_l2_and_again_in_l1(c: CacheClient, ctx: TransferContext, model: str, keys: list[bytes], again: slice) -> None:
+    """``keys`` stored (blocks in order) and written to L2, cleared from L1, then ``keys[again]``
+    stored again (L1 holds those, L2 all)."""
+    ctx.submit_store(keys, blocks_of(0, len(keys))).result(TIMEOUT)
+    assert settled(c, c.status().tiers[0].writes)
+    assert c.clear(model) == len(keys)
+    ctx.submit_store(keys[again], blocks_of(again.start, again.stop - again.start)).result(TIMEOUT)
+
+
 @pytest.fixture(scope="module")
 def fs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     l2 = tmp_path_factory.mktemp("l2") / "store"
@@ -290,10 +299,7 @@ def test_lookup_without_promotion_counts_l2_and_leases_only_l1(fs_server: Server
     with CacheClient(fs_server.url, timeout=TIMEOUT) as c:
         ctx = c.register(kv, model_name="nopromo", block_size=BLOCK_SIZE, transport="cpu_gather")
         keys = [b"n" + bytes([i]) * 15 for i in range(4)]
-        ctx.submit_store(keys, blocks_of(0, 4)).result(TIMEOUT)
-        assert settled(c, c.status().tiers[0].writes)
-        assert c.clear("nopromo") == 4
-        ctx.submit_store(keys[:2], blocks_of(0, 2)).result(TIMEOUT)  # 2 back in L1, 4 in L2
+        in_l2_and_again_in_l1(c, ctx, "nopromo", keys, slice(0, 2))  # 2 back in L1, 4 in L2
         reply = c.lookup_and_lease("nopromo", hashes=keys, lease_s=30, promote=False)
         assert (reply.hits, reply.l2_hits) == (4, 2)
         res = ctx.submit_retrieve(keys, blocks_of(8, 4), lease_id=reply.lease_id).result(TIMEOUT)
@@ -310,10 +316,7 @@ def test_the_tiers_hit_rate_counts_every_key_it_had(fs_server: ServerProcess) ->
     with CacheClient(fs_server.url, timeout=TIMEOUT) as c:
         ctx = c.register(kv, model_name="tierrate", block_size=BLOCK_SIZE, transport="cpu_gather")
         keys = [b"t" + bytes([i]) * 15 for i in range(4)]
-        ctx.submit_store(keys, blocks_of(0, 4)).result(TIMEOUT)
-        assert settled(c, c.status().tiers[0].writes)
-        assert c.clear("tierrate") == 4
-        ctx.submit_store(keys[2:], blocks_of(2, 2)).result(TIMEOUT)  # L1: the last 2; L2: all 4
+        in_l2_and_again_in_l1(c, ctx, "tierrate", keys, slice(2, 4))  # L1: the last 2; L2: all 4
         before = c.status().tiers[0]
         assert c.lookup("tierrate", hashes=keys) == 4
         after = c.status().tiers[0]
