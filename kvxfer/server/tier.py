@@ -302,6 +302,22 @@ class _Write:
 
 
 @dataclass(slots=True, eq=False)
+class _Batch:
+    """A writer's batch from the moment it goes to the store until its pins are released: by
+    the writer when it returns, or by :meth:`L2Tier._abandon_held_writers` when a ``submit_*``
+    call of the plugin holds the writer's thread (whichever comes first; ``settled`` says it
+    happened)."""
+
+    writes: list[_Write]
+    started: float
+    settled: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.entry.size for w in self.writes)
+
+
+@dataclass(slots=True, eq=False)
 class _Promotion:
     """One reservation's promotions: the tier's write reservation, and per reserved entry (in
     ``res.entries`` order) the header buffer the get fills, the format expected (None: whatever
@@ -493,6 +509,8 @@ class L2Tier:
         self._queue: deque[_Write] = deque()
         self._cond = threading.Condition()
         self._writing = 0
+        #: Batches at the store now (under ``_cond``), oldest first.
+        self._batches: dict[_Batch, None] = {}
         self._stopping = False
         self._drain_until = 0.0
         # -------- plain counters (status and metrics read them)
@@ -709,18 +727,28 @@ class L2Tier:
                 batch = [self._queue.popleft() for _ in range(min(self.config.batch, len(self._queue)))]
                 self._writing += len(batch)
             self._yield_to_stores()
+            at_store = _Batch(batch, time.monotonic())
+            with self._cond:
+                self._batches[at_store] = None
             try:
                 written, skipped, refused, nbytes = self._write(batch)
             except Exception as exc:  # noqa: BLE001  (the store failed: these writes are lost, L1 keeps them)
                 self._failed(exc, "write")
                 written = skipped = refused = nbytes = 0
-                self._count("drops", len(batch))
+                if not at_store.settled:  # (else counted when it was given up)
+                    self._count("drops", len(batch))
             finally:
                 with self._cond:
-                    self._writing -= len(batch)
+                    del self._batches[at_store]
+                    if not at_store.settled:
+                        self._writing -= len(batch)
 
             def done(batch: list[_Write] = batch, w: int = written, s: int = skipped, r: int = refused,
-                     n: int = nbytes) -> None:
+                     n: int = nbytes, at_store: _Batch = at_store) -> None:
+                with self._cond:
+                    if at_store.settled:
+                        return  # given up while its writer was held (counted as dropped then)
+                    at_store.settled = True
                 self._unpin(batch)
                 self.writes += w
                 self.write_skipped += s
@@ -938,6 +966,8 @@ class L2Tier:
                 self._loop_fault("its loop connections", exc)
         if self._running:
             self._abandon_stuck()
+        if self._batches:
+            self._abandon_held_writers()
         if not self._waiting:
             return
         now = time.monotonic()
@@ -976,6 +1006,36 @@ class L2Tier:
                                     "store plugin: its operations must end within --l2-timeout and "
                                     "--l2-bulk-timeout)")
             self._end_waits(p)
+
+    def _abandon_held_writers(self) -> None:
+        """On the loop: a batch whose writer has not come back from the store after the longest
+        its operations may take (``stuck_s`` for the existence check, ``stuck_after`` its bytes for
+        the put, a second more) is held in a ``submit_*`` call of the plugin, which must return at
+        once (a future that never ends is given up by the writer itself). Its writes are dropped,
+        counted and logged as the plugin's fault, and its pins released: the arena bytes the
+        plugin may still read can be reused, and what it then writes fails its checksum and is
+        never loaded. The writer's thread stays lost to the plugin."""
+        now = time.monotonic()
+        held = []
+        with self._cond:
+            for b in self._batches:
+                if now - b.started <= self.config.stuck_s:
+                    break  # the rest went to the store later
+                if b.settled or now - b.started <= self.config.stuck_s + self.config.stuck_after(b.nbytes) + 1:
+                    continue
+                b.settled = True
+                self._writing -= len(b.writes)
+                held.append(b)
+        for b in held:
+            self._unpin(b.writes)
+            self._count("drops", len(b.writes))
+            waited = now - b.started
+            self._failed(PluginFault(f"store {self.store.name!r}: a submit call held a writer for {waited:.1f} s"),
+                         "write")
+            self._throttled.warning("held writer", f"L2 store {self.store.name}: a writer has not come back from "
+                                    f"the store plugin after {waited:.1f} s (a submit_exists or submit_put call "
+                                    f"that does not return: a fault of the plugin, whose submits must return at "
+                                    f"once); its {len(b.writes)} writes are dropped and that writer is lost")
 
     def _plan(self, lk: TierLookup) -> None:
         """Read what L1 and the promotions say about the keys ``lk`` asked the store about, so
