@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Callable
@@ -29,12 +30,19 @@ def flash_attn_kv(num_layers: int = 2, num_blocks: int = 32, heads: int = 2, hea
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.1) -> object:
-    """Poll ``predicate`` until it returns something truthy (bounded); returns the last value."""
+    """Poll ``predicate`` until it returns something truthy, and return that; fail (AssertionError
+    naming the predicate's source line) if it has not within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
-        if value or time.monotonic() > deadline:
+        if value:
             return value
+        if time.monotonic() > deadline:
+            try:
+                what = inspect.getsource(predicate).strip()
+            except (OSError, TypeError):
+                what = repr(predicate)
+            raise AssertionError(f"not true within {timeout:g} s (last {value!r}): {what}")
         time.sleep(step)
 
 
