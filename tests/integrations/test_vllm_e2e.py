@@ -19,7 +19,7 @@ OpenAI-compatible server), against one real ``kvxfer serve`` process:
   ``"fail"`` (its default) the request finishes with reason ``error`` and no tokens, and the
   engine serves the requests after it; with ``"recompute"`` the answer is vLLM's own.
 
-vLLM on 2 cores is slow to start (~10-20 s a process): eight processes in all.
+vLLM on 2 cores is slow to start (~10-20 s a process): nine processes in all (one of them the OpenAI-compatible server).
 """
 
 from __future__ import annotations
@@ -181,17 +181,18 @@ def test_a_hybrid_model_loads_every_kv_cache_group(work: Path, models: dict[str,
 
 
 def test_layerwise_loads_inside_the_forward_pass(work: Path, models: dict[str, Path], server: ServerProcess) -> None:
-    """kvxfer.layerwise: a first process stores a prompt layer by layer (save_kv_layer, which vLLM
-    calls after each attention layer, whatever the backend); a second loads its chunks inside its
-    prefill (load_is_async=False), attention of each layer waiting in wait_for_layer_load for
-    that layer only, and answers exactly as the first, which computed everything."""
+    """kvxfer.layerwise: a first batch stores a prompt layer by layer (save_kv_layer, which vLLM
+    calls after each attention layer, whatever the backend); a second batch (vLLM's own prefix
+    cache off) loads its chunks inside its prefill (load_is_async=False), attention of each layer
+    waiting in wait_for_layer_load for that layer only, and answers exactly as the first, which
+    computed everything."""
     prompt = vm.prompt(600, seed=7)  # stored by no other test
-    lw = connector(server.url, layerwise=True)
-    store = run_vllm(work, "layerwise-store", models["a"], [[prompt]], lw)
-    assert hits(store["batches"][0]) == 0
-    load = run_vllm(work, "layerwise-load", models["a"], [[prompt]], lw)
-    assert hits(load["batches"][0]) == 9 * CHUNK, load["batches"][0]["counters"]
-    assert load["batches"][0]["tokens"] == store["batches"][0]["tokens"]
+    res = run_vllm(work, "layerwise", models["a"], [[prompt], [prompt]], connector(server.url, layerwise=True),
+                   prefix_caching=False)
+    store, load = res["batches"]
+    assert hits(store) == 0
+    assert hits(load) == 9 * CHUNK, load["counters"]
+    assert load["tokens"] == store["tokens"]
 
 
 @pytest.fixture(scope="module")
