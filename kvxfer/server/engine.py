@@ -1008,7 +1008,7 @@ class CacheServer:
             # the L2 check is sent first: what follows overlaps the store's answer
             pending = tier.begin_lookup(msg.model_name, msg.world_size, msg.hashes, hits)
         if tier is not None:
-            if hits and tier.admission_hits:
+            if hits and tier.counts_hits:
                 tier.count_hits(msg.model_name, msg.world_size, msg.hashes[:hits])
             if pending is not None:
                 return _Awaiting(session, pending, lambda: self._lookup_reply(

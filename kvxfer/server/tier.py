@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -348,6 +348,8 @@ _QUIET_S: Final = 0.002
 MAX_L2_CONNECTIONS: Final = 64
 #: Largest count an L2 option takes (queue entries, batch, failures before the breaker opens).
 _MAX_COUNT: Final = 1 << 31
+#: Chunks whose dropped L2 write the tier remembers (then it forgets the oldest).
+_UNWRITTEN_KEPT: Final = 1 << 16
 #: Chunk keys the tier remembers for lookups (then it forgets them all and starts again).
 _KEYS_KEPT: Final = 1 << 16
 #: Keys whose L2 value is intact but in a chunk format this server does not load (another KV
@@ -503,6 +505,9 @@ class L2Tier:
         #: Promotions started or ended so far (see ChunkIndex.changes).
         self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
+        #: Chunks in L1 whose L2 write was dropped (a full queue, the store down, refusing or
+        #: failing), oldest first, at most _UNWRITTEN_KEPT: a lookup that finds them queues them again.
+        self._unwritten: dict[ChunkKey, None] = {}
         self._hits: dict[ChunkKey, int] = {}
         self.pinned_bytes = 0
         # -------- write queue (loop appends, writers take)
@@ -637,15 +642,32 @@ class L2Tier:
         elif fresh:
             self._enqueue(fresh)
 
+    @property
+    def counts_hits(self) -> bool:
+        """Whether :meth:`count_hits` has anything to do (the server skips the call otherwise)."""
+        return bool(self.admission_hits or self._unwritten)
+
     def count_hits(self, model_name: str, world_size: int, hashes: Sequence[bytes]) -> None:
-        """``hits:N`` admission: a lookup found ``hashes`` in L1 for every rank; a chunk is
-        queued for L2 once N lookups found it (each lookup counts a chunk once)."""
-        if not self._hits:
+        """A lookup found ``hashes`` in L1 for every rank. ``hits:N`` admission: a chunk is
+        queued for L2 once N lookups found it (each lookup counts a chunk once). And a chunk
+        whose L2 write was dropped is queued again while the store is up and the queue has room
+        (not counted as dropped again if it has none): an outage, a full queue or a failover
+        leaves no lasting gap in L2 for the chunks still asked for."""
+        again = bool(self._unwritten) and self.breaker.closed and self.backend is not None
+        if not self._hits and not again:
             return
+        entries = self.index.entries
         ready = []
+        retry = []
         for h in hashes:
             for rank in range(world_size):
                 key = ChunkKey(model_name, world_size, rank, h)
+                if again and key in self._unwritten:
+                    del self._unwritten[key]
+                    e = entries.get(key)
+                    if e is not None and e.state is State.READY:
+                        retry.append(e)
+                    continue
                 n = self._hits.get(key)
                 if n is None:
                     continue
@@ -654,22 +676,39 @@ class L2Tier:
                     self._hits[key] = n
                     continue
                 del self._hits[key]
-                e = self.index.entries.get(key)
+                e = entries.get(key)
                 if e is not None and e.state is State.READY:
                     ready.append(e)
         if ready:
             self._enqueue(ready)
+        if retry:
+            self._not_written(self._enqueue(retry, count_drops=False))
 
     def forget(self, keys: Sequence[ChunkKey]) -> None:
         """Chunks left L1 (evicted or cleared)."""
         for key in keys:
             self._hits.pop(key, None)
             self._from_l2.discard(key)
+            self._unwritten.pop(key, None)
 
-    def _enqueue(self, entries: Sequence[Entry]) -> None:
+    def _not_written(self, entries: Iterable[Entry]) -> None:
+        """(Loop thread) remember chunks whose L2 write was dropped (see :meth:`count_hits`)."""
+        u = self._unwritten
+        for e in entries:
+            if self.index.entries.get(e.key) is e:  # (one evicted meanwhile is forgotten)
+                u[e.key] = None
+        while len(u) > _UNWRITTEN_KEPT:
+            del u[next(iter(u))]
+
+    def _enqueue(self, entries: Sequence[Entry], count_drops: bool = True) -> list[Entry]:
+        """Queue ``entries`` for L2 (pinned); returns those dropped, but for chunks larger than
+        the store's values (never written), which are counted as dropped (the others too, with
+        ``count_drops``) and remembered as not written."""
         if not self.breaker.closed or self.backend is None:
-            self._count("drops", len(entries))
-            return
+            if count_drops:
+                self._count("drops", len(entries))
+                self._not_written(entries)
+            return list(entries)
         largest = self.store.capabilities.max_value_bytes - HEADER_SIZE
         too_big = [e for e in entries if e.size > largest]
         if too_big:  # the store would refuse them (Valkey: its connection too)
@@ -679,12 +718,11 @@ class L2Tier:
                                     "written to L2 (register with a smaller --chunk-size to share them)")
             entries = [e for e in entries if e.size <= largest]
             if not entries:
-                return
+                return []
         with self._cond:
             queued = 0
             for e in entries:
                 if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
-                    self._count("drops", len(entries) - queued)
                     break
                 self.index.hold(e)  # until its write is done: not evicted, not overwritten, not "used"
                 self.pinned_bytes += e.size
@@ -692,6 +730,11 @@ class L2Tier:
                 queued += 1
             if queued:  # as many writers as there are batches
                 self._cond.notify(min(self.config.writers, -(-queued // self.config.batch)))
+        dropped = list(entries[queued:])
+        if dropped and count_drops:
+            self._count("drops", len(dropped))
+            self._not_written(dropped)
+        return dropped
 
     def _count(self, name: str, n: int = 1) -> None:
         """Add to a counter that several threads update (drops, errors, timeouts, integrity
@@ -730,11 +773,13 @@ class L2Tier:
             at_store = _Batch(batch, time.monotonic())
             with self._cond:
                 self._batches[at_store] = None
+            lost: list[_Write] = []
             try:
-                written, skipped, refused, nbytes = self._write(batch)
+                written, skipped, refused, nbytes = self._write(batch, lost)
             except Exception as exc:  # noqa: BLE001  (the store failed: these writes are lost, L1 keeps them)
                 self._failed(exc, "write")
                 written = skipped = refused = nbytes = 0
+                lost = batch
                 if not at_store.settled:  # (else counted when it was given up)
                     self._count("drops", len(batch))
             finally:
@@ -744,12 +789,14 @@ class L2Tier:
                         self._writing -= len(batch)
 
             def done(batch: list[_Write] = batch, w: int = written, s: int = skipped, r: int = refused,
-                     n: int = nbytes, at_store: _Batch = at_store) -> None:
+                     n: int = nbytes, at_store: _Batch = at_store, lost: list[_Write] = lost) -> None:
                 with self._cond:
                     if at_store.settled:
                         return  # given up while its writer was held (counted as dropped then)
                     at_store.settled = True
                 self._unpin(batch)
+                if lost and not self._stopping:
+                    self._not_written(x.entry for x in lost)
                 self.writes += w
                 self.write_skipped += s
                 self.write_refused += r
@@ -779,10 +826,14 @@ class L2Tier:
                 return
             time.sleep(_QUIET_S / 2)
 
-    def _write(self, batch: list[_Write]) -> tuple[int, int, int, int]:
+    def _write(self, batch: list[_Write], lost: list[_Write]) -> tuple[int, int, int, int]:
+        """Write ``batch`` (a writer's thread): (values written, skipped as the store holds them,
+        refused by the store, bytes written); the writes that did not reach the store are added
+        to ``lost``."""
         backend = self.backend
         if backend is None or not self.breaker.closed:
             self._count("drops", len(batch))
+            lost += batch
             return 0, 0, 0, 0
         keys = [l2_key(w.key) for w in batch]
         views = [self.arena.memoryview(w.entry.offset, w.entry.size) for w in batch]
@@ -796,6 +847,7 @@ class L2Tier:
         stored = self._bounded(backend.submit_put(items), "submit_put", sum(batch[i].entry.size for i in todo))
         self.breaker.success()
         ok = sum(stored)
+        lost += [batch[i] for i, s in zip(todo, stored) if not s]
         return ok, skipped, len(stored) - ok, sum(batch[i].entry.size for i, s in zip(todo, stored) if s)
 
     def _bounded(self, fut: Future[T], what: str, nbytes: int = 0) -> T:
@@ -1030,6 +1082,7 @@ class L2Tier:
         for b in held:
             self._unpin(b.writes)
             self._count("drops", len(b.writes))
+            self._not_written(w.entry for w in b.writes)
             waited = now - b.started
             self._failed(PluginFault(f"store {self.store.name!r}: a submit call held a writer for {waited:.1f} s"),
                          "write")
