@@ -505,8 +505,8 @@ class L2Tier:
         #: Promotions started or ended so far (see ChunkIndex.changes).
         self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
-        #: Chunks in L1 whose L2 write was dropped (a full queue, the store down, refusing or
-        #: failing), oldest first, at most _UNWRITTEN_KEPT: a lookup that finds them queues them again.
+        #: Chunks in L1 whose L2 write was dropped (a full queue, the store down or failing; not
+        #: refused), oldest first, at most _UNWRITTEN_KEPT: a lookup that finds them queues them again.
         self._unwritten: dict[ChunkKey, None] = {}
         self._hits: dict[ChunkKey, int] = {}
         self.pinned_bytes = 0
@@ -828,7 +828,7 @@ class L2Tier:
 
     def _write(self, batch: list[_Write], lost: list[_Write]) -> tuple[int, int, int, int]:
         """Write ``batch`` (a writer's thread): (values written, skipped as the store holds them,
-        refused by the store, bytes written); the writes that did not reach the store are added
+        refused by the store, bytes written); writes dropped because the store is down are added
         to ``lost``."""
         backend = self.backend
         if backend is None or not self.breaker.closed:
@@ -846,8 +846,7 @@ class L2Tier:
         items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]]) for i in todo]
         stored = self._bounded(backend.submit_put(items), "submit_put", sum(batch[i].entry.size for i in todo))
         self.breaker.success()
-        ok = sum(stored)
-        lost += [batch[i] for i, s in zip(todo, stored) if not s]
+        ok = sum(stored)  # (a value the store refused is not lost: asking again would be refused again)
         return ok, skipped, len(stored) - ok, sum(batch[i].entry.size for i, s in zip(todo, stored) if s)
 
     def _bounded(self, fut: Future[T], what: str, nbytes: int = 0) -> T:
