@@ -218,7 +218,7 @@ def test_a_failover_to_a_replica_is_found_at_the_next_probe_and_loses_no_write(t
       a failover moved were lost). Every value reads back whole afterwards."""
     from kvxfer.errors import StoreUnavailable
 
-    with ValkeyCluster(tmp_path / "c", replicas=1, node_timeout_ms=1000) as cluster:
+    with ValkeyCluster(tmp_path / "c", replicas=1) as cluster:
         backend = ValkeyStore().open(cluster.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=1.0))
         try:
             keys = [f"kvxfer:failover:{i}".encode() for i in range(24)]  # on every primary
@@ -235,6 +235,10 @@ def test_a_failover_to_a_replica_is_found_at_the_next_probe_and_loses_no_write(t
                 time.sleep(0.1)
             cluster.wait_ok()
             backend.ping()  # the first probe after the failover
+            deadline = time.monotonic() + 30
+            while backend._refreshing:  # (a reading of the map it started must not see what follows)
+                assert time.monotonic() < deadline, "the slot map's reading thread did not end"
+                time.sleep(0.05)
             # a graceful failover the backend has not seen: its map still names the old primary
             successor = cluster.replica_of(calm)
             successor.cli("cluster", "failover")
