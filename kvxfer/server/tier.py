@@ -299,6 +299,14 @@ class _Write:
     key: ChunkKey
     entry: Entry
     fmt: str
+    #: Queued again after a dropped write (see L2Tier.count_hits): a failure or refusal of this
+    #: one is final.
+    again: bool = False
+
+
+class _GivenUp(Exception):
+    """A writer's batch was given up while the writer was held in the store plugin: its pins are
+    gone, so the writer must not read the arena for it any more."""
 
 
 @dataclass(slots=True, eq=False)
@@ -311,6 +319,8 @@ class _Batch:
     writes: list[_Write]
     started: float
     settled: bool = False
+    #: The writer is checksumming the batch's arena bytes (it cannot be given up meanwhile).
+    reading: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -505,9 +515,9 @@ class L2Tier:
         #: Promotions started or ended so far (see ChunkIndex.changes).
         self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
-        #: Chunks in L1 whose L2 write was dropped (a full queue, the store down or failing; not
-        #: refused), oldest first, at most _UNWRITTEN_KEPT: a lookup that finds them queues them again.
-        self._unwritten: dict[ChunkKey, None] = {}
+        #: Chunks (model, world size, hash) some rank of which is in L1 and had its L2 write
+        #: dropped, oldest first, at most _UNWRITTEN_KEPT: a lookup that finds them queues them again.
+        self._unwritten: dict[tuple[str, int, bytes], None] = {}
         self._hits: dict[ChunkKey, int] = {}
         self.pinned_bytes = 0
         # -------- write queue (loop appends, writers take)
@@ -516,6 +526,9 @@ class L2Tier:
         self._writing = 0
         #: Batches at the store now (under ``_cond``), oldest first.
         self._batches: dict[_Batch, None] = {}
+        #: Writer threads not held by the store plugin, and writers started in place of held ones.
+        self._live_writers = 0
+        self._replacements = 0
         self._stopping = False
         self._drain_until = 0.0
         # -------- plain counters (status and metrics read them)
@@ -556,12 +569,16 @@ class L2Tier:
         start the writer and health threads. Called once, before the loop serves."""
         self._open_backend()
         for i in range(self.config.writers):
-            t = threading.Thread(target=self._writer, name=f"kvxfer-l2-writer-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._start_writer(f"kvxfer-l2-writer-{i}")
         t = threading.Thread(target=self._health, name="kvxfer-l2-health", daemon=True)
         t.start()
         self._health_thread = t
+
+    def _start_writer(self, name: str) -> None:
+        t = threading.Thread(target=self._writer, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        self._live_writers += 1
 
     def _open_backend(self) -> bool:
         """Open the store: True once open; False when it does not answer (the breaker then
@@ -652,22 +669,28 @@ class L2Tier:
         queued for L2 once N lookups found it (each lookup counts a chunk once). And a chunk
         whose L2 write was dropped is queued again while the store is up and the queue has room
         (not counted as dropped again if it has none): an outage, a full queue or a failover
-        leaves no lasting gap in L2 for the chunks still asked for."""
-        again = bool(self._unwritten) and self.breaker.closed and self.backend is not None
+        leaves no lasting gap in L2 for the chunks still asked for. Its ranks already in the
+        store are skipped by the writer's existence check."""
+        again = bool(self._unwritten) and self.breaker.closed and self.backend is not None \
+            and self._live_writers > 0
         if not self._hits and not again:
             return
         entries = self.index.entries
         ready = []
         retry = []
+        unwritten = self._unwritten
         for h in hashes:
-            for rank in range(world_size):
-                key = ChunkKey(model_name, world_size, rank, h)
-                if again and key in self._unwritten:
-                    del self._unwritten[key]
-                    e = entries.get(key)
+            if again and (model_name, world_size, h) in unwritten:
+                del unwritten[(model_name, world_size, h)]
+                for rank in range(world_size):
+                    e = entries.get(ChunkKey(model_name, world_size, rank, h))
                     if e is not None and e.state is State.READY:
                         retry.append(e)
-                    continue
+                continue
+            if not self._hits:
+                continue
+            for rank in range(world_size):
+                key = ChunkKey(model_name, world_size, rank, h)
                 n = self._hits.get(key)
                 if n is None:
                     continue
@@ -682,33 +705,32 @@ class L2Tier:
         if ready:
             self._enqueue(ready)
         if retry:
-            self._not_written(self._enqueue(retry, count_drops=False))
+            self._not_written(self._enqueue(retry, again=True))
 
     def forget(self, keys: Sequence[ChunkKey]) -> None:
         """Chunks left L1 (evicted or cleared)."""
         for key in keys:
             self._hits.pop(key, None)
             self._from_l2.discard(key)
-            self._unwritten.pop(key, None)
+            if self._unwritten:
+                self._unwritten.pop((key.model_name, key.world_size, key.chunk_hash), None)
 
     def _not_written(self, entries: Iterable[Entry]) -> None:
         """(Loop thread) remember chunks whose L2 write was dropped (see :meth:`count_hits`)."""
         u = self._unwritten
+        index = self.index.entries
         for e in entries:
-            if self.index.entries.get(e.key) is e:  # (one evicted meanwhile is forgotten)
-                u[e.key] = None
+            if index.get(e.key) is e:  # (one evicted meanwhile is forgotten)
+                k = e.key
+                u[(k.model_name, k.world_size, k.chunk_hash)] = None
         while len(u) > _UNWRITTEN_KEPT:
             del u[next(iter(u))]
 
-    def _enqueue(self, entries: Sequence[Entry], count_drops: bool = True) -> list[Entry]:
-        """Queue ``entries`` for L2 (pinned); returns those dropped, but for chunks larger than
-        the store's values (never written), which are counted as dropped (the others too, with
-        ``count_drops``) and remembered as not written."""
-        if not self.breaker.closed or self.backend is None:
-            if count_drops:
-                self._count("drops", len(entries))
-                self._not_written(entries)
-            return list(entries)
+    def _enqueue(self, entries: Sequence[Entry], again: bool = False) -> list[Entry]:
+        """Queue ``entries`` for L2 (pinned). Returns those dropped, for a full queue or a store
+        that is down: counted and remembered as not written (see :meth:`count_hits`), unless
+        ``again`` (queued again: the caller remembers them, uncounted). Chunks larger than the
+        store's values are counted as dropped, never remembered."""
         largest = self.store.capabilities.max_value_bytes - HEADER_SIZE
         too_big = [e for e in entries if e.size > largest]
         if too_big:  # the store would refuse them (Valkey: its connection too)
@@ -717,21 +739,20 @@ class L2Tier:
                                     f"{self.store.name} holds in one value ({largest} bytes and a header): not "
                                     "written to L2 (register with a smaller --chunk-size to share them)")
             entries = [e for e in entries if e.size <= largest]
-            if not entries:
-                return []
-        with self._cond:
-            queued = 0
-            for e in entries:
-                if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
-                    break
-                self.index.hold(e)  # until its write is done: not evicted, not overwritten, not "used"
-                self.pinned_bytes += e.size
-                self._queue.append(_Write(e.key, e, e.fmt))
-                queued += 1
-            if queued:  # as many writers as there are batches
-                self._cond.notify(min(self.config.writers, -(-queued // self.config.batch)))
+        queued = 0
+        if self.breaker.closed and self.backend is not None and self._live_writers > 0:
+            with self._cond:
+                for e in entries:
+                    if len(self._queue) >= self.config.queue or self.pinned_bytes + e.size > self.pin_limit:
+                        break
+                    self.index.hold(e)  # until its write is done: not evicted, not overwritten, not "used"
+                    self.pinned_bytes += e.size
+                    self._queue.append(_Write(e.key, e, e.fmt, again))
+                    queued += 1
+                if queued:  # as many writers as there are batches
+                    self._cond.notify(min(self.config.writers, -(-queued // self.config.batch)))
         dropped = list(entries[queued:])
-        if dropped and count_drops:
+        if dropped and not again:
             self._count("drops", len(dropped))
             self._not_written(dropped)
         return dropped
@@ -773,27 +794,28 @@ class L2Tier:
             at_store = _Batch(batch, time.monotonic())
             with self._cond:
                 self._batches[at_store] = None
-            lost: list[_Write] = []
+            lost: list[_Write] = []  # not written: queued again by later lookups (see count_hits)
+            failed: Exception | None = None
             try:
-                written, skipped, refused, nbytes = self._write(batch, lost)
-            except Exception as exc:  # noqa: BLE001  (the store failed: these writes are lost, L1 keeps them)
-                self._failed(exc, "write")
+                written, skipped, refused, nbytes = self._write(at_store, lost)
+            except _GivenUp:
                 written = skipped = refused = nbytes = 0
-                lost = batch
-                if not at_store.settled:  # (else counted when it was given up)
-                    self._count("drops", len(batch))
-            finally:
-                with self._cond:
-                    del self._batches[at_store]
-                    if not at_store.settled:
-                        self._writing -= len(batch)
+            except Exception as exc:  # noqa: BLE001  (the store failed: these writes are lost, L1 keeps them)
+                written = skipped = refused = nbytes = 0
+                failed = exc
+            with self._cond:  # the batch is this writer's again, unless the loop gave it up meanwhile
+                del self._batches[at_store]
+                if at_store.settled:  # counted, unpinned and logged by the loop
+                    self._live_writers += 1  # this thread is a writer again
+                    continue
+                self._writing -= len(batch)
+            if failed is not None:
+                self._failed(failed, "write")
+                self._count("drops", len(batch))
+                lost = [w for w in batch if not w.again]  # tried once more, no more: a failure may be lasting
 
             def done(batch: list[_Write] = batch, w: int = written, s: int = skipped, r: int = refused,
-                     n: int = nbytes, at_store: _Batch = at_store, lost: list[_Write] = lost) -> None:
-                with self._cond:
-                    if at_store.settled:
-                        return  # given up while its writer was held (counted as dropped then)
-                    at_store.settled = True
+                     n: int = nbytes, lost: list[_Write] = lost) -> None:
                 self._unpin(batch)
                 if lost and not self._stopping:
                     self._not_written(x.entry for x in lost)
@@ -806,7 +828,8 @@ class L2Tier:
                     self._throttled.warning("refused", f"L2 store {self.store.name} refused {r} of {len(batch)} "
                                             "values (no room it will make: its size budget, or values larger "
                                             "than it holds; on a cluster, also values whose slot moved during "
-                                            "the write); they stay in L1 only")
+                                            "the write); they stay in L1 (a lookup that finds them there has "
+                                            "them written once more)")
 
             if self._stopping:
                 done()  # the loop no longer runs; the arena outlives this thread (close joins it)
@@ -826,10 +849,13 @@ class L2Tier:
                 return
             time.sleep(_QUIET_S / 2)
 
-    def _write(self, batch: list[_Write], lost: list[_Write]) -> tuple[int, int, int, int]:
-        """Write ``batch`` (a writer's thread): (values written, skipped as the store holds them,
-        refused by the store, bytes written); writes dropped because the store is down are added
-        to ``lost``."""
+    def _write(self, at_store: _Batch, lost: list[_Write]) -> tuple[int, int, int, int]:
+        """Write a batch (a writer's thread): (values written, skipped as the store holds them,
+        refused by the store, bytes written). Writes dropped because the store is down, and
+        those the store refused but for writes queued again, are added to ``lost``. Raises
+        :class:`_GivenUp` if the loop gave the batch up while the plugin held this thread: its
+        chunks are no longer pinned, so their slots may hold other chunks by now."""
+        batch = at_store.writes
         backend = self.backend
         if backend is None or not self.breaker.closed:
             self._count("drops", len(batch))
@@ -843,10 +869,23 @@ class L2Tier:
         if not todo:
             self.breaker.success()
             return 0, skipped, 0, 0
-        items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]]) for i in todo]
+        with self._cond:  # the header's checksum is of the pinned chunk's bytes, or there is no header
+            if at_store.settled:
+                raise _GivenUp
+            at_store.reading = True
+        try:
+            items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]])
+                     for i in todo]
+        finally:
+            with self._cond:
+                at_store.reading = False
+        # (given up from here, the plugin may send other bytes than the checksum's: never loaded)
         stored = self._bounded(backend.submit_put(items), "submit_put", sum(batch[i].entry.size for i in todo))
         self.breaker.success()
-        ok = sum(stored)  # (a value the store refused is not lost: asking again would be refused again)
+        ok = sum(stored)
+        # a refusal is tried once more (a cluster slot that moved twice during the write, a full
+        # store that evicts by then), no more: a store that may not evict would refuse at every hit
+        lost += [batch[i] for i, s in zip(todo, stored) if not s and not batch[i].again]
         return ok, skipped, len(stored) - ok, sum(batch[i].entry.size for i, s in zip(todo, stored) if s)
 
     def _bounded(self, fut: Future[T], what: str, nbytes: int = 0) -> T:
@@ -1064,31 +1103,46 @@ class L2Tier:
         its operations may take (``stuck_s`` for the existence check, ``stuck_after`` its bytes for
         the put, a second more) is held in a ``submit_*`` call of the plugin, which must return at
         once (a future that never ends is given up by the writer itself). Its writes are dropped,
-        counted and logged as the plugin's fault, and its pins released: the arena bytes the
-        plugin may still read can be reused, and what it then writes fails its checksum and is
-        never loaded. The writer's thread stays lost to the plugin."""
+        counted and logged as the plugin's fault, and its pins released. The writer, if it ever
+        comes back, reads no more of the arena for it (:class:`_GivenUp`); bytes the plugin reads
+        after this fail the checksum computed before and are never loaded. A writer is started in
+        its place, at most ``writers`` times in the tier's life; with none left, the queue is
+        dropped and writes are dropped as they come, until a held writer comes back."""
         now = time.monotonic()
         held = []
+        queued: list[_Write] = []
         with self._cond:
             for b in self._batches:
                 if now - b.started <= self.config.stuck_s:
                     break  # the rest went to the store later
-                if b.settled or now - b.started <= self.config.stuck_s + self.config.stuck_after(b.nbytes) + 1:
+                if b.settled or b.reading or \
+                        now - b.started <= self.config.stuck_s + self.config.stuck_after(b.nbytes) + 1:
                     continue
                 b.settled = True
                 self._writing -= len(b.writes)
+                self._live_writers -= 1
                 held.append(b)
+            for _ in held:
+                if self._replacements < self.config.writers and not self._stopping:
+                    self._replacements += 1
+                    self._start_writer(f"kvxfer-l2-writer-r{self._replacements}")
+            if held and self._live_writers == 0:
+                queued = list(self._queue)
+                self._queue.clear()
         for b in held:
             self._unpin(b.writes)
             self._count("drops", len(b.writes))
-            self._not_written(w.entry for w in b.writes)
             waited = now - b.started
             self._failed(PluginFault(f"store {self.store.name!r}: a submit call held a writer for {waited:.1f} s"),
                          "write")
             self._throttled.warning("held writer", f"L2 store {self.store.name}: a writer has not come back from "
                                     f"the store plugin after {waited:.1f} s (a submit_exists or submit_put call "
-                                    f"that does not return: a fault of the plugin, whose submits must return at "
-                                    f"once); its {len(b.writes)} writes are dropped and that writer is lost")
+                                    "that does not return: a fault of the plugin, whose submits must return at "
+                                    f"once); its {len(b.writes)} writes are dropped; writers not held now: "
+                                    f"{self._live_writers}")
+        if queued:
+            self._unpin(queued)
+            self._count("drops", len(queued))
 
     def _plan(self, lk: TierLookup) -> None:
         """Read what L1 and the promotions say about the keys ``lk`` asked the store about, so

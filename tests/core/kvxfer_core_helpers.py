@@ -40,7 +40,7 @@ def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.
         if time.monotonic() > deadline:
             try:
                 what = inspect.getsource(predicate).strip()
-            except (OSError, TypeError):
+            except Exception:  # noqa: BLE001  (the message must not hide the failure)
                 what = repr(predicate)
             raise AssertionError(f"not true within {timeout:g} s (last {value!r}): {what}")
         time.sleep(step)

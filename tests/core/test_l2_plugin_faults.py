@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, env_with, flash_attn_kv, wait_until
 
 from kvxfer import CacheClient, chunk_hashes
@@ -202,6 +203,52 @@ def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin
         assert srv.stop() == 0
         assert time.monotonic() - start < 30
         assert "did not close within 8.8 s" in srv.log() and "stopped: its arena and socket are removed" in srv.log()
+
+
+def test_a_writer_given_up_while_held_never_writes_what_its_slots_hold_since(test_plugin_path: Path,
+                                                                            tmp_path: Path) -> None:
+    """A writer held in the plugin's submit_exists is given up and its chunk's pins released; the
+    chunk is then evicted and its slot holds another chunk. When the plugin lets the writer go,
+    it once checksummed and wrote that other chunk's bytes under the first chunk's key, with a
+    valid checksum: wrong KV loaded on every host. It now writes nothing for the given-up batch.
+    With one writer: a writer is started in its place, held too, given up too (no writer left:
+    writes are dropped); once the plugin lets them go, both write again."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    fault.write_text("writer_exists_blocks")
+    srv = ServerProcess(l1_size="1MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
+                        extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", "--l2-timeout", "0.1",
+                                    "--l2-bulk-timeout", "0.1", "--l2-writers", "1"])
+    try:
+        with srv, CacheClient(srv.url, timeout=30) as c:
+            kv = flash_attn_kv(num_blocks=32)
+            ctx = c.register(kv, model_name="held", block_size=BLOCK_SIZE, transport="cpu_gather")
+            (first,) = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="held-first")
+            assert ctx.submit_store([first], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+            assert wait_until(lambda: "a writer has not come back from the store plugin" in srv.log(), timeout=30)
+            # other chunks (other bytes) fill the arena: the first one, no longer pinned, is evicted
+            others = chunk_hashes(list(range(160 * CHUNK_SIZE)), CHUNK_SIZE, salt="held-others")
+            for i in range(0, len(others), 8):
+                ctx.submit_store(others[i:i + 8], list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)) * 8).result(30)
+            assert c.status().arena.chunks < len(others), "the arena is larger than the test assumes"
+            assert wait_until(lambda: "writers not held now: 0" in srv.log(), timeout=30), "the replacement was held"
+            fault.unlink()  # the held writers come back
+            assert wait_until(lambda: (t := _tier(c)).queue_depth == 0 and t.pinned_bytes == 0, timeout=30)
+            time.sleep(0.5)
+            c.clear("held")
+            lease = c.lookup_and_lease("held", hashes=[first], lease_s=30)
+            if lease.hits:  # written after all: it must be the first chunk's bytes
+                dst = list(range(2 * BLOCKS_PER_CHUNK, 3 * BLOCKS_PER_CHUNK))
+                assert ctx.submit_retrieve([first], dst, lease_id=lease.lease_id).result(30).loaded == [0]
+                for layer in kv:
+                    assert torch.equal(layer[:, dst], layer[:, :BLOCKS_PER_CHUNK]), "another chunk's bytes loaded"
+            written = _tier(c).writes
+            (last,) = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="held-last")
+            assert ctx.submit_store([last], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+            assert wait_until(lambda: _tier(c).writes > written, timeout=30), "no writer writes again"
+            ctx.close()
+    finally:
+        fault.unlink(missing_ok=True)
 
 
 def _only_in_l2(c: CacheClient, model: str, n: int = 2) -> list[bytes]:

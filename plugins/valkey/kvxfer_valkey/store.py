@@ -254,6 +254,9 @@ class ValkeyBackend(ThreadedBackend):
         #: Held while the slot map is read (by the refreshing thread, or a probe).
         self._read_lock = threading.Lock()
         self._last_refresh = 0.0
+        #: Readings of the slot map started, and the number of the last one that ended well.
+        self._map_reads_started = 0
+        self._map_reads_done = 0
         #: Loop connections by node name ("host:port"), and the descriptors of the healthy ones.
         self._loops: dict[str, _LoopConnection] = {}
         self._fds: tuple[int, ...] = ()
@@ -551,13 +554,15 @@ class ValkeyBackend(ThreadedBackend):
         return out
 
     def put(self, items: Sequence[PutItem]) -> list[bool]:
-        """SET each value. On a cluster, values whose node answered with a redirect (their slot
-        moved: a failover, a resharding) are sent once more, to the node the slot map names once
-        it has been read again (waited for at most ``timeout_s``); a second redirect leaves them
-        not written. Without that, the first writes to every slot a failover moved were lost."""
+        """SET each value. On a cluster, values whose node answered ``MOVED`` (their slot moved:
+        a failover, a resharding) are sent once more, to the node the slot map names once it has
+        been read again (waited for at most ``timeout_s`` and one reading's interval); a second
+        redirect leaves them not written. Without that, the first writes to every slot a failover
+        moved were lost."""
         out = [False] * len(items)
+        after = self._map_reads_started  # a map read that starts later knows of any redirect seen now
         moved = self._put(items, range(len(items)), out)
-        if moved and self._map_read_again(self.options.timeout_s):
+        if moved and self._map_read_after(after, self.options.timeout_s + _REFRESH_EVERY_S):
             self._put(items, moved, out)
         return out
 
@@ -585,15 +590,17 @@ class ValkeyBackend(ThreadedBackend):
                     except ErrorReply as err:
                         if err.kind != "OOM":  # OOM: full and not allowed to evict: refused
                             self._redirected(err, "SET")  # not written
-                            moved.append(i)
+                            if err.kind == "MOVED":  # (ASK: the slot is moving; the map says where once it has)
+                                moved.append(i)
             self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
         return moved
 
-    def _map_read_again(self, timeout: float) -> bool:
-        """Wait (at most ``timeout``) until the slot map, marked stale by a redirect, has been read
-        again by its thread (which reads it at most twice a second); whether it has."""
+    def _map_read_after(self, started: int, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until a reading of the slot map that started after reading
+        number ``started`` has ended well (the thread a redirect starts reads it at most twice a
+        second); whether one has."""
         deadline = time.monotonic() + timeout
-        while self._stale_topology.is_set():
+        while self._map_reads_done <= started:
             if self._closed or time.monotonic() >= deadline:
                 return False
             time.sleep(0.005)
@@ -679,7 +686,10 @@ class ValkeyBackend(ThreadedBackend):
         self._stale_topology.clear()
         try:
             with self._read_lock:
+                self._map_reads_started += 1
+                number = self._map_reads_started
                 self.client.nodes_manager.initialize()
+                self._map_reads_done = number
         except BaseException:
             self._stale_topology.set()
             raise
