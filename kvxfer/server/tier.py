@@ -319,8 +319,10 @@ class _Batch:
     writes: list[_Write]
     started: float
     settled: bool = False
-    #: The writer is checksumming the batch's arena bytes (it cannot be given up meanwhile).
+    #: The writer is checksumming the batch's arena bytes (it cannot be given up meanwhile), and
+    #: how long that took (not counted against its operations' time).
     reading: bool = False
+    read_s: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -515,9 +517,10 @@ class L2Tier:
         #: Promotions started or ended so far (see ChunkIndex.changes).
         self.promoting_changes = 0
         self._from_l2: set[ChunkKey] = set()
-        #: Chunks (model, world size, hash) some rank of which is in L1 and had its L2 write
-        #: dropped, oldest first, at most _UNWRITTEN_KEPT: a lookup that finds them queues them again.
-        self._unwritten: dict[tuple[str, int, bytes], None] = {}
+        #: Chunks (model, world size, hash) whose L2 write was dropped for some ranks still in L1
+        #: (the value: a bit per such rank), oldest first, at most _UNWRITTEN_KEPT: a lookup that
+        #: finds them queues those ranks again.
+        self._unwritten: dict[tuple[str, int, bytes], int] = {}
         self._hits: dict[ChunkKey, int] = {}
         self.pinned_bytes = 0
         # -------- write queue (loop appends, writers take)
@@ -681,11 +684,12 @@ class L2Tier:
         unwritten = self._unwritten
         for h in hashes:
             if again and (model_name, world_size, h) in unwritten:
-                del unwritten[(model_name, world_size, h)]
+                ranks = unwritten.pop((model_name, world_size, h))
                 for rank in range(world_size):
-                    e = entries.get(ChunkKey(model_name, world_size, rank, h))
-                    if e is not None and e.state is State.READY:
-                        retry.append(e)
+                    if ranks >> rank & 1:
+                        e = entries.get(ChunkKey(model_name, world_size, rank, h))
+                        if e is not None and e.state is State.READY:
+                            retry.append(e)
                 continue
             if not self._hits:
                 continue
@@ -713,7 +717,12 @@ class L2Tier:
             self._hits.pop(key, None)
             self._from_l2.discard(key)
             if self._unwritten:
-                self._unwritten.pop((key.model_name, key.world_size, key.chunk_hash), None)
+                chunk = (key.model_name, key.world_size, key.chunk_hash)
+                ranks = self._unwritten.get(chunk, 0) & ~(1 << key.rank)
+                if ranks:
+                    self._unwritten[chunk] = ranks
+                else:
+                    self._unwritten.pop(chunk, None)
 
     def _not_written(self, entries: Iterable[Entry]) -> None:
         """(Loop thread) remember chunks whose L2 write was dropped (see :meth:`count_hits`)."""
@@ -722,7 +731,8 @@ class L2Tier:
         for e in entries:
             if index.get(e.key) is e:  # (one evicted meanwhile is forgotten)
                 k = e.key
-                u[(k.model_name, k.world_size, k.chunk_hash)] = None
+                chunk = (k.model_name, k.world_size, k.chunk_hash)
+                u[chunk] = u.pop(chunk, 0) | 1 << k.rank  # (to the end: the most recent)
         while len(u) > _UNWRITTEN_KEPT:
             del u[next(iter(u))]
 
@@ -873,13 +883,17 @@ class L2Tier:
             if at_store.settled:
                 raise _GivenUp
             at_store.reading = True
+        began = time.monotonic()
         try:
             items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]])
                      for i in todo]
         finally:
             with self._cond:
                 at_store.reading = False
-        # (given up from here, the plugin may send other bytes than the checksum's: never loaded)
+                at_store.read_s += time.monotonic() - began
+        with self._cond:
+            if at_store.settled:  # (given up after this, the plugin may send other bytes than the checksum's:
+                raise _GivenUp    # a value that fails it, never loaded)
         stored = self._bounded(backend.submit_put(items), "submit_put", sum(batch[i].entry.size for i in todo))
         self.breaker.success()
         ok = sum(stored)
@@ -1115,34 +1129,43 @@ class L2Tier:
             for b in self._batches:
                 if now - b.started <= self.config.stuck_s:
                     break  # the rest went to the store later
-                if b.settled or b.reading or \
-                        now - b.started <= self.config.stuck_s + self.config.stuck_after(b.nbytes) + 1:
+                if b.settled or b.reading or now - b.started <= \
+                        self.config.stuck_s + self.config.stuck_after(b.nbytes) + b.read_s + 1:
                     continue
                 b.settled = True
                 self._writing -= len(b.writes)
                 self._live_writers -= 1
                 held.append(b)
-            for _ in held:
-                if self._replacements < self.config.writers and not self._stopping:
-                    self._replacements += 1
-                    self._start_writer(f"kvxfer-l2-writer-r{self._replacements}")
-            if held and self._live_writers == 0:
-                queued = list(self._queue)
-                self._queue.clear()
         for b in held:
             self._unpin(b.writes)
             self._count("drops", len(b.writes))
+            self._not_written(w.entry for w in b.writes if not w.again)  # a failure: tried once more
             waited = now - b.started
             self._failed(PluginFault(f"store {self.store.name!r}: a submit call held a writer for {waited:.1f} s"),
                          "write")
-            self._throttled.warning("held writer", f"L2 store {self.store.name}: a writer has not come back from "
-                                    f"the store plugin after {waited:.1f} s (a submit_exists or submit_put call "
-                                    "that does not return: a fault of the plugin, whose submits must return at "
-                                    f"once); its {len(b.writes)} writes are dropped; writers not held now: "
-                                    f"{self._live_writers}")
-        if queued:
+        if not held:
+            return
+        with self._cond:
+            for _ in held:
+                if self._replacements >= self.config.writers or self._stopping:
+                    break
+                try:
+                    self._start_writer(f"kvxfer-l2-writer-r{self._replacements + 1}")
+                except RuntimeError:  # no thread can be started now: as if none were left to start
+                    break
+                self._replacements += 1
+            if self._live_writers == 0:
+                queued = list(self._queue)
+                self._queue.clear()
+        self._throttled.warning("held writer", f"L2 store {self.store.name}: {len(held)} writer(s) have not come "
+                                f"back from the store plugin after {now - held[0].started:.1f} s (a submit_exists "
+                                "or submit_put call that does not return: a fault of the plugin, whose submits must "
+                                f"return at once); their {sum(len(b.writes) for b in held)} writes are dropped; "
+                                f"writers not held now: {self._live_writers}")
+        if queued:  # no writer left: as for a store that is down
             self._unpin(queued)
             self._count("drops", len(queued))
+            self._not_written(w.entry for w in queued)
 
     def _plan(self, lk: TierLookup) -> None:
         """Read what L1 and the promotions say about the keys ``lk`` asked the store about, so

@@ -188,7 +188,7 @@ def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin
         assert kv.submit_store(held, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
         assert wait_until(lambda: (t := _tier(c)).queue_depth == 0 and t.pinned_bytes == 0 and t.drops == 2,
                           timeout=30), _tier(c)
-        assert re.search(r"a writer has not come back from the store plugin after \d+\.\d s", srv.log()), srv.log()
+        assert re.search(r"writer\(s\) have not come back from the store plugin after \d+\.\d s", srv.log()), srv.log()
         # the held writer goes on once the plugin lets it (into a put that never ends): counted once
         fault.write_text("put_hangs")
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="stuck-put")
@@ -225,7 +225,7 @@ def test_a_writer_given_up_while_held_never_writes_what_its_slots_hold_since(tes
             ctx = c.register(kv, model_name="held", block_size=BLOCK_SIZE, transport="cpu_gather")
             (first,) = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="held-first")
             assert ctx.submit_store([first], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
-            assert wait_until(lambda: "a writer has not come back from the store plugin" in srv.log(), timeout=30)
+            assert wait_until(lambda: "writer(s) have not come back from the store plugin" in srv.log(), timeout=30)
             # other chunks (other bytes) fill the arena: the first one, no longer pinned, is evicted
             others = chunk_hashes(list(range(160 * CHUNK_SIZE)), CHUNK_SIZE, salt="held-others")
             for i in range(0, len(others), 8):

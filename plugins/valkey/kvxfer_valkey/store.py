@@ -560,17 +560,18 @@ class ValkeyBackend(ThreadedBackend):
         redirect leaves them not written. Without that, the first writes to every slot a failover
         moved were lost."""
         out = [False] * len(items)
-        after = self._map_reads_started  # a map read that starts later knows of any redirect seen now
-        moved = self._put(items, range(len(items)), out)
+        moved, after = self._put(items, range(len(items)), out)
         if moved and self._map_read_after(after, self.options.timeout_s + _REFRESH_EVERY_S):
             self._put(items, moved, out)
         return out
 
-    def _put(self, items: Sequence[PutItem], which: Sequence[int], out: list[bool]) -> list[int]:
+    def _put(self, items: Sequence[PutItem], which: Sequence[int], out: list[bool]) -> tuple[list[int], int]:
         """SET ``items[i]`` for ``i`` in ``which`` (``out[i]``: written); returns those answered
-        with a redirect."""
+        ``MOVED``, and the number of the slot map readings started when the last was read (a
+        reading that starts after it knows of the move)."""
         keys = [items[i][0] for i in which]
         moved: list[int] = []
+        after = 0
         for pool, at in self._by_pool(keys):
             idx = [which[j] for j in at]
 
@@ -589,11 +590,13 @@ class ValkeyBackend(ThreadedBackend):
                         out[i] = r.reply_simple() == b"OK"
                     except ErrorReply as err:
                         if err.kind != "OOM":  # OOM: full and not allowed to evict: refused
-                            self._redirected(err, "SET")  # not written
                             if err.kind == "MOVED":  # (ASK: the slot is moving; the map says where once it has)
+                                nonlocal after
+                                after = self._map_reads_started
                                 moved.append(i)
+                            self._redirected(err, "SET")  # not written
             self._on(pool, run, self.options.bulk_timeout_s, sum(len(p) for i in idx for p in items[i][1]))
-        return moved
+        return moved, after
 
     def _map_read_after(self, started: int, timeout: float) -> bool:
         """Wait (at most ``timeout``) until a reading of the slot map that started after reading
