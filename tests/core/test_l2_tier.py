@@ -741,3 +741,29 @@ def test_every_dtype_a_kv_cache_may_have_has_its_chunk_size_in_l2() -> None:
 
     for name, dtype in _dtypes().items():
         assert chunk_format_bytes(f"{name}:2x3x4x5") == dtype.itemsize * 120, name
+
+
+def test_only_the_dropped_ranks_of_a_chunk_are_queued_again(tmp_path: Path) -> None:
+    """In process: a chunk of two ranks whose rank 1 write was dropped (the store down) while
+    rank 0's was written; a lookup that finds the chunk queues rank 1 only, and the write lands.
+    Rank 0 of another such chunk leaving L1 does not forget that chunk's rank 1. (The breaker is
+    opened by hand: an fs store in this process cannot be made unreachable.)"""
+    with in_process_tier(tmp_path) as (arena, index, tier, pump):
+        h, g = b"r" * 16, b"s" * 16
+        offer(index, tier, [ChunkKey("m", 2, 0, h), ChunkKey("m", 2, 0, g)], 4096)
+        pump(lambda: tier.writes == 2)
+        closed = tier.breaker.closed
+        tier.breaker.closed = False  # the store is down: the writes of rank 1 are dropped
+        try:
+            offer(index, tier, [ChunkKey("m", 2, 1, h), ChunkKey("m", 2, 1, g)], 4096)
+        finally:
+            tier.breaker.closed = closed
+        assert tier.drops == 2 and tier.counts_hits
+        tier.count_hits("m", 2, [h])
+        assert tier.queue_depth == 1, "only rank 1 of the chunk is queued again"
+        pump(lambda: tier.writes == 3 and tier.queue_depth == 0)
+        assert tier.write_skipped == 0, "rank 0, written before, was not queued again"
+        tier.forget([ChunkKey("m", 2, 0, g)])  # rank 0 of the other chunk left L1: rank 1 is still remembered
+        tier.count_hits("m", 2, [g])
+        pump(lambda: tier.writes == 4 and tier.queue_depth == 0)
+        assert not tier.counts_hits
