@@ -450,6 +450,7 @@ def test_kvxfer_lines_go_to_vllms_handlers_unless_logging_is_configured() -> Non
     where the application sends them."""
     child = textwrap.dedent("""
         import logging, sys
+        sys.modules["vllm"] = None  # not imported (10 s here): vLLM's logging set-up is made by hand below
         from kvxfer.integrations.vllm.logs import follow_vllm_logging
         vllm = logging.getLogger("vllm")
         handler = logging.StreamHandler(sys.stdout)
