@@ -529,9 +529,8 @@ class L2Tier:
         self._writing = 0
         #: Batches at the store now (under ``_cond``), oldest first.
         self._batches: dict[_Batch, None] = {}
-        #: Writer threads not held by the store plugin, and writers started in place of held ones.
+        #: Writer threads not held by the store plugin (all started: ``_threads``).
         self._live_writers = 0
-        self._replacements = 0
         self._stopping = False
         self._drain_until = 0.0
         # -------- plain counters (status and metrics read them)
@@ -1147,13 +1146,13 @@ class L2Tier:
             return
         with self._cond:
             for _ in held:
-                if self._replacements >= self.config.writers or self._stopping:
+                started = len(self._threads) - self.config.writers  # in place of held ones so far
+                if started >= self.config.writers or self._stopping:
                     break
                 try:
-                    self._start_writer(f"kvxfer-l2-writer-r{self._replacements + 1}")
+                    self._start_writer(f"kvxfer-l2-writer-r{started + 1}")
                 except RuntimeError:  # no thread can be started now: as if none were left to start
                     break
-                self._replacements += 1
             if self._live_writers == 0:
                 queued = list(self._queue)
                 self._queue.clear()
