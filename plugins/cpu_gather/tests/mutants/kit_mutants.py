@@ -63,6 +63,9 @@ class ContiguousContext(CpuGatherContext):
         lay = self.layout
         self._rows = [copy_view(t.as_strided((lay.span_rows, lay.row_elems), (lay.row_elems, 1), t.storage_offset()),
                                 self._elem) for t in self.layers]
+        if self.on_host:  # the host copies' own geometry: rows, pitch, row bytes
+            span, _, row_bytes = self._geometry
+            self._geometry = (span, row_bytes, row_bytes)
 
 
 class FirstLayerContext(CpuGatherContext):

@@ -1,0 +1,11 @@
+"""Types of the C extension ``_rowcopy.c`` (its comments state the contract)."""
+
+def copy_rows(to_slot: bool, slot: int, layer_ptrs: int, nlayers: int, span_rows: int, row_pitch: int,
+              row_bytes: int, slot_layer_stride: int, slot_row_stride: int, rows: int, nrows: int,
+              threads: int, /) -> None:
+    """Copy ``rows`` (``nrows`` int64 ids at that address) of ``nlayers`` layers (uint64 base
+    addresses at ``layer_ptrs``) to the slot (``to_slot``) or from it; sizes and strides in
+    bytes. IndexError if a row id is outside ``[0, span_rows)``, before anything is copied."""
+
+def kernel() -> str:
+    """The copy this CPU uses: ``"avx-stream"``, ``"sse2-stream"`` or ``"memcpy"``."""

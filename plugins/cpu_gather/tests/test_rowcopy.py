@@ -1,0 +1,133 @@
+"""``_rowcopy.copy_rows`` against torch's indexing, byte for byte, with every copy kernel this
+CPU runs: rows of any length (the streaming copy's aligned body, its head and its tail),
+destinations at any alignment, padded row pitches, layer ranges, several threads (and the
+calling thread alone where none can start); nonsense sizes and row ids out of range refused
+before a byte moves. The conformance kit covers the transport that calls it
+(test_conformance.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvxfer_cpu_gather import _rowcopy
+
+
+@pytest.fixture(autouse=True, params=_rowcopy._kernels())
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each test runs with each kernel this CPU runs; the best one is put back after."""
+    best = _rowcopy.kernel()
+    _rowcopy._use_kernel(request.param)
+    try:
+        yield request.param
+    finally:
+        _rowcopy._use_kernel(best)
+
+
+def _copy(to_slot: bool, slot: torch.Tensor, layers: list[torch.Tensor], rows: torch.Tensor, first: int = 0,
+          threads: int = 1) -> int:
+    """``layers`` as [span, pitch] uint8 views of one buffer each; ``slot`` [n, rows, row_bytes]
+    uint8 (any strides, dense rows); copies layers ``first..first + n``; returns the threads that copied."""
+    ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    span, pitch = layers[0].shape[0], layers[0].stride(0)
+    return _rowcopy.copy_rows(to_slot, slot.data_ptr(), ptrs.data_ptr() + 8 * first, slot.shape[0], span, pitch,
+                              slot.shape[2], slot.stride(0), slot.stride(1), rows.data_ptr(), rows.numel(), threads)
+
+
+def _layers(n: int, span: int, pitch: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (span, pitch), generator=g, dtype=torch.uint8) for _ in range(n)]
+
+
+@pytest.mark.parametrize("row_bytes", [1, 15, 16, 17, 63, 64, 127, 128, 129, 1000, 4096, 32768 + 5])
+@pytest.mark.parametrize("misalign", [0, 1, 8, 31])
+def test_rows_of_any_length_at_any_alignment_round_trip(row_bytes: int, misalign: int) -> None:
+    pitch = row_bytes + 3  # padded rows: only row_bytes of each are the row's
+    layers = _layers(3, 40, pitch, seed=row_bytes)
+    rows = torch.tensor([7, 0, 39, 7, 12], dtype=torch.int64)
+    raw = torch.zeros(3 * len(rows) * row_bytes + misalign, dtype=torch.uint8)
+    slot = raw[misalign:].view(3, len(rows), row_bytes)
+    _copy(True, slot, layers, rows)
+    for i, layer in enumerate(layers):
+        assert torch.equal(slot[i], layer[rows, :row_bytes])
+    assert not raw[:misalign].any()
+
+    back = [t.clone() for t in layers]
+    for t in back:
+        t[rows, :row_bytes] = 0
+    _copy(False, slot, back, rows)
+    for got, want in zip(back, layers):
+        assert torch.equal(got, want)  # rows restored, padding and other rows untouched
+
+
+def test_a_layer_range_and_a_strided_slot() -> None:
+    layers = _layers(6, 16, 256, seed=1)
+    rows = torch.tensor([3, 9, 1], dtype=torch.int64)
+    wide = torch.zeros(2, 3, 300, dtype=torch.uint8)  # rows 300 bytes apart in the slot, 256 used
+    slot = wide[:, :, :256]
+    _copy(True, slot, layers, rows, first=4)
+    for i in range(2):
+        assert torch.equal(slot[i], layers[4 + i][rows])
+    assert not wide[:, :, 256:].any()
+
+
+@pytest.mark.parametrize(("threads", "started"), [(2, 2), (3, 3), (8, 6)])  # 24 MiB: at most 6 of 4 MiB
+@pytest.mark.parametrize("fail", [False, True], ids=["threads", "no-thread-starts"])
+def test_several_threads_copy_what_one_does(threads: int, started: int, fail: bool) -> None:
+    layers = _layers(8, 64, 1 << 16, seed=threads)  # 8 layers x 48 rows x 64 KiB
+    rows = torch.randperm(64, generator=torch.Generator().manual_seed(threads))[:48].contiguous()
+    one = torch.empty(8, 48, 1 << 16, dtype=torch.uint8)
+    many = torch.empty_like(one)
+    assert _copy(True, one, layers, rows) == 1
+    _rowcopy._fail_threads(fail)
+    try:
+        assert _copy(True, many, layers, rows, threads=threads) == (1 if fail else started)
+        assert torch.equal(one, many)
+        back = [torch.zeros_like(t) for t in layers]
+        assert _copy(False, many, back, rows, threads=threads) == (1 if fail else started)
+    finally:
+        _rowcopy._fail_threads(False)
+    for got, want in zip(back, layers):
+        assert torch.equal(got[rows], want[rows])
+        assert not got[[r for r in range(64) if r not in set(rows.tolist())]].any()
+
+
+@pytest.mark.parametrize("bad", [-1, 16, 1 << 40])
+def test_a_row_id_out_of_range_copies_nothing(bad: int) -> None:
+    layers = _layers(2, 16, 64, seed=2)
+    rows = torch.tensor([1, 2, bad, 3], dtype=torch.int64)
+    slot = torch.zeros(2, 4, 64, dtype=torch.uint8)
+    with pytest.raises(IndexError, match=f"row id {bad} out of range"):
+        _copy(True, slot, layers, rows)
+    assert not slot.any()
+    before = [t.clone() for t in layers]
+    with pytest.raises(IndexError):
+        _copy(False, torch.ones_like(slot), layers, rows)
+    assert all(torch.equal(a, b) for a, b in zip(layers, before))
+
+
+def test_nonsense_sizes_are_refused() -> None:
+    layers = _layers(1, 4, 64, seed=3)
+    rows = torch.tensor([0], dtype=torch.int64)
+    slot = torch.zeros(1, 1, 64, dtype=torch.uint8)
+    ptrs = torch.tensor([layers[0].data_ptr()], dtype=torch.int64).data_ptr()
+    s, r = slot.data_ptr(), rows.data_ptr()
+    with pytest.raises(ValueError, match="rows closer than their length"):  # pitch 32 < row of 64
+        _rowcopy.copy_rows(True, s, ptrs, 1, 4, 32, 64, 64, 64, r, 1, 1)
+    with pytest.raises(ValueError, match="rows closer than their length"):  # slot rows 32 apart
+        _rowcopy.copy_rows(True, s, ptrs, 1, 4, 64, 64, 64, 32, r, 1, 1)
+    with pytest.raises(ValueError, match="no thread"):
+        _rowcopy.copy_rows(True, s, ptrs, 1, 4, 64, 64, 64, 64, r, 1, 0)
+    with pytest.raises(OverflowError, match="overflow"):  # layers x rows x row bytes beyond 64 bits
+        _rowcopy.copy_rows(True, s, ptrs, 2**62 + 1, 4, 64, 64, 64, 64, r, 4, 1)
+    assert _rowcopy.copy_rows(True, s, ptrs, 0, 4, 64, 64, 64, 64, r, 1, 1) == 0  # nothing to copy
+    assert not slot.any()
+
+
+def test_the_kernel_in_use_is_named_and_a_missing_one_is_refused() -> None:
+    assert _rowcopy.kernel() in _rowcopy._kernels()
+    assert _rowcopy._kernels()[-1] == "memcpy"
+    with pytest.raises(ValueError, match="no kernel neon-stream"):
+        _rowcopy._use_kernel("neon-stream")
