@@ -8,11 +8,12 @@ rotated over ``--pool`` so that no copy is served by the caches):
 
 * ``torch copy_``: one memcpy of the chunk's bytes between two buffers (``kvxfer bench``'s
   denominator: "memcpy (cold, 1 thread)");
-* ``stream copy``: the same bytes in one row by ``_rowcopy`` (streaming stores): the fastest
+* ``stream copy``: the same bytes in one row by ``kvxfer._rowcopy`` (streaming stores): the fastest
   one-thread copy of a chunk on this host, the physical limit of one;
 * ``index_select`` / ``index_put_``: the row gather and scatter of torch, as cpu_gather copied
-  before ``_rowcopy`` (one call per layer, 16-byte elements);
-* ``rowcopy gather`` / ``rowcopy scatter``: cpu_gather's copies now (one ``_rowcopy`` call).
+  before the C row copy (one call per layer, 16-byte elements);
+* ``rowcopy gather`` / ``rowcopy scatter``: cpu_gather's copies now (one ``copy_rows`` call, as
+  :class:`kvxfer.copies.HostRows` makes it).
 
     python benchmarks/host_copy.py --rounds 20 --json benchmarks/results/
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kvxfer.bench import progress_bar
-    from kvxfer_cpu_gather import _rowcopy
+    from kvxfer import _rowcopy
 
     torch.set_num_threads(1)
     row_bytes = args.block_size * args.heads * args.head_size * 2  # bf16: one block's K (or V) of one layer

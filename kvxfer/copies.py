@@ -7,7 +7,9 @@
   step, so planning a request costs about as much for 32 chunks as for one);
 * :class:`SlotViews` remembers the views of one layout's arena slots (a lone request waits for
   every tensor view it makes);
-* :func:`layer_slice` narrows copies to a range of layers (layer-by-layer transfers).
+* :func:`layer_slice` narrows copies to a range of layers (layer-by-layer transfers);
+* :class:`HostRows` runs copies between KV tensors in host memory and arena slots (the C row
+  copy of ``kvxfer._rowcopy``: cpu_gather's copies, and hpu's on host tensors).
 
 Neither side's machinery lives here: the client's data paths (:mod:`kvxfer.transport`) and the
 server (:mod:`kvxfer.server.engine`) both call these.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import array
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -28,8 +31,11 @@ if TYPE_CHECKING:
 
     from kvxfer.layout import KVLayout
 
-__all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "RowCopy", "SlotViews", "StoredSlot", "check_transfer",
-           "layer_slice", "plan_copies"]
+__all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "HostRows", "RowCopy", "SlotViews", "StoredSlot",
+           "check_transfer", "host_copy_threads", "layer_slice", "plan_copies"]
+
+#: Hosts with at most this many CPUs copy on one thread by default (:func:`host_copy_threads`).
+SMALL_HOST_CPUS: Final = 4
 
 #: Most chunks one request may name.
 MAX_CHUNKS_PER_REQUEST: Final = 1 << 14
@@ -232,3 +238,85 @@ def layer_slice(copies: Sequence[RowCopy], first: int, stop: int) -> list[RowCop
     """``copies`` narrowed to layers ``[first, stop)`` (views of the same slots; no stamps: each
     moves part of its chunk)."""
     return [RowCopy(c.rows, c.slot[first - c.first_layer:stop - c.first_layer], first) for c in copies]
+
+
+def host_copy_threads() -> int:
+    """The default threads per host copy: 1 on hosts of at most :data:`SMALL_HOST_CPUS` CPUs
+    (another thread there takes a core the engine or the server needs), else torch's intra-op
+    count of the calling thread."""
+    if (os.cpu_count() or 1) <= SMALL_HOST_CPUS:
+        return 1
+    import torch
+
+    return torch.get_num_threads()
+
+
+class HostRows:
+    """Copies between KV tensors in host memory and arena slots: each :class:`RowCopy`'s rows of
+    its layers in one call of the C row copy (``kvxfer._rowcopy``), without the GIL, on the
+    calling thread and up to ``threads - 1`` more (at least 4 MiB of the copy each).
+
+    Its stores stream past the caches (AVX, else SSE2, non-temporal stores, picked at import;
+    memcpy elsewhere): a chunk is larger than the caches, and a cached store first reads each
+    line it writes. On a 2-core VM it gathers 32 KiB rows at 1.1-1.3x the speed of torch's own
+    memcpy of the same bytes, where ``index_select`` ran at 0.8x (docs/performance.md, "Host
+    copies in C").
+
+    ``rows``: every layer's row view (:meth:`KVLayout.row_view`: ``[span_rows, row_elems]``, rows
+    ``row_pitch`` apart, alike for every layer), host tensors that outlive this object. Every copy
+    is checked against them before the C code sees an address (:meth:`copy`).
+    """
+
+    def __init__(self, rows: Sequence[torch.Tensor], threads: int | None = None) -> None:
+        import torch
+
+        from kvxfer import _rowcopy
+
+        first = rows[0]
+        size = first.element_size()
+        shape, stride = tuple(first.shape), first.stride()
+        for r in rows:
+            if (r.device.type != "cpu" or r.dim() != 2 or tuple(r.shape) != shape or r.stride() != stride
+                    or r.element_size() != size or stride[1] != 1):
+                raise ValueError(f"HostRows needs every layer as host rows of one shape and pitch, dense in the "
+                                 f"row: got {r.device.type} {tuple(r.shape)} strides {r.stride()} against "
+                                 f"{shape} strides {stride}")
+        self._copy = _rowcopy.copy_rows
+        #: The copy kernel in use (``"avx-stream"``, ``"sse2-stream"`` or ``"memcpy"``).
+        self.kernel = _rowcopy.kernel()
+        self.threads = threads if threads is not None else host_copy_threads()
+        if self.threads < 1:
+            raise ValueError(f"HostRows needs at least one thread, got {self.threads}")
+        self._layers = len(rows)
+        self._layer_ptrs = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64)
+        #: Rows per layer, bytes from one row to the next, bytes of a row.
+        self.span_rows, self.row_pitch, self.row_bytes = shape[0], stride[0] * size, shape[1] * size
+
+    def copy(self, copies: Sequence[RowCopy], to_slot: bool) -> None:
+        """Each copy's rows of its layers into its slot (``to_slot``: a store's gather) or out of
+        it (a retrieve's scatter). A copy unlike those the core makes (host tensors; ``slot``
+        ``[n, len(rows), row]`` with dense, non-overlapping rows and layers; int64 ``rows`` of
+        ``[0, span_rows)``; layers within these) is a ValueError or IndexError, with nothing of
+        it copied (copies before it in ``copies`` are)."""
+        import torch
+
+        layers = self._layer_ptrs.data_ptr()
+        row_bytes = self.row_bytes
+        for c in copies:
+            slot, rows = c.slot, c.rows.contiguous()
+            size = slot.element_size()
+            if not (slot.dim() == 3 and rows.dim() == 1 and slot.device.type == "cpu" and rows.device.type == "cpu"
+                    and rows.dtype == torch.int64 and c.first_layer >= 0
+                    and c.first_layer + slot.shape[0] <= self._layers and slot.shape[1] == rows.numel()
+                    and slot.shape[2] * size == row_bytes and slot.stride(2) == 1
+                    and slot.stride(1) * size >= row_bytes
+                    and slot.stride(0) * size >= max(slot.shape[1], 1) * slot.stride(1) * size):
+                raise ValueError(f"a copy of {slot.shape[0] if slot.dim() else 0} layers from layer {c.first_layer} "
+                                 f"with a {slot.device.type} slot {tuple(slot.shape)} (strides {slot.stride()}) "
+                                 f"and {rows.numel()} {rows.dtype} rows on {rows.device.type} does not fit "
+                                 f"{self._layers} layers of {row_bytes}-byte rows")
+            if slot.numel() == 0:
+                continue
+            self._copy(to_slot, slot.data_ptr(), layers + 8 * c.first_layer, slot.shape[0], self.span_rows,
+                       self.row_pitch, row_bytes, slot.stride(0) * size, slot.stride(1) * size, rows.data_ptr(),
+                       rows.numel(), self.threads)

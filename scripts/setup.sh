@@ -24,8 +24,8 @@ if ! command -v stunnel4 >/dev/null && ! command -v stunnel >/dev/null; then
 fi
 shopt -s nullglob
 # setup.py and C sources too: an editable install compiles extensions once, so a changed one is rebuilt here
-inputs=$(cat constraints.txt requirements-dev.txt requirements-vllm.txt pyproject.toml plugins/*/pyproject.toml \
-  plugins/*/setup.py plugins/*/*/*.c examples/*/pyproject.toml | sha1sum | cut -c1-16)
+inputs=$(cat constraints.txt requirements-dev.txt requirements-vllm.txt pyproject.toml setup.py kvxfer/*.c \
+  plugins/*/pyproject.toml plugins/*/setup.py plugins/*/*/*.c examples/*/pyproject.toml | sha1sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$inputs" ]]; then
   exit 0
 fi

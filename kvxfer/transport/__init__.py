@@ -7,6 +7,7 @@ See docs/plugin-authoring.md for the walk-through.
 
 from kvxfer.accelerators import TorchBuild, cuda_devices, torch_build
 from kvxfer.arena import Arena, ArenaMapping, transport_dir_path
+from kvxfer.copies import HostRows, host_copy_threads
 from kvxfer.layout import KVLayout, LayoutKind, copy_dtype, copy_view
 from kvxfer.protocol.messages import MetricSample, Registration, RetrieveResult, StoreResult
 from kvxfer.transport.contract import (
@@ -39,6 +40,7 @@ __all__ = [
     "Capabilities",
     "ClientDrivenContext",
     "Connection",
+    "HostRows",
     "InstanceIdentity",
     "KVLayout",
     "LayoutKind",
@@ -65,6 +67,7 @@ __all__ = [
     "copy_view",
     "cuda_devices",
     "get_transport",
+    "host_copy_threads",
     "list_plugins",
     "select",
     "torch_build",

@@ -3,9 +3,9 @@
 Registration carries only scalars (:class:`CpuGatherRegistration`). To store, the engine's
 process copies each chunk's rows of every layer straight into the chunk's reserved slot of the
 server's shared-memory arena; to retrieve, from the slot into the blocks. One copy each way, no
-intermediate buffer. Host tensors are copied by a small C extension (``_rowcopy``: one call per
-chunk, without the GIL, with streaming stores), which gathers rows as fast as a memcpy moves
-the same bytes.
+intermediate buffer. Host tensors are copied by the core's C row copy
+(:class:`kvxfer.transport.HostRows`: one call per chunk, without the GIL, with streaming
+stores), which gathers rows faster than torch's own memcpy moves the same bytes.
 
 KV tensors on another device (CUDA, XPU, HPU...) are served too: each layer's rows are gathered
 on the device, then copied to the slot by that device's own copy.

@@ -14,6 +14,7 @@ from kvxfer.transport import (
     API_VERSION,
     Capabilities,
     ClientDrivenContext,
+    HostRows,
     Probe,
     Registration,
     RowCopy,
@@ -22,7 +23,6 @@ from kvxfer.transport import (
     copy_dtype,
     copy_view,
 )
-from kvxfer_cpu_gather import _rowcopy
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,7 @@ __all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "T
 THREADS_ENV: Final = "KVXFER_CPU_GATHER_THREADS"
 #: Most threads ``$KVXFER_CPU_GATHER_THREADS`` may ask for.
 MAX_THREADS: Final = 1024
-#: Hosts with at most this many CPUs copy on one thread by default.
+#: Hosts with at most this many CPUs copy on one thread by default (as :func:`kvxfer.transport.host_copy_threads`).
 SMALL_HOST_CPUS: Final = 4
 
 
@@ -87,14 +87,11 @@ class CpuGatherRegistration(Registration, frozen=True, kw_only=True):
 class CpuGatherContext(ClientDrivenContext):
     """Copies between the engine's KV tensors and arena slots in the engine's process.
 
-    Host tensors: one ``_rowcopy.copy_rows`` call per chunk copies every layer's rows, without
-    the GIL, on the context's worker thread and up to ``copy_threads - 1`` threads of its own
-    (:func:`copy_threads`: ``$KVXFER_CPU_GATHER_THREADS``; by default one on small hosts, torch's
-    intra-op count on larger ones; at least 4 MiB per thread). Its stores stream past the caches
-    (a chunk is larger than they are, and a cached store reads each line before writing it):
-    on a 2-core VM it gathers 32 KiB rows at 9.5-11.9 GB/s where ``index_select`` ran at 7.1-7.4
-    GB/s and torch's ``copy_`` of the whole 32 MiB at 9.2-9.3 GB/s. The worker's own torch calls
-    (the copies' planning) run on ``copy_threads`` intra-op threads too (set by
+    Host tensors: :class:`~kvxfer.transport.HostRows` (the core's C row copy: one call per chunk,
+    no GIL, streaming stores) on the context's worker thread and up to ``copy_threads - 1``
+    threads of its own (:func:`copy_threads`: ``$KVXFER_CPU_GATHER_THREADS``; by default one on
+    small hosts, torch's intra-op count on larger ones; at least 4 MiB per thread). The worker's
+    own torch calls (the copies' planning) run on ``copy_threads`` intra-op threads too (set by
     :func:`set_thread_intra_op_threads`, so the engine's threads keep theirs, under vLLM too).
 
     Tensors on another device: each layer's rows are gathered on the device (``index_select``),
@@ -107,20 +104,13 @@ class CpuGatherContext(ClientDrivenContext):
         self._threads_set = threading.local()
         self.device = self.layers[0].device
         self.on_host = self.device.type == "cpu"
+        rows = [self.layout.row_view(t) for t in self.layers]
+        #: Host tensors: their copies (None on another device).
+        self._host = HostRows(rows, self.copy_threads) if self.on_host else None
         # Each layer as [rows, row_elems] of the widest element type that fits every layer's
         # rows (and so the slots'): a device's indexing kernels run fastest on wide elements.
-        rows = [self.layout.row_view(t) for t in self.layers]
         self._elem = copy_dtype(rows)
         self._rows = [copy_view(r, self._elem) for r in rows]
-        if self.on_host:
-            import torch
-
-            #: Each layer's address, for ``_rowcopy`` (the tensors outlive the context).
-            self._layer_ptrs = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64)
-            size = rows[0].element_size()
-            #: Rows per layer, bytes from one row to the next, bytes of a row (every layer alike).
-            self._geometry = (rows[0].shape[0], rows[0].stride(0) * size, rows[0].shape[1] * size)
-            self._host_threads = self.copy_threads or torch.get_num_threads()
 
     def registration_extra(self) -> dict[str, Any]:
         return {"device": self.layers[0].device.type}
@@ -132,8 +122,9 @@ class CpuGatherContext(ClientDrivenContext):
             self._threads_set.done = True
 
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
-        if self.on_host:
-            self._host_copies(copies, to_slot=True)
+        if self._host is not None:
+            self._use_copy_threads()
+            self._host.copy(copies, to_slot=True)
             return
         for c in copies:
             slot = copy_view(c.slot, self._elem)
@@ -143,8 +134,9 @@ class CpuGatherContext(ClientDrivenContext):
         _synchronize(self.device)
 
     def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
-        if self.on_host:
-            self._host_copies(copies, to_slot=False)
+        if self._host is not None:
+            self._use_copy_threads()
+            self._host.copy(copies, to_slot=False)
             return
         for c in copies:
             slot = copy_view(c.slot, self._elem)
@@ -152,36 +144,6 @@ class CpuGatherContext(ClientDrivenContext):
             for layer, src in zip(self._rows[c.first_layer:], slot):
                 layer.index_put_((rows,), src.to(self.device))
         _synchronize(self.device)
-
-    def _host_copies(self, copies: list[RowCopy], to_slot: bool) -> None:
-        """Each copy's rows of its layers to its slot (``to_slot``) or back, by ``_rowcopy``.
-
-        Every copy is checked first to be what the core hands out (host tensors; ``slot``
-        ``[n, len(rows), row]`` with dense, non-overlapping rows and layers; int64 ``rows``;
-        layers within the context's): ``_rowcopy`` trusts the addresses it is given."""
-        import torch
-
-        self._use_copy_threads()
-        span, pitch, row_bytes = self._geometry
-        layers = self._layer_ptrs.data_ptr()
-        for c in copies:
-            slot, rows = c.slot, c.rows.contiguous()
-            size = slot.element_size()
-            if not (slot.dim() == 3 and rows.dim() == 1 and slot.device.type == "cpu" and rows.device.type == "cpu"
-                    and rows.dtype == torch.int64 and c.first_layer >= 0
-                    and c.first_layer + slot.shape[0] <= len(self.layers) and slot.shape[1] == rows.numel()
-                    and slot.shape[2] * size == row_bytes and slot.stride(2) == 1
-                    and slot.stride(1) * size >= row_bytes
-                    and slot.stride(0) * size >= max(slot.shape[1], 1) * slot.stride(1) * size):
-                raise ValueError(f"a copy of {slot.shape[0] if slot.dim() else 0} layers from layer {c.first_layer} "
-                                 f"with a {slot.device.type} slot {tuple(slot.shape)} (strides {slot.stride()}) "
-                                 f"and {rows.numel()} {rows.dtype} rows on {rows.device.type} does not fit "
-                                 f"{len(self.layers)} layers of {row_bytes}-byte rows")
-            if slot.numel() == 0:
-                continue
-            _rowcopy.copy_rows(to_slot, slot.data_ptr(), layers + 8 * c.first_layer, slot.shape[0], span, pitch,
-                               row_bytes, slot.stride(0) * size, slot.stride(1) * size, rows.data_ptr(), rows.numel(),
-                               self._host_threads)
 
 
 def _synchronize(device: torch.device) -> None:

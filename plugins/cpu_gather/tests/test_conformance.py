@@ -134,9 +134,10 @@ class TestCpuGather(TransportConformance):
         assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src), skip_blocks=1)
 
     def test_a_copy_that_does_not_fit_is_refused_before_the_c_copy_sees_it(self, kit: Kit) -> None:
-        """The host copies hand raw addresses to ``_rowcopy``: a copy unlike those the core makes
-        (a slot or rows not on the host, a slot of other rank, overlapping slot rows, layers
-        beyond the context's, rows of another dtype) is a ValueError, and nothing moves."""
+        """The host copies hand raw addresses to the C row copy: a copy unlike those the core
+        makes (a slot or rows not on the host, a slot of other rank, overlapping slot rows,
+        layers beyond the context's, rows of another dtype) is a ValueError, and nothing moves
+        (tests/core/test_rowcopy.py covers HostRows itself)."""
         import torch
 
         from kvxfer.transport import RowCopy
@@ -144,22 +145,21 @@ class TestCpuGather(TransportConformance):
         spec = kit.spec()
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)
-        _, _, row_bytes = ctx._geometry
         n = len(layers)
-        elems = row_bytes // 2  # bf16
+        elems, dt = ctx.layout.row_elems, getattr(torch, spec.dtype)  # a row, in elements of the layout's dtype
         rows = torch.tensor([0, 1], dtype=torch.int64)
-        good = torch.ones(n, 2, elems, dtype=torch.bfloat16)
+        good = torch.ones(n, 2, elems, dtype=dt)
         before = as_bytes(layers)
         bad = {
             "rows on the meta device": RowCopy(rows.to("meta"), good),
             "a slot on the meta device": RowCopy(rows, good.to("meta")),
-            "a 4-D slot with an empty last dimension": RowCopy(rows, torch.ones(n, 2, elems, 0, dtype=torch.bfloat16)),
-            "slot rows that overlap": RowCopy(rows, torch.ones(n, 1, elems, dtype=torch.bfloat16).expand(n, 2, elems)),
-            "layers that overlap": RowCopy(rows, torch.ones(1, 2, elems, dtype=torch.bfloat16).expand(n, 2, elems)),
+            "a 4-D slot with an empty last dimension": RowCopy(rows, torch.ones(n, 2, elems, 0, dtype=dt)),
+            "slot rows that overlap": RowCopy(rows, torch.ones(n, 1, elems, dtype=dt).expand(n, 2, elems)),
+            "layers that overlap": RowCopy(rows, torch.ones(1, 2, elems, dtype=dt).expand(n, 2, elems)),
             "layers beyond the context's": RowCopy(rows, good, first_layer=1),
             "int32 rows": RowCopy(rows.to(torch.int32), good),
             "fewer rows than the slot's": RowCopy(rows[:1], good),
-            "rows of another length": RowCopy(rows, torch.ones(n, 2, elems + 8, dtype=torch.bfloat16)),
+            "rows of another length": RowCopy(rows, torch.ones(n, 2, elems + 8, dtype=dt)),
         }
         for what, copy in bad.items():
             for move in (ctx.gather, ctx.scatter):

@@ -31,6 +31,7 @@ from kvxfer.transport import (
     Capabilities,
     ClientDrivenContext,
     Connection,
+    HostRows,
     InstanceIdentity,
     KVLayout,
     Probe,
@@ -142,6 +143,8 @@ class HpuContext(ClientDrivenContext):
         #: The element type of row copies; each layer as [rows, row_elems] of it.
         self._elem = self.ops.copy_dtype(rows)
         self._rows = [r.view(self._elem) for r in rows]
+        #: Host tensors (the direct path): the core's C row copy, as cpu_gather's.
+        self._host = HostRows(rows) if self.ops.direct else None
         self._pipe: _Pipeline | None = None
 
     def on_arena(self, arena: ArenaMapping) -> Callable[[], None]:
@@ -185,10 +188,8 @@ class HpuContext(ClientDrivenContext):
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
         import torch
 
-        if self.ops.direct:
-            for c in copies:
-                for layer, dst in zip(self._rows[c.first_layer:], c.slot.view(self._elem)):
-                    torch.index_select(layer, 0, c.rows, out=dst)
+        if self._host is not None:
+            self._host.copy(copies, to_slot=True)
             return None
         ops, p = self.ops, self._pipeline()
         layers = self._layers_of(copies)
@@ -218,10 +219,8 @@ class HpuContext(ClientDrivenContext):
         return self._waiter(p.copy)
 
     def scatter(self, copies: list[RowCopy], transfer: Transfer) -> Waiter | None:
-        if self.ops.direct:
-            for c in copies:
-                for layer, src in zip(self._rows[c.first_layer:], c.slot.view(self._elem)):
-                    layer.index_put_((c.rows,), src)
+        if self._host is not None:
+            self._host.copy(copies, to_slot=False)
             return None
         ops, p = self.ops, self._pipeline()
         layers = self._layers_of(copies)

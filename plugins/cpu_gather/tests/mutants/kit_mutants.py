@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvxfer import RetrieveResult
-from kvxfer.transport import Capabilities, RowCopy, Transfer, copy_view
+from kvxfer.transport import Capabilities, HostRows, RowCopy, Transfer, copy_view
 from kvxfer_cpu_gather import CpuGatherContext, CpuGatherTransport
 
 
@@ -63,9 +63,9 @@ class ContiguousContext(CpuGatherContext):
         lay = self.layout
         self._rows = [copy_view(t.as_strided((lay.span_rows, lay.row_elems), (lay.row_elems, 1), t.storage_offset()),
                                 self._elem) for t in self.layers]
-        if self.on_host:  # the host copies' own geometry: rows, pitch, row bytes
-            span, _, row_bytes = self._geometry
-            self._geometry = (span, row_bytes, row_bytes)
+        if self._host is not None:  # the host copies too
+            self._host = HostRows([t.as_strided((lay.span_rows, lay.row_elems), (lay.row_elems, 1), t.storage_offset())
+                                   for t in self.layers], self.copy_threads)
 
 
 class FirstLayerContext(CpuGatherContext):

@@ -1,9 +1,10 @@
-"""``_rowcopy.copy_rows`` against torch's indexing, byte for byte, with every copy kernel this
-CPU runs: rows of any length (the streaming copy's aligned body, its head and its tail),
-destinations at any alignment, padded row pitches, layer ranges, several threads (and the
-calling thread alone where none can start); nonsense sizes and row ids out of range refused
-before a byte moves. The conformance kit covers the transport that calls it
-(test_conformance.py)."""
+"""The host row copy: ``kvxfer._rowcopy.copy_rows`` against torch's indexing, byte for byte,
+with every copy kernel this CPU runs (rows of any length: the streaming copy's aligned body, its
+head and its tail; destinations at any alignment, padded row pitches, layer ranges, several
+threads, and the calling thread alone where none can start; nonsense sizes and row ids out of
+range refused before a byte moves), and :class:`kvxfer.copies.HostRows`, which checks each copy
+before the C code sees its addresses. cpu_gather's conformance run covers the transports that
+use it (plugins/cpu_gather/tests, plugins/hpu/tests on host tensors)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvxfer_cpu_gather import _rowcopy
+from kvxfer import _rowcopy
+from kvxfer.copies import HostRows, RowCopy
 
 
 @pytest.fixture(autouse=True, params=_rowcopy._kernels())
@@ -131,3 +133,48 @@ def test_the_kernel_in_use_is_named_and_a_missing_one_is_refused() -> None:
     assert _rowcopy._kernels()[-1] == "memcpy"
     with pytest.raises(ValueError, match="no kernel neon-stream"):
         _rowcopy._use_kernel("neon-stream")
+
+
+def test_host_rows_copies_a_layout_and_refuses_what_does_not_fit() -> None:
+    """HostRows over padded row views (rows 80 bytes apart, 64 used) of 4 layers."""
+    buf = [torch.randint(0, 256, (16, 80), dtype=torch.uint8) for _ in range(4)]
+    views = [b[:, :64] for b in buf]
+    host = HostRows(views, threads=2)
+    assert (host.span_rows, host.row_pitch, host.row_bytes, host.threads) == (16, 80, 64, 2)
+    rows = torch.tensor([5, 0, 15], dtype=torch.int64)
+    slot = torch.zeros(3, 3, 64, dtype=torch.uint8)
+    host.copy([RowCopy(rows, slot, first_layer=1)], to_slot=True)
+    for i in range(3):
+        assert torch.equal(slot[i], views[1 + i][rows])
+    good = torch.ones(4, 3, 64, dtype=torch.uint8)
+    before = [b.clone() for b in buf]
+    bad = {
+        "rows on the meta device": RowCopy(rows.to("meta"), good),
+        "a slot on the meta device": RowCopy(rows, good.to("meta")),
+        "a 4-D slot with an empty last dimension": RowCopy(rows, torch.ones(4, 3, 64, 0, dtype=torch.uint8)),
+        "slot rows that overlap": RowCopy(rows, torch.ones(4, 1, 64, dtype=torch.uint8).expand(4, 3, 64)),
+        "layers that overlap": RowCopy(rows, torch.ones(1, 3, 64, dtype=torch.uint8).expand(4, 3, 64)),
+        "layers beyond the rows'": RowCopy(rows, good, first_layer=1),
+        "a negative first layer": RowCopy(rows, good[:1], first_layer=-1),
+        "int32 rows": RowCopy(rows.to(torch.int32), good),
+        "fewer rows than the slot's": RowCopy(rows[:2], good),
+        "rows of another length": RowCopy(rows, torch.ones(4, 3, 72, dtype=torch.uint8)),
+    }
+    for what, copy in bad.items():
+        for to_slot in (True, False):
+            with pytest.raises(ValueError, match="does not fit"):
+                host.copy([copy], to_slot=to_slot)
+            assert torch.equal(good, torch.ones_like(good)), what
+    with pytest.raises(IndexError, match="out of range"):
+        host.copy([RowCopy(torch.tensor([0, 16], dtype=torch.int64), good[:, :2])], to_slot=False)
+    assert all(torch.equal(a, b) for a, b in zip(buf, before))
+
+
+def test_host_rows_refuses_layers_it_cannot_copy() -> None:
+    a = torch.zeros(8, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="one shape and pitch"):
+        HostRows([a, torch.zeros(8, 16, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="dense in the row"):
+        HostRows([a.t()])
+    with pytest.raises(ValueError, match="at least one thread"):
+        HostRows([a], threads=0)

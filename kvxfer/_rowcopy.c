@@ -1,4 +1,4 @@
-/* kvxfer_cpu_gather._rowcopy: the row copies between an engine's KV layers and an arena slot.
+/* kvxfer._rowcopy: the host row copies between an engine's KV layers and an arena slot (kvxfer.copies.HostRows).
  *
  * One call copies rows[0..nrows) of each of nlayers layers (each layer: span_rows rows,
  * row_pitch bytes apart, row_bytes long, starting at layer_ptrs[l]) to or from one slot, whose
