@@ -1,7 +1,8 @@
 /* kvxfer._rowcopy: the host row copies between an engine's KV layers and an arena slot (kvxfer.copies.HostRows).
  *
  * One call copies rows[0..nrows) of each of nlayers layers (each layer: span_rows rows,
- * row_pitch bytes apart, row_bytes long, starting at layer_ptrs[l]) to or from one slot, whose
+ * row_pitch bytes apart, row_bytes long, which may overlap in the view, starting at
+ * layer_ptrs[l]) to or from one slot, whose
  * row r of layer l is at slot + l * slot_layer_stride + r * slot_row_stride. Every row id is
  * checked against span_rows before a byte moves. The copy runs without the GIL, on the calling
  * thread and up to threads - 1 more, with non-temporal stores where the CPU has them: a chunk is
@@ -193,10 +194,12 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
                         &row_bytes, &slot_layer_stride, &slot_row_stride, &rows, &nrows, &threads)) {
     return NULL;
   }
-  if (nlayers < 0 || nrows < 0 || row_bytes < 0 || span_rows < 0 || row_pitch < row_bytes ||
+  /* Engine rows may overlap in the layer's row view (row_pitch < row_bytes: padded or interleaved
+   * layouts, docs in kvxfer/layout.py); the slot's rows may not. */
+  if (nlayers < 0 || nrows < 0 || row_bytes < 0 || span_rows < 0 || row_pitch < 0 ||
       slot_row_stride < row_bytes || slot_layer_stride < 0 || threads < 1) {
     PyErr_SetString(PyExc_ValueError,
-                    "copy_rows: negative sizes or strides, rows closer than their length, or no thread");
+                    "copy_rows: negative sizes or strides, slot rows closer than their length, or no thread");
     return NULL;
   }
   long long items, bytes, last;

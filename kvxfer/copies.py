@@ -263,8 +263,9 @@ class HostRows:
     copies in C").
 
     ``rows``: every layer's row view (:meth:`KVLayout.row_view`: ``[span_rows, row_elems]``, rows
-    ``row_pitch`` apart, alike for every layer), host tensors that outlive this object. Every copy
-    is checked against them before the C code sees an address (:meth:`copy`).
+    ``row_pitch`` apart, which may overlap in the view; alike for every layer), host tensors, kept
+    alive by this object. Every copy is checked against them before the C code sees an address
+    (:meth:`copy`).
     """
 
     def __init__(self, rows: Sequence[torch.Tensor], threads: int | None = None) -> None:
@@ -288,6 +289,7 @@ class HostRows:
         if self.threads < 1:
             raise ValueError(f"HostRows needs at least one thread, got {self.threads}")
         self._layers = len(rows)
+        self._rows = list(rows)  # the memory the addresses below point into, kept alive
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64)
         #: Rows per layer, bytes from one row to the next, bytes of a row.
         self.span_rows, self.row_pitch, self.row_bytes = shape[0], stride[0] * size, shape[1] * size

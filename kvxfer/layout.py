@@ -23,8 +23,9 @@ layout the start of each run lies on a lattice: with the layer's first element a
 ``r`` of block ``b`` starts ``(run_offsets[r] + b * block_stride) * row_pitch`` elements in.
 So a layer is seen as a 2-D *row view* ``as_strided(layer, [span_rows, row_elems],
 [row_pitch, 1], layer.storage_offset())`` (a view: no copy), and :meth:`KVLayout.rows` maps
-block ids to row ids. A gather is one ``index_select`` per layer and a scatter one
-``index_put_`` per layer, whatever the layout. Rows may overlap in the view when
+block ids to row ids. A gather copies each chunk's rows of every layer (``index_select`` per
+layer on a device, :class:`kvxfer.copies.HostRows` on the host), whatever the layout; a scatter
+the reverse. Rows may overlap in the view when
 ``row_pitch < row_elems`` (padded, interleaved layouts); the rows a block's runs name never do.
 
 **Chunks.** The server keeps a chunk of ``chunk_size`` tokens as ``[num_layers, runs,

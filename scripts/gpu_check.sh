@@ -32,6 +32,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$out/install.log" 2>&1 || { cat "$out/install.log"; echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  # Python run from here finds this checkout's kvxfer/ first, which has no build of the core's C
+  # extension (kvxfer._rowcopy, git-ignored): give it the wheel's, built from the same sources
+  for so in /tmp/site/kvxfer/_rowcopy*.so; do [[ -e $so ]] && cp "$so" kvxfer/; done
 fi
 rc=0
 left() { echo $(( budget - ($(date +%s) - start) )); }

@@ -15,6 +15,7 @@ import torch
 
 from kvxfer import _rowcopy
 from kvxfer.copies import HostRows, RowCopy
+from kvxfer.layout import KVLayout
 
 
 @pytest.fixture(autouse=True, params=_rowcopy._kernels())
@@ -116,9 +117,9 @@ def test_nonsense_sizes_are_refused() -> None:
     slot = torch.zeros(1, 1, 64, dtype=torch.uint8)
     ptrs = torch.tensor([layers[0].data_ptr()], dtype=torch.int64).data_ptr()
     s, r = slot.data_ptr(), rows.data_ptr()
-    with pytest.raises(ValueError, match="rows closer than their length"):  # pitch 32 < row of 64
-        _rowcopy.copy_rows(True, s, ptrs, 1, 4, 32, 64, 64, 64, r, 1, 1)
-    with pytest.raises(ValueError, match="rows closer than their length"):  # slot rows 32 apart
+    with pytest.raises(ValueError, match="negative sizes or strides"):
+        _rowcopy.copy_rows(True, s, ptrs, 1, 4, -64, 64, 64, 64, r, 1, 1)
+    with pytest.raises(ValueError, match="slot rows closer than their length"):  # slot rows 32 apart
         _rowcopy.copy_rows(True, s, ptrs, 1, 4, 64, 64, 64, 32, r, 1, 1)
     with pytest.raises(ValueError, match="no thread"):
         _rowcopy.copy_rows(True, s, ptrs, 1, 4, 64, 64, 64, 64, r, 1, 0)
@@ -178,3 +179,25 @@ def test_host_rows_refuses_layers_it_cannot_copy() -> None:
         HostRows([a.t()])
     with pytest.raises(ValueError, match="at least one thread"):
         HostRows([a], threads=0)
+
+
+def test_host_rows_copy_a_layout_whose_rows_overlap_in_the_view() -> None:
+    """A flash_attn cache whose K/V planes are not adjacent: its row view has rows 64 elements
+    apart and 512 long (tests/core/test_layout.py::test_strided_older_kinds_work_too); a
+    block's rows never overlap, and HostRows copies them as torch's indexing does."""
+    nb, bs, heads, hd = 16, 16, 4, 8
+    plane = nb * bs * heads * hd + 64
+    buf = torch.randn(2 * plane, dtype=torch.float32)
+    layers = [buf.as_strided((2, nb, bs, heads, hd), (plane, bs * heads * hd, heads * hd, hd, 1))]
+    lay = KVLayout.infer(layers, bs)
+    assert lay.row_pitch < lay.row_elems
+    view = lay.row_view(layers[0])
+    rows = lay.rows(torch.tensor([3, 9, 0]))
+    host = HostRows([view], threads=1)
+    slot = torch.zeros(1, rows.numel(), lay.row_elems, dtype=torch.float32)
+    host.copy([RowCopy(rows, slot)], to_slot=True)
+    assert torch.equal(slot[0], view[rows])
+    before = buf.clone()
+    view[rows] = 0
+    host.copy([RowCopy(rows, slot)], to_slot=False)
+    assert torch.equal(buf, before)
