@@ -494,7 +494,7 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(7)
     for layer in kv:
         layer.view(torch.int16).random_(generator=gen)
-    l1 = f"{max(1, (3 * total) >> 30) + 1}GiB"
+    l1 = args.l1_size or f"{max(1, (3 * total) >> 30) + 1}GiB"
     l2args = ["--l2", "valkey", "--l2-url", url, "--l2-timeout", "2"]
     on = ServerProcess(l1_size=l1, transports="cpu_gather", extra_args=l2args).start()
     off = ServerProcess(l1_size=l1, transports="cpu_gather").start()
@@ -593,6 +593,9 @@ def main() -> int:
     p.add_argument("--store-rounds", type=int, default=24, help="isolated store rounds (one store per server each)")
     p.add_argument("--sustained", type=int, default=8, help="bursts of back-to-back stores per server")
     p.add_argument("--burst", type=int, default=6, help="stores per burst")
+    p.add_argument("--l1-size", default=None,
+                   help="arena of each kvxfer server, e.g. 64MiB (default: 3 x the chunks' bytes in GiB, rounded "
+                        "down, plus 1 GiB; a server pre-faults its whole arena as it starts)")
     p.add_argument("--cluster", action="store_true",
                    help="a local three-node Valkey cluster instead of one node (store and lookups sections only)")
     p.add_argument("--valkey-nice", type=int, default=0,

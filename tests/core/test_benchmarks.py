@@ -132,7 +132,7 @@ def test_l2_benchmark_writes_its_results_into_a_directory(tmp_path: Path) -> Non
     pytest.importorskip("kvxfer_valkey", reason="the valkey store plugin (plugins/valkey) is not installed")
     stdout = _run(str(ROOT / "benchmarks" / "l2.py"), "--chunks", "2", "--layers", "1", "--iters", "2",
                   "--lookups", "20", "--store-rounds", "2", "--sustained", "1", "--burst", "2",
-                  "--placements", "free", "--json", str(tmp_path))
+                  "--placements", "free", "--l1-size", "64MiB", "--json", str(tmp_path))
     assert "kvxfer promotion" in stdout and "spanning" in stdout
     (written,) = tmp_path.glob("*-cpu-l2.json")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d-.+-cpu-l2\.json", written.name)

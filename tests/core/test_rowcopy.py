@@ -1,5 +1,5 @@
-"""The host row copy: ``kvxfer._rowcopy.copy_rows`` against torch's indexing, byte for byte,
-with every copy kernel this CPU runs (rows of any length: the streaming copy's aligned body, its
+"""The host row copy: ``kvxfer._rowcopy.copy_rows`` against torch's indexing, byte for byte
+(rows of any length with every copy kernel this CPU runs: the streaming copy's aligned body, its
 head and its tail; destinations at any alignment, padded row pitches, layer ranges, several
 threads, and the calling thread alone where none can start; nonsense sizes and row ids out of
 range refused before a byte moves), and :class:`kvxfer.copies.HostRows`, which checks each copy
@@ -18,9 +18,9 @@ from kvxfer.copies import HostRows, RowCopy
 from kvxfer.layout import KVLayout
 
 
-@pytest.fixture(autouse=True, params=_rowcopy._kernels())
+@pytest.fixture(params=_rowcopy._kernels())
 def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each test runs with each kernel this CPU runs; the best one is put back after."""
+    """The test runs with each kernel this CPU runs; the best one is put back after."""
     best = _rowcopy.kernel()
     _rowcopy._use_kernel(request.param)
     try:
@@ -44,9 +44,15 @@ def _layers(n: int, span: int, pitch: int, seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (span, pitch), generator=g, dtype=torch.uint8) for _ in range(n)]
 
 
-@pytest.mark.parametrize("row_bytes", [1, 15, 16, 17, 63, 64, 127, 128, 129, 1000, 4096, 32768 + 5])
-@pytest.mark.parametrize("misalign", [0, 1, 8, 31])
-def test_rows_of_any_length_at_any_alignment_round_trip(row_bytes: int, misalign: int) -> None:
+#: (row bytes, destination misalignment): shorter than a vector, a vector step (16 / 64 bytes for
+#: SSE2, 32 / 128 for AVX) and one byte either side of it, long rows with a tail; every
+#: misalignment (none, odd, half a vector, one short of a whole) meets several lengths.
+ROWS = [(1, 0), (15, 1), (16, 8), (17, 31), (63, 0), (64, 1), (65, 8), (127, 31), (128, 0), (129, 1),
+        (1000, 8), (4096, 31), (32768 + 5, 0), (32768 + 5, 1)]
+
+
+@pytest.mark.parametrize(("row_bytes", "misalign"), ROWS)
+def test_rows_of_any_length_at_any_alignment_round_trip(row_bytes: int, misalign: int, kernel: str) -> None:
     pitch = row_bytes + 3  # padded rows: only row_bytes of each are the row's
     layers = _layers(3, 40, pitch, seed=row_bytes)
     rows = torch.tensor([7, 0, 39, 7, 12], dtype=torch.int64)
@@ -65,7 +71,7 @@ def test_rows_of_any_length_at_any_alignment_round_trip(row_bytes: int, misalign
         assert torch.equal(got, want)  # rows restored, padding and other rows untouched
 
 
-def test_a_layer_range_and_a_strided_slot() -> None:
+def test_a_layer_range_and_a_strided_slot(kernel: str) -> None:
     layers = _layers(6, 16, 256, seed=1)
     rows = torch.tensor([3, 9, 1], dtype=torch.int64)
     wide = torch.zeros(2, 3, 300, dtype=torch.uint8)  # rows 300 bytes apart in the slot, 256 used
