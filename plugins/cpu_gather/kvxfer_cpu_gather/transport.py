@@ -22,6 +22,7 @@ from kvxfer.transport import (
     Transport,
     copy_dtype,
     copy_view,
+    host_copy_threads,
 )
 
 if TYPE_CHECKING:
@@ -34,16 +35,15 @@ __all__ = ["CpuGatherTransport", "CpuGatherContext", "CpuGatherRegistration", "T
 THREADS_ENV: Final = "KVXFER_CPU_GATHER_THREADS"
 #: Most threads ``$KVXFER_CPU_GATHER_THREADS`` may ask for.
 MAX_THREADS: Final = 1024
-#: Hosts with at most this many CPUs copy on one thread by default (as :func:`kvxfer.transport.host_copy_threads`).
-SMALL_HOST_CPUS: Final = 4
 
 
-def copy_threads() -> int | None:
+def copy_threads() -> int:
     """Threads per host copy (and the worker thread's intra-op threads): ``$KVXFER_CPU_GATHER_THREADS``;
-    by default 1 on hosts of at most :data:`SMALL_HOST_CPUS` CPUs, else None (torch's own count)."""
+    by default the core's :func:`~kvxfer.transport.host_copy_threads` (1 on small hosts, else
+    torch's intra-op count)."""
     raw = os.environ.get(THREADS_ENV, "")
     if not raw:
-        return 1 if (os.cpu_count() or 1) <= SMALL_HOST_CPUS else None
+        return host_copy_threads()
     try:
         n = int(raw)
     except ValueError:
@@ -103,10 +103,9 @@ class CpuGatherContext(ClientDrivenContext):
         self.copy_threads = copy_threads()
         self._threads_set = threading.local()
         self.device = self.layers[0].device
-        self.on_host = self.device.type == "cpu"
         rows = [self.layout.row_view(t) for t in self.layers]
         #: Host tensors: their copies (None on another device).
-        self._host = HostRows(rows, self.copy_threads) if self.on_host else None
+        self._host = HostRows(rows, self.copy_threads) if self.device.type == "cpu" else None
         # Each layer as [rows, row_elems] of the widest element type that fits every layer's
         # rows (and so the slots'): a device's indexing kernels run fastest on wide elements.
         self._elem = copy_dtype(rows)
@@ -117,7 +116,7 @@ class CpuGatherContext(ClientDrivenContext):
 
     def _use_copy_threads(self) -> None:
         """Set this thread's intra-op thread count for the copies (once per thread)."""
-        if self.copy_threads is not None and not getattr(self._threads_set, "done", False):
+        if not getattr(self._threads_set, "done", False):
             set_thread_intra_op_threads(self.copy_threads)
             self._threads_set.done = True
 
