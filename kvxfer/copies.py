@@ -22,6 +22,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from kvxfer.errors import ConfigError
@@ -271,8 +272,13 @@ class HostRows:
     def __init__(self, rows: Sequence[torch.Tensor], threads: int | None = None) -> None:
         import torch
 
-        from kvxfer import _rowcopy
-
+        try:
+            from kvxfer import _rowcopy
+        except ImportError as exc:
+            raise ImportError(
+                f"kvxfer's C row copy (kvxfer._rowcopy) is not built in {Path(__file__).parent}: install kvxfer "
+                "with pip (`pip install .`, or `bash scripts/setup.sh` in a checkout; a C compiler is needed to "
+                "build it from source) rather than running it from an unbuilt source tree") from exc
         first = rows[0]
         size = first.element_size()
         shape, stride = tuple(first.shape), first.stride()

@@ -207,3 +207,16 @@ def test_host_rows_copy_a_layout_whose_rows_overlap_in_the_view() -> None:
     view[rows] = 0
     host.copy([RowCopy(rows, slot)], to_slot=False)
     assert torch.equal(buf, before)
+
+
+def test_host_rows_without_its_c_extension_says_how_to_build_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source tree whose C extension was never built (no compiler, or kvxfer run from a plain
+    checkout): the first host copy's context says what to do, not just that a name is missing."""
+    import sys
+
+    import kvxfer
+
+    monkeypatch.setitem(sys.modules, "kvxfer._rowcopy", None)  # as if the .so were absent
+    monkeypatch.delattr(kvxfer, "_rowcopy", raising=False)
+    with pytest.raises(ImportError, match=r"C row copy .* is not built .*pip install \."):
+        HostRows([torch.zeros(4, 8, dtype=torch.uint8)])
