@@ -59,6 +59,7 @@ from kvxfer.protocol import messages as m
 from kvxfer.server.index import ChunkKey
 from kvxfer.store.format import HEADER_SIZE, l2_key
 from kvxfer.testing.server import ServerProcess
+from kvxfer.units import parse_size
 
 GB = 1e9
 CHUNK = 256
@@ -485,21 +486,23 @@ def run(args: argparse.Namespace) -> dict:
             assert node.proc is not None
             for tid in os.listdir(f"/proc/{node.proc.pid}/task"):
                 os.setpriority(os.PRIO_PROCESS, int(tid), args.valkey_nice)
-    n = args.chunks
-    blocks = 2 * n * (CHUNK // BLOCK) + 16
-    layout = KVLayout(LayoutKind.FLASH_ATTN, args.layers, blocks, BLOCK, 8 * 128, torch.bfloat16)
-    cbytes = layout.chunk_bytes(CHUNK)
-    total = n * cbytes
-    kv = [torch.empty(layout.layer_shape(8), dtype=torch.bfloat16) for _ in range(args.layers)]
-    gen = torch.Generator().manual_seed(7)
-    for layer in kv:
-        layer.view(torch.int16).random_(generator=gen)
-    l1 = args.l1_size or f"{max(1, (3 * total) >> 30) + 1}GiB"
-    l2args = ["--l2", "valkey", "--l2-url", url, "--l2-timeout", "2"]
-    on = ServerProcess(l1_size=l1, transports="cpu_gather", extra_args=l2args).start()
-    off = ServerProcess(l1_size=l1, transports="cpu_gather").start()
-    res: dict = {"chunks": n, "chunk_bytes": cbytes, "valkey": url, "cluster": args.cluster}
-    try:
+    on: ServerProcess | None = None
+    off: ServerProcess | None = None
+    try:  # whatever fails, the servers and the Valkey started so far are stopped
+        n = args.chunks
+        blocks = 2 * n * (CHUNK // BLOCK) + 16
+        layout = KVLayout(LayoutKind.FLASH_ATTN, args.layers, blocks, BLOCK, 8 * 128, torch.bfloat16)
+        cbytes = layout.chunk_bytes(CHUNK)
+        total = n * cbytes
+        kv = [torch.empty(layout.layer_shape(8), dtype=torch.bfloat16) for _ in range(args.layers)]
+        gen = torch.Generator().manual_seed(7)
+        for layer in kv:
+            layer.view(torch.int16).random_(generator=gen)
+        l1 = args.l1_size or f"{max(1, (3 * total) >> 30) + 1}GiB"
+        l2args = ["--l2", "valkey", "--l2-url", url, "--l2-timeout", "2"]
+        on = ServerProcess(l1_size=l1, transports="cpu_gather", extra_args=l2args).start()
+        off = ServerProcess(l1_size=l1, transports="cpu_gather").start()
+        res: dict = {"chunks": n, "chunk_bytes": cbytes, "valkey": url, "cluster": args.cluster}
         c_on, c_off = CacheClient(on.url, timeout=120), CacheClient(off.url, timeout=120)
         ctx_on = c_on.register(kv, model_name="bench", block_size=BLOCK, transport="cpu_gather")
         ctx_off = c_off.register(kv, model_name="bench", block_size=BLOCK, transport="cpu_gather")
@@ -533,8 +536,9 @@ def run(args: argparse.Namespace) -> dict:
         c_on.close()
         c_off.close()
     finally:
-        on.stop()
-        off.stop()
+        for server in (on, off):
+            if server is not None:
+                server.stop()
         if vk is not None:
             vk.stop()
     return res
@@ -619,6 +623,11 @@ def main() -> int:
     if args.cluster and "promotion" in args.only:
         p.error("--cluster measures the store path and lookups: add --only store,lookups (the plain-socket "
                 "denominators of promotion and writes talk to one node)")
+    if args.l1_size is not None:
+        try:
+            parse_size(args.l1_size)
+        except ValueError as exc:
+            p.error(f"--l1-size: {exc}")
     r = run(args)
     print_results(r)
     if args.json:
