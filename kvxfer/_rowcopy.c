@@ -11,7 +11,8 @@
  *
  * The pointers are the caller's (its own tensors' addresses, not input from outside); the caller
  * keeps the memory alive for the call. The row ids are copied while they are checked, so ids
- * changed by another thread during the copy are never used. POSIX (pthreads) and GCC or clang;
+ * changed by another thread during the copy are never used; a scatter that names a row twice
+ * runs on one thread, so the row ends as its last write left it. POSIX (pthreads) and GCC or clang;
  * setup.py builds it on the limited C API (one wheel for every CPython >= 3.10) except on a
  * free-threaded CPython, which has none. */
 #include <Python.h>
@@ -185,6 +186,37 @@ static int run_parallel(job_t *base, int threads) {
   return ran;
 }
 
+static int by_id(const void *a, const void *b) {
+  int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* Whether a row id repeats among ids[0..n), all in [0, span): a bitmap of span bits, or a
+ * sorted copy where that is the smaller; -1 without memory for either. */
+static int repeats(const int64_t *ids, int64_t n, int64_t span) {
+  if (n < 2) return 0;
+  if (span / 64 <= n * 2) {
+    uint64_t *seen = calloc((size_t)(span / 64 + 1), sizeof(uint64_t));
+    if (seen == NULL) return -1;
+    int found = 0;
+    for (int64_t r = 0; r < n && !found; r++) {
+      uint64_t bit = (uint64_t)1 << (ids[r] % 64);
+      found = (seen[ids[r] / 64] & bit) != 0;
+      seen[ids[r] / 64] |= bit;
+    }
+    free(seen);
+    return found;
+  }
+  int64_t *sorted = malloc(sizeof(int64_t) * (size_t)n);
+  if (sorted == NULL) return -1;
+  memcpy(sorted, ids, sizeof(int64_t) * (size_t)n);
+  qsort(sorted, (size_t)n, sizeof(int64_t), by_id);
+  int found = 0;
+  for (int64_t r = 1; r < n && !found; r++) found = sorted[r] == sorted[r - 1];
+  free(sorted);
+  return found;
+}
+
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
   (void)self;
   int to_slot, threads;
@@ -233,6 +265,9 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
   long long most = bytes / MIN_BYTES_PER_THREAD;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (threads > most) threads = most < 1 ? 1 : (int)most;
+  /* A scatter that names a row twice writes it twice: on one thread, in order, the last write
+   * wins (on several, two threads could write one row at once and leave it torn). */
+  if (threads > 1 && !to_slot && repeats(ids, nrows, span_rows) != 0) threads = 1;
   int ran = 1;
   Py_BEGIN_ALLOW_THREADS
   if (threads > 1) {

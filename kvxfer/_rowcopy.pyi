@@ -6,7 +6,8 @@ def copy_rows(to_slot: bool, slot: int, layer_ptrs: int, nlayers: int, span_rows
     """Copy ``rows`` (``nrows`` int64 ids at that address) of ``nlayers`` layers (uint64 base
     addresses at ``layer_ptrs``) to the slot (``to_slot``) or from it; sizes and strides in
     bytes. IndexError if a row id is outside ``[0, span_rows)``, before anything is copied.
-    Returns the threads that copied (0: nothing to copy)."""
+    Returns the threads that copied (0: nothing to copy); a scatter that names a row twice
+    runs on one thread (the row ends as its last write left it)."""
 
 def kernel() -> str:
     """The copy in use: ``"avx-stream"``, ``"sse2-stream"`` or ``"memcpy"``."""

@@ -305,7 +305,8 @@ class HostRows:
         it (a retrieve's scatter). A copy unlike those the core makes (host tensors; ``slot``
         ``[n, len(rows), row]`` with dense, non-overlapping rows and layers; int64 ``rows`` of
         ``[0, span_rows)``; layers within these) is a ValueError or IndexError, with nothing of
-        it copied (copies before it in ``copies`` are)."""
+        it copied (copies before it in ``copies`` are). A scatter whose rows name one row twice
+        runs on one thread: the row ends as its last write in ``rows`` left it."""
         import torch
 
         layers = self._layer_ptrs.data_ptr()

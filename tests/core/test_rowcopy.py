@@ -103,6 +103,38 @@ def test_several_threads_copy_what_one_does(threads: int, started: int, fail: bo
         assert not got[[r for r in range(64) if r not in set(rows.tolist())]].any()
 
 
+def test_a_scatter_that_names_a_row_twice_runs_on_one_thread_and_its_last_write_wins() -> None:
+    rows = torch.tensor([5, 9, 2, 7] * 6 + [40, 3, 9, 11, 17, 23, 29, 31], dtype=torch.int64)  # 9 twice in a row
+    n = rows.numel()  # 4 layers x 32 rows x 64 KiB: 8 MiB, two threads of 4 MiB without the repeats
+    slot = torch.randint(0, 256, (4, n, 1 << 16), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    layers = [torch.zeros(64, 1 << 16, dtype=torch.uint8) for _ in range(4)]
+    assert _copy(False, slot, layers, rows, threads=4) == 1
+    for layer, part in zip(layers, slot):
+        want = torch.zeros_like(layer)
+        for i, r in enumerate(rows.tolist()):  # in order: the last write of a row wins
+            want[r] = part[i]
+        assert torch.equal(layer, want)
+    assert _copy(True, slot, layers, rows, threads=4) == 2  # a gather may read a row twice
+    distinct = torch.arange(n, dtype=torch.int64)
+    assert _copy(False, slot, layers, distinct, threads=4) == 2
+
+
+def test_repeats_among_few_rows_of_a_large_span_are_found_too() -> None:
+    """Few rows of many (span > 128 x rows) are checked through a sorted copy, not a bitmap. The
+    one 64 MiB buffer stands for all 2,048 layers here, so only the thread counts are asserted."""
+    rows = torch.tensor([700, 3, 65_000, 3], dtype=torch.int64)
+    buf = torch.zeros(65_536, 1024, dtype=torch.uint8)
+    ptrs = torch.full((2048,), buf.data_ptr(), dtype=torch.int64)
+    slot = torch.zeros(2048, 4, 1024, dtype=torch.uint8)  # 8 MiB
+
+    def scatter(ids: torch.Tensor) -> int:
+        return _rowcopy.copy_rows(False, slot.data_ptr(), ptrs.data_ptr(), 2048, 65_536, 1024, 1024,
+                                  slot.stride(0), slot.stride(1), ids.data_ptr(), ids.numel(), 2)
+
+    assert scatter(rows) == 1
+    assert scatter(torch.tensor([700, 3, 65_000, 4], dtype=torch.int64)) == 2
+
+
 @pytest.mark.parametrize("bad", [-1, 16, 1 << 40])
 def test_a_row_id_out_of_range_copies_nothing(bad: int) -> None:
     layers = _layers(2, 16, 64, seed=2)
