@@ -67,13 +67,17 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
+    """All of ``mm`` as a uint8 tensor that keeps it mapped: through a memoryview, which holds
+    an export of the mapping for as long as any view of the tensor lives, so that ``close()``
+    leaves the mapping to the last view (``torch.frombuffer`` of the mmap itself keeps only the
+    object: ``close()`` unmapped it under live views, and touching one crashed the process)."""
     import warnings
 
     import torch
 
     with warnings.catch_warnings():  # the mmap is writable; torch warns for any buffer
         warnings.simplefilter("ignore")
-        return torch.frombuffer(mm, dtype=torch.uint8)
+        return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
 def _dir_name_pattern() -> re.Pattern[str]:
@@ -210,9 +214,10 @@ class Arena:
         return memoryview(self._mm)[offset:offset + nbytes]
 
     def close(self) -> None:
-        """Unmap and delete the directory, then drop the lock. Views must no longer be used."""
+        """Unmap and delete the directory, then drop the lock. Views that still live keep the
+        mapping (not the directory) until they go."""
         del self.tensor
-        with contextlib.suppress(BufferError):
+        with contextlib.suppress(BufferError):  # views live: unmapped when the last one goes
             self._mm.close()
         shutil.rmtree(self.path.parent, ignore_errors=True)
         if self._lock_fd >= 0:
@@ -294,6 +299,7 @@ class ArenaMapping:
         return self.tensor[offset:offset + nbytes]
 
     def close(self) -> None:
+        """Unmap, or leave the mapping to the slot views that still live (see :func:`_as_tensor`)."""
         self.tensor = None  # type: ignore[assignment]  # the mapping is closed: nothing may use the view
         with contextlib.suppress(BufferError):
             self._mm.close()

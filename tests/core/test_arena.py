@@ -1,0 +1,46 @@
+"""The arena's mappings (server and client side) stay mapped while a view of them lives: a slot
+view that outlives ``close()`` (held by a traceback, a late thread) reads and writes the bytes
+it had, instead of crashing the process. Each case runs in a child process, so that a crash is
+a failing test, not a lost run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+CASES = {
+    "server": """
+        arena = Arena.create(1 << 20, shm_dir=base)
+        view = arena.view(4096, 64)
+        view.fill_(7)
+        arena.close()
+    """,
+    "client": """
+        arena = Arena.create(1 << 20, shm_dir=base)
+        mapping = ArenaMapping(str(arena.path), arena.size)
+        view = mapping.view(4096, 64)[8:].view(torch.int16)  # a view of a view, as the slot tables make
+        view.fill_(0x0707)
+        mapping.close()
+        arena.close()
+    """,
+}
+
+
+@pytest.mark.parametrize("side", sorted(CASES))
+def test_a_view_that_outlives_close_keeps_its_bytes(side: str, tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    code = "import torch\nfrom kvxfer.arena import Arena, ArenaMapping\nbase = " + repr(str(shm)) + "\n" + \
+        textwrap.dedent(CASES[side]) + textwrap.dedent("""
+        total = int(view.view(torch.uint8).sum())
+        view.add_(1)  # still writable
+        print(total, int(view.view(torch.uint8)[0]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
+    n = 64 if side == "server" else 56
+    assert done.stdout.split() == [str(7 * n), "8"]  # every byte 7; then the first one (low byte) 8
