@@ -110,9 +110,16 @@ class KVSpec:
     heads: int = 2
     head_size: int = 16
     view: View | None = None
+    #: flash_attn: bytes between the end of a layer's K plane and the start of its V plane (K and
+    #: V not adjacent in memory: the row view's rows then overlap; a block's rows never do).
+    plane_pad: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LayoutKind(self.kind))
+        if self.plane_pad and (self.kind is not LayoutKind.FLASH_ATTN or self.plane_pad < 0
+                               or self.plane_pad % self.torch_dtype.itemsize):
+            raise ValueError(f"plane_pad is a non-negative multiple of the element of a flash_attn cache, "
+                             f"not {self.plane_pad} of {self.kind.value} {self.dtype}")
         if self.kind is not LayoutKind.BHNC:
             if self.view is not None:
                 raise ValueError(f"a view describes bhnc caches, not {self.kind.value}")
@@ -131,8 +138,11 @@ class KVSpec:
 
     @property
     def id(self) -> str:
-        """A short readable name of the layout, e.g. ``flash_attn`` or ``bhnc-BLNHC-pad40``."""
-        return self.kind.value if self.view is None else f"bhnc-{self.view.id}"
+        """A short readable name of the layout, e.g. ``flash_attn``, ``flash_attn-planes64``
+        (:attr:`plane_pad`) or ``bhnc-BLNHC-pad40``."""
+        if self.view is not None:
+            return f"bhnc-{self.view.id}"
+        return self.kind.value + (f"-planes{self.plane_pad}" if self.plane_pad else "")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -230,6 +240,14 @@ def make_kv(spec: KVSpec, device: str | torch.device = "cpu", seed: int = 0) -> 
     shape = spec.layer_shape()
     byte_shape = (*shape[:-1], shape[-1] * itemsize)
     layers = []
+    if spec.plane_pad:  # each layer a [2, ...] view of one buffer, the V plane plane_pad bytes after K's end
+        plane = byte_shape[1:]
+        strides = _contiguous_strides(plane)
+        apart = strides[0] * plane[0] + spec.plane_pad
+        for _ in range(spec.num_layers):
+            raw = torch.randint(0, 256, (apart + strides[0] * plane[0],), dtype=torch.uint8, generator=gen)
+            layers.append(raw.to(device).as_strided(byte_shape, (apart, *strides)).view(spec.torch_dtype))
+        return layers
     for _ in range(spec.num_layers):
         raw = torch.randint(0, 256, byte_shape, dtype=torch.uint8, generator=gen)
         layers.append(raw.view(spec.torch_dtype).to(device))

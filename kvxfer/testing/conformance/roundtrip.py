@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvxfer.errors import ConfigError
+from kvxfer.layout import LayoutKind
 from kvxfer.testing.harness import BLOCK_SIZE, CHUNK_SIZE, DTYPES, LAYOUTS, TIMEOUT, VIEWS, Kit, Layout, layout_id
 from kvxfer.testing.kvdata import KVBytes, KVSpec, View, as_bytes, describe_diff, equal_bytes, put_chunks
 from kvxfer.transport.contract import LayerwiseFuture
@@ -65,6 +66,25 @@ class RoundTripTests:
         got = kit.retrieve(ctx, keys, dst)
         assert (got.loaded, got.missing) == ([0, 1, 2], [])
         assert got.ok
+        assert_retrieved(kit, spec, layers, before, dst, want)
+
+    def test_round_trip_of_planes_that_are_not_adjacent(self, kit: Kit) -> None:
+        """A flash_attn cache whose V plane starts 64 bytes after its K plane ends: its row view
+        has rows closer than their length (they overlap in the view; a block's rows never do).
+        Bit-exact both ways, and the 64 bytes between the planes are never written."""
+        spec = kit.spec(LayoutKind.FLASH_ATTN, plane_pad=64)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(3), kit.blocks(spec, 3)
+        before = as_bytes(layers)
+        want = kit.chunks_of(before, spec, src)
+        assert kit.store(ctx, keys, src).stored == [0, 1, 2]
+        held_res, held = kit.backdoor_read(spec, keys)
+        assert held_res.loaded == [0, 1, 2]
+        assert equal_bytes(held, want), "the server does not hold the canonical chunk bytes"
+        dst = kit.blocks(spec, 3, exclude=src)
+        got = kit.retrieve(ctx, keys, dst)
+        assert (got.loaded, got.missing) == ([0, 1, 2], [])
         assert_retrieved(kit, spec, layers, before, dst, want)
 
     @pytest.mark.parametrize("view", LAYERWISE, ids=["default", "bhnc-BLNHC-pad40"])
