@@ -224,19 +224,29 @@ class HpuContext(ClientDrivenContext):
             return None
         ops, p = self.ops, self._pipeline()
         layers = self._layers_of(copies)
+
+        def dma(c: RowCopy) -> tuple[int, torch.Tensor]:  # the chunk from its slot into the next buffer
+            k, buf = self._chunk_buffer(p, c.rows.numel(), len(layers))
+            src = c.slot.view(self._elem)
+            with ops.use_stream(p.copy):
+                _Pipeline.wait(p.copy, p.free[k])
+                buf.copy_(src, non_blocking=self._async(src))
+                _Pipeline.record(p.filled[k], p.copy)
+            return k, buf
+
+        # the first chunks' DMAs (one per buffer) are queued before the row ids are uploaded,
+        # which they do not need: the copy engine starts while this thread prepares the rest
+        early = [dma(c) for c in copies[:len(p.chunks)]]
         with ops.use_stream(p.compute):
             rows = self._device_rows(copies)
+        i = 0
         for group, idx in self._groups(copies, rows, p.group_rows):
             gathered = self._rows_view(p.group, idx.numel(), len(layers))
             offset = 0
             for c in group:
                 n = c.rows.numel()
-                k, buf = self._chunk_buffer(p, n, len(layers))
-                src = c.slot.view(self._elem)
-                with ops.use_stream(p.copy):
-                    _Pipeline.wait(p.copy, p.free[k])
-                    buf.copy_(src, non_blocking=self._async(src))
-                    _Pipeline.record(p.filled[k], p.copy)
+                k, buf = early[i] if i < len(early) else dma(c)
+                i += 1
                 with ops.use_stream(p.compute):
                     _Pipeline.wait(p.compute, p.filled[k])
                     gathered[:, offset:offset + n].copy_(buf)
