@@ -191,8 +191,9 @@ static int by_id(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* Whether a row id repeats among ids[0..n), all in [0, span): a bitmap of span bits, or a
- * sorted copy where that is the smaller; -1 without memory for either. */
+/* Whether a row id repeats among ids[0..n), all in [0, span): a bitmap of span bits where it
+ * takes at most two words per id, else a sorted copy; -1 without memory for either. Runs
+ * without the GIL (it reads only the private, checked copy of the ids). */
 static int repeats(const int64_t *ids, int64_t n, int64_t span) {
   if (n < 2) return 0;
   if (span / 64 <= n * 2) {
@@ -246,6 +247,10 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     return PyLong_FromLong(0);
   }
   /* The ids are checked as they are copied, and only the copy is used. */
+  if ((unsigned long long)nrows > (unsigned long long)PY_SSIZE_T_MAX / sizeof(int64_t)) {
+    PyErr_SetString(PyExc_OverflowError, "copy_rows: too many rows");
+    return NULL;
+  }
   int64_t *ids = malloc(sizeof(int64_t) * (size_t)nrows);
   if (ids == NULL) {
     return PyErr_NoMemory();
@@ -267,9 +272,9 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
   if (threads > most) threads = most < 1 ? 1 : (int)most;
   /* A scatter that names a row twice writes it twice: on one thread, in order, the last write
    * wins (on several, two threads could write one row at once and leave it torn). */
-  if (threads > 1 && !to_slot && repeats(ids, nrows, span_rows) != 0) threads = 1;
   int ran = 1;
   Py_BEGIN_ALLOW_THREADS
+  if (threads > 1 && !to_slot && repeats(ids, nrows, span_rows) != 0) threads = 1;
   if (threads > 1) {
     ran = run_parallel(&job, threads);
   } else {

@@ -104,19 +104,25 @@ def test_several_threads_copy_what_one_does(threads: int, started: int, fail: bo
 
 
 def test_a_scatter_that_names_a_row_twice_runs_on_one_thread_and_its_last_write_wins() -> None:
-    rows = torch.tensor([5, 9, 2, 7] * 6 + [40, 3, 9, 11, 17, 23, 29, 31], dtype=torch.int64)  # 9 twice in a row
-    n = rows.numel()  # 4 layers x 32 rows x 64 KiB: 8 MiB, two threads of 4 MiB without the repeats
-    slot = torch.randint(0, 256, (4, n, 1 << 16), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
-    layers = [torch.zeros(64, 1 << 16, dtype=torch.uint8) for _ in range(4)]
-    assert _copy(False, slot, layers, rows, threads=4) == 1
-    for layer, part in zip(layers, slot):
-        want = torch.zeros_like(layer)
-        for i, r in enumerate(rows.tolist()):  # in order: the last write of a row wins
-            want[r] = part[i]
-        assert torch.equal(layer, want)
-    assert _copy(True, slot, layers, rows, threads=4) == 2  # a gather may read a row twice
-    distinct = torch.arange(n, dtype=torch.int64)
-    assert _copy(False, slot, layers, distinct, threads=4) == 2
+    """One layer of 128 rows of 64 KiB: 8 MiB, two threads of 4 MiB (rows 0-63, 64-127) without
+    the repeat. Row 70 is named at positions 63 and 64: across that boundary the second thread
+    would write it first and the first thread last, leaving position 63's bytes where the last
+    write (64's) belongs, when the second thread starts at once; the thread count fails on two
+    threads whatever the timing."""
+    ids = list(range(128))
+    ids[63] = ids[64] = 70
+    ids[70] = 200  # 70 is named only at 63 and 64
+    rows = torch.tensor(ids, dtype=torch.int64)
+    slot = torch.randint(0, 256, (1, 128, 1 << 16), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    layer = torch.zeros(256, 1 << 16, dtype=torch.uint8)
+    assert _copy(False, slot, [layer], rows, threads=4) == 1
+    want = torch.zeros_like(layer)
+    for i, r in enumerate(ids):  # in order: the last write of a row wins
+        want[r] = slot[0, i]
+    assert torch.equal(layer[70], slot[0, 64])
+    assert torch.equal(layer, want)
+    assert _copy(True, slot, [layer], rows, threads=4) == 2  # a gather may read a row twice
+    assert _copy(False, slot, [layer], torch.arange(128, dtype=torch.int64), threads=4) == 2  # no repeats
 
 
 def test_repeats_among_few_rows_of_a_large_span_are_found_too() -> None:
