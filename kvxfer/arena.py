@@ -66,6 +66,19 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+def _unmap(mm: mmap.mmap, what: str) -> bool:
+    """Close ``mm``; False where views of it still live: the caller then drops its reference, and
+    the mapping goes with the last view (the memoryview of :func:`_as_tensor` holds the rest)."""
+    try:
+        mm.close()
+    except BufferError:
+        logging.getLogger("kvxfer.arena").info(
+            "%s: views of it still live (a traceback or a thread holds one); its memory is unmapped when "
+            "the last of them goes", what)
+        return False
+    return True
+
+
 def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
     """All of ``mm`` as a uint8 tensor that keeps it mapped: through a memoryview, which holds
     an export of the mapping for as long as any view of the tensor lives, so that ``close()``
@@ -217,8 +230,8 @@ class Arena:
         """Unmap and delete the directory, then drop the lock. Views that still live keep the
         mapping (not the directory) until they go."""
         del self.tensor
-        with contextlib.suppress(BufferError):  # views live: unmapped when the last one goes
-            self._mm.close()
+        _unmap(self._mm, f"the arena {self.path} closed")
+        self._mm = None  # type: ignore[assignment]  # closed (or left to the views that live)
         shutil.rmtree(self.path.parent, ignore_errors=True)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
@@ -300,9 +313,11 @@ class ArenaMapping:
 
     def close(self) -> None:
         """Unmap, or leave the mapping to the slot views that still live (see :func:`_as_tensor`)."""
+        if self._mm is None:
+            return
         self.tensor = None  # type: ignore[assignment]  # the mapping is closed: nothing may use the view
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        _unmap(self._mm, f"the mapping of the server's arena {self.path} closed")
+        self._mm = None  # type: ignore[assignment]  # closed (or left to the views that live)
 
 
 def filesystem_type(path: Path) -> str | None:

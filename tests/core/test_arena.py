@@ -5,12 +5,15 @@ a failing test, not a lost run."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+import kvxfer
 
 CASES = {
     "server": """
@@ -25,6 +28,7 @@ CASES = {
         view = mapping.view(4096, 64)[8:].view(torch.int16)  # a view of a view, as the slot tables make
         view.fill_(0x0707)
         mapping.close()
+        mapping.close()  # twice: nothing more happens
         arena.close()
     """,
 }
@@ -40,7 +44,32 @@ def test_a_view_that_outlives_close_keeps_its_bytes(side: str, tmp_path: Path) -
         view.add_(1)  # still writable
         print(total, int(view.view(torch.uint8)[0]))
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "PYTHONPATH": str(Path(kvxfer.__file__).parents[1])}  # the kvxfer under test
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=env)
     assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
     n = 64 if side == "server" else 56
     assert done.stdout.split() == [str(7 * n), "8"]  # every byte 7; then the first one (low byte) 8
+
+
+def test_the_mapping_goes_with_the_last_view(tmp_path: Path) -> None:
+    """Closed with a view alive, the mapping stays; once the view goes it is unmapped, though the
+    arena object still exists (it holds no reference to the mapping any more)."""
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    from kvxfer.arena import Arena, ArenaMapping
+
+    def maps() -> int:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return sum(str(shm) in line for line in f)
+
+    arena = Arena.create(1 << 20, shm_dir=shm)
+    mapping = ArenaMapping(str(arena.path), arena.size)
+    view, view2 = arena.view(0, 64), mapping.view(0, 64)
+    assert maps() == 2
+    mapping.close()
+    arena.close()
+    assert maps() == 2  # the views keep both
+    del view, view2
+    assert maps() == 0
+
