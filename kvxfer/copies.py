@@ -2,7 +2,7 @@
 
 * :data:`MAX_CHUNKS_PER_REQUEST` bounds every request (client and server check it);
 * :func:`check_transfer` validates a store's or retrieve's block ids;
-* :func:`plan_copies` turns block ids and arena slots into :class:`RowCopy` lists, the unit
+* :func:`plan_copies` turns block ids (:func:`chunk_rows`) and arena slots into :class:`RowCopy` lists, the unit
   every transport's copy code receives (row ids of every chunk computed in one vectorized
   step, so planning a request costs about as much for 32 chunks as for one);
 * :class:`SlotViews` remembers the views of one layout's arena slots (a lone request waits for
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
     from kvxfer.layout import KVLayout
 
-__all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "HostRows", "RowCopy", "SlotViews", "StoredSlot",
-           "check_transfer", "host_copy_threads", "layer_slice", "plan_copies"]
+__all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "ChunkRows", "HostRows", "RowCopy", "SlotViews",
+           "StoredSlot", "check_transfer", "chunk_rows", "host_copy_threads", "layer_slice", "plan_copies"]
 
 #: Hosts with at most this many CPUs copy on one thread by default (:func:`host_copy_threads`).
 SMALL_HOST_CPUS: Final = 4
@@ -194,6 +194,29 @@ def check_transfer(
     return blocks
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRows:
+    """Every chunk's row ids of a request (:func:`chunk_rows`): ``all`` as ``[chunks, runs,
+    blocks_per_chunk]`` (run-major inside a chunk, as the slot) and ``flat``, one row tensor per
+    chunk (views of ``all``)."""
+
+    all: torch.Tensor
+    flat: tuple[torch.Tensor, ...]
+
+
+def chunk_rows(layout: KVLayout, chunk_size: int, blocks: torch.Tensor) -> ChunkRows:
+    """The row ids of every chunk of a request (``blocks``: int64, as :func:`check_transfer`
+    returns them), in one vectorized step. It needs no slot: a client-driven request computes it
+    while its reserve is in flight, and :func:`plan_copies` pairs it with the slots."""
+    bpc = layout.blocks_per_chunk(chunk_size)
+    n_chunks = blocks.numel() // bpc
+    per_chunk = blocks.view(n_chunks, 1, bpc)
+    if layout.block_stride != 1:
+        per_chunk = per_chunk * layout.block_stride
+    all_rows = per_chunk + _run_offsets(layout.run_offsets)  # a new contiguous tensor
+    return ChunkRows(all_rows, all_rows.view(n_chunks, -1).unbind(0))  # the views in one call
+
+
 def plan_copies(
     layout: KVLayout,
     chunk_size: int,
@@ -201,23 +224,20 @@ def plan_copies(
     slots: Sequence[tuple[int, torch.Tensor]],
     skip_blocks: int = 0,
     stamps: Sequence[int] = (),
+    rows: ChunkRows | None = None,
 ) -> list[RowCopy]:
     """RowCopies for ``slots`` (``(chunk index, the slot as [num_layers, rows, row_elems]``: see
     :meth:`SlotViews.rows`), skipping the first ``skip_blocks`` blocks of the request (``blocks``:
     int64, as :func:`check_transfer` returns them). A chunk with a partial skip gives one copy per run
     (the slot rows it needs are not contiguous across runs); fully skipped chunks none.
-    ``stamps`` (one per slot, or none): the :attr:`RowCopy.stamp` of each whole-chunk copy."""
+    ``stamps`` (one per slot, or none): the :attr:`RowCopy.stamp` of each whole-chunk copy.
+    ``rows``: :func:`chunk_rows` of the same ``blocks``, when computed already."""
     if not slots:
         return []
     bpc = layout.blocks_per_chunk(chunk_size)
-    n_chunks = blocks.numel() // bpc
-    # every chunk's row ids at once: [chunks, runs, bpc] (run-major inside a chunk, as the slot),
-    # and as one flat row tensor per chunk (views made in one call: a lone request waits for these)
-    per_chunk = blocks.view(n_chunks, 1, bpc)
-    if layout.block_stride != 1:
-        per_chunk = per_chunk * layout.block_stride
-    all_rows = per_chunk + _run_offsets(layout.run_offsets)  # a new contiguous tensor
-    chunk_rows = all_rows.view(n_chunks, -1).unbind(0)
+    if rows is None:
+        rows = chunk_rows(layout, chunk_size, blocks)
+    all_rows, flat = rows.all, rows.flat
     copies = []
     for n, (index, view) in enumerate(slots):
         if view.dim() != 3:
@@ -227,7 +247,7 @@ def plan_copies(
         if local_skip == bpc:
             continue
         if local_skip == 0:
-            copies.append(RowCopy(chunk_rows[index], view, 0, stamps[n] if stamps else 0))
+            copies.append(RowCopy(flat[index], view, 0, stamps[n] if stamps else 0))
             continue
         per_run = view.view(layout.num_layers, layout.runs, bpc, layout.row_elems)
         for r in range(layout.runs):

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvxfer.arena import ArenaMapping
-from kvxfer.copies import RowCopy, SlotViews, layer_slice, plan_copies
+from kvxfer.copies import ChunkRows, RowCopy, SlotViews, chunk_rows, layer_slice, plan_copies
 from kvxfer.errors import NoSession, UnknownInstance
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore, guarded
@@ -313,10 +313,20 @@ class ClientDrivenCore(ContextCore):
             lw.on_ready(queue)
         advance()
 
+    def _rows_early(self, transfer: Transfer) -> ChunkRows | None:
+        """The request's row ids, computed while its reserve is in flight (a lone request then
+        waits only for the pairing with its slots); None if that fails: :func:`plan_copies`
+        computes them again where a failure gives the reservation back."""
+        try:
+            return chunk_rows(self.layout, self.chunk_size, transfer.blocks)
+        except Exception:  # noqa: BLE001  (planned again after the reply, with the cleanup there)
+            return None
+
     def _store(self, reserved: Callable[[], tuple[m.ReserveWriteReply, float]], transfer: Transfer,
                outer: Future[m.StoreResult]) -> None:
         from kvxfer.transport.contract import LayerwiseFuture
 
+        rows = self._rows_early(transfer)
         rep, _ = reserved()
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
@@ -359,7 +369,7 @@ class ClientDrivenCore(ContextCore):
             self._then(None, commit, abandon)
             return
         try:
-            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots))
+            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots), rows=rows)
         except BaseException:
             drop()
             raise
@@ -370,6 +380,7 @@ class ClientDrivenCore(ContextCore):
                   outer: Future[m.RetrieveResult]) -> None:
         from kvxfer.transport.contract import LayerwiseFuture
 
+        rows = self._rows_early(transfer)
         rep, sent_at = reserved()
         keys = transfer.keys
         layered = outer if isinstance(outer, LayerwiseFuture) else None
@@ -426,7 +437,7 @@ class ClientDrivenCore(ContextCore):
             return
         try:
             copies = plan_copies(self.layout, self.chunk_size, transfer.blocks,
-                                 self._slots(rep.slots, first), transfer.skip_blocks)
+                                 self._slots(rep.slots, first), transfer.skip_blocks, rows=rows)
         except BaseException:
             unpin()
             raise
