@@ -218,13 +218,19 @@ class Arena:
         return path
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        self._check_open()
         return self.tensor[offset:offset + nbytes]
 
     def memoryview(self, offset: int, nbytes: int) -> memoryview:
         """The slot as a writable byte buffer (sockets and files read into it, ``writev`` from it)."""
+        self._check_open()
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise ValueError(f"slot [{offset}, {offset + nbytes}) is outside the arena of {self.size} bytes")
         return memoryview(self._mm)[offset:offset + nbytes]
+
+    def _check_open(self) -> None:
+        if self._mm is None:
+            raise ValueError(f"the arena {self.path} is closed")
 
     def close(self) -> None:
         """Unmap and delete the directory, then drop the lock. Views that still live keep the

@@ -319,7 +319,7 @@ class ClientDrivenCore(ContextCore):
         computes them again where a failure gives the reservation back."""
         try:
             return chunk_rows(self.layout, self.chunk_size, transfer.blocks)
-        except Exception:  # noqa: BLE001  (planned again after the reply, with the cleanup there)
+        except BaseException:  # noqa: BLE001  (the reply must still be read: planned again after it, with the cleanup there)
             return None
 
     def _store(self, reserved: Callable[[], tuple[m.ReserveWriteReply, float]], transfer: Transfer,

@@ -21,6 +21,13 @@ CASES = {
         view = arena.view(4096, 64)
         view.fill_(7)
         arena.close()
+        for late in (arena.view, arena.memoryview):
+            try:
+                late(0, 8)
+            except ValueError as exc:
+                assert "is closed" in str(exc), exc
+            else:
+                raise AssertionError("a closed arena handed out a view")
     """,
     "client": """
         arena = Arena.create(1 << 20, shm_dir=base)
