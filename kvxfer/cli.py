@@ -358,7 +358,9 @@ def _tier_text(t: TierStatus) -> str:
         (f"  writes: {t.writes} chunks ({format_bytes(t.write_bytes)}; {t.write_skipped} already stored); "
          f"admission {t.admission}; queue {t.queue_depth}/{t.queue_capacity} "
          f"({format_bytes(t.pinned_bytes)} pinned{_of_at_most(t.pin_limit)}); drops {t.drops}"),
-        f"  errors: {t.errors}; outages: {t.outages}",
+        (f"  errors: {t.errors}; outages: {t.outages}; writers: {t.writers}"
+         + (f" ({t.writers_held} more held by the store plugin: a submit call that does not return)"
+            if t.writers_held else "")),
     ]
     return "\n".join(lines)
 

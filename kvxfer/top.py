@@ -159,6 +159,8 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
              f"({format_bytes(tier.write_bytes)})"),
             f"queue {tier.queue_depth}/{tier.queue_capacity}", f"drops {tier.drops}", f"errors {tier.errors}",
             f"timeouts {tier.timeouts}", f"busy {tier.busy_lookups}"]
+        if tier.writers_held:
+            fields.append(Text(f"writers held {tier.writers_held}", style="red"))
         if tier.detail:
             fields.append(Text(printable(tier.detail), style="red"))
         parts.append(_Fields(*fields))

@@ -454,6 +454,11 @@ class TierStatus(Message, frozen=True):
     pin_limit: int = 0
     #: Writes dropped (queue full, pinned bytes at their limit, store down or failing).
     drops: int = 0
+    #: Writer threads writing for the tier now, and writers the store plugin holds in a submit
+    #: call that has not returned (given up: their writes dropped, a writer started in their
+    #: place while the tier's limit allows).
+    writers: int = 0
+    writers_held: int = 0
     #: Store operations that failed, and times the circuit breaker opened.
     errors: int = 0
     outages: int = 0

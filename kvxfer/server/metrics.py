@@ -99,7 +99,7 @@ CORE_FAMILIES: Final = frozenset({
         "promoted_chunks_total", "promote_failures_total", "promoting_chunks", "integrity_failures_total",
         "damaged_deleted_total", "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total",
         "dropped_writes_total", "queue_depth", "queue_capacity", "pinned_bytes", "pinned_bytes_limit", "errors_total",
-        "outages_total", "busy_lookups_total")),
+        "outages_total", "busy_lookups_total", "writers", "writers_held")),
 })
 
 
@@ -330,6 +330,9 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
         ("kvxfer_tier_pinned_bytes", "Arena bytes pinned by queued writes.", lambda t: t.pinned_bytes),
         ("kvxfer_tier_pinned_bytes_limit", ("Arena bytes queued writes may pin (half the arena); a write past it is "
                                             "dropped."), lambda t: t.pin_limit),
+        ("kvxfer_tier_writers", "Writer threads writing for the tier now.", lambda t: t.writers),
+        ("kvxfer_tier_writers_held", ("Writers the store plugin holds in a submit call that has not returned (given "
+                                      "up: their writes dropped)."), lambda t: t.writers_held),
     ]
     for name, doc, get in gauges:
         g = _gauge(name, doc, labels)

@@ -1503,6 +1503,8 @@ class L2Tier:
 
     def status(self) -> TierStatus:
         b = self.breaker
+        with self._cond:
+            writers, held = self._live_writers, sum(1 for batch in self._batches if batch.settled)
         return TierStatus(
             name="l2",
             store=self.store.name,
@@ -1528,6 +1530,8 @@ class L2Tier:
             pinned_bytes=self.pinned_bytes,
             pin_limit=self.pin_limit,
             drops=self.drops,
+            writers=writers,
+            writers_held=held,
             errors=self.errors,
             outages=b.opened,
             store_stats=dict(self.store_stats),

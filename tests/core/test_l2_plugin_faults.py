@@ -234,8 +234,14 @@ def test_a_writer_given_up_while_held_never_writes_what_its_slots_hold_since(tes
                 ctx.submit_store(others[i:i + 8], list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)) * 8).result(30)
             assert c.status().arena.chunks < len(others), "the arena is larger than the test assumes"
             assert wait_until(lambda: "writers not held now: 0" in srv.log(), timeout=30), "the replacement was held"
+            t = _tier(c)
+            assert (t.writers, t.writers_held) == (0, 2), t  # the first writer and the one started in its place
+            shown = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--url", srv.url], capture_output=True,
+                                   text=True, timeout=60)
+            assert "writers: 0 (2 more held by the store plugin" in shown.stdout, shown.stdout + shown.stderr
             fault.unlink()  # the held writers come back
             assert wait_until(lambda: (t := _tier(c)).queue_depth == 0 and t.pinned_bytes == 0, timeout=30)
+            assert wait_until(lambda: ((t := _tier(c)).writers, t.writers_held) == (2, 0), timeout=30), _tier(c)
             time.sleep(0.5)
             c.clear("held")
             lease = c.lookup_and_lease("held", hashes=[first], lease_s=30)

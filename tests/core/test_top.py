@@ -96,6 +96,20 @@ def test_render_shows_the_figures_and_rates(curve_client: CacheClient) -> None:
     assert "no answer from tcp://x: gone" in console.export_text()
 
 
+def test_writers_held_by_a_store_plugin_are_shown(curve_client: CacheClient) -> None:
+    """A tier whose plugin holds writers says how many, in red (this server has no L2 tier: the
+    tier in the reply is made here; tests/core/test_l2_plugin_faults.py holds real writers)."""
+    from rich.console import Console
+
+    st = curve_client.status()
+    tier = m.TierStatus(name="l2", store="valkey", url="valkey://h:6379", state="up", writers=1, writers_held=2)
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(render(msgspec.structs.replace(st, tiers=[tier]), None, None))
+    assert "writers held 2" in " ".join(console.export_text().split())
+    console.print(render(msgspec.structs.replace(st, tiers=[msgspec.structs.replace(tier, writers_held=0)]), None, None))
+    assert "writers held" not in console.export_text()  # (export_text clears what it returned)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_reply_with_non_finite_figures_renders(curve_client: CacheClient, bad: float) -> None:
     """The status reply comes from the wire: every float in it NaN or infinite (a broken or
