@@ -454,9 +454,10 @@ class TierStatus(Message, frozen=True):
     pin_limit: int = 0
     #: Writes dropped (queue full, pinned bytes at their limit, store down or failing).
     drops: int = 0
-    #: Writer threads writing for the tier now, and writers the store plugin holds in a submit
-    #: call that has not returned (given up: their writes dropped, a writer started in their
-    #: place while the tier's limit allows).
+    #: Writer threads running and not held (idle ones included; more than ``--l2-writers`` once
+    #: held writers came back), and writers the store plugin holds in a submit call that has not
+    #: returned (given up: their writes dropped, a writer started in their place while the
+    #: tier's limit allows).
     writers: int = 0
     writers_held: int = 0
     #: Store operations that failed, and times the circuit breaker opened.

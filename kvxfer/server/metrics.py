@@ -330,7 +330,7 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
         ("kvxfer_tier_pinned_bytes", "Arena bytes pinned by queued writes.", lambda t: t.pinned_bytes),
         ("kvxfer_tier_pinned_bytes_limit", ("Arena bytes queued writes may pin (half the arena); a write past it is "
                                             "dropped."), lambda t: t.pin_limit),
-        ("kvxfer_tier_writers", "Writer threads writing for the tier now.", lambda t: t.writers),
+        ("kvxfer_tier_writers", "Writer threads running and not held by the store plugin.", lambda t: t.writers),
         ("kvxfer_tier_writers_held", ("Writers the store plugin holds in a submit call that has not returned (given "
                                       "up: their writes dropped)."), lambda t: t.writers_held),
     ]

@@ -785,6 +785,13 @@ class L2Tier:
 
     def _writer(self) -> None:
         background_thread()
+        try:
+            self._write_batches()
+        finally:  # counted while it runs and is not held (see _abandon_held_writers)
+            with self._cond:
+                self._live_writers -= 1
+
+    def _write_batches(self) -> None:
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:

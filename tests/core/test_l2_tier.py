@@ -767,3 +767,18 @@ def test_only_the_dropped_ranks_of_a_chunk_are_queued_again(tmp_path: Path) -> N
         tier.count_hits("m", 2, [g])
         pump(lambda: tier.writes == 4 and tier.queue_depth == 0)
         assert not tier.counts_hits
+
+
+def test_the_writers_count_the_running_ones_and_none_after_close(tmp_path: Path) -> None:
+    """``TierStatus.writers``: the writer threads running (``--l2-writers``, 2 by default), and
+    none once the tier is closed and they have exited."""
+    arena = Arena.create(1 << 20, tmp_path)
+    tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=0), ChunkIndex(arena.size), arena,
+                  lambda fn: None, lambda key: None)
+    try:
+        tier.start()
+        assert (tier.status().writers, tier.status().writers_held) == (2, 0)
+        tier.close()
+        assert (tier.status().writers, tier.status().writers_held) == (0, 0)
+    finally:
+        arena.close()
