@@ -40,52 +40,45 @@ def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], bef
     assert equal_bytes(got, want), f"KV cache after retrieve differs: {describe_diff(got, want, spec)}"
 
 
+def round_trip(kit: Kit, spec: KVSpec) -> None:
+    """Random bytes from 3 random blocks of a cache of ``spec``, stored (the cache unchanged),
+    checked in the server through the backdoor, then retrieved into 3 other random blocks of the
+    same cache, bit for bit, nothing else of the memory behind the layers changed."""
+    layers = kit.kv(spec)
+    ctx = kit.register(layers, spec)
+    keys = kit.keys(3)
+    src = kit.blocks(spec, 3)
+    before = as_bytes(layers)
+    want = kit.chunks_of(before, spec, src)
+
+    res = kit.store(ctx, keys, src)
+    assert (res.stored, res.present, res.failed) == ([0, 1, 2], [], [])
+    assert res.ok
+    assert equal_bytes(as_bytes(layers), before), "a store must not modify the KV cache"
+    held_res, held = kit.backdoor_read(spec, keys)
+    assert held_res.loaded == [0, 1, 2]
+    assert equal_bytes(held, want), "the server does not hold the canonical chunk bytes"
+
+    dst = kit.blocks(spec, 3, exclude=src)
+    got = kit.retrieve(ctx, keys, dst)
+    assert (got.loaded, got.missing) == ([0, 1, 2], [])
+    assert got.ok
+    assert_retrieved(kit, spec, layers, before, dst, want)
+
+
 class RoundTripTests:
     @pytest.mark.parametrize("layout,dtype", COMBOS, ids=[f"{layout_id(k)}-{d}" for k, d in COMBOS])
     def test_round_trip_is_bit_exact(self, kit: Kit, layout: Layout, dtype: str) -> None:
         """Random bytes (NaN payloads included) from random blocks, stored, checked in the server
         through the backdoor, then retrieved into other random blocks of the same cache; nothing
         else of the memory behind the layers changes."""
-        spec = kit.spec(layout, dtype)
-        layers = kit.kv(spec)
-        ctx = kit.register(layers, spec)
-        keys = kit.keys(3)
-        src = kit.blocks(spec, 3)
-        before = as_bytes(layers)
-        want = kit.chunks_of(before, spec, src)
-
-        res = kit.store(ctx, keys, src)
-        assert (res.stored, res.present, res.failed) == ([0, 1, 2], [], [])
-        assert res.ok
-        assert equal_bytes(as_bytes(layers), before), "a store must not modify the KV cache"
-        held_res, held = kit.backdoor_read(spec, keys)
-        assert held_res.loaded == [0, 1, 2]
-        assert equal_bytes(held, want), "the server does not hold the canonical chunk bytes"
-
-        dst = kit.blocks(spec, 3, exclude=src)
-        got = kit.retrieve(ctx, keys, dst)
-        assert (got.loaded, got.missing) == ([0, 1, 2], [])
-        assert got.ok
-        assert_retrieved(kit, spec, layers, before, dst, want)
+        round_trip(kit, kit.spec(layout, dtype))
 
     def test_round_trip_of_planes_that_are_not_adjacent(self, kit: Kit) -> None:
         """A flash_attn cache whose V plane starts 64 bytes after its K plane ends: its row view
         has rows closer than their length (they overlap in the view; a block's rows never do).
         Bit-exact both ways, and the 64 bytes between the planes are never written."""
-        spec = kit.spec(LayoutKind.FLASH_ATTN, plane_pad=64)
-        layers = kit.kv(spec)
-        ctx = kit.register(layers, spec)
-        keys, src = kit.keys(3), kit.blocks(spec, 3)
-        before = as_bytes(layers)
-        want = kit.chunks_of(before, spec, src)
-        assert kit.store(ctx, keys, src).stored == [0, 1, 2]
-        held_res, held = kit.backdoor_read(spec, keys)
-        assert held_res.loaded == [0, 1, 2]
-        assert equal_bytes(held, want), "the server does not hold the canonical chunk bytes"
-        dst = kit.blocks(spec, 3, exclude=src)
-        got = kit.retrieve(ctx, keys, dst)
-        assert (got.loaded, got.missing) == ([0, 1, 2], [])
-        assert_retrieved(kit, spec, layers, before, dst, want)
+        round_trip(kit, kit.spec(LayoutKind.FLASH_ATTN, plane_pad=64))
 
     @pytest.mark.parametrize("view", LAYERWISE, ids=["default", "bhnc-BLNHC-pad40"])
     def test_layer_by_layer_round_trip(self, kit: Kit, view: Layout | None) -> None:
