@@ -126,6 +126,8 @@ def _given(option: str, value: str) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvxfer.server import CacheServer, ServerConfig
 
+    parent = os.getppid() if args.exit_with_parent else None  # before the seconds the arena takes
+
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.url.startswith("inproc://"):
@@ -148,6 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         metrics_max_models=args.metrics_max_models,
         busy_poll_s=args.busy_poll_us / 1e6,
+        parent_pid=parent,
     )
     try:
         server = CacheServer(config)  # a large arena takes seconds to fault in, signals wait for it
@@ -467,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sleeping for this long, a CPU busy meanwhile; whether a lone request gains depends on the "
                         "host: measure it with `kvxfer bench --prefix --busy-poll-us US` (docs/performance.md, "
                         "'Busy polling'); at most 1000000; 0: off (default: %(default)g)")
+    s.add_argument("--exit-with-parent", action="store_true",
+                   help="stop, as on SIGTERM (the arena and socket removed), within a second of the process "
+                        "that started this one exiting, however it ended (a test run or a supervisor that was "
+                        "killed); the conformance kit's servers run with it")
     g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
     g.add_argument("--l2-url", default=_L2_DEFAULTS["l2_url"], metavar="URL",

@@ -73,6 +73,9 @@ class ServerConfig:
     #: wake-up of a sleeping thread (its own steps may still run cold; each client's heartbeat
     #: restarts the spin: docs/performance.md, "Busy polling").
     busy_poll_s: float = 0.0
+    #: Stop, as on SIGTERM, once the process with this id is no longer the server's parent (it
+    #: exited; ``--exit-with-parent``), checked on the loop's periodic pass; None: never.
+    parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         check_url(self.url)
@@ -95,6 +98,9 @@ class ServerConfig:
         if not 0 <= self.busy_poll_s <= MAX_BUSY_POLL_S:  # NaN fails too
             raise ConfigError(f"--busy-poll-us must be in [0, {round(MAX_BUSY_POLL_S * 1e6)}] microseconds, "
                               f"got {self.busy_poll_s * 1e6:.10g}")
+        if self.parent_pid is not None and (isinstance(self.parent_pid, bool) or not isinstance(self.parent_pid, int)
+                                            or self.parent_pid <= 0):
+            raise ConfigError(f"parent_pid must be a positive process id or None, got {self.parent_pid!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics port must be in [0, 65535] (0: any free port), got {self.metrics_port}")
         if not self.metrics_host:

@@ -386,6 +386,8 @@ class CacheServer:
         self.tier: L2Tier | None = None
         #: Whether a stop signal came (a second one exits at once: _on_signal).
         self._stop_signalled = False
+        #: Whether the loop found the parent of ``config.parent_pid`` gone (and stopped).
+        self._orphaned = False
         mq: MQServer | None = None
         try:
             self._load_transports()
@@ -799,6 +801,12 @@ class CacheServer:
         """The loop's periodic pass (MQServer's ``on_tick``, about every 0.25 s); ``ticks`` counts
         the passes completed (status)."""
         now = time.monotonic()
+        parent = self.config.parent_pid
+        if parent is not None and os.getppid() != parent and not self._orphaned:
+            self._orphaned = True
+            log.warning("the process that started this server (pid %d) has exited: stopping (--exit-with-parent)",
+                        parent)
+            self.stop()
         # after a pass that kept the loop from reading for long, a client's heartbeat may be
         # waiting unread: nobody is judged silent until the loop has read again
         stalled = now - self._last_tick > self.config.session_timeout_s / 2

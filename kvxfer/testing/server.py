@@ -11,7 +11,9 @@ one handshake (whose session it then ends: no session of its own is left behind)
 ``stop()`` sends SIGTERM and waits (SIGKILL after ``stop_timeout``). ``start_timeout`` is by
 default 30 s plus 5 s per GiB of ``l1_size`` (the arena is pre-faulted before the server is ready). With
 ``curve_dir`` (keys made by ``kvxfer keys``) it serves ``url`` (a ``tcp://`` address) with CURVE,
-and waits for it with the keys of client ``curve_client``.
+and waits for it with the keys of client ``curve_client``. The server runs with
+``--exit-with-parent`` (unless ``exit_with_parent=False``): when the process that started it ends
+without stopping it (a crash, SIGKILL), it stops by itself within a second and removes its arena.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class ServerProcess:
         stop_timeout: float = 10.0,
         curve_dir: str | os.PathLike[str] | None = None,
         curve_client: str = "client",
+        exit_with_parent: bool = True,
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvxfer-server-")
         sock_dir = Path(self._tmp.name) / "run"
@@ -74,6 +77,8 @@ class ServerProcess:
         # --opt=value: a value that starts with "-" (a negative size) is then refused as a value
         self.args = [sys.executable, "-m", "kvxfer", "serve", f"--url={self.url}", f"--l1-size={l1_size}",
                      f"--chunk-size={chunk_size}"]
+        if exit_with_parent:  # a test run that crashes or is killed leaves no server and no arena behind
+            self.args.append("--exit-with-parent")
         if transports:
             self.args += ["--transports", transports]
         self.curve_dir = Path(curve_dir) if curve_dir is not None else None

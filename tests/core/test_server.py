@@ -4,6 +4,7 @@ file modes."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvxfer import CacheClient, chunk_hashes
+from kvxfer import CacheClient, ConfigError, chunk_hashes
 from kvxfer.server.allocator import Allocator
 from kvxfer.testing.server import ServerProcess
 from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, after_ticks, flash_attn_kv, wait_until
@@ -372,3 +373,66 @@ def test_a_server_that_fails_at_its_last_step_of_start_up_leaves_nothing_behind(
     with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
                        url=f"ipc://{sock}") as srv, CacheClient(srv.url) as c:
         assert c.ping() > 0  # the socket's claim was let go too
+
+
+# --------------------------------------------------------------------------- --exit-with-parent
+
+_ORPHANING_PARENT = """
+import os, signal, sys
+from kvxfer.testing.server import ServerProcess
+
+shm = sys.argv[1]
+kept = ServerProcess(l1_size="8MiB", transports="cpu_gather", extra_args=["--shm-dir", shm]).start()
+gone = ServerProcess(l1_size="8MiB", transports="cpu_gather", extra_args=["--shm-dir", shm],
+                     exit_with_parent=False).start()
+print(kept.pid, gone.pid, kept.url, gone.url, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # a test run that crashes: nothing of ServerProcess.stop runs
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie that nobody reaped has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_the_kits_server_stops_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A process that starts servers with ServerProcess and dies by SIGKILL: the server started
+    with --exit-with-parent (the kit's default) stops by itself and removes its arena and socket;
+    the one started without it keeps serving (then stopped here)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _ORPHANING_PARENT, str(shm)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    kept_pid, free_pid, kept_url, free_url = proc.stdout.split()
+    kept, free = int(kept_pid), int(free_pid)
+    try:
+        assert wait_until(lambda: not _running(kept), timeout=30), "the server outlived the process that started it"
+        kept_sock = Path(kept_url.removeprefix("ipc://"))
+        assert not kept_sock.exists()
+        assert _running(free), "the server started without --exit-with-parent stopped too"
+        with CacheClient(free_url) as c:
+            assert c.ping() > 0
+            arena = c.arena_path
+        assert os.listdir(shm) == [Path(arena).parent.name], "the stopped server left its arena"
+    finally:
+        for pid in (kept, free):
+            if _running(pid):
+                os.kill(pid, signal.SIGTERM)
+        stopped = wait_until(lambda: not _running(kept) and not _running(free), timeout=30)
+        for url in (kept_url, free_url):  # the kit's directories (its logs), which a killed process leaves
+            shutil.rmtree(Path(url.removeprefix("ipc://")).parent.parent, ignore_errors=True)
+    assert stopped and os.listdir(shm) == []
+
+
+def test_exit_with_parent_is_off_unless_asked(tmp_path: Path) -> None:
+    from kvxfer.server import ServerConfig
+
+    assert ServerConfig().parent_pid is None
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match="parent_pid must be a positive process id"):
+            ServerConfig(url=f"ipc://{tmp_path}/s.sock", parent_pid=bad)  # type: ignore[arg-type]
