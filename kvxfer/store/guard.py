@@ -61,7 +61,9 @@ class GuardedBackend(Backend):
     def _call(self, method: str, *args: Any) -> Any:
         try:
             return getattr(self.inner, method)(*args)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit, asyncio's CancelledError: the plugin's fault too
+            if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C, which only the main thread gets: not the plugin's
             failure = self._failure(method, exc, "raised")
             if failure is exc:
                 raise

@@ -39,18 +39,21 @@ def _internal_errors(c: CacheClient) -> int:
     return c.status().errors_by_code.get("internal", 0)
 
 
-@pytest.mark.parametrize("fault", ["exists_raises", "exists_short", "exists_strings", "put_ints"])
+@pytest.mark.parametrize("fault", ["exists_raises", "exists_exits", "exists_short", "exists_strings", "put_ints"])
 def test_a_faulty_write_path_loses_no_chunk_and_is_counted(test_plugin_path: Path, tmp_path: Path, fault: str) -> None:
     """The writers check what L2 holds before they write: a check that raises or answers wrong
     (one size too few made chunks count as stored that were not) fails the batch, counted as a
-    store error, never as written or skipped; a put answered wrong likewise. With the fault gone
-    the same chunks are written and come back from L2."""
+    store error, never as written or skipped; a put answered wrong likewise. A check that raises
+    SystemExit is the same fault (it ended the writer's thread, and the tier counted writers that
+    were gone and dropped every later write). With the fault gone the same chunks are written and
+    come back from L2, by as many writers as before."""
     l2 = tmp_path / "l2"
     fault_file = Path(f"{l2}.fault")
     with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
         kv = c.register(flash_attn_kv(num_blocks=32), model_name="faulty", block_size=BLOCK_SIZE,
                         transport="cpu_gather")
         hashes = chunk_hashes(list(range(4 * CHUNK_SIZE)), CHUNK_SIZE, salt=fault)
+        writers = _tier(c).writers
         fault_file.write_text(fault)
         assert kv.submit_store(hashes, list(range(4 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1, 2, 3]
         wait_until(lambda: _tier(c).errors >= 1 and _tier(c).queue_depth == 0, timeout=30)
@@ -70,6 +73,8 @@ def test_a_faulty_write_path_loses_no_chunk_and_is_counted(test_plugin_path: Pat
         got = kv.submit_retrieve(hashes, list(range(4 * BLOCKS_PER_CHUNK, 8 * BLOCKS_PER_CHUNK)),
                                  lease_id=lease.lease_id).result(30)
         assert got.loaded == [0, 1, 2, 3]
+        t = _tier(c)
+        assert (t.writers, t.writers_held) == (writers, 0), t
 
 
 @pytest.mark.parametrize("fault", ["exists_raises", "exists_short", "exists_strings", "get_fails"])
