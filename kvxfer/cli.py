@@ -123,10 +123,31 @@ def _given(option: str, value: str) -> str:
     return value
 
 
+#: ``--exit-with-parent`` without a PID: the parent the server has when it starts.
+_OWN_PARENT = -1
+
+
+def _pid(text: str) -> int:
+    """A process id given on the command line (a positive integer)."""
+    try:
+        pid = int(text)
+    except ValueError:
+        pid = 0
+    if pid <= 0:
+        raise argparse.ArgumentTypeError(f"a process id is a positive integer, got {text!r}")
+    return pid
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvxfer.server import CacheServer, ServerConfig
 
-    parent = os.getppid() if args.exit_with_parent else None  # before the seconds the arena takes
+    parent = args.exit_with_parent
+    if parent == _OWN_PARENT:  # the bare option: this process's parent now (before the arena's seconds)
+        parent = os.getppid()
+        if parent == 0:
+            raise ConfigError("--exit-with-parent: this server's parent is outside its PID namespace (a container's "
+                              "entry point, or a process started by `docker exec`), so its end cannot be seen from "
+                              "here; run the server without the option")
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -470,10 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sleeping for this long, a CPU busy meanwhile; whether a lone request gains depends on the "
                         "host: measure it with `kvxfer bench --prefix --busy-poll-us US` (docs/performance.md, "
                         "'Busy polling'); at most 1000000; 0: off (default: %(default)g)")
-    s.add_argument("--exit-with-parent", action="store_true",
+    s.add_argument("--exit-with-parent", nargs="?", const=_OWN_PARENT, default=None, type=_pid, metavar="PID",
                    help="stop, as on SIGTERM (the arena and socket removed), within a second of the process "
                         "that started this one exiting, however it ended (a test run or a supervisor that was "
-                        "killed); the conformance kit's servers run with it")
+                        "killed). With PID (the starting process's own, e.g. --exit-with-parent=$$), a parent "
+                        "that is gone before the server starts is seen too: it then refuses to start. The "
+                        "conformance kit's servers run with it")
     g = s.add_argument_group("L2 tier", "a shared store under the arena (docs/l2.md); `kvxfer plugins` lists backends")
     g.add_argument("--l2", default="", metavar="NAME", help="store backend: valkey, fs, ... (default: none)")
     g.add_argument("--l2-url", default=_L2_DEFAULTS["l2_url"], metavar="URL",

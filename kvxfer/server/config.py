@@ -74,7 +74,8 @@ class ServerConfig:
     #: restarts the spin: docs/performance.md, "Busy polling").
     busy_poll_s: float = 0.0
     #: Stop, as on SIGTERM, once the process with this id is no longer the server's parent (it
-    #: exited; ``--exit-with-parent``), checked on the loop's periodic pass; None: never.
+    #: exited; ``--exit-with-parent``), checked on the loop's periodic pass; None: never. The
+    #: server refuses to start unless it is its parent now.
     parent_pid: int | None = None
 
     def __post_init__(self) -> None:

@@ -319,6 +319,11 @@ class CacheServer:
         self.config = config
         # what can be checked at once is, before the arena: faulting that in may take minutes (the
         # url and its keys were, by ServerConfig)
+        parent = config.parent_pid
+        if parent is not None and os.getppid() != parent:
+            raise ConfigError(f"--exit-with-parent {parent}: process {parent} is not this server's parent (that is "
+                              f"process {os.getppid()}): the process that started the server has exited already, "
+                              "or another one was named")
         if config.l2 is not None:  # an unknown store
             get_store(config.l2.store)
         for name in config.transports or ():  # a transport named that is not installed or cannot run here
@@ -804,6 +809,7 @@ class CacheServer:
         parent = self.config.parent_pid
         if parent is not None and os.getppid() != parent and not self._orphaned:
             self._orphaned = True
+            self._stop_signalled = True  # an operator's first signal after this ends a shutdown that hangs
             log.warning("the process that started this server (pid %d) has exited: stopping (--exit-with-parent)",
                         parent)
             self.stop()

@@ -77,8 +77,6 @@ class ServerProcess:
         # --opt=value: a value that starts with "-" (a negative size) is then refused as a value
         self.args = [sys.executable, "-m", "kvxfer", "serve", f"--url={self.url}", f"--l1-size={l1_size}",
                      f"--chunk-size={chunk_size}"]
-        if exit_with_parent:  # a test run that crashes or is killed leaves no server and no arena behind
-            self.args.append("--exit-with-parent")
         if transports:
             self.args += ["--transports", transports]
         self.curve_dir = Path(curve_dir) if curve_dir is not None else None
@@ -86,6 +84,9 @@ class ServerProcess:
         if self.curve_dir is not None:
             self.args += ["--curve-dir", str(self.curve_dir)]
         self.args += extra_args or []
+        #: The server stops when the process that started it ends (a test run that crashes or is
+        #: killed then leaves no server and no arena behind).
+        self.exit_with_parent = exit_with_parent
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout if start_timeout is not None else _start_timeout(l1_size)
         self.stop_timeout = stop_timeout
@@ -101,7 +102,10 @@ class ServerProcess:
         from kvxfer.client import CacheClient
 
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the server's life; closed in stop())
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        args = self.args
+        if self.exit_with_parent:  # this process's id: seen even if it ends before the server starts
+            args = [*args, f"--exit-with-parent={os.getpid()}"]
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.start_timeout
         # no probe before the server says it is ready: a probe that gave up before the server's
         # answer (a busy host) would leave a session behind until the session timeout

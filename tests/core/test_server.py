@@ -429,6 +429,68 @@ def test_the_kits_server_stops_with_the_process_that_started_it(tmp_path: Path) 
     assert stopped and os.listdir(shm) == []
 
 
+_EARLY_ORPHAN = """
+import os, subprocess, sys
+shm, sock = sys.argv[1], sys.argv[2]
+proc = subprocess.Popen([sys.executable, "-m", "kvxfer", "serve", f"--url=ipc://{sock}", "--l1-size=8MiB",
+                         "--transports=cpu_gather", "--shm-dir", shm, f"--exit-with-parent={os.getpid()}"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(proc.pid, flush=True)
+os._exit(0)  # gone before the server has even started Python
+"""
+
+
+def test_a_server_whose_parent_is_gone_before_it_starts_does_not_serve(tmp_path: Path) -> None:
+    """--exit-with-parent=PID: a parent that ended before the server looked at it (the kit's
+    process killed while its server starts) is seen too: the server refuses to start, and
+    nothing of it is left."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sock = tmp_path / "run" / "s.sock"
+    proc = subprocess.run([sys.executable, "-c", _EARLY_ORPHAN, str(shm), str(sock)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    pid = int(proc.stdout)
+    try:
+        wait_until(lambda: not _running(pid), timeout=60)
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert os.listdir(shm) == [] and not sock.exists()
+
+
+def test_exit_with_parent_names_the_parent_or_is_refused(tmp_path: Path) -> None:
+    """A PID that is not the server's parent, or not a process id, is refused at start (exit
+    code 2, saying why), before any arena is made."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    base = [sys.executable, "-m", "kvxfer", "serve", f"--url=ipc://{tmp_path}/run/s.sock", "--l1-size=8MiB",
+            "--transports=cpu_gather", "--shm-dir", str(shm)]
+    for value, says in [("1", "--exit-with-parent 1: process 1 is not this server's parent"),
+                        ("0", "a process id is a positive integer, got '0'"),
+                        ("me", "a process id is a positive integer, got 'me'")]:
+        proc = subprocess.run([*base, f"--exit-with-parent={value}"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stdout + proc.stderr
+    assert os.listdir(shm) == []
+
+
+def test_exit_with_parent_outside_the_pid_namespace_is_refused(tmp_path: Path) -> None:
+    """A server whose parent is outside its PID namespace (getppid() answers 0: a container's entry
+    point) cannot see its parent end: the bare option is refused, saying so."""
+    try:
+        ok = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=30).returncode == 0
+    except FileNotFoundError:
+        ok = False
+    if not ok:
+        pytest.skip("unshare --pid cannot run here (it needs util-linux and the right to make a PID namespace)")
+    proc = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-m", "kvxfer", "serve",
+                           f"--url=ipc://{tmp_path}/run/s.sock", "--l1-size=8MiB", "--transports=cpu_gather",
+                           "--shm-dir", str(tmp_path), "--exit-with-parent"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--exit-with-parent: this server's parent is outside its PID namespace" in proc.stderr, proc.stderr
+
+
 def test_exit_with_parent_is_off_unless_asked(tmp_path: Path) -> None:
     from kvxfer.server import ServerConfig
 
