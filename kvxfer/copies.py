@@ -146,7 +146,8 @@ def check_transfer(
     block_ids: Sequence[int] | torch.Tensor,
     skip_first_n_tokens: int = 0,
 ) -> torch.Tensor:
-    """Validate a transfer's block ids; returns them as an int64 CPU tensor.
+    """Validate a transfer's block ids; returns them as an int64 CPU tensor of their own (never
+    a view of ``block_ids``, which the caller may change once this returns).
 
     Raises :class:`ConfigError` (client side) naming what is wrong: block count, range, skip.
     """
@@ -177,7 +178,10 @@ def check_transfer(
                 wide = max(blocks.reshape(-1).tolist(), default=0)
                 if wide >= layout.num_blocks:
                     raise ConfigError(f"block ids must be in [0, {layout.num_blocks}); got max {wide}")
-            blocks = blocks.to(torch.int64).reshape(-1)
+            # a copy whatever the dtype, unless one was made already (from another device): the
+            # caller may reuse its buffer (an engine's block table) once the submit returns
+            shares = not isinstance(block_ids, torch.Tensor) or block_ids.device.type == "cpu"
+            blocks = blocks.to(torch.int64, copy=shares).reshape(-1)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise ConfigError(f"block_ids must be a sequence of integers: {exc}") from None
     check_count(blocks.numel())

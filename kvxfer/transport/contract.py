@@ -298,7 +298,9 @@ class TransferContext(ABC):
                      by_layer: bool = False) -> Future[StoreResult]:
         """Store the chunks ``keys`` from ``block_ids``; chunks the server has are skipped.
         The engine must not overwrite those blocks before the future is done (or cancelled:
-        ``cancel()`` succeeds until the copy starts, and then nothing is stored).
+        ``cancel()`` succeeds until the copy starts, and then nothing is stored). ``block_ids``
+        itself is read before this returns (a tensor is copied): the caller may reuse it at once;
+        so for :meth:`submit_retrieve`.
 
         ``by_layer``: the blocks are still being computed, layer after layer; the future is a
         :class:`LayerwiseFuture` and the caller tells it, with ``layer_ready(i)``, when layers

@@ -91,6 +91,32 @@ def test_store_and_retrieve_are_bit_exact(client) -> None:
     b.close()
 
 
+def test_block_ids_given_as_a_tensor_are_read_when_submitted(client) -> None:
+    """Block ids given as a tensor are the ids of the moment of the submit: the caller may reuse
+    the tensor at once (an engine's block table), for a store and for a retrieve. Before, the
+    worker read them when it planned the copies, later: a store after ``ids += 8`` stored blocks
+    8-15."""
+    src = flash_attn_kv(seed=7)
+    dst = [torch.zeros_like(t) for t in src]
+    a = client.register(src, model_name="ids-at-submit", block_size=BLOCK_SIZE, transport="cpu_gather")
+    b = client.register(dst, model_name="ids-at-submit", block_size=BLOCK_SIZE, transport="cpu_gather")
+    hashes = chunk_hashes(tokens(2, 11), CHUNK_SIZE)
+    ahead = a.submit_store(chunk_hashes(tokens(4, 12), CHUNK_SIZE), list(range(16, 32)))  # the worker's first job
+    ids = torch.arange(2 * BLOCKS_PER_CHUNK, dtype=torch.int64)
+    stored = a.submit_store(hashes, ids)
+    ids += 8
+    assert ahead.result(30).stored == [0, 1, 2, 3] and stored.result(30).stored == [0, 1]
+    out = torch.arange(2 * BLOCKS_PER_CHUNK, dtype=torch.int64) + 8
+    loaded = b.submit_retrieve(hashes, out)
+    out -= 8
+    assert loaded.result(30).loaded == [0, 1]
+    for s, d in zip(src, dst):
+        assert torch.equal(d[:, 8:16], s[:, 0:8]), "the chunks hold other blocks than those named at submit"
+        assert not d[:, 0:8].any()
+    a.close()
+    b.close()
+
+
 def test_clear(client) -> None:
     kv = client.register(flash_attn_kv(), model_name="clear-me", block_size=BLOCK_SIZE, transport="cpu_gather")
     hashes = chunk_hashes(tokens(2, 3), CHUNK_SIZE)
