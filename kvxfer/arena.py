@@ -233,9 +233,11 @@ class Arena:
             raise ValueError(f"the arena {self.path} is closed")
 
     def close(self) -> None:
-        """Unmap and delete the directory, then drop the lock. Views that still live keep the
-        mapping (not the directory) until they go."""
-        del self.tensor
+        """Unmap and delete the directory, then drop the lock (idempotent). Views that still
+        live keep the mapping (not the directory) until they go."""
+        if self._mm is None:
+            return
+        self.tensor = None  # type: ignore[assignment]  # closed: nothing may use the view
         _unmap(self._mm, f"the arena {self.path} closed")
         self._mm = None  # type: ignore[assignment]  # closed (or left to the views that live)
         shutil.rmtree(self.path.parent, ignore_errors=True)
@@ -313,12 +315,15 @@ class ArenaMapping:
         self.tensor = _as_tensor(self._mm)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if self._mm is None:
+            raise ValueError(f"the mapping of the server's arena {self.path} is closed")
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise ValueError(f"slot [{offset}, {offset + nbytes}) is outside the arena of {self.size} bytes")
         return self.tensor[offset:offset + nbytes]
 
     def close(self) -> None:
-        """Unmap, or leave the mapping to the slot views that still live (see :func:`_as_tensor`)."""
+        """Unmap, or leave the mapping to the slot views that still live (see :func:`_as_tensor`);
+        idempotent."""
         if self._mm is None:
             return
         self.tensor = None  # type: ignore[assignment]  # the mapping is closed: nothing may use the view

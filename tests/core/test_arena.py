@@ -21,6 +21,7 @@ CASES = {
         view = arena.view(4096, 64)
         view.fill_(7)
         arena.close()
+        arena.close()  # twice: nothing more happens
         for late in (arena.view, arena.memoryview):
             try:
                 late(0, 8)
@@ -36,6 +37,12 @@ CASES = {
         view.fill_(0x0707)
         mapping.close()
         mapping.close()  # twice: nothing more happens
+        try:
+            mapping.view(0, 8)
+        except ValueError as exc:
+            assert "is closed" in str(exc), exc
+        else:
+            raise AssertionError("a closed mapping handed out a view")
         arena.close()
     """,
 }
