@@ -320,6 +320,14 @@ class HostRows:
             raise ValueError(f"HostRows needs at least one thread, got {self.threads}")
         self._layers = len(rows)
         self._rows = list(rows)  # the memory the addresses below point into, kept alive
+        #: Each distinct storage of the layers, with its address and size when registered: a
+        #: storage freed (``resize_(0)``) or moved (a ``resize_`` that grew it) since is refused
+        #: before the C code sees an address into it.
+        storages: dict[int, tuple[torch.UntypedStorage, int, int]] = {}
+        for r in rows:
+            st = r.untyped_storage()
+            storages.setdefault(st.data_ptr(), (st, st.data_ptr(), st.nbytes()))
+        self._storages = list(storages.values())
         self._layer_ptrs = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64)
         #: Rows per layer, bytes from one row to the next, bytes of a row.
         self.span_rows, self.row_pitch, self.row_bytes = shape[0], stride[0] * size, shape[1] * size
@@ -330,9 +338,17 @@ class HostRows:
         ``[n, len(rows), row]`` with dense, non-overlapping rows and layers; int64 ``rows`` of
         ``[0, span_rows)``; layers within these) is a ValueError or IndexError, with nothing of
         it copied (copies before it in ``copies`` are). A scatter whose rows name one row twice
-        runs on one thread: the row ends as its last write in ``rows`` left it."""
+        runs on one thread: the row ends as its last write in ``rows`` left it. Layers whose
+        memory was freed or moved since (:meth:`torch.UntypedStorage.resize_`) are a ConfigError,
+        with nothing copied."""
         import torch
 
+        for st, ptr, nbytes in self._storages:
+            if st.data_ptr() != ptr or st.nbytes() != nbytes:
+                raise ConfigError(f"the KV cache's memory was freed or moved after it was registered (a storage of "
+                                  f"{nbytes} bytes at {ptr:#x} is now {st.nbytes()} bytes at {st.data_ptr():#x}): "
+                                  "close the transfer context before freeing or resizing the KV cache, then "
+                                  "register it again")
         layers = self._layer_ptrs.data_ptr()
         row_bytes = self.row_bytes
         for c in copies:

@@ -258,3 +258,47 @@ def test_host_rows_without_its_c_extension_says_how_to_build_it(monkeypatch: pyt
     monkeypatch.delattr(kvxfer, "_rowcopy", raising=False)
     with pytest.raises(ImportError, match=r"C row copy .* is not built .*pip install \."):
         HostRows([torch.zeros(4, 8, dtype=torch.uint8)])
+
+
+_FREED = """
+import torch
+from kvxfer.copies import HostRows, RowCopy
+from kvxfer.errors import ConfigError
+
+layers = [torch.zeros(64, 256, dtype=torch.bfloat16) for _ in range(2)]
+host = HostRows(layers)
+slot = torch.ones(2, 4, 256, dtype=torch.bfloat16)
+rows = torch.arange(4, dtype=torch.int64)
+host.copy([RowCopy(rows, slot)], to_slot=False)  # registered memory: copied
+assert int(layers[0][:4].sum()) == 4 * 256
+{change}
+filler = [torch.full((64, 256), 7, dtype=torch.bfloat16) for _ in range(8)]  # may take the freed memory
+try:
+    host.copy([RowCopy(rows, slot)], to_slot=False)
+except ConfigError as exc:
+    assert "freed or moved after it was registered" in str(exc), exc
+    print("refused")
+else:
+    print("copied")
+"""
+
+
+@pytest.mark.parametrize("change", ["layers[0].untyped_storage().resize_(0)",
+                                    "layers[1].resize_(128, 256)"], ids=["freed", "moved"])
+def test_layers_freed_or_moved_after_registration_are_refused(change: str, tmp_path) -> None:
+    """A KV cache freed or grown after registration (its storage ``resize_``d): the copy is
+    refused with a ConfigError before the C code writes into memory that is not the cache's any
+    more (before, a retrieve wrote into freed memory, and a new tensor there made it segfault).
+    In a child process: a copy through a stale address could crash it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kvxfer
+
+    env = {**os.environ, "PYTHONPATH": str(Path(kvxfer.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", _FREED.replace("{change}", change)], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["refused"]
