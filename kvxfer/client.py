@@ -415,7 +415,9 @@ class CacheClient:
         return self.request(m.Lookup(model_name, world_size, list(hashes), lease_s, promote, prefetch))
 
     def release_lease(self, lease_id: int) -> None:
-        self.request(m.ReleaseLease(lease_id))
+        from kvxfer.copies import check_lease_id
+
+        self.request(m.ReleaseLease(check_lease_id(lease_id)))
 
     def status(self) -> m.StatusReply:
         return self.request(m.StatusRequest())

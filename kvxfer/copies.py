@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import functools
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from kvxfer.layout import KVLayout
 
 __all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "ChunkRows", "HostRows", "RowCopy", "SlotViews",
-           "StoredSlot", "check_transfer", "chunk_rows", "host_copy_threads", "layer_slice", "plan_copies"]
+           "StoredSlot", "check_lease_id", "check_transfer", "chunk_rows", "host_copy_threads", "layer_slice",
+           "plan_copies"]
 
 #: Hosts with at most this many CPUs copy on one thread by default (:func:`host_copy_threads`).
 SMALL_HOST_CPUS: Final = 4
@@ -139,6 +141,14 @@ def _run_offsets(offsets: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int64).view(1, -1, 1)
 
 
+def check_lease_id(lease_id: object) -> int:
+    """A lease id as :meth:`kvxfer.CacheClient.lookup_and_lease` hands them out (0: none); a
+    ConfigError names anything else."""
+    if isinstance(lease_id, bool) or not isinstance(lease_id, numbers.Integral) or not 0 <= int(lease_id) < 1 << 63:
+        raise ConfigError(f"lease_id must be 0 (no lease) or a lease id from lookup_and_lease, got {lease_id!r}")
+    return int(lease_id)
+
+
 def check_transfer(
     layout: KVLayout,
     chunk_size: int,
@@ -190,6 +200,8 @@ def check_transfer(
         lo_hi = (int(lo), int(hi))
     if lo_hi is not None and (lo_hi[0] < 0 or lo_hi[1] >= layout.num_blocks):
         raise ConfigError(f"block ids must be in [0, {layout.num_blocks}); got min {lo_hi[0]}, max {lo_hi[1]}")
+    if isinstance(skip_first_n_tokens, bool) or not isinstance(skip_first_n_tokens, numbers.Integral):
+        raise ConfigError(f"skip_first_n_tokens must be an integer number of tokens, got {skip_first_n_tokens!r}")
     if skip_first_n_tokens < 0 or skip_first_n_tokens % layout.block_size:
         raise ConfigError(
             f"skip_first_n_tokens must be a non-negative multiple of the block size "

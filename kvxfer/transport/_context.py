@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 
 import msgspec
 
-from kvxfer.copies import check_transfer
+from kvxfer.copies import check_lease_id, check_transfer
 from kvxfer.errors import ConfigError, InvalidRequest, KvxferError, NoSession, TransportFailed, UnknownInstance
 from kvxfer.layout import KVLayout
 from kvxfer.protocol import codec
@@ -232,9 +232,10 @@ class ContextCore:
     ) -> Future[m.RetrieveResult]:
         keys = list(keys)
         blocks = check_transfer(self.layout, self.chunk_size, len(keys), block_ids, skip_first_n_tokens)
+        lease_id = check_lease_id(lease_id)
         with self._lock:
             self._check_open()
-        skip = skip_first_n_tokens // self.layout.block_size
+        skip = int(skip_first_n_tokens) // self.layout.block_size
         outer: Future[m.RetrieveResult] = self._layered("retrieve") if by_layer else self._future()
         return self._start_retrieve(self._transfer("retrieve", keys, blocks, skip), lease_id, outer)
 

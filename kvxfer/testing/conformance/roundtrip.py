@@ -324,6 +324,11 @@ class RoundTripTests:
             ctx.submit_store(keys, [spec.num_blocks] * (2 * kit.blocks_per_chunk))
         with pytest.raises(ConfigError, match=r"skip_first_n_tokens"):
             ctx.submit_retrieve(keys, kit.blocks(spec, 2), skip_first_n_tokens=BLOCK_SIZE // 2)
+        with pytest.raises(ConfigError, match=r"skip_first_n_tokens must be an integer"):
+            ctx.submit_retrieve(keys, kit.blocks(spec, 2), skip_first_n_tokens=float(BLOCK_SIZE))  # type: ignore[arg-type]
+        for lease_id in (-1, 1 << 64, 1.0):
+            with pytest.raises(ConfigError, match=r"lease_id must be 0 \(no lease\) or a lease id"):
+                ctx.submit_retrieve(keys, kit.blocks(spec, 2), lease_id=lease_id)  # type: ignore[arg-type]
         res = kit.store(ctx, keys, kit.blocks(spec, 2))  # the context still works afterwards
         assert res.stored == [0, 1]
 
