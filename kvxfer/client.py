@@ -62,6 +62,15 @@ MAX_TIMEOUT_S: Final = 365 * 86400.0
 _GOODBYE_S = 1.0
 
 
+def _drop(mq: MQClient, held: list[liveness.ProcessLock | None]) -> None:
+    """Close a client's connection, then release its liveness lock (close(), or the client
+    collected unclosed: its server then ends the session as for any connection that ends)."""
+    mq.close()
+    lock = held[0]
+    if lock is not None:
+        lock.release()
+
+
 def _serve_command(url: str) -> str:
     return f"kvxfer serve --url {url}" + (" --curve-dir DIR" if url.startswith("tcp://") else "")
 
@@ -157,8 +166,21 @@ class CacheClient:
         self.name = name
         self._lock = threading.RLock()
         self._contexts: weakref.WeakSet[TransferContextBase] = weakref.WeakSet()
-        self._mq = MQClient(self.url, default_timeout=timeout, curve=curve, on_late_reply=self._release_late,
+        late = weakref.WeakMethod(self._release_late)  # the connection's thread must not keep this client alive
+
+        def on_late_reply(name: str, request: Any, reply: Any) -> None:
+            release = late()
+            if release is not None:
+                release(name, request, reply)
+
+        self._mq = MQClient(self.url, default_timeout=timeout, curve=curve, on_late_reply=on_late_reply,
                             late_names=frozenset({"reserve_write", "reserve_read"}))
+        #: The liveness lock held now (one item: the handshake replaces it), for :attr:`_finalizer`.
+        self._held: list[liveness.ProcessLock | None] = [None]
+        #: A client dropped without close() closes its connection (and with it its I/O thread,
+        #: its heartbeats and so its session) and its lock file when it is collected.
+        self._finalizer = weakref.finalize(self, _drop, self._mq, self._held)
+        self._finalizer.atexit = False
         self._epoch = 0
         #: The server-issued secret of our session (presented to resume it) and lock token.
         self._secret = b""
@@ -281,14 +303,14 @@ class CacheClient:
         if not self.arena_path or not liveness.valid_token(self._token):
             if self._liveness is not None:
                 self._liveness.release()
-                self._liveness = None
+                self._liveness = self._held[0] = None
             return
         want = liveness.lock_path(self.arena_path, self._token)
         if self._liveness is not None:
             if self._liveness.path == want and want.exists():
                 return
             self._liveness.release()  # the server restarted: its directory is another one
-        self._liveness = liveness.ProcessLock.hold(self.arena_path, self._token)
+        self._liveness = self._held[0] = liveness.ProcessLock.hold(self.arena_path, self._token)
 
     @property
     def epoch(self) -> int:
@@ -440,9 +462,7 @@ class CacheClient:
                 self.request(m.Goodbye(), timeout=min(_GOODBYE_S, float(self.timeout or _GOODBYE_S)))
         except (KvxferError, ConnectionError, TimeoutError):
             pass  # gone already, or a server without goodbye: its session times out instead
-        self._mq.close()
-        if self._liveness is not None:
-            self._liveness.release()
+        self._finalizer()  # the connection, then the lock file
 
     def __enter__(self) -> CacheClient:
         return self

@@ -128,6 +128,28 @@ def test_clear(client) -> None:
     kv.close()
 
 
+def test_a_client_dropped_without_close_ends_its_session_when_collected(server, client) -> None:
+    """A CacheClient that is dropped unclosed is collected like any object: its connection, its
+    I/O thread (whose heartbeats kept the session alive for good), its descriptors and its lock
+    file go, and the server ends its session. Before, the connection's thread kept the client
+    alive: ten dropped clients left ten sessions, ten threads and 60 descriptors."""
+    import gc
+    import threading
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.collect()
+    sessions, threads, files = client.status().sessions, threading.active_count(), fds()
+    for _ in range(3):
+        dropped = CacheClient(server.url, timeout=15)
+        assert dropped.ping() > 0 and client.status().sessions > sessions
+        del dropped
+    gc.collect()
+    wait_until(lambda: client.status().sessions == sessions, timeout=30)
+    wait_until(lambda: threading.active_count() == threads and fds() == files, timeout=30)
+
+
 def test_a_client_that_closes_ends_its_session_at_once(server, client) -> None:
     """close() says goodbye: the server drops the session (and its registrations) right away,
     not after its session timeout, and says why in its log."""
