@@ -64,8 +64,13 @@ _GOODBYE_S = 1.0
 
 def _drop(mq: MQClient, held: list[liveness.ProcessLock | None]) -> None:
     """Close a client's connection, then release its liveness lock (close(), or the client
-    collected unclosed: its server then ends the session as for any connection that ends)."""
+    collected unclosed: its server then ends the session as for any connection that ends). In a
+    forked child, neither: both are the parent's (removing the lock file would tell the server
+    that the parent is gone)."""
+    forked = mq.forked
     mq.close()
+    if forked:
+        return
     lock = held[0]
     if lock is not None:
         lock.release()

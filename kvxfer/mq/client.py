@@ -366,6 +366,9 @@ class MQClient:
         successful reply to a request named in ``late_names`` that came after the request had
         failed for its deadline (the server did what was asked: e.g. release what it granted)."""
         self.url = url
+        #: The process that made this connection: a process forked from it may not use it (its
+        #: requests would go out on the same socket and take the parent's replies).
+        self.pid = os.getpid()
         self.default_timeout = default_timeout
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
@@ -409,7 +412,8 @@ class MQClient:
 
     def submit(self, payload: Request[Reply], timeout: float | None = None) -> ReplyFuture[Reply]:
         """Send ``payload`` (its type names the request); the future resolves to the decoded
-        reply. ValueError for a Struct that is no request."""
+        reply. ValueError for a Struct that is no request; ConfigError in a forked child."""
+        self._check_process()
         name = spec_of(payload).name
         fut: ReplyFuture[Reply] = ReplyFuture(self.url, name)
         rid = next(self._ids)
@@ -447,6 +451,7 @@ class MQClient:
         (no thread hand-off on the way back, no future) and completes whatever other replies
         it reads; threads that come while there is a leader wait on futures.
         """
+        self._check_process()
         t = self.default_timeout if timeout is None else timeout
         name = spec_of(payload).name
         data = codec.encode(payload)
@@ -511,7 +516,21 @@ class MQClient:
         self._last_recv = time.monotonic()
         self._heartbeat_enabled = True
 
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a child forked from the one that made the connection."""
+        return os.getpid() != self.pid
+
+    def _check_process(self) -> None:
+        if self.forked:
+            raise ConfigError(f"this connection to {self.url} was made by process {self.pid}, and process "
+                              f"{os.getpid()} was forked from it: make a CacheClient of its own in the child (requests "
+                              "on the inherited connection would go out on the parent's socket and take its replies)")
+
     def close(self) -> None:
+        if self.forked:  # the parent's connection, thread and pipes are the parent's: only let go of them here
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return

@@ -150,6 +150,51 @@ def test_a_client_dropped_without_close_ends_its_session_when_collected(server, 
     wait_until(lambda: threading.active_count() == threads and fds() == files, timeout=30)
 
 
+_FORKED = """
+import os, sys
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.errors import ConfigError
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+
+c = CacheClient(sys.argv[1])
+kv = c.register(flash_attn_kv(), model_name="forked", block_size=BLOCK_SIZE, transport="cpu_gather")
+hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="forked")
+assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+lease = c.lookup_and_lease("forked", hashes=hashes, lease_s=30)
+pid = os.fork()
+if pid == 0:
+    refused = 0
+    for call in (c.ping, lambda: c.lookup("forked", hashes=hashes),
+                 lambda: kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK)))):
+        try:
+            call()
+        except ConfigError as exc:
+            refused += "forked from it" in str(exc)
+    kv.close()
+    c.close()
+    os._exit(refused)
+_, status = os.waitpid(pid, 0)
+got = kv.submit_retrieve(hashes, list(range(8, 8 + 2 * BLOCKS_PER_CHUNK)), lease_id=lease.lease_id).result(30)
+print(os.waitstatus_to_exitcode(status), c.ping() > 0, got.loaded)
+c.close()
+"""
+
+
+def test_a_forked_child_cannot_use_its_parents_client_and_leaves_it_whole(server, tmp_path: Path) -> None:
+    """After os.fork(), the child's copy of a CacheClient refuses every request with a
+    ConfigError (they would go out on the parent's socket and take its replies, or hang: the
+    worker threads are not in the child), and its close() ends nothing of the parent's: the
+    parent's session, registration, lease and lock file stay, and it loads what it leased.
+    Before, the child's close() sent the parent's goodbye: the parent's next request failed with
+    NoSession."""
+    helpers = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _FORKED, server.url], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["3", "True", "[0,", "1]"], done.stdout + done.stderr
+
+
 def test_a_client_that_closes_ends_its_session_at_once(server, client) -> None:
     """close() says goodbye: the server drops the session (and its registrations) right away,
     not after its session timeout, and says why in its log."""
