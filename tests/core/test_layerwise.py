@@ -173,6 +173,27 @@ def test_closing_with_a_layerwise_store_waiting_for_layers_fails_it(client: Cach
     assert client.status().reservations == 0
 
 
+def test_a_layerwise_store_whose_future_was_dropped_is_given_up_at_close(client: CacheClient) -> None:
+    """A caller that drops a layer-wise store's future without declaring its layers (a forward
+    pass that raised): the store waits for its layers until the context closes (its reservation
+    holds the keys meanwhile: a store of them answers 'present'), and closing the context gives
+    it up, even with the future collected: its reservation goes and the chunks can be stored by
+    anyone."""
+    import gc
+
+    _, ctx = _register(client, "lw-dropped", seed=3)
+    hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw-dropped")
+    fut = ctx.submit_store(hashes, _blocks(0, 2), by_layer=True)
+    wait_until(lambda: client.status().reservations == 1, timeout=30)  # reserved: waiting for layers
+    del fut
+    gc.collect()
+    ctx.close()
+    assert client.status().reservations == 0
+    _, other = _register(client, "lw-dropped", seed=4)
+    assert other.submit_store(hashes, _blocks(0, 2)).result(30).stored == [0, 1]
+    other.close()
+
+
 def test_layer_indices_are_checked(client: CacheClient) -> None:
     kv, ctx = _register(client, "lw-index", seed=3)
     fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="ix"), _blocks(0, 1), by_layer=True)
