@@ -239,7 +239,7 @@ class ClientDrivenCore(ContextCore):
         lw = layered
         groups = self._layer_groups(sum(c.slot.numel() * c.slot.element_size() for c in copies))
         parts: list[tuple[Waiter | None, range]] = []
-        state = {"next": 0, "queued": False, "over": False}
+        state: dict[str, Any] = {"next": 0, "queued": False, "over": False}
         lock = threading.Lock()
         store = transfer.kind == "store"
 
@@ -270,7 +270,7 @@ class ClientDrivenCore(ContextCore):
                     if not ready:
                         if lw.abandoned is None:
                             return  # a later layer_ready queues this again
-                        state["over"] = True
+                        _over(state)
                         error = lw.abandoned
                 if error is None:
                     state["next"] = k + 1
@@ -285,7 +285,7 @@ class ClientDrivenCore(ContextCore):
                     waiter = guarded(copy(sliced, part), self.transport_name, f"{step} (waiter)")
             except BaseException as exc:  # noqa: BLE001  (fail() hands it to the caller's future)
                 with lock:
-                    state["over"] = True
+                    _over(state)
                 fail(exc)
                 return
             if waiter is None and all(w is None for w, _ in parts):
@@ -294,7 +294,7 @@ class ClientDrivenCore(ContextCore):
                 parts.append((waiter, group))
             if k + 1 == len(groups):
                 with lock:
-                    state["over"] = True
+                    _over(state)
                 finish()
             elif not store or lw.ready(groups[k + 1].stop)[0] or lw.abandoned is not None:
                 queue()
@@ -304,10 +304,16 @@ class ClientDrivenCore(ContextCore):
                 if state["queued"] or state["over"]:
                     return
                 state["queued"] = True
+                run = state["advance"]
             try:
-                self._executor.submit(advance)
+                self._executor.submit(run)
             except RuntimeError:  # the context is closing: its worker takes no new jobs
-                advance()
+                run()
+
+        # queue() reaches advance() through ``state`` (dropped when the transfer is over), not a
+        # cell of its own: the two would hold each other, and with them the copies' views of the
+        # arena, until the garbage collector found the cycle (the mapping outlived close())
+        state["advance"] = advance
 
         if store:
             lw.on_ready(queue)
@@ -457,3 +463,8 @@ class ClientDrivenCore(ContextCore):
             self._late_done.wait_for(lambda: self._late == 0)
 
 
+def _over(state: dict[str, Any]) -> None:
+    """A layer-wise transfer's parts are all queued or given up (lock held): drop what
+    :meth:`ClientDrivenCore._copy_parts`'s ``queue`` reaches its next part through."""
+    state["over"] = True
+    state.pop("advance", None)

@@ -194,6 +194,48 @@ def test_a_layerwise_store_whose_future_was_dropped_is_given_up_at_close(client:
     other.close()
 
 
+_MAPPED_AFTER_CLOSE = """
+import gc, sys
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv
+
+gc.disable()  # as an engine that freezes or turns off the collector runs
+c = CacheClient(sys.argv[1])
+path = c.arena_path
+ctx = c.register(flash_attn_kv(num_layers=4), model_name="lw-maps", block_size=BLOCK_SIZE, transport="cpu_gather")
+hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw-maps")
+store = ctx.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK)), by_layer=True)
+for layer in range(4):
+    store.layer_ready(layer)
+stored = store.result(30).stored
+load = ctx.submit_retrieve(hashes, list(range(8, 8 + 2 * BLOCKS_PER_CHUNK)), by_layer=True)
+print(stored, load.result(30).loaded)
+del store, load
+ctx.close()
+c.close()
+print(sum(path in line for line in open("/proc/self/maps")))
+"""
+
+
+def test_a_closed_context_unmaps_the_arena_after_layerwise_transfers_without_the_collector(
+        client: CacheClient, tmp_path) -> None:
+    """After layer-wise transfers and close(), the context's mapping of the arena is gone at once,
+    with the garbage collector off. Before, the closures that queue a layer-wise transfer's parts
+    held each other and the copies' slot views: the mapping (an arena's worth of shared memory,
+    256 MiB in the case that showed it) stayed until a collection, never in an engine that turns
+    the collector off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _MAPPED_AFTER_CLOSE, client.url], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[0,", "1]", "[0,", "1]", "0"], done.stdout
+
+
 def test_layer_indices_are_checked(client: CacheClient) -> None:
     kv, ctx = _register(client, "lw-index", seed=3)
     fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="ix"), _blocks(0, 1), by_layer=True)
