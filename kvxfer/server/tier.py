@@ -378,6 +378,8 @@ L2_LOOKUP_KEYS: Final = 1 << 15
 #: lookups would otherwise queue checks at the store until lookups time out, which the breaker
 #: counts as failures of a healthy store: L2 down for every client.
 L2_KEYS_IN_FLIGHT: Final = 2 * L2_LOOKUP_KEYS
+#: A lookup's check still running this long after the lookup timed out is warned about.
+_LATE_CHECK_S: Final = 30.0
 
 
 class TierLookup:
@@ -410,7 +412,7 @@ class TierLookup:
         self.stop = 0
         #: the chunks (counted from ``l1_hits``) that come from L2, in part or whole.
         self.l2_chunks: list[int] = []
-        #: keys its check holds in the tier's count of keys at the store, until answered or timed out
+        #: keys its check holds in the tier's count of keys at the store, until answered or failed
         self.in_flight = 0
         self._callbacks: list[Callable[[TierLookup], None]] = []
         self._done = False
@@ -443,8 +445,8 @@ class TierLookup:
                                              f"{why} (a fault of the store plugin)"), "lookup")
                 self.resolve([])
                 return
-        if sizes and (tier.breaker.failures or not tier.breaker.proven):  # ([]: the store was not asked)
-            tier.breaker.success()
+        if sizes and not self._done and (tier.breaker.failures or not tier.breaker.proven):
+            tier.breaker.success()  # ([]: the store was not asked; an answer past the timeout proves nothing)
         self.resolve(sizes)
 
     def resolve(self, sizes: list[int]) -> bool:
@@ -549,6 +551,8 @@ class L2Tier:
         self._counters = threading.Lock()
         #: Lookups waiting for the store; the loop's tick ends those past their deadline.
         self._waiting: list[TierLookup] = []
+        #: Lookups that timed out while their checks still run at the store (their keys counted).
+        self._late: list[TierLookup] = []
         #: Per (model, world size), per chunk hash: every rank's chunk key and L2 key.
         self._keys: dict[tuple[str, int], dict[bytes, tuple[tuple[ChunkKey, ...], tuple[bytes, ...]]]] = {}
         #: (model name, world size) -> its ranks' L2 key maker, forgotten with the keys
@@ -1079,9 +1083,11 @@ class L2Tier:
             self._abandon_stuck()
         if self._batches:
             self._abandon_held_writers()
+        now = time.monotonic()
+        if self._late:
+            self._warn_late(now)
         if not self._waiting:
             return
-        now = time.monotonic()
         keep = []
         for lk in self._waiting:
             if lk.done():
@@ -1089,10 +1095,27 @@ class L2Tier:
             if lk.deadline > now:
                 keep.append(lk)
             elif lk.resolve([]):
-                self._landed(lk)  # a node gone silent must not leave every later lookup "busy"
+                # its keys stay counted until the store answers or fails the check (a silent node's
+                # loop connection is dropped, a threaded check ends by its timeout): a store slower
+                # than the lookups must not have ever more of their checks queued at it
+                if lk.in_flight:
+                    self._late.append(lk)
                 self._count("timeouts")
                 self._failed(TimeoutError(f"no answer within {self.config.timeout_s:g} s"), "lookup")
         self._waiting = keep
+
+    def _warn_late(self, now: float) -> None:
+        """Forget the timed-out lookups whose checks the store has ended since; warn while one
+        has not, :data:`_LATE_CHECK_S` after its timeout (a backend that leaves checks running
+        keeps later lookups "busy": answered from L1)."""
+        self._late = [lk for lk in self._late if lk.in_flight]
+        if self._late and now - self._late[0].deadline > _LATE_CHECK_S:
+            keys = sum(lk.in_flight for lk in self._late)
+            self._throttled.warning("late checks", f"L2 store {self.store.name}: {len(self._late)} existence "
+                                    f"checks ({keys} keys) have not ended {now - self._late[0].deadline:.0f} s "
+                                    "after their lookups timed out; lookups answer from L1 (counted as busy) while "
+                                    f"more than {L2_KEYS_IN_FLIGHT} keys are at the store (a store must end its "
+                                    "operations within --l2-timeout)")
 
     def _abandon_stuck(self) -> None:
         """On the loop: promotions whose gets have not ended within ``stuck_after`` their bytes,

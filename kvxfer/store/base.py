@@ -219,11 +219,19 @@ class LoopExists(Protocol):
     its own sockets and calls :meth:`on_readable` for each readable one. A backend that cannot
     now (a connection missing or failed, TLS) answers False and the server uses
     :meth:`Backend.submit_exists`.
+
+    The server counts a check's keys against its bound on keys at the store until its ``done``
+    is called, also after the lookup timed out: a check must end (answered, or its connection
+    dropped) in bounded time, even when no new check is sent. The loop calls :meth:`loop_fds` on
+    each of its periodic passes (about 4 a second), where a backend can drop a connection that
+    went silent.
     """
 
     def loop_fds(self) -> Sequence[int]:
         """The descriptors of the healthy loop connections (the same object while they do not
-        change: the loop compares it with the last one it saw)."""
+        change: the loop compares it with the last one it saw). Called on each periodic pass of
+        the loop too: a connection that went silent with checks unanswered may be dropped here
+        (their ``done`` called with None)."""
         ...
 
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:

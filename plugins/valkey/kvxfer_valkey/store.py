@@ -305,6 +305,9 @@ class ValkeyBackend(ThreadedBackend):
             self._fds = tuple(lc.fd for lc in self._loops.values())
 
     def loop_fds(self) -> tuple[int, ...]:
+        for lc in list(self._loops.values()):  # also when no check is sent (lookups "busy"): see LoopExists
+            if lc.pending:
+                self._stuck(lc)
         return self._fds
 
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:

@@ -6,6 +6,7 @@ time). A real Valkey cannot be made to send these replies, hence the fake."""
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
@@ -54,6 +55,9 @@ class FakeValkey:
         self.client_reply: bytes | Trickle | None = b"+OK\r\n"
         #: bytes of replies sent whole or in part (sendall that failed: its bytes not counted)
         self.sent = 0
+        #: read every command as it comes (a node whose socket never fills), answering them in
+        #: order meanwhile; else one command, then its answer
+        self.read_ahead = False
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"valkey://127.0.0.1:{self._sock.getsockname()[1]}"
         self._conns: list[socket.socket] = []
@@ -80,10 +84,32 @@ class FakeValkey:
 
     def _serve(self, conn: socket.socket) -> None:
         f = conn.makefile("rb")
+        if self.read_ahead:
+            commands: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+
+            def read() -> None:
+                try:
+                    while (cmd := _read_command(f)) is not None:
+                        with self._lock:
+                            self.commands.append(cmd)
+                        commands.put(cmd)
+                except (OSError, ValueError, ConnectionError):
+                    pass
+                commands.put(None)
+
+            threading.Thread(target=read, name="fake-valkey-read", daemon=True).start()
+
+            def next_command() -> list[bytes] | None:
+                return commands.get()
+        else:
+            def next_command() -> list[bytes] | None:
+                cmd = _read_command(f)
+                if cmd is not None:
+                    with self._lock:
+                        self.commands.append(cmd)
+                return cmd
         try:
-            while (cmd := _read_command(f)) is not None:
-                with self._lock:
-                    self.commands.append(cmd)
+            while (cmd := next_command()) is not None:
                 name = cmd[0].upper()
                 if name == b"CLIENT":
                     out: bytes | Trickle | None = self.client_reply

@@ -183,10 +183,11 @@ def test_a_get_that_trickles_in_ends_by_its_deadline() -> None:
 
 def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_timeout(tmp_path) -> None:
     """In process: a real L2 tier over a fake node that stops answering existence checks.
-    Lookups time out (the breaker opens); once the node answers again, later lookups ask it
-    again. The keys of the timed-out checks no longer count against the bound on keys at the
-    store (they once did for ever: every later lookup was "busy", no L2 hit until a restart,
-    while status said up), and the silent loop connection is dropped by the next lookup."""
+    Lookups time out or fail (the breaker opens); once the node answers again, later lookups ask
+    it again. The keys of the unanswered checks count against the bound on keys at the store
+    until the silent loop connection is dropped, which the loop's periodic pass does with no
+    lookup sent (they once counted for ever: every later lookup was "busy", no L2 hit until a
+    restart, while status said up)."""
     import os
 
     from kvxfer.arena import Arena
@@ -236,8 +237,8 @@ def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_time
             assert tier._watched_fds, "a loop connection"
             lookups(25)  # 82,500 keys asked of a silent node: past the bound, some are busy
             assert tier.lookups_busy > 0, (tier.lookups, tier.breaker.closed, tier._keys_in_flight)
-            pump(7.0)  # past the lookups' timeout
-            assert tier.timeouts > 0
+            pump(7.0)  # past the lookups' timeout: the silent connection is dropped, with no lookup sent
+            assert tier.timeouts + tier.errors > 0 and tier._keys_in_flight == 0, (tier.timeouts, tier.errors)
             state["silent"] = False
             assert wait_for(lambda: (pump(0.1), tier.breaker.closed)[1], 10), "the store is up again"
             asked = tier.lookups
@@ -246,6 +247,66 @@ def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_time
             pump(0.5)
             assert tier.lookups - asked == 5 and tier.lookups_busy == busy, (tier.lookups, tier.lookups_busy)
             assert tier.breaker.closed and tier._keys_in_flight == 0
+        finally:
+            tier.close()
+            arena.close()
+
+
+def test_a_node_slower_than_the_lookups_never_has_more_than_the_bound_of_their_keys(tmp_path) -> None:
+    """In process: a real L2 tier over a fake node that reads every check at once and answers one
+    key a millisecond (never silent, always behind). Lookups time out, but their keys stay counted
+    until the node has answered them, so later lookups are "busy" (answered from L1) instead of
+    queueing more: the keys waiting at the node stay within the tier's bound. Before, a timed-out
+    lookup's keys stopped counting at once, and the checks queued without end (a server's memory
+    grew by 300 MiB a minute at ten lookups a second)."""
+    import os
+
+    from kvxfer.arena import Arena
+    from kvxfer.server.index import ChunkIndex
+    from kvxfer.server.tier import L2_KEYS_IN_FLIGHT, L2_LOOKUP_KEYS, L2Tier, TierConfig
+
+    def reply(cmd: list[bytes]) -> bytes | Trickle | None:
+        if cmd[0].upper() == b"STRLEN":
+            return Trickle(b":0\r\n", step=4, every_s=0.001)
+        return b"-ERR unexpected\r\n"
+
+    with FakeValkey(reply) as fake:
+        fake.read_ahead = True
+        arena = Arena.create(1 << 20, tmp_path)
+        calls: list = []
+        watched: dict = {}
+        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=0.3, backoff_s=0.2, write_yield_s=0),
+                      ChunkIndex(arena.size), arena, calls.append, lambda key: None,
+                      watch=lambda fd, cb: watched.__setitem__(fd, cb), unwatch=lambda fd: watched.pop(fd, None))
+        tier.start()
+        most = 0
+        try:
+            def pump(seconds: float) -> None:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    poller = select.poll()
+                    for fd in list(watched):
+                        poller.register(fd, select.POLLIN)
+                    for fd, _ in poller.poll(5):
+                        cb = watched.get(fd)
+                        if cb is not None:
+                            cb()
+                    while calls:
+                        calls.pop(0)()
+                    tier.tick()
+
+            def waiting_at_the_node() -> int:
+                loop = tier._loop_exists
+                return sum(n for lc in list(loop._loops.values()) for n, _, _ in lc.pending) if loop else 0
+
+            pump(0.3)
+            assert tier._watched_fds, "a loop connection"
+            for _ in range(120):  # 396,000 keys asked in about 3 s, at a node that answers 3,000
+                tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(3300)], 0)
+                pump(0.02)
+                most = max(most, waiting_at_the_node())
+            assert tier.timeouts > 0 and tier.lookups_busy > 0, (tier.timeouts, tier.lookups_busy)
+            assert most <= L2_KEYS_IN_FLIGHT + L2_LOOKUP_KEYS, f"{most} keys waited at the node"
         finally:
             tier.close()
             arena.close()
