@@ -370,9 +370,12 @@ _KEYS_KEPT: Final = 1 << 16
 _UNLOADABLE_KEPT: Final = 1 << 14
 _UNLOADABLE_S: Final = 60.0
 #: Most keys one lookup asks the store about (every rank's key of the chunks after L1's hits):
-#: the chunks past them count as misses. Each key costs the loop a few microseconds, and a lookup
-#: names up to 262,144 keys in a hundred bytes (kvxfer.server.engine.MAX_LOOKUP_KEYS).
-L2_LOOKUP_KEYS: Final = 1 << 15
+#: the chunks past them count as misses. Each key costs the loop microseconds (one never seen:
+#: 5-10 us, its rank's hasher made too), which every other client waits for, and a lookup names
+#: up to 262,144 keys in a hundred bytes (kvxfer.server.engine.MAX_LOOKUP_KEYS): at 32,768 keys a
+#: lookup held the loop for about 250 ms, and a few in flight stalled every client for seconds.
+#: 8,192 keys: 1,024 chunks at world size 8 (262,144 tokens of 256-token chunks).
+L2_LOOKUP_KEYS: Final = 1 << 13
 #: Most keys the existence checks of lookups may have at the store at once: a lookup that would
 #: pass it does not ask the store (answered from L1, counted as busy). Clients pipelining wide
 #: lookups would otherwise queue checks at the store until lookups time out, which the breaker
@@ -968,6 +971,9 @@ class L2Tier:
         asked = hashes[l1_hits:l1_hits + L2_LOOKUP_KEYS // world_size]
         if backend is None or not self.breaker.closed or not asked:
             return None
+        if self._keys_in_flight + len(asked) * world_size > L2_KEYS_IN_FLIGHT:  # before any key is made
+            self.lookups_busy += 1
+            return None
         if self._keys_kept >= _KEYS_KEPT:  # forget them all (a lookup adds at most its own keys)
             self._keys.clear()
             self._key_makers.clear()
@@ -983,9 +989,6 @@ class L2Tier:
                 known = self._chunk_keys(cache, model_name, world_size, h)
             keys += known[0]
             l2 += known[1]
-        if self._keys_in_flight + len(l2) > L2_KEYS_IN_FLIGHT:
-            self.lookups_busy += 1
-            return None
         lk = TierLookup(self, model_name, world_size, hashes, l1_hits, keys)
         loop = self._loop_exists
         sent = False

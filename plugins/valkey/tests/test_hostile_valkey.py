@@ -312,6 +312,39 @@ def test_a_node_slower_than_the_lookups_never_has_more_than_the_bound_of_their_k
             arena.close()
 
 
+def test_a_lookup_past_the_bound_of_keys_at_the_store_makes_none_of_its_keys(tmp_path) -> None:
+    """In process, over a fake node that does not answer: once the checks at the store hold the
+    bound of keys, a lookup is "busy" before any of its keys is made (a lookup of a hundred bytes
+    at a wide world size had the loop derive every key first, busy or not), and a lookup never
+    asks about more than L2_LOOKUP_KEYS keys."""
+    import os
+
+    from kvxfer.arena import Arena
+    from kvxfer.server.index import ChunkIndex
+    from kvxfer.server.tier import L2_KEYS_IN_FLIGHT, L2_LOOKUP_KEYS, L2Tier, TierConfig
+
+    with FakeValkey(lambda cmd: None) as fake:
+        fake.read_ahead = True
+        arena = Arena.create(1 << 20, tmp_path)
+        calls: list = []
+        watched: dict = {}
+        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=3.0, write_yield_s=0), ChunkIndex(arena.size), arena,
+                      calls.append, lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
+                      unwatch=lambda fd: watched.pop(fd, None))
+        tier.start()
+        try:
+            assert wait_for(lambda: (tier.tick(), tier._watched_fds)[1], 10), "a loop connection"
+            for _ in range(L2_KEYS_IN_FLIGHT // L2_LOOKUP_KEYS):
+                assert tier.begin_lookup("m", 8, [os.urandom(16) for _ in range(4096)], 0) is not None
+            assert tier._keys_in_flight == L2_KEYS_IN_FLIGHT  # each asked about L2_LOOKUP_KEYS keys
+            made = tier._keys_kept
+            assert tier.begin_lookup("m", 4096, [os.urandom(16)], 0) is None
+            assert tier.lookups_busy == 1 and tier._keys_kept == made, (tier.lookups_busy, tier._keys_kept, made)
+        finally:
+            tier.close()
+            arena.close()
+
+
 INFO_BODY = b"used_memory:1000\r\nmaxmemory:0\r\nmaxmemory_policy:allkeys-lru\r\nevicted_keys:0\r\n"
 
 
