@@ -207,6 +207,7 @@ def _in_new_pid_namespace(server: ServerProcess) -> ServerProcess:
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "true"]).returncode:
         pytest.skip("cannot create pid namespaces here (unshare --pid needs CAP_SYS_ADMIN)")
     server.args = ["unshare", "--pid", "--fork", "--kill-child", *server.args]
+    server.exit_with_parent = False  # its parent is outside its namespace (getppid() 0): it dies with unshare
     return server
 
 
