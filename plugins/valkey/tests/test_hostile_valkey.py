@@ -8,9 +8,11 @@ ends within its bounds however slowly the bytes trickle in."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from fakevalkey import FakeValkey, Trickle
@@ -181,6 +183,46 @@ def test_a_get_that_trickles_in_ends_by_its_deadline() -> None:
             backend.close()
 
 
+@contextlib.contextmanager
+def _loop_tier(url: str, directory, **config: Any) -> Iterator[tuple[Any, Callable[[float], None]]]:
+    """A real L2 tier over the node at ``url``, in this process, run as a server's loop runs it:
+    yields the tier and ``pump(seconds)``, which polls the descriptors the tier watches, runs
+    what it hands the loop and its periodic pass for that long."""
+    from kvxfer.arena import Arena
+    from kvxfer.server.index import ChunkIndex
+    from kvxfer.server.tier import L2Tier, TierConfig
+
+    arena = Arena.create(1 << 20, directory)
+    calls: list[Callable[[], None]] = []
+    watched: dict[int, Callable[[], None]] = {}
+    tier = L2Tier(TierConfig("valkey", url, write_yield_s=0, **config), ChunkIndex(arena.size), arena, calls.append,
+                  lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
+                  unwatch=lambda fd: watched.pop(fd, None))
+    tier.start()
+
+    def pump(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            poller = select.poll()
+            for fd in list(watched):
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(5):
+                cb = watched.get(fd)
+                if cb is not None:
+                    cb()
+            while calls:
+                calls.pop(0)()
+            tier.tick()
+            if time.monotonic() >= end:
+                return
+
+    try:
+        yield tier, pump
+    finally:
+        tier.close()
+        arena.close()
+
+
 def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_timeout(tmp_path) -> None:
     """In process: a real L2 tier over a fake node that stops answering existence checks.
     Lookups time out or fail (the breaker opens); once the node answers again, later lookups ask
@@ -190,10 +232,6 @@ def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_time
     restart, while status said up)."""
     import os
 
-    from kvxfer.arena import Arena
-    from kvxfer.server.index import ChunkIndex
-    from kvxfer.server.tier import L2Tier, TierConfig
-
     state = {"silent": True}
 
     def reply(cmd: list[bytes]) -> bytes | None:
@@ -201,55 +239,29 @@ def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_time
             return None if state["silent"] else b":0\r\n"
         return b"-ERR unexpected\r\n"
 
-    with FakeValkey(reply) as fake:
-        arena = Arena.create(1 << 20, tmp_path)
-        index = ChunkIndex(arena.size)
-        calls: list = []
-        watched: dict = {}
-        # timeout_s: the 20-odd lookups that pass the bound must all be sent before the first of
-        # them times out (on a loaded 2-CPU machine 2 s was not always enough: the silent node was
-        # then taken for failed, and L2 down, before any lookup was busy)
-        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=6.0, backoff_s=0.2, write_yield_s=0), index, arena,
-                      calls.append, lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
-                      unwatch=lambda fd: watched.pop(fd, None))
-        tier.start()
-        try:
-            def pump(seconds: float) -> None:
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:
-                    poller = select.poll()
-                    for fd in list(watched):
-                        poller.register(fd, select.POLLIN)
-                    for fd, _ in poller.poll(10):
-                        cb = watched.get(fd)
-                        if cb is not None:
-                            cb()
-                    while calls:
-                        calls.pop(0)()
-                    tier.tick()
+    # timeout_s: the 20-odd lookups that pass the bound must all be sent before the first of them
+    # times out (on a loaded 2-CPU machine 2 s was not always enough: the silent node was then
+    # taken for failed, and L2 down, before any lookup was busy)
+    with FakeValkey(reply) as fake, _loop_tier(fake.url, tmp_path, timeout_s=6.0, backoff_s=0.2) as (tier, pump):
+        def lookups(n: int) -> None:
+            for _ in range(n):
+                tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(3300)], 0)  # loop connection
+                pump(0.02)
 
-            def lookups(n: int) -> None:
-                for _ in range(n):
-                    tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(3300)], 0)  # loop connection
-                    pump(0.02)
-
-            pump(0.3)
-            assert tier._watched_fds, "a loop connection"
-            lookups(25)  # 82,500 keys asked of a silent node: past the bound, some are busy
-            assert tier.lookups_busy > 0, (tier.lookups, tier.breaker.closed, tier._keys_in_flight)
-            pump(7.0)  # past the lookups' timeout: the silent connection is dropped, with no lookup sent
-            assert tier.timeouts + tier.errors > 0 and tier._keys_in_flight == 0, (tier.timeouts, tier.errors)
-            state["silent"] = False
-            assert wait_for(lambda: (pump(0.1), tier.breaker.closed)[1], 10), "the store is up again"
-            asked = tier.lookups
-            busy = tier.lookups_busy
-            lookups(5)
-            pump(0.5)
-            assert tier.lookups - asked == 5 and tier.lookups_busy == busy, (tier.lookups, tier.lookups_busy)
-            assert tier.breaker.closed and tier._keys_in_flight == 0
-        finally:
-            tier.close()
-            arena.close()
+        pump(0.3)
+        assert tier._watched_fds, "a loop connection"
+        lookups(25)  # 82,500 keys asked of a silent node: past the bound, some are busy
+        assert tier.lookups_busy > 0, (tier.lookups, tier.breaker.closed, tier._keys_in_flight)
+        pump(7.0)  # past the lookups' timeout: the silent connection is dropped, with no lookup sent
+        assert tier.timeouts + tier.errors > 0 and tier._keys_in_flight == 0, (tier.timeouts, tier.errors)
+        state["silent"] = False
+        assert wait_for(lambda: (pump(0.1), tier.breaker.closed)[1], 10), "the store is up again"
+        asked = tier.lookups
+        busy = tier.lookups_busy
+        lookups(5)
+        pump(0.5)
+        assert tier.lookups - asked == 5 and tier.lookups_busy == busy, (tier.lookups, tier.lookups_busy)
+        assert tier.breaker.closed and tier._keys_in_flight == 0
 
 
 def test_a_node_slower_than_the_lookups_never_has_more_than_the_bound_of_their_keys(tmp_path) -> None:
@@ -261,9 +273,7 @@ def test_a_node_slower_than_the_lookups_never_has_more_than_the_bound_of_their_k
     grew by 300 MiB a minute at ten lookups a second)."""
     import os
 
-    from kvxfer.arena import Arena
-    from kvxfer.server.index import ChunkIndex
-    from kvxfer.server.tier import L2_KEYS_IN_FLIGHT, L2_LOOKUP_KEYS, L2Tier, TierConfig
+    from kvxfer.server.tier import L2_KEYS_IN_FLIGHT, L2_LOOKUP_KEYS
 
     def reply(cmd: list[bytes]) -> bytes | Trickle | None:
         if cmd[0].upper() == b"STRLEN":
@@ -272,44 +282,20 @@ def test_a_node_slower_than_the_lookups_never_has_more_than_the_bound_of_their_k
 
     with FakeValkey(reply) as fake:
         fake.read_ahead = True
-        arena = Arena.create(1 << 20, tmp_path)
-        calls: list = []
-        watched: dict = {}
-        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=0.3, backoff_s=0.2, write_yield_s=0),
-                      ChunkIndex(arena.size), arena, calls.append, lambda key: None,
-                      watch=lambda fd, cb: watched.__setitem__(fd, cb), unwatch=lambda fd: watched.pop(fd, None))
-        tier.start()
-        most = 0
-        try:
-            def pump(seconds: float) -> None:
-                end = time.monotonic() + seconds
-                while time.monotonic() < end:
-                    poller = select.poll()
-                    for fd in list(watched):
-                        poller.register(fd, select.POLLIN)
-                    for fd, _ in poller.poll(5):
-                        cb = watched.get(fd)
-                        if cb is not None:
-                            cb()
-                    while calls:
-                        calls.pop(0)()
-                    tier.tick()
-
+        with _loop_tier(fake.url, tmp_path, timeout_s=0.3, backoff_s=0.2) as (tier, pump):
             def waiting_at_the_node() -> int:
                 loop = tier._loop_exists
                 return sum(n for lc in list(loop._loops.values()) for n, _, _ in lc.pending) if loop else 0
 
             pump(0.3)
             assert tier._watched_fds, "a loop connection"
+            most = 0
             for _ in range(120):  # 396,000 keys asked in about 3 s, at a node that answers 3,000
                 tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(3300)], 0)
                 pump(0.02)
                 most = max(most, waiting_at_the_node())
             assert tier.timeouts > 0 and tier.lookups_busy > 0, (tier.timeouts, tier.lookups_busy)
             assert most <= L2_KEYS_IN_FLIGHT + L2_LOOKUP_KEYS, f"{most} keys waited at the node"
-        finally:
-            tier.close()
-            arena.close()
 
 
 def test_a_lookup_past_the_bound_of_keys_at_the_store_makes_none_of_its_keys(tmp_path) -> None:
@@ -319,30 +305,18 @@ def test_a_lookup_past_the_bound_of_keys_at_the_store_makes_none_of_its_keys(tmp
     asks about more than L2_LOOKUP_KEYS keys."""
     import os
 
-    from kvxfer.arena import Arena
-    from kvxfer.server.index import ChunkIndex
-    from kvxfer.server.tier import L2_KEYS_IN_FLIGHT, L2_LOOKUP_KEYS, L2Tier, TierConfig
+    from kvxfer.server.tier import L2_KEYS_IN_FLIGHT, L2_LOOKUP_KEYS
 
     with FakeValkey(lambda cmd: None) as fake:
         fake.read_ahead = True
-        arena = Arena.create(1 << 20, tmp_path)
-        calls: list = []
-        watched: dict = {}
-        tier = L2Tier(TierConfig("valkey", fake.url, timeout_s=3.0, write_yield_s=0), ChunkIndex(arena.size), arena,
-                      calls.append, lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
-                      unwatch=lambda fd: watched.pop(fd, None))
-        tier.start()
-        try:
-            assert wait_for(lambda: (tier.tick(), tier._watched_fds)[1], 10), "a loop connection"
+        with _loop_tier(fake.url, tmp_path, timeout_s=3.0) as (tier, pump):
+            assert wait_for(lambda: (pump(0.01), tier._watched_fds)[1], 10), "a loop connection"
             for _ in range(L2_KEYS_IN_FLIGHT // L2_LOOKUP_KEYS):
                 assert tier.begin_lookup("m", 8, [os.urandom(16) for _ in range(4096)], 0) is not None
             assert tier._keys_in_flight == L2_KEYS_IN_FLIGHT  # each asked about L2_LOOKUP_KEYS keys
             made = tier._keys_kept
             assert tier.begin_lookup("m", 4096, [os.urandom(16)], 0) is None
             assert tier.lookups_busy == 1 and tier._keys_kept == made, (tier.lookups_busy, tier._keys_kept, made)
-        finally:
-            tier.close()
-            arena.close()
 
 
 INFO_BODY = b"used_memory:1000\r\nmaxmemory:0\r\nmaxmemory_policy:allkeys-lru\r\nevicted_keys:0\r\n"
