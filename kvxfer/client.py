@@ -190,7 +190,6 @@ class CacheClient:
         #: The server-issued secret of our session (presented to resume it) and lock token.
         self._secret = b""
         self._token = ""
-        self._liveness: liveness.ProcessLock | None = None
         try:
             self._handshake()
         except BaseException:
@@ -302,20 +301,29 @@ class CacheClient:
         return (f"no kvxfer server is listening at {self.url} ({what}){cause}; start one with "
                 f"`{_serve_command(self.url)}`")
 
+    @property
+    def _liveness(self) -> liveness.ProcessLock | None:
+        """The liveness lock held now (kept where the finalizer finds it)."""
+        return self._held[0]
+
+    @_liveness.setter
+    def _liveness(self, lock: liveness.ProcessLock | None) -> None:
+        self._held[0] = lock
+
     def _hold_liveness_lock(self) -> None:
         """Hold the lock that tells the server this process lives (:mod:`kvxfer.liveness`), in
         the directory of the arena of the server we now talk to."""
         if not self.arena_path or not liveness.valid_token(self._token):
             if self._liveness is not None:
                 self._liveness.release()
-                self._liveness = self._held[0] = None
+                self._liveness = None
             return
         want = liveness.lock_path(self.arena_path, self._token)
         if self._liveness is not None:
             if self._liveness.path == want and want.exists():
                 return
             self._liveness.release()  # the server restarted: its directory is another one
-        self._liveness = self._held[0] = liveness.ProcessLock.hold(self.arena_path, self._token)
+        self._liveness = liveness.ProcessLock.hold(self.arena_path, self._token)
 
     @property
     def epoch(self) -> int:

@@ -391,8 +391,6 @@ class CacheServer:
         self.tier: L2Tier | None = None
         #: Whether a stop signal came (a second one exits at once: _on_signal).
         self._stop_signalled = False
-        #: Whether the loop found the parent of ``config.parent_pid`` gone (and stopped).
-        self._orphaned = False
         mq: MQServer | None = None
         try:
             self._load_transports()
@@ -807,9 +805,8 @@ class CacheServer:
         the passes completed (status)."""
         now = time.monotonic()
         parent = self.config.parent_pid
-        if parent is not None and os.getppid() != parent and not self._orphaned:
-            self._orphaned = True
-            self._stop_signalled = True  # an operator's first signal after this ends a shutdown that hangs
+        if parent is not None and os.getppid() != parent and not self._stop_signalled:
+            self._stop_signalled = True  # stopping, as for a signal: an operator's next one ends a shutdown that hangs
             log.warning("the process that started this server (pid %d) has exited: stopping (--exit-with-parent)",
                         parent)
             self.stop()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,3 +64,14 @@ def env_with(path: Path, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
+
+
+def run_python(code: str, *args: str, cwd: Path, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """``code`` (with ``args``) in a child Python that imports the kvxfer under test and these
+    helpers, run from ``cwd`` (a test's own directory: the child's cwd comes first on its path).
+    For what could crash or fork the process that runs it: a failing test, not a lost run."""
+    import kvxfer
+
+    path = os.pathsep.join([str(Path(kvxfer.__file__).parents[1]), str(Path(__file__).parent)])
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": path})

@@ -5,15 +5,12 @@ a failing test, not a lost run."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-import kvxfer
+from kvxfer_core_helpers import run_python
 
 CASES = {
     "server": """
@@ -58,9 +55,7 @@ def test_a_view_that_outlives_close_keeps_its_bytes(side: str, tmp_path: Path) -
         view.add_(1)  # still writable
         print(total, int(view.view(torch.uint8)[0]))
     """)
-    env = {**os.environ, "PYTHONPATH": str(Path(kvxfer.__file__).parents[1])}  # the kvxfer under test
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env=env)
+    done = run_python(code, cwd=tmp_path, timeout=60)
     assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
     n = 64 if side == "server" else 56
     assert done.stdout.split() == [str(7 * n), "8"]  # every byte 7; then the first one (low byte) 8

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvxfer import CacheClient, ConfigError, LayerwiseFuture, RequestTimeout, chunk_hashes
-from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, run_python, wait_until
 
 LAYERS = 4
 
@@ -224,14 +224,7 @@ def test_a_closed_context_unmaps_the_arena_after_layerwise_transfers_without_the
     held each other and the copies' slot views: the mapping (an arena's worth of shared memory,
     256 MiB in the case that showed it) stayed until a collection, never in an engine that turns
     the collector off."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _MAPPED_AFTER_CLOSE, client.url], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, env=env)
+    done = run_python(_MAPPED_AFTER_CLOSE, client.url, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[0,", "1]", "[0,", "1]", "0"], done.stdout
 

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvxfer_core_helpers import run_python
+
 from kvxfer import _rowcopy
 from kvxfer.copies import HostRows, RowCopy
 from kvxfer.layout import KVLayout
@@ -290,15 +292,6 @@ def test_layers_freed_or_moved_after_registration_are_refused(change: str, tmp_p
     refused with a ConfigError before the C code writes into memory that is not the cache's any
     more (before, a retrieve wrote into freed memory, and a new tensor there made it segfault).
     In a child process: a copy through a stale address could crash it."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import kvxfer
-
-    env = {**os.environ, "PYTHONPATH": str(Path(kvxfer.__file__).parents[1])}
-    done = subprocess.run([sys.executable, "-c", _FREED.replace("{change}", change)], capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path, env=env)
+    done = run_python(_FREED.replace("{change}", change), cwd=tmp_path, timeout=60)
     assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.split() == ["refused"]

@@ -20,7 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvxfer import CacheClient, ConfigError, chunk_hashes
 from kvxfer.server.allocator import Allocator
 from kvxfer.testing.server import ServerProcess
-from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, after_ticks, flash_attn_kv, wait_until
+from kvxfer_core_helpers import (
+    BLOCK_SIZE,
+    BLOCKS_PER_CHUNK,
+    CHUNK_SIZE,
+    after_ticks,
+    flash_attn_kv,
+    run_python,
+    wait_until,
+)
 
 
 def tokens(n_chunks: int, seed: int) -> list[int]:
@@ -187,10 +195,7 @@ def test_a_forked_child_cannot_use_its_parents_client_and_leaves_it_whole(server
     parent's session, registration, lease and lock file stay, and it loads what it leased.
     Before, the child's close() sent the parent's goodbye: the parent's next request failed with
     NoSession."""
-    helpers = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(helpers), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _FORKED, server.url], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env=env)
+    done = run_python(_FORKED, server.url, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split() == ["3", "True", "[0,", "1]"], done.stdout + done.stderr
 
