@@ -370,10 +370,10 @@ _KEYS_KEPT: Final = 1 << 16
 _UNLOADABLE_KEPT: Final = 1 << 14
 _UNLOADABLE_S: Final = 60.0
 #: Most keys one lookup asks the store about (every rank's key of the chunks after L1's hits):
-#: the chunks past them count as misses. Each key costs the loop microseconds (one never seen:
-#: 5-10 us, its rank's hasher made too), which every other client waits for, and a lookup names
-#: up to 262,144 keys in a hundred bytes (kvxfer.server.engine.MAX_LOOKUP_KEYS): at 32,768 keys a
-#: lookup held the loop for about 250 ms, and a few in flight stalled every client for seconds.
+#: the chunks past them count as misses. Each key costs the loop time every other client waits
+#: for, and a lookup names up to 262,144 keys in a hundred bytes (kvxfer.server.engine.
+#: MAX_LOOKUP_KEYS): at 32,768 keys such a lookup took about 250 ms on a 2-core VM, and a few in
+#: flight stalled every client for seconds (docs/l2.md).
 #: 8,192 keys: 1,024 chunks at world size 8 (262,144 tokens of 256-token chunks).
 L2_LOOKUP_KEYS: Final = 1 << 13
 #: Most keys the existence checks of lookups may have at the store at once: a lookup that would
