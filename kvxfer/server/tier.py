@@ -84,8 +84,6 @@ log = logging.getLogger(__name__)
 
 #: Instance id of the tier's own write reservations (promotions); no client has it.
 PROMOTER: Final = 0
-#: Format recorded for a promoted entry until its header is read (no context named one).
-_PENDING_FMT: Final = "l2-pending"
 #: The store's own figures (status) are read this often...
 _STATS_EVERY_S: Final = 5.0
 #: ... and again this soon after a failure.
@@ -347,6 +345,8 @@ class _Promotion:
     #: get did not end within ``stuck_s`` (its slots stay reserved until the gets end).
     started: float = field(default_factory=time.monotonic)
     abandoned: bool = False
+    #: Its gets' futures (the store may withdraw those not started once it is abandoned).
+    gets: list[Future[list[GetStatus]]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -1143,6 +1143,21 @@ class L2Tier:
                                     "store plugin: its operations must end within --l2-timeout and "
                                     "--l2-bulk-timeout)")
             self._end_waits(p)
+            self._withdraw(p)
+
+    def _withdraw(self, p: _Promotion) -> None:
+        """On the loop: have the store withdraw the gets of ``p`` (given up) that have not started,
+        queued behind a stuck one: their slots are freed with the promotion once its started gets
+        end, instead of each get running out its own time first."""
+        backend = self.backend
+        if backend is None:
+            return
+        for fut in p.gets:
+            try:
+                backend.withdraw(fut)
+            except Exception as exc:  # noqa: BLE001  (StoreUnavailable, a PluginFault: counted; the get runs)
+                self._failed(exc, "promotion")
+                return
 
     def _abandon_held_writers(self) -> None:
         """On the loop: a batch whose writer has not come back from the store after the longest
@@ -1272,6 +1287,16 @@ class L2Tier:
             if size > 0 and want:
                 self._wrong_size(key, size, want)
             end = c
+        if promote:
+            # only chunks an engine registered here can load are promoted: a chunk of a rank no
+            # registered context names (its format unknown) ends what a promoting lookup counts,
+            # so that no lookup alone fills the arena or fixes a model's format on this server
+            for c, _, _, want in lk.need:
+                if c >= end:
+                    break
+                if not want:
+                    end = c
+                    break
         while wanted and wanted[-1][0] >= first + end:  # the other ranks of the chunk that ended it
             wanted.pop()
         hits = first + end
@@ -1321,8 +1346,11 @@ class L2Tier:
             by_size.setdefault(size, []).append((i, key))
         for size, group in by_size.items():
             fmt = self.expected_format(group[0][1])
+            if fmt is None:  # its context closed since the lookup was planned: nothing can load it
+                limit = min(limit, min(i for i, _ in group))
+                continue
             try:
-                res, present, no_space = self.index.reserve_write([k for _, k in group], fmt or _PENDING_FMT, size,
+                res, present, no_space = self.index.reserve_write([k for _, k in group], fmt, size,
                                                                   PROMOTER, self.usage)
             except InvalidRequest:  # an entry appeared in another format meanwhile
                 return min(i for i, _ in group)
@@ -1357,13 +1385,18 @@ class L2Tier:
                     self._checked(p, idx, None)
                     limit = min(limit, min(i for i, _ in group))
                     continue
+                p.gets.append(fut)
                 fut.add_done_callback(functools.partial(self._check, p, idx))
         # promotions past the first chunk without room still run (their slots are taken and the
         # bytes are on their way); they are simply not counted as hits
         return limit
 
     def _check(self, p: _Promotion, idx: list[int], fut: Future[list[GetStatus]]) -> None:
-        """On a store thread: verify what one get read (header, length, checksum)."""
+        """On a store thread: verify what one get read (header, length, checksum). (On the
+        loop, for a get withdrawn before it started: its promotion was given up and counted.)"""
+        if fut.cancelled():
+            self._checked(p, idx, None)
+            return
         self._got_at = time.monotonic()
         try:
             statuses = fut.result()

@@ -30,7 +30,8 @@ own threads. A future resolves to the result documented below or raises
 silence, refused, full), never another exception, and never waits forever. Done-callbacks run on
 a backend thread: they must be quick and must not wait for another operation of the same
 backend. A get writes into its parts only while its future is pending; a put's parts must not
-change until its future is done.
+change until its future is done. ``withdraw(fut)`` takes back an operation that has not started
+(optional: a backend that cannot tell says it has).
 
 :class:`ThreadedBackend` builds the ``submit_*`` methods from blocking ones on a few threads
 (separate ones for lookups, reads and writes, so a lookup never waits behind a bulk transfer);
@@ -50,7 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Final, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Final, Protocol, TypeVar, runtime_checkable
 
 from kvxfer.errors import StoreUnavailable
 from kvxfer.transport.contract import Probe
@@ -149,6 +150,15 @@ class Backend(ABC):
     @abstractmethod
     def submit_delete(self, keys: Sequence[bytes]) -> Future[int]:
         """Delete the keys; resolves to how many existed."""
+
+    def withdraw(self, fut: Future[Any]) -> bool:
+        """Withdraw the operation this backend returned ``fut`` for, if it has not started: True
+        only if it never will (a get never writes into its parts) and ``fut`` is cancelled; False
+        if it started or ended, or the backend cannot tell (the default), and then it runs to its
+        end as ever. The tier calls it from its loop for the gets of a promotion it gave up (so
+        that those queued behind a stuck one free their arena slots at once); it must return at
+        once."""
+        return False
 
     @abstractmethod
     def ping(self) -> None:
@@ -404,6 +414,10 @@ class ThreadedBackend(Backend):
     def submit_delete(self, keys: Sequence[bytes]) -> Future[int]:
         keys = list(keys)
         return self._submit(self._control, "delete", lambda: self.delete(keys))
+
+    def withdraw(self, fut: Future[Any]) -> bool:
+        """An operation still queued for its threads is cancelled there: it never runs."""
+        return fut.cancel()
 
     def close(self) -> None:
         with self._close_lock:

@@ -34,6 +34,16 @@ class PluginFault(StoreUnavailable):
     """A store plugin broke its contract (raised something else, or returned a wrong result)."""
 
 
+class _Outer(Future[T]):
+    """The future the boundary hands out for the plugin's ``inner`` one."""
+
+    def __init__(self, inner: Future[Any]) -> None:
+        super().__init__()
+        self.inner = inner
+        #: the tier asked the plugin to withdraw the operation (a cancelled ``inner`` is no fault then)
+        self.withdrawing = False
+
+
 class GuardedBackend(Backend):
     """``inner`` behind the boundary; ``store`` names it in every message."""
 
@@ -73,9 +83,14 @@ class GuardedBackend(Backend):
         fut = self._call(method, *args)
         if not isinstance(fut, Future):
             raise self._fault(method, f"returned {type(fut).__name__}, not a concurrent.futures.Future")
-        out: Future[T] = Future()
+        out: _Outer[T] = _Outer(fut)
 
         def done(f: Future[Any]) -> None:  # resolves ``out`` in every case: a caller may wait without a timeout
+            if f.cancelled() and out.withdrawing:
+                out.cancel()
+                return
+            if out.done():  # withdrawn, though the plugin's future ended after all
+                return
             try:
                 if f.cancelled():
                     raise self._fault(method, "returned a future that was cancelled")
@@ -108,6 +123,19 @@ class GuardedBackend(Backend):
 
     def submit_delete(self, keys: Sequence[bytes]) -> Future[int]:
         return self._submit("submit_delete", _count, keys)
+
+    def withdraw(self, fut: Future[Any]) -> bool:
+        """Ask the plugin to withdraw the operation of ``fut`` (a future this boundary handed
+        out); if it says it did, ``fut`` is cancelled, whatever the plugin's own future does."""
+        if not isinstance(fut, _Outer) or fut.done():
+            return False
+        fut.withdrawing = True
+        try:
+            withdrawn = self._call("withdraw", fut.inner) is True
+        finally:
+            if not fut.inner.cancelled():
+                fut.withdrawing = False
+        return withdrawn and (fut.cancel() or fut.cancelled())
 
     def ping(self) -> None:
         self._call("ping")

@@ -217,6 +217,33 @@ class StoreConformance:
         _same(buf, value, f"a value of {len(value)} bytes (max_value_bytes, at most 64 MiB)")
         kit_backend.submit_delete([key]).result(TIMEOUT)
 
+    def test_kit_withdraw_takes_back_only_what_has_not_started(self, kit_backend: Backend) -> None:
+        """``withdraw``: a get it takes back (True) is cancelled and never writes into its parts;
+        one it does not take back runs whole. Sixteen gets of 1 MiB are queued, then withdrawn
+        (a backend that never withdraws passes too); a get that ended is never taken back."""
+        (key,) = self.kit_keys(1)
+        value = os.urandom(1 << 20)
+        assert kit_backend.submit_put([(key, _parts(value))]).result(TIMEOUT) == [True]
+        bufs = [bytearray(b"\xaa" * len(value)) for _ in range(16)]
+        futs = [kit_backend.submit_get([(key, _parts(b))]) for b in bufs]
+        withdrawn = [kit_backend.withdraw(f) for f in futs]
+        for i, (fut, took, buf) in enumerate(zip(futs, withdrawn, bufs)):
+            if took:
+                assert fut.cancelled(), f"get {i} was withdrawn, but its future is not cancelled"
+            else:
+                assert fut.result(TIMEOUT) == [GetStatus.HIT], f"get {i}, not withdrawn, must run whole"
+                _same(buf, value, f"get {i}, not withdrawn")
+        for f in futs:  # every get that was not withdrawn has ended: none may write any more
+            if not f.cancelled():
+                f.result(TIMEOUT)
+        for i, (took, buf) in enumerate(zip(withdrawn, bufs)):
+            if took:
+                assert buf == b"\xaa" * len(value), f"get {i} was withdrawn, yet wrote into its parts"
+        done = kit_backend.submit_get([(key, [memoryview(bytearray(len(value)))])])
+        assert done.result(TIMEOUT) == [GetStatus.HIT]
+        assert kit_backend.withdraw(done) is False and done.result() == [GetStatus.HIT], "an ended get is kept"
+        kit_backend.submit_delete([key]).result(TIMEOUT)
+
     def test_kit_operations_from_many_threads(self, kit_backend: Backend) -> None:
         errors: list[BaseException] = []
 

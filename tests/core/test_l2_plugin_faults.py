@@ -106,7 +106,7 @@ def test_a_faulty_lookup_or_promotion_is_a_miss_from_l2_not_an_internal_error(te
 
 
 def _stuck_server(test_plugin_path: Path, l2: Path, *, quick: bool = False, l1_size: str = "8MiB",
-                  writers: int = 2) -> ServerProcess:
+                  writers: int = 2, readers: int = 2) -> ServerProcess:
     """A server whose tier gives up on a store operation after 4 x (0.2 + 0.5) = 2.8 s (``quick``:
     4 x (0.1 + 0.1) = 0.8 s) and the time its bytes take at 4 MiB/s, and on its close 5 s (to
     drain the writes) + that + 1 s."""
@@ -114,7 +114,7 @@ def _stuck_server(test_plugin_path: Path, l2: Path, *, quick: bool = False, l1_s
         ["--l2-timeout", "0.2", "--l2-bulk-timeout", "0.5"]
     return ServerProcess(l1_size=l1_size, chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
                          extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", *timeouts,
-                                     "--l2-writers", str(writers)])
+                                     "--l2-writers", str(writers), "--l2-readers", str(readers)])
 
 
 def test_a_get_that_never_ends_fails_its_promotion_and_keeps_its_slots(test_plugin_path: Path,
@@ -149,6 +149,40 @@ def test_a_get_that_never_ends_fails_its_promotion_and_keeps_its_slots(test_plug
         got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)),
                                  lease_id=lease.lease_id).result(30)
         assert got.loaded == [0, 1] and _internal_errors(c) == 0
+
+
+def test_gets_queued_behind_a_stuck_one_free_their_slots_when_given_up(test_plugin_path: Path,
+                                                                       tmp_path: Path) -> None:
+    """Three promotions through one read connection whose first get never ends: the two queued
+    behind it are given up with it (no get ends), and the store withdraws their gets, so their
+    slots are freed at once (they stayed reserved until each get had run out its own time after
+    the stuck one); the stuck get's stay reserved until it ends. Then all three promote again."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    with _stuck_server(test_plugin_path, l2, readers=1) as srv, CacheClient(srv.url, timeout=30) as c:
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="queued", block_size=BLOCK_SIZE,
+                        transport="cpu_gather")
+        hashes = [chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"queued-{i}")[0] for i in range(3)]
+        for h in hashes:
+            assert kv.submit_store([h], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+        wait_until(lambda: (t := _tier(c)).writes == 3 and t.queue_depth == 0, timeout=30)
+        assert c.clear("queued") == 3
+        fault.write_text("get_hangs")
+        leases = [c.lookup_and_lease("queued", hashes=[h], lease_s=30) for h in hashes]
+        assert all((r.hits, r.l2_hits) == (1, 1) for r in leases)
+        wait_until(lambda: _tier(c).promote_failures == 3, timeout=20)
+        wait_until(lambda: c.status().reservations == 1, timeout=5)  # the stuck get's: the store may write there
+        assert c.status().reservations == 1 and _tier(c).promoting == 0
+        fault.unlink()
+        wait_until(lambda: c.status().reservations == 0, timeout=10)
+        wait_until(lambda: _tier(c).state == "up", timeout=30)  # three failures opened the breaker
+        for h in hashes:
+            lease = c.lookup_and_lease("queued", hashes=[h], lease_s=30)
+            assert (lease.hits, lease.l2_hits) == (1, 1)
+            got = kv.submit_retrieve([h], list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)),
+                                     lease_id=lease.lease_id).result(30)
+            assert got.loaded == [0], got
+        assert _internal_errors(c) == 0
 
 
 def test_gets_queued_behind_others_at_a_slow_store_are_not_stuck(test_plugin_path: Path, tmp_path: Path) -> None:

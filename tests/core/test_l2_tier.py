@@ -39,6 +39,8 @@ from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_
 pytestmark = pytest.mark.slow
 
 FMT = "bfloat16:2x2x64x16"
+#: A registered layout whose chunks have 4096 bytes.
+FMT_4K = "bfloat16:2x2x32x16"
 TIMEOUT = 30
 
 
@@ -448,11 +450,12 @@ def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def in_process_tier(tmp_path: Path, expected_format: Callable[[ChunkKey], str | None] = lambda key: None,
+def in_process_tier(tmp_path: Path, expected_format: Callable[[ChunkKey], str | None] = lambda key: FMT_4K,
                     ) -> Iterator[tuple[Arena, ChunkIndex, L2Tier, Callable[[Callable[[], bool]], None]]]:
     """A real arena, index and L2 tier over the fs store, in this process; ``pump(until)`` plays
     the server's loop (runs what other threads handed to it) until ``until()`` holds.
-    ``expected_format`` stands for the registered layouts (default: none registered)."""
+    ``expected_format`` stands for the registered layouts (default: every model's, in chunks of
+    4096 bytes)."""
     arena = Arena.create(1 << 20, tmp_path)
     index = ChunkIndex(arena.size)
     calls: list[Callable[[], None]] = []
@@ -550,15 +553,16 @@ def test_a_promotion_whose_get_raises_at_submit_ends_and_wakes_its_waiters(tmp_p
 
 def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path: Path) -> None:
     """In process, with the real fs store, arena and index. Each way a value can be damaged (its
-    file shortened behind the store's back: its size changed since the lookup; more bytes than
-    its header says; a bit flipped) is a miss, and the promotion that found it deletes it: the
-    next lookup finds no L2 hit there, and the chunk stored again is written (not skipped as
-    already stored) and loads byte for byte. Intact values of another layout or another format
-    version are misses that stay in the store. A delete that hangs holds up no promotion; one
+    file shortened behind the store's back: its size changed since the lookup; a bit flipped; a
+    header of another format version under this version's key) is a miss, and the promotion that
+    found it deletes it: the next lookup finds no L2 hit there, and the chunk stored again is
+    written (not skipped as already stored) and loads byte for byte. An intact value of another
+    layout is a miss that stays in the store. A value of a model no engine registered here is
+    counted by a lookup that does not promote, and never promoted. A delete that hangs holds up no promotion; one
     that fails is a store error, counted, and the value stays (the fs store's delete cannot be
     made to hang: this last part swaps in a submit_delete whose future the test resolves)."""
     def layouts(key: ChunkKey) -> str | None:
-        """Model "m" has a registered layout; "u" has none (a lookup before any registration)."""
+        """Model "m" has a registered layout; "u" has none (no engine of it is registered)."""
         return FMT if key.model_name == "m" else None
 
     with in_process_tier(tmp_path, layouts) as (arena, index, tier, pump):
@@ -608,20 +612,24 @@ def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path
         later_version = bytearray(value(keys[4]))
         later_version[4:6] = (2).to_bytes(2, "little")
         later_version[8:HEADER_SIZE] = bytes(HEADER_SIZE - 8)
-        # model "u": a value with more bytes than its (intact) header says; a lookup that knows no
-        # layout takes any size, so only the promotion's check finds it
-        longer_key = ChunkKey("u", 1, 0, b"L" * 16)
-        longer = value(longer_key, data=payload(b"L" * 16)) + b"x" * 512
-        puts = [(l2[2], flipped), (l2[3], other_layout), (l2[4], later_version), (l2_key(longer_key), longer)]
+        # model "u": a good value, which no engine registered here can load
+        unloaded_key = ChunkKey("u", 1, 0, b"U" * 16)
+        puts = [(l2[2], flipped), (l2[3], other_layout), (l2[4], later_version),
+                (l2_key(unloaded_key), value(unloaded_key))]
         assert backend.submit_put([(k, [memoryview(v)]) for k, v in puts]).result(TIMEOUT) == [True] * 4
 
         assert promote("m", hashes) == 1, "only chunk 0 loads"
         assert all(k not in index.entries for k in keys[1:])
-        assert promote("u", [b"L" * 16]) == 0
-        pump(lambda: tier.damaged_deleted == 4)
-        assert (tier.integrity_failures, tier.promote_failures, tier.errors) == (5, 5, 0)
-        sizes = backend.submit_exists([*l2, l2_key(longer_key)]).result(TIMEOUT)
-        assert sizes == [HEADER_SIZE + size, 0, 0, HEADER_SIZE + size, 0, 0]
+        promotions = tier.promotions
+        assert promote("u", [b"U" * 16]) == 0 and tier.promotions == promotions, "nothing is promoted for no engine"
+        lk = tier.begin_lookup("u", 1, [b"U" * 16], 0)
+        assert lk is not None
+        pump(lk.done)
+        assert tier.finish_lookup(lk, promote=False) == (1, 1, 0), "a lookup that does not promote counts it"
+        pump(lambda: tier.damaged_deleted == 3)
+        assert (tier.integrity_failures, tier.promote_failures, tier.errors) == (4, 4, 0)
+        sizes = backend.submit_exists([*l2, l2_key(unloaded_key)]).result(TIMEOUT)
+        assert sizes == [HEADER_SIZE + size, 0, 0, HEADER_SIZE + size, 0, HEADER_SIZE + size]
         kept = bytearray(HEADER_SIZE + size)
         got = backend.submit_get([(l2[3], [memoryview(kept)])]).result(TIMEOUT)
         assert got == [GetStatus.HIT] and kept == other_layout, "an intact value of another layout is left alone"
@@ -648,9 +656,9 @@ def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path
         assert backend.submit_put([(l2[1], [memoryview(flipped)])]).result(TIMEOUT) == [True]  # chunk 2's, here
         assert len(index.clear()) == 3
         assert promote("m", hashes[:3]) == 1
-        assert (tier.promote_failures, tier.damaged_deleted, tier.errors) == (6, 4, 0)
+        assert (tier.promote_failures, tier.damaged_deleted, tier.errors) == (5, 3, 0)
         hung.set_exception(StoreUnavailable("store 'fs': delete failed: the store went away"))
-        assert (tier.damaged_deleted, tier.errors) == (4, 1) and tier.breaker.closed
+        assert (tier.damaged_deleted, tier.errors) == (3, 1) and tier.breaker.closed
         assert backend.submit_exists([l2[1]]).result(TIMEOUT) == [HEADER_SIZE + size]
 
 

@@ -4,6 +4,7 @@ finds its chunks in L2, and ``kvxfer demo --nodes 2`` (the README's second comma
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from kvxfer import CacheClient
+from kvxfer.testing.kvdata import make_kv
 from kvxfer.testing.server import ServerProcess
 from kvxfer_valkey import ValkeyServer
-from l2kit import BLOCK, CHUNK, TIMEOUT, blocks, chunks, kv, settle_writes, tier
+from l2kit import BLOCK, CHUNK, SPEC, TIMEOUT, blocks, chunks, kv, settle_writes, tier
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,39 @@ def test_a_restarted_finds_its_chunks_in_l2(a: ServerProcess) -> None:
         assert res.loaded == [0, 1, 2, 3]
         assert torch.equal(chunks(src_kv, blocks(0, 4)), chunks(dst_kv, blocks(20, 4)))
         ctx.close()
+
+
+def test_a_lookup_promotes_only_what_an_engine_registered_on_its_host_can_load(a: ServerProcess,
+                                                                                b: ServerProcess) -> None:
+    """On B, a client that registers nothing finds A's chunks through L2, but its leased lookup
+    promotes none of them into B's arena: so an engine of another layout may still take the model
+    name on B (promoted chunks in A's layout would have fixed its format there). Once an engine
+    of A's layout registers on B, the same lookup promotes the chunks and they load byte for byte."""
+    model = "promote-for-registered"
+    src_kv, dst_kv = kv(5), kv(6)
+    other = make_kv(dataclasses.replace(SPEC, heads=SPEC.heads // 2), "cpu", 7)  # another layout
+    keys = [b"p" + bytes([i]) * 15 for i in range(4)]
+    with CacheClient(a.url, timeout=TIMEOUT) as ca, CacheClient(b.url, timeout=TIMEOUT) as cb:
+        ctx_a = ca.register(src_kv, model_name=model, block_size=BLOCK, transport="cpu_gather")
+        before = tier(ca).writes
+        assert ctx_a.submit_store(keys, blocks(0, 4)).result(TIMEOUT).stored == [0, 1, 2, 3]
+        settle_writes(ca, before + 4)
+        ctx_a.close()
+
+        arena_chunks, promotions = cb.status().arena.chunks, tier(cb).promotions
+        assert cb.lookup(model, hashes=keys) == 4, "a lookup that does not promote counts L2's chunks"
+        reply = cb.lookup_and_lease(model, hashes=keys, lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (0, 0), "no engine on B can load them: nothing is promoted"
+        assert (cb.status().arena.chunks, tier(cb).promotions) == (arena_chunks, promotions)
+        cb.register(other, model_name=model, block_size=BLOCK, transport="cpu_gather").close()
+
+        ctx_b = cb.register(dst_kv, model_name=model, block_size=BLOCK, transport="cpu_gather")
+        reply = cb.lookup_and_lease(model, hashes=keys, lease_s=30)
+        assert (reply.hits, reply.l2_hits) == (4, 4)
+        got = ctx_b.submit_retrieve(keys, blocks(20, 4), lease_id=reply.lease_id).result(TIMEOUT)
+        assert got.loaded == [0, 1, 2, 3]
+        assert torch.equal(chunks(src_kv, blocks(0, 4)), chunks(dst_kv, blocks(20, 4)))
+        ctx_b.close()
 
 
 @pytest.mark.gpu
