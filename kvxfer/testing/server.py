@@ -14,16 +14,23 @@ default 30 s plus 5 s per GiB of ``l1_size`` (the arena is pre-faulted before th
 and waits for it with the keys of client ``curve_client``. The server runs with
 ``--exit-with-parent`` (unless ``exit_with_parent=False``): when the process that started it ends
 without stopping it (a crash, SIGKILL), it stops by itself within a second and removes its arena.
+Its temporary directory (the socket, the server's log) is removed by the next ``ServerProcess``
+made by the same user once neither the process that made it nor the server lives (both hold a
+lock in it for their lives).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +50,49 @@ class ServerStartFailed(KvxferError, RuntimeError):
     def __init__(self, message: str, log: str = "") -> None:
         super().__init__(message)
         self.log = log
+
+
+#: Prefix of a server's temporary directory, and the lock its maker holds there for its life.
+_DIR_PREFIX = "kvxfer-server-"
+_OWNER_LOCK = "owner.lock"
+
+
+def _hold_owner_lock(directory: Path) -> int:
+    """Lock a new file in ``directory`` for as long as the returned descriptor is open, and name
+    it :data:`_OWNER_LOCK` only once locked, so that a sweep never sees it unheld while its maker
+    lives (a forked child keeps it held too)."""
+    fd = os.open(directory / f"{_OWNER_LOCK}.new", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(directory / f"{_OWNER_LOCK}.new", directory / _OWNER_LOCK)
+    return fd
+
+
+def _sweep_left_directories() -> None:
+    """Remove this user's server directories left behind (a test run killed): those with an owner
+    lock that no process holds (neither their maker nor their server lives). Others (another
+    user's, one without the lock, anything but a real directory) are left alone."""
+    try:
+        entries = list(os.scandir(tempfile.gettempdir()))
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(Path(entry.path) / _OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its maker lives
+        finally:
+            os.close(fd)
+        shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _start_timeout(l1_size: str) -> float:
@@ -69,7 +119,11 @@ class ServerProcess:
         curve_client: str = "client",
         exit_with_parent: bool = True,
     ) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvxfer-server-")
+        _sweep_left_directories()
+        self._tmp = tempfile.TemporaryDirectory(prefix=_DIR_PREFIX)
+        #: held by this process and the server: the directory is theirs while either lives
+        self._owner = _hold_owner_lock(Path(self._tmp.name))
+        weakref.finalize(self, os.close, self._owner)
         sock_dir = Path(self._tmp.name) / "run"
         self.url = url or f"ipc://{sock_dir / 'kvxfer.sock'}"
         self.chunk_size = chunk_size
@@ -105,7 +159,8 @@ class ServerProcess:
         args = self.args
         if self.exit_with_parent:  # this process's id: seen even if it ends before the server starts
             args = [*args, f"--exit-with-parent={os.getpid()}"]
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     pass_fds=(self._owner,))
         deadline = time.monotonic() + self.start_timeout
         # no probe before the server says it is ready: a probe that gave up before the server's
         # answer (a busy host) would leave a session behind until the session timeout

@@ -500,7 +500,8 @@ def _running(pid: int) -> bool:
 def test_the_kits_server_stops_with_the_process_that_started_it(tmp_path: Path) -> None:
     """A process that starts servers with ServerProcess and dies by SIGKILL: the server started
     with --exit-with-parent (the kit's default) stops by itself and removes its arena and socket;
-    the one started without it keeps serving (then stopped here)."""
+    the one started without it keeps serving (then stopped here). The next ServerProcess made
+    removes the directory (the log) the first one left, and not the one of the server that runs."""
     shm = tmp_path / "shm"
     shm.mkdir()
     proc = subprocess.run([sys.executable, "-c", _ORPHANING_PARENT, str(shm)], capture_output=True, text=True,
@@ -517,6 +518,12 @@ def test_the_kits_server_stops_with_the_process_that_started_it(tmp_path: Path) 
             assert c.ping() > 0
             arena = c.arena_path
         assert os.listdir(shm) == [Path(arena).parent.name], "the stopped server left its arena"
+        kept_dir, free_dir = (Path(url.removeprefix("ipc://")).parent.parent for url in (kept_url, free_url))
+        assert kept_dir.is_dir(), "the killed process left its server's directory"
+        ServerProcess().__exit__()  # made and never started: it sweeps the directories left
+        assert not kept_dir.exists() and free_dir.is_dir()
+        with CacheClient(free_url) as c:
+            assert c.ping() > 0
     finally:
         for pid in (kept, free):
             if _running(pid):
