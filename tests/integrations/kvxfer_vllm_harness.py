@@ -126,6 +126,7 @@ class Request:
     cache_salt: str | None = None
     lora_request: Any = None
     mm_features: list[Any] = field(default_factory=list)
+    prompt_embeds: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

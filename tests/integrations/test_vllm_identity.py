@@ -46,6 +46,9 @@ def test_what_changes_kv_bytes_changes_the_identity(models: dict[str, Path], mon
     ident["bf16-run"] = kv_identity("tiny", config(models["a"], dtype="bfloat16"))
     ident["fp8-kv"] = kv_identity("tiny", config(models["a"], kv_cache_dtype="fp8_e4m3"))
     ident["block-64"] = kv_identity("tiny", config(models["a"], block_size=64))
+    # the model config vLLM runs with, not only config.json on disk
+    ident["eps-override"] = kv_identity("tiny", config(models["a"], hf_overrides={"rms_norm_eps": 0.5}))
+    ident["rope-override"] = kv_identity("tiny", config(models["a"], hf_overrides={"rope_theta": 1234.0}))
     assert ident["copy"] == ident["a"], "a copy of the model in another directory is the same model"
     others = {k: v for k, v in ident.items() if k not in ("a", "copy")}
     assert len(set(others.values()) | {ident["a"]}) == len(others) + 1, ident

@@ -94,3 +94,61 @@ def test_without_the_wait_attention_reads_blocks_that_have_not_landed(server: Se
         for g in gates:
             g.set()
         engine.shutdown()
+
+
+def test_a_store_never_reads_blocks_another_requests_load_fills_in_that_step(server: ServerProcess) -> None:
+    """A layer-by-layer load is synchronous: vLLM counts its blocks computed at once, and its
+    prefix cache gives them to another request scheduled in the same step. That request's
+    store of those chunks would read them in the step that fills them, and store garbage for
+    every engine if the load failed (seen in real vLLM with a server restarted between lookup
+    and load). The store stops before them in that step; the next step stores them.
+    The scheduler's calls as vLLM makes them, with the harness's stand-ins for vLLM's objects."""
+    from kvxfer_vllm_harness import (
+        CachedRequestData,
+        KVCacheBlocks,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        NewRequestData,
+        SchedulerOutput,
+    )
+
+    from kvxfer.integrations.vllm import KvxferConnector
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    engine, _ = _stored_then_loaded(server, "same-step")  # the server has the workload's prefixes
+    try:
+        stored = next(r for r in workload("same-step", n=8, seed=3) if len(r.prompt_token_ids) >= 3 * CHUNK)
+        prefix = stored.prompt_token_ids[:2 * CHUNK]
+        cfg = make_vllm_config(server.url, model_name="same-step", layerwise=True)
+        sched = KvxferConnector(cfg, KVConnectorRole.SCHEDULER,
+                                KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
+        try:
+            bpc = CHUNK // engine.bs
+            a = Request("A", prefix + [1, 2, 3])
+            ext, is_async = sched.get_num_new_matched_tokens(a, 0)
+            assert (ext, is_async) == (2 * CHUNK, False)  # a synchronous (layer-by-layer) load
+            a_blocks = list(range(10, 10 + 2 * bpc + 1))
+            sched.update_state_after_alloc(a, KVCacheBlocks((a_blocks,)), ext)
+            # B: vLLM's prefix cache hit on A's first two chunks' blocks, in the same step
+            b = Request("B", prefix + list(range(900, 900 + CHUNK)) + [4])
+            local = 2 * CHUNK
+            assert sched.get_num_new_matched_tokens(b, local)[0] == 0
+            b_blocks = a_blocks[:2 * bpc] + list(range(50, 50 + bpc + 1))
+            sched.update_state_after_alloc(b, KVCacheBlocks((b_blocks,)), 0)
+            out = SchedulerOutput([NewRequestData("A", a.prompt_token_ids, (a_blocks,), ext),
+                                   NewRequestData("B", b.prompt_token_ids, (b_blocks,), local)],
+                                  CachedRequestData([], set(), [], []), {"A": 3, "B": CHUNK + 1}, CHUNK + 4, set())
+            meta = sched.build_connector_meta(out)
+            assert [op.req_id for op in meta.loads] == ["A"]
+            filled = set(meta.loads[0].block_ids)
+            assert all(filled.isdisjoint(op.block_ids) for op in meta.stores), meta.stores
+            assert not any(op.req_id == "B" for op in meta.stores)
+            # the next step (the load has landed): B's chunks are stored, from its first
+            out = SchedulerOutput([], CachedRequestData(["B"], set(), [None], [local + CHUNK + 1]), {"B": 1}, 1, set())
+            meta = sched.build_connector_meta(out)
+            (op,) = [op for op in meta.stores if op.req_id == "B"]
+            assert op.block_ids == b_blocks[:3 * bpc] and len(op.keys) == 3
+        finally:
+            sched.shutdown()
+    finally:
+        engine.shutdown()

@@ -28,7 +28,7 @@ from kvxfer_vllm_harness import (
     make_vllm_config,
 )
 
-from kvxfer import CacheClient, chunk_hashes
+from kvxfer import CacheClient, ConfigError, chunk_hashes
 from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorMetadata, LoadOp
 from kvxfer.integrations.vllm._compat import KVConnectorRole
 from kvxfer.testing.server import ServerProcess
@@ -180,6 +180,21 @@ def test_with_several_kv_cache_groups_a_failed_load_fails_its_request(srv: Serve
         assert failed == {"r"} and errors == set()
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_layerwise_loads_of_a_model_with_several_kv_cache_groups_are_refused(srv: ServerProcess, role: str) -> None:
+    """A failed layer-by-layer (synchronous) load of a hybrid model can only be reported as a
+    failed request, which vLLM ignores for a running request: it would run on blocks the load
+    did not fill (seen in real vLLM). Both sides refuse the combination at start-up, naming the
+    way out; one group layer by layer, and several without it, start."""
+    specs = [KVCacheGroupSpec([f"g{g}.l0"], FullAttentionSpec(BS)) for g in range(2)]
+    cfg = make_vllm_config(srv.url, model_name="hybrid-layerwise", layerwise=True)
+    with pytest.raises(ConfigError, match="2 KV cache groups.*kvxfer.layerwise false"):
+        KvxferConnector(cfg, getattr(KVConnectorRole, role), KVCacheConfig(BLOCKS, specs))
+    KvxferConnector(cfg, getattr(KVConnectorRole, role), KVCacheConfig(BLOCKS, specs[:1])).shutdown()
+    KvxferConnector(make_vllm_config(srv.url, model_name="hybrid-layerwise"), getattr(KVConnectorRole, role),
+                    KVCacheConfig(BLOCKS, specs)).shutdown()
 
 
 def test_a_stalled_load_is_recomputed_at_its_deadline_in_the_whole_flow(srv: ServerProcess) -> None:

@@ -144,7 +144,8 @@ def test_vllm_metrics_and_log_line_show_what_the_connector_did(server: ServerPro
 
     got = {m.name: m.value for m in get_metrics_snapshot() if isinstance(m, Counter) and "kvxfer" in m.name}
     want = {"lookups": sched["lookups"], "unanswered_lookups": sched["unanswered_lookups"],
-            "lookup_tokens": sched["lookup_tokens"], "hit_tokens": sched["lookup_hit_tokens"]} | {k: work[k] for k in (
+            "lookup_tokens": sched["lookup_tokens"], "hit_tokens": sched["lookup_hit_tokens"],
+            "loads_not_retried": sched["loads_not_offered_again"]} | {k: work[k] for k in (
                 "loads", "loaded_chunks", "loaded_bytes", "load_failures", "failed_load_blocks", "expired_loads",
                 "stores", "stored_chunks", "stored_bytes", "failed_store_chunks", "dropped_stores")}
     assert got == {f"vllm:kvxfer_{k}": v for k, v in want.items()}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import torch
 from kvxfer_vllm_harness import MiniEngine, Request, feed, make_vllm_config, workload
 
 from kvxfer.testing.server import ServerProcess
@@ -120,17 +122,32 @@ def test_kv_roles_producer_stores_consumer_loads(server: ServerProcess) -> None:
 
 
 def test_cache_salt_and_lora_separate_cached_prefixes(server: ServerProcess) -> None:
+    """Salts, LoRA adapters (by name and path: a name pointed at another adapter is another
+    cache, as in vLLM's own prefix cache) and a salt that spells another request's salt and
+    adapter each keep a cache of their own; a prompt given as embeddings is neither looked up
+    nor stored (its token ids do not say what was computed)."""
     engine = MiniEngine(make_vllm_config(server.url, model_name="salts"), enable_prefix_caching=False)
     try:
         prompt = list(range(10, 60))
+
+        def lora(path: str) -> Any:
+            return type("LoRARequest", (), {"lora_name": "adapter-1", "lora_int_id": 1, "lora_path": path})()
+
         feed(engine, [Request("s-a", prompt, cache_salt="tenant-a")], per_step=1)
         feed(engine, [Request("s-b", prompt, cache_salt="tenant-b")], per_step=1)
         feed(engine, [Request("s-none", list(prompt))], per_step=1)
-        lora = type("LoRARequest", (), {"lora_name": "adapter-1", "lora_int_id": 1})()
-        feed(engine, [Request("s-lora", list(prompt), lora_request=lora)], per_step=1)
-        assert not engine.loads  # four different caches: no request may read another's KV
+        feed(engine, [Request("s-lora", list(prompt), lora_request=lora("/adapters/v1"))], per_step=1)
+        feed(engine, [Request("s-lora-v2", list(prompt), lora_request=lora("/adapters/v2"))], per_step=1)
+        feed(engine, [Request("s-spelt", list(prompt), cache_salt="x|lora=adapter-1")], per_step=1)
+        feed(engine, [Request("s-x-lora", list(prompt), cache_salt="x", lora_request=lora("/adapters/v1"))],
+             per_step=1)
+        assert not engine.loads  # seven different caches: no request may read another's KV
+        stored = engine.worker.worker.stats["stored_chunks"]
+        feed(engine, [Request("s-embeds", list(prompt), prompt_embeds=torch.zeros(len(prompt), 4))], per_step=1)
+        assert engine.worker.worker.stats["stored_chunks"] == stored, "a prompt of embeddings is not stored"
         feed(engine, [Request("s-a2", list(prompt), cache_salt="tenant-a")], per_step=1)
-        feed(engine, [Request("s-lora2", list(prompt), lora_request=lora)], per_step=1)
+        feed(engine, [Request("s-lora2", list(prompt), lora_request=lora("/adapters/v1"))], per_step=1)
+        feed(engine, [Request("s-embeds2", list(prompt), prompt_embeds=torch.zeros(len(prompt), 4))], per_step=1)
         engine.check_drained()
         assert sorted(op.req_id for op in engine.loads) == ["s-a2", "s-lora2"]
     finally:
@@ -156,3 +173,35 @@ def test_a_repeated_lookup_keeps_one_lease(server: ServerProcess) -> None:
         assert client.status().leases == base
     finally:
         engine.shutdown()
+
+
+def test_a_failed_load_is_not_offered_again_and_gives_its_lease_back(server: ServerProcess) -> None:
+    """A worker that cannot load (here its registration is refused: another layout under the
+    same name, with the fingerprint off) while its scheduler keeps finding the chunks: vLLM asks
+    about a request again after its load failed from its first block, and offering the same hits
+    again planned and failed loads in a loop, each holding a lease (4,096 loads for 4 requests in
+    real vLLM, until the server's lease limit). Now each request gets one load, then computes its
+    prefix; the worker gives back the leases of the loads it did not run."""
+    names = {"model_name": "one-load", "fingerprint": False, "on_server_error": "recompute"}
+    first = MiniEngine(make_vllm_config(server.url, **names), enable_prefix_caching=False)
+    reqs = workload("one-load", n=4, seed=5)
+    try:
+        feed(first, reqs, per_step=4)
+        first.check_drained()
+    finally:
+        first.shutdown()
+    other = MiniEngine(make_vllm_config(server.url, **names), enable_prefix_caching=False, heads=4)
+    try:
+        assert not other.worker.worker.contexts, "its registration was refused: another layout, same name"
+        client = other.scheduler.scheduler.link.client
+        base = client.status().leases
+        again = [Request(f"again-{r.request_id}", list(r.prompt_token_ids)) for r in reqs]
+        feed(other, again, per_step=4)
+        other.check_drained()
+        offered = [op.req_id for op in other.loads]
+        assert offered and len(offered) == len(set(offered)), f"a request was offered a load twice: {offered}"
+        assert other.scheduler.scheduler.stats["loads_not_offered_again"] == len(offered)
+        assert other.recomputed_tokens > 0
+        assert client.status().leases == base, "the loads the worker did not run left their leases"
+    finally:
+        other.shutdown()

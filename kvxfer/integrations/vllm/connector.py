@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvxfer.errors import ConfigError
 from kvxfer.integrations.vllm._compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -69,6 +70,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self.identity = kv_identity(cfg.model_name, vllm_config, kv_cache_config, cfg.fingerprint)
         #: The KV cache groups moved, each under the identity plus the group.
         self.groups = plan_groups(kv_cache_config, self.identity, cfg.block_size)
+        if cfg.layerwise and len(self.groups) > 1:
+            # a failed synchronous load of such a model can only be reported as a failed request,
+            # and vLLM acts on those for requests waiting for an asynchronous load alone: the
+            # request would run on blocks the load did not fill
+            raise ConfigError(f"kvxfer.layerwise is true for a model with {len(self.groups)} KV cache groups (hybrid "
+                              "attention): vLLM does not recompute a failed layer-by-layer load of such a model. "
+                              "Set kvxfer.layerwise false (asynchronous loads) for it")
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         if getattr(role, "name", None) == "SCHEDULER":

@@ -8,6 +8,8 @@ each worker registers its KV cache under it), so they agree without talking:
   ``config.json`` and of each weight file's name, size, first and last MiB (content, not paths
   or times: two copies of one model agree, a fine-tune or another seed does not); for a Hub
   model not in the cache, its id and resolved revision;
+* the model config's overrides at run time (``hf_overrides``: a ``rope_theta`` or an
+  ``rms_norm_eps`` given to vLLM changes every KV byte, while ``config.json`` on disk stays);
 * the dtype, the KV cache dtype and the quantization method;
 * the number of layers (all stages), KV heads per rank, head size, block size, the resolved
   ``KVCacheLayout`` and each KV cache group's spec (type, block size, heads, head size, dtype,
@@ -86,6 +88,17 @@ def _group_facts(group: Any) -> dict[str, Any]:
     return facts
 
 
+def _overrides(model: Any) -> str:
+    """``model_config.hf_overrides`` as a stable string: a dict (nested too) as sorted JSON, a
+    function by its module and qualified name (what it returns cannot be read without a config)."""
+    overrides = getattr(model, "hf_overrides", None)
+    if not overrides:
+        return ""
+    if callable(overrides):
+        return f"fn:{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', repr(overrides))}"
+    return json.dumps(overrides, sort_keys=True, default=str)
+
+
 def kv_facts(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
     """The facts :func:`kv_identity` hashes, from vLLM's config (attributes only)."""
     model = getattr(vllm_config, "model_config", None)
@@ -103,6 +116,7 @@ def kv_facts(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache, "kv_cache_layout", None)
     return {
         "weights": weights_fingerprint(name, getattr(model, "revision", None)) if name else "",
+        "hf_overrides": _overrides(model),
         "dtype": str(getattr(model, "dtype", "")),
         "kv_cache_dtype": str(getattr(cache, "cache_dtype", "")),
         "quantization": str(getattr(model, "quantization", None)),

@@ -75,6 +75,9 @@ class _ReqState:
     next_store: list[int] = field(default_factory=list)
     #: Stores were sent since the request was last preempted (mirrored by the workers).
     has_stores: bool = False
+    #: A load was planned since vLLM last reported the request preempted: vLLM asks again only
+    #: when that load failed from its first block, and the request then computes its prefix.
+    loaded: bool = False
 
     def __post_init__(self) -> None:
         self.block_ids = [[] for _ in range(self.groups)]
@@ -98,7 +101,7 @@ class SchedulerConnector:
         self._loads: list[LoadOp] = []
         self._preempted: set[str] = set()
         self.stats = {"lookups": 0, "unanswered_lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0,
-                      "loads": 0, "stores": 0, "store_chunks": 0}
+                      "loads": 0, "loads_not_offered_again": 0, "stores": 0, "store_chunks": 0}
         self.link = ServerLink(config, "scheduler", self._on_connect)
         self.link.get(startup=True)
 
@@ -143,7 +146,8 @@ class SchedulerConnector:
         assert self.chunk_size is not None
         if st.hashes is None:
             prompt = getattr(st.request, "prompt_token_ids", None)
-            st.hashes = chunk_hashes(prompt, self.chunk_size, salt=request_salt(st.request)) if prompt else []
+            st.hashes = chunk_hashes(prompt, self.chunk_size, salt=request_salt(st.request)) \
+                if prompt and moves_kv(st.request) else []
         return st.hashes
 
     def _release_lease(self, st: _ReqState) -> None:
@@ -170,6 +174,11 @@ class SchedulerConnector:
             self._preempted.add(request.request_id)
         self._release_lease(st)
         if not self.config.loads:
+            return 0, False
+        if st.loaded:
+            # its load failed (a server that stopped answering the worker, chunks gone): offering
+            # the same hits again would have vLLM plan and fail loads in a loop, each holding a lease
+            self.stats["loads_not_offered_again"] += 1
             return 0, False
         client = self.link.get()
         chunk = self.chunk_size
@@ -259,6 +268,7 @@ class SchedulerConnector:
             st.next_store[pos] = max(st.next_store[pos], end)
         st.leases = []  # the loads' retrieves release them
         st.lookup_end = st.lookup_first = st.lookup_tokens = 0
+        st.loaded = True
         self.stats["loads"] += 1
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
@@ -266,10 +276,16 @@ class SchedulerConnector:
         this step's forward pass completes) and preempted requests."""
         meta = KvxferConnectorMetadata(chunk_size=self.chunk_size or 0)
         meta.loads, self._loads = self._loads, []
+        loading = self._loading_blocks(meta.loads)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = resumed_req_ids(cached)
-        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ()) | self._preempted | resumed
+        by_vllm = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        preempted = by_vllm | self._preempted | resumed
         self._preempted = set()
+        for rid in by_vllm:  # its blocks are gone: its prefix may be loaded again
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.loaded = False
         for rid in preempted:
             st = self._reqs.get(rid)
             if st is not None:
@@ -283,7 +299,8 @@ class SchedulerConnector:
             if st is None:
                 continue
             st.block_ids = [list(group_blocks(new.block_ids, g.index)) for g in self.groups]
-            self._plan_store(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta)
+            self._plan_store(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta,
+                             loading)
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None:
@@ -295,12 +312,26 @@ class SchedulerConnector:
             elif new_ids is not None:
                 for pos, g in enumerate(self.groups):
                     st.block_ids[pos].extend(group_blocks(new_ids, g.index))
-            self._plan_store(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta)
+            self._plan_store(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta, loading)
         return meta
 
-    def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata) -> None:
+    def _loading_blocks(self, loads: list[LoadOp]) -> dict[int, set[int]]:
+        """Per KV cache group, the blocks this step's loads write (past what vLLM computed)."""
+        sizes = {g.index: g.block_size for g in self.groups}
+        out: dict[int, set[int]] = {}
+        for op in loads:
+            if op.keys:
+                out.setdefault(op.group, set()).update(op.block_ids[op.skip_tokens // sizes.get(op.group, 1):])
+        return out
+
+    def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata,
+                    loading: dict[int, set[int]]) -> None:
         """Stores of the full prompt chunks that ``computed`` tokens complete, per group; chunks
-        whose blocks a sliding-window group no longer holds (the null block) are passed over."""
+        whose blocks a sliding-window group no longer holds (the null block) are passed over.
+        A chunk whose blocks a load of this step writes (another request's layer-by-layer load,
+        whose blocks vLLM's prefix cache shares at once) ends the store there: the store would
+        read them in the step that fills them, and read garbage if that load fails. It is
+        planned again in a later step (once the load landed, or the blocks were recomputed)."""
         if not self.config.stores or self.chunk_size is None:
             return
         chunk = self.chunk_size
@@ -313,8 +344,12 @@ class SchedulerConnector:
                 continue
             keys: list[bytes] = []
             blocks: list[int] = []
+            filling = loading.get(g.index)
             for c in range(st.next_store[pos], upto):
                 chunk_blocks = ids[c * bpc:(c + 1) * bpc]
+                if filling and not filling.isdisjoint(chunk_blocks):
+                    upto = c
+                    break
                 if not (g.frees_early and NULL_BLOCK in chunk_blocks):
                     keys.append(hashes[c])
                     blocks.extend(chunk_blocks)
@@ -366,18 +401,27 @@ def resumed_req_ids(cached: Any) -> set[str]:
 
 
 def request_salt(request: Any) -> str:
-    """What besides the tokens decides a request's KV: its ``cache_salt``, its LoRA adapter and
-    its multimodal inputs (placeholder tokens alone do not name an image)."""
-    parts: list[str] = []
+    """What besides the tokens decides a request's KV: its ``cache_salt``, its LoRA adapter (its
+    name and path, as vLLM's own prefix cache keys it: a name pointed at another adapter is
+    another cache) and its multimodal inputs (placeholder tokens alone do not name an image).
+    Each part is written with its length, so that no salt can spell another's parts."""
+    parts: list[tuple[str, object]] = []
     salt = getattr(request, "cache_salt", None)
     if salt:
-        parts.append(f"salt={salt}")
+        parts.append(("salt", salt))
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', None) or getattr(lora, 'lora_int_id', lora)}")
+        parts.append(("lora", getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", lora)))
+        parts.append(("lora_path", getattr(lora, "lora_path", None) or getattr(lora, "path", None)))
     mm: Iterable[Any] = getattr(request, "mm_features", None) or ()
     for feature in mm:
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
         pos = getattr(getattr(feature, "mm_position", None), "offset", None)
-        parts.append(f"mm={ident}@{pos}")
-    return "|".join(parts)
+        parts.append(("mm", f"{ident}@{pos}"))
+    return "".join(f"{kind}:{len(text)}:{text};" for kind, text in ((k, str(v)) for k, v in parts))
+
+
+def moves_kv(request: Any) -> bool:
+    """Whether the connector may load or store ``request``'s KV: not when its prompt comes as
+    embeddings (in whole or in part), since the token ids then do not say what was computed."""
+    return getattr(request, "prompt_embeds", None) is None

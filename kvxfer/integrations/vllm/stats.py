@@ -65,6 +65,8 @@ FIELDS: Final[dict[str, str]] = {
                           "them without the cache.",
     "lookup_tokens": "Prompt tokens (full chunks beyond vLLM's own prefix-cache hit) the lookups asked about.",
     "hit_tokens": "Tokens the cache server had and kvxfer offered vLLM to load instead of computing.",
+    "loads_not_retried": "Requests vLLM asked about again after their load failed: kvxfer offered nothing (one "
+                         "load per request until vLLM preempts it), and vLLM computed the prefix.",
     "loads": "Loads kvxfer's workers submitted (one per request and rank).",
     "loaded_chunks": "Chunks loaded from the cache server (summed over ranks).",
     "loaded_bytes": "Bytes loaded from the cache server into vLLM's KV cache.",
@@ -79,7 +81,8 @@ FIELDS: Final[dict[str, str]] = {
 }
 #: What the scheduler side reports: its stats key -> field.
 SCHEDULER_FIELDS: Final[dict[str, str]] = {"lookups": "lookups", "unanswered_lookups": "unanswered_lookups",
-                                           "lookup_tokens": "lookup_tokens", "lookup_hit_tokens": "hit_tokens"}
+                                           "lookup_tokens": "lookup_tokens", "lookup_hit_tokens": "hit_tokens",
+                                           "loads_not_offered_again": "loads_not_retried"}
 #: What a worker reports: its stats key -> field.
 WORKER_FIELDS: Final[dict[str, str]] = {k: k for k in (
     "loads", "loaded_chunks", "loaded_bytes", "load_failures", "failed_load_blocks", "expired_loads", "stores",
