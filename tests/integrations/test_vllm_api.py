@@ -372,8 +372,26 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
         KvxferConnector(make_vllm_config(server.url, on_server_error="ignore"), KVConnectorRole.WORKER, _groups())
     with pytest.raises(ConfigError, match="timeout_s"):
         KvxferConnector(make_vllm_config(server.url, timeout_s=-1), KVConnectorRole.WORKER, _groups())
-    with pytest.raises(ConfigError, match=r"kvxfer\.timeout_s must be a positive number of seconds up to"):
-        KvxferConnector(make_vllm_config(server.url, timeout_s=1e9), KVConnectorRole.WORKER, _groups())
+    for timeout in (1e9, 1e-9):  # past a year; below what any request takes
+        with pytest.raises(ConfigError, match=r"kvxfer\.timeout_s must be a number of seconds from 0\.01 up to"):
+            KvxferConnector(make_vllm_config(server.url, timeout_s=timeout), KVConnectorRole.WORKER, _groups())
+    for retry in (1e-6, 1e10):  # a reconnect thread that spins; one whose wait threading refuses (it died)
+        with pytest.raises(ConfigError, match=r"kvxfer\.retry_s must be a number of seconds from 0\.1 up to 86400"):
+            KvxferConnector(make_vllm_config(server.url, retry_s=retry), KVConnectorRole.WORKER, _groups())
+    cfg = make_vllm_config(server.url)
+    extra = cfg.kv_transfer_config.kv_connector_extra_config
+    for url in ("", 0):  # given, and empty: not the default socket
+        extra["kvxfer.url"] = url
+        with pytest.raises(ConfigError, match=r"kvxfer\.url must be a string, ipc://PATH or tcp://HOST:PORT"):
+            KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
+    extra["kvxfer.url"] = server.url
+    extra["KVXFER.timeout_s"] = 1  # a misspelt key is never taken for the default's
+    with pytest.raises(ConfigError, match=r"'KVXFER\.timeout_s' is not kvxfer's; did you mean 'kvxfer\.timeout_s'"):
+        KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
+    del extra["KVXFER.timeout_s"]
+    extra[5] = "x"
+    with pytest.raises(ConfigError, match=r"keys must be strings, got 5"):
+        KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
     for policy in ("fail", "recompute"):  # caught at start, not as a server error that keeps the cache off
         with pytest.raises(ConfigError, match=r"kvxfer\.model_name must be printable text.*U\+001B"):
             KvxferConnector(make_vllm_config(server.url, model_name="m\x1b[2J", on_server_error=policy),

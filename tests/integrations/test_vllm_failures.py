@@ -134,7 +134,7 @@ def test_a_start_up_connect_and_the_background_one_make_one_client(monkeypatch: 
     monkeypatch.setattr(link_module, "CacheClient", Counted)
     late = ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="cpu_gather")
     cfg = ConnectorConfig.from_vllm(make_vllm_config(late.url, on_server_error="recompute", timeout_s=1,
-                                                     retry_s=0.01))
+                                                     retry_s=0.1))
     link = link_module.ServerLink(cfg, "worker", lambda client: time.sleep(0.2))  # a slow registration
     try:
         assert link.get(startup=True) is None and link.down  # no server: the background thread looks

@@ -31,12 +31,13 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.url": "address of the kvxfer server (default: $KVXFER_URL or the private ipc:// socket)",
     "kvxfer.transport": "transport name (cuda_ipc, hpu, cpu_gather, ...) or 'auto' (default)",
     "kvxfer.chunk_size": "tokens per chunk; must equal the server's --chunk-size (default: the server's)",
-    "kvxfer.timeout_s": "seconds to wait for any server request (default 5)",
+    "kvxfer.timeout_s": "seconds to wait for any server request, from 0.01 (default 5)",
     "kvxfer.lease_s": "seconds a lookup keeps its hits from eviction until they are loaded (default 60)",
     "kvxfer.load_timeout_ms": "milliseconds a load may take before its blocks are reported as not loaded "
                               "(default 0: no deadline but kvxfer.timeout_s)",
     "kvxfer.on_server_error": "'fail' (default: raise) or 'recompute' (carry on without the cache)",
-    "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server (default 5)",
+    "kvxfer.retry_s": "in 'recompute' mode, seconds between attempts to reach a lost server, 0.1 to 86400 "
+                      "(default 5)",
     "kvxfer.model_name": "readable label of stored chunks (default: the model path and its KV dtype)",
     "kvxfer.fingerprint": "true (default): chunks are keyed by the label plus a fingerprint of what makes KV "
                           "bytes compatible (weights, dtypes, quantization, shapes, layout, parallelism); "
@@ -52,6 +53,9 @@ KEYS: Final[dict[str, str]] = {
     "kvxfer.curve_dir": "directory of CURVE keys from `kvxfer keys` (required for a tcp:// server)",
     "kvxfer.curve_name": "which client key pair in kvxfer.curve_dir (default 'client')",
 }
+
+#: Longest kvxfer.retry_s: a day (threading refuses waits past TIMEOUT_MAX, and the thread would die).
+MAX_RETRY_S: Final = 86400.0
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 OnError = Literal["fail", "recompute"]
@@ -133,6 +137,10 @@ class ConnectorConfig:
     ) -> ConnectorConfig:
         """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` naming the key."""
         for k in extra:  # a key of another prefix is not kvxfer's, unless it is one of kvxfer's misspelt
+            if not isinstance(k, str):
+                raise ConfigError(f"kv_connector_extra_config keys must be strings, got {k!r}"[:300])
+            if k not in KEYS and k.lower() in KEYS:
+                raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {k.lower()!r}?")
             close = [f"kvxfer.{k}"] if isinstance(k, str) and f"kvxfer.{k}" in KEYS else \
                 difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) if isinstance(k, str) and k not in KEYS \
                 and not k.startswith("kvxfer.") else []  # "url" for "kvxfer.url" too
@@ -176,14 +184,17 @@ class ConnectorConfig:
             raise ConfigError("kvxfer.prefetch is true with kvxfer.layerwise: a layer-by-layer load copies each chunk "
                               "layer by layer and uses nothing a prefetch moved, whose copies would only run ahead "
                               "of it; set kvxfer.prefetch false (the default with kvxfer.layerwise)")
-        url = extra.get("kvxfer.url") or default_url()
-        if not isinstance(url, str):
-            raise ConfigError(f"kvxfer.url must be a string (ipc://PATH or tcp://HOST:PORT), got {url!r}")
+        url = extra.get("kvxfer.url")
+        url = default_url() if url is None else url  # given empty is a mistake, not the default
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"kvxfer.url must be a string, ipc://PATH or tcp://HOST:PORT (left out: the default "
+                              f"socket), got {url!r}"[:300])
         try:
             check_url(url)
         except ConfigError as exc:
             raise ConfigError(f"kvxfer.url: {exc}") from None
-        timeout_s = _positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0), MAX_TIMEOUT_S)
+        # below 10 ms no request could be answered; a retry faster than 0.1 s spins on a server that is gone
+        timeout_s = _positive_float("kvxfer.timeout_s", extra.get("kvxfer.timeout_s", 5.0), MAX_TIMEOUT_S, 0.01)
         load_timeout_s = _load_timeout(extra.get("kvxfer.load_timeout_ms", 0))
         if load_timeout_s >= timeout_s:
             raise ConfigError(f"kvxfer.load_timeout_ms ({load_timeout_s * 1000:g} ms) must be below kvxfer.timeout_s "
@@ -198,7 +209,7 @@ class ConnectorConfig:
             lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0)),
             load_timeout_s=load_timeout_s,
             on_server_error=on_error,
-            retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0)),
+            retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0), MAX_RETRY_S, 0.1),
             model_name=model_name,
             fingerprint=fingerprint,
             layout=layout,
@@ -252,12 +263,14 @@ def _positive_int(key: str, value: Any) -> int:
     return value
 
 
-def _positive_float(key: str, value: Any, most: float = math.inf) -> float:
-    what = f"a positive number of seconds{f' up to {most:g}' if most < math.inf else ''}"
+def _positive_float(key: str, value: Any, most: float = math.inf, least: float = 0.0) -> float:
+    """Seconds in (0, ``most``], or in [``least``, ``most``] with ``least``."""
+    what = (f"a number of seconds from {least:g} up to {most:g}" if least else
+            f"a positive number of seconds{f' up to {most:g}' if most < math.inf else ''}")
     try:
         out = float(value)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{key} must be {what}, got {value!r}"[:300]) from None
-    if isinstance(value, bool) or not math.isfinite(out) or not 0 < out <= most:
-        raise ConfigError(f"{key} must be {what}, got {value!r}")
+    if isinstance(value, bool) or not math.isfinite(out) or not 0 < out <= most or out < least:
+        raise ConfigError(f"{key} must be {what}, got {value!r}"[:300])
     return out
