@@ -21,7 +21,8 @@ The HTTP endpoint listens on TCP, where any local user (or anyone who can reach
 newcomer takes the place of the oldest one that has not sent its request whole, or else of one
 answered for more than :data:`SCRAPE_STALLED_S`; with none such, it is closed), and each is
 closed :data:`SCRAPE_CONNECTION_S` after it was accepted, whatever it is doing (sending its
-request slowly, or not reading the reply).
+request slowly, or not reading the reply), and sends at most :data:`MAX_REQUEST_HEAD` bytes of
+request head (answered 431 past them, before anything is parsed).
 Connections are taken at most :data:`MAX_SCRAPES_PER_S` a second (the accept loop waits for the
 next free moment; each connection carries one request, HTTP/1.0), so that scrapes in a loop, or
 connections opened and dropped, or garbage sent, cannot take the loop's snapshots and the
@@ -33,6 +34,7 @@ connection it cannot take.
 from __future__ import annotations
 
 import errno
+import http.client
 import logging
 import socket
 import threading
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
     from kvxfer.server.engine import CacheServer
 
 __all__ = ["MetricsExporter", "ServerCollector", "Snapshot", "SCRAPE_TIMEOUT_S", "CORE_FAMILIES", "MAX_SCRAPERS",
-           "SCRAPE_CONNECTION_S", "SCRAPE_STALLED_S", "MAX_SCRAPES_PER_S", "ACCEPT_RETRY_S"]
+           "SCRAPE_CONNECTION_S", "SCRAPE_STALLED_S", "MAX_SCRAPES_PER_S", "ACCEPT_RETRY_S", "MAX_REQUEST_HEAD"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ SCRAPE_STALLED_S: Final = SCRAPE_TIMEOUT_S + 3.0
 MAX_SCRAPES_PER_S: Final = 10.0
 #: How long the accept loop waits after an accept failed for want of file descriptors.
 ACCEPT_RETRY_S: Final = 0.1
+#: Bytes of request line and headers a metrics connection may send (a scraper's are a few hundred).
+MAX_REQUEST_HEAD: Final = 8192
 
 #: Every metric family the core exports (names as exposed, without ``_bucket``/``_sum``/
 #: ``_count`` suffixes). Plugin samples may not reuse these names.
@@ -392,11 +396,37 @@ def _only_at_metrics(app: Any) -> Any:
     return only
 
 
+class _HeadLimit:
+    """A connection's reader that gives at most :data:`MAX_REQUEST_HEAD` bytes of request line and
+    headers: past them a line is refused as too long (the handler answers 431 and closes), so a
+    request of 6.5 MB of headers (what the standard library takes) is never parsed."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._left = MAX_REQUEST_HEAD
+
+    def readline(self, size: int = -1) -> bytes:
+        want = self._left + 1 if size < 0 else min(size, self._left + 1)
+        line: bytes = self._raw.readline(want)
+        self._left -= len(line)
+        if self._left < 0:
+            raise http.client.LineTooLong(f"request head past {MAX_REQUEST_HEAD} bytes")
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
 class _QuietHandler(WSGIRequestHandler):
     """Logs nothing per request (a scrape a second would flood the log); tells the server when
-    its request is read whole (from then on the connection is not the one evicted for a newcomer)."""
+    its request is read whole (from then on the connection is not the one evicted for a newcomer);
+    reads at most :data:`MAX_REQUEST_HEAD` bytes of request head (:class:`_HeadLimit`)."""
 
     server: _BoundedHttpServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _HeadLimit(self.rfile)  # type: ignore[assignment]  # a reader, as the base class uses it
 
     def parse_request(self) -> bool:
         ok = bool(super().parse_request())
