@@ -395,6 +395,28 @@ def _wait_for_quit(seconds: float, keys: bool) -> bool:
                 return True
 
 
+#: Rows of any one list of a status reply a frame shows, and characters of any one text (a
+#: screen shows fewer; a reply may hold 65,536 of each, which took a minute and a half to render).
+MAX_ROWS: Final = 200
+MAX_TEXT: Final = 256
+
+
+def bounded(value: Any) -> Any:
+    """``value`` (a decoded status reply: Structs, lists, dicts, strings, numbers) with every list
+    and dict cut to :data:`MAX_ROWS` items and every string to :data:`MAX_TEXT` characters."""
+    import msgspec
+
+    if isinstance(value, str):
+        return value[:MAX_TEXT]
+    if isinstance(value, msgspec.Struct):
+        return msgspec.structs.replace(value, **{f: bounded(getattr(value, f)) for f in value.__struct_fields__})
+    if isinstance(value, (list, tuple)):
+        return type(value)(bounded(v) for v in value[:MAX_ROWS])
+    if isinstance(value, dict):
+        return {bounded(k): bounded(v) for k, v in list(value.items())[:MAX_ROWS]}
+    return value
+
+
 def _poll(client: Any) -> m.StatusReply:
     from kvxfer.errors import NoSession
 
@@ -403,7 +425,7 @@ def _poll(client: Any) -> m.StatusReply:
     except NoSession:  # the server restarted: open a new session and ask again
         client.reconnect()
         st = client.status()
-    return printable_struct(st)  # the server's text goes to a terminal
+    return printable_struct(bounded(st))  # the server's text goes to a terminal
 
 
 def _frames(client: Any, st: m.StatusReply, interval: float, keys: bool) -> Iterator[RenderableType]:

@@ -283,3 +283,36 @@ def test_the_demo_and_the_benchmarks_reach_a_tcp_server_with_its_keys(curve_serv
     proc = subprocess.run([sys.executable, "-m", "kvxfer", *command, "--url", curve_server.url,
                            "--curve-dir", str(curve_server.curve_dir)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_reply_of_huge_lists_and_texts_is_cut_before_it_is_rendered(curve_client: CacheClient) -> None:
+    """A status reply may hold 65,536 entries per list and texts of any length (a broken or
+    hostile server): rendered whole, a frame of them took about 90 s. What top polls is cut to
+    MAX_ROWS entries per list and MAX_TEXT characters per text, then rendered. (The client below
+    stands in for a hostile server: the real one never sends such a reply; the reply is real.)"""
+    from rich.console import Console
+
+    from kvxfer import top
+
+    _workload(curve_client, "huge-reply", 1)
+    st = curve_client.status()
+    (tr,) = [t for t in st.traffic if t.model == "huge-reply"]
+    huge = msgspec.structs.replace(
+        st, url="u" * 100_000,
+        traffic=[msgspec.structs.replace(tr, model=f"m{i}-" + "x" * 1000) for i in range(20_000)],
+        sections={f"s{i}": {"k": "v" * 10_000} for i in range(5_000)})
+
+    class Client:
+        url = curve_client.url
+
+        def status(self) -> m.StatusReply:
+            return huge
+
+    got = top._poll(Client())
+    assert len(got.traffic) == top.MAX_ROWS and len(got.sections) == top.MAX_ROWS
+    assert len(got.url) == top.MAX_TEXT and all(len(t.model) <= top.MAX_TEXT for t in got.traffic)
+    assert all(len(v) <= top.MAX_TEXT for s in got.sections.values() for v in s.values())
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(render(got, got, 1.0))
+    assert "m199-" in console.export_text()
+    curve_client.clear("huge-reply")
