@@ -101,7 +101,8 @@ def test_a_store_never_reads_blocks_another_requests_load_fills_in_that_step(ser
     prefix cache gives them to another request scheduled in the same step. That request's
     store of those chunks would read them in the step that fills them, and store garbage for
     every engine if the load failed (seen in real vLLM with a server restarted between lookup
-    and load). The store stops before them in that step; the next step stores them.
+    and load). The store stops before them in that step; the next step stores them. So do the
+    chunks the loading request itself computes in that step (they attend to the loaded prefix).
     The scheduler's calls as vLLM makes them, with the harness's stand-ins for vLLM's objects."""
     from kvxfer_vllm_harness import (
         CachedRequestData,
@@ -124,10 +125,10 @@ def test_a_store_never_reads_blocks_another_requests_load_fills_in_that_step(ser
                                 KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
         try:
             bpc = CHUNK // engine.bs
-            a = Request("A", prefix + [1, 2, 3])
+            a = Request("A", prefix + list(range(700, 700 + CHUNK)) + [1, 2, 3])
             ext, is_async = sched.get_num_new_matched_tokens(a, 0)
             assert (ext, is_async) == (2 * CHUNK, False)  # a synchronous (layer-by-layer) load
-            a_blocks = list(range(10, 10 + 2 * bpc + 1))
+            a_blocks = list(range(10, 10 + 3 * bpc + 1))
             sched.update_state_after_alloc(a, KVCacheBlocks((a_blocks,)), ext)
             # B: vLLM's prefix cache hit on A's first two chunks' blocks, in the same step
             b = Request("B", prefix + list(range(900, 900 + CHUNK)) + [4])
@@ -137,17 +138,18 @@ def test_a_store_never_reads_blocks_another_requests_load_fills_in_that_step(ser
             sched.update_state_after_alloc(b, KVCacheBlocks((b_blocks,)), 0)
             out = SchedulerOutput([NewRequestData("A", a.prompt_token_ids, (a_blocks,), ext),
                                    NewRequestData("B", b.prompt_token_ids, (b_blocks,), local)],
-                                  CachedRequestData([], set(), [], []), {"A": 3, "B": CHUNK + 1}, CHUNK + 4, set())
+                                  CachedRequestData([], set(), [], []), {"A": CHUNK + 3, "B": CHUNK + 1}, 2 * CHUNK + 4,
+                                  set())
             meta = sched.build_connector_meta(out)
             assert [op.req_id for op in meta.loads] == ["A"]
-            filled = set(meta.loads[0].block_ids)
-            assert all(filled.isdisjoint(op.block_ids) for op in meta.stores), meta.stores
-            assert not any(op.req_id == "B" for op in meta.stores)
-            # the next step (the load has landed): B's chunks are stored, from its first
-            out = SchedulerOutput([], CachedRequestData(["B"], set(), [None], [local + CHUNK + 1]), {"B": 1}, 1, set())
+            assert not meta.stores, meta.stores  # neither B's chunks on A's blocks, nor A's third chunk
+            # the next step (the load has landed): B's chunks are stored from its first, A's third
+            out = SchedulerOutput([], CachedRequestData(["A", "B"], set(), [None, None],
+                                                        [3 * CHUNK + 3, local + CHUNK + 1]), {"A": 1, "B": 1}, 2, set())
             meta = sched.build_connector_meta(out)
-            (op,) = [op for op in meta.stores if op.req_id == "B"]
-            assert op.block_ids == b_blocks[:3 * bpc] and len(op.keys) == 3
+            stores = {op.req_id: op for op in meta.stores}
+            assert stores["B"].block_ids == b_blocks[:3 * bpc] and len(stores["B"].keys) == 3
+            assert stores["A"].block_ids == a_blocks[2 * bpc:3 * bpc] and len(stores["A"].keys) == 1
         finally:
             sched.shutdown()
     finally:

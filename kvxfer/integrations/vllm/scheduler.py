@@ -277,6 +277,7 @@ class SchedulerConnector:
         meta = KvxferConnectorMetadata(chunk_size=self.chunk_size or 0)
         meta.loads, self._loads = self._loads, []
         loading = self._loading_blocks(meta.loads)
+        loading_reqs = {op.req_id for op in meta.loads if op.keys}
         cached = scheduler_output.scheduled_cached_reqs
         resumed = resumed_req_ids(cached)
         by_vllm = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -299,8 +300,8 @@ class SchedulerConnector:
             if st is None:
                 continue
             st.block_ids = [list(group_blocks(new.block_ids, g.index)) for g in self.groups]
-            self._plan_store(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta,
-                             loading)
+            self._plan_stores(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta,
+                              loading, loading_reqs)
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None:
@@ -312,7 +313,8 @@ class SchedulerConnector:
             elif new_ids is not None:
                 for pos, g in enumerate(self.groups):
                     st.block_ids[pos].extend(group_blocks(new_ids, g.index))
-            self._plan_store(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta, loading)
+            self._plan_stores(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta, loading,
+                              loading_reqs)
         return meta
 
     def _loading_blocks(self, loads: list[LoadOp]) -> dict[int, set[int]]:
@@ -323,6 +325,14 @@ class SchedulerConnector:
             if op.keys:
                 out.setdefault(op.group, set()).update(op.block_ids[op.skip_tokens // sizes.get(op.group, 1):])
         return out
+
+    def _plan_stores(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata,
+                     loading: dict[int, set[int]], loading_reqs: set[str]) -> None:
+        """:meth:`_plan_store`, unless a load of this step is the request's own: the chunks it
+        computes in that step attend to the blocks the load fills (a layer-by-layer load runs in
+        the step's forward pass), wrong if that load fails, so they are stored in a later step."""
+        if rid not in loading_reqs:
+            self._plan_store(rid, st, computed, meta, loading)
 
     def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata,
                     loading: dict[int, set[int]]) -> None:
