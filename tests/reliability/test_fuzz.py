@@ -53,9 +53,13 @@ class Env:
 
     def keep_registered(self) -> None:
         """Register the fuzzer's instance again if a fuzzed request dropped it (legitimately:
-        ``unregister`` of its id, or a lost session)."""
+        ``unregister`` of its id, or a lost session: a fuzzed ``goodbye`` ends it, and the peer
+        opens a new one only half a second after its last handshake)."""
         status, payload = self.peer.call(b"commit_read", codec.encode(m.CommitRead(self.instance_id, 0)))
-        if codec.ERROR_DECODER.decode(payload).code == "unknown_instance":
+        code = codec.ERROR_DECODER.decode(payload).code
+        if code == "no_session":
+            self.peer.handshake()
+        if code in ("no_session", "unknown_instance"):
             status, payload = self.peer.call(b"register", self.registration())
             assert status == codec.OK, codec.ERROR_DECODER.decode(payload)
 
