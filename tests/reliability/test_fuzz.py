@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 from pathlib import Path
 
 import msgspec
