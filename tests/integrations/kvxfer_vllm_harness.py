@@ -15,8 +15,9 @@ and long randomized call sequences checked step by step. It has:
   build_connector_meta; request_finished at the end of a request; worker: handle_preemptions ->
   bind_connector_metadata -> start_load_kv -> forward -> wait_for_save ->
   get_finished(finished_req_ids) -> get_block_ids_with_load_errors -> clear_connector_metadata.
-  A step without scheduled tokens skips the forward pass and wait_for_save, as vLLM's
-  ``kv_connector_no_forward`` does. With ``kvxfer.layerwise`` the forward pass runs layer by
+  A step without scheduled tokens skips the forward pass (vLLM's ``kv_connector_no_forward``,
+  which still calls wait_for_save). ``defer_finalize`` calls wait_for_save after get_finished,
+  as vLLM's V1 model runner does with speculative decoding. With ``kvxfer.layerwise`` the forward pass runs layer by
   layer: wait_for_layer_load -> attention of that layer -> save_kv_layer.
 
 It has a block pool with a local prefix cache (so vLLM's own hits reach the connector as
@@ -127,6 +128,7 @@ class Request:
     lora_request: Any = None
     mm_features: list[Any] = field(default_factory=list)
     prompt_embeds: Any = None
+    skip_reading_prefix_cache: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -211,6 +213,7 @@ class MiniEngine:
         token_budget: int = 48,
         enable_prefix_caching: bool = True,
         preempt_on_prefill: bool = False,
+        defer_finalize: bool = False,
     ) -> None:
         self.bs = vllm_config.cache_config.block_size
         self.num_blocks = num_blocks
@@ -245,6 +248,9 @@ class MiniEngine:
         self.to_poison: list[int] = []
         self.first_computed: dict[str, int] = {}  # num_computed_tokens when first scheduled
         self.after_build: Any = None  # hook(engine, meta) between scheduler and worker
+        #: vLLM's V1 model runner with a speculative config: wait_for_save comes after
+        #: get_finished (and get_block_ids_with_load_errors), once the drafter has run
+        self.defer_finalize = defer_finalize
         #: kvxfer.layerwise: the forward pass runs layer by layer, calling wait_for_layer_load before
         #: a layer's attention and save_kv_layer after it, as vLLM's attention layers do
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
@@ -454,9 +460,13 @@ class MiniEngine:
         self.worker.start_load_kv(None)
         if out.total_num_scheduled_tokens > 0:
             self._forward(out)
+        defer = self.defer_finalize and out.total_num_scheduled_tokens > 0
+        if not defer:
             self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(out.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
+        if defer:  # after the drafter, as vLLM's V1 model runner does with speculative decoding
+            self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
 
         # ---- scheduler: update from output

@@ -169,6 +169,21 @@ def test_other_weights_never_load_those_chunks(work: Path, models: dict[str, Pat
     assert res["batches"][0]["tokens"] != [baseline[0]], "model B should answer differently from A"
 
 
+def test_an_embedding_model_with_mean_pooling_is_neither_loaded_nor_stored(work: Path, models: dict[str, Path],
+                                                                          server: ServerProcess) -> None:
+    """vLLM turns its own prefix cache off for a model whose pooler needs the whole prefill (MEAN
+    or CLS pooling), yet still asks the connector: a kvxfer hit on the second embedding of a
+    prompt crashed the engine ("partial prefill is not supported with MEAN pooling"). The
+    connector now neither looks such a model's prompts up nor stores them, and says so once."""
+    res = run_vllm(work, "mean-pooling", models["a"], [[LONG], [LONG]], connector(server.url), pooling="MEAN",
+                   prefix_caching=None)  # vLLM's default for the model: off
+    first, second = (b["embeddings"][0] for b in res["batches"])
+    assert len(first) > 0 and first == pytest.approx(second, abs=1e-5)
+    assert all(hits(b) == 0 for b in res["batches"])
+    assert all(b["counters"].get("vllm:kvxfer_stored_chunks_total", 0.0) == 0 for b in res["batches"])
+    assert "kvxfer neither loads nor stores its KV" in res["log"]
+
+
 def test_a_hybrid_model_loads_every_kv_cache_group(work: Path, models: dict[str, Path],
                                                    server: ServerProcess) -> None:
     """Sliding-window and full-attention layers: two KV cache groups, each registered and loaded

@@ -65,3 +65,33 @@ def test_the_facts_name_the_model_and_its_shapes(models: dict[str, Path], monkey
     assert facts["weights"] == weights_fingerprint(str(models["layers"])) != weights_fingerprint(str(models["a"]))
     # a Hub model that is not in the local cache is named by id and revision, nothing is downloaded
     assert weights_fingerprint("no-such-org/no-such-model", "abc123") == "hub:no-such-org/no-such-model@abc123"
+
+
+def test_the_scheduler_and_every_worker_derive_one_identity(models: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM gives the scheduler worker 0's KV cache config with a group's per-layer specs
+    (UniformTypeKVCacheSpecs) replaced by the first layer's, and each pipeline stage only its own
+    layers: the identities once differed (the scheduler looked up chunks under a name no worker
+    stored under: no hit, ever). Real vLLM classes and its own generate_scheduler_kv_cache_config."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    vllm_config = config(models["a"])
+
+    def spec(head_size: int) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=head_size, dtype=torch.float32)
+
+    def worker(layers: list[str], uniform: bool) -> KVCacheConfig:
+        s = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={n: spec(32 + 32 * i) for i, n in enumerate(layers)}) \
+            if uniform else spec(32)
+        return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, s)])
+
+    mixed = worker(["l.0", "l.1"], uniform=True)  # one group whose layers differ in shape
+    assert kv_identity("m", vllm_config, mixed) == \
+        kv_identity("m", vllm_config, generate_scheduler_kv_cache_config([mixed]))
+    stages = [worker(["l.0", "l.1"], uniform=False), worker(["l.2"], uniform=False)]  # 3 layers, 2 stages
+    scheduler = generate_scheduler_kv_cache_config(stages[:1])
+    assert {kv_identity("m", vllm_config, c) for c in (*stages, scheduler)} == \
+        {kv_identity("m", vllm_config, scheduler)}

@@ -197,6 +197,27 @@ def test_layerwise_loads_of_a_model_with_several_kv_cache_groups_are_refused(srv
                     KVCacheConfig(BLOCKS, specs)).shutdown()
 
 
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_layerwise_loads_while_vllm_keeps_several_steps_in_flight_are_refused(srv: ServerProcess, role: str) -> None:
+    """With async scheduling (vLLM's default on GPUs) or pipeline parallelism, vLLM schedules the
+    next step before it has seen this one's results: a failed layer-by-layer load is seen only
+    after the chunks computed over its unfilled blocks were stored (garbage on the server, seen
+    with vLLM's own AsyncScheduler). Refused at start-up, naming the way out. And with
+    kvxfer.layerwise the connector asks vLLM for piecewise CUDA graphs: a replayed full graph
+    skips the per-layer waits, and attention would read blocks before their load landed."""
+    specs = [KVCacheGroupSpec(["g0.l0"], FullAttentionSpec(BS))]
+    cfg = make_vllm_config(srv.url, model_name="async-layerwise", layerwise=True)
+    cfg.max_concurrent_batches = 2  # type: ignore[attr-defined]  # vLLM's VllmConfig property
+    with pytest.raises(ConfigError, match="keeps 2 steps in flight.*kvxfer.layerwise false"):
+        KvxferConnector(cfg, getattr(KVConnectorRole, role), KVCacheConfig(BLOCKS, specs))
+    cfg.max_concurrent_batches = 1  # type: ignore[attr-defined]
+    KvxferConnector(cfg, getattr(KVConnectorRole, role), KVCacheConfig(BLOCKS, specs)).shutdown()
+    assert KvxferConnector.requires_piecewise_for_cudagraph({"kvxfer.layerwise": True})
+    assert KvxferConnector.requires_piecewise_for_cudagraph({"kvxfer.layerwise": "true"})
+    assert not KvxferConnector.requires_piecewise_for_cudagraph({})
+    assert not KvxferConnector.requires_piecewise_for_cudagraph({"kvxfer.layerwise": False})
+
+
 def test_a_stalled_load_is_recomputed_at_its_deadline_in_the_whole_flow(srv: ServerProcess) -> None:
     """The replay harness (scheduler, worker, block pool, KV checks every forward pass): the
     server stalls right after a load was planned; at the deadline the load's blocks are reported

@@ -205,3 +205,89 @@ def test_a_failed_load_is_not_offered_again_and_gives_its_lease_back(server: Ser
         assert client.status().leases == base, "the loads the worker did not run left their leases"
     finally:
         other.shutdown()
+
+
+def test_stores_are_submitted_when_vllm_finalizes_after_its_results(server: ServerProcess) -> None:
+    """vLLM's V1 model runner with speculative decoding calls wait_for_save after
+    get_transfer_results (once its drafter ran): the stores the step planned were dropped as if
+    the step had no forward pass, and nothing was ever stored (seen in real vLLM with ngram
+    speculation). They are stored now, and a request whose store was not yet submitted is not
+    reported finished before it is (its blocks would be freed under the store)."""
+    engine = MiniEngine(make_vllm_config(server.url, model_name="deferred"), enable_prefix_caching=False,
+                        defer_finalize=True)
+    try:
+        reqs = workload("deferred", n=8, seed=7, max_tokens=1)
+        feed(engine, reqs, per_step=4)
+        engine.check_drained()
+        work = engine.worker.worker.stats
+        assert work["stored_chunks"] > 0 and work["dropped_stores"] == 0, work
+        assert engine.delayed and engine.delayed == engine.reported_sending
+        again = [Request(f"again-{r.request_id}", list(r.prompt_token_ids)) for r in reqs]
+        feed(engine, again, per_step=4)
+        engine.check_drained()
+        assert work["loaded_chunks"] > 0 and engine.load_error_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_reset_of_vllms_caches_leaves_what_was_stored_before_unread(server: ServerProcess) -> None:
+    """vLLM resets its prefix cache with reset_connector (around a weight update, say): the
+    connector did not implement reset_cache, vLLM took that for success, and the next request
+    loaded KV of the old weights. Now nothing stored before the reset is looked up again, a
+    request under way stores nothing more, and what is stored after it is found."""
+    engine = MiniEngine(make_vllm_config(server.url, model_name="reset"), enable_prefix_caching=False)
+    try:
+        prompt = list(range(300, 348))
+        feed(engine, [Request("r-0", prompt)], per_step=1)
+        feed(engine, [Request("r-1", list(prompt))], per_step=1)
+        assert [op.req_id for op in engine.loads] == ["r-1"]
+        assert engine.scheduler.reset_cache() is True and engine.worker.reset_cache() is None
+        feed(engine, [Request("r-2", list(prompt))], per_step=1)  # computed anew, and stored anew
+        feed(engine, [Request("r-3", list(prompt))], per_step=1)
+        engine.check_drained()
+        assert [op.req_id for op in engine.loads] == ["r-1", "r-3"]
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_whose_prefix_vllm_will_not_read_is_not_looked_up(server: ServerProcess) -> None:
+    """vLLM reads no prefix hit for a request that asks for prompt logprobs (or a token-level
+    pooling task): its skip_reading_prefix_cache. The connector still looked it up, leased and
+    counted the hit, which vLLM then ignored. Now it offers nothing and leases nothing."""
+    engine = MiniEngine(make_vllm_config(server.url, model_name="no-read"), enable_prefix_caching=False)
+    try:
+        prompt = list(range(400, 448))
+        feed(engine, [Request("n-0", prompt)], per_step=1)
+        sched = engine.scheduler.scheduler
+        client = sched.link.client
+        lookups, leases = sched.stats["lookups"], client.status().leases
+        req = Request("n-1", list(prompt), skip_reading_prefix_cache=True)
+        assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert (sched.stats["lookups"], client.status().leases) == (lookups, leases)
+        engine.scheduler.request_finished(req, [])
+    finally:
+        engine.shutdown()
+
+
+def test_a_load_vllm_gave_too_few_blocks_for_gives_its_lease_back(server: ServerProcess) -> None:
+    """vLLM may allocate fewer blocks than the tokens offered need: the load is planned with no
+    chunks, its blocks reported failed, and its lease, which no retrieve will name, is released
+    at once (it kept the chunks pinned for kvxfer.lease_s)."""
+    from kvxfer_vllm_harness import KVCacheBlocks
+
+    engine = MiniEngine(make_vllm_config(server.url, model_name="few-blocks"), enable_prefix_caching=False)
+    try:
+        prompt = list(range(500, 548))
+        feed(engine, [Request("f-0", prompt)], per_step=1)
+        client = engine.scheduler.scheduler.link.client
+        base = client.status().leases
+        req = Request("f-1", list(prompt) + [1])
+        ext, _ = engine.scheduler.get_num_new_matched_tokens(req, 0)
+        assert ext == len(prompt) and client.status().leases == base + 1
+        engine.scheduler.update_state_after_alloc(req, KVCacheBlocks(([1, 2, 3],)), ext)  # fewer than promised
+        (op,) = engine.scheduler.scheduler._loads
+        assert op.keys == [] and op.lease_id == 0 and op.failed_block_ids == [1, 2, 3]
+        assert client.status().leases == base
+        engine.scheduler.request_finished(req, [])
+    finally:
+        engine.shutdown()

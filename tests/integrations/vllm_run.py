@@ -16,6 +16,9 @@ cpu_gather's copies ran with (``torch.get_num_threads()`` on the copying thread,
 ``CpuGatherContext.gather``/``scatter``), and as ``"engine_threads"`` the count of vLLM's own thread
 and of a thread started afresh, before the first batch and after the last.
 
+``"pooling": "MEAN"`` (or another sequence pooling) runs the model as an embedding model and
+each batch through ``LLM.embed``, recording ``"embeddings"``.
+
 A fault, for failed-load tests: ``"stall": {"pid": PID, "batch": I}`` stops process PID (the
 kvxfer server) with SIGSTOP the moment vLLM's scheduler has planned the first load of batch I
 (after the lookup that found the chunks, before the worker's load), and resumes it with SIGCONT
@@ -132,6 +135,8 @@ def main(spec_path: str) -> None:
             kv_load_failure_policy=conn.get("failure_policy", "recompute"),
             kv_connector_extra_config=conn["extra"],
         )
+    if spec.get("pooling"):  # an embedding model: its sequence pooling ("MEAN", "CLS", "LAST")
+        kwargs.update(runner="pooling", convert="embed", pooler_config={"seq_pooling_type": spec["pooling"]})
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec.get("max_model_len", 2048),
               block_size=spec.get("block_size", 32), enforce_eager=True, disable_log_stats=False,
@@ -155,7 +160,9 @@ def main(spec_path: str) -> None:
         if stall is not None:
             stall.armed = i == spec["stall"]["batch"]
         try:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in batch]
+            outs = llm.embed(prompts, use_tqdm=False) if spec.get("pooling") else \
+                llm.generate(prompts, params, use_tqdm=False)
         finally:
             if stall is not None:
                 stall.resume()
@@ -164,11 +171,13 @@ def main(spec_path: str) -> None:
         after = _counters(llm)
         transfer_log.clear()
         llm.llm_engine.do_log_stats()  # the periodic log line, now
+        pooled = bool(spec.get("pooling"))
         result["batches"].append({
-            "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+            "tokens": [] if pooled else [list(o.outputs[0].token_ids) for o in outs],
+            "embeddings": [list(o.outputs.embedding) for o in outs] if pooled else [],
+            "finish_reasons": [] if pooled else [o.outputs[0].finish_reason for o in outs],
             "stalled": stall is not None and i == spec["stall"]["batch"] and not stall.armed,
-            "cached": [o.num_cached_tokens for o in outs],
+            "cached": [getattr(o, "num_cached_tokens", 0) for o in outs],
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
             "wall_s": wall,
             "kv_transfer_log": [line for line in transfer_log if line.startswith("KV Transfer metrics:")],

@@ -177,9 +177,9 @@ class ConnectorConfig:
         problem = unprintable_in(model_name)  # the server's rule for names
         if problem is not None:
             raise ConfigError(f"kvxfer.model_name {problem}")
-        fingerprint = _bool("kvxfer.fingerprint", extra.get("kvxfer.fingerprint", True))
-        layerwise = _bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False))
-        prefetch = _bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", not layerwise))
+        fingerprint = parse_bool("kvxfer.fingerprint", extra.get("kvxfer.fingerprint", True))
+        layerwise = parse_bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False))
+        prefetch = parse_bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", not layerwise))
         if prefetch and layerwise:
             raise ConfigError("kvxfer.prefetch is true with kvxfer.layerwise: a layer-by-layer load copies each chunk "
                               "layer by layer and uses nothing a prefetch moved, whose copies would only run ahead "
@@ -247,7 +247,7 @@ def _load_timeout(value: Any) -> float:
     return ms / 1000.0
 
 
-def _bool(key: str, value: Any) -> bool:
+def parse_bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):

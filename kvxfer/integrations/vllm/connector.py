@@ -33,7 +33,7 @@ from kvxfer.integrations.vllm._compat import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.integrations.vllm.config import ConnectorConfig, parse_bool
 from kvxfer.integrations.vllm.groups import plan_groups
 from kvxfer.integrations.vllm.identity import kv_identity
 from kvxfer.integrations.vllm.logs import follow_vllm_logging
@@ -70,6 +70,13 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self.identity = kv_identity(cfg.model_name, vllm_config, kv_cache_config, cfg.fingerprint)
         #: The KV cache groups moved, each under the identity plus the group.
         self.groups = plan_groups(kv_cache_config, self.identity, cfg.block_size)
+        if cfg.layerwise and _concurrent_batches(vllm_config) > 1:
+            # vLLM schedules the next step before this one's results (a failed load) are seen:
+            # the chunks computed over a failed load's blocks would be stored in that next step
+            raise ConfigError(f"kvxfer.layerwise is true while vLLM keeps {_concurrent_batches(vllm_config)} steps in "
+                              "flight (async scheduling, or pipeline parallelism): a failed layer-by-layer load is "
+                              "then seen only after the chunks computed over it were stored. Set kvxfer.layerwise "
+                              "false, or run vLLM with --no-async-scheduling and without pipeline parallelism")
         if cfg.layerwise and len(self.groups) > 1:
             # a failed synchronous load of such a model can only be reported as a failed request,
             # and vLLM acts on those for requests waiting for an asynchronous load alone: the
@@ -80,7 +87,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         if getattr(role, "name", None) == "SCHEDULER":
-            self._scheduler = SchedulerConnector(cfg, self.groups)
+            self._scheduler = SchedulerConnector(cfg, self.groups, moves_kv=_prefix_caching_supported(vllm_config))
             self._stats = StatsDelta(SCHEDULER_FIELDS)
         else:
             self._worker = WorkerConnector(cfg, self.groups)
@@ -90,6 +97,25 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         """False: a cache is best-effort; a dropped store is only a later miss."""
         return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True with ``kvxfer.layerwise``: its per-layer waits and saves are Python calls between
+        layers, which a replayed full CUDA graph would skip (attention would read blocks before
+        their load landed)."""
+        try:
+            return parse_bool("kvxfer.layerwise", (extra_config or {}).get("kvxfer.layerwise", False))
+        except ConfigError:  # refused, naming the key, when the connector is made
+            return False
+
+    def reset_cache(self) -> bool | None:
+        """Scheduler: vLLM reset its prefix cache with ``reset_connector`` (its weights changed,
+        say): chunks this engine stored so far are never loaded again, nor does it store for the
+        requests under way (their KV may be of the old weights); True. Workers: None."""
+        if self._scheduler is None:
+            return None
+        self._scheduler.reset_cache()
+        return True
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -210,3 +236,23 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]) -> KvxferPromMetrics:
         """vLLM's Prometheus logger: the ``vllm:kvxfer_*`` counters of its /metrics."""
         return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _concurrent_batches(vllm_config: Any) -> int:
+    """Steps vLLM keeps in flight (``VllmConfig.max_concurrent_batches``: 2 with async
+    scheduling, the stage count with pipeline parallelism); 1 for a config without it."""
+    try:
+        n = getattr(vllm_config, "max_concurrent_batches", 1)
+    except Exception:  # noqa: BLE001  (a partial config: one step at a time)
+        return 1
+    return n if isinstance(n, int) and n > 0 else 1
+
+
+def _prefix_caching_supported(vllm_config: Any) -> bool:
+    """Whether vLLM may start this model's prefill after a prefix (``ModelConfig.
+    is_prefix_caching_supported``): not for pooling with MEAN or CLS pooling, or bidirectional
+    attention, whose pooler refuses a partial prefill. True for a config that does not say."""
+    try:
+        return bool(getattr(getattr(vllm_config, "model_config", None), "is_prefix_caching_supported", True))
+    except Exception:  # noqa: BLE001  (a partial config)
+        return True

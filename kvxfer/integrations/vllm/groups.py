@@ -40,7 +40,7 @@ NULL_BLOCK: Final = 0
 _FREES_EARLY: Final = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec"})
 #: Spec classes of groups that hold no paged attention KV kvxfer could move.
 _UNSUPPORTED: Final = frozenset({"MambaSpec", "CrossAttentionSpec", "EncoderOnlyAttentionSpec",
-                                 "HiSparseHotSpec", "HiSparseResidentSpec"})
+                                 "HiSparseHotSpec", "HiSparseResidentSpec", "CircularBufferSpec"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,14 +77,20 @@ def weights_fingerprint(model: str, revision: str | None = None) -> str:
 
 
 def _group_facts(group: Any) -> dict[str, Any]:
+    """A KV cache group's spec as the scheduler and every worker see it alike: vLLM gives the
+    scheduler the first layer's spec where a worker's group holds one spec per layer
+    (``UniformTypeKVCacheSpecs``), and each pipeline stage only its own layers (their count is
+    the model's, in :func:`kv_facts`)."""
     spec = getattr(group, "kv_cache_spec", None)
+    inner = getattr(spec, "kv_cache_specs", None)
+    if isinstance(inner, dict) and inner:
+        spec = next(iter(inner.values()))
     facts: dict[str, Any] = {"spec": type(spec).__name__}
     for name in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window",
                  "attention_chunk_size", "page_size_padded", "kv_quant_mode", "cache_dtype_str"):
         value = getattr(spec, name, None)
         if value is not None:
             facts[name] = str(value)
-    facts["layers"] = len(getattr(group, "layer_names", ()) or ())
     return facts
 
 

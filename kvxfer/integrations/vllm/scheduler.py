@@ -28,6 +28,7 @@ Each KV cache group is looked up, loaded and stored on its own (see
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -78,6 +79,8 @@ class _ReqState:
     #: A load was planned since vLLM last reported the request preempted: vLLM asks again only
     #: when that load failed from its first block, and the request then computes its prefix.
     loaded: bool = False
+    #: Its chunk hashes are of an epoch before the last reset_cache: it stores nothing more.
+    stale: bool = False
 
     def __post_init__(self) -> None:
         self.block_ids = [[] for _ in range(self.groups)]
@@ -91,8 +94,14 @@ class _ReqState:
 class SchedulerConnector:
     """Scheduler-side logic; one per vLLM engine (the scheduler process)."""
 
-    def __init__(self, config: ConnectorConfig, groups: list[GroupPlan] | None = None) -> None:
+    def __init__(self, config: ConnectorConfig, groups: list[GroupPlan] | None = None, *,
+                 moves_kv: bool = True) -> None:
         self.config = config
+        #: False for a model whose prefill cannot start after a prefix (see the connector): its
+        #: KV is neither looked up nor stored
+        self.moves_kv = moves_kv
+        #: Mixed into every chunk hash; a new one at each reset_cache (vLLM's weights changed)
+        self._epoch = ""
         #: The KV cache groups moved (default: one, under kvxfer.model_name).
         self.groups = groups or [GroupPlan(0, config.model_name, config.block_size, ())]
         check_transport_name(config.transport)
@@ -104,6 +113,9 @@ class SchedulerConnector:
                       "loads": 0, "loads_not_offered_again": 0, "stores": 0, "store_chunks": 0}
         self.link = ServerLink(config, "scheduler", self._on_connect)
         self.link.get(startup=True)
+        if not moves_kv:
+            log.info("kvxfer: this model's prefill cannot start after a prefix (vLLM: pooling with MEAN or CLS "
+                     "pooling, or bidirectional attention): kvxfer neither loads nor stores its KV")
 
     def _on_connect(self, client: CacheClient) -> None:
         expected = self.config.chunk_size or self.chunk_size
@@ -146,13 +158,17 @@ class SchedulerConnector:
         assert self.chunk_size is not None
         if st.hashes is None:
             prompt = getattr(st.request, "prompt_token_ids", None)
-            st.hashes = chunk_hashes(prompt, self.chunk_size, salt=request_salt(st.request)) \
-                if prompt and moves_kv(st.request) else []
+            salt = request_salt(st.request) + (f"epoch:{len(self._epoch)}:{self._epoch};" if self._epoch else "")
+            st.hashes = chunk_hashes(prompt, self.chunk_size, salt=salt) \
+                if prompt and self.moves_kv and moves_kv(st.request) else []
         return st.hashes
 
     def _release_lease(self, st: _ReqState) -> None:
         leases, st.leases = st.leases, []
         st.lookup_end = st.lookup_first = st.lookup_tokens = 0
+        self._release_leases(leases)
+
+    def _release_leases(self, leases: list[int]) -> None:
         for lease in leases:
             if lease and self.link.client is not None and not self.link.down:
                 try:
@@ -175,6 +191,8 @@ class SchedulerConnector:
         self._release_lease(st)
         if not self.config.loads:
             return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # vLLM would not read a hit (prompt logprobs, token-level pooling): none is leased
         if st.loaded:
             # its load failed (a server that stopped answering the worker, chunks gone): offering
             # the same hits again would have vLLM plan and fail loads in a loop, each holding a lease
@@ -259,11 +277,14 @@ class SchedulerConnector:
                 skip += 1
             failed: list[int] = []
             op_keys = keys
+            lease = st.leases[pos] if pos < len(st.leases) else 0
             if len(wanted) < (end - first) * bpc or (g.frees_early and NULL_BLOCK in wanted[skip:]):
-                # not the blocks promised: load nothing, report them
+                # not the blocks promised: load nothing, report them (the lease goes back now: no
+                # retrieve will name it)
                 failed = [b for b in wanted[skip:] if not (g.frees_early and b == NULL_BLOCK)]
                 op_keys, wanted, skip = [], [], 0
-            lease = st.leases[pos] if pos < len(st.leases) else 0
+                self._release_leases([lease])
+                lease = 0
             self._loads.append(LoadOp(request.request_id, op_keys, wanted, skip * bs, lease, failed, group=g.index))
             st.next_store[pos] = max(st.next_store[pos], end)
         st.leases = []  # the loads' retrieves release them
@@ -334,6 +355,15 @@ class SchedulerConnector:
         if rid not in loading_reqs:
             self._plan_store(rid, st, computed, meta, loading)
 
+    def reset_cache(self) -> None:
+        """vLLM reset its caches (its weights may have changed): a new epoch in every chunk hash
+        from now on, so that nothing stored before is looked up again, and no store for the
+        requests under way, whose KV may be of the old weights."""
+        self._epoch = secrets.token_hex(8)
+        for st in self._reqs.values():
+            st.stale = True
+        log.info("kvxfer: vLLM reset its prefix cache: chunks stored before are no longer looked up")
+
     def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata,
                     loading: dict[int, set[int]]) -> None:
         """Stores of the full prompt chunks that ``computed`` tokens complete, per group; chunks
@@ -342,7 +372,7 @@ class SchedulerConnector:
         whose blocks vLLM's prefix cache shares at once) ends the store there: the store would
         read them in the step that fills them, and read garbage if that load fails. It is
         planned again in a later step (once the load landed, or the blocks were recomputed)."""
-        if not self.config.stores or self.chunk_size is None:
+        if not self.config.stores or self.chunk_size is None or st.stale:
             return
         chunk = self.chunk_size
         hashes = self._hashes(st)

@@ -211,6 +211,8 @@ class WorkerConnector:
         """Submit this step's retrieves; note its stores (submitted by wait_for_save)."""
         self.handle_preemptions(meta)
         self._store_reqs.update(op.req_id for op in meta.stores)
+        if self._unsent:  # the last step's stores never saw a wait_for_save (a vLLM that skips it)
+            self.stats["dropped_stores"] += len(self._unsent)
         self._unsent = list(meta.stores)
         if not meta.loads:
             return
@@ -357,10 +359,9 @@ class WorkerConnector:
 
         ``finished_req_ids`` are the requests vLLM finished since the last step; only those
         with stores are reported in the first set (exactly those for which the scheduler's
-        ``request_finished`` returned True)."""
-        if self._unsent:  # a step without a forward pass computed nothing: nothing to store
-            self.stats["dropped_stores"] += len(self._unsent)
-            self._unsent = []
+        ``request_finished`` returned True). vLLM may call it before the step's
+        ``wait_for_save`` (its V1 model runner with speculative decoding finalizes after the
+        drafter): a request whose store is not submitted yet is not reported then."""
         step_loads, self._step_loads = self._step_loads, []
         for load in step_loads:  # layer-wise: synchronous for vLLM, only their failed blocks are reported
             self._settle_load(load)
@@ -383,7 +384,8 @@ class WorkerConnector:
             else:
                 del self._stores[rid]
         self._finishing.update(r for r in finished_req_ids if r in self._store_reqs)
-        sending = {rid for rid in self._finishing if rid not in self._stores}
+        unsent = {op.req_id for op in self._unsent}
+        sending = {rid for rid in self._finishing if rid not in self._stores and rid not in unsent}
         self._finishing -= sending
         self._store_reqs -= sending
         return sending or None, recving or None
