@@ -84,8 +84,8 @@ def test_the_scheduler_and_every_worker_derive_one_identity(models: dict[str, Pa
         return FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=head_size, dtype=torch.float32)
 
     def worker(layers: list[str], uniform: bool) -> KVCacheConfig:
-        s = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={n: spec(32 + 32 * i) for i, n in enumerate(layers)}) \
-            if uniform else spec(32)
+        per_layer = {n: spec(32 + 32 * i) for i, n in enumerate(layers)}
+        s = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=per_layer) if uniform else spec(32)
         return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, s)])
 
     mixed = worker(["l.0", "l.1"], uniform=True)  # one group whose layers differ in shape
@@ -95,3 +95,28 @@ def test_the_scheduler_and_every_worker_derive_one_identity(models: dict[str, Pa
     scheduler = generate_scheduler_kv_cache_config(stages[:1])
     assert {kv_identity("m", vllm_config, c) for c in (*stages, scheduler)} == \
         {kv_identity("m", vllm_config, scheduler)}
+
+
+def test_data_parallel_replicas_of_the_external_launcher_count_their_own_ranks(
+        models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under vLLM's external launcher, ParallelConfig.world_size counts every data-parallel
+    replica's ranks (tensor 2 x data 2: 4): a lookup then asked for ranks no replica of its
+    own has, and hit never. The connector counts one engine's ranks (tensor x pipeline x
+    prefill-context) and the rank within them, so replicas share chunks. vLLM's own ParallelConfig."""
+    from vllm.config import ParallelConfig
+
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4")):
+        monkeypatch.setenv(var, value)
+    parallel = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2,
+                              distributed_executor_backend="external_launcher")
+    assert parallel.world_size == 4
+    vllm_config = config(models["a"])
+    vllm_config.parallel_config = parallel
+    parallel.rank = 3  # the global rank of the second replica's second tensor-parallel worker
+    vllm_config.kv_transfer_config = type("KVTransferConfig", (), {"kv_role": "kv_both",
+                                                                   "kv_connector_extra_config": {}})()
+    cfg = ConnectorConfig.from_vllm(vllm_config)
+    assert (cfg.world_size, cfg.rank) == (2, 1)

@@ -113,7 +113,7 @@ class ConnectorConfig:
         block_size = getattr(cache_config, "block_size", None)
         if not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"vllm_config.cache_config.block_size must be a positive integer, got {block_size!r}")
-        world_size = int(getattr(parallel, "world_size", 1) or 1)
+        world_size = _engine_world_size(parallel)
         rank = int(getattr(parallel, "rank", 0) or 0)
         return cls.from_mapping(
             extra,
@@ -233,6 +233,17 @@ def _default_model_name(model_config: Any, cache_config: Any) -> str:
     if not kv_dtype or kv_dtype == "auto":
         kv_dtype = getattr(model_config, "dtype", None)
     return f"{model}@{str(kv_dtype).removeprefix('torch.')}" if kv_dtype else model
+
+
+def _engine_world_size(parallel: Any) -> int:
+    """The ranks of one engine: tensor x pipeline x prefill-context parallel sizes. vLLM's
+    ``world_size`` counts the data-parallel replicas too under the external launcher, and a
+    chunk would then count as present only once every replica's ranks had stored it."""
+    tp, pp, pcp = (getattr(parallel, f"{kind}_parallel_size", None)
+                   for kind in ("tensor", "pipeline", "prefill_context"))
+    if isinstance(tp, int) and isinstance(pp, int) and tp > 0 and pp > 0:
+        return tp * pp * (pcp if isinstance(pcp, int) and pcp > 0 else 1)
+    return int(getattr(parallel, "world_size", 1) or 1)
 
 
 def _load_timeout(value: Any) -> float:
