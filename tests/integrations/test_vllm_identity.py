@@ -49,6 +49,9 @@ def test_what_changes_kv_bytes_changes_the_identity(models: dict[str, Path], mon
     # the model config vLLM runs with, not only config.json on disk
     ident["eps-override"] = kv_identity("tiny", config(models["a"], hf_overrides={"rms_norm_eps": 0.5}))
     ident["rope-override"] = kv_identity("tiny", config(models["a"], hf_overrides={"rope_theta": 1234.0}))
+    # a speculative decoder's draft layers share the KV cache groups: its engine stores another format
+    ident["ngram"] = kv_identity("tiny", config(models["a"], speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}))
     assert ident["copy"] == ident["a"], "a copy of the model in another directory is the same model"
     others = {k: v for k, v in ident.items() if k not in ("a", "copy")}
     assert len(set(others.values()) | {ident["a"]}) == len(others) + 1, ident
@@ -92,6 +95,7 @@ def test_the_scheduler_and_every_worker_derive_one_identity(models: dict[str, Pa
     assert kv_identity("m", vllm_config, mixed) == \
         kv_identity("m", vllm_config, generate_scheduler_kv_cache_config([mixed]))
     stages = [worker(["l.0", "l.1"], uniform=False), worker(["l.2"], uniform=False)]  # 3 layers, 2 stages
+    vllm_config.parallel_config.pipeline_parallel_size = 2
     scheduler = generate_scheduler_kv_cache_config(stages[:1])
     assert {kv_identity("m", vllm_config, c) for c in (*stages, scheduler)} == \
         {kv_identity("m", vllm_config, scheduler)}

@@ -241,13 +241,41 @@ def test_a_reset_of_vllms_caches_leaves_what_was_stored_before_unread(server: Se
         feed(engine, [Request("r-0", prompt)], per_step=1)
         feed(engine, [Request("r-1", list(prompt))], per_step=1)
         assert [op.req_id for op in engine.loads] == ["r-1"]
+        # a request under way at the reset (vLLM preempts running ones, and asks about them again)
+        under_way = Request("r-x", list(prompt))
+        assert engine.scheduler.get_num_new_matched_tokens(under_way, 0)[0] == len(prompt) - 1
         assert engine.scheduler.reset_cache() is True and engine.worker.reset_cache() is None
+        assert engine.scheduler.get_num_new_matched_tokens(under_way, 0) == (0, False)
+        engine.scheduler.request_finished(under_way, [])
         feed(engine, [Request("r-2", list(prompt))], per_step=1)  # computed anew, and stored anew
         feed(engine, [Request("r-3", list(prompt))], per_step=1)
         engine.check_drained()
         assert [op.req_id for op in engine.loads] == ["r-1", "r-3"]
     finally:
         engine.shutdown()
+
+
+def test_after_a_reset_under_the_external_launcher_the_cache_is_off(server: ServerProcess) -> None:
+    """Under vLLM's external launcher every rank runs its own scheduler: after a reset each
+    would pick its own random epoch, and no chunk would ever be whole across ranks while every
+    rank kept storing chunks nobody can read. The cache is off after a reset there (said in
+    the log); a deterministic epoch could give one engine another's KV of other weights."""
+    cfg = make_vllm_config(server.url, model_name="reset-launcher")
+    cfg.parallel_config.world_size = 2
+    cfg.parallel_config.distributed_executor_backend = "external_launcher"  # type: ignore[attr-defined]
+    from kvxfer_vllm_harness import KVCacheConfig, KVCacheGroupSpec
+
+    from kvxfer.integrations.vllm import KvxferConnector
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    sched = KvxferConnector(cfg, KVConnectorRole.SCHEDULER, KVCacheConfig(64, [KVCacheGroupSpec(["l.0"])]))
+    try:
+        assert sched.reset_cache() is True and not sched.scheduler.moves_kv
+        lookups = sched.scheduler.stats["lookups"]
+        assert sched.get_num_new_matched_tokens(Request("x", list(range(64))), 0) == (0, False)
+        assert sched.scheduler.stats["lookups"] == lookups
+    finally:
+        sched.shutdown()
 
 
 def test_a_request_whose_prefix_vllm_will_not_read_is_not_looked_up(server: ServerProcess) -> None:

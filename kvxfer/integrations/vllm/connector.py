@@ -87,7 +87,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         if getattr(role, "name", None) == "SCHEDULER":
-            self._scheduler = SchedulerConnector(cfg, self.groups, moves_kv=_prefix_caching_supported(vllm_config))
+            self._scheduler = SchedulerConnector(cfg, self.groups, moves_kv=_prefix_caching_supported(vllm_config),
+                                                 one_scheduler=not _scheduler_per_rank(vllm_config, cfg))
             self._stats = StatsDelta(SCHEDULER_FIELDS)
         else:
             self._worker = WorkerConnector(cfg, self.groups)
@@ -256,3 +257,10 @@ def _prefix_caching_supported(vllm_config: Any) -> bool:
         return bool(getattr(getattr(vllm_config, "model_config", None), "is_prefix_caching_supported", True))
     except Exception:  # noqa: BLE001  (a partial config)
         return True
+
+
+def _scheduler_per_rank(vllm_config: Any, cfg: ConnectorConfig) -> bool:
+    """Whether every rank of the engine runs a scheduler of its own (vLLM's external launcher
+    with several ranks)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return cfg.world_size > 1 and getattr(parallel, "distributed_executor_backend", None) == "external_launcher"

@@ -76,11 +76,12 @@ def weights_fingerprint(model: str, revision: str | None = None) -> str:
     return "local:" + _local_fingerprint(Path(snapshot))
 
 
-def _group_facts(group: Any) -> dict[str, Any]:
+def _group_facts(group: Any, stages: int) -> dict[str, Any]:
     """A KV cache group's spec as the scheduler and every worker see it alike: vLLM gives the
     scheduler the first layer's spec where a worker's group holds one spec per layer
-    (``UniformTypeKVCacheSpecs``), and each pipeline stage only its own layers (their count is
-    the model's, in :func:`kv_facts`)."""
+    (``UniformTypeKVCacheSpecs``), and with ``stages`` pipeline stages each only its own layers
+    (then the group's layer count is left out: the model's is in :func:`kv_facts`; a
+    speculative decoder's draft layers, which groups hold too, are named by its config)."""
     spec = getattr(group, "kv_cache_spec", None)
     inner = getattr(spec, "kv_cache_specs", None)
     if isinstance(inner, dict) and inner:
@@ -91,7 +92,18 @@ def _group_facts(group: Any) -> dict[str, Any]:
         value = getattr(spec, name, None)
         if value is not None:
             facts[name] = str(value)
+    if stages == 1:
+        facts["layers"] = len(getattr(group, "layer_names", ()) or ())
     return facts
+
+
+def _speculative(vllm_config: Any) -> str:
+    """The speculative decoder, whose draft layers' KV is in the KV cache groups: its method,
+    draft model and tokens per step ("" without one)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return ""
+    return "|".join(str(getattr(spec, name, None)) for name in ("method", "model", "num_speculative_tokens"))
 
 
 def _overrides(model: Any) -> str:
@@ -132,7 +144,9 @@ def kv_facts(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
         "use_mla": bool(getattr(model, "use_mla", False)),
         "block_size": getattr(cache, "block_size", None),
         "kv_cache_layout": str(layout),
-        "groups": [_group_facts(g) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()],
+        "groups": [_group_facts(g, getattr(parallel, "pipeline_parallel_size", 1) or 1)
+                   for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()],
+        "speculative": _speculative(vllm_config),
         "tensor_parallel_size": getattr(parallel, "tensor_parallel_size", 1),
         "pipeline_parallel_size": getattr(parallel, "pipeline_parallel_size", 1),
         "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),

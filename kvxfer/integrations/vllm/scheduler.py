@@ -95,11 +95,14 @@ class SchedulerConnector:
     """Scheduler-side logic; one per vLLM engine (the scheduler process)."""
 
     def __init__(self, config: ConnectorConfig, groups: list[GroupPlan] | None = None, *,
-                 moves_kv: bool = True) -> None:
+                 moves_kv: bool = True, one_scheduler: bool = True) -> None:
         self.config = config
         #: False for a model whose prefill cannot start after a prefix (see the connector): its
         #: KV is neither looked up nor stored
         self.moves_kv = moves_kv
+        #: Whether this is the engine's only scheduler (not so under vLLM's external launcher with
+        #: several ranks: each runs its own, and they could not agree on a new epoch)
+        self.one_scheduler = one_scheduler
         #: Mixed into every chunk hash; a new one at each reset_cache (vLLM's weights changed)
         self._epoch = ""
         #: The KV cache groups moved (default: one, under kvxfer.model_name).
@@ -356,12 +359,22 @@ class SchedulerConnector:
             self._plan_store(rid, st, computed, meta, loading)
 
     def reset_cache(self) -> None:
-        """vLLM reset its caches (its weights may have changed): a new epoch in every chunk hash
-        from now on, so that nothing stored before is looked up again, and no store for the
-        requests under way, whose KV may be of the old weights."""
+        """vLLM reset its caches (its weights may have changed): a new, random epoch in every
+        chunk hash from now on (the requests under way included), so that nothing stored before
+        is looked up again, and no store for the requests under way, whose KV may be of the old
+        weights. Where each rank runs a scheduler of its own (vLLM's external launcher), their
+        epochs would differ and no chunk would be whole across ranks: the cache is off instead."""
         self._epoch = secrets.token_hex(8)
         for st in self._reqs.values():
+            self._release_lease(st)
             st.stale = True
+            st.hashes = None
+        if not self.one_scheduler and self.moves_kv:
+            self.moves_kv = False
+            log.warning("kvxfer: vLLM reset its prefix cache, and each rank runs its own scheduler (external "
+                        "launcher): the ranks cannot agree on which chunks are of the new weights, so kvxfer "
+                        "neither loads nor stores from now on (restart the engines to use the cache again)")
+            return
         log.info("kvxfer: vLLM reset its prefix cache: chunks stored before are no longer looked up")
 
     def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata,
