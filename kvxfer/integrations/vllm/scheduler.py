@@ -163,7 +163,7 @@ class SchedulerConnector:
             prompt = getattr(st.request, "prompt_token_ids", None)
             salt = request_salt(st.request) + (f"epoch:{len(self._epoch)}:{self._epoch};" if self._epoch else "")
             st.hashes = chunk_hashes(prompt, self.chunk_size, salt=salt) \
-                if prompt and self.moves_kv and moves_kv(st.request) else []
+                if prompt and self.moves_kv and tokens_name_its_kv(st.request) else []
         return st.hashes
 
     def _release_lease(self, st: _ReqState) -> None:
@@ -474,7 +474,7 @@ def request_salt(request: Any) -> str:
     return "".join(f"{kind}:{len(text)}:{text};" for kind, text in ((k, str(v)) for k, v in parts))
 
 
-def moves_kv(request: Any) -> bool:
+def tokens_name_its_kv(request: Any) -> bool:
     """Whether the connector may load or store ``request``'s KV: not when its prompt comes as
     embeddings (in whole or in part), since the token ids then do not say what was computed."""
     return getattr(request, "prompt_embeds", None) is None
