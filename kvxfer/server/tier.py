@@ -1155,9 +1155,9 @@ class L2Tier:
         for fut in p.gets:
             try:
                 backend.withdraw(fut)
-            except Exception as exc:  # noqa: BLE001  (StoreUnavailable, a PluginFault: counted; the get runs)
-                self._failed(exc, "promotion")
-                return
+            except Exception as exc:  # noqa: BLE001  (StoreUnavailable, a PluginFault: the get runs its course)
+                self._throttled.warning("withdraw", f"L2 store {self.store.name}: withdrawing a get of a promotion "
+                                        f"given up failed ({printable(str(exc))}): it runs its course")
 
     def _abandon_held_writers(self) -> None:
         """On the loop: a batch whose writer has not come back from the store after the longest
@@ -1341,14 +1341,14 @@ class L2Tier:
         limit = 1 << 62
         if backend is None:
             return min(i for i, _, _ in wanted)
-        by_size: dict[int, list[tuple[int, ChunkKey]]] = {}
+        by_format: dict[tuple[int, str], list[tuple[int, ChunkKey]]] = {}
         for i, key, size in wanted:
-            by_size.setdefault(size, []).append((i, key))
-        for size, group in by_size.items():
-            fmt = self.expected_format(group[0][1])
+            fmt = self.expected_format(key)  # each rank's own: a group may mix ranks
             if fmt is None:  # its context closed since the lookup was planned: nothing can load it
-                limit = min(limit, min(i for i, _ in group))
+                limit = min(limit, i)
                 continue
+            by_format.setdefault((size, fmt), []).append((i, key))
+        for (size, fmt), group in by_format.items():
             try:
                 res, present, no_space = self.index.reserve_write([k for _, k in group], fmt, size,
                                                                   PROMOTER, self.usage)

@@ -86,10 +86,8 @@ class GuardedBackend(Backend):
         out: _Outer[T] = _Outer(fut)
 
         def done(f: Future[Any]) -> None:  # resolves ``out`` in every case: a caller may wait without a timeout
-            if f.cancelled() and out.withdrawing:
+            if f.cancelled() and out.withdrawing:  # the only other way ``out`` ends
                 out.cancel()
-                return
-            if out.done():  # withdrawn, though the plugin's future ended after all
                 return
             try:
                 if f.cancelled():
@@ -126,16 +124,21 @@ class GuardedBackend(Backend):
 
     def withdraw(self, fut: Future[Any]) -> bool:
         """Ask the plugin to withdraw the operation of ``fut`` (a future this boundary handed
-        out); if it says it did, ``fut`` is cancelled, whatever the plugin's own future does."""
+        out). True only if the plugin says so and its own future is cancelled (``fut`` is then
+        cancelled too, by the plugin's future's callback); a plugin that says so with its future
+        still pending may still be writing into the parts, and is taken at its future."""
         if not isinstance(fut, _Outer) or fut.done():
             return False
         fut.withdrawing = True
         try:
-            withdrawn = self._call("withdraw", fut.inner) is True
+            said = self._call("withdraw", fut.inner) is True
         finally:
             if not fut.inner.cancelled():
                 fut.withdrawing = False
-        return withdrawn and (fut.cancel() or fut.cancelled())
+        if said and not fut.inner.cancelled():
+            log.warning("store %r: withdraw() said an operation was withdrawn, but its future is not cancelled "
+                        "(a fault of the store plugin): it is waited for as if still running", self.store)
+        return said and fut.inner.cancelled()
 
     def ping(self) -> None:
         self._call("ping")

@@ -790,3 +790,26 @@ def test_the_writers_count_the_running_ones_and_none_after_close(tmp_path: Path)
         assert (tier.status().writers, tier.status().writers_held) == (0, 0)
     finally:
         arena.close()
+
+
+def test_a_rank_whose_context_closed_while_the_store_answered_is_not_promoted(tmp_path: Path) -> None:
+    """In process, with the real fs store, arena and index. A lookup of a model of two ranks is
+    planned while both ranks' contexts are registered; rank 1's closes while the store answers
+    (no index change: the plan stands). Promotions of one size were reserved in the format of the
+    group's first key, so rank 1's chunks were promoted in rank 0's layout, fixing a format on
+    this server that no registered context names. Now each key's own registered format decides,
+    and rank 1's chunk ends what the lookup counts."""
+    registered = {0: FMT_4K, 1: FMT_4K}
+    with in_process_tier(tmp_path, lambda key: registered.get(key.rank)) as (_arena, index, tier, pump):
+        hashes = [bytes([i]) * 16 for i in range(2)]
+        offer(index, tier, [ChunkKey("m", 2, r, h) for h in hashes for r in range(2)], 4096)
+        pump(lambda: tier.writes == 4)
+        assert len(index.clear()) == 4
+        lk = tier.begin_lookup("m", 2, hashes, 0)
+        assert lk is not None
+        del registered[1]  # rank 1's context closes while the store answers
+        pump(lk.done)
+        hits, _, _ = tier.finish_lookup(lk, promote=True)
+        pump(lambda: not tier.promoting)
+        assert hits == 0
+        assert not [k for k in index.entries if k.rank == 1], "rank 1's chunks were promoted"

@@ -627,3 +627,52 @@ def test_the_guard_resolves_every_future_it_hands_out() -> None:
     with pytest.raises(PluginFault, match="cannot be read as text"):
         g.stats()
     g.close()  # logged, not raised
+
+
+def test_the_guard_takes_back_only_what_the_plugins_future_says_is_withdrawn() -> None:
+    """The tier frees a withdrawn get's arena slots: a plugin whose withdraw() says True while its
+    future is still pending may still write into them. The boundary then keeps its own future
+    pending, and it ends with the plugin's (the bytes the plugin wrote are the get's, as ever).
+    A plugin that cancels its future is taken at its word. (In-process stand-ins for the plugins:
+    the real ThreadedBackend is in the store kit's test_kit_withdraw_takes_back_only_what_has_not_started.)"""
+    from concurrent.futures import Future
+
+    from kvxfer.store import Backend, GetStatus
+    from kvxfer.store.guard import GuardedBackend
+
+    class Plugin(Backend):
+        def __init__(self, honest: bool) -> None:
+            self.honest = honest
+            self.pending: list[Future[object]] = []
+
+        def submit_get(self, items):  # type: ignore[no-untyped-def]
+            fut: Future[object] = Future()
+            self.pending.append(fut)
+            return fut
+
+        def withdraw(self, fut):  # type: ignore[no-untyped-def]
+            return fut.cancel() if self.honest else True
+
+        submit_exists = submit_put = submit_delete = submit_get
+
+        def ping(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    liar = Plugin(honest=False)
+    g = GuardedBackend("liar", liar)
+    out = g.submit_get([(b"k", [memoryview(bytearray(4))])])
+    ended: list[bool] = []
+    out.add_done_callback(lambda f: ended.append(f.cancelled()))
+    assert g.withdraw(out) is False and not out.done() and not ended
+    liar.pending[0].set_result([GetStatus.HIT])  # the plugin's get ran after all
+    assert out.result(1) == [GetStatus.HIT] and ended == [False]
+
+    honest = Plugin(honest=True)
+    g = GuardedBackend("honest", honest)
+    out = g.submit_get([(b"k", [memoryview(bytearray(4))])])
+    out.add_done_callback(lambda f: ended.append(f.cancelled()))
+    assert g.withdraw(out) is True and out.cancelled() and ended == [False, True]
+    assert g.withdraw(out) is False  # ended: nothing left to withdraw

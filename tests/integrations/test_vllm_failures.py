@@ -248,3 +248,46 @@ def test_a_store_the_dead_server_failed_is_counted_as_dropped(srv: ServerProcess
         assert work.stats["dropped_stores"] - stats["dropped_stores"] >= max(1, submitted), work.stats
     finally:
         engine.shutdown()
+
+
+def test_a_late_server_that_refuses_the_registration_costs_a_step_nothing_under_recompute() -> None:
+    """recompute: the server was not there when vLLM registered its KV caches, and the one that
+    came later does not load the configured transport. The registration, tried again inside a
+    step's start_load_kv, raised out of vLLM's step and killed the engine (and the step's load
+    would never have been reported). Now it is a server error like any other: the step goes on,
+    its load is reported finished with its blocks not loaded. Under fail it raises, as before."""
+    import torch
+    from kvxfer_vllm_harness import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvxfer import chunk_hashes
+    from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorMetadata, LoadOp
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    late = ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="hpu")  # not cpu_gather
+    specs = KVCacheConfig(32, [KVCacheGroupSpec(["l0"], FullAttentionSpec(4))])
+    for policy in ("recompute", "fail"):
+        cfg = make_vllm_config(late.url, model_name=f"late-{policy}", on_server_error=policy, timeout_s=1,
+                               retry_s=0.1)
+        if policy == "fail":
+            with pytest.raises(ConnectionFailed):  # no server at start-up: fail refuses to start
+                KvxferConnector(cfg, KVConnectorRole.WORKER, specs)
+            continue
+        worker = KvxferConnector(cfg, KVConnectorRole.WORKER, specs)
+        worker.register_kv_caches({"l0": torch.zeros(2, 32, 4, 2, 4)})
+        assert not worker.worker.contexts
+        try:
+            with late:
+                deadline = time.monotonic() + 30
+                while worker.worker.link.get() is None:  # the background reconnect finds it
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                keys = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="late")
+                worker.bind_connector_metadata(KvxferConnectorMetadata(CHUNK, loads=[LoadOp("r", keys, list(range(8)))]))
+                worker.start_load_kv(None)  # raised TransportUnavailable here
+                worker.wait_for_save()
+                sending, recving = worker.get_finished(set())
+                assert recving == {"r"} and worker.get_block_ids_with_load_errors() == set(range(8))
+                worker.clear_connector_metadata()
+                assert worker.worker.link.down
+        finally:
+            worker.shutdown()

@@ -140,7 +140,11 @@ class WorkerConnector:
         return {n: self._layers[n] for n in g.layer_names if n in self._layers}
 
     def _ensure_contexts(self, startup: bool = False) -> dict[int, TransferContext] | None:
-        """Every group's context, registering those not registered yet; None without a server."""
+        """Every group's context, registering those not registered yet; None without a server.
+        A registration the server refuses (a transport it does not load, a layout it does not
+        take) raises at start-up, and in a step under ``fail``; in a step under ``recompute``
+        (a server that came after start-up) it is a server error: logged, the cache off until
+        ``kvxfer.retry_s`` has passed, the step's transfers reported as not done."""
         client = self.link.get(startup=startup)
         if client is None or self._layers is None:
             return None
@@ -153,8 +157,11 @@ class WorkerConnector:
                 self.contexts[g.index] = client.register(
                     layers, model_name=g.name, block_size=g.block_size, world_size=self.config.world_size,
                     rank=self.config.rank, transport=self.config.transport, layout=self.config.layout)
-            except (ConfigError, TransportError):
-                raise
+            except (ConfigError, TransportError) as exc:
+                if startup:
+                    raise
+                self.link.failed(exc, "registering the KV caches")  # raises under fail
+                return None
             except KvxferError as exc:
                 self.link.failed(exc, "registering the KV caches")
                 return None
@@ -424,6 +431,7 @@ class WorkerConnector:
         assert load.future is not None
         if load.future.cancel():
             load.abandoned = True
+            self._release_lease(load.op.lease_id)  # a server-driven retrieve never sent never releases it
             self.stats["expired_loads"] += 1
             log.warning("kvxfer: the load of request %s missed its %.0f ms deadline; its %d chunks are reported "
                         "not loaded (vLLM's kv_load_failure_policy recomputes them or fails the request)",
@@ -512,6 +520,7 @@ class WorkerConnector:
         for load in [*(ld for loads in self._loads.values() for ld in loads), *self._step_loads]:
             if load.future is not None and load.future.cancel():
                 load.abandoned = True
+                self._release_lease(load.op.lease_id)
 
     def shutdown(self) -> None:
         """Let submitted transfers finish, unregister, disconnect."""
