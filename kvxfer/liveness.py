@@ -103,11 +103,15 @@ def holder_gone(arena_path: str | os.PathLike[str], token: str) -> bool:
 
 
 def _lock_state(arena_path: str | os.PathLike[str], token: str) -> str:
-    """``held``, ``released`` (the file was left by a process that ended: removed now) or
-    ``none`` (no lock file of ours)."""
+    """:func:`lock_state` of the lock file of ``token`` (``none`` for a token of another form)."""
     if not valid_token(token):
         return "none"
-    path = lock_path(arena_path, token)
+    return lock_state(lock_path(arena_path, token))
+
+
+def lock_state(path: Path) -> str:
+    """``held`` (a process holds the ``flock`` on ``path``), ``released`` (the file was left by a
+    process that ended: removed now) or ``none`` (no regular file there; a link is not followed)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:

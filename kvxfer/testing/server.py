@@ -34,6 +34,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvxfer import liveness
 from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError
 from kvxfer.units import parse_size
 
@@ -81,18 +82,11 @@ def _sweep_left_directories() -> None:
             continue
         try:
             st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            fd = os.open(Path(entry.path) / _OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its maker lives
-        finally:
-            os.close(fd)
-        shutil.rmtree(entry.path, ignore_errors=True)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and \
+                liveness.lock_state(Path(entry.path) / _OWNER_LOCK) == "released":
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _start_timeout(l1_size: str) -> float:

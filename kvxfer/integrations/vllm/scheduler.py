@@ -324,8 +324,8 @@ class SchedulerConnector:
             if st is None:
                 continue
             st.block_ids = [list(group_blocks(new.block_ids, g.index)) for g in self.groups]
-            self._plan_stores(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta,
-                              loading, loading_reqs)
+            self._plan_store(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta,
+                             loading, loading_reqs)
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None:
@@ -337,8 +337,8 @@ class SchedulerConnector:
             elif new_ids is not None:
                 for pos, g in enumerate(self.groups):
                     st.block_ids[pos].extend(group_blocks(new_ids, g.index))
-            self._plan_stores(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta, loading,
-                              loading_reqs)
+            self._plan_store(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta, loading,
+                             loading_reqs)
         return meta
 
     def _loading_blocks(self, loads: list[LoadOp]) -> dict[int, set[int]]:
@@ -349,14 +349,6 @@ class SchedulerConnector:
             if op.keys:
                 out.setdefault(op.group, set()).update(op.block_ids[op.skip_tokens // sizes.get(op.group, 1):])
         return out
-
-    def _plan_stores(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata,
-                     loading: dict[int, set[int]], loading_reqs: set[str]) -> None:
-        """:meth:`_plan_store`, unless a load of this step is the request's own: the chunks it
-        computes in that step attend to the blocks the load fills (a layer-by-layer load runs in
-        the step's forward pass), wrong if that load fails, so they are stored in a later step."""
-        if rid not in loading_reqs:
-            self._plan_store(rid, st, computed, meta, loading)
 
     def reset_cache(self) -> None:
         """vLLM reset its caches (its weights may have changed): a new, random epoch in every
@@ -378,14 +370,16 @@ class SchedulerConnector:
         log.info("kvxfer: vLLM reset its prefix cache: chunks stored before are no longer looked up")
 
     def _plan_store(self, rid: str, st: _ReqState, computed: int, meta: KvxferConnectorMetadata,
-                    loading: dict[int, set[int]]) -> None:
+                    loading: dict[int, set[int]], loading_reqs: set[str]) -> None:
         """Stores of the full prompt chunks that ``computed`` tokens complete, per group; chunks
         whose blocks a sliding-window group no longer holds (the null block) are passed over.
         A chunk whose blocks a load of this step writes (another request's layer-by-layer load,
         whose blocks vLLM's prefix cache shares at once) ends the store there: the store would
         read them in the step that fills them, and read garbage if that load fails. It is
-        planned again in a later step (once the load landed, or the blocks were recomputed)."""
-        if not self.config.stores or self.chunk_size is None or st.stale:
+        planned again in a later step (once the load landed, or the blocks were recomputed). So
+        is every chunk of a request whose own load is in this step (``loading_reqs``): they attend
+        to the blocks that load fills."""
+        if not self.config.stores or self.chunk_size is None or st.stale or rid in loading_reqs:
             return
         chunk = self.chunk_size
         hashes = self._hashes(st)
