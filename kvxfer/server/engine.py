@@ -1103,6 +1103,30 @@ class CacheServer:
             log.exception("transport %s: prefetching %d chunks for instance %d failed", ctx.transport,
                           len(chunks), ctx.instance_id)
 
+    def _stage_lone(self, ctx: RegisteredContext, msg: m.Retrieve) -> None:
+        """A lone retrieve (nothing in flight; a resumed one counts) hands the whole chunks it
+        names that ``ctx`` holds to the context's prefetch first, before the request is checked
+        or anything reserved, so that the first DMA starts now; its copies then find them by
+        stamp, as after a lookup's prefetch. It only reads the index: what the retrieve reserves
+        next decides what is copied (staged chunks are matched by stamp, address and size), and
+        what a refused retrieve staged is dropped by the next transfer (a prefetch only fills
+        the context's own staging, and only while its copy stream is idle). A lease whose lookup
+        prefetched is handed again: the core cannot tell whether that prefetch staged anything
+        or whether a transfer since took it, and the context keeps what it staged already."""
+        skip = msg.skip_first_n_tokens
+        block_size = ctx.layout.block_size
+        if skip < 0 or skip % block_size:
+            return  # refused below
+        bpc = ctx.layout.blocks_per_chunk(ctx.chunk_size)
+        first = -(-skip // (block_size * bpc))  # the first chunk no skip cuts
+        entries, fmt, views = self.index.entries, ctx.chunk.fmt, ctx.views
+        chunks = []
+        for h in msg.hashes[first:first + MAX_PREFETCH_CHUNKS]:
+            e = entries.get(ChunkKey(ctx.model_name, ctx.world_size, ctx.rank, h))
+            if e is not None and e.state is State.READY and e.fmt == fmt:
+                chunks.append(StoredSlot(views.bytes(e.offset), e.stamp))
+        self._hand_prefetch(ctx, chunks)
+
     def _chunk_format(self, key: ChunkKey) -> str | None:
         """The chunk format of a registered context whose chunks ``key`` names, if any. The
         tier asks once per rank of a lookup: one dict read, not a walk of every context."""
@@ -1319,6 +1343,9 @@ class CacheServer:
         _check_hashes(msg.hashes)
         if not (math.isfinite(msg.deadline) and msg.deadline >= 0):
             raise _invalid("deadline", f"must be a Unix time (0: none), got {msg.deadline!r}")
+        if waited is None and not msg.layers and not self.stats.in_flight and self._prefetches(ctx) and not (
+                msg.deadline and time.time() > msg.deadline):
+            self._stage_lone(ctx, msg)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
         layers = self._layer_range(ctx, msg.layers)
@@ -1334,18 +1361,6 @@ class CacheServer:
         res.in_flight = True
         res.missing = len(missing)
         slot_views = ctx.views
-        if layers is None and not self.stats.in_flight and self._prefetches(ctx) and not (
-                msg.deadline and time.time() > msg.deadline):
-            # a lone retrieve (a resumed one counts in flight): its whole chunks are staged before
-            # its copies are planned, so that the first DMA starts now (the copies then find them
-            # by stamp, as after a lookup's prefetch; not one past its deadline already: it will
-            # copy nothing). A lease its lookup had prefetched is handed again: the core cannot
-            # tell whether that prefetch staged anything (its copy stream busy, say) or whether a
-            # transfer since took or dropped it, and the context keeps what it staged already.
-            bpc = ctx.layout.blocks_per_chunk(ctx.chunk_size)
-            lead = res.entries[:MAX_PREFETCH_CHUNKS]
-            self._hand_prefetch(ctx, [StoredSlot(slot_views.bytes(e.offset), e.stamp) for i, e in lead
-                                      if (i + first) * bpc >= skip_blocks])
         copies = plan_copies(ctx.layout, ctx.chunk_size, blocks,
                              [(i + first, slot_views.rows(e.offset)) for i, e in res.entries], skip_blocks,
                              [e.stamp for _, e in res.entries])

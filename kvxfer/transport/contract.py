@@ -700,11 +700,12 @@ class ServerContext(ABC, Generic[R, P]):
         """Optional: ``chunks`` were just leased by a lookup that asked for a prefetch (its
         leading run, at most :data:`kvxfer.copies.MAX_PREFETCH_CHUNKS`), and this registration
         is the one of their rank that will load them (the only one of its model and rank); or
-        a retrieve of this registration that found nothing else in flight has just reserved
-        them (its whole chunks, every layer, less a first one a skip cuts, at most
-        :data:`~kvxfer.copies.MAX_PREFETCH_CHUNKS`; before its copies are planned and
-        :meth:`retrieve` is called, if it is: one that reaches its copy past its deadline ends
-        without it, and its slots may then take other chunks while your copies run).
+        a retrieve of this registration that found nothing else in flight names them (the
+        whole chunks of it the arena holds, every layer, less a first one a skip cuts, at most
+        :data:`~kvxfer.copies.MAX_PREFETCH_CHUNKS`; as it arrives, before it is checked, its
+        chunks reserved and its copies planned, and before :meth:`retrieve` is called, if it
+        is: one refused, or one that reaches its copy past its deadline, ends without it, and
+        its slots may then take other chunks, under other stamps, while your copies run).
         Start moving them toward the device (e.g. into staging) so that a retrieve whose
         :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from the arena again;
         chunks staged already (the same stamp) are best kept, not copied again.

@@ -941,6 +941,28 @@ def test_a_lone_retrieve_past_its_deadline_stages_nothing(loop_client, tmp_path:
     b.close()
 
 
+def test_a_lone_retrieve_refused_after_staging_reserves_nothing_and_misleads_no_load(
+        loop_client, tmp_path: Path) -> None:
+    """A lone retrieve stages its chunks before it is checked. One refused then (a block id out
+    of range) holds no pin and no reservation: its chunks can be cleared at once. Its staging
+    misleads no later load: the same hashes stored again (new bytes, new stamps) load as stored
+    now, and the chunks it staged are not used for them."""
+    model = "quick-refused-stage"
+    _, dst, b, hashes, blocks = _stored_then_alone(loop_client, tmp_path, model, seed=97)
+    with pytest.raises(InvalidRequest, match="block ids must be in"):
+        loop_client.submit(m.Retrieve(b.instance_id, hashes, [10**6] * len(blocks))).result(30)
+    assert _prefetch_figures(loop_client, model) == (2, 0)  # staged, then refused
+    assert loop_client.status().reservations == 0
+    assert loop_client.clear(model) == 2  # nothing pins them
+    new = shared_kv(tmp_path, f"{model}-new", seed=99)
+    a = loop_client.register(new, model_name=model, block_size=BLOCK_SIZE, transport="test_loop")
+    assert a.submit_store(hashes, blocks).result(30).stored == [0, 1]
+    a.close()
+    _load_reversed(b, new, dst, hashes, blocks, 0)
+    assert _prefetch_figures(loop_client, model) == (4, 2)  # its own staging of the new stamps
+    b.close()
+
+
 def test_a_retrieve_behind_another_transfer_stages_nothing_ahead(loop_client, tmp_path: Path) -> None:
     """With another transfer in flight (here a store of another model, held at the server) the
     copy engines are that transfer's: a retrieve plans and copies as it comes, from the arena."""
