@@ -6,7 +6,9 @@ tensors are handled.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -124,11 +126,30 @@ def device_label(index: int) -> str:
 # --------------------------------------------------------------------------- client side
 
 
-#: How often finish_retrieve looks at a retrieve's done event (the sleep releases the GIL; Linux
-#: wakes the thread ~50 us later than asked).
+#: How often finish_retrieve looks at a retrieve's done event (the sleep releases the GIL).
 _DONE_POLL_S = 20e-6
+#: The timer slack, in ns, that the polling thread asks Linux for: a sleep may end up to its
+#: thread's slack after the time asked (50 us by default), which made each poll ~70 us apart.
+POLL_SLACK_NS = 1000
+_PR_SET_TIMERSLACK = 29
+_polling = threading.local()
 #: Longest finish_retrieve waits for the copies when the connection has no timeout.
 _DONE_WAIT_S = 60.0
+
+
+def fine_timer() -> None:
+    """Ask Linux, once per thread, for :data:`POLL_SLACK_NS` of timer slack for the calling
+    thread (the one that polls the done events; elsewhere, or if the call fails, nothing
+    changes): its polls are then ~25 us apart, not ~70 us."""
+    if getattr(_polling, "fine", False):
+        return
+    _polling.fine = True
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, POLL_SLACK_NS, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _EventPool:
@@ -296,6 +317,7 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
             return
         limit = float(self.connection.timeout or 0.0) or _DONE_WAIT_S
         deadline = time.monotonic() + limit
+        fine_timer()
         while not done.query():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server's copies of a retrieve did not end within {limit:.0f} s "

@@ -4,10 +4,16 @@ check_environment before it touches CUDA)."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
+import threading
+
 import pytest
 
 from kvxfer import ConfigError
-from kvxfer_cuda_ipc import server
+from kvxfer_cuda_ipc import server, transport
+
+_PR_GET_TIMERSLACK = 30
 
 
 @pytest.mark.parametrize(("name", "value"), [
@@ -32,3 +38,24 @@ def test_defaults_and_good_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVXFER_CUDA_IPC_STAGING_MIB", "1")
     server.check_environment()
     assert (server.mode(), server.kernel(), server._staging_bytes()) == ("direct", "torch", 1 << 20)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="timer slack is a Linux setting")
+def test_the_thread_that_polls_done_events_gets_a_fine_timer_and_no_other_does() -> None:
+    """finish_retrieve's polls sleep 20 us: with Linux's default 50 us of timer slack they ran
+    ~70 us apart. The polling thread asks for POLL_SLACK_NS; other threads keep theirs."""
+    libc = ctypes.CDLL(None)
+    seen: dict[str, int] = {}
+
+    def poller() -> None:
+        seen["before"] = libc.prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+        transport.fine_timer()
+        transport.fine_timer()  # once per thread: the second call changes nothing
+        seen["after"] = libc.prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+
+    t = threading.Thread(target=poller)
+    t.start()
+    t.join()
+    assert seen["before"] > transport.POLL_SLACK_NS
+    assert seen["after"] == transport.POLL_SLACK_NS
+    assert libc.prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0) == seen["before"]  # this thread's is its own
