@@ -531,7 +531,11 @@ class CacheServer:
     @property
     def parked_writes(self) -> int:
         """Open writes kept for silent clients that still live (counted in the index's reservations)."""
-        return sum(len(p.reservations) for p in self._parked.values())
+        return sum(len(p.reservations) for p in self._parked_clients())
+
+    def _parked_clients(self) -> list[Parked]:
+        """Every Parked once (the secrets of the sessions of one client token name the same one)."""
+        return list({id(p): p for p in self._parked.values()}.values())
 
     def call_on_loop(self, fn: Callable[[], T], timeout: float) -> T:
         """Run ``fn`` on the loop thread and return what it returns (from any other thread);
@@ -774,12 +778,14 @@ class CacheServer:
                 self._drop_session(identity, f"another connection ({Peer.parse(peer).label()}) took its routing id")
             self.limits.check("max_connections", len(self.sessions))
             who = Peer.parse(peer)
+            token = self._end_resumed(msg.resume, who) if msg.resume else None
             parked = self._parked.get(msg.resume) if msg.resume else None
             if parked is not None and parked.peer.raw != peer:
                 log.warning("%s presented the secret of a session of %s: not resumed", who.label(), parked.peer.label())
                 parked = None
-            session = Session(identity, who, secrets.token_bytes(16),
-                              parked.token if parked is not None else liveness.new_token(), msg.client_name,
+            if parked is not None:
+                token = parked.token
+            session = Session(identity, who, secrets.token_bytes(16), token or liveness.new_token(), msg.client_name,
                               who.pid if who.pid is not None else msg.pid, now, resumed=parked)
             self.sessions[identity] = session
         cfg = self.config
@@ -799,6 +805,21 @@ class CacheServer:
             max_lease_s=self.limits.max_lease_s,
             max_name_length=self.limits.max_name_length,
         )
+
+    def _end_resumed(self, secret: bytes, who: Peer) -> str | None:
+        """A handshake on a new connection resumes the session of ``secret`` that is still open
+        (the client's connection broke, and the server has not seen that yet): end that session
+        now, its open writes parked as at a timeout (the client lives and may still copy into
+        them), and return its liveness token for the new session, so that the lock the client
+        holds keeps naming them. None if no open session of that peer has the secret."""
+        old = next((s for s in self.sessions.values() if s.secret == secret), None)
+        if old is None:
+            return None
+        if old.peer.raw != who.raw:
+            log.warning("%s presented the secret of a session of %s: not resumed", who.label(), old.peer.label())
+            return None
+        self._drop_session(old.identity, "its client resumed it on a new connection")
+        return old.token
 
     def _tick(self) -> None:
         """The loop's periodic pass (MQServer's ``on_tick``, about every 0.25 s); ``ticks`` counts
@@ -823,17 +844,21 @@ class CacheServer:
                 # from a client that stopped answering (one without a lock: nothing is known)
                 gone = liveness.holder_gone(self.arena.path, session.token)
                 self._drop_session(identity, _PROCESS_GONE if gone else "timed out")
-        for parked in list(self._parked.values()):
+        for parked in self._parked_clients():
             if not liveness.holder_alive(self.arena.path, parked.token):
                 self._free_parked(parked)
                 log.info("client %s is gone: freed the slots of its parked writes", parked.peer.label())
         self.ticks += 1
 
     def _free_parked(self, parked: Parked) -> None:
-        self._parked.pop(parked.secret, None)
+        self._forget_parked(parked)
         for res in parked.reservations.values():
             self.index.abort(res)
         parked.reservations.clear()
+
+    def _forget_parked(self, parked: Parked) -> None:
+        for secret in [k for k, v in self._parked.items() if v is parked]:
+            del self._parked[secret]
 
     def _on_unread_overflow(self, identity: bytes, unread: int) -> None:
         """The connection left more than --max-unread-reply-bytes of replies unread (MQServer
@@ -856,8 +881,12 @@ class CacheServer:
         log.log(logging.DEBUG if quiet else logging.INFO, "session of %s (%s) ended (%s): dropping its %d "
                 "registrations", session.peer.label(), session.name or "unnamed", reason, len(session.instances))
         # a silent client that still lives may wake mid-copy: keep its write slots until it dies
-        parked = Parked(session.secret, session.peer, session.token) \
-            if liveness.holder_alive(self.arena.path, session.token) else None
+        # (one that said goodbye has closed its contexts, so copies no more: nothing is kept)
+        parked = None
+        if reason != _CLOSED_BY_CLIENT and liveness.holder_alive(self.arena.path, session.token):
+            # one Parked per client token: the writes of each session it resumes join it
+            parked = next((p for p in self._parked_clients() if p.token == session.token), None) \
+                or Parked(session.secret, session.peer, session.token)
         for iid in list(session.instances):
             ctx = self.contexts.get(iid)
             if ctx is not None:
@@ -865,7 +894,32 @@ class CacheServer:
         for lease_id in list(session.usage.leases):
             self.index.release_lease(lease_id)
         if parked is not None and parked.reservations:
-            self._parked[parked.secret] = parked
+            self._parked[session.secret] = parked
+            self._bound_parked(session.peer)
+
+    def _bound_parked(self, peer: Peer) -> None:
+        """Keep at most --max-reservations-per-session parked writes for the clients of one user
+        (uid; one CURVE key, one peer elsewhere), aborting its newest beyond that: each session
+        counts its own open writes only while it is open, and a process may end sessions with
+        open writes, one after another, faster than its parked writes go. An honest client
+        parks a few (one per request in flight of each frozen engine process)."""
+        def owner(p: Peer) -> object:
+            return p.uid if p.uid is not None else (p.curve_key or p.raw)
+
+        mine = [(res.id, p, res) for p in self._parked_clients() if owner(p.peer) == owner(peer)
+                for res in p.reservations.values()]
+        over = len(mine) - self.limits.max_reservations_per_session
+        if over <= 0:
+            return
+        mine.sort(key=lambda t: t[2].opened)
+        for rid, p, res in mine[-over:]:
+            del p.reservations[rid]
+            self.index.abort(res)
+            if not p.reservations:
+                self._forget_parked(p)
+        self._throttled.warning("parked cap", f"the clients of {peer.label()} left more open writes of ended sessions "
+                                f"than --max-reservations-per-session ({self.limits.max_reservations_per_session}): "
+                                f"freed the slots of the {over} newest")
 
     def _drop_context(self, ctx: RegisteredContext, reason: str, wait: bool = False,
                       park_into: Parked | None = None) -> None:
@@ -887,8 +941,8 @@ class CacheServer:
             else:
                 self.index.abort(res)
         if slots:
-            log.warning("silent client %s still lives (frozen?): keeping the %d slots of its open writes "
-                        "until it exits", session.peer.label(), slots)
+            self._throttled.warning("parked", f"silent client {session.peer.label()} still lives (frozen?): keeping "
+                                    f"the {slots} slots of its open writes until it exits")
         ctx.executor.submit(self._close_server_context, ctx)
         ctx.executor.shutdown(wait=wait)
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
@@ -1210,9 +1264,10 @@ class CacheServer:
         if parked is not None:  # its copy is over: free the slots; what it wrote is not trusted
             self.index.abort(parked)
             if resumed is not None and not resumed.reservations:
-                self._parked.pop(resumed.secret, None)
-            raise _invalid("reservation_id", f"write reservation {msg.reservation_id} was dropped while this "
-                                             "client was silent past the session timeout; nothing was stored")
+                self._forget_parked(resumed)
+            raise _invalid("reservation_id", f"write reservation {msg.reservation_id} was dropped when this "
+                                             "client's session ended (it went silent past the session timeout, or "
+                                             "resumed the session on a new connection); nothing was stored")
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(session, ctx, msg.reservation_id, write=True)
         return self._commit_write(ctx, res, msg.failed, msg.copy_s)

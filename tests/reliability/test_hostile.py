@@ -22,7 +22,7 @@ import pytest
 import torch
 from relkit import RawPeer, Writer, key, proc_kib, read_event, threads, wait_until
 
-from kvxfer import CacheClient
+from kvxfer import CacheClient, liveness
 from kvxfer.errors import KvxferError, RemoteError
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
@@ -193,6 +193,112 @@ def test_a_silent_client_s_open_writes_with_no_slot_are_not_parked(server, clien
     finally:
         os.kill(w.pid, signal.SIGKILL)
         w.wait()
+
+
+class _Resumer:
+    """Sessions of one client over raw connections, each a new one that resumes the last (as a
+    CacheClient does after its connection broke): the client token's lock held throughout."""
+
+    def __init__(self, url: str, ref: Writer) -> None:
+        self.url, self.ref = url, ref
+        self.peers: list[RawPeer] = []
+        self.secret = b""
+        self.token = ""
+        self.lock: liveness.ProcessLock | None = None
+
+    def connect(self) -> RawPeer:
+        peer = RawPeer(self.url)
+        self.peers.append(peer)
+        reply = peer.handshake(resume=self.secret)
+        self.secret, token = reply["session_secret"], reply["client_token"]
+        if token != self.token:
+            if self.lock is not None:
+                self.lock.release()
+            self.lock = liveness.ProcessLock.hold(reply["arena_path"], token)
+            self.token = token
+        return peer
+
+    def open_write(self, peer: RawPeer, instance_id: int, n: int) -> int:
+        assert peer.call(b"register", codec.encode(registration(self.ref, "cpu_gather", instance_id)))[0] == codec.OK
+        status, body = peer.call(b"reserve_write", codec.encode(m.ReserveWrite(instance_id, [key("resume", n)])))
+        assert status == codec.OK, body
+        reply = codec.decode(body, m.ReserveWriteReply)
+        assert reply.slots
+        return reply.reservation_id
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def test_a_client_that_resumes_its_open_session_on_a_new_connection_keeps_its_open_write(server, client_of):
+    """A client whose connection broke while a write of its was open (its copy still running)
+    resumes its session on a new connection before the server timed the old one out: the old
+    session ends at once with the write parked, the new one keeps the client's token (so the
+    lock the client holds keeps the write parked), and the late commit frees the slots. Before,
+    the new session got a new token, the client let the old lock go, and the write's slots were
+    freed at the old session's timeout while the client still copied into them: another
+    client's chunk stored there was overwritten."""
+    observer = client_of(server)
+    ref = Writer(observer, model="resume-ref")
+    client = _Resumer(server.url, ref)
+    try:
+        first = client.connect()
+        token = client.token
+        rid = client.open_write(first, 4343_0001, 0)
+        used = observer.status().arena.used
+        again = client.connect()
+        assert client.token == token, "the resumed session got another client token"
+        st = observer.status()
+        assert st.reservations == 1 and st.arena.used == used, st  # parked, not freed
+        assert all(c.instance_id != 4343_0001 for c in st.contexts)  # the old session ended
+        err = again.error(b"commit_write", codec.encode(m.CommitWrite(4343_0001, rid)))
+        assert err is not None and "resumed the session on a new connection" in err[1], err
+        st = observer.status()
+        assert st.reservations == 0 and st.arena.used == used - ref.ctx.chunk_bytes, st
+        assert first.error(b"ping", codec.encode(m.Ping()))[0] == "no_session"  # the old connection has no session
+    finally:
+        client.close()
+
+
+def test_a_client_that_says_goodbye_with_an_open_write_keeps_nothing_parked(server, client_of):
+    """A goodbye ends a session whose client has closed its contexts (their copies are over):
+    its open writes are aborted, not parked, however alive the client is."""
+    observer = client_of(server)
+    client = _Resumer(server.url, Writer(observer, model="goodbye-ref"))
+    try:
+        peer = client.connect()
+        client.open_write(peer, 4343_0002, 0)
+        assert observer.status().reservations == 1
+        assert peer.call(b"goodbye", codec.encode(m.Goodbye()))[0] == codec.OK
+        st = observer.status()
+        assert st.reservations == 0 and st.arena.used == 0, st
+    finally:
+        client.close()
+
+
+def test_the_parked_writes_of_one_user_are_bounded(shm_dir):
+    """Open writes outlive a session only as parked, and count against no session then: one
+    user ending sessions with open writes, one after another, keeps at most
+    --max-reservations-per-session of them (its newest beyond that are freed), so it cannot hold
+    every reservation of the server."""
+    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--shm-dir", str(shm_dir), "--max-reservations-per-session", "3"]) as server, \
+            CacheClient(server.url, timeout=20) as observer:
+        client = _Resumer(server.url, Writer(observer, model="cap-ref"))
+        try:
+            for n in range(6):
+                client.open_write(client.connect(), 4343_0100 + n, n)
+            client.connect()  # ends the last session with its write open
+            st = observer.status()
+            assert st.reservations == 3, st
+            victim = Writer(observer, model="cap-victim")
+            assert victim.store([key("cap-victim", 0)]).stored == [0]
+        finally:
+            client.close()
+        wait_until(lambda: observer.status().reservations == 0, DROP_WITHIN_S, "the gone client's parked slots freed")
 
 
 # --------------------------------------------------------------------------- 4. liveness across pid namespaces
