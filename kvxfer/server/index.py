@@ -476,6 +476,8 @@ class ChunkIndex:
         if offset is not None:
             return offset
         lru = self._lru
+        if lru and not self._room_after_eviction(size):
+            return None
         while lru:  # the least recently used first; every entry here is evictable but the held
             key, e = lru.popitem(last=False)
             if e.pinned:  # held (see hold): back at the front once released
@@ -487,6 +489,29 @@ class ChunkIndex:
             if offset is not None:
                 break
         return offset
+
+    def _room_after_eviction(self, size: int) -> bool:
+        """Whether evicting every evictable entry would leave ``size`` bytes in one piece, so
+        that an allocation no eviction can serve evicts nothing: a few pinned chunks spread over
+        the arena (small chunks of another model, leased) leave no room for a large one however
+        much is evicted. True at once when the least recently used entry is evictable and at
+        least that large (evicting it makes the room: always so with one chunk size); otherwise
+        the arena less what nothing may evict (pinned, held, being written) is searched, one
+        pass over the entries (their keys set apart from the LRU's in C)."""
+        need = Allocator.rounded(size)
+        lru = self._lru
+        head = next(iter(lru.values()))
+        if not head.pinned and Allocator.rounded(head.size) >= need:
+            return True
+        entries = self.entries
+        fixed = [entries[k] for k in entries.keys() - lru.keys()]
+        fixed += [e for e in self._held if lru.get(e.key) is e]
+        end = 0
+        for start, stop in sorted((e.offset, e.offset + Allocator.rounded(e.size)) for e in fixed):
+            if start - end >= need:
+                return True
+            end = max(end, stop)
+        return self.allocator.capacity - end >= need
 
     def _drop(self, e: Entry) -> None:
         self.changes += 1

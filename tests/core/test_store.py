@@ -138,6 +138,28 @@ def test_lru_eviction_order() -> None:
     index.allocator.check()
 
 
+def test_a_chunk_no_eviction_can_make_room_for_evicts_nothing() -> None:
+    """Small chunks leased every 8th across the arena leave no 8-chunk window free of pins: a
+    chunk of 8 times their size gets no_space at once, and every unleased chunk stays (before,
+    each such store evicted the whole arena for nothing). With the leased chunks together, the
+    same store evicts, least recently used first, until it fits."""
+    for spread, fits in ((8, False), (1, True)):
+        ev = Recorder()
+        index = ChunkIndex(64 * SIZE, on_evict=ev)
+        store(index, [key(i) for i in range(64)])
+        leased = [key(i * spread).chunk_hash for i in range(8)]
+        lease(index, "m", 1, leased)
+        res, present, no_space = index.reserve_write([key(0, model="big")], "g", 8 * SIZE, 1, OWNER)
+        assert (no_space == [], present) == (fits, []), (spread, no_space)
+        if fits:
+            assert len(ev.evicted) >= 8 and not set(ev.evicted) & {key(i) for i in range(8)}
+            index.commit_write(res)
+        else:
+            assert ev.evicted == [] and len(index.entries) == 64
+            index.abort(res)
+        index.allocator.check()
+
+
 class Calls:
     def __init__(self) -> None:
         self.calls: list[list[ChunkKey]] = []
@@ -480,8 +502,8 @@ def test_the_lru_holds_exactly_the_evictable_entries_in_the_order_of_their_last_
             res, present, no_space = index.reserve_write(keys, "f", SIZE, 1, owner)
             refresh([keys[i] for i in present])  # a store of a present chunk uses it
             stored = index.commit_write(res)
-            if ev.evicted or no_space:  # no room: eviction went through the whole LRU
-                last = len(in_order) if no_space else max(in_order.index(k) for k in ev.evicted)
+            if ev.evicted:  # a chunk with no room evicts nothing (no eviction would make room) and passes nothing
+                last = max(in_order.index(k) for k in ev.evicted)
                 for k in in_order[:last]:  # what eviction met before its last victim: evicted, or held and passed
                     if k not in ev.evicted and k not in keys:  # (the store's own present chunks were out of the LRU)
                         assert holds(k), f"{k} was passed over but is not held"
