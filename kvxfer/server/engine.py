@@ -746,8 +746,9 @@ class CacheServer:
         if d.quick is None:
             return False
         try:
-            return bool(d.quick.queues_only)
-        except Exception:  # noqa: BLE001  (a plugin's error must not reach the loop)
+            with plugin_step(d.transport, "queues_only"):
+                return bool(d.quick.queues_only)
+        except TransportFailed:  # a plugin's error must not reach the loop
             log.exception("transport %s: reading its server context's queues_only failed: its requests run "
                           "on the instance's worker", d.transport)
             return False

@@ -9,6 +9,7 @@ is what a transport sees.
 from __future__ import annotations
 
 import contextlib
+import signal
 import math
 import threading
 import weakref
@@ -49,12 +50,20 @@ Reply = TypeVar("Reply", bound=m.Message)
 def plugin_step(transport: str, step: str) -> Iterator[None]:
     """The one boundary around plugin code: what it raises leaves as a
     :class:`~kvxfer.errors.KvxferError` (its own, e.g. ``ConfigError``, unchanged; anything else
-    as :class:`~kvxfer.errors.TransportFailed` naming ``transport`` and ``step``, from it)."""
+    as :class:`~kvxfer.errors.TransportFailed` naming ``transport`` and ``step``, from it).
+    ``SystemExit`` (a plugin that calls ``sys.exit``) and ``KeyboardInterrupt`` are a plugin's
+    failure too, except a ``KeyboardInterrupt`` where Python's own SIGINT handler may have raised
+    it (the main thread of a process that kept that handler: the user's Ctrl-C)."""
     try:
         yield
     except KvxferError:
         raise
     except Exception as exc:
+        raise TransportFailed(transport, step, exc) from exc
+    except (SystemExit, KeyboardInterrupt) as exc:
+        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            raise
         raise TransportFailed(transport, step, exc) from exc
 
 

@@ -29,10 +29,11 @@ server's loop; ``open``, ``store``, ``retrieve`` and ``close`` of one registrati
 registration's worker thread, one at a time, in arrival order; waiters on a separate thread.
 
 **Errors.** Raise :class:`kvxfer.errors.ConfigError` ("field: what is wrong, what to do") for
-input the user can fix. Anything else a hook raises is caught at the core's one boundary and
-re-raised as :class:`kvxfer.errors.TransportFailed` naming the transport and the step, with the
-original as ``__cause__`` (server side: an ``internal`` error reply with that message). Client
-futures therefore fail only with :class:`kvxfer.errors.KvxferError`.
+input the user can fix. Anything else a hook raises (``SystemExit`` and ``KeyboardInterrupt``
+included, but for the user's Ctrl-C) is caught at the core's one boundary and re-raised as
+:class:`kvxfer.errors.TransportFailed` naming the transport and the step, with the original as
+``__cause__`` (server side: an ``internal`` error reply with that message). Client futures
+therefore fail only with :class:`kvxfer.errors.KvxferError`.
 
 **Defined beside it.** Four types and two functions a transport uses live with the code that
 makes them and are re-exported by :mod:`kvxfer.transport`: :class:`~kvxfer.copies.RowCopy` and

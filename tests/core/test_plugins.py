@@ -435,6 +435,28 @@ def test_a_handlers_exception_is_a_typed_error_and_the_server_keeps_serving(loop
     assert loop_client.ping() > 0
 
 
+@pytest.mark.parametrize("model", ["escape", "quick-escape"])  # on the instance's worker / on the server's loop
+def test_a_plugin_that_calls_sys_exit_or_raises_keyboardinterrupt_fails_its_request_only(
+        loop_client, tmp_path: Path, model: str) -> None:
+    """SystemExit and KeyboardInterrupt from a plugin's server code are its failure like any
+    other: the request fails with a typed error naming the transport and the step, and the server
+    keeps serving (they went through the core's boundary and ended the server's loop or worker)."""
+    from kvxfer_test_transport import LoopParams
+
+    kv = loop_client.register(shared_kv(tmp_path, model), model_name=model, block_size=BLOCK_SIZE,
+                              transport="test_loop")
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=model)
+    for escape, said in (("exit", "SystemExit: test_loop store called sys.exit"),
+                         ("interrupt", "KeyboardInterrupt: test_loop store raised KeyboardInterrupt")):
+        kv.next_store = LoopParams(escape=escape)
+        with pytest.raises(ServerInternalError, match=f"transport 'test_loop' failed in store: {said}"):
+            kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30)
+    kv.next_store = LoopParams()
+    assert kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+    assert loop_client.lookup(model, hashes=hashes) == 1
+    kv.close()
+
+
 def test_a_layerwise_retrieve_of_a_server_driven_transport_is_one_request_per_range_of_layers(
         loop_client, tmp_path: Path) -> None:
     """test_loop claims layer_ranges: a layer-wise retrieve is sent as one request per layer
