@@ -9,8 +9,8 @@ is what a transport sees.
 from __future__ import annotations
 
 import contextlib
-import signal
 import math
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
