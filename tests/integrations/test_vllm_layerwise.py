@@ -154,3 +154,75 @@ def test_a_store_never_reads_blocks_another_requests_load_fills_in_that_step(ser
             sched.shutdown()
     finally:
         engine.shutdown()
+
+
+def test_nothing_computed_over_the_blocks_of_a_failed_load_is_stored(server: ServerProcess) -> None:
+    """A layer-by-layer load fails (vLLM hears of it from the step's invalid_block_ids), after
+    vLLM's prefix cache handed its blocks to another request of that step. vLLM rolls the loader
+    back to recompute them, but leaves the other request counting them as computed, and keeps
+    them in its prefix cache. Neither request stores anything more (before, the sharer stored
+    the loader's blocks before they were computed again, and its own later chunks, for every
+    engine: seen in real vLLM), nor does a request that takes them from the prefix cache before
+    they are computed again; one that takes them after stores as usual."""
+    from types import SimpleNamespace
+
+    from kvxfer_vllm_harness import (
+        CachedRequestData,
+        KVCacheBlocks,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        NewRequestData,
+        SchedulerOutput,
+    )
+
+    from kvxfer.integrations.vllm import KvxferConnector
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    engine, _ = _stored_then_loaded(server, "failed-step")
+    try:
+        stored = next(r for r in workload("failed-step", n=8, seed=3) if len(r.prompt_token_ids) >= 3 * CHUNK)
+        prefix = stored.prompt_token_ids[:2 * CHUNK]
+        cfg = make_vllm_config(server.url, model_name="failed-step", layerwise=True)
+        sched = KvxferConnector(cfg, KVConnectorRole.SCHEDULER,
+                                KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
+        try:
+            bpc = CHUNK // engine.bs
+            a = Request("A", prefix + list(range(700, 700 + CHUNK)) + [1, 2, 3])
+            ext, _ = sched.get_num_new_matched_tokens(a, 0)
+            a_blocks = list(range(10, 10 + 3 * bpc + 1))
+            sched.update_state_after_alloc(a, KVCacheBlocks((a_blocks,)), ext)
+            b = Request("B", prefix + list(range(900, 900 + CHUNK)) + [4])
+            local = 2 * CHUNK
+            assert sched.get_num_new_matched_tokens(b, local)[0] == 0
+            b_blocks = a_blocks[:2 * bpc] + list(range(50, 50 + bpc + 1))
+            sched.update_state_after_alloc(b, KVCacheBlocks((b_blocks,)), 0)
+            out = SchedulerOutput([NewRequestData("A", a.prompt_token_ids, (a_blocks,), ext),
+                                   NewRequestData("B", b.prompt_token_ids, (b_blocks,), local)],
+                                  CachedRequestData([], set(), [], []), {"A": CHUNK + 3, "B": CHUNK + 1},
+                                  2 * CHUNK + 4, set())
+            assert [op.req_id for op in sched.build_connector_meta(out).loads] == ["A"]
+            # the load failed: vLLM rolls A back to its first block, B back to before the step
+            sched.update_connector_output(SimpleNamespace(invalid_block_ids=set(a_blocks[:2 * bpc])))
+            # A computes its first chunk again, B goes on: nothing of either is stored
+            out = SchedulerOutput([], CachedRequestData(["A", "B"], set(), [None, None], [0, local]),
+                                  {"A": CHUNK, "B": CHUNK + 1}, 2 * CHUNK + 1, set())
+            assert sched.build_connector_meta(out).stores == []
+            # C takes A's second chunk's blocks (not computed again yet) from the prefix cache: it
+            # stores nothing; D, once A computed them again, stores as usual
+            for rid, base in (("C", 60), ("D", 70)):
+                r = Request(rid, prefix + list(range(base * 10, base * 10 + CHUNK)) + [5])
+                assert sched.get_num_new_matched_tokens(r, local)[0] == 0
+                r_blocks = a_blocks[:2 * bpc] + list(range(base, base + bpc + 1))
+                sched.update_state_after_alloc(r, KVCacheBlocks((r_blocks,)), 0)
+                out = SchedulerOutput([NewRequestData(rid, r.prompt_token_ids, (r_blocks,), local)],
+                                      CachedRequestData(["A"], set(), [None], [CHUNK]), {rid: CHUNK + 1, "A": CHUNK},
+                                      2 * CHUNK + 1, set())
+                stores = {op.req_id: op for op in sched.build_connector_meta(out).stores}
+                if rid == "C":
+                    assert stores == {}, stores  # and A, whose load failed, stores nothing more
+                else:
+                    assert set(stores) == {"D"} and len(stores["D"].keys) == 3, stores
+        finally:
+            sched.shutdown()
+    finally:
+        engine.shutdown()

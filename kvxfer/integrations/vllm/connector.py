@@ -209,6 +209,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler, once per step: loads, stores and preemptions for the workers."""
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Scheduler, after each step: the workers' output (blocks loads failed to fill)."""
+        self.scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once when a request ends: True keeps its blocks until its stores finish."""
         return self.scheduler.request_finished(request, block_ids)

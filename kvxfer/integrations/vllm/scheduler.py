@@ -110,6 +110,9 @@ class SchedulerConnector:
         check_transport_name(config.transport)
         self.chunk_size: int | None = config.chunk_size
         self._reqs: dict[str, _ReqState] = {}
+        #: Blocks (of the one KV cache group) a load failed to fill, until a request writes them
+        #: again: vLLM's prefix cache may hand them to other requests meanwhile
+        self._bad_blocks: set[int] = set()
         self._loads: list[LoadOp] = []
         self._preempted: set[str] = set()
         self.stats = {"lookups": 0, "unanswered_lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0,
@@ -319,13 +322,15 @@ class SchedulerConnector:
                     st.block_ids = [[] for _ in self.groups]
         meta.preempted = sorted(preempted)
         num_scheduled = scheduler_output.num_scheduled_tokens
+        written: list[tuple[str, _ReqState, int, int]] = []  # (request, its state, computed before the step, after)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
             st.block_ids = [list(group_blocks(new.block_ids, g.index)) for g in self.groups]
-            self._plan_store(new.req_id, st, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta,
-                             loading, loading_reqs)
+            self._check_bad(st, new.num_computed_tokens, loading)
+            written.append((new.req_id, st, new.num_computed_tokens,
+                            new.num_computed_tokens + num_scheduled.get(new.req_id, 0)))
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None:
@@ -334,12 +339,46 @@ class SchedulerConnector:
             if rid in resumed:
                 st.block_ids = [list(group_blocks(new_ids, g.index)) if new_ids is not None else []
                                 for g in self.groups]
+                self._check_bad(st, cached.num_computed_tokens[i], loading)
             elif new_ids is not None:
                 for pos, g in enumerate(self.groups):
                     st.block_ids[pos].extend(group_blocks(new_ids, g.index))
-            self._plan_store(rid, st, cached.num_computed_tokens[i] + num_scheduled.get(rid, 0), meta, loading,
-                             loading_reqs)
+            before = cached.num_computed_tokens[i]
+            written.append((rid, st, before, before + num_scheduled.get(rid, 0)))
+        for rid, st, _, after in written:
+            self._plan_store(rid, st, after, meta, loading, loading_reqs)
+        if self._bad_blocks:  # the blocks this step computes from their first token hold new KV
+            bs = self.groups[0].block_size
+            for _, st, before, after in written:
+                self._bad_blocks.difference_update(st.block_ids[0][-(-before // bs):-(-after // bs)])
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM reports the blocks that loads failed to fill (``invalid_block_ids``; block-level
+        reports come only from models with one KV cache group). A layer-by-layer load's blocks
+        are in vLLM's prefix cache from its step on: other requests may have taken them as
+        computed, and vLLM leaves those requests counting them so while one request computes
+        them again (or never, if that one is aborted); later ones may take them too. Every
+        request holding one stores nothing more (its KV attends to garbage), and so does every
+        request that takes one as computed before a request has written it again."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad or len(self.groups) != 1:
+            return
+        self._bad_blocks.update(bad)
+        for st in self._reqs.values():
+            if not self._bad_blocks.isdisjoint(st.block_ids[0]):
+                st.stale = True
+
+    def _check_bad(self, st: _ReqState, computed: int, loading: dict[int, set[int]]) -> None:
+        """A request (new, or resumed) whose first ``computed`` tokens vLLM counts as computed:
+        if their blocks include one a load failed to fill and no request wrote since, it stores
+        nothing (the blocks a load of this step fills are written anew: not counted)."""
+        if not self._bad_blocks or len(self.groups) != 1:
+            return
+        g = self.groups[0]
+        taken = set(st.block_ids[0][:-(-computed // g.block_size)]) - loading.get(g.index, set())
+        if not self._bad_blocks.isdisjoint(taken):
+            st.stale = True
 
     def _loading_blocks(self, loads: list[LoadOp]) -> dict[int, set[int]]:
         """Per KV cache group, the blocks this step's loads write (past what vLLM computed)."""
