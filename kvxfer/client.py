@@ -179,7 +179,7 @@ class CacheClient:
                 release(name, request, reply)
 
         self._mq = MQClient(self.url, default_timeout=timeout, curve=curve, on_late_reply=on_late_reply,
-                            late_names=frozenset({"reserve_write", "reserve_read"}))
+                            late_names=frozenset({"reserve_write", "reserve_read", "lookup"}))
         #: The liveness lock held now (one item: the handshake replaces it), for :attr:`_finalizer`.
         self._held: list[liveness.ProcessLock | None] = [None]
         #: A client dropped without close() closes its connection (and with it its I/O thread,
@@ -236,21 +236,26 @@ class CacheClient:
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
 
     def _release_late(self, name: str, request: Any, reply: Any) -> None:
-        """A reservation the server granted after its request had timed out here (the server
-        stalled): nobody will fill or read its slots, so release it now rather than leave them
-        held for the rest of the session (a write's slots are dropped, a read's unpinned)."""
-        if name == "reserve_write":
-            release: m.Request[Any] = m.CommitWrite(request.instance_id, reply.reservation_id,
-                                                    [s.index for s in reply.slots])
+        """A reservation or lease the server granted after its request had timed out here (the
+        server stalled): nobody will fill or read its slots, nor retrieve what it leased, so
+        release it now rather than leave it held for the rest of the session or the lease (a
+        write's slots are dropped, a read's unpinned, a lease released)."""
+        release: m.Request[Any]
+        if name == "lookup":
+            if not reply.lease_id:
+                return
+            release = m.ReleaseLease(reply.lease_id)
+        elif name == "reserve_write":
+            release = m.CommitWrite(request.instance_id, reply.reservation_id, [s.index for s in reply.slots])
         else:
             release = m.CommitRead(request.instance_id, reply.reservation_id, loaded=False)
+        what = f"lease of {request.model_name!r}" if name == "lookup" else f"{name} of instance {request.instance_id}"
         try:
             self._mq.request(release)
-        except (KvxferError, ConnectionError) as exc:  # the session or the server is gone: so is the reservation
-            log.debug("releasing a %s granted after its request timed out failed: %s", name, exc)
+        except (KvxferError, ConnectionError) as exc:  # the session or the server is gone: so is what it held
+            log.debug("releasing a %s granted after its request timed out failed: %s", what, exc)
             return
-        log.info("released a %s of instance %d that the server granted after its request had timed out",
-                 name, request.instance_id)
+        log.info("released a %s that the server granted after its request had timed out", what)
 
     def _no_socket(self) -> str:
         """Why nobody answered at an ``ipc://`` url whose socket never appeared."""

@@ -357,11 +357,12 @@ def test_a_connection_closed_by_another_connections_reply_does_not_stop_the_serv
         loop.join(30)
 
 
-def test_a_reservation_granted_after_its_request_timed_out_is_released(tmp_path: Path) -> None:
-    """A server that stalls (SIGSTOP here) past a reserve's timeout still grants it once it runs
-    again; the client, which failed the request, releases the reservation when the late reply
-    comes instead of leaving its slots held for the rest of the session (a vLLM worker kept them
-    for the engine's life after each stall)."""
+def test_a_reservation_or_lease_granted_after_its_request_timed_out_is_released(tmp_path: Path) -> None:
+    """A server that stalls (SIGSTOP here) past a reserve's or a leasing lookup's timeout still
+    grants it once it runs again; the client, which failed the request, releases the reservation
+    or the lease when the late reply comes instead of leaving its slots held for the rest of the
+    session (a vLLM worker kept them for the engine's life after each stall) or its chunks pinned
+    for the lease's time (a vLLM scheduler's lookup that timed out)."""
     import signal
     import time
 
@@ -370,18 +371,21 @@ def test_a_reservation_granted_after_its_request_timed_out_is_released(tmp_path:
         ctx = c.register(flash_attn_kv(num_layers=2, num_blocks=16), model_name="late", block_size=16,
                          transport="cpu_gather")
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="late")
+        leased = chunk_hashes(list(range(100, 100 + CHUNK_SIZE)), CHUNK_SIZE, salt="late")
+        assert ctx.submit_store(leased, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
         assert srv.proc is not None
         os.kill(srv.proc.pid, signal.SIGSTOP)
         try:
             writes = c.submit(m.ReserveWrite(ctx.instance_id, hashes), timeout=0.3)
             reads = c.submit(m.ReserveRead(ctx.instance_id, hashes), timeout=0.3)
-            for fut in (writes, reads):
+            lookup = c.submit(m.Lookup("late", 1, leased, 600.0), timeout=0.3)
+            for fut in (writes, reads, lookup):
                 with pytest.raises(RequestTimeout):
                     fut.result(5)
             time.sleep(0.2)
         finally:
             os.kill(srv.proc.pid, signal.SIGCONT)
-        assert wait_until(lambda: c.status().reservations == 0, timeout=10), c.status().reservations
+        assert wait_until(lambda: c.status().reservations == 0 and c.status().leases == 0, timeout=10), c.status()
         assert c.lookup("late", hashes=hashes) == 0  # the write's slots were dropped, not made readable
         assert ctx.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
         ctx.close()
