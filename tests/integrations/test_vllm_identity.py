@@ -124,3 +124,45 @@ def test_data_parallel_replicas_of_the_external_launcher_count_their_own_ranks(
                                                                    "kv_connector_extra_config": {}})()
     cfg = ConnectorConfig.from_vllm(vllm_config)
     assert (cfg.world_size, cfg.rank) == (2, 1)
+
+
+def test_a_change_anywhere_in_the_weights_changes_the_fingerprint(tmp_path: Path) -> None:
+    """A fine-tune that changed only some tensors in the middle of a weight file (nothing in its
+    first or last MiB, which were all that was read) is another model: each tensor of a
+    safetensors file is sampled, and a file of another format every 1/64 of it. Two copies of
+    one model still agree."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"model.layers.{i}.{name}.weight": torch.randn(256, 512, generator=g)
+               for i in range(6) for name in ("k_proj", "v_proj")}  # 6 MiB in 12 tensors
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "llama"}')
+    save_file(tensors, str(base / "model.safetensors"))
+    (base / "extra.bin").write_bytes(torch.randn(2 << 20, generator=g).numpy().tobytes())  # 8 MiB
+    shutil.copytree(base, tmp_path / "copy")
+    assert weights_fingerprint(str(tmp_path / "copy")) == weights_fingerprint(str(base))
+    tuned = dict(tensors)
+    tuned["model.layers.3.v_proj.weight"] = tensors["model.layers.3.v_proj.weight"] + 0.01
+    shutil.copytree(base, tmp_path / "tuned")
+    save_file(tuned, str(tmp_path / "tuned" / "model.safetensors"))
+    size = (base / "model.safetensors").stat().st_size
+    assert (tmp_path / "tuned" / "model.safetensors").stat().st_size == size
+    raw_base, raw_tuned = ((p / "model.safetensors").read_bytes() for p in (base, tmp_path / "tuned"))
+    changed = [i for i in range(0, size, 1 << 16) if raw_base[i:i + (1 << 16)] != raw_tuned[i:i + (1 << 16)]]
+    assert changed and min(changed) > (1 << 20) and max(changed) < size - (2 << 20)  # in the middle only
+    assert weights_fingerprint(str(tmp_path / "tuned")) != weights_fingerprint(str(base))
+    # another format: 1 MiB changed in the middle of an 8 MiB file
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    blob = bytearray((base / "extra.bin").read_bytes())
+    blob[4 << 20:5 << 20] = bytes(1 << 20)
+    (other / "extra.bin").write_bytes(bytes(blob))
+    assert weights_fingerprint(str(other)) != weights_fingerprint(str(base))
+    # a file named .safetensors that is not one is sampled as any other
+    (other / "broken.safetensors").write_bytes(b"\xff" * 8 + bytes(3 << 20))
+    assert weights_fingerprint(str(other)).startswith("local:")
