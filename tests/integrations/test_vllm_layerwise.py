@@ -226,3 +226,43 @@ def test_nothing_computed_over_the_blocks_of_a_failed_load_is_stored(server: Ser
             sched.shutdown()
     finally:
         engine.shutdown()
+
+
+def test_a_request_vllm_cannot_admit_yet_is_looked_up_once_while_its_lease_holds(server: ServerProcess) -> None:
+    """vLLM asks again each step about a request it could not admit (no free blocks). The answer
+    stands while its lease has more than half its time left and vLLM's own hit is the same: no
+    lookup and no lease release per step (each was two requests to the server, and counted
+    again in the lookup figures). Another own hit asks the server again."""
+    from kvxfer_vllm_harness import KVCacheBlocks, KVCacheConfig, KVCacheGroupSpec
+
+    from kvxfer import CacheClient
+    from kvxfer.integrations.vllm import KvxferConnector
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    engine, _ = _stored_then_loaded(server, "not-yet")
+    try:
+        stored = next(r for r in workload("not-yet", n=8, seed=3) if len(r.prompt_token_ids) >= 3 * CHUNK)
+        cfg = make_vllm_config(server.url, model_name="not-yet")
+        sched = KvxferConnector(cfg, KVConnectorRole.SCHEDULER,
+                                KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
+        try:
+            r = Request("R", list(stored.prompt_token_ids))
+            first = sched.get_num_new_matched_tokens(r, 0)
+            assert first[0] and first[0] >= 2 * CHUNK
+            with CacheClient(server.url) as observer:
+                leases = observer.status().leases
+                for _ in range(5):  # five steps without room
+                    assert sched.get_num_new_matched_tokens(r, 0) == first
+                assert observer.status().leases == leases
+            assert sched.scheduler.stats["lookups"] == 1
+            assert sched.get_num_new_matched_tokens(r, CHUNK)[0] == first[0] - CHUNK  # another own hit: asked
+            assert sched.scheduler.stats["lookups"] == 2
+            bpc = CHUNK // engine.bs
+            blocks = list(range(10, 10 + len(r.prompt_token_ids) // engine.bs + 1))
+            sched.update_state_after_alloc(r, KVCacheBlocks((blocks,)), first[0] - CHUNK)
+            [load] = sched.scheduler._loads  # past vLLM's own chunk, under the last lookup's lease
+            assert load.block_ids[:bpc] == blocks[bpc:2 * bpc] and load.lease_id
+        finally:
+            sched.shutdown()
+    finally:
+        engine.shutdown()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,6 +73,8 @@ class _ReqState:
     lookup_end: int = 0
     lookup_computed: int = 0
     lookup_tokens: int = 0
+    #: When that lookup was answered (time.monotonic())
+    lookup_at: float = 0.0
     #: Per group: chunks [0, next_store) are stored, being stored or were loaded.
     next_store: list[int] = field(default_factory=list)
     #: Stores were sent since the request was last preempted (mirrored by the workers).
@@ -188,12 +191,18 @@ class SchedulerConnector:
         """Tokens beyond ``num_computed_tokens`` that can be loaded, and whether the load is
         asynchronous (True; False with ``kvxfer.layerwise``: it runs in the step's forward pass).
 
-        Leases the hits; a repeated call for the same request drops the previous lease."""
+        Leases the hits. vLLM asks again each step about a request it could not admit (no free
+        blocks): while the last answer's lease has more than half its time left and vLLM's own
+        hit is the same, that answer stands (no lookup, counted once); otherwise the previous
+        lease goes and the server is asked again."""
         st = self._state(request)
         if st.has_blocks:  # asked again after it had blocks: it was preempted
             st.block_ids = [[] for _ in self.groups]
             st.has_stores = False
             self._preempted.add(request.request_id)
+        elif (st.leases and st.lookup_end > st.lookup_first and st.lookup_computed == num_computed_tokens
+              and time.monotonic() - st.lookup_at < self.config.lease_s / 2):
+            return st.lookup_tokens - num_computed_tokens, not self.config.layerwise
         self._release_lease(st)
         if not self.config.loads:
             return 0, False
@@ -253,6 +262,7 @@ class SchedulerConnector:
             return 0, False
         st.lookup_first, st.lookup_end = first, end
         st.lookup_computed, st.lookup_tokens = num_computed_tokens, tokens
+        st.lookup_at = time.monotonic()
         self.stats["lookup_hit_tokens"] += tokens - num_computed_tokens
         # layer-wise: the load runs inside this step's forward pass (synchronous for vLLM)
         return tokens - num_computed_tokens, not self.config.layerwise
