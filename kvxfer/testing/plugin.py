@@ -37,6 +37,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(pytest --kvxfer-store=NAME --pyargs kvxfer.testing.store_suite)")
     group.addoption("--kvxfer-store-url", default=None, metavar="URL", dest="kvxfer_store_url",
                     help="the store the store conformance suite uses (default: a private local instance)")
+    group.addoption("--kvxfer-require-available", action="store_true", dest="kvxfer_require_available",
+                    help="fail the conformance kits' tests, rather than skip them, where the transport or store "
+                         "under test cannot run here (its probe says no, or the device is missing): for a CI "
+                         "job that must test it")
+
+
+def not_here(config: pytest.Config, reason: str) -> None:
+    """Skip the kit test that cannot run here for ``reason``; fail it with
+    ``--kvxfer-require-available``."""
+    if config.getoption("kvxfer_require_available", False):
+        pytest.fail(f"conformance kit: {reason} (--kvxfer-require-available)", pytrace=False)
+    pytest.skip(reason)
 
 
 def pytest_configure(config: pytest.Config) -> None:

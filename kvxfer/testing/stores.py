@@ -48,6 +48,7 @@ from kvxfer.store.guard import close_within
 from kvxfer.store.registry import get_store
 from kvxfer.testing.conformance import guard_test, refuse_overrides
 from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
+from kvxfer.testing.plugin import not_here
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport.registry import run_probe
 
@@ -92,7 +93,8 @@ class StoreConformance:
         """The store plugin under test, loaded; skips with its probe's reason when it cannot run."""
         name = getattr(request.cls, "store", None) or request.config.getoption("kvxfer_store", None)
         if not name:
-            pytest.skip("no store under test: set `store = \"NAME\"` on the class or pass --kvxfer-store=NAME")
+            pytest.fail("store conformance kit: no store under test: set `store = \"NAME\"` on the class or pass "
+                        "--kvxfer-store=NAME", pytrace=False)  # a usage error: skipping every test would pass the kit
         try:
             store = get_store(name, require_available=False)
         except (StoreNotFound, StoreBroken) as exc:
@@ -102,7 +104,7 @@ class StoreConformance:
             pytest.fail(f"store conformance kit: store {name!r}: {probe.reason}; a probe never raises and returns "
                         "a Probe: Probe(False, reason) where the store cannot run", pytrace=False)
         if not probe.available:
-            pytest.skip(f"store {name!r} cannot run here: {probe.reason}")
+            not_here(request.config, f"store {name!r} cannot run here: {probe.reason}")
         return store
 
     @pytest.fixture(scope="class")

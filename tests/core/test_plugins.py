@@ -1071,3 +1071,38 @@ def test_hooks_see_the_server_stop(plugin_server, hook_log: Path) -> None:
     # last test of the module on this server: stop it and look for the hook
     plugin_server.stop()
     assert wait_until(lambda: "server_stopped" in {e["event"] for e in events(hook_log)}, timeout=10)
+
+
+_KIT_USAGE = '''
+from kvxfer.testing import TransportConformance
+
+
+class TestNamesNone(TransportConformance):  # forgot `transport = ...`
+    pass
+
+
+class TestCannotRunHere(TransportConformance):  # its probe says it cannot run here
+    transport = "test_nodevice"
+'''
+
+
+def test_the_kit_fails_when_it_names_no_transport_and_when_asked_to_test_one_that_cannot_run(
+        test_plugin_path: Path, tmp_path: Path) -> None:
+    """A kit class that names no transport (and no --kvxfer-transport) fails: it skipped every
+    test, so a CI job that forgot the name passed. One whose transport cannot run here is
+    skipped, or fails with --kvxfer-require-available (a job that must test it)."""
+    (tmp_path / "test_usage.py").write_text(_KIT_USAGE)
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "test_usage.py",
+                               "-k", "test_register_shows_in_status", *extra], capture_output=True, text=True,
+                              timeout=300, env=env_with(test_plugin_path), cwd=tmp_path)
+
+    out = run()
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "1 skipped" in out.stdout and "1 error in" in out.stdout, out.stdout  # an error of the kit's fixture
+    assert "ERROR test_usage.py::TestNamesNone" in out.stdout and "no transport under test" in out.stdout, out.stdout
+    assert "SKIPPED" in out.stdout and "transport 'test_nodevice' cannot run here" in out.stdout, out.stdout
+    out = run("--kvxfer-require-available")
+    assert out.returncode == 1 and "2 errors in" in out.stdout and "skipped" not in out.stdout, out.stdout
+    assert "ERROR test_usage.py::TestCannotRunHere" in out.stdout, out.stdout

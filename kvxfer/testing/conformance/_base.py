@@ -11,6 +11,7 @@ import torch
 
 from kvxfer.errors import TransportBroken, TransportNotFound
 from kvxfer.testing.harness import CHUNK_SIZE, REFERENCE, Kit
+from kvxfer.testing.plugin import not_here
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import registry
 from kvxfer.transport.contract import Transport
@@ -79,9 +80,9 @@ class KitBase:
     def kit_transport(cls, request: pytest.FixtureRequest) -> Transport:
         """The transport under test, loaded; skips (or fails) with the reason when it cannot run."""
         name = getattr(request.cls, "transport", None) or request.config.getoption("kvxfer_transport", None)
-        if not name:
-            pytest.skip("no transport under test: set `transport = \"NAME\"` on the class or pass "
-                        "--kvxfer-transport=NAME")
+        if not name:  # a usage error: skipping every test would pass the kit
+            pytest.fail("conformance kit: no transport under test: set `transport = \"NAME\"` on the class or "
+                        "pass --kvxfer-transport=NAME", pytrace=False)
         try:
             transport = registry.get_transport(name, require_available=False)
         except (TransportNotFound, TransportBroken) as exc:
@@ -96,11 +97,11 @@ class KitBase:
             pytest.fail(f"conformance kit: transport {name!r}: {probe.reason}; a probe never raises and returns a "
                         "Probe: Probe(False, reason) where the transport cannot run", pytrace=False)
         if not probe.available:
-            pytest.skip(f"transport {name!r} cannot run here: {probe.reason}")
+            not_here(request.config, f"transport {name!r} cannot run here: {probe.reason}")
         device = cls.kit_device_name(request)
         why = device_missing(device)
         if why:
-            pytest.skip(f"transport {name!r} on {device}: {why}")
+            not_here(request.config, f"transport {name!r} on {device}: {why}")
         refusal = transport.refusal(torch.device(device))
         if refusal is not None:
             chosen = ("`device` on the test class" if getattr(request.cls, "device", None)
