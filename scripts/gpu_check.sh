@@ -61,12 +61,13 @@ cat "$out/env.txt"
 if [[ ${GPU_CHECK_TESTS:-1} == 1 ]]; then
 # the probes' torch-free answers (torch's build, the CUDA driver through ctypes) against torch's own, and
 # `kvxfer plugins` / `status` without importing torch, on a machine where cuda_ipc is available
+# (--kvxfer-require-available: a conformance kit class that cannot run on this GPU machine fails, not skips)
 step "tests: cuda_ipc + hpu (kit on cuda, layer-wise), probes without torch" 170 \
-  python3 -m pytest -q -rs -p no:cacheprovider plugins/cuda_ipc/tests plugins/hpu/tests \
+  python3 -m pytest -q -rs -p no:cacheprovider --kvxfer-require-available plugins/cuda_ipc/tests plugins/hpu/tests \
     tests/core/test_accelerators.py tests/core/test_cli.py::test_cli_does_not_import_torch
 # cpu_gather: its kit on CUDA tensors, and its C host copies (the abi3 wheel built on the CPU machine) on this host's CPU
 step "tests: cpu_gather (kit on cuda, host copies)" 120 \
-  python3 -m pytest -q -rs -p no:cacheprovider plugins/cpu_gather/tests
+  python3 -m pytest -q -rs -p no:cacheprovider --kvxfer-require-available plugins/cpu_gather/tests
 # vLLM's KV views of every KVCacheLayout (recorded where vLLM runs: tests/integrations/vllm_kv_views.json),
 # rebuilt on CUDA with as_strided, through cuda_ipc, hpu and cpu_gather; the conformance kit's own views
 # (kvxfer.testing.kvdata, which the kit runs above on CUDA) checked against that record
