@@ -47,6 +47,7 @@ Their docstrings are part of this contract.
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import secrets
 import threading
@@ -844,9 +845,19 @@ class Transport(ABC):
     def contract_errors(self) -> list[str]:
         """What is inconsistent in the declarations (the registry refuses such a plugin)."""
         errors = []
+        name = getattr(self, "name", None)
+        if not (isinstance(name, str) and name):
+            errors.append(f"name must be the entry point's name (a str), got {name!r}")
+        caps = getattr(self, "capabilities", None)
+        if not isinstance(caps, Capabilities):
+            errors.append(f"capabilities must be a kvxfer.transport.Capabilities (the device types and layouts it "
+                          f"serves), got {caps!r}")
         ctx = getattr(self, "context_type", None)
         if not (isinstance(ctx, type) and issubclass(ctx, (ClientDrivenContext, ServerDrivenContext))):
             errors.append(f"context_type must subclass ClientDrivenContext or ServerDrivenContext, got {ctx!r}")
+        elif inspect.isabstract(ctx):
+            missing = ", ".join(sorted(getattr(ctx, "__abstractmethods__", ())))
+            errors.append(f"context_type {ctx.__name__} does not implement {missing}")
         elif (self.style is Style.SERVER_DRIVEN and self.server_context_type is None
               and type(self).server_transport is Transport.server_transport):
             errors.append("a server-driven transport declares server_context_type (a ServerContext subclass), "

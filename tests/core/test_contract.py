@@ -71,6 +71,11 @@ class _ServerDriven(ServerDrivenContext[_Params]):
     pass
 
 
+class _HalfClientDriven(ClientDrivenContext):  # forgot scatter
+    def gather(self, copies: list[Any], transfer: Transfer) -> None:
+        pass
+
+
 def _transport(**attrs: Any) -> Transport:
     base: dict[str, Any] = dict(name="t", api_version=API_VERSION, capabilities=Capabilities(frozenset({"cpu"})),
                                 probe=lambda self: Probe(True))
@@ -95,7 +100,11 @@ def test_the_style_follows_from_the_context_class() -> None:
      "_Server takes _Reg registrations, but registration_type is _OtherReg"),
     (dict(context_type=object), "context_type must subclass"),
     (dict(context_type=_ClientDriven, registration_type=dict), "registration_type must subclass Registration"),
-], ids=["no-server-context", "client-driven-with-server", "registration-mismatch", "no-style", "bad-registration"])
+    (dict(context_type=_HalfClientDriven), "context_type _HalfClientDriven does not implement scatter"),
+    (dict(context_type=_ClientDriven, capabilities=None), "capabilities must be a kvxfer.transport.Capabilities"),
+    (dict(context_type=_ClientDriven, name=7), "name must be the entry point's name"),
+], ids=["no-server-context", "client-driven-with-server", "registration-mismatch", "no-style", "bad-registration",
+        "abstract-context", "no-capabilities", "bad-name"])
 def test_inconsistent_declarations_are_named(attrs: dict[str, Any], wrong: str) -> None:
     errors = _transport(**attrs).contract_errors()
     assert any(wrong in e for e in errors), errors
