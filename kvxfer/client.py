@@ -409,6 +409,7 @@ class CacheClient:
         with plugin_step(chosen.name, "client_context"):
             ctx = chosen.client_context(self, layers, kv_layout, identity)
         try:
+            ctx.check_core_names()
             ctx.register()
         except BaseException:
             ctx.close()

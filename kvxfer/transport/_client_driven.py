@@ -54,6 +54,7 @@ class ClientDrivenCore(ContextCore):
         #: Requests handed to the finisher (their copy's waiter, then their commit), not done yet.
         self._late = 0
         self._late_done = threading.Condition()
+        self._seal()
 
     # ------------------------------------------------------------------ hooks (see the contract)
 

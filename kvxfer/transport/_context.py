@@ -106,6 +106,7 @@ class ContextCore:
         layout: KVLayout,
         identity: InstanceIdentity,
     ) -> None:
+        self.__before = dict(vars(self))  # what the plugin's __init__ set before it called this one
         self.transport = transport
         self.transport_name = transport.name
         self.connection = connection
@@ -125,6 +126,27 @@ class ContextCore:
         self._lock = threading.Lock()
         #: Layer-wise transfers not finished yet: close() abandons the layers never declared ready.
         self._layer_feeds: weakref.WeakSet[LayerwiseFuture[Any]] = weakref.WeakSet()
+
+    def _seal(self) -> None:
+        """The end of the core's ``__init__`` (each style's calls it): remember the private
+        attributes the core set, and refuse a plugin's that the core has just replaced (set
+        before the plugin's ``super().__init__()``)."""
+        before = self.__before
+        del self.__before
+        self.__core = {k: v for k, v in vars(self).items() if k.startswith("_") and before.get(k, self) is not v}
+        self._refuse_clashes(sorted(set(before) & set(self.__core)))
+
+    def check_core_names(self) -> None:
+        """Raise ConfigError if the plugin's ``__init__`` replaced a private attribute of the
+        core's after the core set it (the client calls this once the context is made): the two
+        would share, or lose, the core's lock, worker or counters."""
+        self._refuse_clashes(sorted(k for k, v in self.__core.items() if vars(self).get(k, self) is not v))
+
+    def _refuse_clashes(self, names: list[str]) -> None:
+        if names:
+            raise ConfigError(f"transport {self.transport_name!r}: its context class sets {', '.join(names)}, which "
+                              "kvxfer's own context uses: give the transport's attributes names of their own (e.g. "
+                              "with the transport's name as a prefix)")
 
     # ------------------------------------------------------------------ hooks (see the contract)
 

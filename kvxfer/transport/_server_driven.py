@@ -58,6 +58,7 @@ class ServerDrivenCore(ContextCore):
         self._jobs = 0
         self._stores_out = 0
         self._stores_answered = threading.Condition()
+        self._seal()
 
     # ------------------------------------------------------------------ hooks (see the contract)
 

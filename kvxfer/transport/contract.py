@@ -624,8 +624,9 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
 
     def finish_retrieve(self, transfer: Transfer, params: P | None, result: RetrieveResult) -> None:
         """Runs once the server answered a retrieve, before its future resolves: place staged
-        bytes into the blocks of the chunks in ``result.loaded`` only; where the server context
-        may answer before its copies end (:class:`Queued`), wait here for their end, as ``params``
+        bytes into the blocks of the chunks in ``result.loaded`` only, past the request's first
+        ``transfer.skip_blocks`` blocks (those stay as they are); where the server context may
+        answer before its copies end (:class:`Queued`), wait here for their end, as ``params``
         told the server to signal it. Default: nothing."""
 
     def release_params(self, transfer: Transfer, params: P | None) -> None:

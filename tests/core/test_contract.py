@@ -293,3 +293,28 @@ def test_server_side_plugin_errors_name_the_transport_and_step(cl: CacheClient) 
         ctx.submit_retrieve(key, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK))).result(30)
     assert cl.ping() > 0
     ctx.close()
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_context_class_that_takes_a_name_of_the_cores_is_refused(cl: CacheClient, monkeypatch: pytest.MonkeyPatch,
+                                                                  when: str) -> None:
+    """A transport's context that sets a private attribute of the core's own context (its
+    ``_lock`` after ``super().__init__()``, so that both share or lose one lock; ``_views`` before
+    it, replaced by the core's at once) is refused at register, naming the attribute: the example
+    transport did the first."""
+    from kvxfer_cpu_gather.transport import CpuGatherContext, CpuGatherTransport
+
+    class Clashing(CpuGatherContext):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if when == "before":
+                self._views = []
+            super().__init__(*args, **kwargs)
+            if when == "after":
+                self._lock = threading.Lock()
+
+    monkeypatch.setattr(CpuGatherTransport, "context_type", Clashing)
+    name = "_lock" if when == "after" else "_views"
+    with pytest.raises(ConfigError, match=f"transport 'cpu_gather': its context class sets {name}, which kvxfer's own"):
+        cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name=f"clash-{when}", block_size=BLOCK_SIZE,
+                    transport="cpu_gather")
+    assert not [c for c in cl.status().contexts if c.model_name == f"clash-{when}"]

@@ -70,7 +70,7 @@ class FileContext(ServerDrivenContext[FileParams]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rows = [self.layout.row_view(t) for t in self.layers]
-        self._lock = threading.Lock()
+        self._spool_lock = threading.Lock()
         self._free = list(range(self.max_in_flight))
         self.spool_dir = ""
         self._dir_fd = -1
@@ -81,7 +81,7 @@ class FileContext(ServerDrivenContext[FileParams]):
         path = spool_dir(transport_dir_path(self.connection.arena_path, NAME), self.instance_id)
         if path != self.spool_dir:
             fd = open_private_dir(path)
-            with self._lock:
+            with self._spool_lock:
                 old, self._dir_fd, self.spool_dir = self._dir_fd, fd, path
             if old >= 0:
                 os.close(old)
@@ -91,7 +91,7 @@ class FileContext(ServerDrivenContext[FileParams]):
         import torch
 
         dir_fd = self._directory()
-        with self._lock:
+        with self._spool_lock:
             slot = self._free.pop()
         if transfer.kind == "retrieve":
             return FileParams(slot)
@@ -99,7 +99,7 @@ class FileContext(ServerDrivenContext[FileParams]):
             rows = self.layout.rows(transfer.blocks)
             write_file(dir_fd, file_name(slot), torch.stack([layer.index_select(0, rows) for layer in self._rows]))
         except BaseException:
-            with self._lock:
+            with self._spool_lock:
                 self._free.append(slot)
             raise
         return FileParams(slot, rows.tolist())
@@ -126,7 +126,7 @@ class FileContext(ServerDrivenContext[FileParams]):
                 os.unlink(file_name(params.slot), dir_fd=self._dir_fd)
             except FileNotFoundError:
                 pass  # a retrieve that loaded nothing leaves no file
-            with self._lock:
+            with self._spool_lock:
                 self._free.append(params.slot)
 
     def release(self) -> None:
