@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,48 @@ class LifecycleTests:
         assert ids <= _instances(kit)
         client.close()
         assert not ids & _instances(kit)
+
+    def test_contexts_leave_nothing_behind(self, kit: Kit) -> None:
+        """Contexts registered, used and closed one after another leave nothing behind: the
+        open descriptors and threads of the client's process, and the open descriptors and the
+        files of the server's process (in its private directory), come back to what they were
+        after the first. A transport that keeps a descriptor, a file or a thread per request or
+        per context fails here."""
+        if not sys.platform.startswith("linux"):
+            pytest.skip("counts descriptors and threads through /proc")
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        status = kit.client().status()
+        server_pid = status.pid if os.path.isdir(f"/proc/{status.pid}/fd") else None  # (in another PID namespace)
+        private = Path(kit.client().arena_path).parent
+
+        def counts() -> dict[str, int]:
+            out = {"client descriptors": len(os.listdir("/proc/self/fd")),
+                   "client threads": len(os.listdir("/proc/self/task")),
+                   "files in the server's directory": sum(len(files) for _, _, files in os.walk(private))}
+            if server_pid is not None:
+                out["server descriptors"] = len(os.listdir(f"/proc/{server_pid}/fd"))
+            return out
+
+        def use_and_close() -> None:
+            ctx = kit.register(layers, spec)
+            for _ in range(4):
+                keys, blocks = kit.keys(2), kit.blocks(spec, 2)
+                assert kit.store(ctx, keys, blocks).stored == [0, 1]
+                assert kit.retrieve(ctx, keys, kit.blocks(spec, 2)).loaded == [0, 1]
+            ctx.close()
+
+        use_and_close()  # what a first context makes once (pools, caches) stays
+        before = counts()
+        for _ in range(4):
+            use_and_close()
+        deadline = time.monotonic() + 10.0  # threads and descriptors let go as their users end
+        while (after := counts()) != before and time.monotonic() < deadline and \
+                any(after[k] > before[k] for k in before):
+            time.sleep(0.1)
+        grown = {k: (before[k], after[k]) for k in before if after[k] > before[k]}
+        assert not grown, (f"4 more contexts, each with 4 stores and 4 retrieves, registered and closed, left "
+                           f"more behind (before, after): {grown}")
 
     def test_dead_client_is_dropped(self, kit: Kit) -> None:
         """SIGKILL a process that registered: the server drops it within seconds, and serves on."""

@@ -5,6 +5,7 @@ this file."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -79,6 +80,18 @@ class FirstLayerContext(CpuGatherContext):
         super().scatter([RowCopy(c.rows, c.slot) for c in copies], transfer)
 
 
+class LeakContext(CpuGatherContext):
+    """Keeps a descriptor (a duplicate of its arena mapping's, say) for every request it copies."""
+
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        _KEPT.append(os.open("/dev/null", os.O_RDONLY))
+        super().gather(copies, transfer)
+
+
+#: What LeakContext keeps (never closed while the test process lives).
+_KEPT: list[int] = []
+
+
 class FlipTransport(CpuGatherTransport):
     name = "mutant_flip"
     context_type = FlipContext
@@ -107,6 +120,11 @@ class ContiguousTransport(CpuGatherTransport):
 class FirstLayerTransport(CpuGatherTransport):
     name = "mutant_first_layer"
     context_type = FirstLayerContext
+
+
+class LeakTransport(CpuGatherTransport):
+    name = "mutant_leak"
+    context_type = LeakContext
 
 
 class ContiguousOnlyTransport(CpuGatherTransport):
