@@ -286,6 +286,56 @@ class RoundTripTests:
         assert fut.result(timeout=30).loaded == [0, 1]
         assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, last_src))
 
+    def test_requests_submitted_together_each_move_their_own_bytes(self, kit: Kit) -> None:
+        """16 stores of one chunk each, then 16 retrieves into other blocks, each submitted
+        without waiting for the ones before: every chunk the server holds is the one stored under
+        its key, and every retrieve writes its own chunk where it was asked to (a transport that
+        shares one staging buffer or spool file among requests in flight mixes them up)."""
+        n = 16
+        spec = kit.spec(num_blocks=2 * n * kit.blocks_per_chunk)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys = kit.keys(n)
+        src = kit.blocks(spec, n)
+        bpc = spec.blocks_per_chunk(CHUNK_SIZE)
+        stores = [ctx.submit_store([k], src[i * bpc:(i + 1) * bpc]) for i, k in enumerate(keys)]
+        assert [f.result(timeout=TIMEOUT).stored for f in stores] == [[0]] * n
+        res, chunks = kit.backdoor_read(spec, keys)
+        assert res.loaded == list(range(n))
+        assert torch.equal(chunks, kit.chunks_of(layers, spec, src)), \
+            "the server holds other bytes than were stored under some key"
+        before = as_bytes(layers)
+        dst = kit.blocks(spec, n, exclude=src)
+        loads = [ctx.submit_retrieve([k], dst[i * bpc:(i + 1) * bpc]) for i, k in enumerate(keys)]
+        assert [f.result(timeout=TIMEOUT).loaded for f in loads] == [[0]] * n
+        assert_retrieved(kit, spec, layers, before, dst, chunks)
+
+    @pytest.mark.parametrize("geometry", ["far_blocks", "many_layers"])
+    def test_geometry_far_past_the_other_tests(self, kit: Kit, geometry: str) -> None:
+        """``far_blocks``: 40,000 blocks, so that row ids pass 2**16 (a 16-bit descriptor field
+        wraps), and 64 chunks in one request, stored from the last blocks and loaded into the
+        ones before them; ``many_layers``: 64 layers, 32 chunks in one request (8,192 rows of
+        layers: a path for large batches). Every byte is checked, as in the other round trips."""
+        far = geometry == "far_blocks"
+        if far:
+            n, spec = 64, kit.spec(num_layers=4, num_blocks=40_000, heads=1, head_size=4)
+        else:
+            n, spec = 32, kit.spec(num_layers=64, num_blocks=128, heads=1, head_size=4)
+        span = n * spec.blocks_per_chunk(CHUNK_SIZE)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys = kit.keys(n)
+        src = list(range(spec.num_blocks - span, spec.num_blocks)) if far else kit.blocks(spec, n)
+        assert kit.store(ctx, keys, src).stored == list(range(n))
+        res, chunks = kit.backdoor_read(spec, keys)
+        assert res.loaded == list(range(n))
+        assert torch.equal(chunks, kit.chunks_of(layers, spec, src)), "the server holds other bytes than were stored"
+        before = as_bytes(layers)
+        dst = list(range(spec.num_blocks - 2 * span, spec.num_blocks - span)) if far \
+            else kit.blocks(spec, n, exclude=src)
+        assert kit.retrieve(ctx, keys, dst).loaded == list(range(n))
+        assert_retrieved(kit, spec, layers, before, dst, chunks)
+
     def test_empty_requests(self, kit: Kit) -> None:
         spec = kit.spec()
         ctx = kit.register(kit.kv(spec), spec)
