@@ -43,6 +43,8 @@ class ClientDrivenCore(ContextCore):
     """The machinery of :class:`~kvxfer.transport.contract.ClientDrivenContext`."""
 
     _finisher_role: ClassVar[str] = "commit"
+    _core_names: ClassVar[frozenset[str]] = ContextCore._core_names | {
+        "_unmapping", "_views", "_deferred", "_uncommitted", "_late", "_late_done"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

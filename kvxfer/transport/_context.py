@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -46,14 +45,26 @@ T = TypeVar("T")
 Reply = TypeVar("Reply", bound=m.Message)
 
 
+#: Whether a SystemExit or KeyboardInterrupt raised on the main thread inside plugin code is
+#: the plugin's failure too: only in a kvxfer server that handles its signals itself
+#: (:func:`exits_on_the_main_thread_are_plugin_failures`). Elsewhere the main thread is where a
+#: signal handler's ``sys.exit`` (vLLM's on SIGTERM) or the user's Ctrl-C arrives.
+_MAIN_THREAD_EXITS_CONTAINED = [False]
+
+
+def exits_on_the_main_thread_are_plugin_failures() -> None:
+    """Called by a server whose signal handlers raise nothing (see :func:`plugin_step`)."""
+    _MAIN_THREAD_EXITS_CONTAINED[0] = True
+
+
 @contextlib.contextmanager
 def plugin_step(transport: str, step: str) -> Iterator[None]:
     """The one boundary around plugin code: what it raises leaves as a
     :class:`~kvxfer.errors.KvxferError` (its own, e.g. ``ConfigError``, unchanged; anything else
     as :class:`~kvxfer.errors.TransportFailed` naming ``transport`` and ``step``, from it).
     ``SystemExit`` (a plugin that calls ``sys.exit``) and ``KeyboardInterrupt`` are a plugin's
-    failure too, except a ``KeyboardInterrupt`` where Python's own SIGINT handler may have raised
-    it (the main thread of a process that kept that handler: the user's Ctrl-C)."""
+    failure too, except on the main thread of a process other than a kvxfer server: signals
+    are delivered there, and a signal handler's exit or the user's Ctrl-C passes on."""
     try:
         yield
     except KvxferError:
@@ -61,8 +72,7 @@ def plugin_step(transport: str, step: str) -> Iterator[None]:
     except Exception as exc:
         raise TransportFailed(transport, step, exc) from exc
     except (SystemExit, KeyboardInterrupt) as exc:
-        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if threading.current_thread() is threading.main_thread() and not _MAIN_THREAD_EXITS_CONTAINED[0]:
             raise
         raise TransportFailed(transport, step, exc) from exc
 
@@ -97,6 +107,10 @@ class ContextCore:
     min_layer_chunk_bytes: ClassVar[int] = 0
     #: Whether each part of a layer-wise store gets its own token (see :meth:`_layered`).
     _token_per_part: ClassVar[bool] = True
+    #: The private attributes the core's ``__init__`` sets (each style adds its own): a
+    #: transport's context class must not set them (:meth:`check_core_names`).
+    _core_names: ClassVar[frozenset[str]] = frozenset({
+        "_own_threads", "_executor", "_finisher", "_closed", "_close_ended", "_registered", "_lock", "_layer_feeds"})
 
     def __init__(
         self,
@@ -118,9 +132,12 @@ class ContextCore:
         self.blocks_per_chunk = layout.blocks_per_chunk(self.chunk_size)
         self.chunk_bytes = layout.chunk_bytes(self.chunk_size)
         name = transport.name
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{name}-{identity.rank}")
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{name}-{self._finisher_role}")
+        self._own_threads = (f"kvxfer-{name}-{identity.rank}_", f"kvxfer-{name}-{self._finisher_role}_")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._own_threads[0][:-1])
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=self._own_threads[1][:-1])
         self._closed = False
+        #: Set once a close has finished (a second close waits for it).
+        self._close_ended = threading.Event()
         self._registered = False
         self.epoch = -1
         self._lock = threading.Lock()
@@ -128,19 +145,20 @@ class ContextCore:
         self._layer_feeds: weakref.WeakSet[LayerwiseFuture[Any]] = weakref.WeakSet()
 
     def _seal(self) -> None:
-        """The end of the core's ``__init__`` (each style's calls it): remember the private
-        attributes the core set, and refuse a plugin's that the core has just replaced (set
-        before the plugin's ``super().__init__()``)."""
+        """The end of the core's ``__init__`` (each style's calls it): remember what the core set
+        under its private names, and refuse a plugin attribute of one of those names set before
+        the plugin's ``super().__init__()`` (the core has just replaced it)."""
         before = self.__before
         del self.__before
-        self.__core = {k: v for k, v in vars(self).items() if k.startswith("_") and before.get(k, self) is not v}
-        self._refuse_clashes(sorted(set(before) & set(self.__core)))
+        names = ContextCore._core_names | type(self)._core_names
+        self.__core = {k: vars(self).get(k) for k in names}
+        self._refuse_clashes(sorted(names & set(before)))
 
     def check_core_names(self) -> None:
         """Raise ConfigError if the plugin's ``__init__`` replaced a private attribute of the
         core's after the core set it (the client calls this once the context is made): the two
         would share, or lose, the core's lock, worker or counters."""
-        self._refuse_clashes(sorted(k for k, v in self.__core.items() if vars(self).get(k, self) is not v))
+        self._refuse_clashes(sorted(k for k, v in self.__core.items() if vars(self).get(k) is not v))
 
     def _refuse_clashes(self, names: list[str]) -> None:
         if names:
@@ -309,11 +327,26 @@ class ContextCore:
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
+        """Wait for the transfers submitted, unregister, release. A close while another is under
+        way waits until that one has finished (the caller may end its session next: a copy
+        must not outlive it), unless it runs on a thread of this context's own (a done-callback)."""
         with self._lock:
             if self._closed:
-                return
-            self._closed = True
-            feeds = list(self._layer_feeds)
+                closing = True
+            else:
+                closing = False
+                self._closed = True
+                feeds = list(self._layer_feeds)
+        if closing:
+            if not threading.current_thread().name.startswith(self._own_threads):
+                self._close_ended.wait()
+            return
+        try:
+            self._close_now(feeds)
+        finally:
+            self._close_ended.set()
+
+    def _close_now(self, feeds: list[LayerwiseFuture[Any]]) -> None:
         for fut in feeds:  # a layer-wise store whose caller never declares its last layers
             fut.abandon(ConfigError(f"transfer context {self.instance_id} ({self.transport_name}) closed before "
                                     "every layer of a layer-wise store was declared ready"))

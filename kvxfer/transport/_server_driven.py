@@ -50,6 +50,8 @@ class ServerDrivenCore(ContextCore):
     _token_per_part: ClassVar[bool] = False
     #: See :attr:`~kvxfer.transport.contract.ServerDrivenContext.prepare_inline`.
     prepare_inline: ClassVar[bool] = False
+    _core_names: ClassVar[frozenset[str]] = ContextCore._core_names | {"_window", "_jobs", "_stores_out",
+                                                                       "_stores_answered"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

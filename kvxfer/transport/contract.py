@@ -30,7 +30,8 @@ registration's worker thread, one at a time, in arrival order; waiters on a sepa
 
 **Errors.** Raise :class:`kvxfer.errors.ConfigError` ("field: what is wrong, what to do") for
 input the user can fix. Anything else a hook raises (``SystemExit`` and ``KeyboardInterrupt``
-included, but for the user's Ctrl-C) is caught at the core's one boundary and re-raised as
+included, but on the main thread of an engine's process, where signal handlers raise them) is
+caught at the core's one boundary and re-raised as
 :class:`kvxfer.errors.TransportFailed` naming the transport and the step, with the original as
 ``__cause__`` (server side: an ``internal`` error reply with that message). Client futures
 therefore fail only with :class:`kvxfer.errors.KvxferError`.

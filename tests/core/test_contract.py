@@ -318,3 +318,106 @@ def test_a_context_class_that_takes_a_name_of_the_cores_is_refused(cl: CacheClie
         cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name=f"clash-{when}", block_size=BLOCK_SIZE,
                     transport="cpu_gather")
     assert not [c for c in cl.status().contexts if c.model_name == f"clash-{when}"]
+
+
+def test_a_close_while_another_is_under_way_waits_for_it(cl: CacheClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second close of a context (another thread's, or CacheClient.close()'s) returns only once
+    the first has finished, its copies included: CacheClient.close() says goodbye after its
+    contexts' closes, and a goodbye keeps nothing of the session, so a copy must not outlive it
+    (before, the second close returned at once and the goodbye freed the slots of a copy still
+    running, into which another client's chunk then went)."""
+    import time
+
+    from kvxfer_cpu_gather.transport import CpuGatherContext
+
+    gate, started = threading.Event(), threading.Event()
+    real = CpuGatherContext.gather
+
+    def gated(self: Any, copies: Any, transfer: Any) -> Any:
+        started.set()
+        gate.wait(30)
+        return real(self, copies, transfer)
+
+    monkeypatch.setattr(CpuGatherContext, "gather", gated)
+    ctx = cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name="second-close", block_size=BLOCK_SIZE,
+                      transport="cpu_gather")
+    fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="second-close"),
+                           list(range(BLOCKS_PER_CHUNK)))
+    assert started.wait(30)
+    first = threading.Thread(target=ctx.close)
+    first.start()
+    time.sleep(0.2)
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (ctx.close(), second_done.set()))
+    second.start()
+    assert not second_done.wait(0.5), "a second close returned while the first still waited for a copy"
+    gate.set()
+    first.join(30)
+    second.join(30)
+    assert second_done.is_set() and fut.result(30).stored == [0]
+
+
+def test_the_core_names_every_private_attribute_it_sets(cl: CacheClient) -> None:
+    """check_core_names compares against the names the core declares (a plugin's own private
+    attribute, set by its hooks during the core's __init__, is not mistaken for one of the
+    core's): the declaration must name every private attribute the core's __init__ sets."""
+    from kvxfer.transport import InstanceIdentity, registry
+
+    layers = flash_attn_kv(num_layers=2, num_blocks=8)
+    layout = KVLayout.infer(layers, BLOCK_SIZE)
+    transport = registry.get_transport("cpu_gather")
+    for cls in (_ClientDriven, _ServerDriven):
+        ctx = cls(transport, cl, layers, layout, InstanceIdentity.fresh("core-names", 1, 0))
+        try:
+            private = {k for k in vars(ctx) if k.startswith("_") and not k.startswith("_ContextCore__")}
+            assert private == cls._core_names, (cls.__name__, sorted(private ^ cls._core_names))
+        finally:
+            ctx.close()
+
+
+def test_a_plugins_own_private_attribute_set_by_its_hook_during_init_is_not_a_clash(
+        cl: CacheClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A context that sets its own private attribute before ``super().__init__()`` and changes
+    it in ``on_arena`` (which the core calls from its __init__) registers."""
+    from kvxfer_cpu_gather.transport import CpuGatherContext, CpuGatherTransport
+
+    class Pinning(CpuGatherContext):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._pin_handle: object = None
+            super().__init__(*args, **kwargs)
+
+        def on_arena(self, arena: Any) -> Any:
+            self._pin_handle = object()
+            return super().on_arena(arena)
+
+    monkeypatch.setattr(CpuGatherTransport, "context_type", Pinning)
+    ctx = cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name="own-private", block_size=BLOCK_SIZE,
+                      transport="cpu_gather")
+    ctx.close()
+
+
+def test_an_exit_on_an_engines_main_thread_passes_through_plugin_code() -> None:
+    """vLLM's workers exit on SIGTERM by sys.exit from a signal handler, and the user's Ctrl-C
+    raises KeyboardInterrupt: both arrive on the main thread, where plugin code runs too
+    (on_submit, a context's construction, release); they pass through it. Off the main thread
+    they are the plugin's own failure (a kvxfer server, whose handlers raise nothing, treats them
+    so on its main thread too)."""
+    from kvxfer.transport._context import plugin_step
+
+    for exc in (SystemExit(0), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with plugin_step("t", "on_submit"):
+                raise exc
+        caught: list[TransportFailed] = []
+
+        def off_main(exc: BaseException = exc) -> None:
+            try:
+                with plugin_step("t", "gather"):
+                    raise exc
+            except TransportFailed as failed:
+                caught.append(failed)
+
+        t = threading.Thread(target=off_main)
+        t.start()
+        t.join(30)
+        assert [f.step for f in caught] == ["gather"]
