@@ -78,7 +78,7 @@ from kvxfer.server.workers import Lane, LaneSlot, WorkerPool
 from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
 from kvxfer.transport import registry
-from kvxfer.transport._context import guarded, plugin_step
+from kvxfer.transport._context import exits_on_the_main_thread_are_plugin_failures, guarded, plugin_step
 from kvxfer.transport.contract import Queued, ServerContext, ServerTransport, Style, Transport, Waiter
 from kvxfer.units import format_bytes
 
@@ -494,6 +494,7 @@ class CacheServer:
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
+            exits_on_the_main_thread_are_plugin_failures()  # its handlers raise nothing: any exit is a plugin's
         self.hooks.call("kvxfer_server_started", server=self)
         log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s%s",
                  kvxfer.__version__, self.url, format_bytes(self.arena.size), self.arena.path,
@@ -810,16 +811,17 @@ class CacheServer:
     def _end_resumed(self, secret: bytes, who: Peer) -> str | None:
         """A handshake on a new connection resumes the session of ``secret`` that is still open
         (the client's connection broke, and the server has not seen that yet): end that session
-        now, its open writes parked as at a timeout (the client lives and may still copy into
-        them), and return its liveness token for the new session, so that the lock the client
-        holds keeps naming them. None if no open session of that peer has the secret."""
+        now, its open writes and reads parked (the client lives and may still copy into or out
+        of their slots, and counts on a read's pins for the session timeout after its reserve),
+        and return its liveness token for the new session, so that the lock the client holds
+        keeps naming them. None if no open session of that peer has the secret."""
         old = next((s for s in self.sessions.values() if s.secret == secret), None)
         if old is None:
             return None
         if old.peer.raw != who.raw:
             log.warning("%s presented the secret of a session of %s: not resumed", who.label(), old.peer.label())
             return None
-        self._drop_session(old.identity, "its client resumed it on a new connection")
+        self._drop_session(old.identity, "its client resumed it on a new connection", park_reads=True)
         return old.token
 
     def _tick(self) -> None:
@@ -857,6 +859,19 @@ class CacheServer:
             self.index.abort(res)
         parked.reservations.clear()
 
+    def _parked_of(self, peer: Peer) -> int:
+        """Reservations parked for the clients of ``peer``'s user (its uid; its CURVE key over
+        tcp://, the peer itself elsewhere): a process may end sessions with open reservations,
+        one after another, faster than they go (each counts against its own session only while
+        that is open), so the user's new reservations wait until fewer than
+        --max-reservations-per-session are parked. None is freed for it: their clients live and
+        may still copy."""
+        def owner(p: Peer) -> object:
+            return p.uid if p.uid is not None else (p.curve_key or p.raw)
+
+        mine = owner(peer)
+        return sum(len(p.reservations) for p in self._parked_clients() if owner(p.peer) == mine)
+
     def _forget_parked(self, parked: Parked) -> None:
         for secret in [k for k, v in self._parked.items() if v is parked]:
             del self._parked[secret]
@@ -873,9 +888,10 @@ class CacheServer:
         if session is not None:
             self._drop_session(identity, "stopped reading its replies")
 
-    def _drop_session(self, identity: bytes, reason: str) -> None:
+    def _drop_session(self, identity: bytes, reason: str, park_reads: bool = False) -> None:
         """End a session: its registrations, reservations and leases go; the open writes of a
-        client whose process still lives are parked (see Parked)."""
+        client whose process still lives are parked (see Parked), and its open reads too with
+        ``park_reads`` (a session its client resumed: the reads' copies rely on their pins)."""
         session = self.sessions.pop(identity)
         # a client that registered nothing and said goodbye (`kvxfer status`, polled) is no news
         quiet = not session.instances and not session.usage.leases and reason == _CLOSED_BY_CLIENT
@@ -891,41 +907,18 @@ class CacheServer:
         for iid in list(session.instances):
             ctx = self.contexts.get(iid)
             if ctx is not None:
-                self._drop_context(ctx, "session lost", park_into=parked)
+                self._drop_context(ctx, "session lost", park_into=parked, park_reads=park_reads)
         for lease_id in list(session.usage.leases):
             self.index.release_lease(lease_id)
         if parked is not None and parked.reservations:
+            self._forget_parked(parked)  # the client presents its newest secret only
             self._parked[session.secret] = parked
-            self._bound_parked(session.peer)
-
-    def _bound_parked(self, peer: Peer) -> None:
-        """Keep at most --max-reservations-per-session parked writes for the clients of one user
-        (uid; one CURVE key, one peer elsewhere), aborting its newest beyond that: each session
-        counts its own open writes only while it is open, and a process may end sessions with
-        open writes, one after another, faster than its parked writes go. An honest client
-        parks a few (one per request in flight of each frozen engine process)."""
-        def owner(p: Peer) -> object:
-            return p.uid if p.uid is not None else (p.curve_key or p.raw)
-
-        mine = [(res.id, p, res) for p in self._parked_clients() if owner(p.peer) == owner(peer)
-                for res in p.reservations.values()]
-        over = len(mine) - self.limits.max_reservations_per_session
-        if over <= 0:
-            return
-        mine.sort(key=lambda t: t[2].opened)
-        for rid, p, res in mine[-over:]:
-            del p.reservations[rid]
-            self.index.abort(res)
-            if not p.reservations:
-                self._forget_parked(p)
-        self._throttled.warning("parked cap", f"the clients of {peer.label()} left more open writes of ended sessions "
-                                f"than --max-reservations-per-session ({self.limits.max_reservations_per_session}): "
-                                f"freed the slots of the {over} newest")
 
     def _drop_context(self, ctx: RegisteredContext, reason: str, wait: bool = False,
-                      park_into: Parked | None = None) -> None:
+                      park_into: Parked | None = None, park_reads: bool = False) -> None:
         """Forget a context now; close its server side after its in-flight transfers. Its open
-        reservations are aborted, except writes parked into ``park_into``."""
+        reservations are aborted, except writes (and, with ``park_reads``, reads) parked into
+        ``park_into``."""
         self.contexts.pop(ctx.instance_id, None)
         self._formats = None
         session: Session = ctx.owner
@@ -935,15 +928,16 @@ class CacheServer:
                     if r.instance_id == ctx.instance_id and not r.parked]:
             if res.in_flight:
                 continue
-            if res.write and res.entries and park_into is not None:  # a write with no slot has nothing to keep
+            if res.entries and park_into is not None and (res.write or park_reads):  # no slot: nothing to keep
                 res.parked = True
                 park_into.reservations[res.id] = res
                 slots += len(res.entries)
             else:
                 self.index.abort(res)
         if slots:
-            self._throttled.warning("parked", f"silent client {session.peer.label()} still lives (frozen?): keeping "
-                                    f"the {slots} slots of its open writes until it exits")
+            self._throttled.warning("parked", f"client {session.peer.label()} lost its session but lives: keeping the "
+                                    f"{slots} slots of its open reservations until it exits or sends their late "
+                                    "commits")
         ctx.executor.submit(self._close_server_context, ctx)
         ctx.executor.shutdown(wait=wait)
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
@@ -1220,6 +1214,8 @@ class CacheServer:
         promoting = len(self.tier.usage.reservations) if self.tier is not None else 0
         self.limits.check("max_reservations", len(self.index.reservations) - promoting)
         self.limits.check("max_reservations_per_session", len(session.usage.reservations))
+        if self._parked:  # what the user's ended sessions left parked counts too (see _parked_of)
+            self.limits.check("max_reservations_per_session", self._parked_of(session.peer))
         self.limits.check("max_reserved_bytes_per_session", session.usage.reserved_bytes, nbytes)
         if pins:
             self._check_chunk_pins(session, pins)
@@ -1303,6 +1299,13 @@ class CacheServer:
 
     def _on_commit_read(self, session: Session, msg: m.CommitRead) -> m.Empty:
         _check_copy_s(msg.copy_s)
+        resumed = session.resumed
+        parked = resumed.reservations.pop(msg.reservation_id, None) if resumed is not None else None
+        if parked is not None:  # a read kept while the session it came from ended: its copy is over
+            self.index.abort(parked)  # unpinned; its pins held throughout, so what it read is whole
+            if resumed is not None and not resumed.reservations:
+                self._forget_parked(resumed)
+            return m.Empty()
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(session, ctx, msg.reservation_id, write=False)
         self._commit_read(ctx, res, msg.copy_s, msg.loaded)

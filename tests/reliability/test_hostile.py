@@ -279,26 +279,56 @@ def test_a_client_that_says_goodbye_with_an_open_write_keeps_nothing_parked(serv
         client.close()
 
 
-def test_the_parked_writes_of_one_user_are_bounded(shm_dir):
-    """Open writes outlive a session only as parked, and count against no session then: one
-    user ending sessions with open writes, one after another, keeps at most
-    --max-reservations-per-session of them (its newest beyond that are freed), so it cannot hold
-    every reservation of the server."""
+def test_the_parked_reservations_of_one_user_are_bounded(shm_dir):
+    """Open writes outlive a session only as parked, and count against no session then: a user
+    that ended sessions with open writes, one after another, gets no new reservation while
+    --max-reservations-per-session of them are parked (none is freed: their client lives and may
+    still copy into them), so it cannot hold every reservation of the server. Once that client
+    is gone, they go, and the user reserves again."""
     with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
                        extra_args=["--shm-dir", str(shm_dir), "--max-reservations-per-session", "3"]) as server, \
             CacheClient(server.url, timeout=20) as observer:
-        client = _Resumer(server.url, Writer(observer, model="cap-ref"))
+        ref = Writer(observer, model="cap-ref")
+        client = _Resumer(server.url, ref)
         try:
-            for n in range(6):
+            for n in range(3):
                 client.open_write(client.connect(), 4343_0100 + n, n)
-            client.connect()  # ends the last session with its write open
-            st = observer.status()
-            assert st.reservations == 3, st
-            victim = Writer(observer, model="cap-victim")
-            assert victim.store([key("cap-victim", 0)]).stored == [0]
+            peer = client.connect()  # ends the third session with its write open
+            assert observer.status().reservations == 3
+            assert peer.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0199)))[0] == codec.OK
+            err = peer.error(b"reserve_write", codec.encode(m.ReserveWrite(4343_0199, [key("resume", 9)])))
+            assert err is not None and err[0] == "limit_exceeded" and "max_reservations_per_session" in err[1], err
+            assert observer.status().reservations == 3  # none of the parked ones was freed
         finally:
             client.close()
         wait_until(lambda: observer.status().reservations == 0, DROP_WITHIN_S, "the gone client's parked slots freed")
+        assert Writer(observer, model="cap-victim").store([key("cap-victim", 0)]).stored == [0]
+
+
+def test_a_client_that_resumes_its_open_session_keeps_the_pins_of_its_open_read(server, client_of):
+    """A read reserved before the client's connection broke keeps its pins when the client
+    resumes on a new connection: its copy may still run (the client counts on the pins for the
+    session timeout after its reserve). Nothing can evict or clear the chunk until the late
+    commit_read, answered as any commit, unpins it."""
+    observer = client_of(server)
+    ref = Writer(observer, model="resume-read")
+    k = key("resume-read", 0)
+    assert ref.store([k]).stored == [0]
+    client = _Resumer(server.url, ref)
+    try:
+        first = client.connect()
+        assert first.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0301)))[0] == codec.OK
+        status, body = first.call(b"reserve_read", codec.encode(m.ReserveRead(4343_0301, [k])))
+        assert status == codec.OK, body
+        rid = codec.decode(body, m.ReserveReadReply).reservation_id
+        again = client.connect()
+        assert observer.status().reservations == 1
+        assert observer.clear("resume-read") == 0, "a pinned chunk was cleared while its read may still copy"
+        assert again.error(b"commit_read", codec.encode(m.CommitRead(4343_0301, rid, loaded=True))) is None
+        assert observer.status().reservations == 0
+        assert observer.clear("resume-read") == 1
+    finally:
+        client.close()
 
 
 # --------------------------------------------------------------------------- 4. liveness across pid namespaces
