@@ -11,6 +11,7 @@ layer. With the wait skipped, the first layer's check fails.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 from kvxfer_vllm_harness import HarnessError, MiniEngine, Request, feed, make_vllm_config, workload
@@ -257,11 +258,101 @@ def test_a_request_vllm_cannot_admit_yet_is_looked_up_once_while_its_lease_holds
             assert sched.scheduler.stats["lookups"] == 1
             assert sched.get_num_new_matched_tokens(r, CHUNK)[0] == first[0] - CHUNK  # another own hit: asked
             assert sched.scheduler.stats["lookups"] == 2
+            asked = sched.scheduler.stats["lookups"] + sched.scheduler.stats["unanswered_lookups"]
+            sched.scheduler.link.down = True  # the server stopped answering: the last answer no longer stands
+            sched.get_num_new_matched_tokens(r, CHUNK)
+            assert sched.scheduler.stats["lookups"] + sched.scheduler.stats["unanswered_lookups"] == asked + 1
+            sched.scheduler.link.down = False
+            assert sched.get_num_new_matched_tokens(r, CHUNK)[0] == first[0] - CHUNK
             bpc = CHUNK // engine.bs
             blocks = list(range(10, 10 + len(r.prompt_token_ids) // engine.bs + 1))
             sched.update_state_after_alloc(r, KVCacheBlocks((blocks,)), first[0] - CHUNK)
             [load] = sched.scheduler._loads  # past vLLM's own chunk, under the last lookup's lease
             assert load.block_ids[:bpc] == blocks[bpc:2 * bpc] and load.lease_id
+        finally:
+            sched.shutdown()
+    finally:
+        engine.shutdown()
+
+
+def _scheduler(server: ServerProcess, engine: MiniEngine, model: str, layerwise: bool) -> Any:
+    from kvxfer_vllm_harness import KVCacheConfig, KVCacheGroupSpec
+
+    from kvxfer.integrations.vllm import KvxferConnector
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    return KvxferConnector(make_vllm_config(server.url, model_name=model, layerwise=layerwise),
+                           KVConnectorRole.SCHEDULER, KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
+
+
+def test_a_block_a_failed_load_left_stays_bad_until_computed_to_its_end(server: ServerProcess) -> None:
+    """The loader computes a failed layer-by-layer load's first chunk again, but the step's
+    token budget ends 2 tokens before the chunk's last block does: that block still holds
+    garbage past them, and a request that takes the chunk from vLLM's prefix cache then stores
+    nothing (before, the block counted as written once the step began it)."""
+    from types import SimpleNamespace
+
+    from kvxfer_vllm_harness import CachedRequestData, KVCacheBlocks, NewRequestData, SchedulerOutput
+
+    engine, _ = _stored_then_loaded(server, "half-filled")
+    try:
+        stored = next(r for r in workload("half-filled", n=8, seed=3) if len(r.prompt_token_ids) >= 3 * CHUNK)
+        prefix = stored.prompt_token_ids[:2 * CHUNK]
+        sched = _scheduler(server, engine, "half-filled", layerwise=True)
+        try:
+            bpc = CHUNK // engine.bs
+            a = Request("A", prefix + list(range(700, 700 + CHUNK)) + [1, 2, 3])
+            ext, _ = sched.get_num_new_matched_tokens(a, 0)
+            a_blocks = list(range(10, 10 + 3 * bpc + 1))
+            sched.update_state_after_alloc(a, KVCacheBlocks((a_blocks,)), ext)
+            sched.build_connector_meta(SchedulerOutput([NewRequestData("A", a.prompt_token_ids, (a_blocks,), ext)],
+                                                       CachedRequestData([], set(), [], []), {"A": CHUNK + 3},
+                                                       CHUNK + 3, set()))
+            sched.update_connector_output(SimpleNamespace(invalid_block_ids=set(a_blocks[:bpc])))
+            sched.build_connector_meta(SchedulerOutput([], CachedRequestData(["A"], set(), [None], [0]),
+                                                       {"A": CHUNK - 2}, CHUNK - 2, set()))
+            c = Request("C", prefix + list(range(600, 600 + CHUNK)) + [5])
+            assert sched.get_num_new_matched_tokens(c, 2 * CHUNK)[0] == 0
+            c_blocks = a_blocks[:2 * bpc] + list(range(60, 60 + bpc + 1))
+            sched.update_state_after_alloc(c, KVCacheBlocks((c_blocks,)), 0)
+            meta = sched.build_connector_meta(SchedulerOutput(
+                [NewRequestData("C", c.prompt_token_ids, (c_blocks,), 2 * CHUNK)], CachedRequestData([], set(), [], []),
+                {"C": CHUNK + 1}, CHUNK + 1, set()))
+            assert meta.stores == [], "C stored chunks over a block its loader had computed only in part"
+        finally:
+            sched.shutdown()
+    finally:
+        engine.shutdown()
+
+
+def test_a_load_into_a_failed_loads_block_ids_clears_them(server: ServerProcess) -> None:
+    """vLLM frees the blocks of a failed asynchronous load, and may give their ids to another
+    request's load, which fills them: that request stores its later chunks as usual (before,
+    the ids stayed bad for good, and every request that got one stored nothing)."""
+    from types import SimpleNamespace
+
+    from kvxfer_vllm_harness import CachedRequestData, KVCacheBlocks, NewRequestData, SchedulerOutput
+
+    engine, _ = _stored_then_loaded(server, "refilled")
+    try:
+        stored = next(r for r in workload("refilled", n=8, seed=3) if len(r.prompt_token_ids) >= 3 * CHUNK)
+        prefix = stored.prompt_token_ids[:2 * CHUNK]
+        sched = _scheduler(server, engine, "refilled", layerwise=False)
+        try:
+            bpc = CHUNK // engine.bs
+            sched.update_connector_output(SimpleNamespace(invalid_block_ids=set(range(10, 10 + 2 * bpc))))
+            e = Request("E", prefix + list(range(800, 800 + CHUNK)) + [6])
+            ext, is_async = sched.get_num_new_matched_tokens(e, 0)
+            assert (ext, is_async) == (2 * CHUNK, True)
+            e_blocks = list(range(10, 10 + 2 * bpc)) + list(range(70, 70 + bpc + 1))
+            sched.update_state_after_alloc(e, KVCacheBlocks((e_blocks,)), ext)
+            meta = sched.build_connector_meta(SchedulerOutput([], CachedRequestData([], set(), [], []), {}, 0, set()))
+            assert [op.req_id for op in meta.loads] == ["E"]
+            # the load landed (finished_recving): vLLM schedules E as new, its prefix computed
+            meta = sched.build_connector_meta(SchedulerOutput(
+                [NewRequestData("E", e.prompt_token_ids, (e_blocks,), ext)], CachedRequestData([], set(), [], []),
+                {"E": CHUNK + 1}, CHUNK + 1, set()))
+            assert [(op.req_id, len(op.keys)) for op in meta.stores] == [("E", 1)], meta.stores
         finally:
             sched.shutdown()
     finally:

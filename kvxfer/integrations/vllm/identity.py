@@ -7,11 +7,12 @@ each worker registers its KV cache under it), so they agree without talking:
   model directory, or a Hub model found in the local Hugging Face cache, a BLAKE2b hash of
   ``config.json`` and of each weight file's name and size and of samples of its bytes (content,
   not paths or times: two copies of one model agree, a fine-tune or another seed does not): of a
-  ``.safetensors`` file, each tensor's name, dtype, shape and the first and last 4 KiB of its
-  data (a fine-tune that changed any tensor changes those), of another file its first and last
-  MiB and 64 KiB every 1/64 of it between (a change that misses all of them goes unseen: name
-  such a fine-tune apart with ``kvxfer.model_name``); for a Hub model not in the cache, its id and
-  resolved revision;
+  ``.safetensors`` file, each tensor's name, dtype, shape and offsets, and the first and last
+  4 KiB of its data (of at most 8,192 tensors per file, evenly spread; a fine-tune changes every
+  element of what it trains, so those bytes too), of another file its first and last MiB and
+  64 KiB every 1/64 of it between. A change that misses every sample goes unseen (rows of an
+  embedding trained alone, say): name such a fine-tune apart with ``kvxfer.model_name``. For a
+  Hub model not in the cache, its id and resolved revision;
 * the model config's overrides at run time (``hf_overrides``: a ``rope_theta`` or an
   ``rms_norm_eps`` given to vLLM changes every KV byte, while ``config.json`` on disk stays);
 * the dtype, the KV cache dtype and the quantization method;
@@ -41,8 +42,10 @@ _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz
 _SAMPLE: Final = 1 << 20
 _STRIDE_SAMPLE: Final = 64 << 10
 _STRIDES: Final = 64
-#: Bytes hashed at each end of each tensor of a safetensors file.
+#: Bytes hashed at each end of each sampled tensor of a safetensors file, and the most tensors
+#: sampled per file (two reads each: a mixture-of-experts file may hold tens of thousands).
 _TENSOR_SAMPLE: Final = 4 << 10
+_MAX_TENSORS: Final = 8192
 #: Largest safetensors header read (the format's own readers refuse 100 MB).
 _MAX_HEADER: Final = 100_000_000
 
@@ -76,11 +79,14 @@ def _hash_tensors(h: Any, f: Any, size: int) -> bool:
         if any(not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e <= size - base)
                for b, e, *_ in tensors):
             return False
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return False
     h.update(b"safetensors\0")
-    for begin, end, name, dtype, shape in tensors:
+    every = -(-len(tensors) // _MAX_TENSORS)
+    for i, (begin, end, name, dtype, shape) in enumerate(tensors):
         h.update(f"{name}\0{dtype}\0{shape}\0{begin}\0{end}\0".encode())
+        if i % every:
+            continue
         f.seek(base + begin)
         h.update(f.read(min(_TENSOR_SAMPLE, end - begin)))
         if end - begin > _TENSOR_SAMPLE:
@@ -104,8 +110,9 @@ def _local_fingerprint(path: Path) -> str:
 
 
 def weights_fingerprint(model: str, revision: str | None = None) -> str:
-    """What identifies ``model``'s weights (see the module docstring). Reads 8 KiB per tensor
-    of a safetensors file, at most 6 MiB of another; never downloads anything."""
+    """What identifies ``model``'s weights (see the module docstring). Reads 8 KiB per sampled
+    tensor of a safetensors file (64 MiB at most), at most 6 MiB of another; never downloads
+    anything."""
     path = Path(model).expanduser()
     if path.exists():
         return "local:" + _local_fingerprint(path)

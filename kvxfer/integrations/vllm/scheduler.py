@@ -73,8 +73,9 @@ class _ReqState:
     lookup_end: int = 0
     lookup_computed: int = 0
     lookup_tokens: int = 0
-    #: When that lookup was answered (time.monotonic())
+    #: When that lookup was answered (time.monotonic()), in which session of the client
     lookup_at: float = 0.0
+    lookup_epoch: int = -1
     #: Per group: chunks [0, next_store) are stored, being stored or were loaded.
     next_store: list[int] = field(default_factory=list)
     #: Stores were sent since the request was last preempted (mirrored by the workers).
@@ -172,6 +173,12 @@ class SchedulerConnector:
                 if prompt and self.moves_kv and tokens_name_its_kv(st.request) else []
         return st.hashes
 
+    def _same_session(self, st: _ReqState) -> bool:
+        """Whether the server that answered ``st``'s lookup is still the one talked to, in the same
+        session (its leases then still hold: a restarted server's do not)."""
+        client = self.link.client
+        return client is not None and not self.link.down and client.epoch == st.lookup_epoch
+
     def _release_lease(self, st: _ReqState) -> None:
         leases, st.leases = st.leases, []
         st.lookup_end = st.lookup_first = st.lookup_tokens = 0
@@ -201,7 +208,7 @@ class SchedulerConnector:
             st.has_stores = False
             self._preempted.add(request.request_id)
         elif (st.leases and st.lookup_end > st.lookup_first and st.lookup_computed == num_computed_tokens
-              and time.monotonic() - st.lookup_at < self.config.lease_s / 2):
+              and time.monotonic() - st.lookup_at < self.config.lease_s / 2 and self._same_session(st)):
             return st.lookup_tokens - num_computed_tokens, not self.config.layerwise
         self._release_lease(st)
         if not self.config.loads:
@@ -262,7 +269,7 @@ class SchedulerConnector:
             return 0, False
         st.lookup_first, st.lookup_end = first, end
         st.lookup_computed, st.lookup_tokens = num_computed_tokens, tokens
-        st.lookup_at = time.monotonic()
+        st.lookup_at, st.lookup_epoch = time.monotonic(), client.epoch
         self.stats["lookup_hit_tokens"] += tokens - num_computed_tokens
         # layer-wise: the load runs inside this step's forward pass (synchronous for vLLM)
         return tokens - num_computed_tokens, not self.config.layerwise
@@ -302,6 +309,8 @@ class SchedulerConnector:
                 self._release_leases([lease])
                 lease = 0
             self._loads.append(LoadOp(request.request_id, op_keys, wanted, skip * bs, lease, failed, group=g.index))
+            if op_keys and len(self.groups) == 1:  # filled by the load (reported again if it fails)
+                self._bad_blocks.difference_update(wanted[skip:])
             st.next_store[pos] = max(st.next_store[pos], end)
         st.leases = []  # the loads' retrieves release them
         st.lookup_end = st.lookup_first = st.lookup_tokens = 0
@@ -357,10 +366,11 @@ class SchedulerConnector:
             written.append((rid, st, before, before + num_scheduled.get(rid, 0)))
         for rid, st, _, after in written:
             self._plan_store(rid, st, after, meta, loading, loading_reqs)
-        if self._bad_blocks:  # the blocks this step computes from their first token hold new KV
+        if self._bad_blocks:  # the blocks this step fills up hold new KV (vLLM truncates a failed request to a
+            # block's start: a block a request starts mid-way, it began itself)
             bs = self.groups[0].block_size
             for _, st, before, after in written:
-                self._bad_blocks.difference_update(st.block_ids[0][-(-before // bs):-(-after // bs)])
+                self._bad_blocks.difference_update(st.block_ids[0][before // bs:after // bs])
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -386,9 +396,11 @@ class SchedulerConnector:
         if not self._bad_blocks or len(self.groups) != 1:
             return
         g = self.groups[0]
-        taken = set(st.block_ids[0][:-(-computed // g.block_size)]) - loading.get(g.index, set())
+        hit = -(-computed // g.block_size)
+        taken = set(st.block_ids[0][:hit]) - loading.get(g.index, set())
         if not self._bad_blocks.isdisjoint(taken):
             st.stale = True
+        self._bad_blocks.difference_update(st.block_ids[0][hit:])  # allocated afresh: written before read
 
     def _loading_blocks(self, loads: list[LoadOp]) -> dict[int, set[int]]:
         """Per KV cache group, the blocks this step's loads write (past what vLLM computed)."""
