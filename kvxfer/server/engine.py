@@ -851,6 +851,8 @@ class CacheServer:
             if not liveness.holder_alive(self.arena.path, parked.token):
                 self._free_parked(parked)
                 log.info("client %s is gone: freed the slots of its parked writes", parked.peer.label())
+            else:
+                self._expire_parked_reads(parked)
         self.ticks += 1
 
     def _free_parked(self, parked: Parked) -> None:
@@ -858,6 +860,19 @@ class CacheServer:
         for res in parked.reservations.values():
             self.index.abort(res)
         parked.reservations.clear()
+
+    def _expire_parked_reads(self, parked: Parked) -> None:
+        """A parked read's pins need to outlast its copy only: its client takes a read as loaded
+        without waiting for the commit's answer only within half the session timeout of its
+        reserve. Past a whole session timeout they go, so that a commit_read lost with the
+        client's old connection does not pin its chunks for the client's life."""
+        now = time.perf_counter()
+        old = [rid for rid, res in parked.reservations.items()
+               if not res.write and now - res.opened > self.config.session_timeout_s]
+        for rid in old:
+            self.index.abort(parked.reservations.pop(rid))
+        if old and not parked.reservations:
+            self._forget_parked(parked)
 
     def _parked_of(self, peer: Peer) -> int:
         """Reservations parked for the clients of ``peer``'s user (its uid; its CURVE key over

@@ -77,6 +77,12 @@ def plugin_step(transport: str, step: str) -> Iterator[None]:
         raise TransportFailed(transport, step, exc) from exc
 
 
+def _note_thread(threads: set[int]) -> None:
+    """A context's worker or finisher thread, as it starts: one of the context's own threads
+    (the set, not the context, is what the thread holds: a context dropped unclosed is freed)."""
+    threads.add(threading.get_ident())
+
+
 @overload
 def guarded(waiter: Waiter, transport: str, step: str) -> Waiter: ...
 @overload
@@ -132,9 +138,14 @@ class ContextCore:
         self.blocks_per_chunk = layout.blocks_per_chunk(self.chunk_size)
         self.chunk_bytes = layout.chunk_bytes(self.chunk_size)
         name = transport.name
-        self._own_threads = (f"kvxfer-{name}-{identity.rank}_", f"kvxfer-{name}-{self._finisher_role}_")
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._own_threads[0][:-1])
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=self._own_threads[1][:-1])
+        #: Threads that must not wait for a close of this context: its worker and finisher, and
+        #: the thread running the first close (a close called again from below it: a signal
+        #: handler, a finalizer)
+        self._own_threads: set[int] = set()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{name}-{identity.rank}",
+                                            initializer=_note_thread, initargs=(self._own_threads,))
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-{name}-{self._finisher_role}",
+                                            initializer=_note_thread, initargs=(self._own_threads,))
         self._closed = False
         #: Set once a close has finished (a second close waits for it).
         self._close_ended = threading.Event()
@@ -329,7 +340,8 @@ class ContextCore:
     def close(self) -> None:
         """Wait for the transfers submitted, unregister, release. A close while another is under
         way waits until that one has finished (the caller may end its session next: a copy
-        must not outlive it), unless it runs on a thread of this context's own (a done-callback)."""
+        must not outlive it), unless it runs on a thread of this context's own (a done-callback)
+        or on the thread of that close (called again from below it: a signal handler)."""
         with self._lock:
             if self._closed:
                 closing = True
@@ -337,8 +349,9 @@ class ContextCore:
                 closing = False
                 self._closed = True
                 feeds = list(self._layer_feeds)
+                self._own_threads.add(threading.get_ident())
         if closing:
-            if not threading.current_thread().name.startswith(self._own_threads):
+            if threading.get_ident() not in self._own_threads:
                 self._close_ended.wait()
             return
         try:

@@ -234,6 +234,9 @@ class ServerDrivenCore(ContextCore):
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 release(params)
                 self._window.release()
+                if isinstance(exc, (SystemExit, KeyboardInterrupt)):  # an exit on the engine's main thread
+                    outer.cancel()  # (plugin_step let it through): never a future's error, it goes on
+                    raise
                 if outer.set_running_or_notify_cancel():
                     outer.set_exception(exc)
                 return

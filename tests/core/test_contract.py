@@ -421,3 +421,69 @@ def test_an_exit_on_an_engines_main_thread_passes_through_plugin_code() -> None:
         t.start()
         t.join(30)
         assert [f.step for f in caught] == ["gather"]
+
+
+def test_a_close_called_again_from_below_the_first_returns(cl: CacheClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close called again on the thread of the first one, from below it (a signal handler
+    that closes, or a finalizer, running while the first waits for a copy), returns at once
+    instead of waiting for the close it interrupted, which could never end."""
+    import signal
+    import time
+
+    from kvxfer_cpu_gather.transport import CpuGatherContext
+
+    gate, started = threading.Event(), threading.Event()
+    real = CpuGatherContext.gather
+
+    def gated(self: Any, copies: Any, transfer: Any) -> Any:
+        started.set()
+        gate.wait(30)
+        return real(self, copies, transfer)
+
+    monkeypatch.setattr(CpuGatherContext, "gather", gated)
+    ctx = cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name="close-again", block_size=BLOCK_SIZE,
+                      transport="cpu_gather")
+    fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="close-again"),
+                           list(range(BLOCKS_PER_CHUNK)))
+    assert started.wait(30)
+    handled: list[float] = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: (ctx.close(), handled.append(time.monotonic())))
+    rescued: list[bool] = []
+
+    def rescue() -> None:  # ends a test that would hang: what the first close would never do
+        if not ctx._close_ended.wait(10):
+            rescued.append(True)
+            ctx._close_ended.set()
+
+    threading.Timer(0.5, gate.set).start()
+    threading.Thread(target=rescue, daemon=True).start()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # arrives while this thread is in the first close
+        ctx.close()
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert handled and not rescued, "the handler's close waited for the close it interrupted"
+    assert fut.result(30).stored == [0]
+
+
+def test_an_exit_on_the_main_thread_in_an_inline_prepare_is_not_a_futures_error(cl: CacheClient) -> None:
+    """With prepare_inline, a request is prepared on the submitting thread, the engine's main
+    thread: a signal handler's sys.exit arriving in prepare goes on out of submit_store (its
+    future is cancelled), instead of failing the future with a SystemExit (the exit was lost)."""
+    from kvxfer.transport import InstanceIdentity, registry
+
+    class Inline(_ServerDriven):
+        prepare_inline = True
+
+        def prepare(self, transfer: Any) -> Any:
+            raise SystemExit(143)
+
+    layers = flash_attn_kv(num_layers=2, num_blocks=8)
+    ctx = Inline(registry.get_transport("cpu_gather"), cl, layers, KVLayout.infer(layers, BLOCK_SIZE),
+                 InstanceIdentity.fresh("inline-exit", 1, 0))
+    try:
+        with pytest.raises(SystemExit):
+            ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="inline-exit"),
+                             list(range(BLOCKS_PER_CHUNK)))
+    finally:
+        ctx.close()

@@ -833,3 +833,27 @@ def test_a_half_made_arena_without_its_lock_file_is_removed_once_old(tmp_path):
         os.utime(d, (then, then))
     assert Arena.remove_stale(tmp_path) == 1
     assert not old.exists() and young.exists() and other.exists()
+
+
+def test_a_read_parked_at_a_resume_holds_its_pins_no_longer_than_a_session_timeout(shm_dir):
+    """A parked read's pins need to outlast its copy only (its client waits for the commit's
+    answer past half the session timeout): one whose commit_read never comes (lost with the old
+    connection) lets its chunk go a session timeout after its reserve, though its client lives."""
+    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--shm-dir", str(shm_dir), "--session-timeout", "1"]) as server, \
+            CacheClient(server.url, timeout=20) as observer:
+        ref = Writer(observer, model="read-expiry")
+        k = key("read-expiry", 0)
+        assert ref.store([k]).stored == [0]
+        client = _Resumer(server.url, ref)
+        try:
+            first = client.connect()
+            assert first.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0401)))[0] == codec.OK
+            assert first.call(b"reserve_read", codec.encode(m.ReserveRead(4343_0401, [k])))[0] == codec.OK
+            again = client.connect()
+            assert observer.status().reservations == 1
+            wait_until(lambda: again.call(b"ping", codec.encode(m.Ping()))[0] == codec.OK
+                       and observer.status().reservations == 0, DROP_WITHIN_S, "the parked read's pins released")
+            assert observer.clear("read-expiry") == 1
+        finally:
+            client.close()
