@@ -319,15 +319,9 @@ def test_a_context_class_that_takes_a_name_of_the_cores_is_refused(cl: CacheClie
                     transport="cpu_gather")
     assert not [c for c in cl.status().contexts if c.model_name == f"clash-{when}"]
 
-
-def test_a_close_while_another_is_under_way_waits_for_it(cl: CacheClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A second close of a context (another thread's, or CacheClient.close()'s) returns only once
-    the first has finished, its copies included: CacheClient.close() says goodbye after its
-    contexts' closes, and a goodbye keeps nothing of the session, so a copy must not outlive it
-    (before, the second close returned at once and the goodbye freed the slots of a copy still
-    running, into which another client's chunk then went)."""
-    import time
-
+def _store_held_in_its_gather(cl: CacheClient, monkeypatch: pytest.MonkeyPatch, model: str) -> tuple[Any, Any, Any]:
+    """A cpu_gather context of ``model`` with one store whose gather has started and waits for
+    the returned event: (context, the store's future, the event)."""
     from kvxfer_cpu_gather.transport import CpuGatherContext
 
     gate, started = threading.Event(), threading.Event()
@@ -339,11 +333,22 @@ def test_a_close_while_another_is_under_way_waits_for_it(cl: CacheClient, monkey
         return real(self, copies, transfer)
 
     monkeypatch.setattr(CpuGatherContext, "gather", gated)
-    ctx = cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name="second-close", block_size=BLOCK_SIZE,
+    ctx = cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name=model, block_size=BLOCK_SIZE,
                       transport="cpu_gather")
-    fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="second-close"),
-                           list(range(BLOCKS_PER_CHUNK)))
+    fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=model), list(range(BLOCKS_PER_CHUNK)))
     assert started.wait(30)
+    return ctx, fut, gate
+
+
+def test_a_close_while_another_is_under_way_waits_for_it(cl: CacheClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second close of a context (another thread's, or CacheClient.close()'s) returns only once
+    the first has finished, its copies included: CacheClient.close() says goodbye after its
+    contexts' closes, and a goodbye keeps nothing of the session, so a copy must not outlive it
+    (before, the second close returned at once and the goodbye freed the slots of a copy still
+    running, into which another client's chunk then went)."""
+    import time
+
+    ctx, fut, gate = _store_held_in_its_gather(cl, monkeypatch, "second-close")
     first = threading.Thread(target=ctx.close)
     first.start()
     time.sleep(0.2)
@@ -430,22 +435,7 @@ def test_a_close_called_again_from_below_the_first_returns(cl: CacheClient, monk
     import signal
     import time
 
-    from kvxfer_cpu_gather.transport import CpuGatherContext
-
-    gate, started = threading.Event(), threading.Event()
-    real = CpuGatherContext.gather
-
-    def gated(self: Any, copies: Any, transfer: Any) -> Any:
-        started.set()
-        gate.wait(30)
-        return real(self, copies, transfer)
-
-    monkeypatch.setattr(CpuGatherContext, "gather", gated)
-    ctx = cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name="close-again", block_size=BLOCK_SIZE,
-                      transport="cpu_gather")
-    fut = ctx.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="close-again"),
-                           list(range(BLOCKS_PER_CHUNK)))
-    assert started.wait(30)
+    ctx, fut, gate = _store_held_in_its_gather(cl, monkeypatch, "close-again")
     handled: list[float] = []
     previous = signal.signal(signal.SIGALRM, lambda *_: (ctx.close(), handled.append(time.monotonic())))
     rescued: list[bool] = []

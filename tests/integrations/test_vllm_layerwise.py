@@ -31,6 +31,16 @@ def _stored_then_loaded(server: ServerProcess, model: str, **kw: object) -> tupl
     return engine, [Request(f"again-{r.request_id}", list(r.prompt_token_ids)) for r in first]
 
 
+def _scheduler(server: ServerProcess, engine: MiniEngine, model: str, layerwise: bool) -> Any:
+    from kvxfer_vllm_harness import KVCacheConfig, KVCacheGroupSpec
+
+    from kvxfer.integrations.vllm import KvxferConnector
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    return KvxferConnector(make_vllm_config(server.url, model_name=model, layerwise=layerwise),
+                           KVConnectorRole.SCHEDULER, KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
+
+
 def test_layerwise_loads_run_in_the_step_and_keep_kv_correct(server: ServerProcess) -> None:
     engine, again = _stored_then_loaded(server, "lw-replay")
     try:
@@ -108,22 +118,15 @@ def test_a_store_never_reads_blocks_another_requests_load_fills_in_that_step(ser
     from kvxfer_vllm_harness import (
         CachedRequestData,
         KVCacheBlocks,
-        KVCacheConfig,
-        KVCacheGroupSpec,
         NewRequestData,
         SchedulerOutput,
     )
-
-    from kvxfer.integrations.vllm import KvxferConnector
-    from kvxfer.integrations.vllm._compat import KVConnectorRole
 
     engine, _ = _stored_then_loaded(server, "same-step")  # the server has the workload's prefixes
     try:
         stored = next(r for r in workload("same-step", n=8, seed=3) if len(r.prompt_token_ids) >= 3 * CHUNK)
         prefix = stored.prompt_token_ids[:2 * CHUNK]
-        cfg = make_vllm_config(server.url, model_name="same-step", layerwise=True)
-        sched = KvxferConnector(cfg, KVConnectorRole.SCHEDULER,
-                                KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
+        sched = _scheduler(server, engine, "same-step", layerwise=True)
         try:
             bpc = CHUNK // engine.bs
             a = Request("A", prefix + list(range(700, 700 + CHUNK)) + [1, 2, 3])
@@ -170,22 +173,15 @@ def test_nothing_computed_over_the_blocks_of_a_failed_load_is_stored(server: Ser
     from kvxfer_vllm_harness import (
         CachedRequestData,
         KVCacheBlocks,
-        KVCacheConfig,
-        KVCacheGroupSpec,
         NewRequestData,
         SchedulerOutput,
     )
-
-    from kvxfer.integrations.vllm import KvxferConnector
-    from kvxfer.integrations.vllm._compat import KVConnectorRole
 
     engine, _ = _stored_then_loaded(server, "failed-step")
     try:
         stored = next(r for r in workload("failed-step", n=8, seed=3) if len(r.prompt_token_ids) >= 3 * CHUNK)
         prefix = stored.prompt_token_ids[:2 * CHUNK]
-        cfg = make_vllm_config(server.url, model_name="failed-step", layerwise=True)
-        sched = KvxferConnector(cfg, KVConnectorRole.SCHEDULER,
-                                KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
+        sched = _scheduler(server, engine, "failed-step", layerwise=True)
         try:
             bpc = CHUNK // engine.bs
             a = Request("A", prefix + list(range(700, 700 + CHUNK)) + [1, 2, 3])
@@ -273,16 +269,6 @@ def test_a_request_vllm_cannot_admit_yet_is_looked_up_once_while_its_lease_holds
             sched.shutdown()
     finally:
         engine.shutdown()
-
-
-def _scheduler(server: ServerProcess, engine: MiniEngine, model: str, layerwise: bool) -> Any:
-    from kvxfer_vllm_harness import KVCacheConfig, KVCacheGroupSpec
-
-    from kvxfer.integrations.vllm import KvxferConnector
-    from kvxfer.integrations.vllm._compat import KVConnectorRole
-
-    return KvxferConnector(make_vllm_config(server.url, model_name=model, layerwise=layerwise),
-                           KVConnectorRole.SCHEDULER, KVCacheConfig(96, [KVCacheGroupSpec(list(engine.layer_names))]))
 
 
 def test_a_block_a_failed_load_left_stays_bad_until_computed_to_its_end(server: ServerProcess) -> None:
