@@ -24,6 +24,7 @@ Reservation and lease ids are random 63-bit numbers: knowing one proves it was h
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import logging
@@ -131,6 +132,47 @@ class Lease:
     expires: float
     owner: Usage
     entries: dict[ChunkKey, Entry] = field(default_factory=dict)
+
+
+class _Room:
+    """The gaps left by what no eviction may free (entries pinned, held or being written), for
+    the allocations of one write reservation: found with one pass over the entries at the
+    first allocation that must evict, then kept up to date with the reservation's own new slots,
+    the only change to them while it allocates (evictions free evictable space only)."""
+
+    __slots__ = ("_starts", "_stops", "_largest")
+
+    def __init__(self, capacity: int, fixed: Iterable[tuple[int, int]]) -> None:
+        self._starts: list[int] = []
+        self._stops: list[int] = []
+        end = 0
+        for start, stop in sorted(fixed):
+            if start > end:
+                self._starts.append(end)
+                self._stops.append(start)
+            end = max(end, stop)
+        if capacity > end:
+            self._starts.append(end)
+            self._stops.append(capacity)
+        self._largest: int | None = None
+
+    def largest(self) -> int:
+        """The largest gap, in bytes."""
+        if self._largest is None:
+            self._largest = max((b - a for a, b in zip(self._starts, self._stops)), default=0)
+        return self._largest
+
+    def take(self, offset: int, size: int) -> None:
+        """A new slot ``[offset, offset + size)`` (always inside a gap) is no longer free to evict."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset >= self._stops[i]:
+            return
+        start, stop = self._starts[i], self._stops[i]
+        parts = [(a, b) for a, b in ((start, offset), (min(offset + size, stop), stop)) if b > a]
+        self._starts[i:i + 1] = [a for a, _ in parts]
+        self._stops[i:i + 1] = [b for _, b in parts]
+        if self._largest is not None and stop - start >= self._largest:
+            self._largest = None  # the largest gap may be the one cut
 
 
 class ChunkIndex:
@@ -376,8 +418,9 @@ class ChunkIndex:
                 present.append(i)
                 if e is not None and self._used(key) is not None:  # stored again: a use
                     held.append(e)
+            room: list[_Room] = []  # made by the first allocation that must evict
             for i, key in new:
-                offset = self._allocate(size, evicted)
+                offset = self._allocate(size, evicted, room)
                 if offset is None:
                     no_space.append(i)
                     continue
@@ -469,49 +512,51 @@ class ChunkIndex:
 
     # ------------------------------------------------------------------ space
 
-    def _allocate(self, size: int, evicted: list[ChunkKey]) -> int | None:
+    def _allocate(self, size: int, evicted: list[ChunkKey], room: list[_Room]) -> int | None:
         """A slot of ``size``, evicting the least recently used entries until one fits (their
-        keys added to ``evicted``, which the caller reports); None when nothing is left to evict."""
+        keys added to ``evicted``, which the caller reports); None when nothing is left to evict,
+        or when no eviction could make room (:meth:`_room_after_eviction`). ``room`` holds the
+        reservation's :class:`_Room` once one was made."""
         offset = self.allocator.alloc(size)
-        if offset is not None:
-            return offset
-        lru = self._lru
-        if lru and not self._room_after_eviction(size):
-            return None
-        while lru:  # the least recently used first; every entry here is evictable but the held
-            key, e = lru.popitem(last=False)
-            if e.pinned:  # held (see hold): back at the front once released
-                self._passed.add(key)
-                continue
-            self._drop(e)
-            evicted.append(key)
-            offset = self.allocator.alloc(size)
-            if offset is not None:
-                break
+        if offset is None:
+            lru = self._lru
+            if lru and not self._room_after_eviction(size, room):
+                return None
+            while lru:  # the least recently used first; every entry here is evictable but the held
+                key, e = lru.popitem(last=False)
+                if e.pinned:  # held (see hold): back at the front once released
+                    self._passed.add(key)
+                    continue
+                self._drop(e)
+                evicted.append(key)
+                offset = self.allocator.alloc(size)
+                if offset is not None:
+                    break
+        if offset is not None and room:
+            room[0].take(offset, Allocator.rounded(size))
         return offset
 
-    def _room_after_eviction(self, size: int) -> bool:
+    def _room_after_eviction(self, size: int, room: list[_Room]) -> bool:
         """Whether evicting every evictable entry would leave ``size`` bytes in one piece, so
         that an allocation no eviction can serve evicts nothing: a few pinned chunks spread over
         the arena (small chunks of another model, leased) leave no room for a large one however
         much is evicted. True at once when the least recently used entry is evictable and at
         least that large (evicting it makes the room: always so with one chunk size); otherwise
-        the arena less what nothing may evict (pinned, held, being written) is searched, one
-        pass over the entries (their keys set apart from the LRU's in C)."""
+        the gaps between what nothing may evict (pinned, held, being written) decide: found once
+        per reservation, one pass over the entries (their keys set apart from the LRU's in C),
+        and kept in ``room`` for its next allocations."""
         need = Allocator.rounded(size)
         lru = self._lru
         head = next(iter(lru.values()))
         if not head.pinned and Allocator.rounded(head.size) >= need:
             return True
-        entries = self.entries
-        fixed = [entries[k] for k in entries.keys() - lru.keys()]
-        fixed += [e for e in self._held if lru.get(e.key) is e]
-        end = 0
-        for start, stop in sorted((e.offset, e.offset + Allocator.rounded(e.size)) for e in fixed):
-            if start - end >= need:
-                return True
-            end = max(end, stop)
-        return self.allocator.capacity - end >= need
+        if not room:
+            entries = self.entries
+            fixed = [entries[k] for k in entries.keys() - lru.keys()]
+            fixed += [e for e in self._held if lru.get(e.key) is e]
+            room.append(_Room(self.allocator.capacity,
+                              ((e.offset, e.offset + Allocator.rounded(e.size)) for e in fixed)))
+        return room[0].largest() >= need
 
     def _drop(self, e: Entry) -> None:
         self.changes += 1
@@ -525,14 +570,13 @@ class ChunkIndex:
         self.allocator.free(e.offset, e.size)
 
     def format_of(self, model_name: str, world_size: int) -> str | None:
-        """The chunk format of the readable entries stored under ``model_name`` and
-        ``world_size`` (writes of another format are refused, so all share one), or None. Looks
-        at that model's entries only, until a readable one."""
+        """The chunk format of the entries stored or being written (a store, a promotion from
+        L2) under ``model_name`` and ``world_size`` (writes of another format are refused, so
+        all share one), or None. Looks at that model's entries only, until one of that world size."""
         entries = self.entries
         for key in self._by_model.get(model_name, ()):
-            e = entries[key]
-            if key.world_size == world_size and e.state is State.READY:
-                return e.fmt
+            if key.world_size == world_size:
+                return entries[key].fmt
         return None
 
     def clear(self, model_name: str = "") -> list[ChunkKey]:

@@ -1499,7 +1499,11 @@ class L2Tier:
             return
         failed = []
         for (i, e), fmt in zip(p.res.entries, p.found):
-            if fmt is None:
+            now = self.expected_format(e.key)
+            if fmt is None or (now is not None and now != fmt):
+                # unverified, or its model registered again in another layout while it was read
+                # (its context closed first): readable in this format, it would fail every
+                # request of the new layout that names it, not count as a miss
                 failed.append(i)
             else:
                 e.fmt = fmt

@@ -813,3 +813,28 @@ def test_a_rank_whose_context_closed_while_the_store_answered_is_not_promoted(tm
         pump(lambda: not tier.promoting)
         assert hits == 0
         assert not [k for k in index.entries if k.rank == 1], "rank 1's chunks were promoted"
+
+
+def test_a_promotion_whose_model_was_registered_again_in_another_layout_loads_nothing(tmp_path: Path) -> None:
+    """In process, with the real fs store, arena and index. While a lookup's chunks are promoted,
+    its model's context closes and another registers the same model_name in another layout
+    (a registration the server refuses while chunks of the old one are stored or being
+    written: the promotion's entries count). The promotion ends with its chunks dropped and
+    counted as failed: made readable in the old layout, they would have had every request of
+    the new one that names them refused, not counted as a miss."""
+    registered = {0: FMT}
+    with in_process_tier(tmp_path, lambda key: registered.get(key.rank)) as (_arena, index, tier, pump):
+        hashes = [bytes([i]) * 16 for i in range(2)]
+        offer(index, tier, [ChunkKey("m", 1, 0, h) for h in hashes], 8192)
+        pump(lambda: tier.writes == 2)
+        assert len(index.clear()) == 2
+        lk = tier.begin_lookup("m", 1, hashes, 0)
+        assert lk is not None
+        pump(lk.done)
+        hits, _, _ = tier.finish_lookup(lk, promote=True)
+        assert hits == 2 and tier.promoting
+        assert index.format_of("m", 1) == FMT  # what a registration of another layout is refused for
+        registered[0] = FMT_4K  # the context closed, and one of another layout registered
+        pump(lambda: not tier.promoting)
+        assert not index.entries and tier.promote_failures == 2 and tier.promoted == 0
+        index.allocator.check()

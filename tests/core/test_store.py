@@ -160,6 +160,40 @@ def test_a_chunk_no_eviction_can_make_room_for_evicts_nothing() -> None:
         index.allocator.check()
 
 
+class _CountedKeys(dict):  # type: ignore[type-arg]
+    """The index's entries, counting the passes over all their keys (``keys()``)."""
+
+    passes = 0
+
+    def keys(self):  # type: ignore[no-untyped-def]
+        type(self).passes += 1
+        return super().keys()
+
+
+def test_a_store_of_many_large_chunks_over_many_small_ones_passes_over_the_entries_once() -> None:
+    """An arena full of small chunks, one leased at the front: each large chunk of one store
+    must evict, and the least recently used entry is smaller than it, so whether eviction can
+    make room at all is asked for every one. The entries are walked once per store; before,
+    once per chunk (a 1,024-chunk store over 65,536 small chunks held the server's loop 4 s).
+    What is evicted, and what fits, are as before: every large chunk but the one the leased
+    small chunk leaves no room for."""
+    small, n_big = SIZE, 16
+    index = ChunkIndex(64 * small)
+    index.entries = _CountedKeys()
+    store(index, [key(i) for i in range(64)])
+    lease(index, "m", 1, [key(0).chunk_hash])
+    _CountedKeys.passes = 0
+    res, present, no_space = index.reserve_write([key(i, model="big") for i in range(n_big)], "g",
+                                                 4 * small, 1, OWNER)
+    assert _CountedKeys.passes == 1
+    assert present == [] and no_space == [n_big - 1], no_space  # 16 x 4 slots less the leased one
+    assert key(0) in index.entries
+    assert sum(k.model_name == "big" for k in index.entries) == n_big - 1
+    assert sum(k.model_name == "m" for k in index.entries) == 64 - 4 * (n_big - 1)  # the rest evicted
+    index.commit_write(res)
+    index.allocator.check()
+
+
 class Calls:
     def __init__(self) -> None:
         self.calls: list[list[ChunkKey]] = []
@@ -375,7 +409,9 @@ def test_one_format_per_identity_until_its_last_chunk_goes() -> None:
     index = ChunkIndex(16 * SIZE)
     assert index.format_of("m", 1) is None
     res, _, _ = index.reserve_write([key(1), key(2)], "fmt-a", SIZE, 1, OWNER)
-    assert index.format_of("m", 1) is None  # being written: not readable yet
+    # being written counts: once it is readable, a registration of another format would find
+    # every request that names it refused
+    assert index.format_of("m", 1) == "fmt-a"
     index.commit_write(res, failed=[0])
     assert index.format_of("m", 1) == "fmt-a" and index.format_of("m", 2) is None  # one entry left
     assert index.clear("m") and index.format_of("m", 1) is None
