@@ -1,4 +1,4 @@
-"""Warnings a peer can cause at will, logged at most once per second per kind.
+"""Lines a peer can cause at will, logged at most once per second per kind.
 
 A storm of refused connections or malformed requests must not flood the server's log: each kind
 of line is written at once, then at most once per :data:`INTERVAL_S`, with the count of the
@@ -28,6 +28,10 @@ class ThrottledLog:
         self._kinds: dict[str, tuple[int, int, float]] = {}
 
     def warning(self, kind: str, line: str) -> None:
+        self.log(logging.WARNING, kind, line)
+
+    def log(self, level: int, kind: str, line: str) -> None:
+        """As :meth:`warning`, at ``level``."""
         now = time.monotonic()
         with self._lock:
             count, logged, at = self._kinds.get(kind, (0, 0, 0.0))
@@ -38,4 +42,4 @@ class ThrottledLog:
                 logged, at = count, now + INTERVAL_S
             self._kinds[kind] = (count, logged, at)
         if more >= 0:
-            self._log.warning("%s%s", line, f" (and {more} more since the last such line)" if more else "")
+            self._log.log(level, "%s%s", line, f" (and {more} more since the last such line)" if more else "")

@@ -77,6 +77,7 @@ from kvxfer.server.tier import L2Tier, TierLookup
 from kvxfer.server.workers import Lane, LaneSlot, WorkerPool
 from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
+from kvxfer.text_table import printable
 from kvxfer.transport import registry
 from kvxfer.transport._context import exits_on_the_main_thread_are_plugin_failures, guarded, plugin_step
 from kvxfer.transport.contract import Queued, ServerContext, ServerTransport, Style, Transport, Waiter
@@ -783,7 +784,8 @@ class CacheServer:
             token = self._end_resumed(msg.resume, who) if msg.resume else None
             parked = self._parked.get(msg.resume) if msg.resume else None
             if parked is not None and parked.peer.raw != peer:
-                log.warning("%s presented the secret of a session of %s: not resumed", who.label(), parked.peer.label())
+                self._throttled.warning("foreign secret", f"{who.label()} presented the secret of a session of "
+                                        f"{parked.peer.label()}: not resumed")
                 parked = None
             if parked is not None:
                 token = parked.token
@@ -819,7 +821,8 @@ class CacheServer:
         if old is None:
             return None
         if old.peer.raw != who.raw:
-            log.warning("%s presented the secret of a session of %s: not resumed", who.label(), old.peer.label())
+            self._throttled.warning("foreign secret", f"{who.label()} presented the secret of a session of "
+                                    f"{old.peer.label()}: not resumed")
             return None
         self._drop_session(old.identity, "its client resumed it on a new connection", park_reads=True)
         return old.token
@@ -874,18 +877,25 @@ class CacheServer:
         if old and not parked.reservations:
             self._forget_parked(parked)
 
-    def _parked_of(self, peer: Peer) -> int:
-        """Reservations parked for the clients of ``peer``'s user (its uid; its CURVE key over
-        tcp://, the peer itself elsewhere): a process may end sessions with open reservations,
-        one after another, faster than they go (each counts against its own session only while
-        that is open), so the user's new reservations wait until fewer than
-        --max-reservations-per-session are parked. None is freed for it: their clients live and
-        may still copy."""
+    def _parked_of(self, peer: Peer) -> tuple[int, int]:
+        """The reservations parked for the sessions of ``peer``'s process (its pid on ipc://;
+        its CURVE key over tcp://, the peer itself elsewhere), and their bytes. A process may end
+        sessions with reservations open, one after another (resuming each on a new connection),
+        faster than they go, and none is freed while it lives (it may still copy): so they count
+        against each new session of that process as the session's own, and the process gets no
+        more than one session's worth (--max-reservations-per-session,
+        --max-reserved-bytes-per-session) however many sessions it ends. Other processes, of the
+        same user too, are not held back by them."""
         def owner(p: Peer) -> object:
-            return p.uid if p.uid is not None else (p.curve_key or p.raw)
+            return (p.uid, p.pid) if p.pid is not None else (p.curve_key or p.raw)
 
         mine = owner(peer)
-        return sum(len(p.reservations) for p in self._parked_clients() if owner(p.peer) == mine)
+        n = nbytes = 0
+        for p in self._parked_clients():
+            if owner(p.peer) == mine:
+                n += len(p.reservations)
+                nbytes += sum(res.nbytes for res in p.reservations.values())
+        return n, nbytes
 
     def _forget_parked(self, parked: Parked) -> None:
         for secret in [k for k, v in self._parked.items() if v is parked]:
@@ -897,9 +907,9 @@ class CacheServer:
         self.dropped_connections += 1
         session = self.sessions.get(identity)
         who = session.peer.label() if session is not None else "a connection without a session"
-        log.warning("%s does not read its replies (%s unread, more than --max-unread-reply-bytes %s): dropped "
-                    "them and ended its session", who, format_bytes(unread),
-                    format_bytes(self.limits.max_unread_reply_bytes))
+        limit = format_bytes(self.limits.max_unread_reply_bytes)
+        self._throttled.warning("unread replies", f"{who} does not read its replies ({format_bytes(unread)} unread, "
+                                f"more than --max-unread-reply-bytes {limit}): dropped them and ended its session")
         if session is not None:
             self._drop_session(identity, "stopped reading its replies")
 
@@ -910,8 +920,14 @@ class CacheServer:
         session = self.sessions.pop(identity)
         # a client that registered nothing and said goodbye (`kvxfer status`, polled) is no news
         quiet = not session.instances and not session.usage.leases and reason == _CLOSED_BY_CLIENT
-        log.log(logging.DEBUG if quiet else logging.INFO, "session of %s (%s) ended (%s): dropping its %d "
-                "registrations", session.peer.label(), session.name or "unnamed", reason, len(session.instances))
+        name = printable(session.name) if session.name else "unnamed"
+        name = name if len(name) <= 64 else f"{name[:64]}..."
+        line = (f"session of {session.peer.label()} ({name}) ended "
+                f"({reason}): dropping its {len(session.instances)} registrations")
+        if quiet:
+            log.debug("%s", line)
+        else:  # a client may end sessions as fast as it opens them
+            self._throttled.log(logging.INFO, "session ended", line)
         # a silent client that still lives may wake mid-copy: keep its write slots until it dies
         # (one that said goodbye has closed its contexts, so copies no more: nothing is kept)
         parked = None
@@ -1228,10 +1244,10 @@ class CacheServer:
         up the reservations every client's stores need."""
         promoting = len(self.tier.usage.reservations) if self.tier is not None else 0
         self.limits.check("max_reservations", len(self.index.reservations) - promoting)
-        self.limits.check("max_reservations_per_session", len(session.usage.reservations))
-        if self._parked:  # what the user's ended sessions left parked counts too (see _parked_of)
-            self.limits.check("max_reservations_per_session", self._parked_of(session.peer))
-        self.limits.check("max_reserved_bytes_per_session", session.usage.reserved_bytes, nbytes)
+        # what the process's ended sessions left parked counts as the session's own (see _parked_of)
+        parked, parked_bytes = self._parked_of(session.peer) if self._parked else (0, 0)
+        self.limits.check("max_reservations_per_session", len(session.usage.reservations) + parked)
+        self.limits.check("max_reserved_bytes_per_session", session.usage.reserved_bytes + parked_bytes, nbytes)
         if pins:
             self._check_chunk_pins(session, pins)
 

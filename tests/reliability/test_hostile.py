@@ -20,12 +20,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from relkit import RawPeer, Writer, key, proc_kib, read_event, threads, wait_until
+from relkit import RawPeer, Shape, Writer, key, proc_kib, read_event, threads, wait_until
 
 from kvxfer import CacheClient, liveness
 from kvxfer.errors import KvxferError, RemoteError
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
+from kvxfer.server.allocator import Allocator
 from kvxfer.testing.server import ServerProcess
 
 #: a killed or silent client's session is dropped after 3 s; the rest is slack for a loaded machine
@@ -279,12 +280,59 @@ def test_a_client_that_says_goodbye_with_an_open_write_keeps_nothing_parked(serv
         client.close()
 
 
-def test_the_parked_reservations_of_one_user_are_bounded(shm_dir):
-    """Open writes outlive a session only as parked, and count against no session then: a user
-    that ended sessions with open writes, one after another, gets no new reservation while
-    --max-reservations-per-session of them are parked (none is freed: their client lives and may
-    still copy into them), so it cannot hold every reservation of the server. Once that client
-    is gone, they go, and the user reserves again."""
+def test_a_client_that_ends_sessions_as_fast_as_it_opens_them_does_not_flood_the_log(shm_dir):
+    """Each session that registered something logs a line when it ends, with the client's name
+    (up to --max-name-length characters): one client cycling handshake, register and goodbye
+    wrote 1 MB of log a second. Those lines are throttled (the first at once, then at most one a
+    second with the count of those left out) and show at most 64 characters of the name."""
+    name = "n" * 500
+    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--shm-dir", str(shm_dir)]) as server, \
+            CacheClient(server.url, timeout=20) as observer:
+        ref = Writer(observer, model="log-ref")
+        for n in range(60):
+            peer = RawPeer(server.url)
+            try:
+                peer.handshake(client_name=name)
+                assert peer.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0500 + n)))[0] \
+                    == codec.OK
+                assert peer.call(b"goodbye", codec.encode(m.Goodbye()))[0] == codec.OK
+            finally:
+                peer.close()
+        wait_until(lambda: observer.status().sessions == 1, 10.0, "the cycled sessions ended")
+        ended = [ln for ln in server.log().splitlines() if "ended (closed by the client)" in ln]
+        assert 1 <= len(ended) <= 5, len(ended)
+        assert all(name[:65] not in ln for ln in ended), ended[0]
+
+
+_OTHER_PROCESS_STORES = """
+import sys, torch
+from kvxfer import CacheClient
+with CacheClient(sys.argv[1], timeout=20) as c:
+    kv = [torch.zeros(2, 16, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    ctx = c.register(kv, model_name="other-process", block_size=16, transport="cpu_gather")
+    print(ctx.submit_store([bytes(16)], list(range(c.chunk_size // 16))).result(20).stored)
+    ctx.close()
+"""
+
+
+def _store_from_another_process(url: str) -> str:
+    """What a store of one chunk by a CacheClient in a process of its own (this user's) returned."""
+    out = subprocess.run([sys.executable, "-c", _OTHER_PROCESS_STORES, url], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 or "LimitExceeded" in out.stderr, out.stderr[-2000:]
+    return out.stdout.strip() if out.returncode == 0 else out.stderr.strip().splitlines()[-1]
+
+
+def test_the_parked_reservations_of_one_process_are_bounded_and_hold_back_no_other(shm_dir):
+    """Open writes outlive a session only as parked, and are freed only when their process is
+    gone (it may still copy into them). A process that ended sessions with open writes, one
+    after another, has them count as its next session's own: while
+    --max-reservations-per-session of them are parked, its new sessions get no reservation, so
+    it cannot hold every reservation of the server. Another process of the same user (on
+    ipc:// every client has the server's uid) reserves as before: the bound was per user, and
+    one frozen or hostile client refused every store of every engine. Once that client is
+    gone, its parked writes go, and it reserves again."""
     with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
                        extra_args=["--shm-dir", str(shm_dir), "--max-reservations-per-session", "3"]) as server, \
             CacheClient(server.url, timeout=20) as observer:
@@ -298,11 +346,36 @@ def test_the_parked_reservations_of_one_user_are_bounded(shm_dir):
             assert peer.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0199)))[0] == codec.OK
             err = peer.error(b"reserve_write", codec.encode(m.ReserveWrite(4343_0199, [key("resume", 9)])))
             assert err is not None and err[0] == "limit_exceeded" and "max_reservations_per_session" in err[1], err
+            assert _store_from_another_process(server.url) == "[0]"
             assert observer.status().reservations == 3  # none of the parked ones was freed
         finally:
             client.close()
         wait_until(lambda: observer.status().reservations == 0, DROP_WITHIN_S, "the gone client's parked slots freed")
         assert Writer(observer, model="cap-victim").store([key("cap-victim", 0)]).stored == [0]
+
+
+def test_the_parked_bytes_of_one_process_count_against_its_sessions(shm_dir):
+    """--max-reserved-bytes-per-session bounds what a process holds in parked writes as well:
+    one that reserves its whole allowance, resumes (parking it) and reserves again gets no more
+    than one session's bytes. Before, each resume gave it a fresh allowance, and one client
+    held every slot of the arena in parked writes, so that every other client's stores found
+    no room for as long as it lived."""
+    slot = Allocator.rounded(Shape().chunk_bytes(64))
+    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--shm-dir", str(shm_dir), "--max-reserved-bytes-per-session", str(2 * slot)]) \
+            as server, CacheClient(server.url, timeout=20) as observer:
+        ref = Writer(observer, model="bytes-ref")
+        client = _Resumer(server.url, ref)
+        try:
+            for n in range(2):
+                client.open_write(client.connect(), 4343_0400 + n, n)
+            peer = client.connect()  # both writes parked: the process's whole allowance
+            assert peer.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0499)))[0] == codec.OK
+            err = peer.error(b"reserve_write", codec.encode(m.ReserveWrite(4343_0499, [key("resume", 9)])))
+            assert err is not None and err[0] == "limit_exceeded" and "max_reserved_bytes_per_session" in err[1], err
+            assert _store_from_another_process(server.url) == "[0]"
+        finally:
+            client.close()
 
 
 def test_a_client_that_resumes_its_open_session_keeps_the_pins_of_its_open_read(server, client_of):
