@@ -325,6 +325,9 @@ def test_chunk_size_must_match_the_server(server: ServerProcess) -> None:
         KvxferConnector(make_vllm_config(server.url, chunk_size=32), KVConnectorRole.WORKER, _groups())
     with pytest.raises(ConfigError, match="not a multiple of vLLM's block size 3"):
         KvxferConnector(make_vllm_config(server.url, block_size=3), KVConnectorRole.SCHEDULER, _groups(block_size=3))
+    # the user's own key is what to fix, not the server's option
+    with pytest.raises(ConfigError, match=r"kvxfer.chunk_size 18 is not a multiple.*set it to the server's --chunk-size"):
+        KvxferConnector(make_vllm_config(server.url, chunk_size=18), KVConnectorRole.SCHEDULER, _groups())
     ok = KvxferConnector(make_vllm_config(server.url, chunk_size=16), KVConnectorRole.SCHEDULER, _groups())
     assert ok.scheduler.chunk_size == 16
     ok.shutdown()

@@ -291,3 +291,96 @@ def test_a_late_server_that_refuses_the_registration_costs_a_step_nothing_under_
                 assert worker.worker.link.down
         finally:
             worker.shutdown()
+
+
+def _slot_of_one_chunk() -> int:
+    """Arena bytes of one chunk of MiniEngine's KV cache (2 layers of [2, blocks, 4, 2, 4] float32)."""
+    from kvxfer.server.allocator import Allocator
+
+    return Allocator.rounded(2 * 2 * CHUNK * 2 * 4 * 4)
+
+
+def test_a_store_a_live_server_refuses_fails_alone() -> None:
+    """A store the server refuses for one of its limits (here --max-reserved-bytes-per-session
+    of one chunk; by default a step that stores more than the arena holds) is a reply of a live
+    server about that store. It killed the engine under fail (the refusal was taken for an
+    outage), and under recompute turned the cache off as if the server were gone. Now that
+    store alone fails, counted in failed_store_chunks; the cache stays on, and the next store
+    that fits is stored."""
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="cpu_gather",
+                       extra_args=["--max-reserved-bytes-per-session", str(_slot_of_one_chunk())]) as srv:
+        engine = MiniEngine(make_vllm_config(srv.url, model_name="refused-store", timeout_s=5),
+                            enable_prefix_caching=False)
+        work = engine.worker.worker
+        try:
+            feed(engine, workload("rs", n=2, seed=7), per_step=2)  # several chunks a request: refused
+            engine.check_drained()
+            assert work.stats["failed_store_chunks"] >= 2 and work.stats["dropped_stores"] == 0, work.stats
+            assert not work.link.down and not engine.scheduler.scheduler.link.down
+            before = work.stats["stored_chunks"]
+            feed(engine, [Request("one-chunk", list(range(2_000_000, 2_000_000 + CHUNK + 1)))], per_step=1)
+            engine.check_drained()
+            assert work.stats["stored_chunks"] == before + 1
+        finally:
+            engine.shutdown()
+
+
+def test_a_lookup_a_live_server_refuses_fails_alone() -> None:
+    """A lookup whose lease the server refuses (here --max-chunk-pins-per-session 1, and the
+    prompts' prefixes stored, several chunks each) is answered by vLLM computing the prefix,
+    counted in unanswered_lookups: under fail it killed the engine."""
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="cpu_gather",
+                       extra_args=["--max-chunk-pins-per-session", "1"]) as srv:
+        engine = MiniEngine(make_vllm_config(srv.url, model_name="refused-lookup", timeout_s=5),
+                            enable_prefix_caching=False)
+        sched = engine.scheduler.scheduler
+        try:
+            reqs = workload("rl", n=2, seed=8)
+            feed(engine, reqs, per_step=2)
+            engine.check_drained()
+            assert engine.worker.worker.stats["stored_chunks"] >= 4
+            feed(engine, workload("rl-again", n=2, seed=8), per_step=2)  # the same prompts: leases of 2+ chunks
+            engine.check_drained()
+            assert sched.stats["unanswered_lookups"] >= 2 and not sched.link.down, sched.stats
+        finally:
+            engine.shutdown()
+
+
+def test_a_kv_cache_the_server_refuses_to_register_is_refused_at_start_up() -> None:
+    """A server that holds a model's chunks in one format refuses a KV cache of another under
+    the same name (kvxfer.model_name set, the fingerprint off). That refusal is no outage: it is
+    raised when vLLM registers its KV caches, under recompute too (it was logged as an outage,
+    and every load the scheduler then planned failed, for good), and without the advice to
+    start a server."""
+    import torch
+    from kvxfer_vllm_harness import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvxfer.integrations.vllm import KvxferConnector
+    from kvxfer.integrations.vllm._compat import KVConnectorRole
+
+    specs = KVCacheConfig(32, [KVCacheGroupSpec(["l0"], FullAttentionSpec(4))])
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK, transports="cpu_gather") as srv:
+        first = KvxferConnector(make_vllm_config(srv.url, model_name="one-name", fingerprint=False),
+                                KVConnectorRole.WORKER, specs)
+        try:
+            first.register_kv_caches({"l0": torch.zeros(2, 32, 4, 2, 4)})
+            ctx = next(iter(first.worker.contexts.values()))
+            assert ctx.submit_store(chunk_hashes_of("one-name"), list(range(CHUNK // 4))).result(10).stored == [0]
+        finally:
+            first.shutdown()
+        for policy in ("recompute", "fail"):
+            other = KvxferConnector(make_vllm_config(srv.url, model_name="one-name", fingerprint=False,
+                                                     on_server_error=policy, retry_s=0.1),
+                                    KVConnectorRole.WORKER, specs)
+            try:
+                with pytest.raises(ConfigError, match="refused this KV cache") as info:
+                    other.register_kv_caches({"l0": torch.zeros(2, 32, 4, 2, 4, dtype=torch.bfloat16)})
+                assert "start one with" not in str(info.value)
+            finally:
+                other.shutdown()
+
+
+def chunk_hashes_of(salt: str) -> list[bytes]:
+    from kvxfer import chunk_hashes
+
+    return chunk_hashes(list(range(CHUNK)), CHUNK, salt=salt)

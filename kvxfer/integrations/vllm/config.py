@@ -162,8 +162,8 @@ class ConnectorConfig:
             chunk_size = _positive_int("kvxfer.chunk_size", chunk_size)
             if chunk_size % block_size:
                 raise ConfigError(
-                    f"kvxfer.chunk_size {chunk_size} is not a multiple of vLLM's block size {block_size}; "
-                    f"start the server with --chunk-size a multiple of {block_size}"
+                    f"kvxfer.chunk_size {chunk_size} is not a multiple of vLLM's block size {block_size}; set it "
+                    f"to the server's --chunk-size (which must be a multiple of {block_size}), or leave it out"
                 )
         layout = extra.get("kvxfer.layout")
         if layout is not None and layout not in ("bhnc", "flash_attn", "flashinfer", "mla"):

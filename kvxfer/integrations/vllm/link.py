@@ -25,16 +25,27 @@ from pathlib import Path
 from typing import Final
 
 from kvxfer.client import CacheClient
-from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError, TransportError
+from kvxfer.errors import (
+    ConfigError,
+    ConnectionFailed,
+    InvalidRequest,
+    KvxferError,
+    LimitExceeded,
+    ServerInternalError,
+    TransportError,
+)
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.transport import registry
 
-__all__ = ["ServerLink", "check_transport_name"]
+__all__ = ["REFUSED", "ServerLink", "check_transport_name"]
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
 #: Seconds between two ERROR lines of the same reason from the background attempts.
 UNUSABLE_REPEAT_S: Final = 60
+#: What a live server answers about one request it will not serve (a limit reached, a request it
+#: refuses, its own or its transport's failure): that request fails, and the server is not down.
+REFUSED: Final = (LimitExceeded, InvalidRequest, ServerInternalError)
 
 
 def check_transport_name(name: str) -> None:

@@ -39,9 +39,10 @@ from kvxfer.errors import ConfigError, KvxferError, NoSession
 from kvxfer.hashing import chunk_hashes
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.groups import NULL_BLOCK, GroupPlan, check_name_lengths
-from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
+from kvxfer.integrations.vllm.link import REFUSED, ServerLink, check_transport_name
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
+from kvxfer.mq.throttled_log import ThrottledLog
 
 __all__ = ["SchedulerConnector", "RequestLike"]
 
@@ -121,6 +122,8 @@ class SchedulerConnector:
         self._preempted: set[str] = set()
         self.stats = {"lookups": 0, "unanswered_lookups": 0, "lookup_tokens": 0, "lookup_hit_tokens": 0,
                       "loads": 0, "loads_not_offered_again": 0, "stores": 0, "store_chunks": 0}
+        #: Lookups a live server refused: a warning a second at most
+        self._refused = ThrottledLog(log)
         self.link = ServerLink(config, "scheduler", self._on_connect)
         self.link.get(startup=True)
         if not moves_kv:
@@ -244,6 +247,12 @@ class SchedulerConnector:
                     reply = client.lookup_and_lease(g.name, self.config.world_size,
                                                     hashes=hashes[first:first + hits], lease_s=self.config.lease_s,
                                                     promote=True, prefetch=self.config.prefetch)
+            except REFUSED as exc:  # a live server refused this lookup (a limit, say): vLLM computes the prefix
+                self._release_lease(st)
+                self._refused.warning("lookup", f"kvxfer: the server refused the lookup of request "
+                                      f"{request.request_id} ({exc}); vLLM computes its prefix")
+                self.stats["unanswered_lookups"] += 1
+                return 0, False
             except KvxferError as exc:
                 self._release_lease(st)
                 self.link.failed(exc, f"lookup for request {request.request_id}")  # raises in fail mode

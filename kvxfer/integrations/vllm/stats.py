@@ -61,8 +61,8 @@ except ImportError:
 FIELDS: Final[dict[str, str]] = {
     "lookups": "Lookups kvxfer's scheduler side asked the cache server.",
     "unanswered_lookups": "Lookups of prompts with a whole chunk to ask about that the cache server did not "
-                          "answer (unreachable or failing, with kvxfer.on_server_error=recompute): vLLM computed "
-                          "them without the cache.",
+                          "answer (unreachable or failing, with kvxfer.on_server_error=recompute) or refused (a "
+                          "limit reached): vLLM computed them without the cache.",
     "lookup_tokens": "Prompt tokens (full chunks beyond vLLM's own prefix-cache hit) the lookups asked about.",
     "hit_tokens": "Tokens the cache server had and kvxfer offered vLLM to load instead of computing.",
     "loads_not_retried": "Requests vLLM asked about again after their load failed: kvxfer offered nothing (one "
@@ -76,7 +76,8 @@ FIELDS: Final[dict[str, str]] = {
     "stores": "Stores kvxfer's workers submitted.",
     "stored_chunks": "Chunks stored into the cache server (summed over ranks).",
     "stored_bytes": "Bytes stored into the cache server.",
-    "failed_store_chunks": "Chunks a store could not store (no room, or the copy failed).",
+    "failed_store_chunks": "Chunks a store could not store (no room, a limit of the server's reached, or the copy "
+                           "failed).",
     "dropped_stores": "Stores not sent (no server, or the server failed).",
 }
 #: What the scheduler side reports: its stats key -> field.

@@ -36,12 +36,13 @@ from typing import Any
 import torch
 
 from kvxfer.client import CacheClient
-from kvxfer.errors import ConfigError, KvxferError, TransportError, TransportFailed
+from kvxfer.errors import ConfigError, InvalidRequest, KvxferError, TransportError, TransportFailed
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.groups import GroupPlan, check_name_lengths
-from kvxfer.integrations.vllm.link import ServerLink, check_transport_name
+from kvxfer.integrations.vllm.link import REFUSED, ServerLink, check_transport_name
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
+from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.protocol import messages as m
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
 from kvxfer.transport.contract import LayerwiseFuture, TransferContext
@@ -101,6 +102,8 @@ class WorkerConnector:
                       "failed_store_chunks": 0, "dropped_stores": 0}
         #: each store in flight: (bytes of one chunk, chunks asked), for the figures once it is done
         self._store_sizes: dict[Future[StoreResult], tuple[int, int]] = {}
+        #: Transfers a live server refused: a warning a second at most (a step may refuse many)
+        self._refused = ThrottledLog(log)
         self.link = ServerLink(config, f"worker rank {config.rank}", self._on_connect)
         self.link.get(startup=True)
 
@@ -142,9 +145,10 @@ class WorkerConnector:
     def _ensure_contexts(self, startup: bool = False) -> dict[int, TransferContext] | None:
         """Every group's context, registering those not registered yet; None without a server.
         A registration the server refuses (a transport it does not load, a layout it does not
-        take) raises at start-up, and in a step under ``fail``; in a step under ``recompute``
-        (a server that came after start-up) it is a server error: logged, the cache off until
-        ``kvxfer.retry_s`` has passed, the step's transfers reported as not done."""
+        take, another format than that of the chunks it holds under the same name) raises at
+        start-up, and in a step under ``fail``; in a step under ``recompute`` (a server that came
+        after start-up) it is a server error: logged, the cache off until ``kvxfer.retry_s`` has
+        passed, the step's transfers reported as not done."""
         client = self.link.get(startup=startup)
         if client is None or self._layers is None:
             return None
@@ -154,9 +158,12 @@ class WorkerConnector:
                 continue
             layers = self._group_layers(g)
             try:
-                self.contexts[g.index] = client.register(
-                    layers, model_name=g.name, block_size=g.block_size, world_size=self.config.world_size,
-                    rank=self.config.rank, transport=self.config.transport, layout=self.config.layout)
+                try:
+                    self.contexts[g.index] = client.register(
+                        layers, model_name=g.name, block_size=g.block_size, world_size=self.config.world_size,
+                        rank=self.config.rank, transport=self.config.transport, layout=self.config.layout)
+                except InvalidRequest as exc:  # a live server that will never take this KV cache as it is
+                    raise ConfigError(f"the kvxfer server at {client.url} refused this KV cache: {exc}") from exc
             except (ConfigError, TransportError) as exc:
                 if startup:
                     raise
@@ -464,6 +471,10 @@ class WorkerConnector:
             except TransportFailed:  # the transport's copy failed: those blocks are reported not loaded
                 log.exception("kvxfer: loading request %s failed", op.req_id)
                 bad += _unskipped(op, range(len(op.keys)), bs)
+            except REFUSED as exc:  # a live server refused this load: only it fails
+                bad += _unskipped(op, range(len(op.keys)), bs)
+                self._refused.warning("load", f"kvxfer: the server refused the load of request {op.req_id} ({exc}); "
+                                      "vLLM computes its blocks")
             except KvxferError as exc:
                 bad += _unskipped(op, range(len(op.keys)), bs)
                 self._server_failed(exc, f"loading request {op.req_id}")
@@ -487,6 +498,11 @@ class WorkerConnector:
         except TransportFailed:  # the transport's copy failed: the chunks are not stored
             log.exception("kvxfer: a store failed")
             self.stats["failed_store_chunks"] += chunks
+            return True
+        except REFUSED as exc:  # a live server refused this store (a limit, say): only it fails
+            self.stats["failed_store_chunks"] += chunks
+            self._refused.warning("store", f"kvxfer: the server refused a store of {chunks} chunks ({exc}); they are "
+                                  "not stored")
             return True
         except KvxferError as exc:  # before FutureTimeout: RequestTimeout is a TimeoutError too
             self.stats["dropped_stores"] += 1  # the server failed it: nothing stored
