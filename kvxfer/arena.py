@@ -150,7 +150,11 @@ class Arena:
                 "(seconds per GiB on some hosts)", format_bytes(size), base)
         name = f"{_DIR_PREFIX}{os.getuid()}-{secrets.token_hex(16)}"
         building = base / f".{name}"
-        os.mkdir(building, 0o700)
+        try:
+            os.mkdir(building, 0o700)
+        except OSError as exc:  # read-only, not ours to write in, out of inodes
+            raise ConfigError(f"cannot make the L1 arena in {base}: {exc.strerror}; pass --shm-dir with a tmpfs "
+                              "directory this user may write in (such as /dev/shm)") from None
         dir_fd = lock_fd = -1
         try:
             dir_fd = open_private_dir(building, "arena directory")

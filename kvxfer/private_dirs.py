@@ -88,6 +88,8 @@ def ensure_private_dir(path: Path, what: str, hint: str = "", *, private: bool =
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
+        except OSError as exc:  # a read-only file system, a directory not ours to write in
+            raise _refuse(what, path, f"cannot be made ({d}: {exc.strerror})", hint) from None
     check_trusted_parents(path, what, hint)
     check_private_dir(path, what, hint, private=private)
     return path

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import math
 import os
 import queue
 import select
@@ -268,6 +269,8 @@ class MQServer:
         #: Other file descriptors the loop polls (see watch()).
         self._watched: dict[int, Callable[[], None]] = {}
         self._loop_ident = 0
+        #: When the loop next runs on_tick (see tick_by).
+        self._next_tick = math.inf
 
     def _listen(self, url: str, curve: CurveServerKeys | None, max_message_size: int, max_unread_reply_bytes: int,
                 max_connections: int) -> None:
@@ -355,6 +358,12 @@ class MQServer:
         """Whether the calling thread is the loop's."""
         return threading.get_ident() == self._loop_ident
 
+    def tick_by(self, when: float) -> None:
+        """Run the periodic task (``on_tick``) at ``when`` (``time.monotonic()``) at the latest,
+        instead of at its next period (loop thread only): a deadline that must not wait for it."""
+        if when < self._next_tick:
+            self._next_tick = when
+
     def watch(self, fd: int, on_readable: Callable[[], None]) -> None:
         """Poll ``fd`` with the ROUTER socket and call ``on_readable`` on the loop when it is
         readable (loop thread only; the L2 tier's lookups use it). ``on_readable`` must not
@@ -378,7 +387,7 @@ class MQServer:
         router = self._router
         wake_fd = self._wake_fd
         self._loop_ident = threading.get_ident()
-        next_tick = time.monotonic() + self._tick_s
+        self._next_tick = time.monotonic() + self._tick_s
         busy_s = self._busy_poll_s
         hot_until = 0.0
         try:
@@ -394,7 +403,7 @@ class MQServer:
                 elif router_ready or (unix is not None and unix.ready):  # messages not handled yet
                     events = dict(poll(0))
                 else:
-                    timeout = max(0.0, next_tick - time.monotonic())
+                    timeout = max(0.0, self._next_tick - time.monotonic())
                     if self._backlog:  # retry soon: ZeroMQ does not say when a peer's queue has room
                         timeout = min(timeout, 0.005)
                     events = dict(poll(timeout + 0.0005))
@@ -443,8 +452,8 @@ class MQServer:
                         except Exception:  # a watcher must never stop the loop
                             log.exception("reading watched descriptor %d failed", fd)
                         self._run_after_reply()
-                if time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + self._tick_s
+                if time.monotonic() >= self._next_tick:
+                    self._next_tick = time.monotonic() + self._tick_s
                     if unix is not None:
                         unix.tick()
                     if self._on_tick is not None:

@@ -410,7 +410,7 @@ class CacheServer:
             )
             if config.l2 is not None:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
-                                   watch=self._mq.watch, unwatch=self._mq.unwatch)
+                                   watch=self._mq.watch, unwatch=self._mq.unwatch, tick_by=self._mq.tick_by)
                 self.tier.start()
             if self._metrics is not None:
                 self._metrics.start()

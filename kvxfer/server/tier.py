@@ -436,6 +436,8 @@ class TierLookup:
         tier._landed(self)
         if sizes is None:
             if not self._done:  # (a lookup that timed out was counted as failed then)
+                if self.deadline and time.monotonic() >= self.deadline:  # the store's own timeout came first
+                    tier._count("timeouts")
                 tier._failed(error or ConnectionError("the store's connection failed during a lookup"), "lookup")
             self.resolve([])
             return
@@ -485,6 +487,7 @@ class L2Tier:
         expected_format: Callable[[ChunkKey], str | None],
         watch: Callable[[int, Callable[[], None]], None] | None = None,
         unwatch: Callable[[int], None] | None = None,
+        tick_by: Callable[[float], None] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -497,6 +500,8 @@ class L2Tier:
         #: descriptor it watches now.
         self._watch = watch
         self._unwatch = unwatch
+        #: Has the loop run :meth:`tick` by a lookup's deadline (it waits at most timeout_s).
+        self._tick_by = tick_by
         self._watched_fds: Sequence[int] = ()
         self._loop_exists: LoopExists | None = None
         self.admission_hits = parse_admission(config.admission)
@@ -935,8 +940,8 @@ class L2Tier:
         if self.breaker.failure(msg):
             log.warning("L2 store %s at %s is down after %d failures (last: %s during %s); serving from L1 and "
                         "retrying with backoff", self.store.name, self.url, self.breaker.failures, msg, what)
-        else:
-            log.debug("L2 %s failed: %s", what, msg)
+        else:  # one failure is news too: a store that fails all its writes may never fail three in a row
+            self._throttled.warning("failure", f"L2 store {self.store.name}: {what} failed: {msg}")
 
     def _describe(self, exc: BaseException) -> str:
         """``exc`` as the log and ``kvxfer status`` show it. Its text may quote a store node's
@@ -1023,6 +1028,8 @@ class L2Tier:
         if not lk.done():
             lk.deadline = time.monotonic() + self.config.timeout_s
             self._waiting.append(lk)
+            if self._tick_by is not None:
+                self._tick_by(lk.deadline)
         return lk
 
     def _landed(self, lk: TierLookup) -> None:
@@ -1541,6 +1548,20 @@ class L2Tier:
                     next_stats = 0.0
             elif self.breaker.closed and self.backend is not None and time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + _STATS_EVERY_S
+                try:
+                    # a store may answer its operations from memory while what it stands on is
+                    # gone (fs: its directory removed), each answer resetting the breaker: its
+                    # own health check, failed, puts the tier down at once
+                    self.backend.ping()
+                except Exception as exc:  # noqa: BLE001  (whatever the plugin raised: the store is unusable)
+                    self._count("errors")
+                    msg = self._describe(exc)
+                    self.store_stats = {}
+                    if self.breaker.closed:
+                        log.warning("L2 store %s at %s is down: its health check failed (%s); serving from L1 "
+                                    "and retrying with backoff", self.store.name, self.url, msg)
+                    self.breaker.trip(msg)
+                    continue
                 try:
                     self.store_stats = self.backend.stats()
                 except PluginFault as exc:  # its data operations may work: a bug, not an outage

@@ -159,6 +159,9 @@ class FsBackend(ThreadedBackend):
             if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EACCES, errno.EPERM):
                 raise ConfigError(f"the fs store's lock file {root / _LOCK_NAME} is not a regular file of yours "
                                   f"({exc.strerror}): remove it, or choose another --l2-url") from None
+            if exc.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+                raise ConfigError(f"the fs store's directory {root} cannot be written ({exc.strerror}): choose "
+                                  "another --l2-url, on a file system this server may write to") from None
             raise
         except BaseException:
             os.close(self._root_fd)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -838,3 +839,26 @@ def test_a_promotion_whose_model_was_registered_again_in_another_layout_loads_no
         pump(lambda: not tier.promoting)
         assert not index.entries and tier.promote_failures == 2 and tier.promoted == 0
         index.allocator.check()
+
+
+def test_an_fs_store_whose_directory_is_removed_goes_down_within_seconds(tmp_path: Path) -> None:
+    """The fs store answers lookups from its index in memory: its directory removed behind the
+    server's back, those answers kept the breaker closed, the tier said `up` with the old
+    figures, every write was dropped with no line in the log, and lookups promised L2 hits that
+    the retrieve then missed. The tier's health cycle runs the store's own check (`ping`) too:
+    within its period (5 s) the tier is down, saying why, and a WARNING says so."""
+    kv = big_kv(4)
+    root = tmp_path / "l2"
+    with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--l2", "fs", "--l2-url", f"file://{root}"]) as srv, \
+            CacheClient(srv.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="gone", block_size=BLOCK_SIZE, transport="cpu_gather")
+        keys = [b"g" + bytes([i]) * 15 for i in range(2)]
+        assert ctx.submit_store(keys, blocks_of(0, 2)).result(TIMEOUT).stored == [0, 1]
+        settled(c, 2)
+        assert c.status().tiers[0].state == "up"
+        shutil.rmtree(root)
+        tier = wait_until(lambda: (t := c.status().tiers[0]).state == "down" and t, 15.0, 0.1)
+        assert "is gone" in tier.detail, tier
+        assert "health check failed" in srv.log()
+        ctx.close()

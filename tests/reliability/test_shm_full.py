@@ -94,3 +94,37 @@ def test_a_full_shared_memory_filesystem_after_start(small_tmpfs):
         log = server.log()
         assert "handler of" not in log, log[-3000:]  # no handler failed: only the plugin, as logged
         assert log.count("Traceback") == log.count("failed in retrieve: OSError: [Errno 28]"), log[-3000:]
+
+
+@pytest.fixture
+def read_only_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "ro"
+    mnt.mkdir(mode=0o700)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--l1-size", "16MiB", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_read_only_file_system_is_refused_with_what_to_do(read_only_tmpfs, tmp_path):
+    """An arena directory (--shm-dir) or an fs store directory (--l2-url file://...) on a file
+    system the server cannot write to: the server exits at once (status 2) saying where and what
+    to pass instead. The arena's printed a traceback; the fs store's left L2 down, retried with
+    backoff for the server's life."""
+    r = _serve("--shm-dir", str(read_only_tmpfs), "--url", f"ipc://{tmp_path}/a.sock")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "cannot make the L1 arena in" in r.stderr and "--shm-dir" in r.stderr and "Traceback" not in r.stderr
+    for url in (f"file://{read_only_tmpfs}/kv", f"file://{read_only_tmpfs}"):
+        r = _serve("--l2", "fs", "--l2-url", url, "--url", f"ipc://{tmp_path}/b.sock")
+        assert r.returncode == 2, (url, r.stderr[-2000:])
+        assert "Read-only file system" in r.stderr and "--l2-url" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -170,6 +170,10 @@ def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
         hosts.append((kw.pop("host"), int(kw.pop("port", 6379))))
         if kw.pop("connection_class", None) is not None:  # valkeys:// (the clients take ssl=True)
             kw["ssl"] = True
+        elif any(k.startswith("ssl_") for k in kw):  # a plain connection takes no TLS option
+            tls = sorted(k for k in kw if k.startswith("ssl_"))
+            raise ConfigError(f"valkey store: TLS option(s) {', '.join(map(repr, tls))} need a valkeys:// URL (TLS); "
+                              f"this one is valkey:// (plain TCP); {_HINT}")
         if i == 0:
             first = kw
     assert first is not None

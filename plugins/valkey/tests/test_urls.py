@@ -34,7 +34,11 @@ def test_hosts_users_and_tls_options_pass_through() -> None:
                                         ("valkey://h:1?foo=bar", "unknown option.*'foo'.*it takes db, "),
                                         ("valkey://h:1?protocol=3", "unknown option.*'protocol'"),
                                         ("valkey://h:1,h2:2?socket_timeout=nan", "unknown option.*'socket_timeout'"),
-                                        ("valkey://h:1?db=-1", "database number must be 0 or more")])
+                                        ("valkey://h:1?db=-1", "database number must be 0 or more"),
+                                        # the client refused them as an unexpected argument: blamed on the plugin
+                                        ("valkey://h:1?ssl_ca_certs=/etc/ca.pem", "'ssl_ca_certs' need a valkeys://"),
+                                        ("valkey://h:1,h2:2?ssl_cert_reqs=none&ssl_password=x",
+                                         "'ssl_cert_reqs', 'ssl_password' need a valkeys://")])
 def test_bad_urls(url: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_valkey_urls(url)
