@@ -734,3 +734,66 @@ def test_the_guard_takes_back_only_what_the_plugins_future_says_is_withdrawn() -
     out.add_done_callback(lambda f: ended.append(f.cancelled()))
     assert g.withdraw(out) is True and out.cancelled() and ended == [False, True]
     assert g.withdraw(out) is False  # ended: nothing left to withdraw
+
+
+class _RoomFromScratch(ChunkIndex):
+    """The index with the room eviction could make found anew at every allocation (one pass
+    over the entries each time), the way it was before it was kept up to date per reservation."""
+
+    def _room_after_eviction(self, size, room):  # type: ignore[no-untyped-def]
+        room.clear()
+        return super()._room_after_eviction(size, room)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_room_kept_through_a_store_decides_as_one_found_anew_would(seed: int) -> None:
+    """Random stores of chunks of two sizes, leases, reads and L2-writer holds, against an index
+    that finds the room eviction could make anew at every allocation: every store gets the same
+    slots, the same no_space and the same evictions from both."""
+    rng = random.Random(seed)
+    evs = (Recorder(), Recorder())
+    kept, fresh = ChunkIndex(24 * SIZE, on_evict=evs[0]), _RoomFromScratch(24 * SIZE, on_evict=evs[1])
+    leases: list[tuple[int, int]] = []
+    held: list[ChunkKey] = []
+    owner = Usage()
+    for step in range(400):
+        op = rng.choice(["store", "store", "store", "lease", "release", "read", "hold", "unhold"])
+        ready = sorted((k for k, e in kept.entries.items() if e.state is State.READY), key=lambda k: k.chunk_hash)
+        if op == "store":
+            model = rng.choice(["small", "big"])
+            size = SIZE if model == "small" else rng.choice([3, 4, 6]) * SIZE
+            keys = [key(rng.randrange(30), model=model) for _ in range(rng.randint(1, 5))]
+            out = [index.reserve_write(keys, model, size, 1, owner) for index in (kept, fresh)]
+            (a, pa, na), (b, pb, nb) = out
+            assert (pa, na) == (pb, nb), (step, pa, na, pb, nb)
+            assert [(i, e.offset) for i, e in a.entries] == [(i, e.offset) for i, e in b.entries], step
+            assert evs[0].evicted == evs[1].evicted, step
+            kept.commit_write(a)
+            fresh.commit_write(b)
+        elif op == "lease" and ready:
+            picked = rng.sample(ready, min(len(ready), rng.randint(1, 3)))
+            leases.append(tuple(index.lease({k: index.entries[k] for k in picked}, 30, owner)
+                                for index in (kept, fresh)))  # type: ignore[arg-type]
+        elif op == "release" and leases:
+            for index, lid in zip((kept, fresh), leases.pop(rng.randrange(len(leases)))):
+                index.release_lease(lid)
+        elif op == "read" and ready:
+            model = rng.choice(ready).model_name
+            of_model = [k for k in ready if k.model_name == model]
+            picked = rng.sample(of_model, min(len(of_model), rng.randint(1, 3)))
+            for index in (kept, fresh):
+                index.commit_read(index.reserve_read(picked, model, 1, owner)[0])
+        elif op == "hold" and ready:
+            k = rng.choice(ready)
+            held.append(k)
+            for index in (kept, fresh):
+                index.hold(index.entries[k])
+        elif op == "unhold" and held:
+            k = held.pop(rng.randrange(len(held)))
+            for index in (kept, fresh):
+                index.release(index.entries[k])
+        evs[0].evicted.clear()
+        evs[1].evicted.clear()
+        held = [k for k in held if k in kept.entries]
+    kept.allocator.check()
+    fresh.allocator.check()
