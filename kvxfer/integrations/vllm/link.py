@@ -31,7 +31,6 @@ from kvxfer.errors import (
     InvalidRequest,
     KvxferError,
     LimitExceeded,
-    ServerInternalError,
     TransportError,
 )
 from kvxfer.integrations.vllm.config import ConnectorConfig
@@ -44,8 +43,9 @@ log = logging.getLogger("kvxfer.integrations.vllm")
 #: Seconds between two ERROR lines of the same reason from the background attempts.
 UNUSABLE_REPEAT_S: Final = 60
 #: What a live server answers about one request it will not serve (a limit reached, a request it
-#: refuses, its own or its transport's failure): that request fails, and the server is not down.
-REFUSED: Final = (LimitExceeded, InvalidRequest, ServerInternalError)
+#: refuses): that request fails, and the server is not down. Its own or its transport's failure
+#: (``internal``) is a server error: ``kvxfer.on_server_error`` decides.
+REFUSED: Final = (LimitExceeded, InvalidRequest)
 
 
 def check_transport_name(name: str) -> None:
