@@ -877,22 +877,23 @@ class CacheServer:
         if old and not parked.reservations:
             self._forget_parked(parked)
 
-    def _parked_of(self, peer: Peer) -> tuple[int, int]:
-        """The reservations parked for the sessions of ``peer``'s process (its pid on ipc://;
-        its CURVE key over tcp://, the peer itself elsewhere), and their bytes. A process may end
-        sessions with reservations open, one after another (resuming each on a new connection),
-        faster than they go, and none is freed while it lives (it may still copy): so they count
-        against each new session of that process as the session's own, and the process gets no
-        more than one session's worth (--max-reservations-per-session,
-        --max-reserved-bytes-per-session) however many sessions it ends. Other processes, of the
-        same user too, are not held back by them."""
-        def owner(p: Peer) -> object:
-            return (p.uid, p.pid) if p.pid is not None else (p.curve_key or p.raw)
+    def _parked_of(self, peer: Peer, token: str) -> tuple[int, int]:
+        """The reservations parked for the sessions of the client process of ``peer`` (its pid,
+        on ipc:// in the server's pid namespace), else of the client of ``token`` (a client the
+        kernel shows as pid 0, in another pid namespace; over tcp://, where one CURVE key may
+        serve many engines), and their bytes. A process may end sessions with reservations open,
+        one after another (resuming each on a new connection), faster than they go, and none is
+        freed while it lives (it may still copy): so they count against each new session of that
+        process (or client) as the session's own, and it gets no more than one session's worth
+        (--max-reservations-per-session, --max-reserved-bytes-per-session) however many sessions
+        it ends. Other processes, of the same user too, are not held back by them."""
+        def owner(p: Peer, t: str) -> object:
+            return ("pid", p.uid, p.pid) if p.pid else ("client", t)
 
-        mine = owner(peer)
+        mine = owner(peer, token)
         n = nbytes = 0
         for p in self._parked_clients():
-            if owner(p.peer) == mine:
+            if owner(p.peer, p.token) == mine:
                 n += len(p.reservations)
                 nbytes += sum(res.nbytes for res in p.reservations.values())
         return n, nbytes
@@ -1245,7 +1246,7 @@ class CacheServer:
         promoting = len(self.tier.usage.reservations) if self.tier is not None else 0
         self.limits.check("max_reservations", len(self.index.reservations) - promoting)
         # what the process's ended sessions left parked counts as the session's own (see _parked_of)
-        parked, parked_bytes = self._parked_of(session.peer) if self._parked else (0, 0)
+        parked, parked_bytes = self._parked_of(session.peer, session.token) if self._parked else (0, 0)
         self.limits.check("max_reservations_per_session", len(session.usage.reservations) + parked)
         self.limits.check("max_reserved_bytes_per_session", session.usage.reserved_bytes + parked_bytes, nbytes)
         if pins:

@@ -502,6 +502,8 @@ class L2Tier:
         self._unwatch = unwatch
         #: Has the loop run :meth:`tick` by a lookup's deadline (it waits at most timeout_s).
         self._tick_by = tick_by
+        #: The store's health checks failed in a row (:meth:`_ping_store`; health thread).
+        self._pings_failed = 0
         self._watched_fds: Sequence[int] = ()
         self._loop_exists: LoopExists | None = None
         self.admission_hits = parse_admission(config.admission)
@@ -1541,6 +1543,7 @@ class L2Tier:
         next_stats = 0.0
         while not self._stop_health.wait(0.1):
             if self.breaker.probe_due():
+                self._pings_failed = 0
                 ok, err = self._probe()
                 self.breaker.probed(ok, err)
                 if ok:
@@ -1548,19 +1551,9 @@ class L2Tier:
                     next_stats = 0.0
             elif self.breaker.closed and self.backend is not None and time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + _STATS_EVERY_S
-                try:
-                    # a store may answer its operations from memory while what it stands on is
-                    # gone (fs: its directory removed), each answer resetting the breaker: its
-                    # own health check, failed, puts the tier down at once
-                    self.backend.ping()
-                except Exception as exc:  # noqa: BLE001  (whatever the plugin raised: the store is unusable)
-                    self._count("errors")
-                    msg = self._describe(exc)
+                if not self._ping_store():
                     self.store_stats = {}
-                    if self.breaker.closed:
-                        log.warning("L2 store %s at %s is down: its health check failed (%s); serving from L1 "
-                                    "and retrying with backoff", self.store.name, self.url, msg)
-                    self.breaker.trip(msg)
+                    next_stats = time.monotonic() + _STATS_RETRY_S  # checked again soon
                     continue
                 try:
                     self.store_stats = self.backend.stats()
@@ -1574,6 +1567,32 @@ class L2Tier:
                     self.store_stats = {}
                     self._failed(exc, "stats")
                     next_stats = time.monotonic() + _STATS_RETRY_S
+
+    def _ping_store(self) -> bool:
+        """The store's own health check, on the health thread while the breaker is closed (every
+        5 s, and soon again after a failure). A store may answer its operations from memory while
+        what it stands on is gone (fs: its directory removed), each answer resetting the
+        breaker's count: so as many failed checks in a row as the breaker allows put the tier down,
+        whatever else succeeds meanwhile; fewer (a store busy for a moment) are logged only."""
+        assert self.backend is not None
+        try:
+            self.backend.ping()
+        except Exception as exc:  # noqa: BLE001  (whatever the plugin raised: a failed check)
+            self._count("errors")
+            msg = self._describe(exc)
+            self._pings_failed += 1
+            if self._pings_failed < self.breaker.threshold:
+                self._throttled.warning("failure", f"L2 store {self.store.name}: its health check failed: {msg}")
+                return False
+            self._pings_failed = 0
+            if self.breaker.closed:
+                log.warning("L2 store %s at %s is down: its health check failed %d times in a row (last: %s); "
+                            "serving from L1 and retrying with backoff", self.store.name, self.url,
+                            self.breaker.threshold, msg)
+            self.breaker.trip(msg)
+            return False
+        self._pings_failed = 0
+        return True
 
     def _probe(self) -> tuple[bool, str]:
         if self.backend is None:

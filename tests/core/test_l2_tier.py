@@ -862,3 +862,27 @@ def test_an_fs_store_whose_directory_is_removed_goes_down_within_seconds(tmp_pat
         assert "is gone" in tier.detail, tier
         assert "health check failed" in srv.log()
         ctx.close()
+
+
+def test_a_store_failing_its_health_check_goes_down_only_after_failing_it_in_a_row(tmp_path: Path) -> None:
+    """In process, with the real fs store: its directory moved away fails its health check (the
+    tier's health cycle runs it every 5 s, and soon again after a failure). Once or twice, then
+    back (a store busy for a moment: a slow Valkey fails its PING by timing out), the tier stays
+    up: one failed check put it down at once. As many failures in a row as the breaker allows
+    (3) put it down, however many lookups it answers meanwhile."""
+    with in_process_tier(tmp_path) as (_arena, _index, tier, pump):
+        root = tmp_path / "l2"
+        pump(lambda: bool(tier.store_stats))  # the health thread's first cycle is over: its next is 5 s away
+        assert tier._ping_store()
+        for failures in (1, 2):
+            root.rename(tmp_path / "away")
+            for _ in range(failures):
+                assert not tier._ping_store()
+            (tmp_path / "away").rename(root)
+            assert tier._ping_store() and tier.breaker.closed, failures
+        root.rename(tmp_path / "away")
+        for _ in range(tier.breaker.threshold - 1):
+            assert not tier._ping_store() and tier.breaker.closed
+            tier.breaker.success()  # an operation answered from memory meanwhile
+        assert not tier._ping_store() and not tier.breaker.closed
+        assert "is gone" in tier.breaker.last_error

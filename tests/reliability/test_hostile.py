@@ -324,7 +324,8 @@ def _store_from_another_process(url: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else out.stderr.strip().splitlines()[-1]
 
 
-def test_the_parked_reservations_of_one_process_are_bounded_and_hold_back_no_other(shm_dir):
+@pytest.mark.parametrize("namespace", ["same", "other"])
+def test_the_parked_reservations_of_one_process_are_bounded_and_hold_back_no_other(ns_shm_dir, namespace):
     """Open writes outlive a session only as parked, and are freed only when their process is
     gone (it may still copy into them). A process that ended sessions with open writes, one
     after another, has them count as its next session's own: while
@@ -332,10 +333,14 @@ def test_the_parked_reservations_of_one_process_are_bounded_and_hold_back_no_oth
     it cannot hold every reservation of the server. Another process of the same user (on
     ipc:// every client has the server's uid) reserves as before: the bound was per user, and
     one frozen or hostile client refused every store of every engine. Once that client is
-    gone, its parked writes go, and it reserves again."""
-    with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
-                       extra_args=["--shm-dir", str(shm_dir), "--max-reservations-per-session", "3"]) as server, \
-            CacheClient(server.url, timeout=20) as observer:
+    gone, its parked writes go, and it reserves again. With the server in a pid namespace of
+    its own (a container), where the kernel shows every client as pid 0, the bound is per client
+    (its token): per pid, it was one bound for every client again."""
+    server = ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
+                           extra_args=["--shm-dir", str(ns_shm_dir), "--max-reservations-per-session", "3"])
+    if namespace == "other":
+        server = _in_new_pid_namespace(server)
+    with server, CacheClient(server.url, timeout=20) as observer:
         ref = Writer(observer, model="cap-ref")
         client = _Resumer(server.url, ref)
         try:

@@ -144,6 +144,7 @@ def test_hung_valkey_costs_lookups_at_most_the_l2_timeout(valkey: ValkeyServer, 
     keys = [b"h" + bytes([i]) * 15 for i in range(4)]
     ctx.submit_store(keys[:2], blocks(0, 2)).result(TIMEOUT)
     valkey.pause()
+    waited = 0
     try:
         for _ in range(4):
             before = tier(c)
@@ -154,6 +155,8 @@ def test_hung_valkey_costs_lookups_at_most_the_l2_timeout(valkey: ValkeyServer, 
                 # it asked the store and waited it out: one timeout, whichever of the tier's timer
                 # and the plugin's own silence limit ended it (the plugin's once counted an error only)
                 assert after.timeouts == before.timeouts + 1, (before, after)
+                waited += 1
+        assert waited >= 1, "no lookup asked the paused store and waited it out"
         assert wait_for(lambda: tier(c).state == "down", 10)
         hits, took = timed_lookup(c, "hung", keys)
         assert hits == 2 and took < LOOKUP_BOUND
