@@ -72,7 +72,7 @@ def _unmap(mm: mmap.mmap, what: str) -> bool:
     try:
         mm.close()
     except BufferError:
-        logging.getLogger("kvxfer.arena").info(
+        logging.getLogger("kvxfer.arena").debug(  # not news: every context remapped after a restart says it
             "%s: views of it still live (a traceback or a thread holds one); its memory is unmapped when "
             "the last of them goes", what)
         return False
