@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from kvxfer_vllm_harness import MiniEngine, Request, feed, make_vllm_config, workload
 
+from kvxfer.errors import ConnectionFailed
 from kvxfer.testing.server import ServerProcess
 
 CHUNK = 16
@@ -176,13 +177,13 @@ def test_a_repeated_lookup_keeps_one_lease(server: ServerProcess) -> None:
 
 
 def test_a_failed_load_is_not_offered_again_and_gives_its_lease_back(server: ServerProcess) -> None:
-    """A worker that cannot load (here its registration is refused: another layout under the
-    same name, with the fingerprint off) while its scheduler keeps finding the chunks: vLLM asks
-    about a request again after its load failed from its first block, and offering the same hits
-    again planned and failed loads in a loop, each holding a lease (4,096 loads for 4 requests in
-    real vLLM, until the server's lease limit). Now each request gets one load, then computes its
-    prefix; the worker gives back the leases of the loads it did not run."""
-    names = {"model_name": "one-load", "fingerprint": False, "on_server_error": "recompute"}
+    """A worker that cannot load (here its own link to the server is down, while its
+    scheduler's is up and keeps finding the chunks): vLLM asks about a request again after its
+    load failed from its first block, and offering the same hits again planned and failed loads
+    in a loop, each holding a lease (4,096 loads for 4 requests in real vLLM, until the server's
+    lease limit). Now each request gets one load, then computes its prefix; the worker gives
+    back the leases of the loads it did not run."""
+    names = {"model_name": "one-load", "on_server_error": "recompute", "retry_s": 600}
     first = MiniEngine(make_vllm_config(server.url, **names), enable_prefix_caching=False)
     reqs = workload("one-load", n=4, seed=5)
     try:
@@ -190,9 +191,11 @@ def test_a_failed_load_is_not_offered_again_and_gives_its_lease_back(server: Ser
         first.check_drained()
     finally:
         first.shutdown()
-    other = MiniEngine(make_vllm_config(server.url, **names), enable_prefix_caching=False, heads=4)
+    other = MiniEngine(make_vllm_config(server.url, **names), enable_prefix_caching=False)
     try:
-        assert not other.worker.worker.contexts, "its registration was refused: another layout, same name"
+        # the worker's connection lost (it looks for the server again only after kvxfer.retry_s)
+        other.worker.worker.link.failed(ConnectionFailed("the worker's connection was lost"), "a stand-in outage")
+        assert other.worker.worker.link.down and not other.scheduler.scheduler.link.down
         client = other.scheduler.scheduler.link.client
         base = client.status().leases
         again = [Request(f"again-{r.request_id}", list(r.prompt_token_ids)) for r in reqs]
