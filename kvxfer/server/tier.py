@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 from kvxfer.arena import Arena
 from kvxfer.errors import ConfigError, InvalidRequest, StoreUnavailable
@@ -504,6 +504,8 @@ class L2Tier:
         self._tick_by = tick_by
         #: The store's health checks failed in a row (:meth:`_ping_store`; health thread).
         self._pings_failed = 0
+        #: A ping() or stats() of the plugin that has not returned in time (:meth:`_health_call`).
+        self._health_stuck: threading.Thread | None = None
         self._watched_fds: Sequence[int] = ()
         self._loop_exists: LoopExists | None = None
         self.admission_hits = parse_admission(config.admission)
@@ -905,8 +907,10 @@ class L2Tier:
             at_store.reading = True
         began = time.monotonic()
         try:
-            items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])), views[i]])
-                     for i in todo]
+            # the arena's slots, read-only: a plugin that wrote into a put's parts (to transform
+            # them in place, say) would change what readers of the chunk in L1 load meanwhile
+            items = [(keys[i], [memoryview(encode_header(batch[i].key, batch[i].fmt, views[i])),
+                                views[i].toreadonly()]) for i in todo]
         finally:
             with self._cond:
                 at_store.reading = False
@@ -1556,7 +1560,7 @@ class L2Tier:
                     next_stats = time.monotonic() + _STATS_RETRY_S  # checked again soon
                     continue
                 try:
-                    self.store_stats = self.backend.stats()
+                    self.store_stats = self._health_call("stats()", self.backend.stats)
                 except PluginFault as exc:  # its data operations may work: a bug, not an outage
                     self.store_stats = {"unknown": self._shown(f"stats() failed: {exc}", 200)}  # (status says why)
                     self._throttled.warning("stats fault", self._describe(exc))
@@ -1568,15 +1572,49 @@ class L2Tier:
                     self._failed(exc, "stats")
                     next_stats = time.monotonic() + _STATS_RETRY_S
 
+    def _health_call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` (the plugin's ``ping()`` or ``stats()``) on a thread of its own, waited for at
+        most ``timeout_s`` + 1 s: the health thread never waits for a plugin that does not return
+        (it would never probe, and so never bring the tier back, again). One that has not
+        returned by then raises TimeoutError (logged as the plugin's fault), and the next calls
+        raise at once until it has."""
+        stuck = self._health_stuck
+        if stuck is not None and stuck.is_alive():
+            raise StoreUnavailable(f"store {self.store.name!r}: an earlier {stuck.name} has not returned")
+        out: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                out.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001  (handed to the health thread)
+                out.append((False, exc))
+
+        t = threading.Thread(target=run, name=what, daemon=True)
+        t.start()
+        limit = self.config.timeout_s + 1.0
+        t.join(limit)
+        if not out:
+            self._health_stuck = t
+            self._throttled.warning("stuck health call", f"L2 store {self.store.name}: its {what} has not returned "
+                                    f"within {limit:g} s (a fault of the store plugin: ping() and stats() must "
+                                    "return within --l2-timeout); it is counted as failed, and not called again "
+                                    "until it has returned")
+            raise TimeoutError(f"{what} did not return within {limit:g} s")
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return cast(T, value)
+
     def _ping_store(self) -> bool:
         """The store's own health check, on the health thread while the breaker is closed (every
         5 s, and soon again after a failure). A store may answer its operations from memory while
         what it stands on is gone (fs: its directory removed), each answer resetting the
         breaker's count: so as many failed checks in a row as the breaker allows put the tier down,
         whatever else succeeds meanwhile; fewer (a store busy for a moment) are logged only."""
-        assert self.backend is not None
+        backend = self.backend
+        assert backend is not None
         try:
-            self.backend.ping()
+            self._health_call("ping()", backend.ping)
         except Exception as exc:  # noqa: BLE001  (whatever the plugin raised: a failed check)
             self._count("errors")
             msg = self._describe(exc)
@@ -1604,7 +1642,7 @@ class L2Tier:
                 return False, self.breaker.last_error
         assert self.backend is not None
         try:
-            self.backend.ping()
+            self._health_call("ping()", self.backend.ping)
         except Exception as exc:  # noqa: BLE001  (a failed probe keeps the breaker open)
             return False, self._describe(exc)
         return True, ""

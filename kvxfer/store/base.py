@@ -29,9 +29,10 @@ own threads. A future resolves to the result documented below or raises
 :class:`~kvxfer.errors.StoreUnavailable` (unreachable, timed out after ``options.timeout_s`` of
 silence, refused, full), never another exception, and never waits forever. Done-callbacks run on
 a backend thread: they must be quick and must not wait for another operation of the same
-backend. A get writes into its parts only while its future is pending; a put's parts must not
-change until its future is done. ``withdraw(fut)`` takes back an operation that has not started
-(optional: a backend that cannot tell says it has).
+backend. A get writes into its parts only while its future is pending, and never after; a put
+only reads its parts (the server passes its arena's slots read-only), which do not change until
+its future is done. ``withdraw(fut)`` takes back an operation that has not started (optional:
+the default says it cannot, and the operation runs to its end).
 
 :class:`ThreadedBackend` builds the ``submit_*`` methods from blocking ones on a few threads
 (separate ones for lookups, reads and writes, so a lookup never waits behind a bulk transfer);
@@ -45,6 +46,7 @@ import enum
 import logging
 import re
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -369,6 +371,9 @@ class ThreadedBackend(Backend):
     def __init__(self, store_name: str, options: StoreOptions) -> None:
         self.store_name = store_name
         self.options = options
+        #: The futures this class' pools made: only those are withdrawn by cancelling them (a
+        #: subclass' own future may be cancelled while its work runs on and writes)
+        self._own: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
         self._closed = False
         self._close_lock = threading.Lock()
         self._control = ThreadPoolExecutor(2, thread_name_prefix=f"kvxfer-l2-{store_name}-ctl")
@@ -416,8 +421,10 @@ class ThreadedBackend(Backend):
         return self._submit(self._control, "delete", lambda: self.delete(keys))
 
     def withdraw(self, fut: Future[Any]) -> bool:
-        """An operation still queued for its threads is cancelled there: it never runs."""
-        return fut.cancel()
+        """An operation still queued on this class' threads is cancelled there: it never runs.
+        Any other future (a subclass' own ``submit_*``) is not withdrawn: cancelling a future
+        stops no work that already runs elsewhere (an asyncio task's, another pool's)."""
+        return fut in self._own and fut.cancel()
 
     def close(self) -> None:
         with self._close_lock:
@@ -432,9 +439,11 @@ class ThreadedBackend(Backend):
         if self._closed:
             raise StoreUnavailable(f"store {self.store_name!r} is closed")
         try:
-            return executor.submit(self._guard, what, fn)
+            fut = executor.submit(self._guard, what, fn)
         except RuntimeError:  # shut down between the check and the submit
             raise StoreUnavailable(f"store {self.store_name!r} is closed") from None
+        self._own.add(fut)
+        return fut
 
     def _guard(self, what: str, fn: Callable[[], T]) -> T:
         try:

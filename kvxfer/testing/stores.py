@@ -61,6 +61,10 @@ TIMEOUT: Final = 30.0
 #: The largest value the kit round-trips (a store claims at least this much: max_value_bytes).
 LARGE_VALUE: Final = 64 << 20
 CHUNK_SIZE: Final = 32
+#: Seconds a submit may take to return (it must return at once).
+SUBMIT_S: Final = 2.0
+#: Seconds after a get's future is done when its parts are read again (nothing may write them).
+LATE_S: Final = 0.3
 
 
 def _parts(data: bytes | bytearray, cut: int = HEADER_SIZE) -> list[memoryview]:
@@ -149,8 +153,9 @@ class StoreConformance:
     def test_kit_ping_and_stats(self, kit_backend: Backend) -> None:
         """The server pings an open store for its health, and shows its ``stats()`` in status:
         strings to strings, at most 64 of them (more are cut)."""
-        kit_backend.ping()
-        stats = kit_backend.stats()
+        rule = "it must return within StoreOptions.timeout_s (5 s here)"
+        _within(kit_backend.ping, 6.0, "ping()", rule)
+        stats = _within(kit_backend.stats, 6.0, "stats()", rule)
         assert isinstance(stats, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in stats.items()), \
             f"stats() must return a dict of str to str, got {stats!r:.200}"
 
@@ -165,15 +170,25 @@ class StoreConformance:
         assert buf == b"\xaa" * 300, "a miss must leave the buffers untouched"
 
     def test_kit_put_then_get_into_parts_exactly(self, kit_backend: Backend) -> None:
+        """Values put from two parts come back whole into two parts. A put only reads its parts
+        (here writable buffers, which must be as they were once it is done: the server's are the
+        arena's slots of chunks being loaded); a get writes into its parts only until its future
+        is done (they are read again later: the server's are slots that other chunks take)."""
         keys = self.kit_keys(5)
         values = [os.urandom(HEADER_SIZE + 1000 * (i + 1)) for i in range(5)]
-        assert kit_backend.submit_put([(k, _parts(v)) for k, v in zip(keys, values)]).result(TIMEOUT) == [True] * 5
+        sent = [bytearray(v) for v in values]
+        assert kit_backend.submit_put([(k, _parts(v)) for k, v in zip(keys, sent)]).result(TIMEOUT) == [True] * 5
+        for i, (b, v) in enumerate(zip(sent, values)):
+            _unchanged(b, v, f"the parts of put {i} of 5 were written into: a put only reads its parts")
         assert kit_backend.submit_exists(keys).result(TIMEOUT) == [len(v) for v in values]
         bufs = [bytearray(len(v)) for v in values]
         items = [(k, [memoryview(b)[:HEADER_SIZE], memoryview(b)[HEADER_SIZE:]]) for k, b in zip(keys, bufs)]
         assert kit_backend.submit_get(items).result(TIMEOUT) == [GetStatus.HIT] * 5
         for i, (b, v) in enumerate(zip(bufs, values)):
             _same(b, v, f"value {i} of 5, read into two parts")
+        time.sleep(LATE_S)
+        for i, (b, v) in enumerate(zip(bufs, values)):
+            _unchanged(b, v, f"get {i} of 5 wrote into its parts after its future was done")
 
     def test_kit_exists_answers_many_keys_in_one_call(self, kit_backend: Backend) -> None:
         keys = self.kit_keys(64)
@@ -238,9 +253,12 @@ class StoreConformance:
         for f in futs:  # every get that was not withdrawn has ended: none may write any more
             if not f.cancelled():
                 f.result(TIMEOUT)
+        time.sleep(LATE_S)  # a withdrawn get whose work ran on regardless writes late
         for i, (took, buf) in enumerate(zip(withdrawn, bufs)):
             if took:
                 assert buf == b"\xaa" * len(value), f"get {i} was withdrawn, yet wrote into its parts"
+            else:
+                _unchanged(buf, value, f"get {i} wrote into its parts after its future was done")
         done = kit_backend.submit_get([(key, [memoryview(bytearray(len(value)))])])
         assert done.result(TIMEOUT) == [GetStatus.HIT]
         assert kit_backend.withdraw(done) is False and done.result() == [GetStatus.HIT], "an ended get is kept"
@@ -267,9 +285,54 @@ class StoreConformance:
             t.join(TIMEOUT)
         assert not errors, errors[0]
 
+    def test_kit_submits_and_health_calls_return_in_time(self, kit_backend: Backend) -> None:
+        """Every ``submit_*`` returns at once (the server calls them on its loop thread and on its
+        writers: one that blocks holds every client); ``ping()`` and ``stats()`` return within
+        ``timeout_s`` (the server's health thread gives up on them after that)."""
+        (key,) = self.kit_keys(1)
+        buf = bytearray(8)
+        for what, call in (("submit_put", lambda: kit_backend.submit_put([(key, [memoryview(b"12345678")])])),
+                           ("submit_exists", lambda: kit_backend.submit_exists([key])),
+                           ("submit_get", lambda: kit_backend.submit_get([(key, [memoryview(buf)])])),
+                           ("submit_delete", lambda: kit_backend.submit_delete([key]))):
+            fut = _within(call, SUBMIT_S, what, "submits must return at once, running the operation on the backend's "
+                          "own threads")
+            _within(lambda f=fut: f.result(TIMEOUT), TIMEOUT, f"the future of {what}", "an operation must end within "
+                    "StoreOptions.timeout_s (bulk_timeout_s of silence for gets and puts)")
+        for what in ("ping", "stats"):
+            _within(getattr(kit_backend, what), 5.0 + 1.0, f"{what}()", "it must return within StoreOptions.timeout_s "
+                    "(5 s here)")
+
+    def test_kit_leaves_no_thread_or_descriptor_behind(self, kit_store: Store, store_url: str) -> None:
+        """A backend's threads and descriptors are gone once ``close()`` returned (after a first
+        open and close, so that what a library makes once for the process is not counted): one
+        per operation would grow the server by a thread or a socket for every chunk it writes."""
+        def work() -> None:
+            backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+            try:
+                keys = self.kit_keys(40)
+                for k in keys:
+                    backend.submit_put([(k, [memoryview(b"x" * 64)])]).result(TIMEOUT)
+                    backend.submit_get([(k, [memoryview(bytearray(64))])]).result(TIMEOUT)
+                backend.submit_exists(keys).result(TIMEOUT)
+                backend.submit_delete(keys).result(TIMEOUT)
+            finally:
+                _close_within(backend, TIMEOUT)
+
+        work()
+        threads, fds = threading.active_count(), _open_fds()
+        work()
+        deadline = time.monotonic() + 5.0
+        while (threading.active_count() > threads or _open_fds() > fds) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [t.name for t in threading.enumerate()][threads:]
+        assert threading.active_count() <= threads, \
+            f"store conformance kit: {threading.active_count() - threads} thread(s) left after close(): {left}"
+        assert _open_fds() <= fds, f"store conformance kit: {_open_fds() - fds} file descriptor(s) left after close()"
+
     def test_kit_close_is_idempotent_and_later_submits_raise(self, kit_store: Store, store_url: str) -> None:
         backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
-        backend.ping()
+        _within(backend.ping, 6.0, "ping()", "it must return within StoreOptions.timeout_s (5 s here)")
         backend.close()
         backend.close()
         with pytest.raises(StoreUnavailable):
@@ -427,6 +490,38 @@ def _same(got: bytes | bytearray, want: bytes, what: str) -> None:
     at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     pytest.fail(f"store conformance kit: {what}: the get returned other bytes than were put: {len(got)} bytes "
                 f"read, {len(want)} put, first difference at byte {at}", pytrace=False)
+
+
+def _unchanged(got: bytes | bytearray, want: bytes, what: str) -> None:
+    """Fail with ``what`` unless ``got`` still holds ``want``."""
+    if got != want:
+        pytest.fail(f"store conformance kit: {what}", pytrace=False)
+
+
+def _within(call: Any, timeout: float, what: str, rule: str) -> Any:
+    """``call()`` on a thread of its own; fail saying ``what`` did not return within ``timeout``
+    (and ``rule``) rather than hang the kit."""
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001  (raised again on the test's thread)
+            out.append((False, exc))
+
+    t = threading.Thread(target=run, daemon=True, name=f"kit-{what}")
+    t.start()
+    t.join(timeout)
+    if not out:
+        pytest.fail(f"store conformance kit: {what} did not return within {timeout:g} s: {rule}", pytrace=False)
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
 
 
 def _close_within(backend: Backend, timeout: float) -> None:

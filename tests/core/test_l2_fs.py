@@ -392,3 +392,22 @@ def test_a_store_whose_parent_is_missing_is_refused_and_a_budget_past_the_disk_i
     with caplog.at_level(logging.WARNING, logger="kvxfer.store.fs"):
         FsStore().open(f"file://{tmp_path}/l2?max_size=1000000TiB", StoreOptions()).close()
     assert "max_size 1000000.0 TiB is more than its file system has free" in caplog.text
+
+
+def test_a_threaded_backend_withdraws_only_what_its_own_threads_would_run(tmp_path: Path) -> None:
+    """``ThreadedBackend.withdraw`` cancels a future its own pools queued (the kit's withdraw
+    test covers those), and no other: a subclass whose ``submit_get`` returns a future of its own
+    (an asyncio task's, another pool's) runs that work on whatever cancelling the future says.
+    Withdrawn, the promotion's arena slots were freed and reused while the work went on and
+    wrote into them: the chunks stored there loaded wrong bytes."""
+    from concurrent.futures import Future
+
+    backend = FsStore().open(f"file://{tmp_path}/s", StoreOptions(timeout_s=5.0))
+    try:
+        theirs: Future[list[GetStatus]] = Future()
+        assert backend.withdraw(theirs) is False and not theirs.cancelled()
+        mine = backend.submit_exists([b"kvxfer:x"])
+        mine.result(5)
+        assert backend.withdraw(mine) is False, "an ended operation is not withdrawn"
+    finally:
+        backend.close()

@@ -399,6 +399,46 @@ def test_a_fault_in_stats_does_not_take_l2_down(test_plugin_path: Path, tmp_path
         assert list(t.store_stats) == ["unknown"] and "stats exploded" in t.store_stats["unknown"], t.store_stats
 
 
+def test_a_put_that_writes_into_its_parts_changes_no_chunk_in_l1(test_plugin_path: Path, tmp_path: Path) -> None:
+    """A put's parts are the arena's slots of chunks readers load meanwhile: the server hands
+    them to the plugin read-only, so a plugin that writes into them (here: flips a byte; one
+    that transforms a value in place and back is no better while loads read it) fails that
+    write, counted as a store error, and changes nothing of the chunks in L1. Before, the flip
+    landed in the arena, and every later load of those chunks returned it, reported good."""
+    l2 = tmp_path / "l2"
+    Path(f"{l2}.fault").write_text("put_writes_parts")
+    src = flash_attn_kv(num_blocks=32, seed=3)
+    with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        ctx = c.register(src, model_name="put-writes", block_size=BLOCK_SIZE, transport="cpu_gather")
+        hashes = chunk_hashes(list(range(4 * CHUNK_SIZE)), CHUNK_SIZE, salt="put-writes")
+        assert ctx.submit_store(hashes, list(range(4 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1, 2, 3]
+        wait_until(lambda: _tier(c).errors >= 1 and _tier(c).queue_depth == 0, timeout=30)
+        assert _tier(c).writes == 0 and _internal_errors(c) == 0, _tier(c)
+        dst = flash_attn_kv(num_blocks=32, seed=9)
+        dctx = c.register(dst, model_name="put-writes", block_size=BLOCK_SIZE, transport="cpu_gather")
+        res = dctx.submit_retrieve(hashes, list(range(4 * BLOCKS_PER_CHUNK))).result(30)
+        assert res.loaded == [0, 1, 2, 3]
+        for a, b in zip(src, dst):
+            assert torch.equal(a[:, :4 * BLOCKS_PER_CHUNK], b[:, :4 * BLOCKS_PER_CHUNK]), "a chunk in L1 changed"
+        dctx.close()
+        ctx.close()
+
+
+def test_a_ping_that_never_returns_takes_l2_down_and_it_comes_back(test_plugin_path: Path, tmp_path: Path) -> None:
+    """The health thread waits for the plugin's ``ping()`` at most ``--l2-timeout`` + 1 s: one
+    that does not return counts as failed (and is not called again until it has), so the tier
+    goes down, naming the stuck call, and comes back once the plugin answers again. Before, the
+    health thread waited in it for good: the tier said up, and once down it never probed again."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    fault.write_text("ping_hangs")
+    with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        wait_until(lambda: _tier(c).state == "down", timeout=30)
+        assert "has not returned" in srv.log()
+        fault.write_text("")
+        wait_until(lambda: _tier(c).state == "up", timeout=30)
+
+
 def test_a_fault_in_open_stops_serve_naming_the_store(test_plugin_path: Path, tmp_path: Path) -> None:
     """``open()`` may raise ConfigError (a bad URL) or StoreUnavailable (no answer: L2 starts down
     and is retried); anything else is a fault of the plugin, which no retry mends."""
@@ -470,6 +510,24 @@ class TestFlippedGet(StoreConformance):  # gets flip the last byte of a value
         return _url(tmp_path_factory, fault="get_flips")
 
 
+class TestPutWrites(StoreConformance):  # puts write into their parts
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="put_writes_parts")
+
+
+class TestPingHangs(StoreConformance):  # ping() never returns while the fault file says so
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="ping_hangs")
+
+
 class TestSmallBudget(StoreConformance):  # holds less than the 512 MiB values fs claims
     store = "fs"
 
@@ -493,6 +551,8 @@ def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: 
                 ("TestShortExists", "test_kit_absent_keys_have_size_zero_and_get_as_miss"),
                 ("TestSmallBudget", "test_kit_large_value_round_trips"),
                 ("TestFlippedGet", "test_kit_put_then_get_into_parts_exactly"),
+                ("TestPutWrites", "test_kit_put_then_get_into_parts_exactly"),
+                ("TestPingHangs", "test_kit_submits_and_health_calls_return_in_time"),
                 ("TestWrongProbe", "test_kit_plugin_declares_the_contract"))
     # each class runs the kit test that must catch it (and TestShortExists the one fs skips)
     only = " or ".join(f"({cls} and {test})" for cls, test in expected)
@@ -509,6 +569,8 @@ def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: 
     assert "probe() returned True, not a kvxfer Probe" in out.stdout and "[0, 0] == [0, 0, 0]" in out.stdout, out.stdout
     assert ("value 0 of 5, read into two parts: the get returned other bytes than were put: 1192 bytes read, 1192 "
             "put, first difference at byte 1191") in out.stdout, out.stdout
+    assert "the parts of put 0 of 5 were written into: a put only reads its parts" in out.stdout, out.stdout
+    assert "ping() did not return within 6 s" in out.stdout, out.stdout
 
 
 def test_the_store_kit_fails_a_backend_whose_close_never_returns() -> None:

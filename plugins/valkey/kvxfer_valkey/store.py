@@ -752,6 +752,13 @@ class ValkeyBackend(ThreadedBackend):
                 lc.conn.disconnect()
         with contextlib.suppress(Exception):
             self.client.close()
+        if isinstance(self.client, ValkeyCluster):
+            # the cluster client's close() leaves each node's pool connected (its nodes' clients
+            # were given their pools): a socket per node left open at every open and close
+            for node in list(self.client.get_nodes()):
+                with contextlib.suppress(Exception):
+                    if node.valkey_connection is not None:
+                        node.valkey_connection.connection_pool.disconnect()
 
 
 def _run_on(pool: ConnectionPool, fn: Callable[[Connection, RespReader], T], timeout: float, nbytes: int = 0) -> T:
