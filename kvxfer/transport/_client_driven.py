@@ -220,9 +220,15 @@ class ClientDrivenCore(ContextCore):
 
     def _copy_parts(self, copy: Callable[[list[RowCopy], Transfer], Waiter | None], step: str,
                     copies: list[RowCopy], transfer: Transfer, layered: LayerwiseFuture[Any] | None,
-                    done: Callable[[Waiter | None], None], fail: Callable[[BaseException], None]) -> None:
+                    done: Callable[[Waiter | None], None], fail: Callable[[BaseException], None],
+                    in_time: Callable[[], bool] | None = None) -> None:
         """Call the transport's ``copy`` (gather or scatter) for the request, then ``done(waiter)``
         with one waiter for all of it; ``fail(exc)`` instead if a copy raises.
+
+        ``in_time`` (a retrieve's): whether the server surely still holds the request's pins.
+        Once it says no, nothing more is copied (``done`` follows once the copies under way
+        ended), and no layer is marked landed whose copy ended late: the slots may hold other
+        chunks by then (the caller resolves the request as loading nothing).
 
         Layer by layer (``layered``): once per layer group, in order, each group a job of its own
         on the worker. A retrieve's next group is queued behind the jobs already waiting, so the
@@ -231,6 +237,9 @@ class ClientDrivenCore(ContextCore):
         never waits for the caller's forward pass. The waiter marks each group's layers landed as
         its part completes."""
         if layered is None:
+            if in_time is not None and not in_time():
+                done(None)  # nothing copied: the caller finds out too
+                return
             try:
                 with self._step(step):
                     waiter = guarded(copy(copies, transfer), self.transport_name, f"{step} (waiter)")
@@ -255,7 +264,8 @@ class ClientDrivenCore(ContextCore):
                 for waiter, group in parts:
                     if waiter is not None:
                         waiter()
-                    lw.mark_landed(group)
+                    if in_time is None or in_time():
+                        lw.mark_landed(group)
 
             done(wait)
 
@@ -275,10 +285,16 @@ class ClientDrivenCore(ContextCore):
                             return  # a later layer_ready queues this again
                         _over(state)
                         error = lw.abandoned
-                if error is None:
+                late = error is None and in_time is not None and not in_time()
+                if late:
+                    _over(state)
+                elif error is None:
                     state["next"] = k + 1
             if error is not None:
                 fail(error)
+                return
+            if late:  # copy nothing more; the parts under way end first
+                finish()
                 return
             try:
                 sliced = copies if group == range(self.layout.num_layers) else \
@@ -292,7 +308,8 @@ class ClientDrivenCore(ContextCore):
                 fail(exc)
                 return
             if waiter is None and all(w is None for w, _ in parts):
-                lw.mark_landed(group)
+                if in_time is None or in_time():
+                    lw.mark_landed(group)
             else:
                 parts.append((waiter, group))
             if k + 1 == len(groups):
@@ -417,13 +434,31 @@ class ClientDrivenCore(ContextCore):
             else:
                 outer.set_result(result)
 
-        def commit() -> None:
+        def in_time() -> bool:
             # The server keeps a session, and so the reservation's pins, for session_timeout after
             # the last request it got from it, here at the latest the reserve (sent after sent_at).
-            # A copy that ended well within that cannot have read reused slots: resolve as soon
-            # as the commit is submitted (not answered). Submitted first, so that whatever the
-            # caller sends next reaches the server after the unpin (Connection.submit keeps order).
-            landed_in_time = time.monotonic() - sent_at < self.connection.session_timeout / 2
+            # A copy that starts and ends well within that cannot read reused slots.
+            ok = time.monotonic() - sent_at < self.connection.session_timeout / 2
+            if not ok:
+                late.append(True)
+            return ok
+
+        late: list[bool] = []
+
+        def commit() -> None:
+            # Resolved as soon as the commit is submitted (not answered) when every copy ended in
+            # time. Submitted first, so that whatever the caller sends next reaches the server
+            # after the unpin (Connection.submit keeps order).
+            if late:
+                # a copy was not made (its pins may have lapsed before it: the blocks are left
+                # as they were), or a layer-wise part ended late (the process was frozen, say: its
+                # layers were never marked landed): nothing the request read counts as loaded
+                try:
+                    unpin(loaded=False)
+                finally:
+                    outer.set_result(m.RetrieveResult(list(range(first)), list(range(first, len(keys)))))
+                return
+            landed_in_time = in_time()
             try:  # the copy's time (scatter and its waiter) goes to the server's figures
                 reply = unpin(time.perf_counter() - started if rep.slots else 0.0, loaded=True)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
@@ -451,7 +486,7 @@ class ClientDrivenCore(ContextCore):
             unpin()
             raise
         self._copy_parts(self.scatter, "scatter", copies, transfer, layered,
-                         lambda waiter: self._then(waiter, commit, abandon), abandon)
+                         lambda waiter: self._then(waiter, commit, abandon), abandon, in_time)
 
     def _log_late_commit(self, reply: Future[m.Empty]) -> None:
         """A retrieve that resolved before its commit_read was answered: report a failure."""

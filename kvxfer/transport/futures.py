@@ -56,7 +56,9 @@ class LayerwiseFuture(TransferFuture[LT]):
     plus per-layer progress.
 
     Retrieve: :meth:`wait_layer` returns once layer ``i`` of every chunk that loads has landed
-    (chunks the result reports missing are left untouched in every layer). Store: the caller
+    (chunks the result reports missing are left untouched in every layer, but for a copy that
+    was under way when the process froze past half the session timeout: the result then
+    reports every chunk missing, and no layer of it lands before the result is set). Store: the caller
     tells the core with :meth:`layer_ready` when layers are written; a layer is copied only
     after that call, and the transfer commits after the last layer. Layers complete in order
     only when the transport copies ranges of layers (:attr:`Capabilities.layer_ranges`);

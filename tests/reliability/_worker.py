@@ -158,7 +158,15 @@ def freeze(args, write: bool) -> None:
         else:
             for layer in kv:
                 layer[:, base:base + len(ids)].zero_()
-            r = ctx.submit_retrieve(keys, [b + base for b in ids]).result(timeout=args.timeout)
+            fut = ctx.submit_retrieve(keys, [b + base for b in ids], by_layer=args.by_layer)
+            if args.by_layer:  # what an engine's attention would read once layer 0 is said to have landed
+                fut.wait_layer(0, timeout=args.timeout)
+                done = fut.done()
+                layer0 = [torch.equal(relkit.read_chunk(kv, blocks_for(j, bpc, base))[0],
+                                      relkit.expected(shape, args.model, args.rank, h, bpc)[0])
+                          for j, h in enumerate(keys)]
+                emit("layer0", done=done, right=layer0)
+            r = fut.result(timeout=args.timeout)
             emit("retrieved", loaded=r.loaded, missing=r.missing,
                  corrupt=check(args, shape, kv, bpc, keys, base, r.loaded))
     except Exception as exc:
@@ -253,6 +261,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--versions", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--by-layer", action="store_true", help="freeze-read: a layer-wise retrieve")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--num-blocks", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)

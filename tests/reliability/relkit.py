@@ -175,26 +175,39 @@ def spawn_worker(*args: str) -> subprocess.Popen[str]:
 
 
 def read_event(proc: subprocess.Popen[str], want: str | tuple[str, ...], timeout: float = 60.0) -> dict:
-    """Next JSON line of ``proc`` whose ``event`` is ``want`` (or one of them; others are skipped)."""
+    """Next JSON line of ``proc`` whose ``event`` is ``want`` (or one of them; others are skipped).
+    Reads the pipe's descriptor itself, keeping what follows a line for the next call: a
+    buffered ``readline`` took two lines sent together, and the descriptor then said nothing was
+    left, so the second was never seen."""
     import selectors
 
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buf: bytes = getattr(proc, "_event_buffer", b"")
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(fd, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not sel.select(left):
-            raise TimeoutError(f"worker {proc.args[2:4]} sent no {want!r} event in {timeout} s")
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"worker exited ({proc.wait()}) before {want!r}:\n{err[-4000:]}")
-        ev = json.loads(line)
-        if ev.get("event") == "error":
-            raise RuntimeError(f"worker failed: {ev.get('error')}")
-        if ev.get("event") == want or (isinstance(want, tuple) and ev.get("event") in want):
-            return ev
+    try:
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                proc._event_buffer = buf  # type: ignore[attr-defined]
+                ev = json.loads(line)
+                if ev.get("event") == "error":
+                    raise RuntimeError(f"worker failed: {ev.get('error')}")
+                if ev.get("event") == want or (isinstance(want, tuple) and ev.get("event") in want):
+                    return ev
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise TimeoutError(f"worker {proc.args[2:4]} sent no {want!r} event in {timeout} s")
+            data = os.read(fd, 1 << 16)
+            if not data:
+                err = proc.stderr.read() if proc.stderr else ""
+                raise RuntimeError(f"worker exited ({proc.wait()}) before {want!r}:\n{err[-4000:]}")
+            buf += data
+            proc._event_buffer = buf  # type: ignore[attr-defined]
+    finally:
+        sel.close()
 
 
 def wait_until(fn, timeout: float, what: str, interval: float = 0.1):

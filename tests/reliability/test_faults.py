@@ -140,14 +140,20 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-@pytest.mark.parametrize("mode", ["freeze-write", "freeze-read"])
+@pytest.mark.parametrize("mode", ["freeze-write", "freeze-read", "freeze-read-by-layer"])
 def test_client_frozen_mid_copy_past_its_session_corrupts_nothing(small_server, client_of, workers, mode):
     """A client-driven client SIGSTOPped right before its copy into (or out of) arena slots, for
     longer than the session timeout, then continued: its session is dropped meanwhile and another
     client fills the arena. A frozen writer's slots are not handed out while its process lives, so
     its late copy lands in slots nobody else owns; a frozen reader whose slots were reused reports
-    nothing loaded. Every chunk of the other client stays bit-exact."""
-    w = workers(mode, "--url", small_server.url, "--model", "victim", "--chunks", "4")
+    nothing loaded. Every chunk of the other client stays bit-exact. Layer by layer, a layer whose
+    copy ended late is not said to have landed: ``wait_layer`` returns only with the transfer
+    done, reporting nothing loaded (it returned first, while the blocks held another chunk's
+    bytes, which an engine's attention would have read)."""
+    by_layer = mode.endswith("-by-layer")
+    mode = mode.removesuffix("-by-layer")
+    w = workers(mode, "--url", small_server.url, "--model", "victim", "--chunks", "4",
+                *(["--by-layer"] if by_layer else []))
     read_event(w, "freezing")
     wait_until(lambda: _stopped(w.pid), 10.0, "the worker stopped itself")
     other = Writer(client_of(small_server), model="other")
@@ -164,7 +170,10 @@ def test_client_frozen_mid_copy_past_its_session_corrupts_nothing(small_server, 
     if mode == "freeze-write":
         read_event(w, ("stored", "failed"))  # its commit finds no session: either is fine
     else:
-        event = read_event(w, ("retrieved", "failed"))
+        event = read_event(w, ("layer0", "failed")) if by_layer else {"event": ""}
+        assert event["event"] != "layer0" or event["done"] or all(event["right"]), event
+        if event["event"] != "failed":
+            event = read_event(w, ("retrieved", "failed"))
         assert event["event"] == "failed" or (event["loaded"] == [] and event["missing"] == [0, 1, 2, 3]), event
 
     seen = 0
