@@ -289,6 +289,9 @@ class ClientDrivenCore(ContextCore):
                 if late:
                     _over(state)
                 elif error is None:
+                    if store and k == 0 and not (lw.running() or lw.set_running_or_notify_cancel()):
+                        _over(state)  # cancelled before its first part: its slots were given back
+                        return
                     state["next"] = k + 1
             if error is not None:
                 fail(error)
@@ -359,11 +362,31 @@ class ClientDrivenCore(ContextCore):
         def drop() -> None:  # commit every slot as failed: nothing half written becomes readable
             self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))
 
-        if not outer.set_running_or_notify_cancel():  # cancelled before its copy: none happens
-            drop()
-            self._commit_sent()
-            return
+        if layered is None:
+            if not outer.set_running_or_notify_cancel():  # cancelled before its copy: none happens
+                drop()
+                self._commit_sent()
+                return
+        else:
+            # layer by layer, the future runs once its first part is copied (after the caller's
+            # first layer_ready), or once the core ends it otherwise (claim): until then it may
+            # be cancelled, which gives the slots back
+            def cancelled(f: Future[Any]) -> None:
+                if f.cancelled():
+                    try:
+                        drop()
+                    finally:
+                        self._commit_sent()
+
+            outer.add_done_callback(cancelled)
+            if outer.cancelled():
+                return
         started = time.perf_counter()
+
+        def claim() -> bool:
+            """The request is the core's to end (False: the caller cancelled it, and the
+            cancellation gave its slots back)."""
+            return layered is None or layered.running() or layered.set_running_or_notify_cancel()
 
         def committed(f: Future[m.StoreResult]) -> None:
             try:
@@ -373,6 +396,8 @@ class ClientDrivenCore(ContextCore):
                 outer.set_exception(exc)
 
         def commit() -> None:
+            if not claim():
+                return
             try:  # the copy's time (gather and its waiter) goes to the server's figures
                 copy_s = time.perf_counter() - started if rep.slots else 0.0
                 # resolved on the thread that reads the reply (the caller's callbacks still run
@@ -385,6 +410,8 @@ class ClientDrivenCore(ContextCore):
                 self._commit_sent()
 
         def abandon(exc: BaseException) -> None:
+            if not claim():
+                return
             try:
                 drop()
             finally:
@@ -397,6 +424,8 @@ class ClientDrivenCore(ContextCore):
         try:
             copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots), rows=rows)
         except BaseException:
+            if not claim():
+                return  # cancelled meanwhile: its slots were given back
             drop()
             raise
         self._copy_parts(self.gather, "gather", copies, transfer, layered,

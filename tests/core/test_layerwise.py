@@ -173,6 +173,31 @@ def test_closing_with_a_layerwise_store_waiting_for_layers_fails_it(client: Cach
     assert client.status().reservations == 0
 
 
+def test_a_layerwise_store_cancelled_before_its_first_layer_gives_its_slots_back(client: CacheClient) -> None:
+    """A layer-wise store may be cancelled until its first part is copied (after the caller's
+    first ``layer_ready``), as the contract says: an engine that aborts a request before its
+    forward pass wrote a layer cancels it, and its write reservation goes at once. (The future
+    ran as soon as the reserve was answered, so cancel() said False, and each such store held
+    its slots until the context closed: the session's byte limit then refused every store.)
+    Once its first part is copied, cancel() says False and the store goes on."""
+    kv, ctx = _register(client, "lw-cancel", seed=4)
+    for n in range(12):
+        hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"lw-cancel-{n}")
+        fut = ctx.submit_store(hashes, _blocks(0, 1), by_layer=True)
+        assert wait_until(lambda: client.status().reservations == 1, timeout=30, step=0.01)
+        assert fut.cancel() and fut.cancelled()
+        assert wait_until(lambda: client.status().reservations == 0, timeout=30, step=0.01), "slots kept"
+    hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="lw-cancel-kept")
+    fut = ctx.submit_store(hashes, _blocks(0, 1), by_layer=True)
+    fut.layer_ready(0)
+    _worker_caught_up(ctx, "lw-cancel-probe")
+    assert not fut.cancel()  # its first part was copied
+    fut.all_layers_ready()
+    assert fut.result(30).stored == [0]
+    assert client.lookup("lw-cancel", hashes=hashes) == 1
+    ctx.close()
+
+
 def test_a_layerwise_store_whose_future_was_dropped_is_given_up_at_close(client: CacheClient) -> None:
     """A caller that drops a layer-wise store's future without declaring its layers (a forward
     pass that raised): the store waits for its layers until the context closes (its reservation
