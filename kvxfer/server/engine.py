@@ -920,7 +920,7 @@ class CacheServer:
         ``park_reads`` (a session its client resumed: the reads' copies rely on their pins)."""
         session = self.sessions.pop(identity)
         # a client that registered nothing and said goodbye (`kvxfer status`, polled) is no news
-        quiet = not session.instances and not session.usage.leases and reason == _CLOSED_BY_CLIENT
+        quiet = not session.registered and not session.usage.leases and reason == _CLOSED_BY_CLIENT
         name = printable(session.name) if session.name else "unnamed"
         name = name if len(name) <= 64 else f"{name[:64]}..."
         line = (f"session of {session.peer.label()} ({name}) ended "
@@ -1047,6 +1047,7 @@ class CacheServer:
             self.contexts[ctx.instance_id] = ctx
             self._formats = None
             session.instances.add(ctx.instance_id)
+            session.registered += 1
             self.stats.register_model(ctx.model_name)
             self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
             return m.RegisterReply(ctx.instance_id, ctx.chunk.nbytes)

@@ -90,8 +90,9 @@ class Session:
     pid: int
     last_seen: float
     usage: Usage = field(default_factory=Usage)
-    #: Registered instance ids of this session.
+    #: Registered instance ids of this session, and how many it registered in all.
     instances: set[int] = field(default_factory=set)
+    registered: int = 0
     #: Registrations sent to a worker, not finished yet.
     registering: int = 0
     #: Requests waiting on the L2 store (see the engine's ``_Awaiting``).

@@ -116,7 +116,8 @@ class ContextCore:
     #: The private attributes the core's ``__init__`` sets (each style adds its own): a
     #: transport's context class must not set them (:meth:`check_core_names`).
     _core_names: ClassVar[frozenset[str]] = frozenset({
-        "_own_threads", "_executor", "_finisher", "_closed", "_close_ended", "_registered", "_lock", "_layer_feeds"})
+        "_own_threads", "_executor", "_finisher", "_closed", "_close_ended", "_registered", "_lock", "_layer_feeds",
+        "_dropped"})
 
     def __init__(
         self,
@@ -154,6 +155,9 @@ class ContextCore:
         self._lock = threading.Lock()
         #: Layer-wise transfers not finished yet: close() abandons the layers never declared ready.
         self._layer_feeds: weakref.WeakSet[LayerwiseFuture[Any]] = weakref.WeakSet()
+        #: Unregisters the instance id it holds once this context is collected unclosed (the
+        #: server would keep the registration for the session's life); close() detaches it.
+        self._dropped: tuple[weakref.finalize[Any, Any], list[int]] | None = None
 
     def _seal(self) -> None:
         """The end of the core's ``__init__`` (each style's calls it): remember what the core set
@@ -216,6 +220,13 @@ class ContextCore:
             self.connection.request(m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
         self._registered = True
         self.epoch = self.connection.epoch
+        if self._dropped is None:
+            ids = [self.instance_id]
+            finalizer = weakref.finalize(self, _unregister_dropped, self.connection, ids)
+            finalizer.atexit = False  # the session ends with the process anyway
+            self._dropped = (finalizer, ids)
+        else:
+            self._dropped[1][0] = self.instance_id  # registered again (under a fresh id, maybe)
 
     def on_reconnect(self) -> None:
         """The client re-opened its session (the server restarted): register again."""
@@ -360,6 +371,8 @@ class ContextCore:
             self._close_ended.set()
 
     def _close_now(self, feeds: list[LayerwiseFuture[Any]]) -> None:
+        if self._dropped is not None:
+            self._dropped[0].detach()  # unregistered below
         for fut in feeds:  # a layer-wise store whose caller never declares its last layers
             fut.abandon(ConfigError(f"transfer context {self.instance_id} ({self.transport_name}) closed before "
                                     "every layer of a layer-wise store was declared ready"))
@@ -396,3 +409,14 @@ class ContextCore:
             return reply.result()
         except (NoSession, UnknownInstance):
             return resend()
+
+
+def _unregister_dropped(connection: Connection, ids: list[int]) -> None:
+    """A registered context collected without ``close()``: unregister its instance on the
+    server without waiting (its transfers were over, or it would not have been collected).
+    The server kept such a registration for the session's life, and a program that dropped
+    contexts ran out of --max-registrations-per-session."""
+    try:
+        connection.submit(m.Unregister(ids[0]))
+    except Exception:  # noqa: BLE001  (the client is closed, or its server gone: nothing is registered then)
+        pass

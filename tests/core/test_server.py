@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 
@@ -158,6 +159,31 @@ def test_a_client_dropped_without_close_ends_its_session_when_collected(server, 
     wait_until(lambda: threading.active_count() == threads and fds() == files, timeout=30)
 
 
+def test_contexts_dropped_without_close_are_unregistered_when_collected(server, client) -> None:
+    """A registered context dropped unclosed is unregistered on the server when it is collected
+    (its transfers are over: a transfer in flight holds it). The server kept each such
+    registration for the session's life: a program that registered again on reconfiguration,
+    dropping the old context, ran out of --max-registrations-per-session (64) and was told to
+    close contexts it could no longer reach. A client dropped with its contexts goes too."""
+    import gc
+
+    base = len(client.status().contexts)
+    for n in range(70):  # past the per-session limit
+        ctx = client.register(flash_attn_kv(num_blocks=8), model_name=f"dropped-{n % 3}", block_size=BLOCK_SIZE,
+                              transport="cpu_gather")
+        hashes = chunk_hashes(list(range(n * CHUNK_SIZE, (n + 1) * CHUNK_SIZE)), CHUNK_SIZE, salt="dropped")
+        assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
+        del ctx
+        gc.collect()
+    wait_until(lambda: len(client.status().contexts) == base, timeout=30)
+    other = CacheClient(server.url, timeout=15)
+    other.register(flash_attn_kv(num_blocks=8), model_name="dropped-with-client", block_size=BLOCK_SIZE,
+                   transport="cpu_gather")
+    del other
+    gc.collect()
+    wait_until(lambda: len(client.status().contexts) == base, timeout=30)
+
+
 _FORKED = """
 import os, sys
 from kvxfer import CacheClient, chunk_hashes
@@ -207,6 +233,7 @@ def test_a_client_that_closes_ends_its_session_at_once(server, client) -> None:
     other = CacheClient(server.url, name="goodbye-test")
     other.register(flash_attn_kv(), model_name="goodbye", block_size=BLOCK_SIZE, transport="cpu_gather")
     assert client.status().sessions == before + 1
+    time.sleep(1.1)  # the server logs one such line a second at most: the tests before ended sessions too
     other.close()
     st = client.status()  # answered after the goodbye: the same loop handled that first
     assert st.sessions == before and not [c for c in st.contexts if c.model_name == "goodbye"]
