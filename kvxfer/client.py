@@ -16,6 +16,8 @@ requests in flight at the time fail with :class:`kvxfer.errors.ConnectionFailed`
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import math
 import os
@@ -171,6 +173,10 @@ class CacheClient:
         self.name = name
         self._lock = threading.RLock()
         self._contexts: weakref.WeakSet[TransferContextBase] = weakref.WeakSet()
+        #: Instance ids of contexts collected without close(), unregistered at the next
+        #: register(): a context's finalizer only appends its id here (it may run inside any
+        #: allocation, the connection's own under its lock included: it takes no lock, does no I/O)
+        self.dropped: collections.deque[int] = collections.deque()
         late = weakref.WeakMethod(self._release_late)  # the connection's thread must not keep this client alive
 
         def on_late_reply(name: str, request: Any, reply: Any) -> None:
@@ -363,6 +369,17 @@ class CacheClient:
         """A context closed: stop re-registering it."""
         self._contexts.discard(context)
 
+    def _unregister_dropped(self) -> None:
+        """Unregister the contexts collected without ``close()`` (:attr:`dropped`), without
+        waiting for the answers (a server that lost them answers an error, ignored)."""
+        while self.dropped:
+            try:
+                instance_id = self.dropped.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            with contextlib.suppress(KvxferError, ConnectionError):
+                self._mq.submit(m.Unregister(instance_id))
+
     # ------------------------------------------------------------------ Connection protocol
 
     def submit(self, payload: m.Request[Reply], timeout: float | None = None) -> Future[Reply]:
@@ -406,6 +423,7 @@ class CacheClient:
         kv_layout.blocks_per_chunk(self.chunk_size)
         chosen = self._pick_transport(transport, layers[0].device, kv_layout, layers)
         identity = InstanceIdentity.fresh(model_name, world_size, rank)
+        self._unregister_dropped()
         with plugin_step(chosen.name, "client_context"):
             ctx = chosen.client_context(self, layers, kv_layout, identity)
         try:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvxfer.arena import ArenaMapping
 from kvxfer.copies import ChunkRows, RowCopy, SlotViews, chunk_rows, layer_slice, plan_copies
-from kvxfer.errors import NoSession, UnknownInstance
+from kvxfer.errors import KvxferError, NoSession, UnknownInstance
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore, guarded
 
@@ -463,14 +463,30 @@ class ClientDrivenCore(ContextCore):
             else:
                 outer.set_result(result)
 
+        epoch = self.connection.epoch
+        since = [sent_at]
+
         def in_time() -> bool:
             # The server keeps a session, and so the reservation's pins, for session_timeout after
             # the last request it got from it, here at the latest the reserve (sent after sent_at).
-            # A copy that starts and ends well within that cannot read reused slots.
-            ok = time.monotonic() - sent_at < self.connection.session_timeout / 2
-            if not ok:
-                late.append(True)
-            return ok
+            # A copy that starts and ends well within that cannot read reused slots. Past that,
+            # a ping answered on the same session (no handshake since the reserve: a resumed
+            # session's reads are parked, and their pins go a session timeout after the reserve)
+            # shows the session, so the pins, lived until it was sent: the clock starts again there.
+            if time.monotonic() - since[0] < self.connection.session_timeout / 2:
+                return True
+            asked = time.monotonic()
+            if self.connection.epoch == epoch:
+                try:
+                    self.connection.request(m.Ping(), timeout=self.connection.session_timeout / 2)
+                except KvxferError:  # the session is gone (or the server): the pins may have lapsed
+                    pass
+                else:
+                    if self.connection.epoch == epoch:
+                        since[0] = asked
+                        return True
+            late.append(True)
+            return False
 
         late: list[bool] = []
 

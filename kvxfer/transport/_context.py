@@ -8,6 +8,7 @@ is what a transport sees.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import threading
@@ -222,7 +223,8 @@ class ContextCore:
         self.epoch = self.connection.epoch
         if self._dropped is None:
             ids = [self.instance_id]
-            finalizer = weakref.finalize(self, _unregister_dropped, self.connection, ids)
+            dropped = getattr(self.connection, "dropped", None)  # (CacheClient's; a stand-in may have none)
+            finalizer = weakref.finalize(self, _note_dropped, dropped, ids)
             finalizer.atexit = False  # the session ends with the process anyway
             self._dropped = (finalizer, ids)
         else:
@@ -411,12 +413,11 @@ class ContextCore:
             return resend()
 
 
-def _unregister_dropped(connection: Connection, ids: list[int]) -> None:
-    """A registered context collected without ``close()``: unregister its instance on the
-    server without waiting (its transfers were over, or it would not have been collected).
-    The server kept such a registration for the session's life, and a program that dropped
-    contexts ran out of --max-registrations-per-session."""
-    try:
-        connection.submit(m.Unregister(ids[0]))
-    except Exception:  # noqa: BLE001  (the client is closed, or its server gone: nothing is registered then)
-        pass
+def _note_dropped(dropped: collections.deque[int] | None, ids: list[int]) -> None:
+    """A registered context collected without ``close()``: its client unregisters the instance
+    at its next ``register()`` (the server kept such a registration for the session's life, and
+    a program that dropped contexts ran out of --max-registrations-per-session). This runs
+    inside whatever allocation the collector ran in, the client's own under its lock included:
+    it only appends to a deque (atomic), never a lock or I/O."""
+    if dropped is not None:
+        dropped.append(ids[0])

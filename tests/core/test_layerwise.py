@@ -262,3 +262,41 @@ def test_layer_indices_are_checked(client: CacheClient) -> None:
     fut.all_layers_ready()
     assert fut.result(30).stored == [0]
     ctx.close()
+
+
+def test_a_retrieve_that_waits_past_half_the_session_timeout_still_loads() -> None:
+    """A retrieve queued behind a slow copy (here 1.5 s, against a session timeout of 2 s)
+    starts its copy past half the session timeout after its reserve. Its session lived all along
+    (heartbeats), so its pins held: a ping answered on that session shows it, and the retrieve
+    copies and loads, byte for byte, whole and layer by layer. (Without that ping it reported
+    every chunk missing; only a session the server dropped, or one resumed since the reserve,
+    means the pins may have gone.)"""
+    import time as _time
+
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--session-timeout", "2"]) as srv, CacheClient(srv.url, timeout=30) as c:
+        kv, ctx = _register(c, "lw-slow", seed=5)
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="lw-slow")
+        assert ctx.submit_store(hashes, _blocks(0, 2)).result(30).stored == [0, 1]
+        scatter = ctx.scatter
+        slow = [True]
+
+        def slow_first(copies, transfer):  # type: ignore[no-untyped-def]
+            if slow:
+                slow.clear()
+                _time.sleep(1.5)
+            return scatter(copies, transfer)
+
+        ctx.scatter = slow_first  # type: ignore[method-assign]
+        for by_layer in (False, True):
+            slow.append(True)
+            first = ctx.submit_retrieve(hashes[:1], _blocks(2, 1))
+            second = ctx.submit_retrieve(hashes, _blocks(4, 2), by_layer=by_layer)
+            assert first.result(30).loaded == [0]
+            assert second.result(30).loaded == [0, 1], by_layer
+            for layer in kv:
+                assert torch.equal(layer[:, _blocks(4, 2)], layer[:, _blocks(0, 2)])
+                layer[:, _blocks(4, 2)] = 0
+        ctx.close()

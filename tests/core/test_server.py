@@ -160,11 +160,12 @@ def test_a_client_dropped_without_close_ends_its_session_when_collected(server, 
 
 
 def test_contexts_dropped_without_close_are_unregistered_when_collected(server, client) -> None:
-    """A registered context dropped unclosed is unregistered on the server when it is collected
-    (its transfers are over: a transfer in flight holds it). The server kept each such
-    registration for the session's life: a program that registered again on reconfiguration,
-    dropping the old context, ran out of --max-registrations-per-session (64) and was told to
-    close contexts it could no longer reach. A client dropped with its contexts goes too."""
+    """A registered context dropped unclosed is unregistered on the server once it is collected
+    (its transfers are over: a transfer in flight holds it), at the client's next register(). The
+    server kept each such registration for the session's life: a program that registered again
+    on reconfiguration, dropping the old context, ran out of --max-registrations-per-session (64)
+    and was told to close contexts it could no longer reach. A client dropped with its contexts
+    goes too."""
     import gc
 
     base = len(client.status().contexts)
@@ -175,6 +176,25 @@ def test_contexts_dropped_without_close_are_unregistered_when_collected(server, 
         assert ctx.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
         del ctx
         gc.collect()
+    # collected by the cycle collector, which may run inside any allocation: the connection's own
+    # under its lock too (the first finalizer sent the unregister itself, and waited for that lock)
+    import threading
+
+    ctx = client.register(flash_attn_kv(num_blocks=8), model_name="dropped-cycle", block_size=BLOCK_SIZE,
+                          transport="cpu_gather")
+    ctx.cycle = [ctx]  # type: ignore[attr-defined]
+    del ctx
+    collected = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        with client._mq._lock:
+            gc.collect()
+        collected.set()
+
+    threading.Thread(target=collect_under_the_lock, daemon=True).start()
+    assert collected.wait(10), "collecting a dropped context under the connection's lock deadlocked"
+    client.register(flash_attn_kv(num_blocks=8), model_name="dropped-last", block_size=BLOCK_SIZE,
+                    transport="cpu_gather").close()  # the last dropped ones go at this register()
     wait_until(lambda: len(client.status().contexts) == base, timeout=30)
     other = CacheClient(server.url, timeout=15)
     other.register(flash_attn_kv(num_blocks=8), model_name="dropped-with-client", block_size=BLOCK_SIZE,
