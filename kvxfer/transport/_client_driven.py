@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvxfer.arena import ArenaMapping
@@ -158,10 +158,14 @@ class ClientDrivenCore(ContextCore):
             try:
                 job(reserved, *args)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
-                if not outer.done():
-                    outer.set_exception(exc)
-                if write:  # the job never reached its commit
-                    self._commit_sent()
+                try:
+                    if not outer.done():
+                        outer.set_exception(exc)
+                except InvalidStateError:  # cancelled meanwhile
+                    pass
+                finally:
+                    if write:  # the job never reached its commit
+                        self._commit_sent()
 
         with self._lock:
             self._check_open()
