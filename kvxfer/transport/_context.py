@@ -156,8 +156,9 @@ class ContextCore:
         self._lock = threading.Lock()
         #: Layer-wise transfers not finished yet: close() abandons the layers never declared ready.
         self._layer_feeds: weakref.WeakSet[LayerwiseFuture[Any]] = weakref.WeakSet()
-        #: Unregisters the instance id it holds once this context is collected unclosed (the
-        #: server would keep the registration for the session's life); close() detaches it.
+        #: Queues the instance id it holds for the client to unregister once this context is
+        #: collected unclosed (the server would keep the registration for the session's life);
+        #: close() detaches it.
         self._dropped: tuple[weakref.finalize[Any, Any], list[int]] | None = None
 
     def _seal(self) -> None:
