@@ -1287,14 +1287,23 @@ class CacheServer:
                                              f"of instance {ctx.instance_id} on this connection")
         return res
 
+    def _take_parked(self, session: Session, reservation_id: int) -> bool:
+        """A late commit of a reservation parked when the session ``session`` resumed ended: its
+        copy is over, so it is aborted (a write's slots freed, a read's pins let go). False if
+        ``reservation_id`` is no such reservation."""
+        resumed = session.resumed
+        parked = resumed.reservations.pop(reservation_id, None) if resumed is not None else None
+        if parked is None:
+            return False
+        self.index.abort(parked)
+        assert resumed is not None
+        if not resumed.reservations:
+            self._forget_parked(resumed)
+        return True
+
     def _on_commit_write(self, session: Session, msg: m.CommitWrite) -> m.StoreResult:
         _check_copy_s(msg.copy_s)
-        resumed = session.resumed
-        parked = resumed.reservations.pop(msg.reservation_id, None) if resumed is not None else None
-        if parked is not None:  # its copy is over: free the slots; what it wrote is not trusted
-            self.index.abort(parked)
-            if resumed is not None and not resumed.reservations:
-                self._forget_parked(resumed)
+        if self._take_parked(session, msg.reservation_id):  # what it wrote is not trusted
             raise _invalid("reservation_id", f"write reservation {msg.reservation_id} was dropped when this "
                                              "client's session ended (it went silent past the session timeout, or "
                                              "resumed the session on a new connection); nothing was stored")
@@ -1332,12 +1341,7 @@ class CacheServer:
 
     def _on_commit_read(self, session: Session, msg: m.CommitRead) -> m.Empty:
         _check_copy_s(msg.copy_s)
-        resumed = session.resumed
-        parked = resumed.reservations.pop(msg.reservation_id, None) if resumed is not None else None
-        if parked is not None:  # a read kept while the session it came from ended: its copy is over
-            self.index.abort(parked)  # unpinned; its pins held throughout, so what it read is whole
-            if resumed is not None and not resumed.reservations:
-                self._forget_parked(resumed)
+        if self._take_parked(session, msg.reservation_id):  # its pins held throughout: what it read is whole
             return m.Empty()
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(session, ctx, msg.reservation_id, write=False)

@@ -227,6 +227,13 @@ class _Resumer:
         assert reply.slots
         return reply.reservation_id
 
+    def open_read(self, peer: RawPeer, instance_id: int, k: bytes) -> int:
+        """Register ``instance_id`` on ``peer`` and reserve a read of chunk ``k``: its reservation id."""
+        assert peer.call(b"register", codec.encode(registration(self.ref, "cpu_gather", instance_id)))[0] == codec.OK
+        status, body = peer.call(b"reserve_read", codec.encode(m.ReserveRead(instance_id, [k])))
+        assert status == codec.OK, body
+        return codec.decode(body, m.ReserveReadReply).reservation_id
+
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
@@ -394,11 +401,7 @@ def test_a_client_that_resumes_its_open_session_keeps_the_pins_of_its_open_read(
     assert ref.store([k]).stored == [0]
     client = _Resumer(server.url, ref)
     try:
-        first = client.connect()
-        assert first.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0301)))[0] == codec.OK
-        status, body = first.call(b"reserve_read", codec.encode(m.ReserveRead(4343_0301, [k])))
-        assert status == codec.OK, body
-        rid = codec.decode(body, m.ReserveReadReply).reservation_id
+        rid = client.open_read(client.connect(), 4343_0301, k)
         again = client.connect()
         assert observer.status().reservations == 1
         assert observer.clear("resume-read") == 0, "a pinned chunk was cleared while its read may still copy"
@@ -925,9 +928,7 @@ def test_a_read_parked_at_a_resume_holds_its_pins_no_longer_than_a_session_timeo
         assert ref.store([k]).stored == [0]
         client = _Resumer(server.url, ref)
         try:
-            first = client.connect()
-            assert first.call(b"register", codec.encode(registration(ref, "cpu_gather", 4343_0401)))[0] == codec.OK
-            assert first.call(b"reserve_read", codec.encode(m.ReserveRead(4343_0401, [k])))[0] == codec.OK
+            client.open_read(client.connect(), 4343_0401, k)
             again = client.connect()
             assert observer.status().reservations == 1
             wait_until(lambda: again.call(b"ping", codec.encode(m.Ping()))[0] == codec.OK

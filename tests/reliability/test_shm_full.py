@@ -24,17 +24,21 @@ from kvxfer.errors import KvxferError, RemoteError
 from kvxfer.testing.server import ServerProcess
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    mnt = tmp_path / "shm"
+def _tmpfs(mnt: Path, options: str):
+    """A tmpfs mounted at ``mnt`` with ``options`` for the test's length (skips where mounting fails)."""
     mnt.mkdir(mode=0o700)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    yield from _tmpfs(tmp_path / "shm", "size=24m,mode=0700")
 
 
 def fill(directory: Path) -> Path:
@@ -98,15 +102,7 @@ def test_a_full_shared_memory_filesystem_after_start(small_tmpfs):
 
 @pytest.fixture
 def read_only_tmpfs(tmp_path: Path):
-    mnt = tmp_path / "ro"
-    mnt.mkdir(mode=0o700)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    yield from _tmpfs(tmp_path / "ro", "ro,size=64m,mode=0700")
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
