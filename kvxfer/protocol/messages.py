@@ -280,6 +280,9 @@ class CommitWrite(Request["StoreResult"], frozen=True):
     failed: list[int] = []
     #: Seconds the client spent copying into the slots (for the server's figures); 0 if unknown.
     copy_s: float = 0.0
+    #: The caller cancelled the store before its copy: ``failed`` names every slot, and the
+    #: server counts them as abandoned, not as failed copies.
+    abandoned: bool = False
 
 
 class ReserveRead(Request["ReserveReadReply"], frozen=True):
@@ -313,12 +316,17 @@ class CommitRead(Request[Empty], frozen=True):
 
 class Store(Request["StoreResult"], frozen=True):
     """Server-driven store: the server copies ``block_ids`` of the instance's registered
-    memory into the arena. ``params`` is the transport's per-request Struct (or empty)."""
+    memory into the arena. ``params`` is the transport's per-request Struct (or empty).
+    ``deadline`` (Unix time of the client's clock; 0: none): the client stops waiting for the
+    reply then and the blocks may hold other KV by the time the copy would read them, so a
+    server that gets to the copy later (it was stalled) copies nothing and reports every chunk
+    failed, as :attr:`Retrieve.deadline`."""
 
     instance_id: int
     hashes: list[bytes]
     block_ids: list[int]
     params: msgspec.Raw = NO_PARAMS
+    deadline: float = 0.0
 
 
 class Retrieve(Request["RetrieveResult"], frozen=True):
@@ -504,6 +512,9 @@ class TrafficStatus(Message, frozen=True):
     #: Stores and retrieves reserved and not committed now.
     stores_in_flight: int = 0
     retrieves_in_flight: int = 0
+    #: Chunks a store did not copy because its client gave up on it: the caller cancelled it,
+    #: or the server reached its copy past the client's deadline (:attr:`Store.deadline`).
+    abandoned_chunks: int = 0
 
 
 class LatencyStatus(Message, frozen=True):

@@ -304,6 +304,12 @@ def _decode(name: str, spec: RequestSpec, payload: bytes) -> Any:
         raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
 
 
+def _check_deadline(deadline: float) -> None:
+    """A store's or retrieve's ``deadline``: a Unix time, or 0 (none)."""
+    if not (math.isfinite(deadline) and deadline >= 0):
+        raise _invalid("deadline", f"must be a Unix time (0: none), got {deadline!r}")
+
+
 def _check_hashes(hashes: list[bytes]) -> None:
     if len(hashes) > MAX_CHUNKS_PER_REQUEST:
         raise _invalid("hashes", f"{len(hashes)} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
@@ -1309,17 +1315,17 @@ class CacheServer:
                                              "resumed the session on a new connection); nothing was stored")
         ctx = self._client_driven(session, msg.instance_id)
         res = self._reservation(session, ctx, msg.reservation_id, write=True)
-        return self._commit_write(ctx, res, msg.failed, msg.copy_s)
+        return self._commit_write(ctx, res, msg.failed, msg.copy_s, msg.abandoned)
 
     def _commit_write(self, ctx: RegisteredContext, res: Reservation, failed: list[int],
-                      copy_s: float) -> m.StoreResult:
+                      copy_s: float, abandoned: bool = False) -> m.StoreResult:
         reserved = {i for i, _ in res.entries}
         bad = sorted(set(failed) & reserved)
         stored = self.index.commit_write(res, bad)
         ctx.stores += 1
         seconds = time.perf_counter() - res.opened
         self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), len(stored), len(bad),
-                            ctx.chunk.nbytes, seconds, copy_s)
+                            ctx.chunk.nbytes, seconds, copy_s, abandoned)
         if stored and self.tier is not None:
             self.tier.offer([e for _, e in stored])
         if stored:
@@ -1400,6 +1406,7 @@ class CacheServer:
     def _on_store(self, session: Session, msg: m.Store) -> _Deferred:
         ctx = self._server_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
+        _check_deadline(msg.deadline)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
         params = self._params(ctx, msg.params)
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
@@ -1411,16 +1418,28 @@ class CacheServer:
         assert server_context is not None  # server-driven: checked above
         copy = _CopyClock(self._plugin(ctx, "store", lambda: server_context.store(copies, params)) if copies
                           else (lambda: None))
+        expired = object()
+
+        def work() -> Any:
+            if msg.deadline and time.time() > msg.deadline:
+                return expired  # the client gave up on it: its blocks may hold other KV by now
+            return copy()
 
         def finish(fut: Future[Any]) -> m.StoreResult:
             if fut.exception() is not None or ctx.instance_id not in self.contexts:
                 self.index.abort(res)
                 fut.result()
                 raise UnknownInstance(f"instance {ctx.instance_id} was dropped during the store")
-            out = self._commit_write(ctx, res, [], copy.seconds())
-            return m.StoreResult(out.stored, present, sorted(no_space))
+            if fut.result() is expired:
+                self._throttled.warning("past deadline", f"instance {ctx.instance_id}: a store reached its copy "
+                                        f"{time.time() - msg.deadline:.1f} s past the deadline its client stopped "
+                                        "waiting at: nothing copied")
+                out = self._commit_write(ctx, res, [i for i, _ in res.entries], 0.0, abandoned=True)
+            else:
+                out = self._commit_write(ctx, res, [], copy.seconds())
+            return m.StoreResult(out.stored, present, sorted(set(no_space) | set(out.failed)))
 
-        return _Deferred(ctx.executor, copy, finish, ctx.transport, quick=server_context, waiting=ctx.waiting)
+        return _Deferred(ctx.executor, work, finish, ctx.transport, quick=server_context, waiting=ctx.waiting)
 
     def _on_retrieve(self, session: Session, msg: m.Retrieve,
                      waited: tuple[RegisteredContext, LaneSlot] | None = None) -> _Deferred | _Awaiting:
@@ -1437,8 +1456,7 @@ class CacheServer:
                                       "chunks promoted from L2: nothing loaded; retrieve again once registered")
             slot = waited[1]
         _check_hashes(msg.hashes)
-        if not (math.isfinite(msg.deadline) and msg.deadline >= 0):
-            raise _invalid("deadline", f"must be a Unix time (0: none), got {msg.deadline!r}")
+        _check_deadline(msg.deadline)
         if waited is None and not msg.layers and not self.stats.in_flight and self._prefetches(ctx) and not (
                 msg.deadline and time.time() > msg.deadline):
             self._stage_lone(ctx, msg)

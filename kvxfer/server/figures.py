@@ -71,7 +71,7 @@ def traffic_status(server: CacheServer) -> list[m.TrafficStatus]:
         out.append(m.TrafficStatus(
             key[0], key[1], t.stores, t.stored_chunks, t.stored_bytes, t.present_chunks, t.no_space_chunks,
             t.failed_chunks, t.store_copy_s, t.retrieves, t.loaded_chunks, t.loaded_bytes, t.missing_chunks,
-            t.retrieve_copy_s, stores, retrieves))
+            t.retrieve_copy_s, stores, retrieves, t.abandoned_chunks))
     return out
 
 

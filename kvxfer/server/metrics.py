@@ -239,11 +239,13 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         for t in st.traffic:
             c.add_metric([t.model, t.transport], get(t))
         yield c
-    c = _counter("kvxfer_store_failed_chunks", "Chunks a store did not store: no room (reason=no_space) "
-                                               "or the copy failed (reason=copy).", [*mt, "reason"])
+    c = _counter("kvxfer_store_failed_chunks", "Chunks a store did not store: no room (reason=no_space), "
+                                               "the copy failed (reason=copy), or the client gave up on the "
+                                               "store before its copy (reason=abandoned).", [*mt, "reason"])
     for t in st.traffic:
         c.add_metric([t.model, t.transport, "no_space"], t.no_space_chunks)
         c.add_metric([t.model, t.transport, "copy"], t.failed_chunks)
+        c.add_metric([t.model, t.transport, "abandoned"], t.abandoned_chunks)
     yield c
     c = _counter("kvxfer_copy_seconds", "Time spent copying bytes: by the client (client-driven "
                                         "transports, reported with each commit) or by the server.", [*mt, "op"])

@@ -100,6 +100,8 @@ class TrafficStats:
     no_space_chunks: int = 0
     #: Chunks whose copy failed (dropped, never readable).
     failed_chunks: int = 0
+    #: Chunks a store did not copy because its client gave up on it (cancelled, or past its deadline).
+    abandoned_chunks: int = 0
     store_copy_s: float = 0.0
     retrieves: int = 0
     loaded_chunks: int = 0
@@ -194,11 +196,15 @@ class ServerStats:
         traffic.no_space_chunks += no_space
 
     def on_store(self, traffic: TrafficStats, stored: int, failed: int, chunk_bytes: int,
-                 seconds: float, copy_s: float) -> None:
+                 seconds: float, copy_s: float, abandoned: bool = False) -> None:
+        """A store committed: ``failed`` chunks not stored, abandoned by the client if ``abandoned``."""
         traffic.stores += 1
         traffic.stored_chunks += stored
         traffic.stored_bytes += stored * chunk_bytes
-        traffic.failed_chunks += failed
+        if abandoned:
+            traffic.abandoned_chunks += failed
+        else:
+            traffic.failed_chunks += failed
         traffic.store_copy_s += copy_s
         traffic.store.observe(seconds)
 

@@ -363,12 +363,13 @@ class ClientDrivenCore(ContextCore):
         rep, _ = reserved()
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
-        def drop() -> None:  # commit every slot as failed: nothing half written becomes readable
-            self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id, [s.index for s in rep.slots]))
+        def drop(cancelled: bool = False) -> None:  # commit every slot as failed: nothing half written becomes readable
+            self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id, [s.index for s in rep.slots],
+                                                 abandoned=cancelled))
 
         if layered is None:
             if not outer.set_running_or_notify_cancel():  # cancelled before its copy: none happens
-                drop()
+                drop(cancelled=True)
                 self._commit_sent()
                 return
         else:
@@ -378,7 +379,7 @@ class ClientDrivenCore(ContextCore):
             def cancelled(f: Future[Any]) -> None:
                 if f.cancelled():
                     try:
-                        drop()
+                        drop(cancelled=True)
                     finally:
                         self._commit_sent()
 

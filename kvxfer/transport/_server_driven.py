@@ -9,8 +9,9 @@ reply arrives, on the finisher and in reply order: ``finish_retrieve`` (retrieve
 ``release_params`` (every request), then the future resolves.
 After a server restart the request is sent once more, synchronously, once the context is
 registered again. A request's future can be cancelled until it is sent; then it is never sent
-(its params are released). A retrieve carries the time its client stops waiting for the reply
-(``Retrieve.deadline``): a server that reaches the copy later copies nothing. A layer-wise
+(its params are released). A store or retrieve carries the time its client stops waiting for the
+reply (``Store.deadline``, ``Retrieve.deadline``): a server that reaches the copy later copies
+nothing. A layer-wise
 retrieve is sent as one request per group of layers (``Retrieve.layers``, servers with the
 ``retrieve_layers`` feature), each layer landed when its request is answered; a layer-wise
 store as one request once every layer is written.
@@ -85,7 +86,8 @@ class ServerDrivenCore(ContextCore):
         def send(params: msgspec.Struct | None) -> m.Store:
             with self._stores_answered:
                 self._stores_out += 1  # from here on, done() runs answered() exactly once
-            return m.Store(self.instance_id, transfer.keys, transfer.blocks.tolist(), self._raw(params))
+            return m.Store(self.instance_id, transfer.keys, transfer.blocks.tolist(), self._raw(params),
+                           self._deadline())
 
         def answered() -> None:
             with self._stores_answered:
@@ -168,10 +170,8 @@ class ServerDrivenCore(ContextCore):
                 self._stores_answered.wait_for(lambda: self._stores_out == 0)
 
         def send(params: msgspec.Struct | None) -> m.Retrieve:
-            # the server copies nothing once this client has stopped waiting for the reply
-            wait = float(self.connection.timeout or 0.0)
             return m.Retrieve(self.instance_id, transfer.keys, transfer.blocks.tolist(), skip_tokens, lease_id,
-                              self._raw(params), time.time() + wait if wait else 0.0, span)
+                              self._raw(params), self._deadline(), span)
 
         def finish(res: m.RetrieveResult, params: msgspec.Struct | None) -> m.RetrieveResult:
             with self._step("finish_retrieve"):
@@ -280,6 +280,12 @@ class ServerDrivenCore(ContextCore):
             release(None)  # closed: the token on_submit made goes back now
             raise
         return outer
+
+    def _deadline(self) -> float:
+        """A request's deadline as sent now: when this client stops waiting for its reply (the
+        server copies nothing after it: the blocks may hold other KV by then); 0 without a timeout."""
+        wait = float(self.connection.timeout or 0.0)
+        return time.time() + wait if wait else 0.0
 
     def _drain(self) -> None:
         """Wait until every sent request has finished (their replies have deadlines)."""

@@ -179,14 +179,22 @@ def test_a_layerwise_store_cancelled_before_its_first_layer_gives_its_slots_back
     forward pass wrote a layer cancels it, and its write reservation goes at once. (The future
     ran as soon as the reserve was answered, so cancel() said False, and each such store held
     its slots until the context closed: the session's byte limit then refused every store.)
-    Once its first part is copied, cancel() says False and the store goes on."""
+    Once its first part is copied, cancel() says False and the store goes on. The server counts
+    the cancelled stores' chunks as abandoned, not as failed copies."""
     kv, ctx = _register(client, "lw-cancel", seed=4)
+
+    def not_stored() -> tuple[int, int]:  # chunks of failed copies, chunks abandoned
+        traffic = [t for t in client.status().traffic if t.transport == ctx.transport.name]
+        return sum(t.failed_chunks for t in traffic), sum(t.abandoned_chunks for t in traffic)
+
+    failed, abandoned = not_stored()
     for n in range(12):
         hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"lw-cancel-{n}")
         fut = ctx.submit_store(hashes, _blocks(0, 1), by_layer=True)
         assert wait_until(lambda: client.status().reservations == 1, timeout=30, step=0.01)
         assert fut.cancel() and fut.cancelled()
         assert wait_until(lambda: client.status().reservations == 0, timeout=30, step=0.01), "slots kept"
+    assert not_stored() == (failed, abandoned + 12)
     hashes = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="lw-cancel-kept")
     fut = ctx.submit_store(hashes, _blocks(0, 1), by_layer=True)
     fut.layer_ready(0)

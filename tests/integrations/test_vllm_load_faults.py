@@ -29,7 +29,8 @@ from kvxfer_vllm_harness import (
 )
 
 from kvxfer import CacheClient, ConfigError, chunk_hashes
-from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorMetadata, LoadOp
+from kvxfer.errors import RequestTimeout
+from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorMetadata, LoadOp, StoreOp
 from kvxfer.integrations.vllm._compat import KVConnectorRole
 from kvxfer.testing.server import ServerProcess
 
@@ -73,6 +74,13 @@ def _store(worker: KvxferConnector, keys: list[bytes], blocks: list[int]) -> Non
 def _load(worker: KvxferConnector, op: LoadOp) -> None:
     worker.bind_connector_metadata(KvxferConnectorMetadata(CHUNK, loads=[op]))
     worker.start_load_kv(None)
+    worker.clear_connector_metadata()
+
+
+def _step(worker: KvxferConnector, meta: KvxferConnectorMetadata) -> None:
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
     worker.clear_connector_metadata()
 
 
@@ -146,6 +154,70 @@ def test_a_server_driven_load_the_client_gave_up_on_is_never_copied(srv: ServerP
         _until_log(srv, "past the deadline its client stopped waiting at: nothing copied")
         _until_reads_released(srv.url)
         assert all(bool((t[:, dst] == POISON).all()) for t in kv.values()), "a late copy wrote reused blocks"
+    finally:
+        worker.shutdown()
+
+
+def _store_counts(url: str, transport: str) -> tuple[int, int, int]:
+    """Chunks stored, failed and abandoned by stores of ``transport``, over every model label."""
+    with CacheClient(url) as c:
+        traffic = [t for t in c.status().traffic if t.transport == transport]
+    return (sum(t.stored_chunks for t in traffic), sum(t.failed_chunks for t in traffic),
+            sum(t.abandoned_chunks for t in traffic))
+
+
+def test_a_server_driven_store_the_client_gave_up_on_stores_nothing(srv: ServerProcess) -> None:
+    """Sent before the stall: the client's wait (timeout_s) ends and the store fails, so vLLM may
+    give its blocks to another request; the server, going on later, finds the client stopped
+    waiting (Store.deadline) and copies nothing: the other request's KV never goes into the cache
+    under this request's hashes. Its chunks count as abandoned, not as failed copies."""
+    worker, kv = _worker(srv.url, "stall-store", transport="file_debug", timeout_s=1, on_server_error="recompute")
+    try:
+        keys = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="stall-store")
+        ctx = next(iter(worker.worker.contexts.values()))
+        blocks = list(range(8))
+        before = _store_counts(srv.url, "file_debug")
+        os.kill(srv.pid, signal.SIGSTOP)
+        fut = ctx.submit_store(keys, blocks)
+        with pytest.raises(RequestTimeout):
+            fut.result(30)
+        for t in kv.values():  # vLLM reuses them
+            t[:, blocks] = POISON
+        os.kill(srv.pid, signal.SIGCONT)
+        _until_log(srv, "a store reached its copy")
+        res = ctx.submit_retrieve(keys, list(range(16, 24))).result(30)
+        assert res.missing == [0, 1], "a store its client gave up on was copied after all"
+        after = _store_counts(srv.url, "file_debug")
+        assert [b - a for a, b in zip(before, after)] == [0, 0, 2]  # stored, failed, abandoned
+    finally:
+        worker.shutdown()
+
+
+def test_a_preempted_requests_store_still_queued_when_the_wait_ends_is_cancelled(srv: ServerProcess) -> None:
+    """vLLM preempts a request whose store is queued behind loads that wait for a stalled server:
+    past the connector's wait (twice timeout_s plus 5 s) the store is cancelled, so that it never
+    reads the blocks vLLM then gives to another request (it would store that request's KV under
+    this one's hashes, and every later load of them would get it, with no error)."""
+    worker, kv = _worker(srv.url, "preempt", timeout_s=0.5)
+    try:
+        keys_a = chunk_hashes(list(range(CHUNK)), CHUNK, salt="preempt-a")
+        keys_p = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="preempt-p")
+        p_blocks = list(range(8, 16))
+        os.kill(srv.pid, signal.SIGSTOP)
+        # a store the stalled server does not commit, loads queued behind it, then the store of "p"
+        _step(worker, KvxferConnectorMetadata(CHUNK, stores=[StoreOp("a", keys_a, list(range(4)))]))
+        loads = [LoadOp(f"l{i}", keys_a, list(range(16 + 4 * (i % 4), 20 + 4 * (i % 4)))) for i in range(16)]
+        _step(worker, KvxferConnectorMetadata(CHUNK, loads=loads, stores=[StoreOp("p", keys_p, p_blocks)]))
+        dropped = worker.worker.stats["dropped_stores"]
+        worker.handle_preemptions(KvxferConnectorMetadata(CHUNK, preempted=["p"]))
+        assert worker.worker.stats["dropped_stores"] == dropped + 1, "the preempted request's store was not cancelled"
+        for t in kv.values():  # vLLM gives p's blocks to another request
+            t[:, p_blocks] = POISON
+        os.kill(srv.pid, signal.SIGCONT)
+        ctx = next(iter(worker.worker.contexts.values()))
+        ctx.submit_store(keys_a, list(range(4))).result(30)  # the queue ahead of it has run
+        res = ctx.submit_retrieve(keys_p, list(range(24, 32))).result(30)
+        assert res.missing == [0, 1], "the preempted request's store ran after vLLM reused its blocks"
     finally:
         worker.shutdown()
 

@@ -78,7 +78,8 @@ FIELDS: Final[dict[str, str]] = {
     "stored_bytes": "Bytes stored into the cache server.",
     "failed_store_chunks": "Chunks a store could not store (no room, a limit of the server's reached, or the copy "
                            "failed).",
-    "dropped_stores": "Stores not sent (no server, or the server failed).",
+    "dropped_stores": "Stores not sent (no server, or the server failed), or cancelled before their copy because "
+                      "vLLM was about to reuse their blocks.",
 }
 #: What the scheduler side reports: its stats key -> field.
 SCHEDULER_FIELDS: Final[dict[str, str]] = {"lookups": "lookups", "unanswered_lookups": "unanswered_lookups",

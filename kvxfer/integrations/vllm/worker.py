@@ -212,7 +212,7 @@ class WorkerConnector:
             try:
                 fut.result(timeout=self.config.timeout_s * 2 + 5)
             except FutureTimeout:
-                log.warning("kvxfer: a store of a sliding-window group is still running; its blocks may be reused")
+                self._give_up_store(fut, "a store of a sliding-window group")
             except Exception:  # noqa: BLE001  (reported when the store is settled in get_finished)
                 pass
         for rid in meta.preempted:
@@ -512,13 +512,27 @@ class WorkerConnector:
             self.stats["dropped_stores"] += 1
             return True
         except FutureTimeout:
-            log.warning("kvxfer: a store of a preempted request is still running; its blocks may be reused")
+            self._give_up_store(fut, "a store of a preempted request")
             return True
         self.stats["stored_chunks"] += len(res.stored)
         self.stats["stored_bytes"] += len(res.stored) * chunk_bytes
         self.stats["present_chunks"] += len(res.present)
         self.stats["failed_store_chunks"] += len(res.failed)
         return True
+
+    def _give_up_store(self, fut: Future[StoreResult], what: str) -> None:
+        """``fut`` is not done after the wait for it, and vLLM is about to reuse its blocks: it is
+        cancelled, so that a store whose copy has not started (queued behind a stalled server)
+        never reads them. One whose copy started cannot be: a server-driven store was sent with
+        its deadline, past which the server copies nothing; a client-driven one copies on this
+        host and is done with the blocks within moments."""
+        limit = self.config.timeout_s * 2 + 5
+        if fut.cancel():
+            self.stats["dropped_stores"] += 1
+            log.warning("kvxfer: %s was not done after %.0f s: cancelled before its copy; nothing stored", what, limit)
+        else:
+            log.warning("kvxfer: %s was not done after %.0f s and its copy had started; its blocks may be reused",
+                        what, limit)
 
     def _chunk_bytes(self, group: int) -> int:
         """Bytes of one chunk of KV cache group ``group`` (0 while it has no registration)."""
