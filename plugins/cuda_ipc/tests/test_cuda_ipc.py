@@ -6,7 +6,7 @@ realistic chunk sizes across the two transports, the engine-stream ordering of s
 refusal of a GPU the server cannot see, of a done_event that does not open (without waiting for
 the device), of reference counters that are not torch's, and of a
 declared KV cache larger than any GPU; no kernel compiled after a context's first store and
-retrieve.
+retrieve; each copy path (Triton through staging, torch ops, direct) with requests in flight.
 """
 
 from __future__ import annotations
@@ -149,6 +149,47 @@ def test_full_size_chunks_cross_transports_both_ways(server: ServerProcess) -> N
             assert not a[:, 96:128].any() and not b[:, 64:96].any()
     finally:
         client.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("env", [{}, {"KVXFER_CUDA_IPC_KERNEL": "torch"}, {"KVXFER_CUDA_IPC_MODE": "direct"}],
+                         ids=["triton-staged", "torch-ops", "direct"])
+def test_every_copy_path_moves_the_rows_of_each_request_in_flight(env: dict[str, str]) -> None:
+    """Each copy path (the Triton kernels through staging, the per-layer torch ops, the kernels
+    straight into the mapped arena) with six stores, then six retrieves (some cut by a skip),
+    all in flight at once, each naming other blocks: a request's row ids, uploaded through one
+    pinned buffer the next request rewrites, stay its own until its copies have read them, so
+    each chunk lands where its request said and nowhere else."""
+    spec = SPEC
+    with ServerProcess(l1_size="256MiB", chunk_size=256, transports="cuda_ipc",
+                       env={"KVXFER_CUDA_IPC_STAGING_MIB": "2", **env}) as srv:
+        client = CacheClient(srv.url)
+        try:
+            src = make_kv(spec, "cuda", seed=6)
+            dst = [torch.zeros_like(t) for t in src]
+            a = client.register(src, model_name="paths", block_size=16, transport="cuda_ipc")
+            b = client.register(dst, model_name="paths", block_size=16, transport="cuda_ipc")
+            gen = torch.Generator().manual_seed(7)
+            n, per = 6, 2  # requests, chunks each (192 of the 256 blocks: the rest must stay zero)
+            src_blocks = torch.randperm(spec.num_blocks, generator=gen)[:n * per * 16].view(n, -1).tolist()
+            dst_blocks = torch.randperm(spec.num_blocks, generator=gen)[:n * per * 16].view(n, -1).tolist()
+            keys = [_keys(per) for _ in range(n)]
+            stores = [a.submit_store(keys[i], src_blocks[i]) for i in range(n)]
+            assert [f.result(60).stored for f in stores] == [list(range(per))] * n
+            skips = [16 * (i % 3) for i in range(n)]  # 0, 1 or 2 blocks of the first chunk skipped
+            loads = [b.submit_retrieve(keys[i], dst_blocks[i], skip_first_n_tokens=skips[i]) for i in range(n)]
+            assert all(f.result(60).ok for f in loads)
+            got_all, want_all = as_bytes([t.cpu() for t in dst]), as_bytes([t.cpu() for t in src])
+            for i in range(n):
+                k = skips[i] // 16
+                want = get_chunks(want_all, spec, src_blocks[i][k:], 1)
+                assert torch.equal(get_chunks(got_all, spec, dst_blocks[i][k:], 1), want), f"request {i}"
+                assert not get_chunks(got_all, spec, dst_blocks[i][:k], 1).any(), f"request {i}: skipped blocks"
+            written = {blk for i in range(n) for blk in dst_blocks[i][skips[i] // 16:]}
+            others = [blk for blk in range(spec.num_blocks) if blk not in written]
+            assert not get_chunks(got_all, spec, others, 1).any(), "blocks no request named were written"
+        finally:
+            client.close()
 
 
 @needs_cuda
