@@ -433,15 +433,15 @@ def _frames(client: Any, st: m.StatusReply, interval: float, keys: bool) -> Iter
     from kvxfer.errors import KvxferError
 
     prev: m.StatusReply | None = None
-    t_st = prev_t = time.monotonic()
-    while not _wait_for_quit(max(0.0, t_st + interval - time.monotonic()), keys):
+    t_st = prev_t = polled = time.monotonic()  # the shown report's time; the last poll's end
+    while not _wait_for_quit(max(0.0, polled + interval - time.monotonic()), keys):
         error = ""
         try:
             new = _poll(client)
             prev, prev_t, st, t_st = st, t_st, new, time.monotonic()
-        except KvxferError as exc:
+        except KvxferError as exc:  # the last report stays, with its own time (the rates after it)
             error = printable_lines(f"no answer from {client.url}: {exc} (retrying every {interval:g} s)")
-            t_st = time.monotonic()
+        polled = time.monotonic()
         yield render(st, prev, t_st - prev_t if prev is not None else None, error)
 
 

@@ -1136,8 +1136,8 @@ class CacheServer:
     def _lookup_reply(self, session: Session, msg: m.Lookup, hits: int, l2_hits: int,
                       leasable: int) -> m.LookupReply:
         """Lease the hits that have L1 entries (all of them when promoting) and reply. The
-        lease belongs to ``session`` (its limits, its end), unless that session ended meanwhile."""
-        self.stats.on_lookup(msg.model_name, len(msg.hashes), hits)
+        lease belongs to ``session`` (its limits, its end), unless that session ended meanwhile.
+        A lookup refused for a lease limit counts in no figure: nothing of it was done."""
         lease_id = 0
         leased = min(hits, leasable)
         if msg.lease_s > 0 and leased and self.sessions.get(session.identity) is session:
@@ -1146,6 +1146,7 @@ class CacheServer:
             lease_id = self.index.lease(entries, msg.lease_s, session.usage)
             if msg.prefetch:  # right after the reply is sent
                 self._mq.after_reply(functools.partial(self._prefetch, msg, entries))
+        self.stats.on_lookup(msg.model_name, len(msg.hashes), hits)
         return m.LookupReply(hits, lease_id, l2_hits)
 
     def _prefetch(self, msg: m.Lookup, entries: dict[ChunkKey, Entry]) -> None:

@@ -272,6 +272,36 @@ def test_grafana_dashboard_uses_only_existing_metrics(url: str) -> None:
                 assert {name, base, name.removesuffix("_total")} & exported, f"{name} (in {expr!r}) is not exported"
 
 
+def test_grafana_dashboard_draws_each_series_in_its_own_unit() -> None:
+    """A series is drawn in the unit of what it measures: a count (a gauge of things, an
+    ``increase``) never under a per-second or bytes axis, a per-second rate never under a plain
+    count, bytes only where the series is bytes; a series in another unit than its panel's has
+    an override of its own."""
+    import json
+
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    per_second = {"ops", "reqps", "Bps"}
+    checked = 0
+    for panel in dashboard["panels"]:
+        default = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        own = {o["matcher"]["options"]: p["value"] for o in panel.get("fieldConfig", {}).get("overrides", [])
+               if o["matcher"]["id"] == "byFrameRefID" for p in o["properties"] if p["id"] == "unit"}
+        for target in panel.get("targets", []):
+            expr, unit = target["expr"], own.get(target["refId"], default)
+            names = re.findall(r"\b((?:kvxfer|process)_[a-z0-9_]+)", expr)
+            if unit in ("percentunit", "s") or "/" in expr or "quantile" in expr:
+                continue  # ratios and latencies: their own units
+            checked += 1
+            where = f"panel {panel['title']!r}, {target['refId']}: {expr}"
+            if "increase(" in expr or not any(w in expr for w in ("rate(", "irate(")):
+                assert unit not in per_second, f"a count drawn per second ({unit}): {where}"
+            else:
+                assert unit in per_second, f"a per-second rate drawn as {unit}: {where}"
+            assert (unit in ("bytes", "Bps")) == all(n.endswith(("_bytes", "_bytes_total")) for n in names), \
+                f"bytes drawn as {unit}, or something else drawn as bytes: {where}"
+    assert checked >= 30
+
+
 @pytest.fixture
 def on_path(test_plugin_path: Path) -> Iterator[Path]:
     """The test plugin importable and discoverable in this process, for one test."""

@@ -316,3 +316,37 @@ def test_a_reply_of_huge_lists_and_texts_is_cut_before_it_is_rendered(curve_clie
     console.print(render(got, got, 1.0))
     assert "m199-" in console.export_text()
     curve_client.clear("huge-reply")
+
+
+def test_after_a_poll_that_got_no_answer_rates_span_the_time_since_the_last_answer(
+        curve_client: CacheClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poll that gets no answer (a stalled server: here a stand-in for the client raises once,
+    0.3 s into its poll) keeps the last report and its time: the next answer's rates divide what
+    happened since that report by the time since it, not by the time since the failed poll (the
+    count of several seconds over one interval: rates many times too high)."""
+    import time
+
+    import kvxfer.top as top
+    from kvxfer.errors import RequestTimeout
+
+    seen: list[tuple[float | None, str]] = []
+    monkeypatch.setattr(top, "render", lambda st, prev, elapsed, error: seen.append((elapsed, error)) or "")
+
+    class Stalling:
+        url = curve_client.url
+        calls = 0
+
+        def status(self) -> m.StatusReply:
+            self.calls += 1
+            if self.calls == 2:
+                time.sleep(0.3)
+                raise RequestTimeout("no reply")
+            return curve_client.status()
+
+    frames = top._frames(Stalling(), curve_client.status(), 0.05, keys=False)
+    for _ in range(3):
+        next(frames)
+    (_, ok), (_, failed), (elapsed, recovered) = seen
+    assert not ok and "no answer" in failed and not recovered
+    assert elapsed is not None and elapsed >= 0.3, f"rates over {elapsed} s, though the last answer came 0.3 s before"
+

@@ -598,7 +598,8 @@ def test_leases_are_bounded_and_end_with_their_session(debug_server):
 def test_leases_and_reads_of_the_same_chunks_again_and_again_are_bounded_by_their_chunk_count(shm_dir):
     """Leasing the same chunks over and over pins no more bytes (each counts once), but each
     lease keeps its own list of them: the chunks all leases and read reservations hold, counted
-    every time, are bounded per session and in all, and come back as they are released."""
+    every time, are bounded per session and in all, and come back as they are released. A lookup
+    refused for them counts as no lookup."""
     args = ["--shm-dir", str(shm_dir), "--max-chunk-pins-per-session", "32", "--max-chunk-pins", "40"]
     with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather", extra_args=args) as server, \
             CacheClient(server.url, timeout=20) as a, CacheClient(server.url, timeout=20) as b:
@@ -617,6 +618,9 @@ def test_leases_and_reads_of_the_same_chunks_again_and_again_are_bounded_by_thei
             b.lookup_and_lease("pins", hashes=k, lease_s=300)
         err = error_of(lambda: b.lookup_and_lease("pins", hashes=k, lease_s=300))
         assert err.code == "limit_exceeded" and "limit max_chunk_pins reached" in str(err), err
+        # the refused lookups did nothing, and count in no figure (the hit rate among them)
+        pins = next(x for x in a.status().models if x.model == "pins")
+        assert (pins.lookups, pins.lookup_chunks, pins.lookup_hits) == (6, 48, 48), pins
 
 
 def test_a_flood_of_requests_without_a_request_id_does_not_flood_the_log(debug_server):
