@@ -83,23 +83,12 @@ def _latency(name: str, transport: str, h: Histogram) -> m.LatencyStatus:
 def latency_status(stats: ServerStats) -> list[m.LatencyStatus]:
     """Requests that were seen at least once, then whole stores and retrieves per transport."""
     out = [_latency(name, "", h) for name, h in stats.requests.items() if h.recent]
-    per_transport: dict[str, tuple[Histogram, Histogram]] = {}
-    for (_, transport), t in stats.traffic.items():
-        if transport not in per_transport:
-            per_transport[transport] = (Histogram(t.store.bounds), Histogram(t.retrieve.bounds))
-        for merged, h in zip(per_transport[transport], (t.store, t.retrieve)):
-            _merge(merged, h)
-    for transport, (store, retrieve) in sorted(per_transport.items()):
-        for name, h in (("store", store), ("retrieve", retrieve)):
-            if h.recent:
-                out.append(_latency(name, transport, h))
+    for transport in sorted({t for t, _ in stats.transfers}):
+        for op in ("store", "retrieve"):
+            h = stats.transfers.get((transport, op))
+            if h is not None and h.recent:
+                out.append(_latency(op, transport, h))
     return out
-
-
-def _merge(into: Histogram, h: Histogram) -> None:
-    into.counts = [a + b for a, b in zip(into.counts, h.counts)]
-    into.sum += h.sum
-    into.recent.extend(h.recent)  # the most recent of the merged windows (order is per model)
 
 
 def _model_order(label: str) -> tuple[bool, str]:

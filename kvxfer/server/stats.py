@@ -91,6 +91,7 @@ class ModelStats:
 class TrafficStats:
     """Stores and retrieves of one (model label, transport)."""
 
+    transport: str = ""
     stores: int = 0
     stored_chunks: int = 0
     stored_bytes: int = 0
@@ -127,6 +128,9 @@ class ServerStats:
         self._labels: dict[str, str] = {}
         self.models: dict[str, ModelStats] = {}
         self.traffic: dict[tuple[str, str], TrafficStats] = {}
+        #: (transport, "store" or "retrieve") -> the durations of every model's transfers through
+        #: it, the recent window in the order they ended (the status's percentiles per transport)
+        self.transfers: dict[tuple[str, str], Histogram] = {}
         #: "unknown" holds requests whose name the server does not know.
         self.requests: dict[str, Histogram] = {n: Histogram(REQUEST_BUCKETS) for n in (*request_names, "unknown")}
         #: (request name, error code) -> replies with that error
@@ -167,8 +171,14 @@ class ServerStats:
         key = (self.model_label(model_name), transport)
         st = self.traffic.get(key)
         if st is None:
-            st = self.traffic[key] = TrafficStats()
+            st = self.traffic[key] = TrafficStats(transport)
         return st
+
+    def _transfer(self, traffic: TrafficStats, op: str, seconds: float) -> None:
+        h = self.transfers.get((traffic.transport, op))
+        if h is None:
+            h = self.transfers[(traffic.transport, op)] = Histogram(TRANSFER_BUCKETS)
+        h.observe(seconds)
 
     # ------------------------------------------------------------------ events (loop thread)
 
@@ -207,6 +217,7 @@ class ServerStats:
             traffic.failed_chunks += failed
         traffic.store_copy_s += copy_s
         traffic.store.observe(seconds)
+        self._transfer(traffic, "store", seconds)
 
     def on_retrieve(self, traffic: TrafficStats, loaded: int, missing: int, chunk_bytes: int,
                     seconds: float, copy_s: float) -> None:
@@ -216,6 +227,7 @@ class ServerStats:
         traffic.missing_chunks += missing
         traffic.retrieve_copy_s += copy_s
         traffic.retrieve.observe(seconds)
+        self._transfer(traffic, "retrieve", seconds)
 
     # ------------------------------------------------------------------ reading
 

@@ -436,3 +436,27 @@ def test_the_metrics_port_is_taken_at_once_and_listens_once_the_server_is_whole(
             MetricsExporter(object(), "127.0.0.1", exporter.port)  # type: ignore[arg-type]
     finally:
         exporter.close()
+
+
+def test_a_transports_latency_percentiles_are_of_its_most_recent_transfers_of_any_model() -> None:
+    """The status's store and retrieve percentiles per transport (kvxfer status, top) are of the
+    most recent transfers through it, whichever models made them: model a's slow stores after
+    model b's many fast ones show. (Each model's window was once joined in model order, so b's
+    older stores pushed a's newer ones out: p99 and max showed none of them.) In-process: the
+    figures of one server's loop, fed as its handlers feed them."""
+    from kvxfer.protocol import REQUESTS
+    from kvxfer.server.figures import latency_status
+    from kvxfer.server.stats import RECENT, ServerStats
+
+    stats = ServerStats(tuple(REQUESTS))
+    for name in ("a", "b"):
+        stats.register_model(name)
+    a, b = stats.traffic_of("a", "cpu_gather"), stats.traffic_of("b", "cpu_gather")
+    stats.on_store(a, 1, 0, 1, 0.06, 0.0)
+    for _ in range(RECENT + 76):
+        stats.on_store(b, 1, 0, 1, 0.0005, 0.0)
+    for _ in range(60):
+        stats.on_store(a, 1, 0, 1, 0.06, 0.0)
+    store = next(x for x in latency_status(stats) if x.name == "store" and x.transport == "cpu_gather")
+    assert store.count == RECENT + 137 and store.window == RECENT
+    assert store.max_s == 0.06 and store.p99_s == 0.06, store
