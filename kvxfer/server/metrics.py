@@ -376,7 +376,16 @@ class ServerCollector(Collector):
         self.closed = False
 
     def describe(self) -> list[Metric]:
-        return []  # the registry must not collect (and wait for the loop) at registration
+        """The core's families, named without collecting (the registry must not wait for the
+        loop at registration), so that a scrape asking for some by ``name[]`` finds them. A
+        plugin's families, known only once collected, are not in such a scrape."""
+        out = []
+        for name in sorted(CORE_FAMILIES):
+            if name.endswith("_total"):
+                out.append(Metric(name.removesuffix("_total"), "", "counter"))
+            else:
+                out.append(Metric(name, "", "histogram" if name.endswith("_duration_seconds") else "gauge"))
+        return out
 
     def collect(self) -> Iterator[Metric]:
         if self.closed:
@@ -570,7 +579,9 @@ class MetricsExporter:
     TCP probe before is refused, not held); :meth:`close` stops it."""
 
     def __init__(self, server: CacheServer, host: str, port: int) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        # auto_describe: the process collector, which has no describe(), is collected once at
+        # registration to learn its names (for name[] scrapes); the server's describes its own
+        self.registry = CollectorRegistry(auto_describe=True)
         self.collector = ServerCollector(server)
         self.registry.register(self.collector)
         ProcessCollector(registry=self.registry)

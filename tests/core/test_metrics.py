@@ -460,3 +460,26 @@ def test_a_transports_latency_percentiles_are_of_its_most_recent_transfers_of_an
     store = next(x for x in latency_status(stats) if x.name == "store" and x.transport == "cpu_gather")
     assert store.count == RECENT + 137 and store.window == RECENT
     assert store.max_s == 0.06 and store.p99_s == 0.06, store
+
+
+def test_a_scrape_of_some_families_by_name_gets_them(url: str) -> None:
+    """``/metrics?name[]=...`` (prometheus-client's filter) answers the families asked for, the
+    core's counters, gauges and histograms alike (it answered nothing: the collector described
+    no family), and every core family collected is one it describes, with its type."""
+    from prometheus_client import CollectorRegistry
+
+    from kvxfer.server.metrics import ServerCollector
+
+    asked = ["kvxfer_sessions", "kvxfer_hook_errors_total", "kvxfer_request_duration_seconds_count",
+             "process_open_fds"]
+    got = {s.name for fam in text_string_to_metric_families(scrape_text(url + "?" + "&".join(
+        f"name[]={n}" for n in asked))) for s in fam.samples}
+    assert set(asked) <= got, got
+    assert not {n for n in got if n not in asked and not n.startswith("kvxfer_request_duration_seconds")}, got
+    described = {(d.name, d.type) for d in ServerCollector.describe(None)}  # type: ignore[arg-type]
+    for fam in text_string_to_metric_families(scrape_text(url)):
+        if fam.name in {n.removesuffix("_total") for n in CORE_FAMILIES} | CORE_FAMILIES:
+            assert (fam.name, fam.type) in described, (fam.name, fam.type)
+    assert len(described) == len(CORE_FAMILIES)
+    CollectorRegistry(auto_describe=True).register(ServerCollector(None))  # type: ignore[arg-type]  # described, not collected
+
