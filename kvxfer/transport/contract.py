@@ -21,7 +21,8 @@ styles are the core's (private modules); a transport never sees them.
 
 **Threads and order.** Client side: each context runs its transfers on one worker thread in
 submission order; its hooks run on that thread, never two at once, except
-:meth:`TransferContextBase.on_submit` (the submitting thread), waiters,
+:meth:`TransferContextBase.on_submit` (the submitting thread; so does a server-driven
+``prepare`` with :attr:`ServerDrivenContext.prepare_inline`, when nothing is queued ahead), waiters,
 ``finish_retrieve`` and ``release_params`` (the context's finisher thread, in request order)
 and ``release`` (the thread that closes the context); the done-callbacks of the futures
 ``submit_*`` return run on that finisher too. Server side: :meth:`ServerTransport.start` runs on the
@@ -42,7 +43,12 @@ makes them and are re-exported by :mod:`kvxfer.transport`: :class:`~kvxfer.copie
 :class:`~kvxfer.layout.KVLayout` with :func:`~kvxfer.layout.copy_dtype` and
 :func:`~kvxfer.layout.copy_view` (``kvxfer.layout``: rows as wide integer elements, for copies at
 memcpy speed) and :class:`~kvxfer.protocol.messages.Registration` (``kvxfer.protocol.messages``).
-Their docstrings are part of this contract. The futures ``submit_*`` return
+Their docstrings are part of this contract. :mod:`kvxfer.transport` also offers helpers a
+transport may use and need not: :class:`~kvxfer.copies.HostRows` and
+:func:`~kvxfer.copies.host_copy_threads` (row copies between host tensors and slots, in C),
+``torch_build`` and ``cuda_devices`` (what ``probe()`` may ask without importing torch),
+``Arena``, ``ArenaMapping`` and ``transport_dir_path`` (the server's arena and a private
+directory), and ``MetricSample`` (figures for the ``kvxfer_metrics`` hook). The futures ``submit_*`` return
 (:class:`~kvxfer.transport.futures.TransferFuture`, :class:`~kvxfer.transport.futures.LayerwiseFuture`)
 are the engine's side of the API, in :mod:`kvxfer.transport.futures`: a transport's hooks never see them.
 """
@@ -445,7 +451,9 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
     the request is sent (on the submitting thread instead, with :attr:`prepare_inline`, when
     nothing is queued ahead). When its reply arrives, on the finisher and in the same order,
     :meth:`finish_retrieve` runs (retrieves only), then :meth:`release_params` (every request,
-    failed or not), and only then does the future resolve.
+    failed or not), and only then does the future resolve. A request cancelled before it was
+    sent has been prepared and is never sent: :meth:`finish_retrieve` does not run for it,
+    :meth:`release_params` does (free what a request holds there, not in ``finish_retrieve``).
 
     ``max_in_flight`` requests may be at the server at once. With 1 (the default), a request is
     prepared only after the previous one finished. With more, the server starts the next copy
@@ -476,8 +484,8 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
 
     def release_params(self, transfer: Transfer, params: P | None) -> None:
         """Runs once after every request that reached :meth:`prepare` or got a token (answered,
-        failed or timed out), before its future resolves: free what :meth:`prepare` and
-        :meth:`on_submit` took. Default: nothing."""
+        failed, timed out, or cancelled before it was sent), before its future resolves: free
+        what :meth:`prepare` and :meth:`on_submit` took. Default: nothing."""
 
 
 # --------------------------------------------------------------------------- server side

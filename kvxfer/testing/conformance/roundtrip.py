@@ -25,6 +25,12 @@ COMBOS: list[tuple[Layout, str]] = [*((k, d) for k in LAYOUTS for d in DTYPES), 
 OUTSIDE = [View("BLNHC", page_pad=40), View("BHLNC")]
 #: Layer-wise transfers: the transport's first layout, and layers interleaved and padded.
 LAYERWISE: list[Layout | None] = [None, View("BLNHC", page_pad=40)]
+#: (block_size, heads, head_size, dtype): rows of 1, 6, 8, 12 and 24 bytes (copied as uint8,
+#: int16, int64, int32 and int64 elements), and 32, 16 and 8 blocks per chunk.
+ODD_ROWS: list[tuple[int, int, int, str]] = [(1, 1, 1, "float8_e4m3fn"), (2, 1, 3, "float8_e5m2"),
+                                              (4, 1, 1, "float16"), (1, 3, 1, "float32"), (2, 3, 1, "bfloat16")]
+#: Seconds the kit watches memory a finished transfer must no longer write.
+LATE_S = 0.3
 
 
 def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], before: KVBytes,
@@ -86,7 +92,8 @@ class RoundTripTests:
         ``kvxfer.layerwise``): the store's layers declared written one at a time, the
         retrieve's waited for one at a time. A transport that claims ``layer_ranges`` is handed
         one range of layers per call (``RowCopy.first_layer``, ``slot`` holding only those
-        layers): each must land in its own layers, bit for bit, and nothing else be written."""
+        layers): each must land in its own layers, bit for bit, and nothing else be written;
+        each layer must have landed when ``wait_layer`` returns for it."""
         spec = kit.spec(view, num_layers=4)
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)
@@ -108,9 +115,55 @@ class RoundTripTests:
         assert isinstance(loading, LayerwiseFuture)
         for layer in range(spec.num_layers):
             loading.wait_layer(layer, timeout=TIMEOUT)
+            landed = kit.chunks_of(as_bytes(layers), spec, dst)  # read now: the layer may be used now
+            assert equal_bytes(landed[:, layer], want[:, layer]), \
+                f"wait_layer({layer}) returned before layer {layer} had landed"
         got = loading.result(timeout=TIMEOUT)
         assert (got.loaded, got.missing) == ([0, 1, 2], [])
         assert_retrieved(kit, spec, layers, before, dst, want)
+
+    @pytest.mark.parametrize("block_size,heads,head_size,dtype", ODD_ROWS,
+                             ids=[f"b{b}-h{h}x{d}-{t}" for b, h, d, t in ODD_ROWS])
+    @pytest.mark.parametrize("kind", [LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER, LayoutKind.MLA],
+                             ids=lambda k: k.value)
+    def test_rows_of_any_width_and_blocks_of_any_size_round_trip(self, kit: Kit, kind: LayoutKind, block_size: int,
+                                                                 heads: int, head_size: int, dtype: str) -> None:
+        """Rows that are no multiple of 16 bytes (down to one byte) and chunks of 8 to 32
+        blocks, a first chunk cut by a skip: bit-exact both ways, nothing else written."""
+        spec = kit.spec(kind, dtype, block_size=block_size, heads=heads, head_size=head_size,
+                        num_blocks=4 * CHUNK_SIZE // block_size)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(2), kit.blocks(spec, 2)
+        before = as_bytes(layers)
+        assert kit.store(ctx, keys, src).stored == [0, 1]
+        _, held = kit.backdoor_read(spec, keys)
+        assert equal_bytes(held, kit.chunks_of(before, spec, src)), "the server does not hold the chunks' bytes"
+        dst = kit.blocks(spec, 2, exclude=src)
+        assert kit.retrieve(ctx, keys, dst, skip_first_n_tokens=block_size).loaded == [0, 1]
+        assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src), skip_blocks=1)
+
+    def test_a_finished_transfer_writes_nothing_after_it(self, kit: Kit) -> None:
+        """Once a store's future has resolved its slots are the server's: the chunks read back
+        the same a while later, across other transfers of the context. Once a retrieve's has,
+        the blocks are the engine's: they hold what it wrote a while later. (A transport that
+        finished its copy late, on a thread of its own, would change chunks every engine loads,
+        or blocks the engine has written since.)"""
+        spec = kit.spec()
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(3), kit.blocks(spec, 3)
+        want = kit.chunks_of(layers, spec, src)
+        assert kit.store(ctx, keys, src).stored == [0, 1, 2]
+        dst = kit.blocks(spec, 3, exclude=src)
+        assert kit.retrieve(ctx, keys, dst).loaded == [0, 1, 2]
+        after = as_bytes(layers)
+        others = kit.keys(1)
+        assert kit.store(ctx, others, src[:spec.blocks_per_chunk(CHUNK_SIZE)]).stored == [0]
+        time.sleep(LATE_S)
+        _, held = kit.backdoor_read(spec, keys)
+        assert equal_bytes(held, want), f"the stored chunks changed in the server within {LATE_S} s of the store"
+        assert equal_bytes(as_bytes(layers), after), f"the KV cache changed within {LATE_S} s of the retrieve"
 
     def test_retrieve_into_the_blocks_it_came_from(self, kit: Kit) -> None:
         spec = kit.spec()
@@ -309,6 +362,48 @@ class RoundTripTests:
         loads = [ctx.submit_retrieve([k], dst[i * bpc:(i + 1) * bpc]) for i, k in enumerate(keys)]
         assert [f.result(timeout=TIMEOUT).loaded for f in loads] == [[0]] * n
         assert_retrieved(kit, spec, layers, before, dst, chunks)
+
+    def test_cancelled_requests_copy_nothing_and_give_back_what_they_took(self, kit: Kit) -> None:
+        """40 stores and 40 retrieves, each cancelled right after its submit (a future may be
+        cancelled until its copy starts): a store whose ``cancel()`` said True stores nothing, a
+        retrieve whose ``cancel()`` said True writes nothing, and whatever a cancelled request
+        took (its params, a buffer, a place in a pool; a server-driven one's go back through
+        ``release_params``, as ``finish_retrieve`` never runs for it) is given back: the
+        context then moves every byte of the next requests."""
+        spec = kit.spec(num_blocks=6 * kit.blocks_per_chunk)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        keys, src = kit.keys(2), kit.blocks(spec, 2)
+        want = kit.chunks_of(layers, spec, src)
+        assert kit.store(ctx, keys, src).stored == [0, 1]
+        dst = kit.blocks(spec, 2, exclude=src)
+        before = as_bytes(layers)
+        stores, loads = [], []
+        for _ in range(40):
+            key = kit.keys(1)
+            stored = ctx.submit_store(key, src[:spec.blocks_per_chunk(CHUNK_SIZE)])
+            stores.append((key, stored))
+            stored.cancel()
+            loading = ctx.submit_retrieve(keys, dst)
+            loads.append(loading)
+            loading.cancel()
+        ran = [f.result(timeout=TIMEOUT) for f in loads if not f.cancelled()]
+        assert all(r.loaded == [0, 1] for r in ran)
+        assert_retrieved(kit, spec, layers, before, dst, want, only=[0, 1] if ran else [])
+        for _, fut in stores:
+            if not fut.cancelled():
+                assert fut.result(timeout=TIMEOUT).stored == [0]
+        for key, fut in stores:  # after every store that ran has ended
+            held_res, _ = kit.backdoor_read(spec, key)
+            assert held_res.loaded == ([] if fut.cancelled() else [0]), "a cancelled store stored its chunk"
+        again = kit.blocks(spec, 2, exclude=[*src, *dst])
+        before = as_bytes(layers)
+        assert kit.retrieve(ctx, keys, again).loaded == [0, 1], "the context fails after cancelled requests"
+        assert_retrieved(kit, spec, layers, before, again, want)
+        fresh = kit.keys(2)
+        assert kit.store(ctx, fresh, dst).stored == [0, 1]
+        _, held = kit.backdoor_read(spec, fresh)
+        assert equal_bytes(held, kit.chunks_of(layers, spec, dst))
 
     @pytest.mark.parametrize("geometry", ["far_blocks", "many_layers"])
     def test_geometry_far_past_the_other_tests(self, kit: Kit, geometry: str) -> None:

@@ -6,8 +6,9 @@ this file."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -92,6 +93,59 @@ class LeakContext(CpuGatherContext):
 _KEPT: list[int] = []
 
 
+class EarlyLayerContext(CpuGatherContext):
+    """Claims ``layer_ranges`` but, to batch its copies, holds every range of a retrieve until
+    its last one comes and copies them all then (which takes a while): every byte lands, but
+    each layer but the last is reported landed before it has."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: list[list[RowCopy]] = []
+
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        if copies and any(c.first_layer + c.slot.shape[0] < len(self.layers) for c in copies):
+            self._held.append(copies)
+            return
+        held, self._held = self._held, []
+        if held:
+            time.sleep(0.2)  # the batched copy takes a while
+        for part in held:
+            super().scatter(part, transfer)
+        super().scatter(copies, transfer)
+
+
+class LateWriteContext(CpuGatherContext):
+    """Finishes each store's copy on a thread of its own a moment after saying it is done (one
+    byte of each slot, late): the chunk is right when the store returns, wrong a moment later."""
+
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        super().gather(copies, transfer)
+        slots = [c.slot.view(torch.uint8) for c in copies]
+        _LATE.submit(_flip_later, slots)
+
+
+def _flip_later(slots: list[torch.Tensor]) -> None:
+    time.sleep(0.05)
+    for s in slots:
+        s[0, 0, 0] = s[0, 0, 0] ^ 1
+
+
+#: LateWriteContext's one thread, shared by every context (one per context would fail the kit's
+#: leak test instead of the test of the bug itself).
+_LATE = ThreadPoolExecutor(1, thread_name_prefix="late-write")
+
+
+class WideRowsContext(CpuGatherContext):
+    """Copies rows as 8-byte words, as if every row were a multiple of 8 bytes long (through
+    the torch ops: the host copy would take any width)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host = None
+        self._elem = torch.int64
+        self._rows = [copy_view(self.layout.row_view(t), torch.int64) for t in self.layers]
+
+
 class FlipTransport(CpuGatherTransport):
     name = "mutant_flip"
     context_type = FlipContext
@@ -125,6 +179,21 @@ class FirstLayerTransport(CpuGatherTransport):
 class LeakTransport(CpuGatherTransport):
     name = "mutant_leak"
     context_type = LeakContext
+
+
+class EarlyLayerTransport(CpuGatherTransport):
+    name = "mutant_early_layer"
+    context_type = EarlyLayerContext
+
+
+class LateWriteTransport(CpuGatherTransport):
+    name = "mutant_late_write"
+    context_type = LateWriteContext
+
+
+class WideRowsTransport(CpuGatherTransport):
+    name = "mutant_wide_rows"
+    context_type = WideRowsContext
 
 
 class ContiguousOnlyTransport(CpuGatherTransport):
