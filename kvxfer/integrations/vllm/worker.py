@@ -508,11 +508,12 @@ class WorkerConnector:
             self.stats["dropped_stores"] += 1  # the server failed it: nothing stored
             self._server_failed(exc, "storing KV")
             return True
-        except CancelledError:  # cancelled by _server_failed: the server is gone
+        except CancelledError:  # cancelled by _server_failed (the server is gone), or given up on
             self.stats["dropped_stores"] += 1
             return True
         except FutureTimeout:
-            self._give_up_store(fut, "a store of a preempted request")
+            if self._give_up_store(fut, "a store of a preempted request"):
+                self.stats["dropped_stores"] += 1  # settled here: get_finished never sees it
             return True
         self.stats["stored_chunks"] += len(res.stored)
         self.stats["stored_bytes"] += len(res.stored) * chunk_bytes
@@ -520,19 +521,19 @@ class WorkerConnector:
         self.stats["failed_store_chunks"] += len(res.failed)
         return True
 
-    def _give_up_store(self, fut: Future[StoreResult], what: str) -> None:
+    def _give_up_store(self, fut: Future[StoreResult], what: str) -> bool:
         """``fut`` is not done after the wait for it, and vLLM is about to reuse its blocks: it is
         cancelled, so that a store whose copy has not started (queued behind a stalled server)
-        never reads them. One whose copy started cannot be: a server-driven store was sent with
-        its deadline, past which the server copies nothing; a client-driven one copies on this
-        host and is done with the blocks within moments."""
+        never reads them; True if it was. One whose copy started cannot be: a server-driven
+        store was sent with its deadline, past which the server copies nothing; a client-driven
+        one copies on this host and is done with the blocks within moments."""
         limit = self.config.timeout_s * 2 + 5
         if fut.cancel():
-            self.stats["dropped_stores"] += 1
             log.warning("kvxfer: %s was not done after %.0f s: cancelled before its copy; nothing stored", what, limit)
-        else:
-            log.warning("kvxfer: %s was not done after %.0f s and its copy had started; its blocks may be reused",
-                        what, limit)
+            return True
+        log.warning("kvxfer: %s was not done after %.0f s and its copy had started; its blocks may be reused",
+                    what, limit)
+        return False
 
     def _chunk_bytes(self, group: int) -> int:
         """Bytes of one chunk of KV cache group ``group`` (0 while it has no registration)."""
