@@ -347,8 +347,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print()
         print_table(
             [(t.model, t.transport, t.stores, f"{t.stored_chunks} ({format_bytes(t.stored_bytes)})", t.present_chunks,
-              t.no_space_chunks + t.failed_chunks, t.retrieves, f"{t.loaded_chunks} ({format_bytes(t.loaded_bytes)})",
-              t.missing_chunks) for t in st.traffic],
+              t.no_space_chunks + t.failed_chunks + t.abandoned_chunks, t.retrieves,
+              f"{t.loaded_chunks} ({format_bytes(t.loaded_bytes)})", t.missing_chunks) for t in st.traffic],
             ["model", "transport", "stores", "stored", "present", "failed", "retrieves", "loaded", "missing"])
     if st.latency:
         print()

@@ -172,7 +172,8 @@ def render(st: m.StatusReply, prev: m.StatusReply | None = None, dt: float | Non
         pt = prev_traffic.get((tr.model, tr.transport), m.TrafficStatus(tr.model, tr.transport) if prev else None)
         _row(t, tr.model, tr.transport, "store", _rate(tr.stores, pt.stores if pt else None, dt),
                   _short_rate(tr.stored_bytes, pt.stored_bytes if pt else None, dt), str(tr.stored_chunks),
-                  _short_bytes(tr.stored_bytes), str(tr.present_chunks), str(tr.no_space_chunks + tr.failed_chunks),
+                  _short_bytes(tr.stored_bytes), str(tr.present_chunks),
+                  str(tr.no_space_chunks + tr.failed_chunks + tr.abandoned_chunks),
                   str(tr.stores_in_flight), _duration(tr.store_copy_s))
         _row(t, tr.model, tr.transport, "retrieve", _rate(tr.retrieves, pt.retrieves if pt else None, dt),
                   _short_rate(tr.loaded_bytes, pt.loaded_bytes if pt else None, dt), str(tr.loaded_chunks),
