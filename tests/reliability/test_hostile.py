@@ -649,7 +649,8 @@ def test_a_flood_of_requests_without_a_request_id_does_not_flood_the_log(debug_s
 def test_retrieves_past_their_deadline_do_not_flood_the_log_and_a_bad_deadline_is_refused(debug_server, tmp_path):
     """A server-driven retrieve whose deadline has passed copies nothing and is logged; a client
     sending thousands of them gets that line at most once a second (with the count of those left
-    out). A deadline that is no Unix time (NaN, infinite, negative) is an invalid request."""
+    out). So does a store, which stores nothing. A deadline that is no Unix time (NaN, infinite,
+    negative) is an invalid request."""
     import math
     import time
 
@@ -680,9 +681,21 @@ def test_retrieves_past_their_deadline_do_not_flood_the_log_and_a_bad_deadline_i
             for bad in (math.nan, math.inf, -1.0):
                 code, message = peer.error(b"retrieve", retrieve(bad))
                 assert code == "invalid_request" and "deadline: must be a Unix time" in message, message
+
+            def store(deadline: float) -> bytes:
+                return codec.encode(m.Store(iid, [key("deadline", 1)], ref.blocks(1),
+                                            params=msgspec.Raw(codec.encode(FileParams(0))), deadline=deadline))
+
+            # a store past its deadline copies nothing and stores nothing (its chunk is free to store)
+            status, reply = peer.call(b"store", store(1.0))
+            assert status == codec.OK and codec.decode(reply, m.StoreResult) == m.StoreResult([], [], [0])
+            assert client.lookup("deadline", hashes=[key("deadline", 1)]) == 0
+            for bad in (math.nan, math.inf, -1.0):
+                code, message = peer.error(b"store", store(bad))
+                assert code == "invalid_request" and "deadline: must be a Unix time" in message, message
         finally:
             peer.close()
-    assert debug_server.log().count(line) - before <= 3, debug_server.log()[-2000:]
+    assert debug_server.log().count(line) - before <= 4, debug_server.log()[-2000:]
 
 
 def test_a_connection_without_a_session_gets_no_payload_decoded(debug_server):
