@@ -252,7 +252,8 @@ class CacheClient:
                 return
             release = m.ReleaseLease(reply.lease_id)
         elif name == "reserve_write":
-            release = m.CommitWrite(request.instance_id, reply.reservation_id, [s.index for s in reply.slots])
+            release = m.CommitWrite(request.instance_id, reply.reservation_id, [s.index for s in reply.slots],
+                                    abandoned=True)
         else:
             release = m.CommitRead(request.instance_id, reply.reservation_id, loaded=False)
         what = f"lease of {request.model_name!r}" if name == "lookup" else f"{name} of instance {request.instance_id}"

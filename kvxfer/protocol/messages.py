@@ -356,7 +356,8 @@ class StoreResult(Message, frozen=True):
     stored: list[int]
     #: Already present (or being written by another request): skipped.
     present: list[int] = []
-    #: Not stored: no room (everything else was leased or in use) or the copy failed.
+    #: Not stored: no room (everything else was leased or in use), the copy failed, or the client
+    #: gave up on the store before its copy (cancelled it, or a server-driven store's deadline passed).
     failed: list[int] = []
 
     @property

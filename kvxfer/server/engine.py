@@ -1404,12 +1404,17 @@ class CacheServer:
                                      "layer_ranges): retrieve every layer")
         return range(span[0], span[1])
 
-    def _on_store(self, session: Session, msg: m.Store) -> _Deferred:
+    def _on_store(self, session: Session, msg: m.Store) -> m.StoreResult | _Deferred:
         ctx = self._server_driven(session, msg.instance_id)
         _check_hashes(msg.hashes)
         _check_deadline(msg.deadline)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
         params = self._params(ctx, msg.params)
+        if msg.deadline and time.time() > msg.deadline:  # its client gave up on it: evict, reserve nothing
+            self._past_deadline(ctx, "store", msg.deadline)
+            self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), 0, len(msg.hashes),
+                                ctx.chunk.nbytes, 0.0, 0.0, abandoned=True)
+            return m.StoreResult([], [], list(range(len(msg.hashes))))
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         res.in_flight = True
@@ -1432,15 +1437,20 @@ class CacheServer:
                 fut.result()
                 raise UnknownInstance(f"instance {ctx.instance_id} was dropped during the store")
             if fut.result() is expired:
-                self._throttled.warning("past deadline", f"instance {ctx.instance_id}: a store reached its copy "
-                                        f"{time.time() - msg.deadline:.1f} s past the deadline its client stopped "
-                                        "waiting at: nothing copied")
+                self._past_deadline(ctx, "store", msg.deadline)
                 out = self._commit_write(ctx, res, [i for i, _ in res.entries], 0.0, abandoned=True)
             else:
                 out = self._commit_write(ctx, res, [], copy.seconds())
             return m.StoreResult(out.stored, present, sorted(set(no_space) | set(out.failed)))
 
         return _Deferred(ctx.executor, work, finish, ctx.transport, quick=server_context, waiting=ctx.waiting)
+
+    def _past_deadline(self, ctx: RegisteredContext, kind: str, deadline: float) -> None:
+        """A store or retrieve reached its copy past its client's deadline (logged at most once a
+        second for each kind)."""
+        self._throttled.warning(f"{kind} past deadline", f"instance {ctx.instance_id}: a {kind} reached its copy "
+                                f"{time.time() - deadline:.1f} s past the deadline its client stopped waiting at: "
+                                "nothing copied")
 
     def _on_retrieve(self, session: Session, msg: m.Retrieve,
                      waited: tuple[RegisteredContext, LaneSlot] | None = None) -> _Deferred | _Awaiting:
@@ -1504,9 +1514,7 @@ class CacheServer:
                 self.index.abort(res)
             gone = lost
             if fut.result() is expired:
-                self._throttled.warning("past deadline", f"instance {ctx.instance_id}: a retrieve reached its copy "
-                                        f"{time.time() - msg.deadline:.1f} s past the deadline its client stopped "
-                                        "waiting at: nothing copied")
+                self._past_deadline(ctx, "retrieve", msg.deadline)
                 gone = set(range(first, len(msg.hashes)))
             return result(gone)
 

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -236,9 +237,25 @@ class ContextCore:
         self.register()
 
     def _resend(self, payload: m.Request[Reply]) -> Reply:
-        """The server lost this context (it restarted): register again and send once more."""
+        """The server lost this context (it restarted): register again and send once more, as
+        the request is now: under this context's instance id (renewed if another session took
+        the old one) and, for one with a deadline, with the time this client waits for the new
+        reply (the first send's may have passed while registering again)."""
         self.connection.reconnect(cast("TransferContextBase", self))
-        return self.connection.request(payload)
+        fields: dict[str, Any] = {}
+        if getattr(payload, "instance_id", self.instance_id) != self.instance_id:
+            fields["instance_id"] = self.instance_id
+        if getattr(payload, "deadline", 0.0):
+            fields["deadline"] = self._deadline()
+        return self.connection.request(msgspec.structs.replace(payload, **fields) if fields else payload)
+
+    def _deadline(self) -> float:
+        """A request's deadline as sent now: when this client stops waiting for its reply, less a
+        tenth of that wait (at most 1 s), so that a copy the server starts just before it has
+        ended before the client gives up on it (the blocks may hold other KV by then; the server
+        copies nothing after it); 0 without a timeout."""
+        wait = float(self.connection.timeout or 0.0)
+        return time.time() + wait - min(1.0, wait / 10) if wait else 0.0
 
     # ------------------------------------------------------------------ submit
 

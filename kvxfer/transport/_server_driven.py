@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -280,12 +279,6 @@ class ServerDrivenCore(ContextCore):
             release(None)  # closed: the token on_submit made goes back now
             raise
         return outer
-
-    def _deadline(self) -> float:
-        """A request's deadline as sent now: when this client stops waiting for its reply (the
-        server copies nothing after it: the blocks may hold other KV by then); 0 without a timeout."""
-        wait = float(self.connection.timeout or 0.0)
-        return time.time() + wait if wait else 0.0
 
     def _drain(self) -> None:
         """Wait until every sent request has finished (their replies have deadlines)."""

@@ -285,6 +285,51 @@ def stored_pair(client: CacheClient, tmp_path: Path, name: str, seed: int):
     return src, dst, a, b, hashes, blocks
 
 
+def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server-driven store that finds the server restarted (no_session) is sent again once the
+    client has registered again: with the time the client waits for that reply, not the first
+    send's, which passed while it registered (here a slow reconnect, 1.3 s of a 1 s timeout).
+    The server stores it (it copied nothing, and called it abandoned, with the old deadline).
+    A store that reaches the server past its deadline evicts nothing and reserves nothing."""
+    with ServerProcess(l1_size="2MiB", chunk_size=CHUNK_SIZE, transports="test_loop", env=env_with(on_path)) as srv:
+        client = CacheClient(srv.url, timeout=1.0, connect_timeout=10.0)
+        try:
+            kv = shared_kv(tmp_path, "resend")
+            ctx = client.register(kv, model_name="resend", block_size=BLOCK_SIZE, transport="test_loop")
+            first = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="resend-1")
+            assert ctx.submit_store(first, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+            srv.kill()
+            srv.start()
+            reconnect = client.reconnect
+
+            def slow(context: object = None) -> None:
+                time.sleep(1.3)  # a busy, just restarted server; many contexts to register again
+                reconnect(context)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(client, "reconnect", slow)
+            again = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="resend-2")
+            assert ctx.submit_store(again, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+            monkeypatch.setattr(client, "reconnect", reconnect)
+
+            # a store whose deadline passed before it reached the server, into a full arena: refused
+            # before its reservation, so it evicts no chunk
+            n = 0
+            while client.status().arena.evictions == 0:
+                n += 1
+                fill = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=f"fill-{n}")
+                assert ctx.submit_store(fill, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+            before = client.status().arena
+            late = m.Store(ctx.instance_id, chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="late"),
+                           list(range(2 * BLOCKS_PER_CHUNK)), deadline=time.time() - 1)
+            assert client.request(late) == m.StoreResult([], [], [0, 1])
+            st = client.status()
+            assert (st.arena.evictions, st.arena.chunks, st.reservations) == (before.evictions, before.chunks, 0)
+            assert [(t.stored_chunks, t.abandoned_chunks) for t in st.traffic] == [(2 + 2 * n, 2)]
+        finally:
+            client.close()
+
+
 def test_a_server_loads_production_transports_unless_others_are_named(on_path: Path, plugin_server) -> None:
     """Without --transports: every installed production transport that can run here, none of the
     others (test_loop and the example file_debug are not meant for production), broken ones

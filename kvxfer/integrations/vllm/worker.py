@@ -211,10 +211,9 @@ class WorkerConnector:
         for fut in sync:  # accounted for in get_finished, like every store
             try:
                 fut.result(timeout=self.config.timeout_s * 2 + 5)
-            except FutureTimeout:
-                self._give_up_store(fut, "a store of a sliding-window group")
             except Exception:  # noqa: BLE001  (reported when the store is settled in get_finished)
-                pass
+                if not fut.done():  # the wait ended (a store that failed with RequestTimeout is done)
+                    self._give_up_store(fut, "a store of a sliding-window group")
         for rid in meta.preempted:
             for fut in self._stores.pop(rid, []):
                 self._settle_store(fut, wait=True)

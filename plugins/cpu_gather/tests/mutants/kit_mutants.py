@@ -108,7 +108,7 @@ class EarlyLayerContext(CpuGatherContext):
             return
         held, self._held = self._held, []
         if held:
-            time.sleep(0.2)  # the batched copy takes a while
+            time.sleep(1.0)  # the batched copy takes a while
         for part in held:
             super().scatter(part, transfer)
         super().scatter(copies, transfer)
@@ -136,14 +136,27 @@ _LATE = ThreadPoolExecutor(1, thread_name_prefix="late-write")
 
 
 class WideRowsContext(CpuGatherContext):
-    """Copies rows as 8-byte words, as if every row were a multiple of 8 bytes long (through
-    the torch ops: the host copy would take any width)."""
+    """Copies each row as whole 8-byte words, as if every row were a multiple of 8 bytes long:
+    the last bytes of a shorter row are never copied (without a word to move, none of it)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._host = None
-        self._elem = torch.int64
-        self._rows = [copy_view(self.layout.row_view(t), torch.int64) for t in self.layers]
+        self._bytes = [copy_view(self.layout.row_view(t), torch.uint8) for t in self.layers]
+        self._width = self.layout.row_bytes // 8 * 8
+
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        w = self._width
+        for c in copies:
+            for layer, dst in zip(self._bytes[c.first_layer:], c.slot.view(torch.uint8)):
+                dst[:, :w] = layer[c.rows][:, :w]
+
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        w = self._width
+        for c in copies:
+            for layer, src in zip(self._bytes[c.first_layer:], c.slot.view(torch.uint8)):
+                rows = layer[c.rows]
+                rows[:, :w] = src[:, :w]
+                layer[c.rows] = rows
 
 
 class FlipTransport(CpuGatherTransport):
