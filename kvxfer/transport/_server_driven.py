@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
+from kvxfer.errors import RemoteError
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore
@@ -207,9 +208,16 @@ class ServerDrivenCore(ContextCore):
             error: BaseException | None = None
             try:
                 res = self._retried(reply, lambda: self._resend(payload))
-                value = finish(res, params)
-            except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
+            except RemoteError as exc:  # the server answered it (with an error): it is done with it
                 error = exc
+            except BaseException as exc:  # noqa: BLE001  (no answer: the server may still be copying)
+                transfer.server_done = False
+                error = exc
+            else:
+                try:
+                    value = finish(res, params)
+                except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
+                    error = exc
             released = release(params)  # the params' resources are free before the caller sees the result
             if answered is not None:
                 answered()

@@ -238,6 +238,11 @@ class Transfer:
     skip_blocks: int = 0
     #: What :meth:`TransferContextBase.on_submit` returned for this request.
     token: Any = None
+    #: Server-driven, as :meth:`ServerDrivenContext.release_params` sees it: False when the
+    #: client stopped waiting for the server's answer (a timeout, a lost connection), so the
+    #: server may still be copying with what the params name; True when it answered, or never
+    #: got the request.
+    server_done: bool = True
 
 
 class Connection(Protocol):
@@ -485,7 +490,10 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
     def release_params(self, transfer: Transfer, params: P | None) -> None:
         """Runs once after every request that reached :meth:`prepare` or got a token (answered,
         failed, timed out, or cancelled before it was sent), before its future resolves: free
-        what :meth:`prepare` and :meth:`on_submit` took. Default: nothing."""
+        what :meth:`prepare` and :meth:`on_submit` took. Where ``transfer.server_done`` is False
+        (the client stopped waiting), the server may still be using what ``params`` name: give
+        it to no other request until the server has answered one sent after it (it runs a
+        registration's requests in order). Default: nothing."""
 
 
 # --------------------------------------------------------------------------- server side

@@ -287,8 +287,8 @@ def test_server_side_plugin_errors_name_the_transport_and_step(cl: CacheClient) 
     serves on)."""
     ctx = cl.register(flash_attn_kv(), model_name="server-fails", block_size=BLOCK_SIZE, transport="file_debug")
     key = chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt="server-fails")
-    assert ctx.submit_store(key, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]  # slot 1, freed again
-    (Path(ctx.spool_dir) / "spool-1").mkdir()  # the file the retrieve's slot will get
+    assert ctx.submit_store(key, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]  # slot 0, freed again
+    (Path(ctx.spool_dir) / "spool-0").mkdir()  # the file the retrieve's slot will get (the first free one)
     with pytest.raises(ServerInternalError, match=r"transport 'file_debug' failed in retrieve: IsADirectoryError"):
         ctx.submit_retrieve(key, list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK))).result(30)
     assert cl.ping() > 0

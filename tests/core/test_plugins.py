@@ -455,6 +455,35 @@ def test_control_requests_run_inline_while_a_transfer_runs(loop_client, tmp_path
     kv.close()
 
 
+def test_params_of_a_request_the_client_stopped_waiting_for_are_released_as_such(on_path: Path,
+                                                                                tmp_path: Path) -> None:
+    """release_params learns whether the server is done with a request: not when the client stopped
+    waiting for its answer while the server was still in its copy (held there on a FIFO past the
+    client's 1 s timeout); yes when it answered, or never got the request (cancelled before it
+    was sent)."""
+    from kvxfer.errors import RequestTimeout
+    from kvxfer_test_transport import LoopParams
+
+    with ServerProcess(l1_size="2MiB", chunk_size=CHUNK_SIZE, transports="test_loop", env=env_with(on_path)) as srv:
+        client = CacheClient(srv.url, timeout=1.0)
+        try:
+            ctx = client.register(shared_kv(tmp_path, "done"), model_name="done", block_size=BLOCK_SIZE,
+                                  transport="test_loop")
+            hashes = chunk_hashes(list(range(3 * CHUNK_SIZE)), CHUNK_SIZE, salt="done")
+            blocks = list(range(BLOCKS_PER_CHUNK))
+            gate = fifo(tmp_path, "gate")
+            ctx.next_store = LoopParams(hold_until=str(gate))
+            with pytest.raises(RequestTimeout):
+                ctx.submit_store(hashes[:1], blocks).result(30)
+            assert ctx.released == [("store", False)]
+            release(gate)
+            ctx.next_store = LoopParams()
+            assert ctx.submit_store(hashes[1:2], blocks).result(30).stored == [0]
+            assert ctx.released[1:] == [("store", True)]
+        finally:
+            client.close()
+
+
 def msgspec_raw(params: object):
     import msgspec
 

@@ -63,7 +63,9 @@ def spool_dir(root: str | os.PathLike[str], instance_id: int) -> str:
 class FileContext(ServerDrivenContext[FileParams]):
     """Client half: stage a store's rows in a file, place a retrieve's rows from one. Up to
     ``max_in_flight`` requests are at the server at once, each with a spool file (a slot) of its
-    own, freed once the request is finished."""
+    own, free again once the request is finished; the slot of a request the server did not
+    answer (the client stopped waiting) only once the server answered one sent after it: until
+    then the server may still write or read that file."""
 
     max_in_flight = 2
 
@@ -71,28 +73,52 @@ class FileContext(ServerDrivenContext[FileParams]):
         super().__init__(*args, **kwargs)
         self._rows = [self.layout.row_view(t) for t in self.layers]
         self._spool_lock = threading.Lock()
-        self._free = list(range(self.max_in_flight))
+        self._sent = 0  # requests prepared so far (the order they are sent in)
+        self._held: dict[int, int] = {}  # slot -> the request using it
+        self._unanswered: dict[int, int] = {}  # slot -> the request the server did not answer
         self.spool_dir = ""
         self._dir_fd = -1
+        self._dir_id: tuple[int, int] = (0, 0)
 
     def _directory(self) -> int:
-        """The registration's spool directory (made by the server when it registered us; another
-        one after the server restarted and we registered again)."""
+        """The registration's spool directory, made by the server when it registered us, and made
+        anew when we registered again (the server restarted, or ended our session), at the same
+        path or another: opened again whenever the one at the path is another. None there means
+        the server lost the registration: the session is opened again and the context registered
+        (as a reply of ``no_session`` would have it done) before it is looked for again."""
         path = spool_dir(transport_dir_path(self.connection.arena_path, NAME), self.instance_id)
-        if path != self.spool_dir:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self.connection.reconnect()
+            path = spool_dir(transport_dir_path(self.connection.arena_path, NAME), self.instance_id)
+            st = os.stat(path)
+        if path != self.spool_dir or (st.st_dev, st.st_ino) != self._dir_id:
             fd = open_private_dir(path)
+            fst = os.fstat(fd)
             with self._spool_lock:
                 old, self._dir_fd, self.spool_dir = self._dir_fd, fd, path
+                self._dir_id = (fst.st_dev, fst.st_ino)
+                self._unanswered.clear()  # the old directory's files are no other request's now
             if old >= 0:
                 os.close(old)
         return self._dir_fd
+
+    def _take_slot(self) -> int:
+        with self._spool_lock:
+            self._sent += 1
+            for slot in range(MAX_SLOTS):
+                if slot not in self._held and slot not in self._unanswered:
+                    self._held[slot] = self._sent
+                    return slot
+        raise RuntimeError(f"file_debug: every one of the {MAX_SLOTS} spool files is in use, or was used by a request "
+                           "the server has not answered yet (it may still be copying with it)")
 
     def prepare(self, transfer: Transfer) -> FileParams:
         import torch
 
         dir_fd = self._directory()
-        with self._spool_lock:
-            slot = self._free.pop()
+        slot = self._take_slot()
         if transfer.kind == "retrieve":
             return FileParams(slot)
         try:
@@ -100,7 +126,7 @@ class FileContext(ServerDrivenContext[FileParams]):
             write_file(dir_fd, file_name(slot), torch.stack([layer.index_select(0, rows) for layer in self._rows]))
         except BaseException:
             with self._spool_lock:
-                self._free.append(slot)
+                del self._held[slot]
             raise
         return FileParams(slot, rows.tolist())
 
@@ -115,19 +141,26 @@ class FileContext(ServerDrivenContext[FileParams]):
         if not parts:
             return
         want = torch.cat(parts)
-        data = read_file(self._dir_fd, file_name(params.slot), lay.num_layers * want.numel() * lay.row_bytes)
+        # (the directory of the registration the server answered for: another than prepare's
+        # after a restart, when the request was sent again)
+        data = read_file(self._directory(), file_name(params.slot), lay.num_layers * want.numel() * lay.row_bytes)
         data = data.view(lay.dtype).view(lay.num_layers, want.numel(), lay.row_elems)
         for layer, staged in zip(self._rows, data):
             layer.index_put_((want,), staged)
 
     def release_params(self, transfer: Transfer, params: FileParams | None) -> None:
-        if params is not None:
-            try:
-                os.unlink(file_name(params.slot), dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass  # a retrieve that loaded nothing leaves no file
-            with self._spool_lock:
-                self._free.append(params.slot)
+        if params is None:
+            return
+        try:
+            os.unlink(file_name(params.slot), dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass  # a retrieve that loaded nothing leaves no file
+        with self._spool_lock:
+            sent = self._held.pop(params.slot)
+            if not transfer.server_done:  # the server may still write or read the file
+                self._unanswered[params.slot] = sent
+            else:  # answered: every request sent before it is over at the server too
+                self._unanswered = {s: n for s, n in self._unanswered.items() if n > sent}
 
     def release(self) -> None:
         if self._dir_fd >= 0:

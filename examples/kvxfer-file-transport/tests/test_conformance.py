@@ -58,7 +58,7 @@ class TestFileDebug(TransportConformance):
 
         ctx.prepare = prepare_and_look  # type: ignore[method-assign]  # observes, changes nothing
         kit.store(ctx, kit.keys(2)[1:], kit.blocks(spec, 1))
-        assert seen == [("spool-1", 0o600)]
+        assert seen == [("spool-0", 0o600)]
         assert list(spool.iterdir()) == [], "a request's spool file is deleted once it is finished"
         ctx.close()
         assert _gone(spool), "the server removes a registration's directory when it closes it"
