@@ -424,6 +424,9 @@ class CacheClient:
         kv_layout.blocks_per_chunk(self.chunk_size)
         chosen = self._pick_transport(transport, layers[0].device, kv_layout, layers)
         identity = InstanceIdentity.fresh(model_name, world_size, rank)
+        # a server restarted since this client's last request: open the session again first (the
+        # context maps the new server's arena; its other contexts register again)
+        self.reconnect()
         self._unregister_dropped()
         with plugin_step(chosen.name, "client_context"):
             ctx = chosen.client_context(self, layers, kv_layout, identity)

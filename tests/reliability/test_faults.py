@@ -241,6 +241,26 @@ def test_server_restart_then_retrieve_first(client_of):
         w.client.close()
 
 
+def test_a_kv_cache_registered_first_thing_after_a_restart_is_registered_with_the_new_server(client_of):
+    """The first request after a restart is a registration (a new engine instance on a client
+    that outlived the server): it opens the session again and maps the new server's arena,
+    instead of failing with no_session, or on the old arena's file."""
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="16MiB", chunk_size=64, transports="cpu_gather") as server:
+        w = Writer(client_of(server, timeout=5.0, connect_timeout=10.0))
+        keys = [key("m", j) for j in range(2)]
+        assert w.store(keys).stored == [0, 1]
+        server.kill()
+        server.start()
+        fresh = Writer(w.client, model="after")
+        assert fresh.store(keys).stored == [0, 1]
+        res, bad = fresh.retrieve(keys)
+        assert res.loaded == [0, 1] and bad == []
+        assert w.store(keys).stored == [0, 1]  # the older context registered again too
+        w.client.close()
+
+
 def test_first_request_after_a_long_outage_reaches_the_restarted_server(client_of):
     """A server down for longer than the client's dead-peer limit, then back: requests fail at
     once while it is down (its connection ended, then nothing listens), and the first request
