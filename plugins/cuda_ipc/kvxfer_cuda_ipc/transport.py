@@ -326,15 +326,18 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
 
     def release_params(self, transfer: Transfer, params: CudaIpcParams | None) -> None:
         """The server has answered (or the request failed): the events go back to the pool (a
-        layer-wise store that never got its last layer has none)."""
+        layer-wise store that never got its last layer has none). Those of a request whose
+        answer the client stopped waiting for are never lent again: the server may still wait
+        on the one and record the other."""
+        keep = transfer.server_done
         if transfer.token is not None:
-            self._events.release(transfer.token)
+            (self._events.release if keep else self._events.discard)(transfer.token)
         if params is not None and params.done_event:
             with self._done_lock:
                 done = self._done.pop(params.done_event, None)
-            if done is not None and done.query():
+            if done is not None and keep and done.query():
                 self._events.release(done)
-            elif done is not None:  # still pending (the wait timed out): never lent again
+            elif done is not None:  # still pending (the wait timed out), or the server may record it
                 self._events.discard(done)
 
     def release(self) -> None:
