@@ -185,7 +185,7 @@ class CacheClient:
                 release(name, request, reply)
 
         self._mq = MQClient(self.url, default_timeout=timeout, curve=curve, on_late_reply=on_late_reply,
-                            late_names=frozenset({"reserve_write", "reserve_read", "lookup"}))
+                            late_names=frozenset({"reserve_write", "reserve_read", "lookup", "store", "retrieve"}))
         #: The liveness lock held now (one item: the handshake replaces it), for :attr:`_finalizer`.
         self._held: list[liveness.ProcessLock | None] = [None]
         #: A client dropped without close() closes its connection (and with it its I/O thread,
@@ -245,7 +245,16 @@ class CacheClient:
         """A reservation or lease the server granted after its request had timed out here (the
         server stalled): nobody will fill or read its slots, nor retrieve what it leased, so
         release it now rather than leave it held for the rest of the session or the lease (a
-        write's slots are dropped, a read's unpinned, a lease released)."""
+        write's slots are dropped, a read's unpinned, a lease released). A server-driven store
+        or retrieve answered late is over at the server: its context frees its params now."""
+        if name in ("store", "retrieve"):  # its context may now free what the request held
+            for ctx in list(self._contexts):
+                late = getattr(ctx, "_late_answer", None)
+                if late is not None and ctx.instance_id == request.instance_id:
+                    late(request)
+            return
+        if reply is None:  # refused: nothing was granted
+            return
         release: m.Request[Any]
         if name == "lookup":
             if not reply.lease_id:
@@ -421,12 +430,13 @@ class CacheClient:
 
         layers = as_layer_list(kv_caches)
         kv_layout = KVLayout.infer(layers, block_size, layout)
+        # a server restarted since this client's last request: open the session again first (the
+        # checks below use its chunk size and transports, the context maps its arena; the
+        # client's other contexts register again)
+        self.reconnect()
         kv_layout.blocks_per_chunk(self.chunk_size)
         chosen = self._pick_transport(transport, layers[0].device, kv_layout, layers)
         identity = InstanceIdentity.fresh(model_name, world_size, rank)
-        # a server restarted since this client's last request: open the session again first (the
-        # context maps the new server's arena; its other contexts register again)
-        self.reconnect()
         self._unregister_dropped()
         with plugin_step(chosen.name, "client_context"):
             ctx = chosen.client_context(self, layers, kv_layout, identity)

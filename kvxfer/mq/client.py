@@ -363,8 +363,9 @@ class MQClient:
         late_names: frozenset[str] = frozenset(),
     ) -> None:
         """``on_late_reply(name, request, reply)`` is called, on a thread of its own, with the
-        successful reply to a request named in ``late_names`` that came after the request had
-        failed for its deadline (the server did what was asked: e.g. release what it granted)."""
+        reply to a request named in ``late_names`` that came after the request had failed for its
+        deadline (``reply`` None where the server answered with an error): the server is done with
+        it (e.g. release what it granted)."""
         self.url = url
         #: The process that made this connection: a process forked from it may not use it (its
         #: requests would go out on the same socket and take the parent's replies).
@@ -713,8 +714,8 @@ class MQClient:
         pending = self._pending.pop(rid, None)
         if pending is None:  # a reply after its deadline: the request already failed
             late = self._expired.pop(rid, None)
-            if late is not None and frames[1] == codec.OK and self._on_late_reply is not None:
-                self._late_reply(*late, frames[2])
+            if late is not None and frames[1] in (codec.OK, codec.ERR) and self._on_late_reply is not None:
+                self._late_reply(*late, frames[2] if frames[1] == codec.OK else None)
             return None
         name = pending.name
         try:
@@ -742,10 +743,11 @@ class MQClient:
         while len(self._expired) > _EXPIRED_KEPT:
             self._expired.popitem(last=False)
 
-    def _late_reply(self, name: str, payload: Any, data: bytes) -> None:
-        """Hand a late reply to ``on_late_reply`` on a thread of its own (it may send requests)."""
+    def _late_reply(self, name: str, payload: Any, data: bytes | None) -> None:
+        """Hand a late reply (``data`` None: an error reply) to ``on_late_reply`` on a thread of
+        its own (it may send requests)."""
         try:
-            reply = codec.decode(data, REQUESTS[name].reply)
+            reply = codec.decode(data, REQUESTS[name].reply) if data is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
         callback = self._on_late_reply

@@ -239,23 +239,29 @@ class ContextCore:
     def _resend(self, payload: m.Request[Reply]) -> Reply:
         """The server lost this context (it restarted): register again and send once more, as
         the request is now: under this context's instance id (renewed if another session took
-        the old one) and, for one with a deadline, with the time this client waits for the new
-        reply (the first send's may have passed while registering again)."""
+        the old one). One with a deadline gets a new one, a timeout from now but at most one
+        timeout past the first (registering again may take long, and whoever waits for the
+        request, vLLM's connector say, counts on its end within two timeouts of the first send:
+        then it gives the blocks up), and is waited for until then."""
         self.connection.reconnect(cast("TransferContextBase", self))
         fields: dict[str, Any] = {}
         if getattr(payload, "instance_id", self.instance_id) != self.instance_id:
             fields["instance_id"] = self.instance_id
-        if getattr(payload, "deadline", 0.0):
-            fields["deadline"] = self._deadline()
-        return self.connection.request(msgspec.structs.replace(payload, **fields) if fields else payload)
+        first: float = getattr(payload, "deadline", 0.0)
+        if not first:
+            return self.connection.request(msgspec.structs.replace(payload, **fields) if fields else payload)
+        wait = float(self.connection.timeout or 0.0)
+        fields["deadline"] = min(self._deadline(), first + wait)
+        left = max(0.0, fields["deadline"] - time.time()) + _deadline_margin(wait)
+        return self.connection.request(msgspec.structs.replace(payload, **fields), timeout=left)
 
     def _deadline(self) -> float:
-        """A request's deadline as sent now: when this client stops waiting for its reply, less a
-        tenth of that wait (at most 1 s), so that a copy the server starts just before it has
-        ended before the client gives up on it (the blocks may hold other KV by then; the server
+        """A request's deadline as sent now: when this client stops waiting for its reply, less
+        :func:`_deadline_margin`, so that a copy the server starts just before it has ended
+        before the client gives up on it (the blocks may hold other KV by then; the server
         copies nothing after it); 0 without a timeout."""
         wait = float(self.connection.timeout or 0.0)
-        return time.time() + wait - min(1.0, wait / 10) if wait else 0.0
+        return time.time() + wait - _deadline_margin(wait) if wait else 0.0
 
     # ------------------------------------------------------------------ submit
 
@@ -406,6 +412,7 @@ class ContextCore:
             except (KvxferError, ConnectionError):
                 pass  # the server is gone or already dropped us: nothing left to release there
         self._registered = False
+        self._settle_unanswered()
         self.connection.forget(cast("TransferContextBase", self))  # the contract's subclass is what reaches here
         try:
             with self._step("release"):
@@ -419,6 +426,10 @@ class ContextCore:
     def _released(self) -> None:
         """The style's own resources, after the transport's :meth:`release` (once, by close)."""
 
+    def _settle_unanswered(self) -> None:
+        """At close, once unregistered: release what requests the server never answered still
+        hold (none by default)."""
+
     def _drain(self) -> None:
         """Wait for transfers still in flight after the worker is idle (none by default)."""
 
@@ -429,6 +440,12 @@ class ContextCore:
             return reply.result()
         except (NoSession, UnknownInstance):
             return resend()
+
+
+def _deadline_margin(wait: float) -> float:
+    """How long before a client stops waiting for a request its deadline is: a tenth of the
+    wait, at most 1 s."""
+    return min(1.0, wait / 10)
 
 
 def _note_dropped(dropped: collections.deque[int] | None, ids: list[int]) -> None:

@@ -19,6 +19,7 @@ store as one request once every layer is written.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
-from kvxfer.errors import RemoteError
+from kvxfer.errors import RemoteError, RequestTimeout
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["ServerDrivenCore"]
 
 T = TypeVar("T")
+
+#: Most requests a context keeps the params of while their late answer may come (see _late_params).
+_UNANSWERED_KEPT = 64
 
 
 class ServerDrivenCore(ContextCore):
@@ -52,7 +56,7 @@ class ServerDrivenCore(ContextCore):
     #: See :attr:`~kvxfer.transport.contract.ServerDrivenContext.prepare_inline`.
     prepare_inline: ClassVar[bool] = False
     _core_names: ClassVar[frozenset[str]] = ContextCore._core_names | {"_window", "_jobs", "_stores_out",
-                                                                       "_stores_answered"}
+                                                                       "_stores_answered", "_late_params"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -61,6 +65,13 @@ class ServerDrivenCore(ContextCore):
         self._jobs = 0
         self._stores_out = 0
         self._stores_answered = threading.Condition()
+        #: Requests whose answer the client stopped waiting for (their futures failed with
+        #: RequestTimeout): id of the request sent -> (request, transfer, params). Their params
+        #: are released once the server answers them late, the session is opened anew or the
+        #: context closes (until then the server may still copy with what they name); the oldest
+        #: past _UNANSWERED_KEPT is released at once, as not done (``Transfer.server_done``).
+        self._late_params: collections.OrderedDict[
+            int, tuple[Any, Transfer, Any, Callable[[Any], BaseException | None]]] = collections.OrderedDict()
         self._seal()
 
     # ------------------------------------------------------------------ hooks (see the contract)
@@ -206,19 +217,31 @@ class ServerDrivenCore(ContextCore):
         def done(reply: Future[Any], payload: m.Store | m.Retrieve, params: msgspec.Struct | None) -> None:
             value: Any = None
             error: BaseException | None = None
+            waiting = True  # the server may still copy with the params: their release waits for it
             try:
                 res = self._retried(reply, lambda: self._resend(payload))
+                waiting = False
             except RemoteError as exc:  # the server answered it (with an error): it is done with it
+                waiting = False
                 error = exc
-            except BaseException as exc:  # noqa: BLE001  (no answer: the server may still be copying)
+            except RequestTimeout as exc:  # its late answer releases the params (if it is this send's)
+                error = exc
+            except BaseException as exc:  # noqa: BLE001  (no answer, and none will come here)
                 transfer.server_done = False
+                waiting = False
                 error = exc
             else:
                 try:
                     value = finish(res, params)
                 except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                     error = exc
-            released = release(params)  # the params' resources are free before the caller sees the result
+            released: BaseException | None = None
+            if waiting and reply.done() and isinstance(reply.exception(), RequestTimeout):
+                self._await_answer(payload, transfer, params, release)
+            else:  # the params' resources are free before the caller sees the result
+                if waiting:  # a resend that timed out: its late answer cannot be told apart
+                    transfer.server_done = False
+                released = release(params)
             if answered is not None:
                 answered()
             self._window.release()
@@ -287,6 +310,48 @@ class ServerDrivenCore(ContextCore):
             release(None)  # closed: the token on_submit made goes back now
             raise
         return outer
+
+    def _await_answer(self, request: Any, transfer: Transfer, params: Any,
+                      release: Callable[[Any], BaseException | None]) -> None:
+        """Keep the params of ``request``, whose answer the client stopped waiting for, until the
+        server answers it late (:meth:`_late_answer`), the session is opened anew or the context
+        closes (:meth:`_settle_unanswered`)."""
+        over = []
+        with self._lock:
+            self._late_params[id(request)] = (request, transfer, params, release)
+            while len(self._late_params) > _UNANSWERED_KEPT:
+                over.append(self._late_params.popitem(last=False)[1])
+        for _, t, p, rel in over:  # kept too long: released as not done (the transport keeps what it must)
+            t.server_done = False
+            rel(p)
+
+    def _late_answer(self, request: Any) -> None:
+        """The server answered ``request`` after the client had stopped waiting (the connection's
+        late-reply thread): it is done with it, and its params are released on the finisher."""
+        with self._lock:
+            got = self._late_params.pop(id(request), None)
+        if got is None or got[0] is not request:
+            return
+        try:
+            self._finisher.submit(got[3], got[2])
+        except RuntimeError:  # the context closed meanwhile (its close released the others)
+            got[3](got[2])
+
+    def _settle_unanswered(self) -> None:
+        """Release the params of every request still kept: the session was opened anew (the
+        server that had them restarted, or ended the session and with it their registration) or
+        the context closes (the server closes its side after its requests)."""
+        with self._lock:
+            kept = list(self._late_params.values())
+            self._late_params.clear()
+        for _, _, params, release in kept:
+            release(params)
+
+    def on_reconnect(self) -> None:
+        renewed = self.epoch != self.connection.epoch  # a new session: the old one's requests are over
+        super().on_reconnect()
+        if renewed:
+            self._settle_unanswered()
 
     def _drain(self) -> None:
         """Wait until every sent request has finished (their replies have deadlines)."""

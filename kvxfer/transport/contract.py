@@ -238,10 +238,10 @@ class Transfer:
     skip_blocks: int = 0
     #: What :meth:`TransferContextBase.on_submit` returned for this request.
     token: Any = None
-    #: Server-driven, as :meth:`ServerDrivenContext.release_params` sees it: False when the
-    #: client stopped waiting for the server's answer (a timeout, a lost connection), so the
-    #: server may still be copying with what the params name; True when it answered, or never
-    #: got the request.
+    #: Server-driven, as :meth:`ServerDrivenContext.release_params` sees it: False where the
+    #: server may still be copying with what the params name (the connection was lost, or the
+    #: core could not wait for a late answer); True when it answered (in time or late), never
+    #: got the request, or its session ended.
     server_done: bool = True
 
 
@@ -489,11 +489,13 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
 
     def release_params(self, transfer: Transfer, params: P | None) -> None:
         """Runs once after every request that reached :meth:`prepare` or got a token (answered,
-        failed, timed out, or cancelled before it was sent), before its future resolves: free
-        what :meth:`prepare` and :meth:`on_submit` took. Where ``transfer.server_done`` is False
-        (the client stopped waiting), the server may still be using what ``params`` name: give
-        it to no other request until the server has answered one sent after it (it runs a
-        registration's requests in order). Default: nothing."""
+        failed, or cancelled before it was sent), before its future resolves: free what
+        :meth:`prepare` and :meth:`on_submit` took. For a request whose answer the client stopped
+        waiting for (its future failed with ``RequestTimeout``) it runs once the server has
+        answered it late, the session is opened anew or the context closes: until then the
+        server may still copy with what ``params`` name. Where ``transfer.server_done`` is False
+        (the core could not wait for that), give what ``params`` name to no other request.
+        Default: nothing."""
 
 
 # --------------------------------------------------------------------------- server side

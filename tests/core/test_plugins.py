@@ -24,6 +24,7 @@ from kvxfer import CacheClient, chunk_hashes
 from kvxfer.errors import (
     InvalidRequest,
     LimitExceeded,
+    RequestTimeout,
     ServerInternalError,
     TransportBroken,
     TransportNotFound,
@@ -310,7 +311,26 @@ def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path,
             monkeypatch.setattr(client, "reconnect", slow)
             again = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="resend-2")
             assert ctx.submit_store(again, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+
+            # registering again took longer than two timeouts: the store ends as its caller counts
+            # on (within two timeouts of its first send), and the server copies nothing of it
+            srv.kill()
+            srv.start()
+
+            def slower(context: object = None) -> None:
+                time.sleep(2.5)
+                reconnect(context)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(client, "reconnect", slower)
+            late = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="resend-3")
+            fut = ctx.submit_store(late, list(range(2 * BLOCKS_PER_CHUNK)))
+            try:
+                assert fut.result(30).stored == []
+            except RequestTimeout:
+                pass  # its wait ended before the refusal came back
             monkeypatch.setattr(client, "reconnect", reconnect)
+            time.sleep(0.5)
+            assert client.lookup("resend", hashes=late) == 0
 
             # a store whose deadline passed before it reached the server, into a full arena: refused
             # before its reservation, so it evicts no chunk
@@ -325,7 +345,7 @@ def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path,
             assert client.request(late) == m.StoreResult([], [], [0, 1])
             st = client.status()
             assert (st.arena.evictions, st.arena.chunks, st.reservations) == (before.evictions, before.chunks, 0)
-            assert [(t.stored_chunks, t.abandoned_chunks) for t in st.traffic] == [(2 + 2 * n, 2)]
+            assert [(t.stored_chunks, t.abandoned_chunks) for t in st.traffic] == [(2 * n, 4)]
         finally:
             client.close()
 
@@ -457,10 +477,10 @@ def test_control_requests_run_inline_while_a_transfer_runs(loop_client, tmp_path
 
 def test_params_of_a_request_the_client_stopped_waiting_for_are_released_as_such(on_path: Path,
                                                                                 tmp_path: Path) -> None:
-    """release_params learns whether the server is done with a request: not when the client stopped
-    waiting for its answer while the server was still in its copy (held there on a FIFO past the
-    client's 1 s timeout); yes when it answered, or never got the request (cancelled before it
-    was sent)."""
+    """The params of a request whose answer the client stopped waiting for (the server held in
+    its copy on a FIFO past the client's 1 s timeout) are released once the server answers it
+    late, as done: until then the server may still copy with what they name. A request answered
+    in time, or never sent (cancelled first), has them released at once."""
     from kvxfer.errors import RequestTimeout
     from kvxfer_test_transport import LoopParams
 
@@ -475,11 +495,16 @@ def test_params_of_a_request_the_client_stopped_waiting_for_are_released_as_such
             ctx.next_store = LoopParams(hold_until=str(gate))
             with pytest.raises(RequestTimeout):
                 ctx.submit_store(hashes[:1], blocks).result(30)
-            assert ctx.released == [("store", False)]
-            release(gate)
+            assert ctx.released == [], "params released while the server still copied with them"
+            release(gate)  # the server's copy ends, and its answer comes late
+            assert wait_until(lambda: ctx.released == [("store", True)], 30), ctx.released
             ctx.next_store = LoopParams()
             assert ctx.submit_store(hashes[1:2], blocks).result(30).stored == [0]
             assert ctx.released[1:] == [("store", True)]
+            cancelled = ctx.submit_store(hashes[2:3], blocks)
+            cancelled.cancel()
+            if cancelled.cancelled():  # never sent: nothing at the server uses its params
+                assert wait_until(lambda: len(ctx.released) == 3, 30) and ctx.released[2] == ("store", True)
         finally:
             client.close()
 

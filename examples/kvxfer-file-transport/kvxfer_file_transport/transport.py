@@ -63,9 +63,10 @@ def spool_dir(root: str | os.PathLike[str], instance_id: int) -> str:
 class FileContext(ServerDrivenContext[FileParams]):
     """Client half: stage a store's rows in a file, place a retrieve's rows from one. Up to
     ``max_in_flight`` requests are at the server at once, each with a spool file (a slot) of its
-    own, free again once the request is finished; the slot of a request the server did not
-    answer (the client stopped waiting) only once the server answered one sent after it: until
-    then the server may still write or read that file."""
+    own until its params are released: once the server is done with the request (the core
+    holds back the params of one whose answer the client stopped waiting for until the server
+    answers it late). A slot released as not done (``Transfer.server_done`` False) is used
+    again only in the next spool directory."""
 
     max_in_flight = 2
 
@@ -73,12 +74,13 @@ class FileContext(ServerDrivenContext[FileParams]):
         super().__init__(*args, **kwargs)
         self._rows = [self.layout.row_view(t) for t in self.layers]
         self._spool_lock = threading.Lock()
-        self._sent = 0  # requests prepared so far (the order they are sent in)
-        self._held: dict[int, int] = {}  # slot -> the request using it
-        self._unanswered: dict[int, int] = {}  # slot -> the request the server did not answer
+        self._held: dict[int, int] = {}  # slot -> descriptor of the directory its request's file is in
+        self._kept: set[int] = set()  # slots the server may still use (released as not done)
+        self._dir_lock = threading.Lock()
         self.spool_dir = ""
         self._dir_fd = -1
         self._dir_id: tuple[int, int] = (0, 0)
+        self._old_dirs: list[int] = []  # descriptors of the last directories replaced (a request may use one)
 
     def _directory(self) -> int:
         """The registration's spool directory, made by the server when it registered us, and made
@@ -86,39 +88,40 @@ class FileContext(ServerDrivenContext[FileParams]):
         path or another: opened again whenever the one at the path is another. None there means
         the server lost the registration: the session is opened again and the context registered
         (as a reply of ``no_session`` would have it done) before it is looked for again."""
-        path = spool_dir(transport_dir_path(self.connection.arena_path, NAME), self.instance_id)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            self.connection.reconnect()
+        with self._dir_lock:  # (the worker's prepare and the finisher's finish_retrieve both ask)
             path = spool_dir(transport_dir_path(self.connection.arena_path, NAME), self.instance_id)
-            st = os.stat(path)
-        if path != self.spool_dir or (st.st_dev, st.st_ino) != self._dir_id:
-            fd = open_private_dir(path)
-            fst = os.fstat(fd)
-            with self._spool_lock:
-                old, self._dir_fd, self.spool_dir = self._dir_fd, fd, path
-                self._dir_id = (fst.st_dev, fst.st_ino)
-                self._unanswered.clear()  # the old directory's files are no other request's now
-            if old >= 0:
-                os.close(old)
-        return self._dir_fd
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                self.connection.reconnect(self)
+                path = spool_dir(transport_dir_path(self.connection.arena_path, NAME), self.instance_id)
+                st = os.stat(path)
+            if path != self.spool_dir or (st.st_dev, st.st_ino) != self._dir_id:
+                fd = open_private_dir(path)
+                fst = os.fstat(fd)
+                if self._dir_fd >= 0:
+                    self._old_dirs.append(self._dir_fd)
+                    while len(self._old_dirs) > 2:
+                        os.close(self._old_dirs.pop(0))
+                self._dir_fd, self.spool_dir, self._dir_id = fd, path, (fst.st_dev, fst.st_ino)
+                with self._spool_lock:
+                    self._kept.clear()  # the old directory's files are nobody's in the new one
+            return self._dir_fd
 
-    def _take_slot(self) -> int:
+    def _take_slot(self, dir_fd: int) -> int:
         with self._spool_lock:
-            self._sent += 1
             for slot in range(MAX_SLOTS):
-                if slot not in self._held and slot not in self._unanswered:
-                    self._held[slot] = self._sent
+                if slot not in self._held and slot not in self._kept:
+                    self._held[slot] = dir_fd
                     return slot
-        raise RuntimeError(f"file_debug: every one of the {MAX_SLOTS} spool files is in use, or was used by a request "
-                           "the server has not answered yet (it may still be copying with it)")
+        raise RuntimeError(f"file_debug: every one of the {MAX_SLOTS} spool files is held by a request the server "
+                           "has not answered yet (it may still be copying with it); they are free again as it answers")
 
     def prepare(self, transfer: Transfer) -> FileParams:
         import torch
 
         dir_fd = self._directory()
-        slot = self._take_slot()
+        slot = self._take_slot(dir_fd)
         if transfer.kind == "retrieve":
             return FileParams(slot)
         try:
@@ -151,21 +154,21 @@ class FileContext(ServerDrivenContext[FileParams]):
     def release_params(self, transfer: Transfer, params: FileParams | None) -> None:
         if params is None:
             return
-        try:
-            os.unlink(file_name(params.slot), dir_fd=self._dir_fd)
-        except FileNotFoundError:
-            pass  # a retrieve that loaded nothing leaves no file
         with self._spool_lock:
-            sent = self._held.pop(params.slot)
+            dir_fd = self._held.pop(params.slot)
             if not transfer.server_done:  # the server may still write or read the file
-                self._unanswered[params.slot] = sent
-            else:  # answered: every request sent before it is over at the server too
-                self._unanswered = {s: n for s, n in self._unanswered.items() if n > sent}
+                self._kept.add(params.slot)
+                return
+        try:
+            os.unlink(file_name(params.slot), dir_fd=dir_fd)
+        except OSError:
+            pass  # a retrieve that loaded nothing leaves no file; a directory long replaced is closed
 
     def release(self) -> None:
-        if self._dir_fd >= 0:
-            os.close(self._dir_fd)
-            self._dir_fd = -1
+        for fd in [*self._old_dirs, self._dir_fd]:
+            if fd >= 0:
+                os.close(fd)
+        self._old_dirs, self._dir_fd = [], -1
 
 
 def _positions(file_rows: torch.Tensor, rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kvxfer import CacheClient, chunk_hashes
+from kvxfer.errors import RequestTimeout
 from kvxfer.testing.server import ServerProcess
 from kvxfer.transport import Transfer
 from kvxfer_file_transport import FileContext, FileParams
-from kvxfer_file_transport.spool import MAX_SLOTS
 
 CHUNK, BS = 64, 16
 BPC = CHUNK // BS
@@ -116,41 +116,41 @@ def test_a_context_works_again_after_the_server_ended_its_session(server: Server
 
 
 def test_a_spool_file_the_server_may_still_use_goes_to_no_other_request(server: ServerProcess) -> None:
-    """A request whose answer the client stopped waiting for (``Transfer.server_done`` False when
-    its params are released) keeps its spool file from every other request until the server has
-    answered one sent after it: the server, stalled in its copy, may still write or read that
-    file, and another request's bytes would end up in the cache under this one's keys. The
-    context's own hooks are driven here, as the core drives them."""
-    client = CacheClient(server.url, timeout=10)
+    """A request whose answer the client stopped waiting for (the server stalled) keeps its spool
+    file until the server answers it late: the server, stalled in its copy, may still write or
+    read that file, and another request's bytes would end up in the cache under this one's keys
+    (the next request took it at once). Once the late answers come, the files are free again."""
+    client = CacheClient(server.url, timeout=1.0, connect_timeout=10.0)
     try:
         kv = _kv(4)
         ctx = client.register(kv, model_name="slots", block_size=BS, transport="file_debug")
         assert isinstance(ctx, FileContext)
-        keys = chunk_hashes(list(range(CHUNK)), CHUNK, salt="slots")
+        keys = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="slots")
+        assert ctx.submit_store(keys, _blocks(2)).result(30).stored == [0, 1]
+        seen: list[int] = []
+        prepare = ctx.prepare
 
-        def retrieve() -> Transfer:
-            return Transfer("retrieve", keys, torch.tensor(_blocks(1), dtype=torch.int64))
+        def noting(transfer: Transfer) -> FileParams:
+            params = prepare(transfer)
+            seen.append(params.slot)
+            return params
 
-        t1, timed_out = retrieve(), retrieve()
-        p1 = ctx.prepare(t1)
-        p0 = ctx.prepare(timed_out)
-        timed_out.server_done = False
-        ctx.release_params(timed_out, p0)
-        later = [ctx.prepare(retrieve()) for _ in range(MAX_SLOTS - 2)]
-        assert p0.slot not in {p.slot for p in [p1, *later]}, "a spool file the server may use went to a request"
-        with pytest.raises(Exception, match="spool files is in use"):
-            ctx.prepare(retrieve())
-        ctx.release_params(t1, p1)  # sent before the unanswered one: says nothing of it
-        reused = ctx.prepare(retrieve())
-        assert reused.slot == p1.slot
-        ctx.release_params(retrieve(), later[0])  # sent after it, and answered: the server is past it
-        again = [ctx.prepare(retrieve()) for _ in range(2)]
-        assert {p.slot for p in again} == {p0.slot, later[0].slot}
-        for p in [*later[1:], *again, reused]:
-            assert isinstance(p, FileParams)
-            ctx.release_params(retrieve(), p)
-        ctx.release_params(retrieve(), ctx.prepare(retrieve()))
-        # and the context moves bytes as before
-        assert ctx.submit_store(keys, _blocks(1)).result(30).stored == [0]
+        ctx.prepare = noting  # type: ignore[method-assign]  # observes, changes nothing
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            for _ in range(2):
+                with pytest.raises(RequestTimeout):
+                    ctx.submit_retrieve(keys, _blocks(2, 8)).result(30)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert seen == [0, 1], "a spool file the stalled server may still use went to the next request"
+        end = time.monotonic() + 30
+        while ctx._held:  # the late answers free them
+            assert time.monotonic() < end, f"spool files never freed: {ctx._held}"
+            time.sleep(0.05)
+        assert ctx.submit_retrieve(keys, _blocks(2, 8)).result(30).loaded == [0, 1]
+        assert seen[-1] == 0
+        for a in kv:
+            assert torch.equal(a[:, :8], a[:, 8:16])
     finally:
         client.close()
