@@ -9,9 +9,11 @@ reply arrives, on the finisher and in reply order: ``finish_retrieve`` (retrieve
 ``release_params`` (every request), then the future resolves.
 After a server restart the request is sent once more, synchronously, once the context is
 registered again. A request's future can be cancelled until it is sent; then it is never sent
-(its params are released). A store or retrieve carries the time its client stops waiting for the
-reply (``Store.deadline``, ``Retrieve.deadline``): a server that reaches the copy later copies
-nothing. A layer-wise
+(its params are released). A store or retrieve carries a time a little before its client stops
+waiting for the reply (``Store.deadline``, ``Retrieve.deadline``): a server that reaches the copy
+later copies nothing. The params of a request whose answer the client stopped waiting for are
+released once the server answers it late (or the session is opened anew, or the context
+closes), not before: the server may still copy with them. A layer-wise
 retrieve is sent as one request per group of layers (``Retrieve.layers``, servers with the
 ``retrieve_layers`` feature), each layer landed when its request is answered; a layer-wise
 store as one request once every layer is written.
@@ -66,7 +68,7 @@ class ServerDrivenCore(ContextCore):
         self._stores_out = 0
         self._stores_answered = threading.Condition()
         #: Requests whose answer the client stopped waiting for (their futures failed with
-        #: RequestTimeout): id of the request sent -> (request, transfer, params). Their params
+        #: RequestTimeout): id of the request sent -> (request, transfer, params, release). Their params
         #: are released once the server answers them late, the session is opened anew or the
         #: context closes (until then the server may still copy with what they name); the oldest
         #: past _UNANSWERED_KEPT is released at once, as not done (``Transfer.server_done``).
