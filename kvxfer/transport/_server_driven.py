@@ -219,30 +219,26 @@ class ServerDrivenCore(ContextCore):
         def done(reply: Future[Any], payload: m.Store | m.Retrieve, params: msgspec.Struct | None) -> None:
             value: Any = None
             error: BaseException | None = None
-            waiting = True  # the server may still copy with the params: their release waits for it
+            late = False  # the server may still copy with the params: released on its late answer
             try:
                 res = self._retried(reply, lambda: self._resend(payload))
-                waiting = False
             except RemoteError as exc:  # the server answered it (with an error): it is done with it
-                waiting = False
                 error = exc
-            except RequestTimeout as exc:  # its late answer releases the params (if it is this send's)
+            except BaseException as exc:  # noqa: BLE001  (no answer: the server may still copy)
                 error = exc
-            except BaseException as exc:  # noqa: BLE001  (no answer, and none will come here)
-                transfer.server_done = False
-                waiting = False
-                error = exc
+                # a first send that timed out gets its late answer; a resend's, or a lost
+                # connection's, cannot be told apart: released now, as not done
+                late = isinstance(exc, RequestTimeout) and reply.exception() is exc
+                transfer.server_done = late
             else:
                 try:
                     value = finish(res, params)
                 except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                     error = exc
             released: BaseException | None = None
-            if waiting and reply.done() and isinstance(reply.exception(), RequestTimeout):
+            if late:
                 self._await_answer(payload, transfer, params, release)
             else:  # the params' resources are free before the caller sees the result
-                if waiting:  # a resend that timed out: its late answer cannot be told apart
-                    transfer.server_done = False
                 released = release(params)
             if answered is not None:
                 answered()
