@@ -86,14 +86,30 @@ _TMP_FILE: Final = re.compile(r"[0-9a-f]{32}\.[0-9]+\.[0-9]+\.[0-9]+" + re.escap
 
 
 def _refuse_unless_own(root: Path) -> None:
-    """ConfigError unless ``root`` is empty or holds this store's lock file (a directory an fs
-    store made): the store makes the directory 0700 and deletes files in it."""
+    """ConfigError unless ``root`` is empty, holds this store's lock file (a directory an fs
+    store made), or is a store's directory that lost its lock file (mode 0700, and nothing in it
+    but subdirectories named as the store names them: the lock file is made again, with a
+    warning): the store makes the directory 0700 and deletes files in it."""
     entries = os.listdir(root)
+    if entries and _LOCK_NAME not in entries and _mode(root) == stat.S_IFDIR | 0o700 \
+            and all(_SUBDIR.fullmatch(e) and stat.S_ISDIR(_mode(root / e)) for e in entries):
+        log.warning("fs store %s: its lock file %s was missing (removed, or not restored with the values); the "
+                    "directory holds only the store's own subdirectories, so it is taken as the store's and the "
+                    "lock file made again", root, _LOCK_NAME)
+        return
     if entries and _LOCK_NAME not in entries:
         shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
         raise ConfigError(f"the fs store directory {root} holds files ({shown}) and no {_LOCK_NAME}: it is not "
                           "a store's directory, and the store would change its mode and delete files in it; give "
                           "--l2-url a new or empty directory of its own")
+
+
+def _mode(path: Path) -> int:
+    """``st_mode`` of ``path`` itself (a link is not followed); 0 where there is nothing."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_mode
+    except OSError:
+        return 0
 
 
 def _readv_all(fd: int, parts: Sequence[memoryview]) -> int:
@@ -293,6 +309,9 @@ class FsBackend(ThreadedBackend):
                     gone = self._lru.pop(name, None)  # removed behind our back
                     if gone is not None:
                         self.used -= gone
+                out.append(GetStatus.MISS)
+                continue
+            except BlockingIOError:  # another process holds a lease on the file: a miss, this time only
                 out.append(GetStatus.MISS)
                 continue
             except OSError as exc:

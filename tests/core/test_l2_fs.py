@@ -96,6 +96,37 @@ def test_a_directory_of_other_files_is_refused_and_left_alone(tmp_path: Path) ->
     empty = tmp_path / "empty"
     empty.mkdir(mode=0o755)
     FsStore().open(f"file://{empty}", StoreOptions()).close()  # an empty directory is taken
+    (home / "xy" / "notes.tmp").unlink()
+    (home / "xy").rmdir()  # subdirectories named like the store's, but a directory open to others
+    with pytest.raises(ConfigError, match="holds files \\(ab\\) and no"):
+        FsStore().open(f"file://{home}?max_size=4KiB", StoreOptions())
+
+
+def test_a_stores_directory_that_lost_its_lock_file_is_taken_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Removing the lock file (by hand, or a restore that left it out) made every later start
+    of the server fail: the directory was taken for one of other files. A 0700 directory that
+    holds nothing but subdirectories named as the store names them is the store's: its lock file
+    is made again and its values are found."""
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        assert _put(b, b"k", b"v" * 4096)
+    finally:
+        b.close()
+    (root / ".kvxfer-fs.lock").unlink()
+    with caplog.at_level(logging.WARNING, logger="kvxfer.store.fs"):
+        b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        assert b.submit_exists([b"k"]).result(10) == [4096]
+        assert (root / ".kvxfer-fs.lock").is_file()
+        assert any("lock file .kvxfer-fs.lock was missing" in r.getMessage() for r in caplog.records)
+    finally:
+        b.close()
+    (root / ".kvxfer-fs.lock").unlink()
+    (root / "notes.txt").write_text("mine")  # anything else in it: refused as before
+    with pytest.raises(ConfigError, match="no \\.kvxfer-fs\\.lock"):
+        FsStore().open(f"file://{root}", StoreOptions())
 
 
 def test_files_the_store_did_not_name_are_never_deleted(tmp_path: Path) -> None:
@@ -155,6 +186,49 @@ def test_what_is_not_a_regular_file_in_place_of_a_value_is_a_wrong_size_not_a_ha
     finally:
         with contextlib.suppress(OSError):  # a reader stuck in open() (the old code) is let go
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        b.close()
+
+
+def test_a_value_another_process_holds_a_lease_on_is_a_miss_of_that_key_only(tmp_path: Path) -> None:
+    """A write lease another process of the server's user holds on a value file (a file server,
+    a backup tool) makes the store's non-blocking open fail with EWOULDBLOCK: that failed the
+    whole get (its other keys missed too), and repeated, it took the tier down. Now that key is
+    a miss this time, its value is kept, and the other keys of the get are read."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvxfer.store.fs import _name
+
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    holder = None
+    try:
+        for key in (b"leased", b"free"):
+            assert _put(b, key, key * 512)
+        path = root / _name(b"leased")[:2] / _name(b"leased")
+        holder = subprocess.Popen([sys.executable, "-c", f"""if True:
+            import fcntl, os, signal, sys, time
+            signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease-break notice: the lease is kept
+            fd = os.open({str(path)!r}, os.O_RDONLY)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            print("leased", flush=True)
+            time.sleep(60)
+            """], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "leased"
+        bufs = [bytearray(len(b"leased") * 512), bytearray(len(b"free") * 512)]
+        got = b.submit_get([(k, [memoryview(buf)]) for k, buf in zip((b"leased", b"free"), bufs)]).result(10)
+        assert got == [GetStatus.MISS, GetStatus.HIT] and bytes(bufs[1]) == b"free" * 512
+        assert b.submit_exists([b"leased"]).result(10) == [len(b"leased") * 512]  # still indexed, not deleted
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        holder = None
+        assert b.submit_get([(b"leased", [memoryview(bufs[0])])]).result(10) == [GetStatus.HIT]
+        assert bytes(bufs[0]) == b"leased" * 512
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(10)
         b.close()
 
 
