@@ -302,7 +302,8 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
         ("kvxfer_tier_lookups", "Lookups that asked the tier (their chunks missing from L1).", lambda t: t.lookups),
         ("kvxfer_tier_lookup_chunks", ("Chunks those lookups asked the tier about (a key per rank): every chunk "
                                        "after L1's leading hits."), lambda t: t.lookup_chunks),
-        ("kvxfer_tier_lookup_hit_chunks", "Of those, the chunks the tier had.", lambda t: t.lookup_hits),
+        ("kvxfer_tier_lookup_hit_chunks", "Of those, the chunks the tier had at the size this server loads.",
+         lambda t: t.lookup_hits),
         ("kvxfer_tier_lookup_timeouts", "Lookups that gave up waiting for the tier (answered from L1).",
          lambda t: t.timeouts),
         ("kvxfer_tier_busy_lookups", ("Lookups that did not ask the tier: earlier lookups' checks had as many keys "

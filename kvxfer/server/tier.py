@@ -1262,6 +1262,29 @@ class L2Tier:
                 l2_chunks.append(c)
         lk.changes = (self.index.changes, self.promoting_changes)
 
+    def _loadable(self, lk: TierLookup) -> int:
+        """How many keys the store answered for with a value this server could load: of the
+        size of its rank's registered layout (any size that fits the arena where none is
+        registered), and not found of another chunk format lately. A value of another size
+        (another layout's, or junk) is no hit of this server's."""
+        want_of: dict[int, int] = {}
+        unloadable = self._unloadable
+        now = time.monotonic() if unloadable else 0.0
+        n = 0
+        for key, size in zip(lk.keys, lk.sizes):
+            size -= HEADER_SIZE
+            if size <= 0:
+                continue
+            want = want_of.get(key.rank)
+            if want is None:
+                fmt = self.expected_format(key)
+                want = want_of[key.rank] = chunk_format_bytes(fmt) if fmt is not None else 0
+            if not (size == want if want else size <= self.arena.size):
+                continue
+            seen = unloadable.get(key) if unloadable else None
+            n += seen is None or seen[0] <= now or seen[1] != self.expected_format(key)
+        return n
+
     def finish_lookup(self, lk: TierLookup, promote: bool,
                       before_promote: Callable[[list[Entry], int, int], None] | None = None,
                       ) -> tuple[int, int, int]:
@@ -1272,7 +1295,7 @@ class L2Tier:
         L1 is read again. ``before_promote(entries, keys, nbytes)`` is called with the L1
         entries of the leading chunks counted, the number of keys about to be promoted and their
         arena bytes; what it raises refuses the lookup with nothing promoted."""
-        self.lookup_hits += sum(size > 0 for size in lk.sizes)  # every key asked that the store had
+        self.lookup_hits += self._loadable(lk)
         if lk.changes != (self.index.changes, self.promoting_changes):
             hits = self.index.lookup(lk.model_name, lk.world_size, lk.hashes[:lk.l1_hits])
             if hits < lk.l1_hits:  # L1 hits left meanwhile: answer with what is left

@@ -171,9 +171,9 @@ def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fm
     """Check the header of the value read for ``key``: intact, this format version, this key,
     and (when given) this chunk format; returns it. Raises :class:`DamagedValue` when no reader
     of ``key`` could load the value (bad magic, another format version than the key's, header
-    check, fingerprint), and a plain :class:`IntegrityError` when the header is intact but names
-    a chunk format this reader does not load. The payload's checksum is checked separately
-    (:func:`checksum`)."""
+    check, a malformed format or a length not its format's, fingerprint), and a plain
+    :class:`IntegrityError` when the header is intact but names a chunk format this reader does
+    not load. The payload's checksum is checked separately (:func:`checksum`)."""
     if len(raw) != HEADER_SIZE:
         raise IntegrityError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
     body = bytes(raw[:_FIXED.size])
@@ -187,10 +187,14 @@ def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fm
     if xxhash.xxh3_64_intdigest(body) != check:
         raise DamagedValue("damaged header (header check mismatch)")
     value_fmt = raw_fmt.rstrip(b"\0").decode("utf-8", "replace")
+    try:  # a header that contradicts itself: no reader of any layout loads it
+        own_size = chunk_format_bytes(value_fmt)
+    except IntegrityError as exc:
+        raise DamagedValue(str(exc)) from None
+    if length != own_size:
+        raise DamagedValue(f"length {length} does not match the header's own format {value_fmt!r}")
     if fmt is not None and value_fmt != fmt:
         raise IntegrityError(f"stored in format {value_fmt!r}, the reader's layout is {fmt!r}")
     if fp != fingerprint(key, value_fmt):
         raise DamagedValue("fingerprint mismatch: the value belongs to another chunk")
-    if length != chunk_format_bytes(value_fmt):
-        raise IntegrityError(f"length {length} does not match format {value_fmt!r}")
     return Header(length, csum, fp, value_fmt)

@@ -78,6 +78,27 @@ def test_header_round_trip_and_every_mismatch_is_an_integrity_error() -> None:
     assert l2_key(key).startswith(b"kvxfer:c%d:" % FORMAT_VERSION)
 
 
+@pytest.mark.parametrize("reader_fmt", [FMT, "float16:2x2x64x16", None])
+@pytest.mark.parametrize("fmt, length", [(FMT, 1 << 60), (FMT, 8191), ("bfloat16:2x2x64", 8192),
+                                         ("no_such_dtype:2x2x64x16", 8192)])
+def test_a_header_that_contradicts_itself_is_damaged_for_every_reader(reader_fmt: str | None, fmt: str,
+                                                                        length: int) -> None:
+    """An intact header (its check recomputed) whose length is not its own format's size, or
+    whose format is malformed, can be loaded by no reader in any layout: damaged (deleted), not
+    taken for another layout's value and left in the store for ever."""
+    import struct
+
+    import xxhash
+
+    from kvxfer.store.format import MAGIC, checksum, fingerprint
+
+    key = ChunkKey("m", 2, 1, b"h" * 16)
+    body = struct.pack("<4sHHQ16s16s128s8s", MAGIC, FORMAT_VERSION, HEADER_SIZE, length, checksum(b""),
+                       fingerprint(key, fmt), fmt.encode(), bytes(8))
+    with pytest.raises(DamagedValue):
+        decode_header(body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)), key, reader_fmt)
+
+
 def test_header_takes_every_registered_layouts_format() -> None:
     from kvxfer.layout import KVLayout, LayoutKind
     from kvxfer.store.format import chunk_format_bytes
@@ -668,7 +689,9 @@ def test_lookups_meeting_values_of_another_size_do_not_flood_the_log(tmp_path: P
     """In process, with the real fs store, arena and index. A value of another size than the
     registered layout's chunk (another layout's, in a store two layouts share) is a miss each
     time a lookup meets it, and stays in the store: the warning comes at most once a second,
-    with the count of those left out (one line per lookup once grew the log 0.5 MB a second)."""
+    with the count of those left out (one line per lookup once grew the log 0.5 MB a second).
+    Nor is it a hit of the tier (every value of any size was, so values this server cannot load
+    raised the tier's hit rate)."""
     registered = {"fmt": None}
     with in_process_tier(tmp_path, lambda key: registered["fmt"]) as (arena, index, tier, pump):
         hashes = [bytes([i]) * 16 for i in range(2)]
@@ -682,6 +705,7 @@ def test_lookups_meeting_values_of_another_size_do_not_flood_the_log(tmp_path: P
             return tier.finish_lookup(lk, promote=True)[0]
 
         line = "needs 4096: ignored"
+        chunks, hits = tier.lookup_chunks, tier.lookup_hits
         start = time.monotonic()
         with caplog.at_level("WARNING", logger="kvxfer.server.tier"):
             for _ in range(100):
@@ -691,6 +715,7 @@ def test_lookups_meeting_values_of_another_size_do_not_flood_the_log(tmp_path: P
         lines = [r.getMessage() for r in caplog.records if line in r.getMessage()]
         assert 2 <= len(lines) <= time.monotonic() - start + 1, lines  # one a second, and the first
         assert "more since the last such line" in lines[-1], lines
+        assert (tier.lookup_chunks - chunks, tier.lookup_hits - hits) == (202, 0)
         assert tier.backend is not None and tier.backend.submit_exists([l2_key(ChunkKey("m", 1, 0, hashes[0]))]
                                                                           ).result(TIMEOUT)[0] > 0, "the value stays"
 
