@@ -30,7 +30,7 @@ REFERENCE: Final = "cpu_gather"
 #: The older layouts (one contiguous tensor per layer) and the dtypes the kit knows; a transport
 #: is tested on those it claims.
 LAYOUTS: Final = (LayoutKind.FLASH_ATTN, LayoutKind.FLASHINFER, LayoutKind.MLA)
-DTYPES: Final = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+DTYPES: Final = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8", "int8")
 #: Current vLLM's bhnc views, built as vLLM builds them (kvdata.bhnc_views), each with a dtype.
 #: Not the cross product of vLLM's six KVCacheLayouts with padding, kernel blocks, MLA and
 #: dtypes: one case per way the memory can differ from a contiguous tensor, each with something

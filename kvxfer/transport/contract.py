@@ -151,7 +151,10 @@ class Probe:
     device_types: tuple[str, ...] = ()
 
 
-_ALL_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"})
+#: What a transport claims by default: the dtypes the kit tests, 16-, 32- and 8-bit (``uint8`` is
+#: how vLLM holds an fp8 KV cache, ``--kv-cache-dtype fp8``); copies are byte-wise, so any of them
+#: round-trips through a transport whose copies are right for one.
+_ALL_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8", "int8"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,9 @@ OpenAI-compatible server), against one real ``kvxfer serve`` process:
   ``"fail"`` (its default) the request finishes with reason ``error`` and no tokens, and the
   engine serves the requests after it; with ``"recompute"`` the answer is vLLM's own.
 
-vLLM on 2 cores is slow to start (~10-20 s a process): nine processes in all (one of them the OpenAI-compatible server).
+* an fp8 KV cache (uint8 in vLLM) is stored and loaded.
+
+vLLM on 2 cores is slow to start (~10-20 s a process): ten processes in all (one of them the OpenAI-compatible server).
 """
 
 from __future__ import annotations
@@ -193,6 +195,22 @@ def test_a_hybrid_model_loads_every_kv_cache_group(work: Path, models: dict[str,
     first, second = res["batches"]
     assert hits(first) == 0 and hits(second) == 9 * CHUNK, (first["counters"], second["counters"])
     assert second["tokens"] == first["tokens"]
+
+
+def test_an_fp8_kv_cache_is_stored_and_loaded(work: Path, models: dict[str, Path], server: ServerProcess) -> None:
+    """``--kv-cache-dtype fp8``: vLLM holds the KV cache as uint8, which no transport claimed, so
+    the worker failed to start. A first batch stores a prompt's fp8 chunks, a second (vLLM's own
+    prefix cache off) loads them and answers as the first, which computed them; the chunks are
+    the model's fp8 ones (a layout of their own, not the bf16 chunks of the same prompt)."""
+    prompt = vm.prompt(600, seed=11)  # stored by no other test
+    res = run_vllm(work, "fp8", models["a"], [[prompt], [prompt]], connector(server.url), prefix_caching=False,
+                   kv_cache_dtype="fp8")
+    store, load = res["batches"]
+    assert hits(store) == 0 and store["counters"]["vllm:kvxfer_stored_chunks"] == 9, store["counters"]
+    assert hits(load) == 9 * CHUNK, load["counters"]
+    assert load["tokens"] == store["tokens"]
+    # one byte an element: K and V, 2 layers, 2 KV heads of 32 (build_model's defaults), 64 tokens
+    assert store["counters"]["vllm:kvxfer_stored_bytes"] == 9 * 2 * 2 * 2 * 32 * CHUNK, store["counters"]
 
 
 def test_layerwise_loads_inside_the_forward_pass(work: Path, models: dict[str, Path], server: ServerProcess) -> None:

@@ -135,6 +135,8 @@ def main(spec_path: str) -> None:
             kv_load_failure_policy=conn.get("failure_policy", "recompute"),
             kv_connector_extra_config=conn["extra"],
         )
+    if spec.get("kv_cache_dtype"):  # "fp8": vLLM holds the KV cache as uint8
+        kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("pooling"):  # an embedding model: its sequence pooling ("MEAN", "CLS", "LAST")
         kwargs.update(runner="pooling", convert="embed", pooler_config={"seq_pooling_type": spec["pooling"]})
     t0 = time.perf_counter()
