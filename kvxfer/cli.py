@@ -414,6 +414,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
         print(f"{role}: {path}")
     print(f"serve with `kvxfer serve --url tcp://HOST:PORT --curve-dir {directory}`; clients need "
           f"server.key and their own key pair (never server.key_secret)")
+    if args.client:
+        print(f"a server already running with --curve-dir {directory} lets {args.client!r} in once it reads "
+              "authorized/ again: send it SIGHUP (kill -HUP PID)")
     return 0
 
 

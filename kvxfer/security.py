@@ -20,7 +20,8 @@ client with :func:`load_client_keys` (``CacheClient(url, curve=load_client_keys(
 ``kvxfer status --curve-dir DIR``). To run clients on another host, copy ``server.key`` and
 one client's two files there (never ``server.key_secret``). :func:`add_client` makes another
 client key pair and authorizes it (``kvxfer keys DIR --client NAME``); deleting a public key
-from ``authorized/`` and restarting the server revokes that client.
+from ``authorized/`` revokes that client. A running server reads ``authorized/`` again on
+SIGHUP (``kill -HUP PID``): the change holds from each client's next handshake.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def make_keys(directory: Path) -> dict[str, Path]:
 def add_client(directory: Path, name: str) -> dict[str, Path]:
     """Make another client key pair named ``name`` in ``directory`` and authorize it.
 
-    The server reads ``authorized/`` when it starts: restart it to let the new client in.
+    A running server lets the new client in once it reads ``authorized/`` again (on SIGHUP).
     """
     _require_curve()
     directory = Path(directory)
@@ -240,6 +241,12 @@ def _load(path: Path, what: str, secret: bool, keys_dir: Path | None = None) -> 
     if secret_key is None:
         raise ConfigError(f"{what} {path} holds no secret key of 40 Z85 characters")
     return public, secret_key
+
+
+def read_authorized_keys(authorized: Path) -> frozenset[bytes]:
+    """The public keys in the ``authorized`` folder of a key directory, checked as at start
+    (ConfigError otherwise): what a server reads again on SIGHUP."""
+    return _authorized_keys(Path(authorized), Path(authorized).parent)
 
 
 def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:

@@ -227,6 +227,8 @@ class MQServer:
         self._curve = curve is not None and url.startswith("tcp://")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._auth = None
+        self._authorized: _Authorized | None = None
+        self._authorized_dir: Path | None = None
         self.dropped_frames = 0
         self._malformed = ThrottledLog(log)
         #: Replies waiting for a peer whose ZeroMQ queue is full, and their counted bytes.
@@ -240,7 +242,9 @@ class MQServer:
 
             self._auth = ThreadAuthenticator(self._ctx, log=_AuthLog())
             self._auth.start()
-            self._auth.configure_curve_callback(domain="*", credentials_provider=_Authorized(curve.authorized))
+            self._authorized = _Authorized(curve.authorized)
+            self._authorized_dir = curve.authorized_dir
+            self._auth.configure_curve_callback(domain="*", credentials_provider=self._authorized)
         elif not url.startswith(("ipc://", "inproc://")):
             raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
         #: every descriptor the loop waits on (Linux epoll: one system call a wait, nothing rebuilt)
@@ -581,6 +585,30 @@ class MQServer:
             self.send(identity, rid, out[0], out[1])
         self._run_after_reply()
 
+    def reload_authorized(self) -> int | None:
+        """Read the ``authorized/`` folder of a ``tcp://`` server again (``kvxfer serve`` does on
+        SIGHUP): the clients whose key is there now get in from their next handshake, the others
+        are refused from theirs (a connection already open is not closed). A folder that no
+        longer reads as one of keys (none, too many, one that does not parse) changes nothing:
+        the error is logged and the keys read before stay. Returns the number of keys now
+        authorized, or None when nothing changed (an ``ipc://`` server, or an error)."""
+        from kvxfer.security import read_authorized_keys
+
+        if self._authorized is None or self._authorized_dir is None:
+            log.warning("reload of authorized client keys asked for: %s uses no CURVE keys (ipc://)", self.url)
+            return None
+        try:
+            keys = read_authorized_keys(self._authorized_dir)
+        except ConfigError as exc:
+            log.error("authorized client keys not reloaded, the %d read before stay: %s",
+                      len(self._authorized.keys), exc)
+            return None
+        added, removed = len(keys - self._authorized.keys), len(self._authorized.keys - keys)
+        self._authorized.keys = keys
+        log.warning("authorized client keys reloaded from %s: %d now (%d added, %d removed; open connections "
+                    "stay until they close)", self._authorized_dir, len(keys), added, removed)
+        return len(keys)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -604,13 +632,14 @@ class MQServer:
 
 
 class _Authorized:
-    """The CURVE authenticator's check of a client's public key (z85): one of the authorized."""
+    """The CURVE authenticator's check of a client's public key (z85): one of the authorized.
+    ``keys`` is replaced whole (:meth:`MQServer.reload_authorized`), never changed in place."""
 
     def __init__(self, keys: frozenset[bytes]) -> None:
-        self._keys = keys
+        self.keys = keys
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key in self._keys
+        return key in self.keys
 
 
 class _AuthLog:
@@ -628,7 +657,7 @@ class _AuthLog:
             key = args[2].decode("ascii", "replace") if isinstance(args[2], bytes) else str(args[2])
             self._refused.warning("curve refused", f"refused a tcp:// client: its CURVE public key {key[:40]!r} is not "
                                                    "in the server's authorized/ folder (add its .key file there and "
-                                                   "restart the server to let it in)")
+                                                   "send the server SIGHUP to let it in)")
         else:
             self._zmq.debug(msg, *args)
 

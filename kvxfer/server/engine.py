@@ -497,10 +497,12 @@ class CacheServer:
 
     def serve_forever(self, install_signal_handlers: bool = False) -> None:
         """Serve until :meth:`stop`. With ``install_signal_handlers`` (the main thread only),
-        SIGTERM and SIGINT stop the server; a second one exits at once (see :meth:`_on_signal`)."""
+        SIGTERM and SIGINT stop the server; a second one exits at once (see :meth:`_on_signal`);
+        SIGHUP reads the authorized client keys again (:meth:`MQServer.reload_authorized`)."""
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
+            signal.signal(signal.SIGHUP, self._on_hangup)
             exits_on_the_main_thread_are_plugin_failures()  # its handlers raise nothing: any exit is a plugin's
         self.hooks.call("kvxfer_server_started", server=self)
         log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s%s",
@@ -515,6 +517,11 @@ class CacheServer:
     def stop(self) -> None:
         """Ask the loop to stop (any thread, or a signal handler)."""
         self._mq.stop()
+
+    def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
+        """SIGHUP: read the authorized client keys again (``tcp://``), on a thread of its own (not
+        in the middle of whatever the main thread was doing)."""
+        threading.Thread(target=self._mq.reload_authorized, name="kvxfer-reload-keys", daemon=True).start()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM or SIGINT stops the server. A second one exits at once, logging

@@ -285,3 +285,52 @@ def test_tcp_client_without_the_key_is_refused(tcp_server, who):
     # the server keeps serving its authorized clients
     with CacheClient(tcp_server.url, curve=good, connect_timeout=10) as c:
         assert c.status().url == tcp_server.url
+
+
+def test_sighup_reads_the_authorized_keys_again(tmp_path):
+    """A client added to ``authorized/`` while the server ran was refused until a restart (which
+    empties the cache). On SIGHUP the server reads the folder again: a key added gets in, a key
+    removed is refused from its next handshake (a connection already open stays), and a folder
+    that no longer reads as one of keys changes nothing."""
+    import signal
+    import time
+
+    d = tmp_path / "keys"
+    make_keys(d)
+    server = TcpServer(d)
+
+    def reloaded(n: int) -> str:
+        server.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            lines = [ln for ln in server.log().splitlines() if "authorized client keys" in ln]
+            if len(lines) >= n:
+                return lines[n - 1]
+            time.sleep(0.05)
+        raise AssertionError(server.log()[-3000:])
+
+    def refused(name: str) -> bool:
+        try:
+            CacheClient(server.url, curve=load_client_keys(d, name), connect_timeout=1.0).close()
+        except ConnectionFailed:
+            return True
+        return False
+
+    try:
+        server.wait_ready(load_client_keys(d))
+        paths = add_client(d, "late")
+        assert refused("late")
+        assert "reloaded" in reloaded(1) and "1 added, 0 removed" in server.log()
+        with CacheClient(server.url, curve=load_client_keys(d, "late"), timeout=20) as late:
+            assert late.status().url == server.url
+            paths["authorized"].unlink()
+            assert "0 added, 1 removed" in reloaded(2)
+            assert refused("late")
+            assert late.status().url == server.url, "an open connection stays"
+        for key in (d / "authorized").iterdir():  # no key left: an error, and the keys read before stay
+            key.unlink()
+        assert "not reloaded" in reloaded(3)
+        assert not refused("client")
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
