@@ -44,7 +44,7 @@ from kvxfer.errors import (
 from kvxfer.mq.claim import claim_path, socket_claimed
 from kvxfer.mq.client import CurveClientKeys, MQClient, ipc_server_ready, knock
 from kvxfer.protocol import messages as m
-from kvxfer.urls import check_url, default_url, ipc_path
+from kvxfer.urls import URL_ENV, check_url, default_url, ipc_path
 
 if TYPE_CHECKING:  # loaded by register(): a client that only looks up or reports needs no torch
     import torch
@@ -88,6 +88,18 @@ _OR_ITS_ADDRESS: Final = ("or, if one runs elsewhere, give its address (--url or
 
 
 def _socket_missing(url: str) -> str:
+    """Why ``url``'s socket is not there, as far as its directory tells (and, for the default
+    address, where that address comes from)."""
+    missing = _socket_missing_at(url)
+    if url != default_url() or os.environ.get(URL_ENV):
+        return missing
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return (f"{missing} (the default address, whose directory follows $XDG_RUNTIME_DIR, "
+            f"{'set to ' + xdg if xdg else 'not set'} here: a server started with another environment, under "
+            "sudo, by a systemd unit or in a container, listens elsewhere)")
+
+
+def _socket_missing_at(url: str) -> str:
     path = ipc_path(url)
     assert path is not None
     try:

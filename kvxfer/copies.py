@@ -192,6 +192,8 @@ def check_transfer(
             # caller may reuse its buffer (an engine's block table) once the submit returns
             shares = not isinstance(block_ids, torch.Tensor) or block_ids.device.type == "cpu"
             blocks = blocks.to(torch.int64, copy=shares).reshape(-1)
+    except ConfigError:  # (a ValueError) the count or the range: said as it is
+        raise
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise ConfigError(f"block_ids must be a sequence of integers: {exc}") from None
     check_count(blocks.numel())

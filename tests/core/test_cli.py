@@ -131,6 +131,18 @@ def test_status_without_a_server_says_how_to_start_one_at_once(tmp_path: Path, c
         assert main(["status", "--url", f"ipc://{tmp_path}/kvxfer.soc", "--timeout", "3600"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path}/kvxfer.soc does not exist, but {tmp_path} holds kvxfer.sock (a misspelt name?)" in err, err
+    assert "$XDG_RUNTIME_DIR" not in err, "an address given is no default"
+
+
+def test_status_at_the_default_address_says_where_that_comes_from(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The default socket's directory follows $XDG_RUNTIME_DIR, which a server started under
+    sudo, by systemd or in a container may see otherwise: the message says so."""
+    monkeypatch.delenv("KVXFER_URL", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert main(["status", "--timeout", "3600"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}/kvxfer/kvxfer.sock" in err and "the default address, whose directory follows " \
+        f"$XDG_RUNTIME_DIR, set to {tmp_path} here" in err, err
 
 
 def test_status_at_a_socket_nobody_listens_on_says_it_is_stale(tmp_path: Path, capsys) -> None:

@@ -423,7 +423,8 @@ def test_only_a_whole_chunks_copy_carries_its_stamp() -> None:
     ((-1, 2), r"got min -1, max 2"),
     (torch.tensor([3, -2]), r"got min -2, max 3"),
     (torch.tensor([1, 2**63 + 5], dtype=torch.uint64), rf"got max {2**63 + 5}$"),  # named, not wrapped
-    ([1, 2, 3], "need 2 block ids"),
+    ([1, 2, 3], "^1 chunks of 32 tokens need 2 block ids"),  # the count, not taken for a type error
+    (torch.tensor([1, 2, 3]), "^1 chunks of 32 tokens need 2 block ids"),
 ])
 def test_check_transfer_refuses_what_is_not_a_block_id(ids, needle) -> None:
     lay = KVLayout.infer(layers((2, NB, BS, HEADS, HD)), BS)
