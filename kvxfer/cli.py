@@ -460,7 +460,12 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import kvxfer
+    from kvxfer.protocol.messages import PROTOCOL_VERSION
+
     p = argparse.ArgumentParser(prog="kvxfer", description="KV cache transfer server and tools")
+    p.add_argument("--version", action="version",
+                   version=f"kvxfer {kvxfer.__version__}, wire protocol {PROTOCOL_VERSION}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:

@@ -44,6 +44,16 @@ def test_console_script_is_installed() -> None:
     assert KVXFER.exists(), f"{KVXFER} missing: is the core installed (scripts/setup.sh)?"
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import kvxfer
+    from kvxfer.protocol.messages import PROTOCOL_VERSION
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"kvxfer {kvxfer.__version__}, wire protocol {PROTOCOL_VERSION}\n"
+
+
 def test_a_closed_pipe_ends_the_command_quietly() -> None:
     """``kvxfer plugins | head -1``: the reader is gone before the table is written."""
     proc = subprocess.Popen([str(KVXFER), "plugins"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
