@@ -54,6 +54,22 @@ def not_here(config: pytest.Config, reason: str) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
     config.addinivalue_line("markers", "kvxfer_conformance: a test of kvxfer's transport or store conformance kit")
+    _check_installed(config, "kvxfer_transport", "--kvxfer-transport", "kvxfer.transports", "transport")
+    _check_installed(config, "kvxfer_store", "--kvxfer-store", "kvxfer.stores", "store backend")
+
+
+def _check_installed(config: pytest.Config, dest: str, option: str, group: str, what: str) -> None:
+    """A usage error, once, for a name no installed distribution provides (rather than every kit
+    test failing at its setup with the same error): read from the entry points, nothing imported."""
+    from importlib.metadata import entry_points
+
+    name = config.getoption(dest, None)
+    if not name:
+        return
+    names = sorted({ep.name for ep in entry_points(group=group)})
+    if name not in names:
+        raise pytest.UsageError(f"{option}={name}: no {what} of that name is installed (entry point group {group}); "
+                                f"installed: {', '.join(names) or 'none'}")
 
 
 @pytest.hookimpl(tryfirst=True)  # markers added here must exist before -m deselects

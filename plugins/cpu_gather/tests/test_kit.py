@@ -243,6 +243,15 @@ def test_command_line_suite_and_gates(tmp_path: Path) -> None:
     assert kind == "error" and "probe() raised RuntimeError: driver library not found" in msg, out
     kind, msg = outcomes["TestDeviceNotServed"]
     assert kind == "error" and "does not serve device 'cpu'" in msg and "--kvxfer-device" in msg, out
+    # a misspelt name on the command line: one usage error naming the installed ones, not an
+    # error at the setup of every kit test
+    for option, suite in (("--kvxfer-transport=cpu_gathr", "suite"), ("--kvxfer-store=fss", "store_suite")):
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", option,
+                               "--pyargs", f"kvxfer.testing.{suite}"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
+        assert f"{option}: no " in proc.stderr and "installed: " in proc.stderr, proc.stdout + proc.stderr
+        assert "cpu_gather" in proc.stderr or "fs" in proc.stderr, proc.stderr
 
 
 def test_private_imports_are_found(tmp_path: Path) -> None:
