@@ -59,6 +59,8 @@ __all__ = ["FsStore", "FsBackend"]
 
 log = logging.getLogger(__name__)
 
+#: The mark of a directory an fs store made (the lock that keeps one server per directory is taken
+#: on the directory itself, which a hand cannot delete from under a live server).
 _LOCK_NAME: Final = ".kvxfer-fs.lock"
 #: How the store opens its directory and subdirectories: never through a link.
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -182,8 +184,8 @@ class FsBackend(ThreadedBackend):
         except BaseException:
             os.close(self._root_fd)
             raise
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:  # on the directory itself: a lock file can be deleted under a live server, its directory cannot
+            fcntl.flock(self._root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self.close_connections()
             raise ConfigError(f"another kvxfer server uses the fs store {root}; give each server its own "

@@ -112,6 +112,10 @@ def test_a_stores_directory_that_lost_its_lock_file_is_taken_with_a_warning(
     b = FsStore().open(f"file://{root}", StoreOptions())
     try:
         assert _put(b, b"k", b"v" * 4096)
+        (root / ".kvxfer-fs.lock").unlink()  # under a live server: a second is still refused
+        with pytest.raises(ConfigError, match="another kvxfer server uses the fs store"):
+            FsStore().open(f"file://{root}", StoreOptions())
+        assert b.submit_exists([b"k"]).result(10) == [4096]
     finally:
         b.close()
     (root / ".kvxfer-fs.lock").unlink()
