@@ -171,9 +171,8 @@ def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fm
     """Check the header of the value read for ``key``: intact, this format version, this key,
     and (when given) this chunk format; returns it. Raises :class:`DamagedValue` when no reader
     of ``key`` could load the value (bad magic, another format version than the key's, header
-    check, a malformed format or a length not its format's, fingerprint), and a plain
-    :class:`IntegrityError` when the header is intact but names a chunk format this reader does
-    not load. The payload's checksum is checked separately (:func:`checksum`)."""
+    check, a length not its own format's, fingerprint), and a plain :class:`IntegrityError` when
+    the header is intact but names a chunk format this reader does not load (or cannot read). The payload's checksum is checked separately (:func:`checksum`)."""
     if len(raw) != HEADER_SIZE:
         raise IntegrityError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
     body = bytes(raw[:_FIXED.size])
@@ -187,10 +186,9 @@ def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fm
     if xxhash.xxh3_64_intdigest(body) != check:
         raise DamagedValue("damaged header (header check mismatch)")
     value_fmt = raw_fmt.rstrip(b"\0").decode("utf-8", "replace")
-    try:  # a header that contradicts itself: no reader of any layout loads it
-        own_size = chunk_format_bytes(value_fmt)
-    except IntegrityError as exc:
-        raise DamagedValue(str(exc)) from None
+    # a format this version cannot read (a later kvxfer's dtype, say) may be another server's: left
+    # alone, as another layout's; one it reads whose size the length contradicts is damaged
+    own_size = chunk_format_bytes(value_fmt)
     if length != own_size:
         raise DamagedValue(f"length {length} does not match the header's own format {value_fmt!r}")
     if fmt is not None and value_fmt != fmt:
