@@ -172,7 +172,8 @@ def decode_header(raw: memoryview | bytes | bytearray, key: Sequence[object], fm
     and (when given) this chunk format; returns it. Raises :class:`DamagedValue` when no reader
     of ``key`` could load the value (bad magic, another format version than the key's, header
     check, a length not its own format's, fingerprint), and a plain :class:`IntegrityError` when
-    the header is intact but names a chunk format this reader does not load (or cannot read). The payload's checksum is checked separately (:func:`checksum`)."""
+    the header is intact but names a chunk format this reader does not load (or cannot read).
+    The payload's checksum is checked separately (:func:`checksum`)."""
     if len(raw) != HEADER_SIZE:
         raise IntegrityError(f"header of {len(raw)} bytes, expected {HEADER_SIZE}")
     body = bytes(raw[:_FIXED.size])
