@@ -229,6 +229,7 @@ class MQServer:
         self._auth = None
         self._authorized: _Authorized | None = None
         self._authorized_dir: Path | None = None
+        self._reload_lock = threading.Lock()
         self.dropped_frames = 0
         self._malformed = ThrottledLog(log)
         #: Replies waiting for a peer whose ZeroMQ queue is full, and their counted bytes.
@@ -437,6 +438,7 @@ class MQServer:
                     # Bounded burst, then look at replies and ticks again. Asking EVENTS first
                     # avoids the zmq.Again exception of an empty recv (~10 us a request).
                     sock = router
+                    authorized = self._authorized
                     for _ in range(256):
                         if not sock.get(_EVENTS) & _POLLIN:  # type: ignore[operator]  # EVENTS is an int option
                             break
@@ -444,7 +446,11 @@ class MQServer:
                         frames = [first.bytes]
                         while sock.get(_RCVMORE):
                             frames.append(sock.recv(_NOBLOCK))
-                        self._handle(frames, self._peer(first))
+                        peer = self._peer(first)
+                        if authorized is not None and peer.rpartition("|")[2].encode() not in authorized.keys:
+                            self._revoked(peer)  # its key was taken out of authorized/ since its handshake
+                            continue
+                        self._handle(frames, peer)
                     if not self._calls.empty():
                         self._flush_replies()
                 if self._watched:
@@ -469,6 +475,13 @@ class MQServer:
         finally:
             self._flush_replies()
             self.close()
+
+    def _revoked(self, peer: str) -> None:
+        self.dropped_frames += 1
+        self._malformed.warning("revoked", f"dropped a request of a tcp:// client whose CURVE public key "
+                                           f"{peer.rpartition('|')[2][:40]!r} is no longer in the server's authorized/ "
+                                           "folder (its connection stays open until it closes; nothing it sends "
+                                           "is answered)")
 
     def _peer(self, frame: zmq.Frame) -> str:
         """Who sent ``frame``, as its connection says (see the module docstring)."""
@@ -585,10 +598,16 @@ class MQServer:
             self.send(identity, rid, out[0], out[1])
         self._run_after_reply()
 
+    @property
+    def curve(self) -> bool:
+        """Whether clients need an authorized CURVE key (a ``tcp://`` server)."""
+        return self._authorized is not None
+
     def reload_authorized(self) -> int | None:
         """Read the ``authorized/`` folder of a ``tcp://`` server again (``kvxfer serve`` does on
-        SIGHUP): the clients whose key is there now get in from their next handshake, the others
-        are refused from theirs (a connection already open is not closed). A folder that no
+        SIGHUP; any thread): the clients whose key is there now get in from their next handshake;
+        the others are refused from theirs, and what they send on a connection already open is
+        dropped unanswered from now on (as a handshake with an unknown key is). A folder that no
         longer reads as one of keys (none, too many, one that does not parse) changes nothing:
         the error is logged and the keys read before stay. Returns the number of keys now
         authorized, or None when nothing changed (an ``ipc://`` server, or an error)."""
@@ -597,16 +616,17 @@ class MQServer:
         if self._authorized is None or self._authorized_dir is None:
             log.warning("reload of authorized client keys asked for: %s uses no CURVE keys (ipc://)", self.url)
             return None
-        try:
-            keys = read_authorized_keys(self._authorized_dir)
-        except ConfigError as exc:
-            log.error("authorized client keys not reloaded, the %d read before stay: %s",
-                      len(self._authorized.keys), exc)
-            return None
-        added, removed = len(keys - self._authorized.keys), len(self._authorized.keys - keys)
-        self._authorized.keys = keys
-        log.warning("authorized client keys reloaded from %s: %d now (%d added, %d removed; open connections "
-                    "stay until they close)", self._authorized_dir, len(keys), added, removed)
+        with self._reload_lock:  # one at a time: the folder read last is the one kept
+            try:
+                keys = read_authorized_keys(self._authorized_dir)
+            except ConfigError as exc:
+                log.error("authorized client keys not reloaded, the %d read before stay: %s",
+                          len(self._authorized.keys), exc)
+                return None
+            added, removed = len(keys - self._authorized.keys), len(self._authorized.keys - keys)
+            self._authorized.keys = keys
+        log.warning("authorized client keys reloaded from %s: %d now (%d added, %d removed; what a removed key's "
+                    "open connections send is dropped unanswered)", self._authorized_dir, len(keys), added, removed)
         return len(keys)
 
     def close(self) -> None:

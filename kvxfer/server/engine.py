@@ -398,6 +398,8 @@ class CacheServer:
         self.tier: L2Tier | None = None
         #: Whether a stop signal came (a second one exits at once: _on_signal).
         self._stop_signalled = False
+        #: SIGHUP came: the loop's next tick reads the authorized client keys again
+        self._reload_keys = False
         mq: MQServer | None = None
         try:
             self._load_transports()
@@ -502,7 +504,8 @@ class CacheServer:
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
-            signal.signal(signal.SIGHUP, self._on_hangup)
+            if self._mq.curve:  # an ipc:// server keeps SIGHUP's default (a closed terminal ends it)
+                signal.signal(signal.SIGHUP, self._on_hangup)
             exits_on_the_main_thread_are_plugin_failures()  # its handlers raise nothing: any exit is a plugin's
         self.hooks.call("kvxfer_server_started", server=self)
         log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s%s",
@@ -519,9 +522,10 @@ class CacheServer:
         self._mq.stop()
 
     def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
-        """SIGHUP: read the authorized client keys again (``tcp://``), on a thread of its own (not
-        in the middle of whatever the main thread was doing)."""
-        threading.Thread(target=self._mq.reload_authorized, name="kvxfer-reload-keys", daemon=True).start()
+        """SIGHUP (a ``tcp://`` server): read the authorized client keys again, at the loop's next
+        tick (within about 0.25 s): a handler takes no lock the main thread may hold. Signals
+        that come before it are one reload, of the folder as it is then."""
+        self._reload_keys = True
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM or SIGINT stops the server. A second one exits at once, logging
@@ -844,6 +848,9 @@ class CacheServer:
         """The loop's periodic pass (MQServer's ``on_tick``, about every 0.25 s); ``ticks`` counts
         the passes completed (status)."""
         now = time.monotonic()
+        if self._reload_keys:
+            self._reload_keys = False
+            self._mq.reload_authorized()
         parent = self.config.parent_pid
         if parent is not None and os.getppid() != parent and not self._stop_signalled:
             self._stop_signalled = True  # stopping, as for a signal: an operator's next one ends a shutdown that hangs

@@ -289,9 +289,10 @@ def test_tcp_client_without_the_key_is_refused(tcp_server, who):
 
 def test_sighup_reads_the_authorized_keys_again(tmp_path):
     """A client added to ``authorized/`` while the server ran was refused until a restart (which
-    empties the cache). On SIGHUP the server reads the folder again: a key added gets in, a key
-    removed is refused from its next handshake (a connection already open stays), and a folder
-    that no longer reads as one of keys changes nothing."""
+    empties the cache). On SIGHUP the server reads the folder again: a key added gets in; a key
+    removed is refused from its next handshake, and what its open connection sends is dropped
+    unanswered; a folder that no longer reads as one of keys changes nothing. An ipc:// server
+    keeps SIGHUP's default (a closed terminal ends it)."""
     import signal
     import time
 
@@ -321,12 +322,16 @@ def test_sighup_reads_the_authorized_keys_again(tmp_path):
         paths = add_client(d, "late")
         assert refused("late")
         assert "reloaded" in reloaded(1) and "1 added, 0 removed" in server.log()
-        with CacheClient(server.url, curve=load_client_keys(d, "late"), timeout=20) as late:
+        with CacheClient(server.url, curve=load_client_keys(d, "late"), timeout=2) as late:
             assert late.status().url == server.url
             paths["authorized"].unlink()
             assert "0 added, 1 removed" in reloaded(2)
             assert refused("late")
-            assert late.status().url == server.url, "an open connection stays"
+            with pytest.raises(ConnectionFailed):  # its open connection is answered no more
+                late.status()
+        assert "whose CURVE public key" in server.log() and "is no longer in the server's authorized/" in server.log()
+        with CacheClient(server.url, curve=load_client_keys(d), timeout=20) as c:
+            assert c.status().url == server.url  # the others are served as before
         for key in (d / "authorized").iterdir():  # no key left: an error, and the keys read before stay
             key.unlink()
         assert "not reloaded" in reloaded(3)
@@ -334,3 +339,15 @@ def test_sighup_reads_the_authorized_keys_again(tmp_path):
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+def test_sighup_ends_an_ipc_server_as_by_default():
+    """Only a tcp:// server reads keys on SIGHUP; an ipc:// one ends, as a process does by default."""
+    import signal
+
+    from kvxfer.testing import ServerProcess
+
+    with ServerProcess(l1_size="8MiB") as srv:
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGHUP)
+        assert srv.proc.wait(30) == -signal.SIGHUP
