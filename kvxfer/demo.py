@@ -271,11 +271,16 @@ def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
         pairs += [(ba[i * bpc:(i + 1) * bpc], bl[i * bpc:(i + 1) * bpc]) for i in res.loaded]
     load_s = time.perf_counter() - t
     loaded = len(pairs)
-    ok = all(  # the chunks B loaded (B's other blocks hold zeros)
+    ok = all(  # the chunks B loaded hold A's bytes
         torch.equal(layout.row_view(la).view(torch.uint8)[layout.rows(sa)],
                     layout.row_view(lb).view(torch.uint8)[layout.rows(sb)])
         for la, lb in zip(kv_a, kv_b) for sa, sb in pairs
     )
+    untouched = torch.ones(num_blocks, dtype=torch.bool)  # and B's other blocks still hold zeros
+    for _, sb in pairs:
+        untouched[sb] = False
+    rest = untouched.nonzero().flatten()
+    ok = ok and all(not layout.row_view(lb).view(torch.uint8)[layout.rows(rest)].any() for lb in kv_b)
     tier_b = cb.status().tiers[0]
     ctx_a.close()
     ctx_b.close()
@@ -291,11 +296,17 @@ def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
           f"= {loaded * chunk_bytes / load_s / 1e9:.2f} GB/s")
     print(f"host B:   L2 {tier_b.state}: {tier_b.promotions} promotions, {tier_b.integrity_failures} integrity "
           f"failures, {tier_b.errors} errors")
-    print(f"verify:   {'every byte B loaded matches A' if ok else 'MISMATCH'}")
+    print(f"verify:   {'MISMATCH' if not ok else 'nothing loaded' if not loaded else 'every byte B loaded matches A'}")
     if loaded < total:
-        print(f"          {total - loaded} of {total} chunks did not reach B: A's L2 writes wait in at most half "
-              f"its arena ({args.l1_size}), and A dropped {tier_a.drops} of them (a store is never held up for L2); "
-              f"B's arena must hold what it promotes. The demo's {total} chunks are "
-              f"{format_bytes(total * chunk_bytes)}: give the servers a larger --l1-size, or ask for fewer --layers "
-              "or --prompts")
+        why = []
+        if tier_a.drops:
+            why.append(f"A dropped {tier_a.drops} L2 writes: they wait in at most half its arena ({args.l1_size}), "
+                       "and a store is never held up for L2")
+        if tier_b.errors or tier_b.integrity_failures or tier_b.state != "up":
+            why.append(f"B's L2 is {tier_b.state} ({tier_b.errors} errors, {tier_b.integrity_failures} integrity "
+                       "failures: its log says more)")
+        why.append(f"B's arena ({args.l1_size}) must hold what it promotes")
+        print(f"          {total - loaded} of {total} chunks did not reach B: {'; '.join(why)}. The demo's {total} "
+              f"chunks are {format_bytes(total * chunk_bytes)}: give the servers a larger --l1-size, or ask for "
+              "fewer --layers or --prompts")
     return 0 if ok and loaded == total and stored == total else 1
