@@ -50,10 +50,10 @@ VIEWS: Final = (
     (View("LBNHC"), "float16"),
     (View("LHBNC"), "float32"),
     (View("BLHNC"), "float8_e4m3fn"),
-    (View("BHLNC"), "bfloat16"),
+    (View("BHLNC"), "uint8"),  # vLLM holds an fp8 cache as uint8
     (View("BLNHC", page_pad=40), "float8_e5m2"),
     (View("LBHNC", page_pad=32), "float16"),
-    (View("LBNHC", kernel_blocks=2), "bfloat16"),
+    (View("LBNHC", kernel_blocks=2), "int8"),
     (View("BLHNC", mla=True), "bfloat16"),
 )
 #: What a kit test of "every layout" is parametrized over: a layout kind or a bhnc view.
