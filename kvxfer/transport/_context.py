@@ -209,10 +209,16 @@ class ContextCore:
             return self.transport.registration_type(**self.identity.registration_fields(self.layout), **extra)
 
     def register(self) -> None:
-        """Send the registration; called once by the client before any transfer. Raises a
-        :class:`kvxfer.errors.RemoteError` if the server refuses it."""
+        """Send the registration; called by the client before any transfer, and again after the
+        server restarted. Raises a :class:`kvxfer.errors.RemoteError` if the server refuses it,
+        and :class:`ConfigError` if the server's chunks are not this context's (a server
+        restarted with another chunk size: this context's block counts and slot sizes would be
+        wrong for every transfer, its writes running past their slots into other chunks)."""
+        if self.connection.chunk_size != self.chunk_size:
+            raise self._other_chunks(None)
         try:
-            self.connection.request(m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
+            reply = self.connection.request(
+                m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
         except InvalidRequest as exc:
             if m.REGISTERED_ELSEWHERE not in str(exc):
                 raise
@@ -220,7 +226,12 @@ class ContextCore:
             # client's session was lost, say): register under a fresh one
             self.identity = self.identity.renewed()
             self.instance_id = self.identity.instance_id
-            self.connection.request(m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
+            reply = self.connection.request(
+                m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
+        if reply.chunk_bytes != self.chunk_bytes:
+            with contextlib.suppress(KvxferError, ConnectionError):  # registered, but unusable: taken back
+                self.connection.request(m.Unregister(self.instance_id))
+            raise self._other_chunks(reply.chunk_bytes)
         self._registered = True
         self.epoch = self.connection.epoch
         if self._dropped is None:
@@ -231,6 +242,15 @@ class ContextCore:
             self._dropped = (finalizer, ids)
         else:
             self._dropped[1][0] = self.instance_id  # registered again (under a fresh id, maybe)
+
+    def _other_chunks(self, server_chunk_bytes: int | None) -> ConfigError:
+        """The error of a server whose chunks are not this context's."""
+        size = f" ({server_chunk_bytes} bytes of this KV cache)" if server_chunk_bytes is not None else ""
+        return ConfigError(
+            f"the kvxfer server at {getattr(self.connection, 'url', '?')} uses chunks of {self.connection.chunk_size} "
+            f"tokens{size}, this transfer context's are {self.chunk_size} tokens ({self.chunk_bytes} bytes): the "
+            "server restarted with another --chunk-size. Nothing is copied; register the KV cache again through "
+            "a new CacheClient to use the server's chunk size, or restart the server with the old one")
 
     def on_reconnect(self) -> None:
         """The client re-opened its session (the server restarted): register again."""

@@ -11,7 +11,8 @@ import relkit
 import torch
 from relkit import Shape, Writer, key, read_event, shm_entries, wait_until
 
-from kvxfer.errors import ConnectionFailed
+from kvxfer import CacheClient
+from kvxfer.errors import ConfigError, ConnectionFailed
 
 #: a killed client's session is dropped after 3 s of silence; the rest is slack for a loaded machine
 DROP_WITHIN_S = 30.0
@@ -258,6 +259,37 @@ def test_a_kv_cache_registered_first_thing_after_a_restart_is_registered_with_th
         res, bad = fresh.retrieve(keys)
         assert res.loaded == [0, 1] and bad == []
         assert w.store(keys).stored == [0, 1]  # the older context registered again too
+        w.client.close()
+
+
+def test_a_context_refuses_a_server_restarted_with_another_chunk_size(client_of):
+    """A server restarted with another --chunk-size while no request of a client's was under
+    way: the client opened its session again and registered its contexts again, at their old
+    chunk size, unchecked. A cpu_gather store then wrote chunks of 64 tokens into the slots of 32
+    the new server handed out, over other chunks (a vLLM worker, which checks the chunk size only
+    when it connects itself, overwrote other engines' chunks and then crashed on a slot past the
+    arena's end). Now registering again fails with ConfigError naming both sizes: nothing is
+    written, and the other chunks stay as stored."""
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather") as server:
+        w = Writer(client_of(server, timeout=5.0, connect_timeout=10.0))
+        keys = [key("m", j) for j in range(2)]
+        assert w.store(keys).stored == [0, 1]
+        server.kill()
+        server.args = ["--chunk-size=32" if a.startswith("--chunk-size=") else a for a in server.args]
+        server.chunk_size = 32
+        server.start()
+        other = Writer(client_of(server, timeout=5.0, connect_timeout=10.0), model="other")
+        other_keys = [key("o", j) for j in range(2)]
+        assert other.store(other_keys).stored == [0, 1]
+        for _ in range(2):  # and again: it stays refused, without a write
+            with pytest.raises(ConfigError, match="uses chunks of 32 tokens, this transfer context's are 64 tokens"):
+                w.store(keys)
+        res, bad = other.retrieve(other_keys)
+        assert res.loaded == [0, 1] and bad == []
+        with CacheClient(server.url) as c:
+            assert [ctx.model_name for ctx in c.status().contexts] == ["other"], "the refused one is not registered"
         w.client.close()
 
 
