@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvxfer.arena import ArenaMapping
 from kvxfer.copies import ChunkRows, RowCopy, SlotViews, chunk_rows, layer_slice, plan_copies
-from kvxfer.errors import KvxferError, NoSession, UnknownInstance
+from kvxfer.errors import KvxferError, NoSession, ProtocolError, UnknownInstance
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore, guarded
 
@@ -184,7 +184,11 @@ class ClientDrivenCore(ContextCore):
 
     def _slots(self, slots: list[m.Slot], shift: int = 0) -> list[tuple[int, torch.Tensor]]:
         rows = self._views.rows
-        return [(s.index + shift, rows(s.offset)) for s in slots]
+        try:
+            return [(s.index + shift, rows(s.offset)) for s in slots]
+        except ValueError as exc:  # a slot past the arena's end: the server's answer, not a fault here
+            raise ProtocolError(f"the kvxfer server at {getattr(self.connection, 'url', '?')} handed out a slot "
+                                f"this context cannot use ({exc}); nothing was copied") from None
 
     def _then(self, waiter: Waiter | None, commit: Callable[[], None],
               abandon: Callable[[BaseException], None]) -> None:
