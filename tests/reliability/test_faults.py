@@ -293,6 +293,25 @@ def test_a_context_refuses_a_server_restarted_with_another_chunk_size(client_of)
         w.client.close()
 
 
+def test_a_slot_past_the_arena_is_a_protocol_error(client_of):
+    """A slot offset past the mapped arena's end (a faulty server's answer) was a ValueError,
+    which no caller takes for a server's fault: vLLM's worker ended on it. It is a ProtocolError
+    (a KvxferError, which the connector treats as a server failure). The real context's own slot
+    planning, given the offsets a faulty server would send."""
+    from kvxfer.errors import ProtocolError
+    from kvxfer.protocol import messages as m
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather") as server:
+        w = Writer(client_of(server, timeout=5.0))
+        size = w.client.arena_size
+        assert len(w.ctx._slots([m.Slot(0, 0)])) == 1
+        for offset in (size, size - 1, -w.ctx.chunk_bytes):
+            with pytest.raises(ProtocolError, match="handed out a slot this context cannot use"):
+                w.ctx._slots([m.Slot(0, offset)])
+        w.client.close()
+
+
 def test_first_request_after_a_long_outage_reaches_the_restarted_server(client_of):
     """A server down for longer than the client's dead-peer limit, then back: requests fail at
     once while it is down (its connection ended, then nothing listens), and the first request
