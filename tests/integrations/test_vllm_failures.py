@@ -206,10 +206,18 @@ def test_a_server_restarted_with_another_chunk_size_is_not_used(srv: ServerProce
             while sum("still unusable" in r.message for r in caplog.records) < 4:  # four retries, 0.2 s apart
                 assert time.monotonic() < deadline, "the scheduler did not retry the server"
                 time.sleep(0.05)
-        # the reason is said once as an ERROR, not at every retry (0.2 s here)
+        # the reason is said once as an ERROR by each half that met the server, not at every
+        # retry (0.2 s here); the scheduler always does, the worker when a store of its met it
         unusable = [r for r in caplog.records if "still unusable" in r.message]
-        assert [r.levelno for r in unusable].count(logging.ERROR) == 1, unusable
-        assert f"uses chunk size {2 * CHUNK}" in unusable[0].message
+        for side in ("scheduler", "worker rank 0"):
+            errors = [r for r in unusable if r.levelno == logging.ERROR and f"kvxfer {side}:" in r.getMessage()]
+            assert (len(errors) == 1) if side == "scheduler" else (len(errors) <= 1), unusable
+            assert all(f"uses chunk size {2 * CHUNK}" in r.getMessage() or f"uses chunks of {2 * CHUNK} tokens"
+                       in r.getMessage() for r in errors), errors
+        from kvxfer import CacheClient
+
+        with CacheClient(other.url) as probe:  # the worker's KV cache was never registered with it
+            assert probe.status().contexts == [], probe.status().contexts
     finally:
         other.stop()
         engine.worker.worker.link.close()
