@@ -216,9 +216,13 @@ class ContextCore:
         wrong for every transfer, its writes running past their slots into other chunks)."""
         if self.connection.chunk_size != self.chunk_size:
             raise self._other_chunks(None)
+
+        def send() -> m.RegisterReply:
+            registration = msgspec.Raw(codec.encode(self.registration()))
+            return self.connection.request(m.Register(self.transport_name, registration))
+
         try:
-            reply = self.connection.request(
-                m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
+            reply = send()
         except InvalidRequest as exc:
             if m.REGISTERED_ELSEWHERE not in str(exc):
                 raise
@@ -226,8 +230,7 @@ class ContextCore:
             # client's session was lost, say): register under a fresh one
             self.identity = self.identity.renewed()
             self.instance_id = self.identity.instance_id
-            reply = self.connection.request(
-                m.Register(self.transport_name, msgspec.Raw(codec.encode(self.registration()))))
+            reply = send()
         if reply.chunk_bytes != self.chunk_bytes:
             with contextlib.suppress(KvxferError, ConnectionError):  # registered, but unusable: taken back
                 self.connection.request(m.Unregister(self.instance_id))
