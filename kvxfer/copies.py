@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+import msgspec
+
 from kvxfer.errors import ConfigError
+from kvxfer.protocol import codec
+from kvxfer.protocol.messages import MAX_CHUNKS_PER_REQUEST
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +44,6 @@ __all__ = ["MAX_CHUNKS_PER_REQUEST", "MAX_PREFETCH_CHUNKS", "ChunkRows", "HostRo
 #: Hosts with at most this many CPUs copy on one thread by default (:func:`host_copy_threads`).
 SMALL_HOST_CPUS: Final = 4
 
-#: Most chunks one request may name.
-MAX_CHUNKS_PER_REQUEST: Final = 1 << 14
 #: Most chunks one :meth:`ServerContext.prefetch` is given (the first of a lookup's leased run):
 #: a prefetch into device staging holds a few, and each one given costs the server's loop a slot
 #: view (a lookup may lease hundreds of thousands).
@@ -153,11 +155,13 @@ def check_transfer(
     layout: KVLayout,
     chunk_size: int,
     n_keys: int,
-    block_ids: Sequence[int] | torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor | msgspec.Raw,
     skip_first_n_tokens: int = 0,
 ) -> torch.Tensor:
     """Validate a transfer's block ids; returns them as an int64 CPU tensor of their own (never
-    a view of ``block_ids``, which the caller may change once this returns).
+    a view of ``block_ids``, which the caller may change once this returns). The server passes
+    them as the wire's MessagePack (``Raw``): their count is read from the array's header, and
+    they are decoded only if it is right.
 
     Raises :class:`ConfigError` (client side) naming what is wrong: block count, range, skip.
     """
@@ -175,6 +179,9 @@ def check_transfer(
 
     lo_hi: tuple[int, int] | None = None
     try:
+        if isinstance(block_ids, msgspec.Raw):
+            check_count(codec.array_length(block_ids))
+            block_ids = codec.decode(block_ids, list[int])
         if isinstance(block_ids, (list, tuple, range)):  # as decoded from the wire: counted first, then
             check_count(len(block_ids))  # checked and converted in a few C loops (a lone request waits on this)
             packed = array.array("q", block_ids)

@@ -17,7 +17,7 @@ import msgspec
 
 from kvxfer.protocol.messages import ErrorReply
 
-__all__ = ["OK", "ERR", "encode", "decode", "pack_id", "unpack_id", "ERROR_DECODER"]
+__all__ = ["OK", "ERR", "encode", "decode", "array_length", "pack_id", "unpack_id", "ERROR_DECODER"]
 
 OK: Final = b"ok"
 ERR: Final = b"err"
@@ -56,6 +56,22 @@ def decode(data: bytes | memoryview, tp: type[S]) -> S:
 
 
 ERROR_DECODER: Final = msgspec.msgpack.Decoder(ErrorReply)
+
+_U16: Final = struct.Struct(">H")
+_U32: Final = struct.Struct(">I")
+
+
+def array_length(raw: msgspec.Raw) -> int:
+    """The element count a MessagePack array declares in its header, read without decoding
+    any element; ValueError if ``raw`` is no array (or too short to hold its header)."""
+    head = memoryview(raw)
+    if len(head) >= 1 and 0x90 <= head[0] <= 0x9F:  # fixarray
+        return head[0] & 0x0F
+    if len(head) >= 3 and head[0] == 0xDC:  # array 16
+        return int(_U16.unpack_from(head, 1)[0])
+    if len(head) >= 5 and head[0] == 0xDD:  # array 32
+        return int(_U32.unpack_from(head, 1)[0])
+    raise ValueError("not a MessagePack array")
 
 
 def pack_id(request_id: int) -> bytes:

@@ -31,6 +31,15 @@ FEATURES: tuple[str, ...] = ("retrieve_layers",)
 #: Bounds applied to every chunk hash on the wire.
 HASH_MIN_BYTES = 8
 HASH_MAX_BYTES = 64
+#: Most chunks one request may name (a client checks it before sending).
+MAX_CHUNKS_PER_REQUEST = 1 << 14
+
+# The per-request lists, bounded as they are decoded: a peer's oversized list is refused at its
+# length, before a Python object of it is made (objects take 5-12 times their bytes on the wire).
+ChunkHash = Annotated[bytes, msgspec.Meta(min_length=HASH_MIN_BYTES, max_length=HASH_MAX_BYTES)]
+Hashes = Annotated[list[ChunkHash], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
+#: Indices into a request's hashes.
+Indices = Annotated[list[int], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
 
 #: The session timing a server may announce (``HandshakeReply``): a client sends something every
 #: ``heartbeat_s`` and is dropped after ``session_timeout_s`` of silence. A reply outside these
@@ -220,7 +229,7 @@ class Lookup(Request["LookupReply"], frozen=True):
 
     model_name: str
     world_size: int
-    hashes: list[bytes]
+    hashes: Hashes
     lease_s: float = 0.0
     #: Start promoting the hits found in L2 into L1, so that a retrieve that follows finds them
     #: there (it waits for chunks still being promoted).
@@ -258,17 +267,17 @@ class ReserveWrite(Request["ReserveWriteReply"], frozen=True):
     """Reserve arena slots for the chunks of ``hashes`` that the server lacks."""
 
     instance_id: int
-    hashes: list[bytes]
+    hashes: Hashes
 
 
 class ReserveWriteReply(Message, frozen=True):
     reservation_id: int
     #: Slots to fill, one per chunk the server lacks and had room for.
-    slots: list[Slot]
+    slots: Annotated[list[Slot], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
     #: Indices already stored (or being stored by someone else): skip them.
-    present: list[int]
+    present: Indices
     #: Indices that did not fit (everything else in the arena is leased or in use).
-    no_space: list[int]
+    no_space: Indices
 
 
 class CommitWrite(Request["StoreResult"], frozen=True):
@@ -277,7 +286,7 @@ class CommitWrite(Request["StoreResult"], frozen=True):
 
     instance_id: int
     reservation_id: int
-    failed: list[int] = []
+    failed: Indices = []
     #: Seconds the client spent copying into the slots (for the server's figures); 0 if unknown.
     copy_s: float = 0.0
     #: The caller cancelled the store before its copy: ``failed`` names every slot, and the
@@ -289,14 +298,14 @@ class ReserveRead(Request["ReserveReadReply"], frozen=True):
     """Pin the chunks of ``hashes`` for reading; those missing are reported, not errors."""
 
     instance_id: int
-    hashes: list[bytes]
+    hashes: Hashes
     lease_id: int = 0
 
 
 class ReserveReadReply(Message, frozen=True):
     reservation_id: int
-    slots: list[Slot]
-    missing: list[int]
+    slots: Annotated[list[Slot], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
+    missing: Indices
 
 
 class CommitRead(Request[Empty], frozen=True):
@@ -323,7 +332,7 @@ class Store(Request["StoreResult"], frozen=True):
     failed, as :attr:`Retrieve.deadline`."""
 
     instance_id: int
-    hashes: list[bytes]
+    hashes: Hashes
     block_ids: list[int]
     params: msgspec.Raw = NO_PARAMS
     deadline: float = 0.0
@@ -338,7 +347,7 @@ class Retrieve(Request["RetrieveResult"], frozen=True):
     their clocks agree."""
 
     instance_id: int
-    hashes: list[bytes]
+    hashes: Hashes
     block_ids: list[int]
     skip_first_n_tokens: int = 0
     lease_id: int = 0
@@ -346,19 +355,19 @@ class Retrieve(Request["RetrieveResult"], frozen=True):
     deadline: float = 0.0
     #: ``[first, stop)``: copy only these layers of every chunk (one part of a retrieve moved
     #: layer by layer; servers with the ``retrieve_layers`` feature); empty: every layer.
-    layers: list[int] = []
+    layers: Annotated[list[int], msgspec.Meta(max_length=2)] = []
 
 
 class StoreResult(Message, frozen=True):
     """What a store did, by index into the request's keys."""
 
     #: Written by this request.
-    stored: list[int]
+    stored: Indices
     #: Already present (or being written by another request): skipped.
-    present: list[int] = []
+    present: Indices = []
     #: Not stored: no room (everything else was leased or in use), the copy failed, or the client
     #: gave up on the store before its copy (cancelled it, or a server-driven store's deadline passed).
-    failed: list[int] = []
+    failed: Indices = []
 
     @property
     def ok(self) -> bool:
@@ -369,9 +378,9 @@ class StoreResult(Message, frozen=True):
 class RetrieveResult(Message, frozen=True):
     """What a retrieve did, by index into the request's keys."""
 
-    loaded: list[int]
+    loaded: Indices
     #: Not in the server (never stored, or evicted): their blocks were not written.
-    missing: list[int] = []
+    missing: Indices = []
 
     @property
     def ok(self) -> bool:

@@ -36,7 +36,6 @@ import kvxfer
 from kvxfer import liveness
 from kvxfer.arena import Arena
 from kvxfer.copies import (
-    MAX_CHUNKS_PER_REQUEST,
     MAX_PREFETCH_CHUNKS,
     SlotViews,
     StoredSlot,
@@ -296,10 +295,28 @@ class _CopyClock:
         return max(0.0, self._end - self._start) if self._start else 0.0
 
 
+class _StoreIn(m.Store, frozen=True):
+    """A store as the server decodes it: its block ids stay MessagePack until check_transfer has
+    counted them against its hashes (a list of millions is refused at its header, unmade)."""
+
+    block_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+class _RetrieveIn(m.Retrieve, frozen=True):
+    """A retrieve as the server decodes it (see :class:`_StoreIn`)."""
+
+    block_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+#: The types the server decodes payloads as, where they are not the table's own.
+_DECODED_AS: dict[str, type[msgspec.Struct]] = {"store": _StoreIn, "retrieve": _RetrieveIn}
+
+
 def _decode(name: str, spec: RequestSpec, payload: bytes) -> Any:
-    """The payload of request ``name`` as its message (InvalidRequest if it is not one)."""
+    """The payload of request ``name`` as its message (InvalidRequest if it is not one). Every
+    list a request carries is bounded by its type (:data:`m.Hashes`, ...) as it is decoded."""
     try:
-        return codec.decode(payload, spec.payload)
+        return codec.decode(payload, _DECODED_AS.get(name, spec.payload))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidRequest(f"payload of {name!r} does not decode as {spec.payload.__name__}: {exc}") from None
 
@@ -308,15 +325,6 @@ def _check_deadline(deadline: float) -> None:
     """A store's or retrieve's ``deadline``: a Unix time, or 0 (none)."""
     if not (math.isfinite(deadline) and deadline >= 0):
         raise _invalid("deadline", f"must be a Unix time (0: none), got {deadline!r}")
-
-
-def _check_hashes(hashes: list[bytes]) -> None:
-    if len(hashes) > MAX_CHUNKS_PER_REQUEST:
-        raise _invalid("hashes", f"{len(hashes)} chunks in one request; at most {MAX_CHUNKS_PER_REQUEST}")
-    for i, h in enumerate(hashes):
-        if not m.HASH_MIN_BYTES <= len(h) <= m.HASH_MAX_BYTES:
-            raise _invalid(f"hashes[{i}]", f"a chunk hash has {m.HASH_MIN_BYTES} to {m.HASH_MAX_BYTES} "
-                                           f"bytes, got {len(h)}")
 
 
 class CacheServer:
@@ -1106,7 +1114,6 @@ class CacheServer:
         if not math.isfinite(msg.lease_s) or msg.lease_s < 0:
             raise _invalid("lease_s", f"must be a finite number of seconds >= 0, got {msg.lease_s}")
         check_name("model_name", msg.model_name, self.limits)
-        _check_hashes(msg.hashes)
         if len(msg.hashes) * msg.world_size > MAX_LOOKUP_KEYS:
             raise _invalid("hashes", f"{len(msg.hashes)} chunks for world_size {msg.world_size} name "
                                      f"{len(msg.hashes) * msg.world_size} keys; a lookup names at most "
@@ -1294,7 +1301,6 @@ class CacheServer:
 
     def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply:
         ctx = self._client_driven(session, msg.instance_id)
-        _check_hashes(msg.hashes)
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         slots = [m.Slot(i, e.offset) for i, e in res.entries]
@@ -1351,7 +1357,6 @@ class CacheServer:
 
     def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
         ctx = self._client_driven(session, msg.instance_id)
-        _check_hashes(msg.hashes)
         promoting = self._promotions_of(ctx, msg.hashes)
         if promoting is not None:
             self._check_waiting(session)
@@ -1420,7 +1425,6 @@ class CacheServer:
 
     def _on_store(self, session: Session, msg: m.Store) -> m.StoreResult | _Deferred:
         ctx = self._server_driven(session, msg.instance_id)
-        _check_hashes(msg.hashes)
         _check_deadline(msg.deadline)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
         params = self._params(ctx, msg.params)
@@ -1480,7 +1484,6 @@ class CacheServer:
                 raise UnknownInstance(f"instance {msg.instance_id} was unregistered while this retrieve waited for "
                                       "chunks promoted from L2: nothing loaded; retrieve again once registered")
             slot = waited[1]
-        _check_hashes(msg.hashes)
         _check_deadline(msg.deadline)
         if waited is None and not msg.layers and not self.stats.in_flight and self._prefetches(ctx) and not (
                 msg.deadline and time.time() > msg.deadline):

@@ -813,6 +813,57 @@ def test_a_small_store_costs_little_whatever_the_declared_size(debug_server, tmp
         assert client.ping() > 0
 
 
+def _map(**fields: bytes) -> bytes:
+    """A MessagePack map of ``fields`` whose values are encoded already."""
+    assert len(fields) < 16
+    return bytes([0x80 | len(fields)]) + b"".join(codec.encode(k) + v for k, v in fields.items())
+
+
+def _array(n: int, item: bytes) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + item * n
+
+
+def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
+    """A request just under --max-message-size listing millions of hashes, indices or block ids:
+    refused as invalid_request, the list never made into objects (they take 5-12 times their
+    bytes on the wire: the lookup and the commit_write had grown the server's peak memory by 76 and
+    127 MiB)."""
+    room = (16 << 20) - 4096  # the server's default --max-message-size, less the other fields
+    one = codec.encode(1)
+    hashes = _array(room // 10, b"\xc4\x08" + b"\x01" * 8)  # 8-byte hashes, the shortest allowed
+    with CacheClient(debug_server.url, timeout=20) as client:
+        ref = Writer(client, model="lists")
+        peer = RawPeer(debug_server.url)
+        try:
+            iid = 8_000_003
+            status, reply = peer.call(b"register", file_debug_registration(ref, iid))
+            assert status == codec.OK, codec.ERROR_DECODER.decode(reply)
+            block_ids = _array(room // 3, b"\xcd\x01\x01")  # block 257 (a new int object each), 3 bytes each
+            two = codec.encode([key("lists", i) for i in range(2)])
+            cases = {
+                b"lookup": (_map(model_name=codec.encode("lists"), world_size=one, hashes=hashes), "hashes"),
+                b"commit_write": (_map(instance_id=one, reservation_id=one, failed=block_ids), "failed"),
+                b"store": (_map(instance_id=codec.encode(iid), hashes=two, block_ids=block_ids), "block ids"),
+                b"retrieve": (_map(instance_id=codec.encode(iid), hashes=two, block_ids=block_ids), "block ids"),
+            }
+            # a message as long, whose one long field is skipped unread, brings the peak the buffers
+            # of a message this long make (read buffer, frames)
+            status, _ = peer.call(b"ping", _map(padding=b"\xc6" + room.to_bytes(4, "big") + bytes(room)))
+            assert status == codec.OK
+            for name, (payload, field) in cases.items():
+                assert len(payload) < 16 << 20
+                peak = proc_kib(debug_server.pid, "VmHWM")
+                status, reply = peer.call(name, payload, timeout=60)
+                grown = proc_kib(debug_server.pid, "VmHWM") - peak
+                err = codec.ERROR_DECODER.decode(reply)
+                # (reading a message this long again varies the peak by up to its length: 16 MiB)
+                assert grown < 32 << 10, f"{name.decode()} grew the server's peak memory by {grown >> 10} MiB"
+                assert status == codec.ERR and err.code == "invalid_request" and field in err.message, (name, err)
+        finally:
+            peer.close()
+        assert client.ping() > 0
+
+
 # --------------------------------------------------------------------------- 9. names and unread replies
 
 
