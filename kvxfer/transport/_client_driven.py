@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvxfer.arena import ArenaMapping
 from kvxfer.copies import ChunkRows, RowCopy, SlotViews, chunk_rows, layer_slice, plan_copies
-from kvxfer.errors import KvxferError, NoSession, ProtocolError, UnknownInstance
+from kvxfer.errors import InvalidRequest, KvxferError, NoSession, ProtocolError, UnknownInstance
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore, guarded
 
@@ -44,11 +44,13 @@ class ClientDrivenCore(ContextCore):
 
     _finisher_role: ClassVar[str] = "commit"
     _core_names: ClassVar[frozenset[str]] = ContextCore._core_names | {
-        "_unmapping", "_views", "_deferred", "_uncommitted", "_late", "_late_done"}
+        "_unmapping", "_views", "_mapped_epoch", "_map_lock", "_deferred", "_uncommitted", "_late", "_late_done"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._unmapping: Callable[[], None] | None = None
+        #: Held while the arena is remapped, and while a reserve reply's slots become views.
+        self._map_lock = threading.Lock()
         self.arena = self._map_arena()
         #: Queued requests whose reserve is not sent yet / stores whose commit is not sent yet.
         self._deferred = 0
@@ -80,8 +82,10 @@ class ClientDrivenCore(ContextCore):
         except BaseException:
             mapping.close()
             raise
-        #: The arena's slots as this context's layout sees them (its worker plans every copy).
+        #: The arena's slots as this context's layout sees them (its worker plans every copy), and
+        #: the session whose server's arena that is (see :meth:`_slots_of`).
         self._views = SlotViews(mapping.view, self.layout, self.chunk_size)
+        self._mapped_epoch = self.connection.epoch
         return mapping
 
     def _unmap_arena(self) -> None:
@@ -96,8 +100,9 @@ class ClientDrivenCore(ContextCore):
 
     def on_reconnect(self) -> None:
         self._drain()  # copies still in flight must land before their slots are unmapped
-        self._unmap_arena()
-        self.arena = self._map_arena()
+        with self._map_lock:
+            self._unmap_arena()
+            self.arena = self._map_arena()
         super().on_reconnect()
 
     def _released(self) -> None:
@@ -128,29 +133,28 @@ class ClientDrivenCore(ContextCore):
         that keeps submission order (no earlier request waits to send its reserve, and, for a
         read, no earlier store is uncommitted); otherwise the job sends it when it runs (a read
         once the commits left to the finisher are sent). The job always runs, and calls
-        ``reserved()`` for ``(reply, sent_at)``: the reply (raises if the reserve failed) and a
-        ``time.monotonic()`` taken before the reserve that got it was sent."""
+        ``reserved()`` for ``(reply, sent_at, epoch)``: the reply (raises if the reserve failed),
+        a ``time.monotonic()`` taken before the reserve that got it was sent, and the client's
+        session epoch read then (the reply came from that session or a later one)."""
         write = isinstance(reserve, m.ReserveWrite)
         outer: Future[Any] = args[-1]
 
-        def run(reply: Future[Any] | None, sent_at: float) -> None:
-            def reserved() -> tuple[Any, float]:
+        def run(reply: Future[Any] | None, sent_at: float, epoch: int) -> None:
+            def reserved() -> tuple[Any, float, int]:
                 if reply is not None:
                     try:
-                        return reply.result(), sent_at
+                        return reply.result(), sent_at, epoch
                     except (NoSession, UnknownInstance):
-                        again = time.monotonic()
-                        return self._resend(reserve), again
+                        return self._again(reserve, time.monotonic())
                 try:
                     if not write:  # the stores ahead must be committed before a read reserves
                         with self._late_done:
                             self._late_done.wait_for(lambda: self._late == 0)
-                    at = time.monotonic()
+                    at, now = time.monotonic(), self.connection.epoch
                     try:
-                        return self.connection.request(reserve), at
+                        return self.connection.request(reserve), at, now
                     except (NoSession, UnknownInstance):
-                        at = time.monotonic()
-                        return self._resend(reserve), at
+                        return self._again(reserve, time.monotonic())
                 finally:
                     with self._lock:
                         self._deferred -= 1
@@ -170,13 +174,30 @@ class ClientDrivenCore(ContextCore):
         with self._lock:
             self._check_open()
             early = self._deferred == 0 and (write or self._uncommitted == 0)
-            sent_at = time.monotonic()
+            sent_at, epoch = time.monotonic(), self.connection.epoch
             reply: Future[Any] | None = self.connection.submit(reserve) if early else None
-            self._executor.submit(run, reply, sent_at)  # its job takes self._lock: counts are in first
+            self._executor.submit(run, reply, sent_at, epoch)  # its job takes self._lock: counts are in first
             if not early:
                 self._deferred += 1
             if write:
                 self._uncommitted += 1
+
+    def _again(self, reserve: m.ReserveWrite | m.ReserveRead, at: float) -> tuple[Any, float, int]:
+        """``reserved()``'s answer for a reserve the server answered NoSession or UnknownInstance:
+        register again, then send it once more."""
+        reply, epoch = self._resend_at(reserve)
+        return reply, at, epoch
+
+    def _slots_of(self, epoch: int, slots: list[m.Slot], shift: int = 0) -> list[tuple[int, torch.Tensor]] | None:
+        """The views of a reserve reply's ``slots`` (``epoch``: as ``reserved()`` gives it), or
+        None if the client opened a session since that reserve was sent: the server may have
+        restarted, and the offsets name slots of an arena this context no longer maps (in the one
+        it maps, other chunks). Views made here stay valid if the arena is remapped after: they
+        keep the old mapping, and the reservation's commit tells what became of it."""
+        with self._map_lock:
+            if not epoch == self._mapped_epoch == self.connection.epoch:
+                return None
+            return self._slots(slots, shift)
 
     def _commit_sent(self) -> None:
         with self._lock:
@@ -359,12 +380,12 @@ class ClientDrivenCore(ContextCore):
         except BaseException:  # noqa: BLE001  (the reply must still be read: planned again after it, with the cleanup there)
             return None
 
-    def _store(self, reserved: Callable[[], tuple[m.ReserveWriteReply, float]], transfer: Transfer,
+    def _store(self, reserved: Callable[[], tuple[m.ReserveWriteReply, float, int]], transfer: Transfer,
                outer: Future[m.StoreResult]) -> None:
         from kvxfer.transport.contract import LayerwiseFuture
 
         rows = self._rows_early(transfer)
-        rep, _ = reserved()
+        rep, _, epoch = reserved()
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
         def drop(cancelled: bool = False) -> None:  # commit every slot as failed: nothing half written becomes readable
@@ -431,7 +452,15 @@ class ClientDrivenCore(ContextCore):
             self._then(None, commit, abandon)
             return
         try:
-            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, self._slots(rep.slots), rows=rows)
+            slots = self._slots_of(epoch, rep.slots)
+            if slots is None:  # its reservation went with that session: nothing is written, nothing stored
+                if claim():
+                    log.info("%s: a store's slots came from a session this client has since replaced (the server "
+                             "restarted?): nothing stored", self.transport_name)
+                    outer.set_result(m.StoreResult([], [], list(range(len(transfer.keys)))))
+                    self._commit_sent()
+                return
+            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, slots, rows=rows)
         except BaseException:
             if not claim():
                 return  # cancelled meanwhile: its slots were given back
@@ -440,12 +469,12 @@ class ClientDrivenCore(ContextCore):
         self._copy_parts(self.gather, "gather", copies, transfer, layered,
                          lambda waiter: self._then(waiter, commit, abandon), abandon)
 
-    def _retrieve(self, reserved: Callable[[], tuple[m.ReserveReadReply, float]], transfer: Transfer, first: int,
-                  outer: Future[m.RetrieveResult]) -> None:
+    def _retrieve(self, reserved: Callable[[], tuple[m.ReserveReadReply, float, int]], transfer: Transfer,
+                  first: int, outer: Future[m.RetrieveResult]) -> None:
         from kvxfer.transport.contract import LayerwiseFuture
 
         rows = self._rows_early(transfer)
-        rep, sent_at = reserved()
+        rep, sent_at, epoch = reserved()
         keys = transfer.keys
         layered = outer if isinstance(outer, LayerwiseFuture) else None
 
@@ -462,17 +491,17 @@ class ClientDrivenCore(ContextCore):
         def committed(f: Future[m.Empty]) -> None:
             try:
                 f.result()
-            except (NoSession, UnknownInstance):
+            except (NoSession, UnknownInstance, InvalidRequest):
                 # the server dropped the reservation while we copied (this client went silent past
-                # the session timeout, or the server restarted): its slots may have been reused
-                # under the copy, so nothing read counts as loaded
+                # the session timeout, or the server restarted: a new session has no such
+                # reservation): its slots may have been reused under the copy, so nothing read
+                # counts as loaded
                 outer.set_result(m.RetrieveResult(list(range(first)), list(range(first, len(keys)))))
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
             else:
                 outer.set_result(result)
 
-        epoch = self.connection.epoch
         since = [sent_at]
 
         def in_time() -> bool:
@@ -534,8 +563,14 @@ class ClientDrivenCore(ContextCore):
             self._then(None, commit, abandon)
             return
         try:
-            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks,
-                                 self._slots(rep.slots, first), transfer.skip_blocks, rows=rows)
+            slots = self._slots_of(epoch, rep.slots, first)
+            if slots is None:  # pinned in a session since replaced: the blocks stay untouched
+                log.info("%s: a retrieve's slots came from a session this client has since replaced (the server "
+                         "restarted?): nothing loaded", self.transport_name)
+                unpin()
+                outer.set_result(m.RetrieveResult(list(range(first)), list(range(first, len(keys)))))
+                return
+            copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, slots, transfer.skip_blocks, rows=rows)
         except BaseException:
             unpin()
             raise

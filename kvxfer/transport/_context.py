@@ -266,17 +266,23 @@ class ContextCore:
         timeout past the first (registering again may take long, and whoever waits for the
         request, vLLM's connector say, counts on its end within two timeouts of the first send:
         then it gives the blocks up), and is waited for until then."""
+        return self._resend_at(payload)[0]
+
+    def _resend_at(self, payload: m.Request[Reply]) -> tuple[Reply, int]:
+        """:meth:`_resend`, and the client's session epoch read just before the request went
+        again (its reply came from that session or a later one)."""
         self.connection.reconnect(cast("TransferContextBase", self))
         fields: dict[str, Any] = {}
         if getattr(payload, "instance_id", self.instance_id) != self.instance_id:
             fields["instance_id"] = self.instance_id
         first: float = getattr(payload, "deadline", 0.0)
+        epoch = self.connection.epoch
         if not first:
-            return self.connection.request(msgspec.structs.replace(payload, **fields) if fields else payload)
+            return self.connection.request(msgspec.structs.replace(payload, **fields) if fields else payload), epoch
         wait = float(self.connection.timeout or 0.0)
         fields["deadline"] = min(self._deadline(), first + wait)
         left = max(0.0, fields["deadline"] - time.time()) + _deadline_margin(wait)
-        return self.connection.request(msgspec.structs.replace(payload, **fields), timeout=left)
+        return self.connection.request(msgspec.structs.replace(payload, **fields), timeout=left), epoch
 
     def _deadline(self) -> float:
         """A request's deadline as sent now: when this client stops waiting for its reply, less

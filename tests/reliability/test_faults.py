@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from relkit import Shape, Writer, key, read_event, shm_entries, wait_until
 
 from kvxfer import CacheClient
-from kvxfer.errors import ConfigError, ConnectionFailed
+from kvxfer.errors import ConfigError, ConnectionFailed, KvxferError
 
 #: a killed client's session is dropped after 3 s of silence; the rest is slack for a loaded machine
 DROP_WITHIN_S = 30.0
@@ -291,6 +292,64 @@ def test_a_context_refuses_a_server_restarted_with_another_chunk_size(client_of)
         with CacheClient(server.url) as c:
             assert [ctx.model_name for ctx in c.status().contexts] == ["other"], "the refused one is not registered"
         w.client.close()
+
+
+def test_slots_a_restarted_server_handed_out_are_never_used_in_the_new_ones_arena(client_of, monkeypatch):
+    """A client-driven context's requests queued behind a long copy had their reserves answered
+    by a server that then restarted. Another context of the same client reconnected meanwhile,
+    and the context's arena was mapped anew: the old replies' slot offsets became views of the new
+    server's arena. A retrieve then loaded another chunk's bytes and reported them loaded, and a
+    store wrote over another client's chunk there. Now a reply from a session the client has
+    since replaced is not copied with: the retrieve reports its chunk missing and leaves its
+    blocks alone, the store stores nothing, and the new server's chunks stay as stored. (The long
+    copy is the real one, held back at its start: the only stand-in here.)"""
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather") as server:
+        client = client_of(server, timeout=10.0, connect_timeout=10.0)
+        x, y = Writer(client, model="x"), Writer(client, model="y")
+        mine = [key("x", j) for j in range(2)]
+        assert x.store(mine[:1]).stored == [0]
+        gate, held = threading.Event(), threading.Event()
+        scatter = x.ctx.scatter
+
+        def long_copy(copies, transfer):
+            if not held.is_set():
+                held.set()
+                assert gate.wait(60)
+            return scatter(copies, transfer)
+
+        monkeypatch.setattr(x.ctx, "scatter", long_copy)
+        first = x.ctx.submit_retrieve(mine[:1], x.blocks(1, 4))
+        assert held.wait(10)
+        loaded = x.ctx.submit_retrieve(mine[:1], x.blocks(1, 6))  # reserves answered while the copy above waits
+        stored = x.ctx.submit_store(mine[1:], x.blocks(1, 1))
+        try:
+            with CacheClient(server.url) as c:
+                wait_until(lambda: c.status().reservations == 3, 10, "the three reserves answered")
+            server.kill()
+            server.start()
+            other = Writer(client_of(server, timeout=10.0), model="o")  # the new arena's first slots: theirs
+            theirs = [key("o", j) for j in range(4)]
+            assert other.store(theirs).stored == [0, 1, 2, 3]
+            for _ in range(3):  # y's next requests find the server gone, then reconnect: x maps the new arena
+                try:
+                    assert y.store([key("y", 0)]).stored == [0]
+                    break
+                except KvxferError:
+                    pass
+            else:
+                pytest.fail("the client did not reach the restarted server")
+        finally:
+            gate.set()
+        first.result(30)
+        assert loaded.result(30).missing == [0]
+        target = x.blocks(1, 6)
+        assert all(int(layer[:, target].abs().sum()) == 0 for layer in x.kv), "a chunk reported missing was written"
+        assert stored.result(30).failed == [0]
+        res, bad = other.retrieve(theirs)
+        assert res.loaded == [0, 1, 2, 3] and bad == [], "a chunk of the new server's was overwritten"
+        assert "Traceback" not in server.log()
 
 
 def test_a_slot_past_the_arena_is_a_protocol_error(client_of):
