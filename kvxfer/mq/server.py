@@ -4,7 +4,7 @@ On ``ipc://`` the loop serves a listening Unix stream socket itself (:mod:`kvxfe
 framing in :mod:`kvxfer.mq.stream`); on ``tcp://`` (CURVE) a ZeroMQ ROUTER socket. Either way it
 receives ``[identity, request_id, name, payload]`` and hands it to a dispatcher, with the peer as
 the connection tells it (on ``ipc://`` the socket path and the connecting process's
-``SO_PEERCRED`` uid, gid and pid, ``PATH:UID:GID:PID``; on CURVE connections ZeroMQ's
+``SO_PEERCRED`` uid, gid and pid, ``PATH:UID:GID:PID``; on CURVE connections ``tcp:``, ZeroMQ's
 ``Peer-Address``, ``|`` and the ``User-Id`` the ZAP handler set, the client's public key), which
 returns the reply frames at once (control requests) or ``None`` after arranging for
 :meth:`MQServer.send` to be called later on the loop (transfers). Only the loop touches the
@@ -486,9 +486,9 @@ class MQServer:
     def _peer(self, frame: zmq.Frame) -> str:
         """Who sent ``frame``, as its connection says (see the module docstring)."""
         try:
-            peer = str(frame.get("Peer-Address"))
+            peer = "tcp:" + str(frame.get("Peer-Address"))  # (an IPv6 address is never read as an ipc:// peer)
         except zmq.ZMQError:
-            peer = ""
+            peer = "tcp:"
         if self._curve:
             try:
                 peer += "|" + str(frame.get("User-Id"))

@@ -40,8 +40,8 @@ _IPC_PEER = re.compile(r".*:(\d+):(\d+):(\d+)")
 class Peer:
     """The other end of a connection, as read from the connection (see the module docstring)."""
 
-    #: ``PATH:UID:GID:PID`` on ``ipc://``; ZeroMQ's ``Peer-Address`` and, on CURVE connections,
-    #: ``|User-Id`` on ``tcp://``: compared as is.
+    #: ``PATH:UID:GID:PID`` on ``ipc://``; ``tcp:`` and ZeroMQ's ``Peer-Address`` and, on CURVE
+    #: connections, ``|User-Id`` on ``tcp://``: compared as is.
     raw: str
     uid: int | None = None
     pid: int | None = None
@@ -50,7 +50,7 @@ class Peer:
     @classmethod
     def parse(cls, raw: str) -> Peer:
         addr, _, user = raw.partition("|")
-        m = _IPC_PEER.fullmatch(addr)
+        m = None if addr.startswith("tcp:") else _IPC_PEER.fullmatch(addr)
         if m:
             return cls(raw, uid=int(m.group(1)), pid=int(m.group(3)))
         return cls(raw, curve_key=user)

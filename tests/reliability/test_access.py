@@ -348,6 +348,19 @@ def _catches(pid: int, sig: int) -> bool:
     raise AssertionError(f"no SigCgt in /proc/{pid}/status")
 
 
+def test_a_tcp_peer_is_never_taken_for_an_ipc_process():
+    """A tcp:// peer whose IPv6 address ends in three decimal groups was read as an ipc:// peer's
+    ``PATH:UID:GID:PID`` (``2001:db8::10:20:30``: uid 10, pid 30): its log label and the count of
+    its process's parked writes were another's. The server marks tcp:// peers as such."""
+    from kvxfer.server.sessions import Peer
+
+    tcp = Peer.parse("tcp:2001:db8::10:20:30|rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7")
+    assert (tcp.uid, tcp.pid, tcp.curve_key) == (None, None, "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7")
+    assert tcp.label().startswith("CURVE key rq:rM>}U?@Ln… at tcp:2001:db8::10:20:30")
+    ipc = Peer.parse("/run/user/1000/kvxfer.sock:1000:1000:4242")
+    assert (ipc.uid, ipc.pid) == (1000, 4242)
+
+
 def test_sighup_is_caught_by_a_tcp_server_only(tmp_path):
     """Only a tcp:// server reads keys on SIGHUP; an ipc:// one keeps the disposition it was
     started with (by default SIGHUP ends it, as a closed terminal should; under nohup it is
