@@ -300,6 +300,9 @@ class ReserveRead(Request["ReserveReadReply"], frozen=True):
     instance_id: int
     hashes: Hashes
     lease_id: int = 0
+    #: Leading chunks of the request that its ``skip_first_n_tokens`` covers wholly: not read,
+    #: but released from ``lease_id`` now (as a read releases the chunks it reads).
+    skipped: Hashes = []
 
 
 class ReserveReadReply(Message, frozen=True):

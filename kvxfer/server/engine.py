@@ -1357,6 +1357,8 @@ class CacheServer:
 
     def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
         ctx = self._client_driven(session, msg.instance_id)
+        if msg.lease_id and msg.skipped:
+            self.index.release_lease(msg.lease_id, ctx.keys(msg.skipped))  # wholly skipped: no read releases them
         promoting = self._promotions_of(ctx, msg.hashes)
         if promoting is not None:
             self._check_waiting(session)
@@ -1499,6 +1501,9 @@ class CacheServer:
                              functools.partial(ctx.executor.cancel, place))
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
+        if msg.lease_id and first:
+            # wholly skipped: no read releases them
+            self.index.release_lease(msg.lease_id, ctx.keys(msg.hashes[:first]))
         res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
         res.in_flight = True
         res.missing = len(missing)

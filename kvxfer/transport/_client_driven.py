@@ -124,7 +124,8 @@ class ClientDrivenCore(ContextCore):
     def _start_retrieve(self, transfer: Transfer, lease_id: int,
                         outer: Future[m.RetrieveResult]) -> Future[m.RetrieveResult]:
         first = min(len(transfer.keys), transfer.skip_blocks // self.blocks_per_chunk)  # wholly skipped: no read
-        self._send_then(m.ReserveRead(self.instance_id, transfer.keys[first:], lease_id), self._retrieve,
+        skipped = transfer.keys[:first] if lease_id else []
+        self._send_then(m.ReserveRead(self.instance_id, transfer.keys[first:], lease_id, skipped), self._retrieve,
                         transfer, first, outer)
         return outer
 
