@@ -1297,7 +1297,10 @@ class CacheServer:
         keys = ctx.keys(hashes)
         pins, nbytes = self.index.read_pins(keys, session.usage)
         self._check_reservation(session, nbytes, pins)
-        return self.index.reserve_read(keys, ctx.chunk.fmt, ctx.instance_id, session.usage, lease_id)
+        res, missing = self.index.reserve_read(keys, ctx.chunk.fmt, ctx.instance_id, session.usage, lease_id)
+        if lease_id and missing:  # (a promotion of them failed): no read releases them
+            self.index.release_lease(lease_id, [keys[i] for i in missing])
+        return res, missing
 
     def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply:
         ctx = self._client_driven(session, msg.instance_id)

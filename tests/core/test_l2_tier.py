@@ -416,6 +416,39 @@ def test_a_lookup_refused_for_its_lease_promotes_nothing(tmp_path: Path) -> None
         ctx.close()
 
 
+def test_a_read_releases_its_lease_on_the_chunks_whose_promotion_failed(tmp_path: Path) -> None:
+    """A promoting lookup leases its L2 hits; one whose value turns out damaged is dropped from
+    the arena, and the read that names the lease reports it missing. Its lease kept it counted
+    until it expired (300 s here): the session's pins stayed at the limit, and a lookup of chunks
+    in L1 was refused. The read releases the lease on the chunks it reports missing too."""
+    kv = big_kv(10)
+    with ServerProcess(l1_size="4MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--l2", "fs", "--l2-url", f"file://{tmp_path}/store",
+                                   "--max-chunk-pins-per-session", "4"]) as srv, \
+            CacheClient(srv.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="damaged", block_size=BLOCK_SIZE, transport="cpu_gather")
+        keys = [b"D" + bytes([i]) * 15 for i in range(4)]
+        assert not ctx.submit_store(keys, blocks_of(0, 4)).result(TIMEOUT).failed
+        assert settled(c, 4)
+        assert c.clear("damaged") == 4
+        values = [p for p in (tmp_path / "store").rglob("*") if p.is_file() and p.stat().st_size > HEADER_SIZE]
+        assert len(values) == 4
+        for path in values:  # a bit flipped in each: found by the lookup, refused at its checksum
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x01
+            path.write_bytes(bytes(data))
+        reply = c.lookup_and_lease("damaged", hashes=keys, lease_s=300)
+        assert (reply.hits, reply.l2_hits) == (4, 4)
+        res = ctx.submit_retrieve(keys, blocks_of(4, 4), lease_id=reply.lease_id).result(TIMEOUT)
+        assert res.missing == [0, 1, 2, 3]
+        st = c.status()
+        assert (st.leases, st.leased_chunks, st.arena.chunks) == (0, 0, 0)
+        fresh = [b"F" + bytes([i]) * 15 for i in range(2)]
+        assert not ctx.submit_store(fresh, blocks_of(0, 2)).result(TIMEOUT).failed
+        assert c.lookup_and_lease("damaged", hashes=fresh, lease_s=30).hits == 2  # within the pin limit
+        ctx.close()
+
+
 def test_status_shows_the_tier(fs_server: ServerProcess) -> None:
     out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--url", fs_server.url], capture_output=True,
                          text=True, timeout=60)
