@@ -15,6 +15,8 @@ from typing import Annotated, Generic, TypeVar
 
 import msgspec
 
+from kvxfer.layout import MAX_RUNS
+
 PROTOCOL_VERSION = 1
 #: How the refusal of a ``Register`` whose instance id is held says whose it is (see Register).
 ALREADY_REGISTERED = "is already registered on this connection"
@@ -190,7 +192,7 @@ class Registration(Message, frozen=True, kw_only=True):
     #: defaults, they are those of contiguous tensors.
     row_elems: int = 0
     row_pitch: int = 0
-    run_offsets: list[int] = []
+    run_offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_RUNS)] = []
     block_stride: int = 0
     page: str = ""
 

@@ -815,8 +815,8 @@ def test_a_small_store_costs_little_whatever_the_declared_size(debug_server, tmp
 
 def _map(**fields: bytes) -> bytes:
     """A MessagePack map of ``fields`` whose values are encoded already."""
-    assert len(fields) < 16
-    return bytes([0x80 | len(fields)]) + b"".join(codec.encode(k) + v for k, v in fields.items())
+    head = bytes([0x80 | len(fields)]) if len(fields) < 16 else b"\xde" + len(fields).to_bytes(2, "big")
+    return head + b"".join(codec.encode(k) + v for k, v in fields.items())
 
 
 def _array(n: int, item: bytes) -> bytes:
@@ -824,7 +824,8 @@ def _array(n: int, item: bytes) -> bytes:
 
 
 def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
-    """A request just under --max-message-size listing millions of hashes, indices or block ids:
+    """A request just under --max-message-size listing millions of hashes, indices, block ids or
+    a registration's runs:
     refused as invalid_request, the list never made into objects (they take 5-12 times their
     bytes on the wire: the lookup and the commit_write had grown the server's peak memory by 76 and
     127 MiB)."""
@@ -845,6 +846,9 @@ def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
                 b"commit_write": (_map(instance_id=one, reservation_id=one, failed=block_ids), "failed"),
                 b"store": (_map(instance_id=codec.encode(iid), hashes=two, block_ids=block_ids), "block ids"),
                 b"retrieve": (_map(instance_id=codec.encode(iid), hashes=two, block_ids=block_ids), "block ids"),
+                b"register": (_map(transport=codec.encode("cpu_gather"), registration=_map(
+                    **{k: codec.encode(v) for k, v in msgspec.structs.asdict(ref.ctx.registration()).items()
+                       if k != "run_offsets"}, run_offsets=block_ids)), "run_offsets"),
             }
             # a message as long, whose one long field is skipped unread, brings the peak the buffers
             # of a message this long make (read buffer, frames)

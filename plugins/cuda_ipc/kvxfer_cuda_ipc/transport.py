@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -46,6 +46,10 @@ __all__ = [
 
 # --------------------------------------------------------------------------- wire Structs
 
+#: Most dimensions a registered tensor's shape and stride may have (a KV layer has at most 6):
+#: longer lists are refused as they are decoded, before they are made into objects.
+MAX_DIMS = 16
+
 
 class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
     """One layer's KV tensor as CUDA IPC shares it: the fields of
@@ -65,8 +69,8 @@ class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
     event_sync_required: bool
     #: The tensor inside its storage: offset in elements, shape, stride (elements), dtype name.
     storage_offset: int
-    shape: list[int]
-    stride: list[int]
+    shape: Annotated[list[int], msgspec.Meta(max_length=MAX_DIMS)]
+    stride: Annotated[list[int], msgspec.Meta(max_length=MAX_DIMS)]
     dtype: str
     #: UUID of the GPU that holds it (as ``str(torch.cuda.get_device_properties(i).uuid)``).
     device_uuid: str
