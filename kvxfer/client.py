@@ -217,6 +217,15 @@ class CacheClient:
     # ------------------------------------------------------------------ session
 
     def _handshake(self) -> None:
+        """Open a session. :attr:`epoch` is odd while this runs (a request sent meanwhile may reach
+        the old session or the new one) and a new even number after it, whether it succeeded or not."""
+        self._epoch += 1 + self._epoch % 2
+        try:
+            self._open_session()
+        finally:
+            self._epoch += 1  # after the fields the handshake sets: whoever reads this epoch reads them
+
+    def _open_session(self) -> None:
         deadline = time.monotonic() + self.connect_timeout
         while not ipc_server_ready(self.url):  # checked before anything is sent
             if time.monotonic() > deadline:
@@ -250,7 +259,6 @@ class CacheClient:
         self._secret = reply.session_secret
         self._token = reply.client_token
         self._hold_liveness_lock()
-        self._epoch += 1
         self._mq.enable_heartbeat(reply.heartbeat_s, max(2.0 * reply.session_timeout_s, 5.0))
 
     def _release_late(self, name: str, request: Any, reply: Any) -> None:
@@ -360,7 +368,9 @@ class CacheClient:
 
     @property
     def epoch(self) -> int:
-        """Counts handshakes: a context registered in an older epoch must register again."""
+        """Changes with each handshake: odd while one is under way, a new even number once it is
+        done. A context registered in an older epoch must register again; a reply to a request
+        sent in an odd epoch, or in another even one, may come from either session."""
         return self._epoch
 
     def reconnect(self, context: TransferContextBase | None = None) -> None:

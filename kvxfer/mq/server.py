@@ -487,8 +487,8 @@ class MQServer:
         """Who sent ``frame``, as its connection says (see the module docstring)."""
         try:
             peer = "tcp:" + str(frame.get("Peer-Address"))  # (an IPv6 address is never read as an ipc:// peer)
-        except zmq.ZMQError:
-            peer = "tcp:"
+        except zmq.ZMQError:  # (inproc:// has none)
+            peer = ""
         if self._curve:
             try:
                 peer += "|" + str(frame.get("User-Id"))

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvxfer.arena import ArenaMapping
 from kvxfer.copies import ChunkRows, RowCopy, SlotViews, chunk_rows, layer_slice, plan_copies
@@ -32,7 +32,7 @@ from kvxfer.transport._context import ContextCore, guarded
 if TYPE_CHECKING:
     import torch
 
-    from kvxfer.transport.contract import LayerwiseFuture, Transfer, Waiter
+    from kvxfer.transport.contract import LayerwiseFuture, Transfer, TransferContextBase, Waiter
 
 __all__ = ["ClientDrivenCore"]
 
@@ -75,7 +75,12 @@ class ClientDrivenCore(ContextCore):
 
     def _map_arena(self) -> ArenaMapping:
         """Map the server's arena, and make the table of its slot views (:attr:`_views`)."""
-        mapping = ArenaMapping(self.connection.arena_path, self.connection.arena_size)
+        while True:  # the arena of one session, named with its epoch (a handshake may come meanwhile)
+            epoch = self.connection.epoch
+            mapping = ArenaMapping(self.connection.arena_path, self.connection.arena_size)
+            if self.connection.epoch == epoch:
+                break
+            mapping.close()
         try:
             with self._step("on_arena"):
                 self._unmapping = self.on_arena(mapping)
@@ -85,7 +90,7 @@ class ClientDrivenCore(ContextCore):
         #: The arena's slots as this context's layout sees them (its worker plans every copy), and
         #: the session whose server's arena that is (see :meth:`_slots_of`).
         self._views = SlotViews(mapping.view, self.layout, self.chunk_size)
-        self._mapped_epoch = self.connection.epoch
+        self._mapped_epoch = epoch
         return mapping
 
     def _unmap_arena(self) -> None:
@@ -191,14 +196,20 @@ class ClientDrivenCore(ContextCore):
 
     def _slots_of(self, epoch: int, slots: list[m.Slot], shift: int = 0) -> list[tuple[int, torch.Tensor]] | None:
         """The views of a reserve reply's ``slots`` (``epoch``: as ``reserved()`` gives it), or
-        None if the client opened a session since that reserve was sent: the server may have
-        restarted, and the offsets name slots of an arena this context no longer maps (in the one
-        it maps, other chunks). Views made here stay valid if the arena is remapped after: they
-        keep the old mapping, and the reservation's commit tells what became of it."""
-        with self._map_lock:
-            if not epoch == self._mapped_epoch == self.connection.epoch:
-                return None
-            return self._slots(slots, shift)
+        None if the client opened a session since that reserve was sent, or was opening one (an
+        odd epoch): the server may have restarted, and the offsets name slots of an arena this
+        context no longer maps (in the one it maps, other chunks). Views made here stay valid if
+        the arena is remapped after: they keep the old mapping, and the reservation's commit
+        tells what became of it. A context that mapped its arena while another thread opened a
+        session maps the session's arena now."""
+        for _ in range(2):
+            with self._map_lock:
+                if epoch % 2 or epoch != self.connection.epoch:
+                    return None
+                if epoch == self._mapped_epoch:
+                    return self._slots(slots, shift)
+            self.connection.reconnect(cast("TransferContextBase", self))  # (the session stays: no handshake)
+        return None
 
     def _commit_sent(self) -> None:
         with self._lock:
@@ -454,12 +465,16 @@ class ClientDrivenCore(ContextCore):
             return
         try:
             slots = self._slots_of(epoch, rep.slots)
-            if slots is None:  # its reservation went with that session: nothing is written, nothing stored
+            if slots is None:  # nothing is written, nothing stored
                 if claim():
                     log.info("%s: a store's slots came from a session this client has since replaced (the server "
-                             "restarted?): nothing stored", self.transport_name)
-                    outer.set_result(m.StoreResult([], [], list(range(len(transfer.keys)))))
-                    self._commit_sent()
+                             "restarted, or the session was resumed on a new connection): nothing stored",
+                             self.transport_name)
+                    try:  # a resumed session's server parked the write: only its commit frees it
+                        drop()
+                    finally:
+                        outer.set_result(m.StoreResult([], [], list(range(len(transfer.keys)))))
+                        self._commit_sent()
                 return
             copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, slots, rows=rows)
         except BaseException:
@@ -567,7 +582,8 @@ class ClientDrivenCore(ContextCore):
             slots = self._slots_of(epoch, rep.slots, first)
             if slots is None:  # pinned in a session since replaced: the blocks stay untouched
                 log.info("%s: a retrieve's slots came from a session this client has since replaced (the server "
-                         "restarted?): nothing loaded", self.transport_name)
+                         "restarted, or the session was resumed on a new connection): nothing loaded",
+                         self.transport_name)
                 unpin()
                 outer.set_result(m.RetrieveResult(list(range(first)), list(range(first, len(keys)))))
                 return

@@ -265,7 +265,8 @@ class Connection(Protocol):
 
     @property
     def epoch(self) -> int:
-        """Counts handshakes; a context registered in an older epoch must register again."""
+        """Changes with each handshake: odd while one is under way, a new even number once it
+        is done. A context registered in an older epoch must register again."""
         ...
 
     def submit(self, payload: Request[Reply], timeout: float | None = None) -> Future[Reply]:

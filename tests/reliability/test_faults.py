@@ -352,6 +352,57 @@ def test_slots_a_restarted_server_handed_out_are_never_used_in_the_new_ones_aren
         assert "Traceback" not in server.log()
 
 
+def test_a_store_answered_before_its_session_was_resumed_frees_its_parked_write(client_of, monkeypatch):
+    """As above, but the server lives: the client's connection broke and it resumed its session
+    on a new one, so the server parked the store's open write. The store is not copied (its slots
+    came from a replaced session) and still sends its commit, which frees the parked write: it
+    once held its slot, and its key as being written (another client's store of it skipped as
+    present), for the client's whole life. (The client's own socket is shut down under it: the
+    broken connection.)"""
+    import socket
+
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather") as server:
+        client = client_of(server, timeout=10.0, connect_timeout=10.0)
+        observer = client_of(server)
+        x = Writer(client, model="x")
+        mine = [key("x", j) for j in range(2)]
+        assert x.store(mine[:1]).stored == [0]
+        gate, held = threading.Event(), threading.Event()
+        scatter = x.ctx.scatter
+
+        def long_copy(copies, transfer):
+            if not held.is_set():
+                held.set()
+                assert gate.wait(60)
+            return scatter(copies, transfer)
+
+        monkeypatch.setattr(x.ctx, "scatter", long_copy)
+        first = x.ctx.submit_retrieve(mine[:1], x.blocks(1, 4))
+        assert held.wait(10)
+        try:
+            stored = x.ctx.submit_store(mine[1:], x.blocks(1, 1))
+            wait_until(lambda: observer.status().reservations == 2, 10, "both reserves answered")
+            epoch = client.epoch
+            client._mq._wire._sock.shutdown(socket.SHUT_RDWR)
+            wait_until(lambda: _resumed(client, epoch), 10, "the session resumed on a new connection")
+        finally:
+            gate.set()
+        first.result(30)
+        assert stored.result(30).failed == [0]
+        wait_until(lambda: observer.status().reservations == 0, 10, "the parked write freed by its late commit")
+        assert Writer(observer, model="x").store(mine[1:]).stored == [0]
+
+
+def _resumed(client, epoch: int) -> bool:
+    try:
+        client.reconnect()
+    except KvxferError:
+        return False
+    return client.epoch != epoch
+
+
 def test_a_slot_past_the_arena_is_a_protocol_error(client_of):
     """A slot offset past the mapped arena's end (a faulty server's answer) was a ValueError,
     which no caller takes for a server's fault: vLLM's worker ended on it. It is a ProtocolError
