@@ -205,6 +205,8 @@ class CacheClient:
         self._finalizer = weakref.finalize(self, _drop, self._mq, self._held)
         self._finalizer.atexit = False
         self._epoch = 0
+        #: The last handshake failed (see _handshake).
+        self._unopened = False
         #: The server-issued secret of our session (presented to resume it) and lock token.
         self._secret = b""
         self._token = ""
@@ -220,9 +222,14 @@ class CacheClient:
         """Open a session. :attr:`epoch` is odd while this runs (a request sent meanwhile may reach
         the old session or the new one) and a new even number after it, whether it succeeded or not."""
         self._epoch += 1 + self._epoch % 2
+        opened = False
         try:
             self._open_session()
+            opened = True
         finally:
+            # one that failed here (timed out, say) may have opened a session at the server all the
+            # same, whose fields this client never learned: reconnect() opens one again, unasked
+            self._unopened = not opened
             self._epoch += 1  # after the fields the handshake sets: whoever reads this epoch reads them
 
     def _open_session(self) -> None:
@@ -382,6 +389,8 @@ class CacheClient:
         """
         with self._lock:
             try:
+                if self._unopened:
+                    raise NoSession("the last handshake failed")
                 self._mq.request(m.Ping(), timeout=self.connect_timeout)
             except NoSession:
                 self._handshake()
@@ -396,6 +405,7 @@ class CacheClient:
                 except InvalidRequest as exc:
                     if m.ALREADY_REGISTERED not in str(exc):
                         raise
+                    ctx.epoch = self._epoch  # registered in this session (while it was being opened)
 
     def forget(self, context: TransferContextBase) -> None:
         """A context closed: stop re-registering it."""

@@ -15,6 +15,7 @@ back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -77,10 +78,17 @@ class ClientDrivenCore(ContextCore):
         """Map the server's arena, and make the table of its slot views (:attr:`_views`)."""
         while True:  # the arena of one session, named with its epoch (a handshake may come meanwhile)
             epoch = self.connection.epoch
-            mapping = ArenaMapping(self.connection.arena_path, self.connection.arena_size)
-            if self.connection.epoch == epoch:
+            try:
+                mapping = ArenaMapping(self.connection.arena_path, self.connection.arena_size)
+            except Exception:  # (the old session's arena, gone with its server): refused only if it was the current one
+                if not self._stale(epoch):
+                    raise
+                time.sleep(0.01)
+                continue
+            if not self._stale(epoch):
                 break
             mapping.close()
+            time.sleep(0.01)  # a handshake under way: until it ends
         try:
             with self._step("on_arena"):
                 self._unmapping = self.on_arena(mapping)
@@ -194,6 +202,11 @@ class ClientDrivenCore(ContextCore):
         reply, epoch = self._resend_at(reserve)
         return reply, at, epoch
 
+    def _stale(self, epoch: int) -> bool:
+        """Whether a reply to a request sent in ``epoch`` may come from a session other than the
+        client's now (see :meth:`_slots_of`)."""
+        return bool(epoch % 2) or epoch != self.connection.epoch
+
     def _slots_of(self, epoch: int, slots: list[m.Slot], shift: int = 0) -> list[tuple[int, torch.Tensor]] | None:
         """The views of a reserve reply's ``slots`` (``epoch``: as ``reserved()`` gives it), or
         None if the client opened a session since that reserve was sent, or was opening one (an
@@ -204,7 +217,7 @@ class ClientDrivenCore(ContextCore):
         session maps the session's arena now."""
         for _ in range(2):
             with self._map_lock:
-                if epoch % 2 or epoch != self.connection.epoch:
+                if self._stale(epoch):
                     return None
                 if epoch == self._mapped_epoch:
                     return self._slots(slots, shift)
@@ -460,21 +473,21 @@ class ClientDrivenCore(ContextCore):
                 outer.set_exception(exc)
                 self._commit_sent()
 
-        if not rep.slots:
+        stale = self._stale(epoch)
+        if not rep.slots and not stale:
             self._then(None, commit, abandon)
             return
         try:
-            slots = self._slots_of(epoch, rep.slots)
-            if slots is None:  # nothing is written, nothing stored
+            slots = None if stale else self._slots_of(epoch, rep.slots)
+            if slots is None:  # an answer of a replaced session (its "present" too): nothing is stored
                 if claim():
                     log.info("%s: a store's slots came from a session this client has since replaced (the server "
                              "restarted, or the session was resumed on a new connection): nothing stored",
                              self.transport_name)
-                    try:  # a resumed session's server parked the write: only its commit frees it
-                        drop()
-                    finally:
-                        outer.set_result(m.StoreResult([], [], list(range(len(transfer.keys)))))
-                        self._commit_sent()
+                    with contextlib.suppress(Exception):  # a resumed session's server parked the write:
+                        drop()  # only its commit frees it (another session's server answers it with an error)
+                    outer.set_result(m.StoreResult([], [], list(range(len(transfer.keys)))))
+                    self._commit_sent()
                 return
             copies = plan_copies(self.layout, self.chunk_size, transfer.blocks, slots, rows=rows)
         except BaseException:
