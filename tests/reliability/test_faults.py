@@ -294,6 +294,25 @@ def test_a_context_refuses_a_server_restarted_with_another_chunk_size(client_of)
         w.client.close()
 
 
+def _retrieve_held_in_its_copy(w: Writer, keys: list[bytes], gate: threading.Event, monkeypatch):
+    """A retrieve of ``keys`` whose copy (the real one) starts once ``gate`` is set: the worker
+    is held in it, and the requests submitted after it queue behind it with their reserves
+    answered. Returns its future once the copy is reached."""
+    held = threading.Event()
+    scatter = w.ctx.scatter
+
+    def long_copy(copies, transfer):
+        if not held.is_set():
+            held.set()
+            assert gate.wait(60)
+        return scatter(copies, transfer)
+
+    monkeypatch.setattr(w.ctx, "scatter", long_copy)
+    first = w.ctx.submit_retrieve(keys, w.blocks(len(keys), 4))
+    assert held.wait(10)
+    return first
+
+
 def test_slots_a_restarted_server_handed_out_are_never_used_in_the_new_ones_arena(client_of, monkeypatch):
     """A client-driven context's requests queued behind a long copy had their reserves answered
     by a server that then restarted. Another context of the same client reconnected meanwhile,
@@ -310,18 +329,8 @@ def test_slots_a_restarted_server_handed_out_are_never_used_in_the_new_ones_aren
         x, y = Writer(client, model="x"), Writer(client, model="y")
         mine = [key("x", j) for j in range(2)]
         assert x.store(mine[:1]).stored == [0]
-        gate, held = threading.Event(), threading.Event()
-        scatter = x.ctx.scatter
-
-        def long_copy(copies, transfer):
-            if not held.is_set():
-                held.set()
-                assert gate.wait(60)
-            return scatter(copies, transfer)
-
-        monkeypatch.setattr(x.ctx, "scatter", long_copy)
-        first = x.ctx.submit_retrieve(mine[:1], x.blocks(1, 4))
-        assert held.wait(10)
+        gate = threading.Event()
+        first = _retrieve_held_in_its_copy(x, mine[:1], gate, monkeypatch)
         loaded = x.ctx.submit_retrieve(mine[:1], x.blocks(1, 6))  # reserves answered while the copy above waits
         stored = x.ctx.submit_store(mine[1:], x.blocks(1, 1))
         try:
@@ -370,18 +379,8 @@ def test_a_store_answered_before_its_session_was_resumed_frees_its_parked_write(
         x = Writer(client, model="x")
         mine = [key("x", j) for j in range(2)]
         assert x.store(mine[:1]).stored == [0]
-        gate, held = threading.Event(), threading.Event()
-        scatter = x.ctx.scatter
-
-        def long_copy(copies, transfer):
-            if not held.is_set():
-                held.set()
-                assert gate.wait(60)
-            return scatter(copies, transfer)
-
-        monkeypatch.setattr(x.ctx, "scatter", long_copy)
-        first = x.ctx.submit_retrieve(mine[:1], x.blocks(1, 4))
-        assert held.wait(10)
+        gate = threading.Event()
+        first = _retrieve_held_in_its_copy(x, mine[:1], gate, monkeypatch)
         try:
             stored = x.ctx.submit_store(mine[1:], x.blocks(1, 1))
             present = x.ctx.submit_store(mine[:1], x.blocks(1, 2))
