@@ -447,6 +447,11 @@ class ClientDrivenCore(ContextCore):
             try:
                 res = f.result()
                 outer.set_result(m.StoreResult(res.stored, sorted(rep.present), sorted(rep.no_space + res.failed)))
+            except (NoSession, UnknownInstance, InvalidRequest) as exc:
+                if self._stale(epoch):  # its reservation went with a session since replaced: nothing stored
+                    outer.set_result(m.StoreResult([], [], list(range(len(transfer.keys)))))
+                else:
+                    outer.set_exception(exc)
             except BaseException as exc:  # noqa: BLE001  (the caller's future carries it)
                 outer.set_exception(exc)
 

@@ -396,6 +396,30 @@ def test_a_store_answered_before_its_session_was_resumed_frees_its_parked_write(
         assert Writer(observer, model="x").store(mine[1:]).stored == [0]
 
 
+def test_a_layerwise_store_copied_after_its_session_was_resumed_reports_nothing_stored(client_of):
+    """A layer-wise store whose slots were taken before the client's session was resumed on a new
+    connection, and whose layers were declared written after: its copy goes into the slots the
+    server parked, and its commit is refused. It raised that refusal (InvalidRequest, which
+    reads as a malformed request); it reports every chunk not stored, as a store that was never
+    copied does, and the parked write is freed."""
+    import socket
+
+    from kvxfer.testing.server import ServerProcess
+
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather") as server:
+        client = client_of(server, timeout=10.0, connect_timeout=10.0)
+        observer = client_of(server)
+        x = Writer(client, model="x")
+        fut = x.ctx.submit_store([key("x", 0)], x.blocks(1), by_layer=True)
+        wait_until(lambda: observer.status().reservations == 1, 10, "the store's slots reserved")
+        epoch = client.epoch
+        client._mq._wire._sock.shutdown(socket.SHUT_RDWR)
+        wait_until(lambda: _resumed(client, epoch), 10, "the session resumed on a new connection")
+        fut.layer_ready(x.ctx.layout.num_layers - 1)
+        assert fut.result(30).failed == [0]
+        wait_until(lambda: observer.status().reservations == 0, 10, "the parked write freed by its commit")
+
+
 def _resumed(client, epoch: int) -> bool:
     try:
         client.reconnect()
