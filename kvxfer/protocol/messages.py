@@ -265,6 +265,10 @@ class Slot(Message, frozen=True, array_like=True):
     offset: int
 
 
+#: Slots of one reservation, at most one per chunk of its request.
+Slots = Annotated[list[Slot], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
+
+
 class ReserveWrite(Request["ReserveWriteReply"], frozen=True):
     """Reserve arena slots for the chunks of ``hashes`` that the server lacks."""
 
@@ -275,7 +279,7 @@ class ReserveWrite(Request["ReserveWriteReply"], frozen=True):
 class ReserveWriteReply(Message, frozen=True):
     reservation_id: int
     #: Slots to fill, one per chunk the server lacks and had room for.
-    slots: Annotated[list[Slot], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
+    slots: Slots
     #: Indices already stored (or being stored by someone else): skip them.
     present: Indices
     #: Indices that did not fit (everything else in the arena is leased or in use).
@@ -309,7 +313,7 @@ class ReserveRead(Request["ReserveReadReply"], frozen=True):
 
 class ReserveReadReply(Message, frozen=True):
     reservation_id: int
-    slots: Annotated[list[Slot], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
+    slots: Slots
     missing: Indices
 
 

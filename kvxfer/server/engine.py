@@ -1292,13 +1292,17 @@ class CacheServer:
         self._check_reservation(session, self.index.write_need(keys) * Allocator.rounded(ctx.chunk.nbytes))
         return self.index.reserve_write(keys, ctx.chunk.fmt, ctx.chunk.nbytes, ctx.instance_id, session.usage)
 
-    def _reserve_read(self, session: Session, ctx: RegisteredContext, hashes: list[bytes],
-                      lease_id: int) -> tuple[Reservation, list[int]]:
+    def _reserve_read(self, session: Session, ctx: RegisteredContext, hashes: list[bytes], lease_id: int,
+                      skipped: list[bytes]) -> tuple[Reservation, list[int]]:
+        """Pin ``hashes`` for a read. Of ``lease_id``, what the read will not read goes now: the
+        chunks it ``skipped`` wholly, and those missing (their promotion failed)."""
+        if lease_id and skipped:
+            self.index.release_lease(lease_id, ctx.keys(skipped))
         keys = ctx.keys(hashes)
         pins, nbytes = self.index.read_pins(keys, session.usage)
         self._check_reservation(session, nbytes, pins)
         res, missing = self.index.reserve_read(keys, ctx.chunk.fmt, ctx.instance_id, session.usage, lease_id)
-        if lease_id and missing:  # (a promotion of them failed): no read releases them
+        if lease_id and missing:
             self.index.release_lease(lease_id, [keys[i] for i in missing])
         return res, missing
 
@@ -1360,13 +1364,11 @@ class CacheServer:
 
     def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
         ctx = self._client_driven(session, msg.instance_id)
-        if msg.lease_id and msg.skipped:
-            self.index.release_lease(msg.lease_id, ctx.keys(msg.skipped))  # wholly skipped: no read releases them
         promoting = self._promotions_of(ctx, msg.hashes)
         if promoting is not None:
             self._check_waiting(session)
             return _Awaiting(session, promoting, lambda: self._on_reserve_read(session, msg))
-        res, missing = self._reserve_read(session, ctx, msg.hashes, msg.lease_id)
+        res, missing = self._reserve_read(session, ctx, msg.hashes, msg.lease_id, msg.skipped)
         res.missing = len(missing)
         return m.ReserveReadReply(res.id, [m.Slot(i, e.offset) for i, e in res.entries], missing)
 
@@ -1504,10 +1506,7 @@ class CacheServer:
                              functools.partial(ctx.executor.cancel, place))
         skip_blocks = msg.skip_first_n_tokens // ctx.layout.block_size
         first = min(len(msg.hashes), skip_blocks // ctx.layout.blocks_per_chunk(ctx.chunk_size))
-        if msg.lease_id and first:
-            # wholly skipped: no read releases them
-            self.index.release_lease(msg.lease_id, ctx.keys(msg.hashes[:first]))
-        res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id)
+        res, missing = self._reserve_read(session, ctx, msg.hashes[first:], msg.lease_id, msg.hashes[:first])
         res.in_flight = True
         res.missing = len(missing)
         slot_views = ctx.views

@@ -483,7 +483,7 @@ class ClientDrivenCore(ContextCore):
             self._then(None, commit, abandon)
             return
         try:
-            slots = None if stale else self._slots_of(epoch, rep.slots)
+            slots = self._slots_of(epoch, rep.slots)
             if slots is None:  # an answer of a replaced session (its "present" too): nothing is stored
                 if claim():
                     log.info("%s: a store's slots came from a session this client has since replaced (the server "
