@@ -243,21 +243,47 @@ def _load(path: Path, what: str, secret: bool, keys_dir: Path | None = None) -> 
     return public, secret_key
 
 
-def read_authorized_keys(authorized: Path) -> frozenset[bytes]:
-    """The public keys in the ``authorized`` folder of a key directory, checked as at start
-    (ConfigError otherwise): what a server reads again on SIGHUP."""
-    return _authorized_keys(Path(authorized), Path(authorized).parent)
+def reread_authorized_keys(authorized: Path, before: frozenset[bytes]) -> tuple[frozenset[bytes], str | None]:
+    """What a running server authorizes once it reads its ``authorized`` folder again (on SIGHUP),
+    and the error met, if any. A folder that reads as at start gives its keys. Otherwise (the
+    folder gone or unreadable, no keys left, too many, a file that is no key) the keys of
+    ``before`` that are still there as readable key files stay, and no other: a key taken out
+    is refused even when the rest of the folder is wrong, and an emptied folder lets no client
+    in. A key added comes in only with a folder that reads cleanly."""
+    authorized = Path(authorized)
+    try:
+        return _authorized_keys(authorized, authorized.parent), None
+    except ConfigError as exc:
+        error = str(exc)
+    try:
+        names = _key_names(authorized)[:MAX_AUTHORIZED_KEYS]
+    except ConfigError:
+        return frozenset(), error
+    kept = set()
+    for name in names:
+        try:
+            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=authorized.parent)
+        except ConfigError:
+            continue
+        if public in before:
+            kept.add(public)
+    return frozenset(kept), error
+
+
+def _key_names(authorized: Path) -> list[str]:
+    """The names of the ``.key`` files in ``authorized``, sorted (as pyzmq's own loader: hidden
+    files are not keys, e.g. an editor's lock file .#c1.key)."""
+    try:
+        return sorted(e.name for e in os.scandir(authorized) if e.name.endswith(".key") and not e.name.startswith("."))
+    except OSError as exc:
+        raise ConfigError(f"authorized client keys {authorized}: {exc.strerror or exc}") from None
 
 
 def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:
     """The public keys of the ``.key`` files in ``authorized`` (at most
     :data:`MAX_AUTHORIZED_KEYS`), each checked: a file that is no public key stops the server
     with its name (pyzmq's own loader then let no client in at all, saying so only at start)."""
-    try:
-        # (as pyzmq's own loader: hidden files are not keys, e.g. an editor's lock file .#c1.key)
-        names = sorted(e.name for e in os.scandir(authorized) if e.name.endswith(".key") and not e.name.startswith("."))
-    except OSError as exc:
-        raise ConfigError(f"authorized client keys {authorized}: {exc.strerror or exc}") from None
+    names = _key_names(authorized)
     if not names:
         raise ConfigError(
             f"no client is authorized: {authorized} holds no public keys (.key files); "

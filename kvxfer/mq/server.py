@@ -608,25 +608,30 @@ class MQServer:
         SIGHUP; any thread): the clients whose key is there now get in from their next handshake;
         the others are refused from theirs, and what they send on a connection already open is
         dropped unanswered from now on (as a handshake with an unknown key is). A folder that no
-        longer reads as one of keys (none, too many, one that does not parse) changes nothing:
-        the error is logged and the keys read before stay. Returns the number of keys now
-        authorized, or None when nothing changed (an ``ipc://`` server, or an error)."""
-        from kvxfer.security import read_authorized_keys
+        longer reads as one of keys (gone, emptied, too many, a file that does not parse) is
+        logged as an error and lets in only the clients it still lists readably of those let in
+        before (:func:`kvxfer.security.reread_authorized_keys`): a revocation is never undone by
+        a mistake elsewhere in the folder. Returns the number of keys now authorized, or None for
+        an ``ipc://`` server."""
+        from kvxfer.security import reread_authorized_keys
 
         if self._authorized is None or self._authorized_dir is None:
             log.warning("reload of authorized client keys asked for: %s uses no CURVE keys (ipc://)", self.url)
             return None
         with self._reload_lock:  # one at a time: the folder read last is the one kept
-            try:
-                keys = read_authorized_keys(self._authorized_dir)
-            except ConfigError as exc:
-                log.error("authorized client keys not reloaded, the %d read before stay: %s",
-                          len(self._authorized.keys), exc)
-                return None
-            added, removed = len(keys - self._authorized.keys), len(self._authorized.keys - keys)
+            before = self._authorized.keys
+            keys, error = reread_authorized_keys(self._authorized_dir, before)
             self._authorized.keys = keys
-        log.warning("authorized client keys reloaded from %s: %d now (%d added, %d removed; what a removed key's "
-                    "open connections send is dropped unanswered)", self._authorized_dir, len(keys), added, removed)
+        added, removed = len(keys - before), len(before - keys)
+        if error is not None:
+            log.error("authorized client keys read again from %s with an error, so no key was added: %s; %d of the "
+                      "%d keys before stay (those still listed readably; %d removed)%s", self._authorized_dir,
+                      error, len(keys), len(before), removed,
+                      ": no client is let in until the folder lists one" if not keys else "")
+        else:
+            log.warning("authorized client keys reloaded from %s: %d now (%d added, %d removed; what a removed "
+                        "key's open connections send is dropped unanswered)", self._authorized_dir, len(keys),
+                        added, removed)
         return len(keys)
 
     def close(self) -> None:

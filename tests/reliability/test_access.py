@@ -291,7 +291,9 @@ def test_sighup_reads_the_authorized_keys_again(tmp_path):
     """A client added to ``authorized/`` while the server ran was refused until a restart (which
     empties the cache). On SIGHUP the server reads the folder again: a key added gets in; a key
     removed is refused from its next handshake, and what its open connection sends is dropped
-    unanswered; a folder that no longer reads as one of keys changes nothing."""
+    unanswered. A folder that no longer reads as one of keys adds no key and keeps only those of
+    the keys before that it still lists: a revocation beside a broken file holds, and an emptied
+    folder lets no client in (it kept every key before)."""
     import signal
     import time
 
@@ -331,10 +333,21 @@ def test_sighup_reads_the_authorized_keys_again(tmp_path):
         assert "whose CURVE public key" in server.log() and "is no longer in the server's authorized/" in server.log()
         with CacheClient(server.url, curve=load_client_keys(d), timeout=20) as c:
             assert c.status().url == server.url  # the others are served as before
-        for key in (d / "authorized").iterdir():  # no key left: an error, and the keys read before stay
+        # a key removed beside a broken file and a new one: revoked, and the new one stays out
+        add_client(d, "third")
+        assert "1 added" in reloaded(3) and not refused("third")
+        (d / "authorized" / "third.key").unlink()
+        add_client(d, "fourth")
+        (d / "authorized" / "broken.key").write_text("no key here\n")
+        line = reloaded(4)
+        assert "with an error, so no key was added" in line and "broken.key" in line, line
+        assert refused("third") and refused("fourth") and not refused("client")
+        for key in (d / "authorized").iterdir():  # no key left: every client is refused
             key.unlink()
-        assert "not reloaded" in reloaded(3)
-        assert not refused("client")
+        assert "no client is let in" in reloaded(5)
+        assert refused("client")
+        add_client(d, "client2")  # and a clean folder lets clients in again
+        assert "1 added" in reloaded(6) and not refused("client2")
         assert server.proc.poll() is None
     finally:
         server.stop()
