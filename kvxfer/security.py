@@ -26,6 +26,7 @@ SIGHUP (``kill -HUP PID``): the change holds from each client's next handshake.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -125,7 +126,11 @@ def _authorize(directory: Path, public: Path) -> Path:
     dst = auth / public.name
     old = os.umask(0o077)
     try:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:  # never through a link planted there
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            why = "a symbolic link is there" if exc.errno == errno.ELOOP else exc.strerror or exc
+            raise ConfigError(f"cannot authorize {public.name}: {dst}: {why}") from None
         with os.fdopen(fd, "wb") as f:
             f.write(public.read_bytes())
     finally:
@@ -188,19 +193,48 @@ MAX_AUTHORIZED_KEYS: Final = 10_000
 _KEY_LINE = re.compile(rb"^\s*(public|secret)-key\s*=\s*[\"']?([^\"'\s]*)[\"']?\s*$", re.M)
 
 
-def _read_key_file(path: Path, what: str, keys_dir: Path) -> bytes:
-    """The bytes of key file ``path`` (of key directory ``keys_dir``): a regular file of at most
-    :data:`MAX_KEY_FILE_BYTES` (a FIFO would block the reader, ``/dev/zero`` fill its memory)."""
+def _check_trusted(path: Path, what: str, st: os.stat_result) -> None:
+    """Refuse a file or folder that decides who gets in (``authorized/``, its key files, the key
+    directory) unless it is ours and no one else can write it, as ssh's StrictModes does: who can
+    write it can let themselves in."""
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{what} {path} belongs to another user (uid {st.st_uid}); it decides which clients "
+                          "get in, so it must be the server's user's")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise ConfigError(f"{what} {path} is writable by others (mode {mode:o}), who could let themselves in: "
+                          f"run `chmod go-w {path}`")
+
+
+def _check_trusted_dir(path: Path, what: str) -> None:
+    """:func:`_check_trusted` for a directory (the one a symbolic link names, if it is one)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} {path} is not a directory")
+    _check_trusted(path, what, st)
+
+
+def _read_key_file(path: Path, what: str, keys_dir: Path, trusted: bool = False) -> bytes:
+    """The bytes of key file ``path`` (of key directory ``keys_dir``): a regular file of at most
+    :data:`MAX_KEY_FILE_BYTES` (a FIFO would block the reader, ``/dev/zero`` fill its memory).
+    With ``trusted`` (an authorized client key): no symbolic link, and :func:`_check_trusted`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if trusted else 0))
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist; make keys with `kvxfer keys {keys_dir}`") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"{what} {path} is a symbolic link; put the key file itself there") from None
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{what} {path} is not a regular file; a key file is what `kvxfer keys` writes")
+        if trusted:
+            _check_trusted(path, what, st)
         data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
@@ -222,14 +256,15 @@ def _z85_key(text: bytes) -> bytes | None:
         return None
 
 
-def _load(path: Path, what: str, secret: bool, keys_dir: Path | None = None) -> tuple[bytes, bytes | None]:
+def _load(path: Path, what: str, secret: bool, keys_dir: Path | None = None,
+          trusted: bool = False) -> tuple[bytes, bytes | None]:
     """The public key (and, with ``secret``, the secret key) of certificate ``path`` (of key
     directory ``keys_dir``, its parent by default), read through :func:`_read_key_file` and
     checked: keys in Z85 of 32 bytes."""
     if secret:
         _check_private(path, what)
     keys: dict[bytes, bytes] = {}
-    for kind, text in _KEY_LINE.findall(_read_key_file(path, what, keys_dir or path.parent)):
+    for kind, text in _KEY_LINE.findall(_read_key_file(path, what, keys_dir or path.parent, trusted)):
         keys.setdefault(kind, text)
     public = _z85_key(keys.get(b"public", b""))
     if public is None:
@@ -262,7 +297,8 @@ def reread_authorized_keys(authorized: Path, before: frozenset[bytes]) -> tuple[
     kept = set()
     for name in names:
         try:
-            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=authorized.parent)
+            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=authorized.parent,
+                              trusted=True)
         except ConfigError:
             continue
         if public in before:
@@ -283,6 +319,8 @@ def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:
     """The public keys of the ``.key`` files in ``authorized`` (at most
     :data:`MAX_AUTHORIZED_KEYS`), each checked: a file that is no public key stops the server
     with its name (pyzmq's own loader then let no client in at all, saying so only at start)."""
+    _check_trusted_dir(directory, "key directory")
+    _check_trusted_dir(authorized, "authorized client keys")
     names = _key_names(authorized)
     if not names:
         raise ConfigError(
@@ -295,7 +333,8 @@ def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:
     keys = set()
     for name in names:
         try:
-            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=directory)
+            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=directory,
+                              trusted=True)
         except ConfigError as exc:
             raise ConfigError(f"{exc}; remove it from {authorized}, or put a client's .key file there "
                               f"(`kvxfer keys {directory} --client NAME` makes one)") from None

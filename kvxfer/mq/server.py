@@ -103,7 +103,8 @@ BACKLOG_CONNECTIONS = 4
 @dataclass(frozen=True, slots=True)
 class CurveServerKeys:
     """The server's CURVE key pair (z85 bytes), the folder of client public keys allowed in,
-    and those keys (z85 bytes, as read and checked at start: the folder is not read again)."""
+    and those keys (z85 bytes, as read and checked at start; :meth:`MQServer.reload_authorized`
+    reads the folder again)."""
 
     public: bytes
     secret: bytes

@@ -16,7 +16,7 @@ from relkit import TcpServer, Writer, free_port, key
 from kvxfer import CacheClient, ConnectionFailed
 from kvxfer.errors import ConfigError
 from kvxfer.mq.client import CurveClientKeys
-from kvxfer.security import add_client, load_client_keys, load_server_keys, make_keys
+from kvxfer.security import add_client, load_client_keys, load_server_keys, make_keys, reread_authorized_keys
 
 
 def mode(p: Path | str) -> int:
@@ -125,14 +125,11 @@ def test_key_files_that_are_no_keys_are_refused_by_name_and_never_block(tmp_path
     with pytest.raises(ConfigError, match="is not a regular file"):
         load_server_keys(d)
     stray.unlink()
-    stray.symlink_to("nowhere")
-    with pytest.raises(ConfigError, match=rf"does not exist; make keys with `kvxfer keys {re.escape(str(d))}`"):
-        load_server_keys(d)
-    stray.unlink()
-    stray.symlink_to("/dev/zero")
-    with pytest.raises(ConfigError, match="is not a regular file"):
-        load_server_keys(d)
-    stray.unlink()
+    for target in ("nowhere", "/dev/zero", d / "client.key"):  # a link is no key, even to one
+        stray.symlink_to(target)
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(stray))} is a symbolic link"):
+            load_server_keys(d)
+        stray.unlink()
     stray.write_bytes(b"#" * 5000)
     with pytest.raises(ConfigError, match="has more than 4096 bytes"):
         load_server_keys(d)
@@ -351,6 +348,33 @@ def test_sighup_reads_the_authorized_keys_again(tmp_path):
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+def test_a_key_folder_others_can_write_lets_no_one_in(tmp_path):
+    """Who can write ``authorized/``, one of its key files or the key directory can let
+    themselves in; like ssh's StrictModes, the server refuses them unless they are its user's
+    and no one else can write them, at start and when it reads the folder again."""
+    d = tmp_path / "keys"
+    make_keys(d)
+    key = d / "authorized" / "client.key"
+    for path, mode, what in ((d, 0o777, "key directory"), (d / "authorized", 0o1777, "authorized client keys"),
+                             (key, 0o620, "authorized client key")):
+        before = stat.S_IMODE(path.stat().st_mode)
+        path.chmod(mode)
+        with pytest.raises(ConfigError, match=rf"{what} {re.escape(str(path))} is writable by others"):
+            load_server_keys(d)
+        keys, error = reread_authorized_keys(d / "authorized", frozenset({b"x" * 40}))
+        assert error is not None and "writable by others" in error
+        path.chmod(before)
+    assert len(load_server_keys(d).authorized) == 1
+    if os.getuid() == 0:  # only root can give a file away
+        os.chown(key, 65534, -1)
+        with pytest.raises(ConfigError, match=rf"authorized client key {re.escape(str(key))} belongs to another user"):
+            load_server_keys(d)
+        os.chown(key, 0, -1)
+    (d / "authorized" / "late.key").symlink_to(key)  # add_client never writes through a link there
+    with pytest.raises(ConfigError, match="a symbolic link is there"):
+        add_client(d, "late")
 
 
 def _catches(pid: int, sig: int) -> bool:
