@@ -72,7 +72,7 @@ from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
 from kvxfer.server.limits import Limits
 from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.stats import ServerStats
-from kvxfer.server.tier import L2Tier, TierLookup
+from kvxfer.server.tier import L2Tier, TierLookup, all_settled
 from kvxfer.server.workers import Lane, LaneSlot, WorkerPool
 from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
@@ -1251,10 +1251,18 @@ class CacheServer:
         self.limits.check("max_waiting", self._waiting)
         self.limits.check("max_waiting_per_session", session.waiting)
 
-    def _promotions_of(self, ctx: RegisteredContext, hashes: list[bytes]) -> Future[None] | None:
-        """Promotions from L2 still running for chunks ``hashes`` of ``ctx`` (a retrieve waits
-        for them)."""
-        return self.tier.pending(ctx.keys(hashes)) if self.tier is not None and self.tier.promoting else None
+    def _promotions_of(self, session: Session, ctx: RegisteredContext, hashes: list[bytes]) -> Future[None] | None:
+        """A future that resolves once the promotions from L2 still running for chunks ``hashes``
+        of ``ctx`` have ended (a transfer of them waits for it), or None when none is. Raises
+        LimitExceeded, before it waits on anything, unless ``session`` may have one more request
+        waiting (:meth:`_check_waiting`)."""
+        if self.tier is None or not self.tier.promoting:
+            return None
+        futures = self.tier.pending(ctx.keys(hashes))
+        if not futures:
+            return None
+        self._check_waiting(session)
+        return all_settled(futures)
 
     def _on_release_lease(self, session: Session, msg: m.ReleaseLease) -> m.Empty:
         self.index.release_lease(msg.lease_id)
@@ -1306,8 +1314,11 @@ class CacheServer:
             self.index.release_lease(lease_id, [keys[i] for i in missing])
         return res, missing
 
-    def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply:
+    def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply | _Awaiting:
         ctx = self._client_driven(session, msg.instance_id)
+        promoting = self._promotions_of(session, ctx, msg.hashes)
+        if promoting is not None:  # present only once its bytes are: a promotion that fails frees the key
+            return _Awaiting(session, promoting, lambda: self._on_reserve_write(session, msg))
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         slots = [m.Slot(i, e.offset) for i, e in res.entries]
@@ -1364,9 +1375,8 @@ class CacheServer:
 
     def _on_reserve_read(self, session: Session, msg: m.ReserveRead) -> m.ReserveReadReply | _Awaiting:
         ctx = self._client_driven(session, msg.instance_id)
-        promoting = self._promotions_of(ctx, msg.hashes)
+        promoting = self._promotions_of(session, ctx, msg.hashes)
         if promoting is not None:
-            self._check_waiting(session)
             return _Awaiting(session, promoting, lambda: self._on_reserve_read(session, msg))
         res, missing = self._reserve_read(session, ctx, msg.hashes, msg.lease_id, msg.skipped)
         res.missing = len(missing)
@@ -1430,8 +1440,18 @@ class CacheServer:
                                      "layer_ranges): retrieve every layer")
         return range(span[0], span[1])
 
-    def _on_store(self, session: Session, msg: m.Store) -> m.StoreResult | _Deferred:
+    def _on_store(self, session: Session, msg: m.Store,
+                  waited: tuple[RegisteredContext, LaneSlot] | None = None) -> m.StoreResult | _Deferred | _Awaiting:
+        """A server-driven store. One of chunks being promoted from L2 waits for the promotion
+        (a chunk is present once its bytes are; one whose promotion failed is stored), holding its
+        place in the instance's lane as a waiting retrieve does (``waited``: see :meth:`_on_retrieve`)."""
         ctx = self._server_driven(session, msg.instance_id)
+        slot = None
+        if waited is not None:
+            if waited[0] is not ctx:
+                raise UnknownInstance(f"instance {msg.instance_id} was unregistered while this store waited for "
+                                      "chunks promoted from L2: nothing stored; store again once registered")
+            slot = waited[1]
         _check_deadline(msg.deadline)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
         params = self._params(ctx, msg.params)
@@ -1439,7 +1459,14 @@ class CacheServer:
             self._past_deadline(ctx, "store", msg.deadline)
             self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), 0, len(msg.hashes),
                                 ctx.chunk.nbytes, 0.0, 0.0, abandoned=True)
+            if slot is not None:
+                ctx.executor.cancel(slot)
             return m.StoreResult([], [], list(range(len(msg.hashes))))
+        promoting = self._promotions_of(session, ctx, msg.hashes)
+        if promoting is not None:
+            place = slot if slot is not None else ctx.executor.reserve()
+            return _Awaiting(session, promoting, lambda: self._on_store(session, msg, (ctx, place)),
+                             functools.partial(ctx.executor.cancel, place))
         res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         res.in_flight = True
@@ -1468,7 +1495,8 @@ class CacheServer:
                 out = self._commit_write(ctx, res, [], copy.seconds())
             return m.StoreResult(out.stored, present, sorted(set(no_space) | set(out.failed)))
 
-        return _Deferred(ctx.executor, work, finish, ctx.transport, quick=server_context, waiting=ctx.waiting)
+        return _Deferred(ctx.executor, work, finish, ctx.transport, quick=server_context, waiting=ctx.waiting,
+                         slot=slot)
 
     def _past_deadline(self, ctx: RegisteredContext, kind: str, deadline: float) -> None:
         """A store or retrieve reached its copy past its client's deadline (logged at most once a
@@ -1498,9 +1526,8 @@ class CacheServer:
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids, msg.skip_first_n_tokens)
         params = self._params(ctx, msg.params)
         layers = self._layer_range(ctx, msg.layers)
-        promoting = self._promotions_of(ctx, msg.hashes)
+        promoting = self._promotions_of(session, ctx, msg.hashes)
         if promoting is not None:
-            self._check_waiting(session)
             place = slot if slot is not None else ctx.executor.reserve()
             return _Awaiting(session, promoting, lambda: self._on_retrieve(session, msg, (ctx, place)),
                              functools.partial(ctx.executor.cancel, place))

@@ -1453,10 +1453,8 @@ class L2Tier:
             e = p.res.entries[j][1]
             found.append(None)
             try:
-                if status is GetStatus.MISS:
-                    continue
-                if status is GetStatus.WRONG_SIZE:
-                    raise DamagedValue("its size changed since the lookup")
+                if status is not GetStatus.HIT:  # gone, or replaced since the lookup (another
+                    continue  # layout's value, say: not this server's to delete); a miss
                 header = decode_header(p.headers[j], e.key, p.expected[j])
                 if header.length != e.size:
                     raise DamagedValue(f"its header says {header.length} chunk bytes, the value has {e.size}")
@@ -1563,11 +1561,11 @@ class L2Tier:
                 self.promoting_changes += 1
             _settle(fut)
 
-    def pending(self, keys: Sequence[ChunkKey]) -> Future[None] | None:
-        """A future that resolves once every promotion among ``keys`` has ended (resolved on the
-        loop), or None when none of them is being promoted."""
-        futs = [f for f in (self.promoting.get(k) for k in keys) if f is not None]
-        return all_settled(futs) if futs else None
+    def pending(self, keys: Sequence[ChunkKey]) -> list[Future[None]]:
+        """The promotions still running among ``keys`` (their futures, resolved on the loop), each
+        once however often its keys are named: what a request waits for (:func:`all_settled`)."""
+        promoting = self.promoting
+        return list({id(f): f for f in (promoting.get(k) for k in keys) if f is not None}.values())
 
     # ------------------------------------------------------------------ health (its thread)
 

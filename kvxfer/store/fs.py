@@ -280,6 +280,16 @@ class FsBackend(ThreadedBackend):
                 return False
             return True
 
+    def _not_a_value(self, name: str) -> None:
+        """Name ``name`` holds no value the store wrote (a link, a socket, a device, a file made
+        unreadable): forget it and remove it, so that no lookup counts it again."""
+        with self._lock:
+            gone = self._lru.pop(name, None)
+            if gone is not None:
+                self.used -= gone
+        with contextlib.suppress(OSError):
+            self._unlink(name)
+
     def _make_room(self, size: int) -> None:
         """Evict least recently used files until ``size`` more bytes fit (lock held or init)."""
         while self._lru and self.used + size > self.max_size:
@@ -319,12 +329,22 @@ class FsBackend(ThreadedBackend):
             except OSError as exc:
                 if exc.errno not in _NOT_A_VALUE:
                     raise
-                out.append(GetStatus.WRONG_SIZE)  # a link, a socket, a device, a file made unreadable
+                self._not_a_value(name)  # a link, a socket, a device, a file made unreadable
+                out.append(GetStatus.WRONG_SIZE)
                 continue
             try:
                 st = os.fstat(fd)
                 size = st.st_size
-                if not stat.S_ISREG(st.st_mode) or size != want:  # a FIFO, a device...: not a value
+                if not stat.S_ISREG(st.st_mode):  # a FIFO, a device...: not a value
+                    self._not_a_value(name)
+                    out.append(GetStatus.WRONG_SIZE)
+                    continue
+                if size != want:  # replaced since the lookup (another layout's value): its size now
+                    with self._lock:
+                        old = self._lru.get(name)
+                        if old is not None:
+                            self._lru[name] = size
+                            self.used += size - old
                     out.append(GetStatus.WRONG_SIZE)
                     continue
                 got = _readv_all(fd, parts)

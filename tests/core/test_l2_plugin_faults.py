@@ -106,13 +106,13 @@ def test_a_faulty_lookup_or_promotion_is_a_miss_from_l2_not_an_internal_error(te
 
 
 def _stuck_server(test_plugin_path: Path, l2: Path, *, quick: bool = False, l1_size: str = "8MiB",
-                  writers: int = 2, readers: int = 2) -> ServerProcess:
+                  writers: int = 2, readers: int = 2, transports: str = "cpu_gather") -> ServerProcess:
     """A server whose tier gives up on a store operation after 4 x (0.2 + 0.5) = 2.8 s (``quick``:
     4 x (0.1 + 0.1) = 0.8 s) and the time its bytes take at 4 MiB/s, and on its close 5 s (to
     drain the writes) + that + 1 s."""
     timeouts = ["--l2-timeout", "0.1", "--l2-bulk-timeout", "0.1"] if quick else \
         ["--l2-timeout", "0.2", "--l2-bulk-timeout", "0.5"]
-    return ServerProcess(l1_size=l1_size, chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
+    return ServerProcess(l1_size=l1_size, chunk_size=CHUNK_SIZE, transports=transports, env=env_with(test_plugin_path),
                          extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", *timeouts,
                                      "--l2-writers", str(writers), "--l2-readers", str(readers)])
 
@@ -591,3 +591,39 @@ def test_the_store_kit_fails_a_backend_whose_close_never_returns() -> None:
             _close_within(Stuck(), 0.5)  # type: ignore[arg-type]
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("transport", ["cpu_gather", "file_debug"])
+def test_a_store_of_chunks_being_promoted_waits_and_stores_what_the_promotion_lost(test_plugin_path: Path,
+                                                                                   tmp_path: Path,
+                                                                                   transport: str) -> None:
+    """A store of chunks whose promotion from L2 is under way (another engine's lookup started it)
+    was answered "present" at once, before their bytes were in L1. When the promotion then failed
+    (here: the value turned out damaged), the chunks were in neither tier while the storing engine
+    was told they were stored. Now the store waits for the promotion, then stores what it lost
+    (client-driven and server-driven stores alike)."""
+    l2 = tmp_path / "l2"
+    fault = Path(f"{l2}.fault")
+    with _stuck_server(test_plugin_path, l2, transports=f"cpu_gather,{transport}") as srv, \
+            CacheClient(srv.url, timeout=30) as c:
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="promoting", block_size=BLOCK_SIZE,
+                        transport=transport)
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=f"promoting-{transport}")
+        blocks = list(range(2 * BLOCKS_PER_CHUNK))
+        assert kv.submit_store(hashes, blocks).result(30).stored == [0, 1]
+        wait_until(lambda: (t := _tier(c)).writes == 2 and t.queue_depth == 0, timeout=30)
+        assert c.clear("promoting") == 2
+        fault.write_text("get_hangs")
+        lease = c.lookup_and_lease("promoting", hashes=hashes, lease_s=30)
+        assert (lease.hits, lease.l2_hits) == (2, 2) and _tier(c).promoting == 2
+        store = kv.submit_store(hashes, blocks)
+        time.sleep(0.3)
+        assert not store.done()  # it waits for the promotion
+        fault.write_text("get_flips")  # the gets end with damaged values: the promotion fails
+        result = store.result(30)
+        assert (result.stored, result.present, result.failed) == ([0, 1], [], [])
+        c.release_lease(lease.lease_id)
+        assert c.lookup("promoting", hashes=hashes) == 2 and c.status().arena.chunks == 2
+        got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK))).result(30)
+        assert got.loaded == [0, 1]
+        assert _internal_errors(c) == 0 and srv.proc.poll() is None
