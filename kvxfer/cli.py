@@ -20,7 +20,9 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -51,9 +53,13 @@ READY_LINE: Final = "kvxfer server ready at"
 # --------------------------------------------------------------------------- serve
 
 
-def _curve_server(curve_dir: str | None) -> CurveServerKeys | None:
+def _curve_server(curve_dir: str | None, url: str) -> CurveServerKeys | None:
     if curve_dir is None:
         return None
+    if not url.startswith("tcp://"):
+        raise ConfigError(f"--curve-dir {curve_dir}: CURVE keys admit clients of a tcp:// server; {url} admits "
+                          "local processes by its socket's permissions and their credentials, and would use no key: "
+                          "leave --curve-dir out, or serve at tcp://HOST:PORT")
     from kvxfer.security import load_server_keys
 
     return load_server_keys(Path(curve_dir))
@@ -154,6 +160,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.url.startswith("inproc://"):
         raise ConfigError(f"--url {args.url}: an inproc:// server is reachable only from its own process; serve "
                           "at ipc://PATH (this host) or tcp://HOST:PORT")
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise ConfigError(f"--metrics-host {args.metrics_host}: no metrics are served without --metrics-port N "
+                          "(0: any free port)")
+    hangups: list[int] = []
+    if args.url.startswith("tcp://") and threading.current_thread() is threading.main_thread():
+        # SIGHUP ends a process by default: one sent while the arena fills in (seconds) is kept
+        # for the server to act on once it serves, as kvxfer keys --client tells operators to send
+        signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
     config = ServerConfig(
         url=args.url,
         l1_size=parse_size(args.l1_size),
@@ -164,11 +178,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         session_timeout_s=args.session_timeout,
         heartbeat_s=min(1.0, args.session_timeout / 3),
         max_message_size=parse_size(args.max_message_size),
-        curve=_curve_server(args.curve_dir),
+        curve=_curve_server(args.curve_dir, args.url),
         l2=_l2_config(args),
         limits=_limits(args),
         metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        metrics_host=args.metrics_host or "127.0.0.1",
         metrics_max_models=args.metrics_max_models,
         busy_poll_s=args.busy_poll_us / 1e6,
         parent_pid=parent,
@@ -186,6 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         extra += f", metrics at {server.metrics_url}"
     print(f"{READY_LINE} {config.url} (arena {format_bytes(server.arena.size)}, "
           f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
+    if hangups:
+        server.reload_authorized_keys()
     server.serve_forever(install_signal_handlers=True)
     removed = "arena and socket are" if config.url.startswith("ipc://") else "arena is"
     print(f"kvxfer server at {config.url} stopped: its {removed} removed", flush=True)
@@ -438,6 +454,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 
+def _size_arg(text: str) -> int:
+    """A byte size option's value (:func:`parse_size`), refused with parse_size's own message
+    (argparse shows only "invalid value" for a ValueError)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _limit_options(parser: argparse.ArgumentParser) -> None:
     """One option per limit of kvxfer.server.limits (defaults: docs/reliability.md)."""
     from kvxfer.server.limits import SPECS, Limits
@@ -449,7 +474,7 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, spec.name)
         kind: Callable[[str], object]
         if spec.unit == "bytes":
-            kind, shown = parse_size, format_bytes(default) if default is not None else "the --l1-size"
+            kind, shown = _size_arg, format_bytes(default) if default is not None else "the --l1-size"
         elif spec.unit == "seconds":
             kind, shown = float, f"{default:g} s"
         else:
@@ -489,8 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--curve-dir", default=None, help="CURVE keys made by `kvxfer keys` (required for tcp://)")
     s.add_argument("--metrics-port", type=int, default=None, metavar="N",
                    help="serve Prometheus metrics at http://HOST:N/metrics (0: any free port; default: none)")
-    s.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the metrics endpoint (default: %(default)s, this host only)")
+    s.add_argument("--metrics-host", default=None,
+                   help="address of the metrics endpoint (default: 127.0.0.1, this host only)")
     s.add_argument("--metrics-max-models", type=int, default=32, metavar="N",
                    help="model names with their own label in metrics; later ones share '__other__' "
                         "(default: %(default)s)")

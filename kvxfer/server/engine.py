@@ -530,9 +530,13 @@ class CacheServer:
         self._mq.stop()
 
     def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
-        """SIGHUP (a ``tcp://`` server): read the authorized client keys again, at the loop's next
-        tick (within about 0.25 s): a handler takes no lock the main thread may hold. Signals
-        that come before it are one reload, of the folder as it is then."""
+        """SIGHUP (a ``tcp://`` server): :meth:`reload_authorized_keys`."""
+        self.reload_authorized_keys()
+
+    def reload_authorized_keys(self) -> None:
+        """Read the authorized client keys again (a ``tcp://`` server), at the loop's next tick
+        (within about 0.25 s of serving): safe from a signal handler, as it takes no lock. Calls
+        that come before that tick are one reload, of the folder as it is then."""
         self._reload_keys = True
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

@@ -500,6 +500,12 @@ def test_urls_that_name_no_socket_say_what_they_name(tmp_path: Path, capsys) -> 
     (("--l1-size", "10"), "--l1-size must be at least 4 KiB (a size takes a unit: 64MiB, 4GiB), got 10 bytes"),
     (("--chunk-size", "0"), "--chunk-size must be a positive number of tokens of at most 1048576, got 0"),
     (("--url", "ipc://relative.sock"), "an ipc:// url takes an absolute path"),
+    # options that would do nothing: keys an ipc:// server never uses (the SIGHUP that kvxfer keys
+    # --client then says to send ended it), a metrics address with no metrics served
+    (("--url", "ipc:///tmp/kvxfer-cli-test/s.sock", "--curve-dir", "/tmp/keys"),
+     "--curve-dir /tmp/keys: CURVE keys admit clients of a tcp:// server"),
+    (("--metrics-host", "::"), "--metrics-host ::: no metrics are served without --metrics-port N"),
+    (("--max-kv-cache-size", "foo"), "--max-kv-cache-size: not a size: 'foo' (examples: 4GiB"),
 ])
 def test_serve_refuses_values_that_cannot_be_meant_by_their_flags_names(argv: tuple[str, ...], says: str) -> None:
     proc = run("serve", *argv)

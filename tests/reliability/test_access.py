@@ -7,6 +7,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -414,5 +415,33 @@ def test_sighup_is_caught_by_a_tcp_server_only(tmp_path):
     try:
         server.wait_ready(load_client_keys(d))
         assert _catches(server.proc.pid, signal.SIGHUP)
+    finally:
+        server.stop()
+
+
+def test_a_sighup_while_a_tcp_server_starts_is_a_reload_once_it_serves(tmp_path):
+    """``kvxfer keys --client`` tells the operator to send SIGHUP; one sent while the server still
+    fills its arena in (seconds for a large one) ended it (exit 129), as the handler came only
+    when it began to serve. It is caught from the start and acted on once the server serves."""
+    import signal
+
+    d = tmp_path / "keys"
+    make_keys(d)
+    server = TcpServer(d, l1_size="2GiB")  # seconds to fill in on these machines
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches(server.proc.pid, signal.SIGHUP):
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        assert "serving" not in server.log()  # still starting
+        add_client(d, "late")
+        server.proc.send_signal(signal.SIGHUP)
+        server.wait_ready(load_client_keys(d), timeout=120)
+        wait = time.monotonic() + 20
+        while "authorized client keys reloaded" not in server.log():
+            assert time.monotonic() < wait, server.log()
+            time.sleep(0.05)
+        with CacheClient(server.url, curve=load_client_keys(d, "late"), timeout=20) as c:
+            assert c.status().url == server.url
     finally:
         server.stop()
