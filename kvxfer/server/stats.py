@@ -13,6 +13,7 @@ request table; error codes from :mod:`kvxfer.errors`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from bisect import bisect_left
 from collections import deque
@@ -22,6 +23,7 @@ from typing import Final
 __all__ = [
     "OTHER_MODEL",
     "MAX_MODEL_LABEL",
+    "model_label",
     "REQUEST_BUCKETS",
     "TRANSFER_BUCKETS",
     "RECENT",
@@ -33,7 +35,7 @@ __all__ = [
 
 #: The model label of every model beyond the first ``max_models``.
 OTHER_MODEL: Final = "__other__"
-#: Longest model label; longer names are cut (two names that differ only after it share a label).
+#: Longest model label; a longer name is cut in the middle (see :func:`model_label`).
 MAX_MODEL_LABEL: Final = 128
 #: Bucket bounds (seconds) of server-side request durations: a lookup takes ~50 us inside the
 #: server, a register of a large cache through CUDA IPC several seconds.
@@ -115,6 +117,19 @@ class TrafficStats:
     retrieve: Histogram = field(default_factory=lambda: Histogram(TRANSFER_BUCKETS))
 
 
+def model_label(model_name: str) -> str:
+    """``model_name`` as a label of at most :data:`MAX_MODEL_LABEL` characters. A longer name
+    keeps its start and its end (the vLLM connector's names end in ``@dtype#fingerprint``, which
+    tell an engine's variants apart) around 8 hex digits of its SHA-256, so that names that
+    differ anywhere keep labels of their own (cut at the end, two engines of one model path in
+    different layouts shared one label, and their figures were summed)."""
+    if len(model_name) <= MAX_MODEL_LABEL:
+        return model_name
+    digest = hashlib.sha256(model_name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    tail = MAX_MODEL_LABEL - 64 - len(digest) - 2
+    return f"{model_name[:64]}…{digest}…{model_name[-tail:]}"
+
+
 class ServerStats:
     """Running figures of one server. Loop thread only."""
 
@@ -122,7 +137,7 @@ class ServerStats:
         if max_models < 0:
             raise ValueError(f"max_models must be >= 0, got {max_models}")
         self.max_models = max_models
-        #: model name -> its label (the name, cut to MAX_MODEL_LABEL), for the first
+        #: model name -> its label (:func:`model_label`), for the first
         #: ``max_models`` names only: every other name is OTHER_MODEL and is not remembered (a
         #: client registering ever new names must not grow the server)
         self._labels: dict[str, str] = {}
@@ -152,7 +167,7 @@ class ServerStats:
             if len(self._labels) >= self.max_models:
                 label = OTHER_MODEL
             else:
-                label = self._labels[model_name] = model_name[:MAX_MODEL_LABEL]
+                label = self._labels[model_name] = model_label(model_name)
             self._model(label)
         return label
 

@@ -483,3 +483,24 @@ def test_a_scrape_of_some_families_by_name_gets_them(url: str) -> None:
     assert len(described) == len(CORE_FAMILIES)
     CollectorRegistry(auto_describe=True).register(ServerCollector(None))  # type: ignore[arg-type]  # described, not collected
 
+
+
+def test_long_model_names_that_differ_only_at_their_end_keep_labels_of_their_own() -> None:
+    """The vLLM connector names a model ``PATH@dtype#fingerprint``: 152 characters with a Hugging
+    Face snapshot path. Labels were the first 128, so two engines of one path in two layouts
+    (fingerprints) shared a label and their figures were summed. A long name is cut in the
+    middle, around a digest of the whole name, and keeps its end."""
+    path = "/root/.cache/huggingface/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/" + "0e9e39f2" * 5
+    names = [f"{path}@bfloat16#{fp}" for fp in ("0123456789abcdef", "fedcba9876543210")]
+    assert all(len(n) > 128 for n in names)
+    with ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--metrics-port", "0"]) as srv, CacheClient(srv.url) as c:
+        for name in names:
+            c.register(flash_attn_kv(), model_name=name, block_size=BLOCK_SIZE, transport="cpu_gather")
+            c.lookup(name, hashes=chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE))
+        samples = scrape(c.status().metrics_url)
+    labels = {dict(lb)["model"]: v for (n, lb), v in samples.items() if n == "kvxfer_lookups_total"}
+    assert len(labels) == 2 and all(v == 1 for v in labels.values()), labels
+    for name in names:
+        (label,) = [lb for lb in labels if lb.endswith(name[-40:])]
+        assert len(label) <= 128 and label.startswith(name[:64])
