@@ -167,6 +167,14 @@ def make_keys(directory: Path) -> dict[str, Path]:
     }
 
 
+def check_client_name(name: str) -> str:
+    """``name`` if it can name a client key pair (ConfigError otherwise): a file name in the key
+    directory, never a path out of it."""
+    if not _NAME.fullmatch(name) or name == SERVER_NAME:
+        raise ConfigError(f"client name {name!r}: use letters, digits, '.', '_' or '-' (not {SERVER_NAME!r})"[:300])
+    return name
+
+
 def add_client(directory: Path, name: str) -> dict[str, Path]:
     """Make another client key pair named ``name`` in ``directory`` and authorize it.
 
@@ -174,8 +182,7 @@ def add_client(directory: Path, name: str) -> dict[str, Path]:
     """
     _require_curve()
     directory = Path(directory)
-    if not _NAME.fullmatch(name) or name == SERVER_NAME:
-        raise ConfigError(f"client name {name!r}: use letters, digits, '.', '_' or '-' (not {SERVER_NAME!r})")
+    check_client_name(name)
     if not (directory / f"{SERVER_NAME}.key").exists():
         raise ConfigError(f"{directory} has no server key; run `kvxfer keys {directory}` first")
     _private_dir(directory)
@@ -362,6 +369,7 @@ def load_client_keys(directory: Path, name: str = CLIENT_NAME) -> CurveClientKey
     """Client ``name``'s key pair and the server's public key, from ``directory``."""
     _require_curve()
     directory = Path(directory)
+    check_client_name(name)
     if not (directory / f"{name}.key_secret").exists() and (directory / f"{SERVER_NAME}.key").exists():
         raise ConfigError(f"client {name!r} has no keys in {directory}; add them with "
                           f"`kvxfer keys {directory} --client {name}`")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -393,6 +394,29 @@ def test_the_vllm_connector_reads_numbers_written_as_strings_alike() -> None:
         ConnectorConfig.from_mapping({"kvxfer.load_timeout_ms": 10000}, **args)
     assert ConnectorConfig.from_mapping({"kvxfer.load_timeout_ms": 10000, "kvxfer.timeout_s": 11},
                                         **args).load_timeout_s == 10.0
+
+
+def test_the_vllm_connector_refuses_names_and_leases_it_would_misread() -> None:
+    """Values that were taken silently: an empty or false ``model_name`` meant the default one,
+    a list as ``curve_dir`` became its text, a ``curve_name`` with a path in it read keys from
+    outside the key directory, and a lease of 1e-300 s meant no lease at all."""
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    args = dict(kv_role="kv_both", block_size=16, world_size=1, rank=0, default_model_name="m")
+    for key, bad, says in (("kvxfer.model_name", "", "must be a non-empty string"),
+                           ("kvxfer.model_name", False, "must be a non-empty string"),
+                           ("kvxfer.model_name", 0, "must be a non-empty string"),
+                           ("kvxfer.curve_dir", ["a"], "must be the path of a directory"),
+                           ("kvxfer.curve_dir", "", "must be the path of a directory"),
+                           ("kvxfer.curve_name", "../x", "kvxfer.curve_name: client name '../x'"),
+                           ("kvxfer.curve_name", 7, "must be a client key pair's name"),
+                           ("kvxfer.lease_s", 1e-300, "kvxfer.lease_s must be a number of seconds from 0.1")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            ConnectorConfig.from_mapping({key: bad}, **args)
+    c = ConnectorConfig.from_mapping({"kvxfer.curve_dir": "/k", "kvxfer.curve_name": "w1", "kvxfer.lease_s": 0.1},
+                                     **args)
+    assert (c.model_name, c.curve_dir, c.curve_name, c.lease_s) == ("m", "/k", "w1", 0.1)
 
 
 @pytest.mark.parametrize("argv", [

@@ -181,9 +181,10 @@ class ConnectorConfig:
         transport = extra.get("kvxfer.transport", "auto")
         if not isinstance(transport, str) or not transport:
             raise ConfigError(f"kvxfer.transport must be a transport name or 'auto', got {transport!r}")
-        model_name = extra.get("kvxfer.model_name") or default_model_name
+        model_name = extra.get("kvxfer.model_name", default_model_name)  # given empty is a mistake
         if not isinstance(model_name, str) or not model_name:
-            raise ConfigError("kvxfer.model_name must be a non-empty string (or set vLLM's model)")
+            raise ConfigError(f"kvxfer.model_name must be a non-empty string (left out: vLLM's model and its KV "
+                              f"dtype), got {model_name!r}"[:300])
         problem = unprintable_in(model_name)  # the server's rule for names
         if problem is not None:
             raise ConfigError(f"kvxfer.model_name {problem}")
@@ -216,7 +217,8 @@ class ConnectorConfig:
             transport=transport,
             chunk_size=chunk_size,
             timeout_s=timeout_s,
-            lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0)),
+            # a lease shorter than a scheduler step lapses before its load: no lease at all
+            lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0), least=0.1),
             load_timeout_s=load_timeout_s,
             on_server_error=on_error,
             retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0), MAX_RETRY_S, 0.1),
@@ -225,8 +227,8 @@ class ConnectorConfig:
             layout=layout,
             layerwise=layerwise,
             prefetch=prefetch,
-            curve_dir=str(extra["kvxfer.curve_dir"]) if extra.get("kvxfer.curve_dir") else None,
-            curve_name=str(extra.get("kvxfer.curve_name") or "client"),
+            curve_dir=_curve_dir(extra.get("kvxfer.curve_dir")),
+            curve_name=_curve_name(extra.get("kvxfer.curve_name", "client")),
             kv_role=kv_role,  # type: ignore[arg-type]  # validated against the Literal just above
             block_size=block_size,
             world_size=world_size,
@@ -282,6 +284,28 @@ def _positive_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}"[:300])
     return value
+
+
+def _curve_dir(value: Any) -> str | None:
+    """``kvxfer.curve_dir``: a directory's path, or left out (None)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError(f"kvxfer.curve_dir must be the path of a directory of keys from `kvxfer keys`, got "
+                          f"{value!r}"[:300])
+    return value
+
+
+def _curve_name(value: Any) -> str:
+    """``kvxfer.curve_name``: a client key pair's name, as ``kvxfer keys --client NAME`` takes it."""
+    from kvxfer.security import check_client_name
+
+    if not isinstance(value, str):
+        raise ConfigError(f"kvxfer.curve_name must be a client key pair's name, got {value!r}"[:300])
+    try:
+        return check_client_name(value)
+    except ConfigError as exc:
+        raise ConfigError(f"kvxfer.curve_name: {exc}") from None
 
 
 def _positive_float(key: str, value: Any, most: float = math.inf, least: float = 0.0) -> float:
