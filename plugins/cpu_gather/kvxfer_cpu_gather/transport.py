@@ -6,6 +6,7 @@ Importing it imports no torch (``kvxfer plugins`` loads it to probe it): the cop
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
@@ -44,10 +45,7 @@ def copy_threads() -> int:
     raw = os.environ.get(THREADS_ENV, "")
     if not raw:
         return host_copy_threads()
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
+    n = int(raw) if re.fullmatch(r"[0-9]{1,9}", raw) else 0  # ASCII digits only: int() takes "1_6", "٤"
     if not 1 <= n <= MAX_THREADS:
         raise ConfigError(f"{THREADS_ENV} must be an integer in [1, {MAX_THREADS}] (threads per copy), got {raw!r}")
     return n

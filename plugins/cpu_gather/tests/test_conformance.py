@@ -102,10 +102,11 @@ class TestCpuGather(TransportConformance):
     def test_a_bad_thread_count_is_refused_at_registration(self, kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
         from kvxfer import ConfigError
 
-        monkeypatch.setenv("KVXFER_CPU_GATHER_THREADS", "many")
         spec = kit.spec()
-        with pytest.raises(ConfigError, match="KVXFER_CPU_GATHER_THREADS must be an integer in"):
-            kit.register(kit.kv(spec), spec)
+        for bad in ("many", "1_6", "\u0664", " 2"):  # int() reads the last three as 16, 4 and 2
+            monkeypatch.setenv("KVXFER_CPU_GATHER_THREADS", bad)
+            with pytest.raises(ConfigError, match="KVXFER_CPU_GATHER_THREADS must be an integer in"):
+                kit.register(kit.kv(spec), spec)
 
     def test_a_copy_that_does_not_fit_is_refused_before_the_c_copy_sees_it(self, kit: Kit) -> None:
         """The host copies hand raw addresses to the C row copy: a copy unlike those the core

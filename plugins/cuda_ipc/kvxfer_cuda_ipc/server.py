@@ -91,10 +91,8 @@ def _staging_bytes() -> int:
     """``$KVXFER_CUDA_IPC_STAGING_MIB`` in bytes (default 128 MiB); ConfigError unless an integer
     in [1, 65536]."""
     raw = os.environ.get("KVXFER_CUDA_IPC_STAGING_MIB", "")
-    try:
-        mib = int(raw) if raw else _DEFAULT_STAGING_MIB
-    except ValueError:
-        mib = 0
+    # ASCII digits only: int() takes "1_6" and "٤"
+    mib = _DEFAULT_STAGING_MIB if not raw else int(raw) if re.fullmatch(r"[0-9]{1,9}", raw) else 0
     if not 1 <= mib <= _MAX_STAGING_MIB:
         raise ConfigError(f"KVXFER_CUDA_IPC_STAGING_MIB must be an integer number of MiB in [1, {_MAX_STAGING_MIB}] "
                           f"(device staging per registration), got {raw!r}")

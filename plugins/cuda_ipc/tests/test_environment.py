@@ -21,6 +21,7 @@ _PR_GET_TIMERSLACK = 30
     ("KVXFER_CUDA_IPC_KERNEL", "TORCH"), ("KVXFER_CUDA_IPC_KERNEL", "cuda"),
     ("KVXFER_CUDA_IPC_STAGING_MIB", "0"), ("KVXFER_CUDA_IPC_STAGING_MIB", "-5"),
     ("KVXFER_CUDA_IPC_STAGING_MIB", "1e3"), ("KVXFER_CUDA_IPC_STAGING_MIB", str(1 << 40)),
+    ("KVXFER_CUDA_IPC_STAGING_MIB", "1_6"), ("KVXFER_CUDA_IPC_STAGING_MIB", "\u0664"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
