@@ -197,8 +197,8 @@ class ChunkIndex:
         #: Entries added, made readable or removed so far: a lookup that waited for L2 sees
         #: whether what it read of the index still holds.
         self.changes = 0
-        #: Write reservations whose slots are being filled (a store's copy, a promotion), and when
-        #: the last one ended (time.monotonic()): the L2 writers wait for quiet. Read by other threads.
+        #: Write reservations whose slots a client's copy is filling, and when the last one ended
+        #: (time.monotonic()): the L2 writers wait for quiet. Read by other threads.
         self.filling = 0
         self.filled_at = 0.0
 
@@ -386,9 +386,11 @@ class ChunkIndex:
     # ------------------------------------------------------------------ writes
 
     def reserve_write(
-        self, keys: Sequence[ChunkKey], fmt: str, size: int, instance_id: int, owner: Usage
+        self, keys: Sequence[ChunkKey], fmt: str, size: int, instance_id: int, owner: Usage, filling: bool = True
     ) -> tuple[Reservation, list[int], list[int]]:
-        """Slots for the keys not present. Returns (reservation, present, no_space).
+        """Slots for the keys not present. Returns (reservation, present, no_space). ``filling``:
+        the slots are filled by a client's copy, counted in :attr:`filling` (a promotion from L2
+        is not: the L2 writers yield to client copies only).
 
         Refused (InvalidRequest, before anything is evicted or reserved) when a key is stored in
         another format. A present key counts as used: it is not evicted to make room for the
@@ -435,7 +437,7 @@ class ChunkIndex:
                 self._evictable(h)
             if evicted:
                 self._report_evicted(evicted)
-        if res.entries:
+        if res.entries and filling:
             res.filling = True
             self.filling += 1
         return self._open(res), present, no_space

@@ -869,10 +869,13 @@ class L2Tier:
                 self.call_soon(done)
 
     def _yield_to_stores(self) -> None:
-        """Wait (at most ``write_yield_s``) until no store or promotion has been filling arena
-        slots for ``_QUIET_S``: an L2 write reads its chunks from memory once to checksum them and
-        once to send them (and the store's own receive, on the same host, twice more), which on a
-        host short of cores and memory bandwidth is taken from the copy of a store in progress."""
+        """Wait (at most ``write_yield_s``) until no client's store has been filling arena slots
+        for ``_QUIET_S``: an L2 write reads its chunks from memory once to checksum them and once
+        to send them (and the store's own receive, on the same host, twice more), which on a host
+        short of cores and memory bandwidth is taken from the copy of a store in progress. A
+        promotion does not count: its get may wait on the network for seconds (a slow node, up
+        to ``--l2-bulk-timeout``), and every write batch yielded its whole ``write_yield_s`` to it
+        meanwhile (40 chunks a second at the defaults, the rest dropped)."""
         index = self.index
         deadline = time.monotonic() + self.config.write_yield_s
         while not self._stopping:
@@ -1392,7 +1395,7 @@ class L2Tier:
         for (size, fmt), group in by_format.items():
             try:
                 res, present, no_space = self.index.reserve_write([k for _, k in group], fmt, size,
-                                                                  PROMOTER, self.usage)
+                                                                  PROMOTER, self.usage, filling=False)
             except InvalidRequest:  # an entry appeared in another format meanwhile
                 return min(i for i, _ in group)
             res.in_flight = True

@@ -508,6 +508,7 @@ def test_admission_after_hits_and_backpressure_drops(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def in_process_tier(tmp_path: Path, expected_format: Callable[[ChunkKey], str | None] = lambda key: FMT_4K,
+                    write_yield_s: float = 0.0,
                     ) -> Iterator[tuple[Arena, ChunkIndex, L2Tier, Callable[[Callable[[], bool]], None]]]:
     """A real arena, index and L2 tier over the fs store, in this process; ``pump(until)`` plays
     the server's loop (runs what other threads handed to it) until ``until()`` holds.
@@ -516,7 +517,7 @@ def in_process_tier(tmp_path: Path, expected_format: Callable[[ChunkKey], str | 
     arena = Arena.create(1 << 20, tmp_path)
     index = ChunkIndex(arena.size)
     calls: list[Callable[[], None]] = []
-    tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=0), index, arena, calls.append,
+    tier = L2Tier(TierConfig("fs", f"file://{tmp_path}/l2", write_yield_s=write_yield_s), index, arena, calls.append,
                   expected_format)
     tier.start()
 
@@ -630,6 +631,32 @@ def test_a_promotion_is_waited_for_once_however_often_a_request_names_its_chunks
         held.set_result([GetStatus.MISS, GetStatus.MISS])
         pump(lambda: not tier.promoting)
         assert not tier.pending(keys)
+
+
+def test_a_promotion_waiting_on_the_store_holds_up_no_write(tmp_path: Path) -> None:
+    """In process, with the real fs store, arena and index. The writers yield (up to
+    ``write_yield_s``) to arena slots being filled, for the client copies they would slow; a
+    promotion's get counted too, so while one waited on a slow store every write batch waited
+    its whole yield (40 chunks a second at the defaults, the rest dropped), and for as long as
+    a stuck get lasted. The get is held by a future this test resolves; the yield is 60 s."""
+    with in_process_tier(tmp_path, write_yield_s=60.0) as (_arena, index, tier, pump):
+        hashes = [bytes([i]) * 16 for i in range(2)]
+        assert tier.backend is not None
+        real_get = tier.backend.submit_get
+        held: Future[list[GetStatus]] = Future()
+        tier.backend.submit_get = lambda items: held  # type: ignore[method-assign]
+        only_in_l2(index, tier, pump, hashes, 4096)
+        lk = tier.begin_lookup("m", 1, hashes, 0)
+        assert lk is not None
+        pump(lk.done)
+        assert tier.finish_lookup(lk, promote=True)[0] == 2 and tier.promoting
+        fresh = [ChunkKey("m", 1, 0, bytes([9 + i]) * 16) for i in range(4)]
+        offer(index, tier, fresh, 4096)
+        pump(lambda: tier.writes == 6)  # written while the get still waits
+        assert tier.promoting
+        tier.backend.submit_get = real_get  # type: ignore[method-assign]
+        held.set_result([GetStatus.MISS, GetStatus.MISS])
+        pump(lambda: not tier.promoting)
 
 
 def test_a_promotion_deletes_a_damaged_value_and_leaves_another_layouts(tmp_path: Path) -> None:
