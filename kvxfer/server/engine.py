@@ -72,7 +72,7 @@ from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
 from kvxfer.server.limits import Limits
 from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.stats import ServerStats
-from kvxfer.server.tier import L2Tier, TierLookup, all_settled
+from kvxfer.server.tier import L2Tier, TierLookup, all_settled, settle_once
 from kvxfer.server.workers import Lane, LaneSlot, WorkerPool
 from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
@@ -97,6 +97,11 @@ log = logging.getLogger(__name__)
 MAX_WORLD_SIZE: Final = 1 << 16
 #: Most keys (chunks x ranks) one lookup may name: what a lookup through the L2 tier builds.
 MAX_LOOKUP_KEYS: Final = 1 << 18
+#: Longest a store waits for promotions from L2 of its chunks (the loop's tick, about 0.25 s,
+#: may add to it); those still running then are reported not stored. Promotions take
+#: milliseconds; a slow or stuck store's get would hold the store, and a server-driven one its
+#: instance's transfers behind it, until the tier gave it up (42 s at the defaults).
+STORE_WAIT_S: Final = 0.5
 #: Longest error message sent (values a client sent are shown shortened).
 MAX_ERROR_MESSAGE: Final = 2048
 #: Largest copy time a client may report with a commit.
@@ -402,6 +407,9 @@ class CacheServer:
         self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
         #: Requests waiting on L2 (_Awaiting), in all; each session counts its own.
         self._waiting = 0
+        #: Stores waiting for promotions: (when the wait ends, the future that ends it), ended
+        #: by the tick at the latest (:meth:`_store_wait`).
+        self._store_waits: list[tuple[float, Future[None]]] = []
         #: The L2 tier under the arena (``--l2``), or None.
         self.tier: L2Tier | None = None
         #: Whether a stop signal came (a second one exits at once: _on_signal).
@@ -874,6 +882,10 @@ class CacheServer:
         stalled = now - self._last_tick > self.config.session_timeout_s / 2
         self._last_tick = now
         self.index.expire_leases(now)
+        if self._store_waits:
+            for _, gate in [w for w in self._store_waits if w[0] <= now]:
+                settle_once(gate)
+            self._store_waits = [w for w in self._store_waits if not w[1].done()]
         if self.tier is not None:
             self.tier.tick()
         for identity, session in list(self.sessions.items()):
@@ -1268,6 +1280,34 @@ class CacheServer:
         self._check_waiting(session)
         return all_settled(futures)
 
+    def _store_wait(self, promoting: Future[None], deadline: float) -> Future[None]:
+        """A future that resolves when ``promoting`` does, or at the loop's first tick past
+        :data:`STORE_WAIT_S` from now (or past ``deadline``, a Unix time, if sooner; 0: none)."""
+        until = time.monotonic() + STORE_WAIT_S
+        if deadline:
+            until = min(until, time.monotonic() + max(0.0, deadline - time.time()))
+        gate: Future[None] = Future()
+        promoting.add_done_callback(lambda _f: settle_once(gate))
+        self._store_waits.append((until, gate))
+        return gate
+
+    def _reserve_write_unpromoted(self, session: Session, ctx: RegisteredContext,
+                                  hashes: list[bytes]) -> tuple[Reservation, list[int], list[int], list[int]]:
+        """:meth:`_reserve_write` of the chunks not being promoted from L2 (a store that waited
+        :data:`STORE_WAIT_S` for them): (reservation, present, no_space, promoting), indices into
+        ``hashes``; the promoting ones are neither reserved nor present (their bytes are not in)."""
+        promoting = self.tier.promoting if self.tier is not None else {}
+        keys = ctx.keys(hashes)
+        busy = [i for i, k in enumerate(keys) if k in promoting]
+        if not busy:
+            res, present, no_space = self._reserve_write(session, ctx, hashes)
+            return res, present, no_space, []
+        skip = set(busy)
+        keep = [i for i in range(len(hashes)) if i not in skip]
+        res, present, no_space = self._reserve_write(session, ctx, [hashes[i] for i in keep])
+        res.entries = [(keep[i], e) for i, e in res.entries]
+        return res, [keep[i] for i in present], [keep[i] for i in no_space], busy
+
     def _on_release_lease(self, session: Session, msg: m.ReleaseLease) -> m.Empty:
         self.index.release_lease(msg.lease_id)
         return m.Empty()
@@ -1318,12 +1358,19 @@ class CacheServer:
             self.index.release_lease(lease_id, [keys[i] for i in missing])
         return res, missing
 
-    def _on_reserve_write(self, session: Session, msg: m.ReserveWrite) -> m.ReserveWriteReply | _Awaiting:
+    def _on_reserve_write(self, session: Session, msg: m.ReserveWrite,
+                          waited: bool = False) -> m.ReserveWriteReply | _Awaiting:
+        """Slots for a client-driven store. Chunks being promoted from L2 are present only once
+        their bytes are (a promotion that fails frees the key, to be stored): it waits for them,
+        at most :data:`STORE_WAIT_S`, then reports those still promoting as no space."""
         ctx = self._client_driven(session, msg.instance_id)
-        promoting = self._promotions_of(session, ctx, msg.hashes)
-        if promoting is not None:  # present only once its bytes are: a promotion that fails frees the key
-            return _Awaiting(session, promoting, lambda: self._on_reserve_write(session, msg))
-        res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
+        if not waited:
+            promoting = self._promotions_of(session, ctx, msg.hashes)
+            if promoting is not None:
+                return _Awaiting(session, self._store_wait(promoting, 0.0),
+                                 lambda: self._on_reserve_write(session, msg, waited=True))
+        res, present, no_space, busy = self._reserve_write_unpromoted(session, ctx, msg.hashes)
+        no_space = sorted(no_space + busy)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         slots = [m.Slot(i, e.offset) for i, e in res.entries]
         return m.ReserveWriteReply(res.id, slots, present, no_space)
@@ -1447,8 +1494,10 @@ class CacheServer:
     def _on_store(self, session: Session, msg: m.Store,
                   waited: tuple[RegisteredContext, LaneSlot] | None = None) -> m.StoreResult | _Deferred | _Awaiting:
         """A server-driven store. One of chunks being promoted from L2 waits for the promotion
-        (a chunk is present once its bytes are; one whose promotion failed is stored), holding its
-        place in the instance's lane as a waiting retrieve does (``waited``: see :meth:`_on_retrieve`)."""
+        (a chunk is present once its bytes are; one whose promotion failed is stored), at most
+        :data:`STORE_WAIT_S` or until its deadline, holding its place in the instance's lane as a
+        waiting retrieve does (``waited``: see :meth:`_on_retrieve`); chunks still promoting then
+        are reported not stored."""
         ctx = self._server_driven(session, msg.instance_id)
         slot = None
         if waited is not None:
@@ -1466,12 +1515,14 @@ class CacheServer:
             if slot is not None:
                 ctx.executor.cancel(slot)
             return m.StoreResult([], [], list(range(len(msg.hashes))))
-        promoting = self._promotions_of(session, ctx, msg.hashes)
+        promoting = self._promotions_of(session, ctx, msg.hashes) if waited is None else None
         if promoting is not None:
-            place = slot if slot is not None else ctx.executor.reserve()
-            return _Awaiting(session, promoting, lambda: self._on_store(session, msg, (ctx, place)),
+            place = ctx.executor.reserve()
+            return _Awaiting(session, self._store_wait(promoting, msg.deadline),
+                             lambda: self._on_store(session, msg, (ctx, place)),
                              functools.partial(ctx.executor.cancel, place))
-        res, present, no_space = self._reserve_write(session, ctx, msg.hashes)
+        res, present, no_space, busy = self._reserve_write_unpromoted(session, ctx, msg.hashes)
+        no_space = sorted(no_space + busy)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         res.in_flight = True
         rows = ctx.views.rows

@@ -260,7 +260,7 @@ class Breaker:
             self.retry_at = time.monotonic() + self.delay
 
 
-def _settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> bool:
+def settle_once(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> bool:
     """Resolve ``fut`` unless it already is; True if this call did."""
     try:
         if exc is not None:
@@ -283,10 +283,10 @@ def all_settled(futures: Sequence[Future[Any]]) -> Future[None]:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            _settle(out)
+            settle_once(out)
 
     if not futures:
-        _settle(out)
+        settle_once(out)
     for f in futures:
         f.add_done_callback(one)
     return out
@@ -1562,7 +1562,7 @@ class L2Tier:
             if self.promoting.get(key) is fut:
                 del self.promoting[key]
                 self.promoting_changes += 1
-            _settle(fut)
+            settle_once(fut)
 
     def pending(self, keys: Sequence[ChunkKey]) -> list[Future[None]]:
         """The promotions still running among ``keys`` (their futures, resolved on the loop), each
