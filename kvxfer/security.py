@@ -200,15 +200,16 @@ MAX_AUTHORIZED_KEYS: Final = 10_000
 _KEY_LINE = re.compile(rb"^\s*(public|secret)-key\s*=\s*[\"']?([^\"'\s]*)[\"']?\s*$", re.M)
 
 
-def _check_trusted(path: Path, what: str, st: os.stat_result) -> None:
+def _check_trusted(path: Path, what: str, st: os.stat_result, read_only: bool) -> None:
     """Refuse a file or folder that decides who gets in (``authorized/``, its key files, the key
-    directory) unless it is ours and no one else can write it, as ssh's StrictModes does: who can
+    directory) unless it is the server's user's or root's, and no one else can write it (or it is
+    on a read-only file system, as a Kubernetes Secret is), as ssh's StrictModes does: who can
     write it can let themselves in."""
-    if st.st_uid != os.getuid():
+    if st.st_uid not in (os.getuid(), 0):
         raise ConfigError(f"{what} {path} belongs to another user (uid {st.st_uid}); it decides which clients "
-                          "get in, so it must be the server's user's")
+                          "get in, so it must be the server's user's (or root's)")
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o022:
+    if mode & 0o022 and not read_only:
         raise ConfigError(f"{what} {path} is writable by others (mode {mode:o}), who could let themselves in: "
                           f"run `chmod go-w {path}`")
 
@@ -217,31 +218,31 @@ def _check_trusted_dir(path: Path, what: str) -> None:
     """:func:`_check_trusted` for a directory (the one a symbolic link names, if it is one)."""
     try:
         st = os.stat(path)
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{what} {path} is not a directory")
-    _check_trusted(path, what, st)
+    _check_trusted(path, what, st, read_only)
 
 
 def _read_key_file(path: Path, what: str, keys_dir: Path, trusted: bool = False) -> bytes:
     """The bytes of key file ``path`` (of key directory ``keys_dir``): a regular file of at most
     :data:`MAX_KEY_FILE_BYTES` (a FIFO would block the reader, ``/dev/zero`` fill its memory).
-    With ``trusted`` (an authorized client key): no symbolic link, and :func:`_check_trusted`."""
+    With ``trusted`` (an authorized client key): :func:`_check_trusted` of the file read (the
+    one a symbolic link names: a Kubernetes Secret's files are links)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if trusted else 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} does not exist; make keys with `kvxfer keys {keys_dir}`") from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(f"{what} {path} is a symbolic link; put the key file itself there") from None
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{what} {path} is not a regular file; a key file is what `kvxfer keys` writes")
         if trusted:
-            _check_trusted(path, what, st)
+            _check_trusted(path, what, st, bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY))
         data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None

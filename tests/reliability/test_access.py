@@ -126,11 +126,14 @@ def test_key_files_that_are_no_keys_are_refused_by_name_and_never_block(tmp_path
     with pytest.raises(ConfigError, match="is not a regular file"):
         load_server_keys(d)
     stray.unlink()
-    for target in ("nowhere", "/dev/zero", d / "client.key"):  # a link is no key, even to one
-        stray.symlink_to(target)
-        with pytest.raises(ConfigError, match=rf"{re.escape(str(stray))} is a symbolic link"):
-            load_server_keys(d)
-        stray.unlink()
+    stray.symlink_to("nowhere")
+    with pytest.raises(ConfigError, match=rf"does not exist; make keys with `kvxfer keys {re.escape(str(d))}`"):
+        load_server_keys(d)
+    stray.unlink()
+    stray.symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_server_keys(d)
+    stray.unlink()
     stray.write_bytes(b"#" * 5000)
     with pytest.raises(ConfigError, match="has more than 4096 bytes"):
         load_server_keys(d)
@@ -354,7 +357,8 @@ def test_sighup_reads_the_authorized_keys_again(tmp_path):
 def test_a_key_folder_others_can_write_lets_no_one_in(tmp_path):
     """Who can write ``authorized/``, one of its key files or the key directory can let
     themselves in; like ssh's StrictModes, the server refuses them unless they are its user's
-    and no one else can write them, at start and when it reads the folder again."""
+    (or root's) and no one else can write them, at start and when it reads the folder again.
+    (Not tried here: the exemption of a read-only file system, where a Kubernetes Secret lives.)"""
     d = tmp_path / "keys"
     make_keys(d)
     key = d / "authorized" / "client.key"
@@ -373,6 +377,17 @@ def test_a_key_folder_others_can_write_lets_no_one_in(tmp_path):
         with pytest.raises(ConfigError, match=rf"authorized client key {re.escape(str(key))} belongs to another user"):
             load_server_keys(d)
         os.chown(key, 0, -1)
+    # a key file that is a link (a Kubernetes Secret's are) is checked as the file it names
+    outside = tmp_path / "outside.key"
+    outside.write_bytes(key.read_bytes())
+    outside.chmod(0o666)
+    linked = d / "authorized" / "linked.key"
+    linked.symlink_to(outside)
+    with pytest.raises(ConfigError, match=rf"authorized client key {re.escape(str(linked))} is writable by others"):
+        load_server_keys(d)
+    outside.chmod(0o644)
+    assert len(load_server_keys(d).authorized) == 1  # the same key twice
+    linked.unlink()
     (d / "authorized" / "late.key").symlink_to(key)  # add_client never writes through a link there
     with pytest.raises(ConfigError, match="a symbolic link is there"):
         add_client(d, "late")
