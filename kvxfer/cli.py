@@ -164,10 +164,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--metrics-host {args.metrics_host}: no metrics are served without --metrics-port N "
                           "(0: any free port)")
     hangups: list[int] = []
+    started: list[Any] = []  # the server, once made
+
+    def hangup(signum: int, frame: Any) -> None:
+        if started:
+            started[0].reload_authorized_keys()
+        else:
+            hangups.append(signum)
+
     if args.url.startswith("tcp://") and threading.current_thread() is threading.main_thread():
         # SIGHUP ends a process by default: one sent while the arena fills in (seconds) is kept
         # for the server to act on once it serves, as kvxfer keys --client tells operators to send
-        signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
+        signal.signal(signal.SIGHUP, hangup)
     config = ServerConfig(
         url=args.url,
         l1_size=parse_size(args.l1_size),
@@ -200,7 +208,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         extra += f", metrics at {server.metrics_url}"
     print(f"{READY_LINE} {config.url} (arena {format_bytes(server.arena.size)}, "
           f"chunk size {config.chunk_size}, transports {', '.join(server.transports)}{extra})", flush=True)
-    if hangups:
+    started.append(server)
+    if hangups:  # (checked after: one that comes in between is the server's)
         server.reload_authorized_keys()
     server.serve_forever(install_signal_handlers=True)
     removed = "arena and socket are" if config.url.startswith("ipc://") else "arena is"

@@ -9,8 +9,8 @@ thread, at the points named below):
   ``writers`` threads take batches off the queue, checksum them, skip those the store already
   holds (one pipelined existence check) and put the rest straight from the arena. A full queue,
   or a store that is down, drops the write (counted), never blocks a store. Writers run at nice
-  10 and start a batch only once no store or promotion has been filling arena slots for a
-  moment (at most ``write_yield_s`` later).
+  10 and start a batch only once no client's store has been filling arena slots for a moment
+  (at most ``write_yield_s`` later).
 * **lookup** (:meth:`L2Tier.begin_lookup`, then :meth:`L2Tier.finish_lookup`): the chunks after
   the L1 hits are checked in the store in one pipelined round trip, bounded by ``timeout_s``;
   the hits continue through them. A backend with :class:`~kvxfer.store.LoopExists` has the

@@ -281,14 +281,50 @@ class FsBackend(ThreadedBackend):
             return True
 
     def _not_a_value(self, name: str) -> None:
-        """Name ``name`` holds no value the store wrote (a link, a socket, a device, a file made
-        unreadable): forget it and remove it, so that no lookup counts it again."""
-        with self._lock:
+        """A get met no value the store wrote under ``name`` (a link, a socket, a FIFO, a device,
+        a file it cannot open). Under the lock, as a put replaces files under it: if the name still
+        holds no value, forget it and remove it (not a directory), so that no lookup counts it
+        again; a value a put wrote there meanwhile stays."""
+        with self._lock, self._subdir(name[:2]) as sub:
+            if sub is None:
+                return
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
+            except FileNotFoundError:
+                fd = None
+            except OSError as exc:
+                if exc.errno not in _NOT_A_VALUE:
+                    return
+                fd = None
+            if fd is not None:
+                try:
+                    if stat.S_ISREG(os.fstat(fd).st_mode):
+                        return  # a value now: a put's
+                finally:
+                    os.close(fd)
             gone = self._lru.pop(name, None)
             if gone is not None:
                 self.used -= gone
-        with contextlib.suppress(OSError):
-            self._unlink(name)
+            with contextlib.suppress(OSError):  # a directory, or gone: nothing to remove
+                os.unlink(name, dir_fd=sub)
+
+    def _resized(self, name: str, seen: os.stat_result) -> None:
+        """A get found value ``name`` (``seen``: its fstat) of another size than it asked for (a
+        value of another layout written over it, a file shortened behind the store's back): the
+        index takes its size, so that lookups count it as what it is, unless a put replaced it
+        since (under the lock, as puts replace)."""
+        with self._lock, self._subdir(name[:2]) as sub:
+            if sub is None or name not in self._lru:
+                return
+            try:
+                now = os.stat(name, dir_fd=sub, follow_symlinks=False)
+            except OSError:
+                return
+            if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+                return
+            self.used += now.st_size - self._lru[name]
+            self._lru[name] = now.st_size
+            self._make_room(0)
 
     def _make_room(self, size: int) -> None:
         """Evict least recently used files until ``size`` more bytes fit (lock held or init)."""
@@ -340,11 +376,7 @@ class FsBackend(ThreadedBackend):
                     out.append(GetStatus.WRONG_SIZE)
                     continue
                 if size != want:  # replaced since the lookup (another layout's value): its size now
-                    with self._lock:
-                        old = self._lru.get(name)
-                        if old is not None:
-                            self._lru[name] = size
-                            self.used += size - old
+                    self._resized(name, st)
                     out.append(GetStatus.WRONG_SIZE)
                     continue
                 got = _readv_all(fd, parts)

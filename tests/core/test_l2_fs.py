@@ -490,3 +490,43 @@ def test_a_threaded_backend_withdraws_only_what_its_own_threads_would_run(tmp_pa
         assert backend.withdraw(mine) is False, "an ended operation is not withdrawn"
     finally:
         backend.close()
+
+
+def test_what_a_get_learns_never_undoes_a_put_that_landed_meanwhile(tmp_path: Path) -> None:
+    """A get that met no value (a link here) forgot the name under the lock, then removed the
+    file by name outside it: a put of the key in between (acknowledged) was deleted. A get that
+    found a value of another size recorded that size, also over a put's newer one. Both now act
+    under the lock, as puts replace, and only on what they met. The interleavings are forced by
+    calling each step as the get would, after the put has landed."""
+    from kvxfer.store.fs import _name
+
+    root = tmp_path / "l2"
+    b = FsStore().open(f"file://{root}", StoreOptions())
+    try:
+        key = b"k" * 32
+        path = root / _name(key)[:2] / _name(key)
+        assert _put(b, key, b"v" * 100)
+        path.unlink()
+        path.symlink_to(tmp_path / "elsewhere")
+        assert _put(b, key, b"w" * 100)  # the put lands after the get's open met the link
+        b._not_a_value(_name(key))
+        assert path.is_file() and not path.is_symlink() and b.submit_exists([key]).result(10) == [100]
+        path.unlink()
+        path.symlink_to(tmp_path / "elsewhere")
+        b._not_a_value(_name(key))  # still no value: forgotten and removed
+        assert not os.path.lexists(path) and b.submit_exists([key]).result(10) == [0]
+
+        assert _put(b, key, b"v" * 100)
+        with open(path, "r+b") as f:  # shortened behind the store's back, as a get then sees it
+            f.truncate(60)
+        seen = os.stat(path)
+        assert _put(b, key, b"x" * 200)  # a put replaces it before the get records the size
+        b._resized(_name(key), seen)
+        assert b.submit_exists([key]).result(10) == [200]
+        seen = os.stat(path)
+        with open(path, "r+b") as f:
+            f.truncate(60)
+        b._resized(_name(key), os.stat(path))
+        assert b.submit_exists([key]).result(10) == [60] and seen.st_ino == os.stat(path).st_ino
+    finally:
+        b.close()
