@@ -87,9 +87,9 @@ def _private_dir(path: Path) -> None:
         raise ConfigError(f"key directory {path} belongs to another user; choose another directory")
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
+        fix = "" if mode & stat.S_ISVTX else f", or run `chmod 700 {path}` if this one is meant for keys alone"
         raise ConfigError(f"key directory {path} is open to others (mode {mode:o}), and kvxfer keeps secret keys "
-                          f"in a directory only you can open: choose a new directory, or run `chmod 700 {path}` "
-                          "if this one is meant for keys alone")
+                          f"in a directory only you can open: choose a new directory{fix}")
 
 
 def _check_private(path: Path, what: str) -> None:

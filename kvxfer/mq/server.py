@@ -247,6 +247,8 @@ class MQServer:
             self._authorized = _Authorized(curve.authorized)
             self._authorized_dir = curve.authorized_dir
             self._auth.configure_curve_callback(domain="*", credentials_provider=self._authorized)
+            log.info("%s admits the %d client keys in %s (SIGHUP reads them again)", url, len(curve.authorized),
+                     curve.authorized_dir)
         elif not url.startswith(("ipc://", "inproc://")):
             raise ConfigError(f"unsupported url {url!r}: use ipc://PATH or tcp://HOST:PORT")
         #: every descriptor the loop waits on (Linux epoll: one system call a wait, nothing rebuilt)

@@ -516,12 +516,16 @@ class CacheServer:
     def serve_forever(self, install_signal_handlers: bool = False) -> None:
         """Serve until :meth:`stop`. With ``install_signal_handlers`` (the main thread only),
         SIGTERM and SIGINT stop the server; a second one exits at once (see :meth:`_on_signal`);
-        SIGHUP reads the authorized client keys again (:meth:`MQServer.reload_authorized`)."""
+        SIGHUP reads the authorized client keys again (:meth:`MQServer.reload_authorized`) on a
+        ``tcp://`` server, and stops an ``ipc://`` one as SIGTERM does unless it was ignored
+        (``nohup``: ignored still; by default it ended the server, leaving its socket)."""
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
-            if self._mq.curve:  # an ipc:// server keeps SIGHUP's default (a closed terminal ends it)
+            if self._mq.curve:
                 signal.signal(signal.SIGHUP, self._on_hangup)
+            elif signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # not under nohup: a closed terminal
+                signal.signal(signal.SIGHUP, self._on_signal)  # stops it as SIGTERM does, removing its socket
             exits_on_the_main_thread_are_plugin_failures()  # its handlers raise nothing: any exit is a plugin's
         self.hooks.call("kvxfer_server_started", server=self)
         log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s%s",

@@ -404,7 +404,7 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
     extra = cfg.kv_transfer_config.kv_connector_extra_config
     for url in ("", 0):  # given, and empty: not the default socket
         extra["kvxfer.url"] = url
-        with pytest.raises(ConfigError, match=r"kvxfer\.url must be a string, ipc://PATH or tcp://HOST:PORT"):
+        with pytest.raises(ConfigError, match=r"kvxfer\.url must be a non-empty string, ipc://PATH or tcp://HOST:PORT"):
             KvxferConnector(cfg, KVConnectorRole.WORKER, _groups())
     extra["kvxfer.url"] = server.url
     extra["KVXFER.timeout_s"] = 1  # a misspelt key is never taken for the default's

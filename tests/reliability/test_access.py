@@ -158,7 +158,13 @@ def test_kvxfer_keys_never_changes_an_existing_directory_and_names_what_it_canno
     shared.chmod(0o1777)
     r = kvxfer_cli("keys", str(shared))
     assert r.returncode == 2 and f"key directory {shared} is open to others (mode 1777)" in r.stderr, r.stderr
-    assert f"chmod 700 {shared}" in r.stderr and mode(shared) == 0o1777 and not list(shared.iterdir())
+    # a shared (sticky) directory is never to be made private: only a new one is suggested
+    assert "chmod" not in r.stderr and mode(shared) == 0o1777 and not list(shared.iterdir())
+    own = tmp_path / "own"
+    own.mkdir(mode=0o755)
+    own.chmod(0o755)
+    r = kvxfer_cli("keys", str(own))
+    assert r.returncode == 2 and f"or run `chmod 700 {own}` if this one is meant for keys alone" in r.stderr
     for bad, says in ((str(tmp_path / "file" / "keys"), "cannot make the key directory"),
                       (str(tmp_path / "file"), "exists and is not a directory"),
                       ("", "name the key directory")):
@@ -414,16 +420,25 @@ def test_a_tcp_peer_is_never_taken_for_an_ipc_process():
     assert (ipc.uid, ipc.pid) == (1000, 4242)
 
 
-def test_sighup_is_caught_by_a_tcp_server_only(tmp_path):
-    """Only a tcp:// server reads keys on SIGHUP; an ipc:// one keeps the disposition it was
-    started with (by default SIGHUP ends it, as a closed terminal should; under nohup it is
-    ignored). Read from the kernel, so that the test holds under either."""
+def test_sighup_reloads_a_tcp_servers_keys_and_stops_an_ipc_one_cleanly(tmp_path):
+    """A tcp:// server reads its keys again on SIGHUP. An ipc:// one stops on it as on SIGTERM (its
+    socket and arena removed), as a closed terminal should end it; started with SIGHUP ignored
+    (under nohup) it keeps ignoring it. Until then SIGHUP's default ended it at once, leaving its
+    socket, while kvxfer keys --client says to send SIGHUP to a server. Read from the kernel, so
+    that the test holds whichever disposition this process passes on."""
     import signal
 
     from kvxfer.testing import ServerProcess
 
+    ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     with ServerProcess(l1_size="8MiB") as srv:
-        assert srv.proc is not None and not _catches(srv.proc.pid, signal.SIGHUP)
+        assert srv.proc is not None and _catches(srv.proc.pid, signal.SIGHUP) is not ignored
+        if not ignored:
+            sock = Path(srv.url.removeprefix("ipc://"))
+            assert sock.exists()
+            srv.proc.send_signal(signal.SIGHUP)
+            assert srv.proc.wait(60) == 0
+            assert not sock.exists() and "stopped: its arena and socket are removed" in srv.log()
     d = tmp_path / "keys"
     make_keys(d)
     server = TcpServer(d)

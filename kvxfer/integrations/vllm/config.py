@@ -198,8 +198,8 @@ class ConnectorConfig:
         url = extra.get("kvxfer.url")
         url = default_url() if url is None else url  # given empty is a mistake, not the default
         if not isinstance(url, str) or not url:
-            raise ConfigError(f"kvxfer.url must be a string, ipc://PATH or tcp://HOST:PORT (left out: the default "
-                              f"socket), got {url!r}"[:300])
+            raise ConfigError(f"kvxfer.url must be a non-empty string, ipc://PATH or tcp://HOST:PORT (left out: the "
+                              f"default socket), got {url!r}"[:300])
         try:
             check_url(url)
         except ConfigError as exc:
@@ -310,8 +310,8 @@ def _curve_name(value: Any) -> str:
 
 def _positive_float(key: str, value: Any, most: float = math.inf, least: float = 0.0) -> float:
     """Seconds in (0, ``most``], or in [``least``, ``most``] with ``least``."""
-    what = (f"a number of seconds from {least:g} up to {most:g}" if least else
-            f"a positive number of seconds{f' up to {most:g}' if most < math.inf else ''}")
+    upto = f" up to {most:g}" if most < math.inf else ""
+    what = f"a number of seconds from {least:g}{upto}" if least else f"a positive number of seconds{upto}"
     try:
         out = float(value)
     except (TypeError, ValueError, OverflowError):
