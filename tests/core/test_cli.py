@@ -411,12 +411,12 @@ def test_the_vllm_connector_refuses_names_and_leases_it_would_misread() -> None:
                            ("kvxfer.curve_dir", "", "must be the path of a directory"),
                            ("kvxfer.curve_name", "../x", "kvxfer.curve_name: client name '../x'"),
                            ("kvxfer.curve_name", 7, "must be a client key pair's name"),
-                           ("kvxfer.lease_s", 1e-300, "kvxfer.lease_s must be a number of seconds from 0.1, got")):
+                           ("kvxfer.lease_s", 1e-300, "kvxfer.lease_s must be a number of seconds from 0.01, got")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             ConnectorConfig.from_mapping({key: bad}, **args)
-    c = ConnectorConfig.from_mapping({"kvxfer.curve_dir": "/k", "kvxfer.curve_name": "w1", "kvxfer.lease_s": 0.1},
+    c = ConnectorConfig.from_mapping({"kvxfer.curve_dir": "/k", "kvxfer.curve_name": "w1", "kvxfer.lease_s": 0.01},
                                      **args)
-    assert (c.model_name, c.curve_dir, c.curve_name, c.lease_s) == ("m", "/k", "w1", 0.1)
+    assert (c.model_name, c.curve_dir, c.curve_name, c.lease_s) == ("m", "/k", "w1", 0.01)
 
 
 @pytest.mark.parametrize("argv", [

@@ -217,8 +217,8 @@ class ConnectorConfig:
             transport=transport,
             chunk_size=chunk_size,
             timeout_s=timeout_s,
-            # a lease shorter than a scheduler step lapses before its load: no lease at all
-            lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0), least=0.1),
+            # a lease of less than 10 ms lapses before any load could use it (1e-300 meant no lease)
+            lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0), least=0.01),
             load_timeout_s=load_timeout_s,
             on_server_error=on_error,
             retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0), MAX_RETRY_S, 0.1),
