@@ -512,7 +512,8 @@ class CacheClient:
         """Like :meth:`lookup`, and keep the hits from eviction for ``lease_s`` seconds or until
         each rank's retrieve naming ``lease_id`` is done. Hits found in the L2 tier are promoted
         into the arena under the lease (``reply.l2_hits`` says how many), unless ``promote`` is
-        False (then the lease covers only the hits already in the arena). With ``prefetch`` the
+        False (then the lease covers the leading hits already in the arena, up to the first that
+        only L2 holds). With ``prefetch`` the
         server may start moving the leased chunks toward the engine that will retrieve them
         (:attr:`kvxfer.protocol.messages.Lookup.prefetch`), so that its retrieve ends sooner."""
         if lease_s <= 0:

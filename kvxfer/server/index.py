@@ -393,9 +393,10 @@ class ChunkIndex:
         is not: the L2 writers yield to client copies only).
 
         Refused (InvalidRequest, before anything is evicted or reserved) when a key is stored in
-        another format. A present key counts as used: it is not evicted to make room for the
-        request's other chunks, and becomes the most recently used. The request's evictions are
-        reported in one ``on_evict`` call."""
+        another format. A key named again after its first copy is present if that copy got a slot
+        (this request writes it), else no space too. A present key counts as used: it is not
+        evicted to make room for the request's other chunks, and becomes the most recently used.
+        The request's evictions are reported in one ``on_evict`` call."""
         present: list[int] = []
         new: list[tuple[int, ChunkKey]] = []
         held: list[Entry] = []  # present entries, out of the LRU while this request allocates
@@ -403,13 +404,18 @@ class ChunkIndex:
         res = Reservation(self._new_id(), True, instance_id, owner, [])
         no_space: list[int] = []
         entries = self.entries
+        repeats: list[tuple[int, int]] = []  # (index, index of its first copy) of a key new here
         try:
-            seen: set[ChunkKey] = set()
+            seen: dict[ChunkKey, int] = {}
             for i, key in enumerate(keys):
                 e = entries.get(key)
-                if e is None and key not in seen:
-                    seen.add(key)
-                    new.append((i, key))
+                if e is None:
+                    first = seen.get(key)
+                    if first is None:
+                        seen[key] = i
+                        new.append((i, key))
+                    else:
+                        repeats.append((i, first))
                     continue
                 if e is not None and e.fmt != fmt:
                     raise InvalidRequest(
@@ -437,6 +443,12 @@ class ChunkIndex:
                 self._evictable(h)
             if evicted:
                 self._report_evicted(evicted)
+        if repeats:  # a repeat is what its first copy is: being written here, or refused for room
+            refused = set(no_space)
+            for i, first in repeats:
+                (no_space if first in refused else present).append(i)
+            present.sort()
+            no_space.sort()
         if res.entries and filling:
             res.filling = True
             self.filling += 1

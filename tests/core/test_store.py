@@ -261,6 +261,18 @@ def test_present_and_duplicate_keys_are_not_written_twice() -> None:
     assert not index.reservations  # the refused reservation was undone
 
 
+def test_a_key_named_again_is_what_its_first_copy_is() -> None:
+    """A store naming a new key twice reported the second copy present even when the first got
+    no room: nothing was stored, yet the store said one copy was (found by a stress run)."""
+    index = ChunkIndex(1 * SIZE)
+    assert store(index, [key(9)])[0] == [0]
+    lease_id = lease(index, "m", 1, [key(9).chunk_hash])  # the one slot is held: nothing can be evicted
+    assert store(index, [key(0), key(0)]) == ([], [], [0, 1])
+    assert store(index, [key(0), key(9), key(0)]) == ([], [1], [0, 2])
+    index.release_lease(lease_id)
+    assert store(index, [key(0), key(1), key(0)]) == ([0], [2], [1])  # key 0 takes the slot, key 1 finds none
+
+
 def test_lookup_counts_leading_chunks_present_for_every_rank() -> None:
     index = ChunkIndex(16 * SIZE)
     hashes = [key(i).chunk_hash for i in range(3)]
