@@ -1300,10 +1300,9 @@ class CacheServer:
         """:meth:`_reserve_write` of the chunks not being promoted from L2 (a store that waited
         :data:`STORE_WAIT_S` for them): (reservation, present, no_space, promoting), indices into
         ``hashes``; the promoting ones are neither reserved nor present (their bytes are not in)."""
-        promoting = self.tier.promoting if self.tier is not None else {}
-        keys = ctx.keys(hashes)
-        busy = [i for i, k in enumerate(keys) if k in promoting]
-        if not busy:
+        promoting = self.tier.promoting if self.tier is not None else None
+        busy = [i for i, k in enumerate(ctx.keys(hashes)) if k in promoting] if promoting else []
+        if not busy:  # (no key made twice on the store's path without promotions)
             res, present, no_space = self._reserve_write(session, ctx, hashes)
             return res, present, no_space, []
         skip = set(busy)
