@@ -374,8 +374,9 @@ class StoreResult(Message, frozen=True):
     stored: Indices
     #: Already present (or being written by another request): skipped.
     present: Indices = []
-    #: Not stored: no room (everything else was leased or in use), the copy failed, or the client
-    #: gave up on the store before its copy (cancelled it, or a server-driven store's deadline passed).
+    #: Not stored: no room (everything else was leased or in use), still being promoted from L2
+    #: after the store's wait for it, the copy failed, or the client gave up on the store before
+    #: its copy (cancelled it, or a server-driven store's deadline passed).
     failed: Indices = []
 
     @property
