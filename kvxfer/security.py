@@ -305,13 +305,19 @@ def reread_authorized_keys(authorized: Path, before: frozenset[bytes]) -> tuple[
     kept = set()
     for name in names:
         try:
-            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=authorized.parent,
-                              trusted=True)
+            public = _authorized_key(authorized, name, authorized.parent)
         except ConfigError:
             continue
         if public in before:
             kept.add(public)
     return frozenset(kept), error
+
+
+def _authorized_key(authorized: Path, name: str, directory: Path) -> bytes:
+    """The public key of file ``name`` in ``authorized`` (of key directory ``directory``),
+    read as a file that decides who gets in (:func:`_read_key_file` with ``trusted``)."""
+    public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=directory, trusted=True)
+    return public
 
 
 def _key_names(authorized: Path) -> list[str]:
@@ -341,8 +347,7 @@ def _authorized_keys(authorized: Path, directory: Path) -> frozenset[bytes]:
     keys = set()
     for name in names:
         try:
-            public, _ = _load(authorized / name, "authorized client key", secret=False, keys_dir=directory,
-                              trusted=True)
+            public = _authorized_key(authorized, name, directory)
         except ConfigError as exc:
             raise ConfigError(f"{exc}; remove it from {authorized}, or put a client's .key file there "
                               f"(`kvxfer keys {directory} --client NAME` makes one)") from None

@@ -160,6 +160,21 @@ class _Deferred:
         self.slot = slot
 
 
+def _place_kept(ctx: RegisteredContext, waited: tuple[RegisteredContext, LaneSlot] | None,
+                kind: str) -> LaneSlot | None:
+    """The place in ``ctx``'s lane that a server-driven ``kind`` (store or retrieve) took before
+    it waited for promotions from L2 (``waited``: the context and place then), or None if it did
+    not wait. UnknownInstance if that context was dropped meanwhile, even if its id was
+    registered again: the transfer then copies nothing."""
+    if waited is None:
+        return None
+    if waited[0] is not ctx:
+        done = "stored" if kind == "store" else "loaded"
+        raise UnknownInstance(f"instance {ctx.instance_id} was unregistered while this {kind} waited for chunks "
+                              f"promoted from L2: nothing {done}; {kind} again once registered")
+    return waited[1]
+
+
 def _invalid(field_name: str, message: str) -> InvalidRequest:
     return InvalidRequest(f"{field_name}: {message}")
 
@@ -1296,20 +1311,19 @@ class CacheServer:
         return gate
 
     def _reserve_write_unpromoted(self, session: Session, ctx: RegisteredContext,
-                                  hashes: list[bytes]) -> tuple[Reservation, list[int], list[int], list[int]]:
+                                  hashes: list[bytes]) -> tuple[Reservation, list[int], list[int]]:
         """:meth:`_reserve_write` of the chunks not being promoted from L2 (a store that waited
-        :data:`STORE_WAIT_S` for them): (reservation, present, no_space, promoting), indices into
-        ``hashes``; the promoting ones are neither reserved nor present (their bytes are not in)."""
+        :data:`STORE_WAIT_S` for them): (reservation, present, no_space), indices into ``hashes``;
+        the promoting ones are neither reserved nor present (their bytes are not in): no space."""
         promoting = self.tier.promoting if self.tier is not None else None
         busy = [i for i, k in enumerate(ctx.keys(hashes)) if k in promoting] if promoting else []
         if not busy:  # (no key made twice on the store's path without promotions)
-            res, present, no_space = self._reserve_write(session, ctx, hashes)
-            return res, present, no_space, []
+            return self._reserve_write(session, ctx, hashes)
         skip = set(busy)
         keep = [i for i in range(len(hashes)) if i not in skip]
         res, present, no_space = self._reserve_write(session, ctx, [hashes[i] for i in keep])
         res.entries = [(keep[i], e) for i, e in res.entries]
-        return res, [keep[i] for i in present], [keep[i] for i in no_space], busy
+        return res, [keep[i] for i in present], sorted([keep[i] for i in no_space] + busy)
 
     def _on_release_lease(self, session: Session, msg: m.ReleaseLease) -> m.Empty:
         self.index.release_lease(msg.lease_id)
@@ -1372,8 +1386,7 @@ class CacheServer:
             if promoting is not None:
                 return _Awaiting(session, self._store_wait(promoting, 0.0),
                                  lambda: self._on_reserve_write(session, msg, waited=True))
-        res, present, no_space, busy = self._reserve_write_unpromoted(session, ctx, msg.hashes)
-        no_space = sorted(no_space + busy)
+        res, present, no_space = self._reserve_write_unpromoted(session, ctx, msg.hashes)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         slots = [m.Slot(i, e.offset) for i, e in res.entries]
         return m.ReserveWriteReply(res.id, slots, present, no_space)
@@ -1502,12 +1515,7 @@ class CacheServer:
         waiting retrieve does (``waited``: see :meth:`_on_retrieve`); chunks still promoting then
         are reported not stored."""
         ctx = self._server_driven(session, msg.instance_id)
-        slot = None
-        if waited is not None:
-            if waited[0] is not ctx:
-                raise UnknownInstance(f"instance {msg.instance_id} was unregistered while this store waited for "
-                                      "chunks promoted from L2: nothing stored; store again once registered")
-            slot = waited[1]
+        slot = _place_kept(ctx, waited, "store")
         _check_deadline(msg.deadline)
         blocks = check_transfer(ctx.layout, ctx.chunk_size, len(msg.hashes), msg.block_ids)
         params = self._params(ctx, msg.params)
@@ -1524,8 +1532,7 @@ class CacheServer:
             return _Awaiting(session, self._store_wait(promoting, msg.deadline),
                              lambda: self._on_store(session, msg, (ctx, place)),
                              functools.partial(ctx.executor.cancel, place))
-        res, present, no_space, busy = self._reserve_write_unpromoted(session, ctx, msg.hashes)
-        no_space = sorted(no_space + busy)
+        res, present, no_space = self._reserve_write_unpromoted(session, ctx, msg.hashes)
         self.stats.on_reserve_write(self.stats.traffic_of(ctx.model_name, ctx.transport), len(present), len(no_space))
         res.in_flight = True
         rows = ctx.views.rows
@@ -1571,12 +1578,7 @@ class CacheServer:
         If that context was dropped meanwhile (even if its id was registered again), it fails
         with UnknownInstance and reserves nothing."""
         ctx = self._server_driven(session, msg.instance_id)
-        slot = None
-        if waited is not None:
-            if waited[0] is not ctx:
-                raise UnknownInstance(f"instance {msg.instance_id} was unregistered while this retrieve waited for "
-                                      "chunks promoted from L2: nothing loaded; retrieve again once registered")
-            slot = waited[1]
+        slot = _place_kept(ctx, waited, "retrieve")
         _check_deadline(msg.deadline)
         if waited is None and not msg.layers and not self.stats.in_flight and self._prefetches(ctx) and not (
                 msg.deadline and time.time() > msg.deadline):

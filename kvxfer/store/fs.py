@@ -280,6 +280,13 @@ class FsBackend(ThreadedBackend):
                 return False
             return True
 
+    def _forget(self, name: str) -> int | None:
+        """Take value ``name`` out of the index (lock held); its size, or None if not there."""
+        size = self._lru.pop(name, None)
+        if size is not None:
+            self.used -= size
+        return size
+
     def _not_a_value(self, name: str) -> None:
         """A get met no value the store wrote under ``name`` (a link, a socket, a FIFO, a device,
         a file it cannot open). Under the lock, as a put replaces files under it: if the name still
@@ -302,9 +309,7 @@ class FsBackend(ThreadedBackend):
                         return  # a value now: a put's
                 finally:
                     os.close(fd)
-            gone = self._lru.pop(name, None)
-            if gone is not None:
-                self.used -= gone
+            self._forget(name)
             with contextlib.suppress(OSError):  # a directory, or gone: nothing to remove
                 os.unlink(name, dir_fd=sub)
 
@@ -354,9 +359,7 @@ class FsBackend(ThreadedBackend):
                     fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
             except FileNotFoundError:
                 with self._lock:
-                    gone = self._lru.pop(name, None)  # removed behind our back
-                    if gone is not None:
-                        self.used -= gone
+                    self._forget(name)  # removed behind our back
                 out.append(GetStatus.MISS)
                 continue
             except BlockingIOError:  # another process holds a lease on the file: a miss, this time only
@@ -411,8 +414,7 @@ class FsBackend(ThreadedBackend):
                     finally:
                         os.close(fd)
                     with self._lock:
-                        old = self._lru.pop(name, None)  # not evicted to make its own room
-                        self.used -= old or 0
+                        old = self._forget(name)  # not evicted to make its own room
                         self._make_room(size)
                         try:
                             os.replace(tmp, name, src_dir_fd=sub, dst_dir_fd=sub)
@@ -441,10 +443,8 @@ class FsBackend(ThreadedBackend):
         for key in keys:
             name = _name(key)
             with self._lock:  # unlinked under the lock: a put of the key cannot land in between
-                size = self._lru.pop(name, None)
-                if size is None:
+                if self._forget(name) is None:
                     continue
-                self.used -= size
                 n += self._unlink(name)
         return n
 
