@@ -750,8 +750,7 @@ class ValkeyBackend(ThreadedBackend):
         for lc in loops:
             with contextlib.suppress(Exception):
                 lc.conn.disconnect()
-        with contextlib.suppress(Exception):
-            self.client.close()
+        _close_client(self.client)
         if isinstance(self.client, ValkeyCluster):
             # the cluster client's close() leaves each node's pool connected (its nodes' clients
             # were given their pools): a socket per node left open at every open and close
@@ -843,6 +842,16 @@ def _node_client(host: str, port: int, kw: dict[str, Any]) -> valkey.Valkey:
     return valkey.Valkey(connection_pool=ConnectionPool(host=host, port=port, **_connection_kwargs(kw)))
 
 
+def _close_client(client: valkey.Valkey | ValkeyCluster) -> None:
+    """Close ``client`` and its sockets now: a node client's ``close()`` leaves the pool it was
+    given connected (a socket open for as long as the backend object lives)."""
+    with contextlib.suppress(Exception):
+        client.close()
+    if not isinstance(client, ValkeyCluster):
+        with contextlib.suppress(Exception):
+            client.connection_pool.disconnect()
+
+
 def _plain_url(host: str, port: int) -> str:
     return f"valkey://[{host}]:{port}" if ":" in host else f"valkey://{host}:{port}"
 
@@ -917,7 +926,7 @@ class ValkeyStore(Store):
             except (ValkeyError, StoreUnavailable) as exc:
                 errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}")
             finally:
-                probe.close()
+                _close_client(probe)
         if cluster is None:
             raise StoreUnavailable(f"no Valkey node answered at {where}: {'; '.join(errors)}")
         if cluster:
