@@ -27,11 +27,14 @@ the core (:func:`kvxfer.store.format.l2_key`); a backend stores them as given.
 returns at once with a :class:`~concurrent.futures.Future`; the backend runs the operation on its
 own threads. A future resolves to the result documented below or raises
 :class:`~kvxfer.errors.StoreUnavailable` (unreachable, timed out after ``options.timeout_s`` of
-silence, refused, full), never another exception, and never waits forever. Done-callbacks run on
-a backend thread: they must be quick and must not wait for another operation of the same
-backend. A get writes into its parts only while its future is pending, and never after; a put
-only reads its parts (the server passes its arena's slots read-only), which do not change until
-its future is done. ``withdraw(fut)`` takes back an operation that has not started (optional:
+silence, refused, out of room for now), never another exception, and never waits forever (a put
+the store refuses for good, a value larger than it will ever hold, is ``False`` for that item,
+not an error). Done-callbacks run on a backend thread: they must be quick and must not wait for
+another operation of the same backend. A get writes into its parts only while its future is
+pending, and never after; a put only reads its parts (the server passes its arena's slots
+read-only), which do not change until its future is done, and the store keeps no reference to
+them after that. A put replaces a value atomically: a get reads the old value or the new one,
+whole. ``withdraw(fut)`` takes back an operation that has not started (optional:
 the default says it cannot, and the operation runs to its end).
 
 :class:`ThreadedBackend` builds the ``submit_*`` methods from blocking ones on a few threads
@@ -175,8 +178,10 @@ class Backend(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release connections and threads; pending operations finish or fail. Idempotent;
-        ``submit_*`` raise :class:`~kvxfer.errors.StoreUnavailable` afterwards."""
+        """Release connections and threads, returning once every operation submitted before it
+        has ended (its future done: a result, or StoreUnavailable) and its connections and threads
+        are gone. Idempotent; every ``submit_*`` raises
+        :class:`~kvxfer.errors.StoreUnavailable` afterwards."""
 
 
 class Store(ABC):

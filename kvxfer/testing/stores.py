@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
@@ -164,10 +165,10 @@ class StoreConformance:
     def test_kit_absent_keys_have_size_zero_and_get_as_miss(self, kit_backend: Backend) -> None:
         keys = self.kit_keys(3)
         assert kit_backend.submit_exists(keys).result(TIMEOUT) == [0, 0, 0]
-        buf = bytearray(b"\xaa" * 300)
-        st = kit_backend.submit_get([(k, _parts(bytes(300))[:1] and [memoryview(buf)]) for k in keys[:1]])
-        assert st.result(TIMEOUT) == [GetStatus.MISS]
-        assert buf == b"\xaa" * 300, "a miss must leave the buffers untouched"
+        buf = bytearray(b"\xaa" * (HEADER_SIZE + 300))
+        assert kit_backend.submit_get([(keys[0], _parts(buf))]).result(TIMEOUT) == [GetStatus.MISS]
+        _unchanged(buf, b"\xaa" * len(buf), "a get of an absent key wrote into its parts (a miss leaves them as they "
+                   "were)")
 
     def test_kit_put_then_get_into_parts_exactly(self, kit_backend: Backend) -> None:
         """Values put from two parts come back whole into two parts. A put only reads its parts
@@ -186,9 +187,19 @@ class StoreConformance:
         assert kit_backend.submit_get(items).result(TIMEOUT) == [GetStatus.HIT] * 5
         for i, (b, v) in enumerate(zip(bufs, values)):
             _same(b, v, f"value {i} of 5, read into two parts")
+        for b in bufs:  # the slots now hold other chunks: nothing of the gets may land there any more
+            b[:] = b"\x55" * len(b)
+        for b in sent:  # nor may a later get be answered from the parts of the puts (slots reused too)
+            b[:] = b"\x66" * len(b)
         time.sleep(LATE_S)
-        for i, (b, v) in enumerate(zip(bufs, values)):
-            _unchanged(b, v, f"get {i} of 5 wrote into its parts after its future was done")
+        for i, b in enumerate(bufs):
+            _unchanged(b, b"\x55" * len(b), f"get {i} of 5 wrote into its parts after its future was done")
+        again = [bytearray(len(v)) for v in values]
+        assert kit_backend.submit_get([(k, _parts(b)) for k, b in zip(keys, again)]).result(TIMEOUT) == \
+            [GetStatus.HIT] * 5
+        for i, (b, v) in enumerate(zip(again, values)):
+            _same(b, v, f"value {i} of 5, read after the parts it was put from changed (a put's parts are its "
+                  "caller's again once the put is done: the store keeps its own copy)")
 
     def test_kit_exists_answers_many_keys_in_one_call(self, kit_backend: Backend) -> None:
         keys = self.kit_keys(64)
@@ -204,24 +215,82 @@ class StoreConformance:
         got = kit_backend.submit_get([(k1, [memoryview(short)]), (k2, [memoryview(right)])]).result(TIMEOUT)
         assert got == [GetStatus.WRONG_SIZE, GetStatus.HIT]
         _same(right, v2, "the value after a wrong-size one (it must not be disturbed)")
+        longer = bytearray(5001)  # a value is read only whole: parts with room to spare are a wrong size too
+        assert kit_backend.submit_get([(k1, _parts(longer))]).result(TIMEOUT) == [GetStatus.WRONG_SIZE], \
+            "a get into parts one byte longer than the value must be WRONG_SIZE (a value is read only whole)"
         again = bytearray(5000)
         assert kit_backend.submit_get([(k1, [memoryview(again)])]).result(TIMEOUT) == [GetStatus.HIT]
         _same(again, v1, "a value read again after a wrong-size get")
 
     def test_kit_overwrite_replaces_the_value_whole(self, kit_backend: Backend) -> None:
+        """A put replaces a value that was read before (the same size: nothing cached from the
+        read may answer the next get), then with one of another size."""
         (key,) = self.kit_keys(1)
-        kit_backend.submit_put([(key, [memoryview(b"a" * 4096)])]).result(TIMEOUT)
+        for fill in (b"a", b"c"):
+            kit_backend.submit_put([(key, [memoryview(fill * 4096)])]).result(TIMEOUT)
+            buf = bytearray(4096)
+            assert kit_backend.submit_get([(key, [memoryview(buf)])]).result(TIMEOUT) == [GetStatus.HIT]
+            _same(buf, fill * 4096, "a value read after a put replaced one of the same size that had been read")
         kit_backend.submit_put([(key, [memoryview(b"b" * 100)])]).result(TIMEOUT)
         assert kit_backend.submit_exists([key]).result(TIMEOUT) == [100]
         buf = bytearray(100)
         assert kit_backend.submit_get([(key, [memoryview(buf)])]).result(TIMEOUT) == [GetStatus.HIT]
         _same(buf, b"b" * 100, "an overwritten value")
 
-    def test_kit_delete_removes_values(self, kit_backend: Backend) -> None:
+    def test_kit_delete_removes_values(self, kit_store: Store, kit_backend: Backend, store_url: str) -> None:
+        """A deleted value is gone for existence checks and gets (a get of it is a miss that leaves
+        its parts as they were) and, where ``persistent``, for a backend opened afterwards."""
         keys = self.kit_keys(3)
-        kit_backend.submit_put([(k, [memoryview(b"x")]) for k in keys[:2]]).result(TIMEOUT)
+        kit_backend.submit_put([(k, [memoryview(b"x" * 100)]) for k in keys[:2]]).result(TIMEOUT)
         assert kit_backend.submit_delete(keys).result(TIMEOUT) == 2
         assert kit_backend.submit_exists(keys).result(TIMEOUT) == [0, 0, 0]
+        buf = bytearray(b"\xaa" * 100)
+        assert kit_backend.submit_get([(keys[0], [memoryview(buf)])]).result(TIMEOUT) == [GetStatus.MISS], \
+            "a get of a deleted value must be a miss"
+        _unchanged(buf, b"\xaa" * 100, "a get of a deleted value wrote into its parts")
+        if kit_store.capabilities.persistent:
+            _close_within(kit_backend, TIMEOUT)  # (a store may be held by one backend at a time: fs is)
+            later = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+            try:
+                assert later.submit_exists(keys[:2]).result(TIMEOUT) == [0, 0], \
+                    "a deleted value came back for a backend opened afterwards"
+            finally:
+                _close_within(later, TIMEOUT)
+
+    def test_kit_a_value_read_while_it_is_replaced_is_whole(self, kit_backend: Backend) -> None:
+        """A put replaces a value atomically: gets of it while puts replace it, over and over,
+        read the old value or the new one, whole, never a mix (for about a second)."""
+        (key,) = self.kit_keys(1)
+        values = [bytes([c]) * (2 << 20) for c in b"ab"]
+        assert kit_backend.submit_put([(key, _parts(values[0]))]).result(TIMEOUT) == [True]
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def replace() -> None:
+            try:
+                i = 0
+                while not stop.is_set():
+                    i ^= 1
+                    kit_backend.submit_put([(key, _parts(values[i]))]).result(TIMEOUT)
+            except BaseException as exc:  # noqa: BLE001  (reported by the test's thread)
+                errors.append(exc)
+
+        writer = threading.Thread(target=replace, name="kit-replace")
+        writer.start()
+        torn = reads = 0
+        buf = bytearray(len(values[0]))
+        try:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline or reads < 8:
+                if kit_backend.submit_get([(key, _parts(buf))]).result(TIMEOUT) == [GetStatus.HIT]:
+                    reads += 1
+                    torn += buf != values[0] and buf != values[1]
+        finally:
+            stop.set()
+            writer.join(TIMEOUT)
+        assert not errors, errors[0]
+        assert not torn, (f"{torn} of {reads} gets read a value that was neither the old one nor the new one whole: "
+                          "a put must replace a value atomically")
 
     def test_kit_large_value_round_trips(self, kit_store: Store, kit_backend: Backend) -> None:
         """A value as large as the store claims to hold (``max_value_bytes``), up to 64 MiB: a
@@ -307,8 +376,11 @@ class StoreConformance:
         """A backend's threads and descriptors are gone once ``close()`` returned (after a first
         open and close, so that what a library makes once for the process is not counted): one
         per operation would grow the server by a thread or a socket for every chunk it writes."""
+        kept: list[Backend] = []  # the server holds its backend until it exits: only close() may end its threads
+
         def work() -> None:
             backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+            kept.append(backend)
             try:
                 keys = self.kit_keys(40)
                 for k in keys:
@@ -330,13 +402,40 @@ class StoreConformance:
             f"store conformance kit: {threading.active_count() - threads} thread(s) left after close(): {left}"
         assert _open_fds() <= fds, f"store conformance kit: {_open_fds() - fds} file descriptor(s) left after close()"
 
-    def test_kit_close_is_idempotent_and_later_submits_raise(self, kit_store: Store, store_url: str) -> None:
+    def test_kit_close_ends_every_operation_and_later_submits_raise(self, kit_store: Store, store_url: str) -> None:
+        """``close()`` returns once every operation submitted before it has ended (its future
+        done: a result, or StoreUnavailable); it is idempotent; every ``submit_*`` raises
+        StoreUnavailable afterwards."""
         backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
         _within(backend.ping, 6.0, "ping()", "it must return within StoreOptions.timeout_s (5 s here)")
+        keys = self.kit_keys(24)
+        value = os.urandom(1 << 20)
+        futs: list[Future[Any]] = [backend.submit_put([(k, _parts(value))]) for k in keys[:16]]
+        futs += [backend.submit_get([(k, _parts(bytearray(len(value))))]) for k in keys[:8]]
+        futs += [backend.submit_exists(keys), backend.submit_delete(keys[16:])]
+        _close_within(backend, TIMEOUT)
+        running = sum(not f.done() for f in futs)
+        assert not running, (f"{running} of {len(futs)} operations still ran after close() returned: close() waits "
+                             "for them (or fails them) and only then releases their connections and threads")
+        for f in futs:
+            exc = f.exception()
+            assert exc is None or isinstance(exc, StoreUnavailable), \
+                f"an operation ended by close() raised {type(exc).__name__}: {exc} (only StoreUnavailable)"
         backend.close()
-        backend.close()
-        with pytest.raises(StoreUnavailable):
-            backend.submit_exists([b"kvxfer:kit:closed"])
+        buf = bytearray(1)
+        for what, call in (("submit_exists", lambda: backend.submit_exists([keys[0]])),
+                           ("submit_get", lambda: backend.submit_get([(keys[0], [memoryview(buf)])])),
+                           ("submit_put", lambda: backend.submit_put([(keys[0], [memoryview(b"x")])])),
+                           ("submit_delete", lambda: backend.submit_delete([keys[0]]))):
+            try:
+                call()
+            except StoreUnavailable:
+                continue
+            except Exception as exc:  # noqa: BLE001  (the kit's report)
+                pytest.fail(f"store conformance kit: {what} after close() raised {type(exc).__name__}: {exc}; it "
+                            "must raise StoreUnavailable", pytrace=False)
+            pytest.fail(f"store conformance kit: {what} after close() returned; it must raise StoreUnavailable",
+                        pytrace=False)
 
     def test_kit_a_shared_store_is_shared_with_another_process(self, kit_store: Store, kit_backend: Backend,
                                                                store_url: str) -> None:

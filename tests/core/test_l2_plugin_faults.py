@@ -528,7 +528,7 @@ class TestPingHangs(StoreConformance):  # ping() never returns while the fault f
         return _url(tmp_path_factory, fault="ping_hangs")
 
 
-class TestSmallBudget(StoreConformance):  # holds less than the 512 MiB values fs claims
+class TestSmallBudget(StoreConformance):  # a 32 MiB budget: less than the 64 MiB value the kit puts (fs claims 1 TiB values)
     store = "fs"
 
     @pytest.fixture(scope="class")
@@ -539,6 +539,87 @@ class TestSmallBudget(StoreConformance):  # holds less than the 512 MiB values f
 
 class TestWrongProbe(StoreConformance):  # its probe() returns True
     store = "test_wrongprobe"
+
+
+class TestGetCached(StoreConformance):  # gets answered from a copy kept at an earlier get
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="get_cached")
+
+
+class TestGetShortHits(StoreConformance):  # a get into longer parts answers HIT
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="get_short_hits")
+
+
+class TestGetWritesLate(StoreConformance):  # gets write into their parts again after they ended
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="get_writes_late")
+
+
+class TestPutTorn(StoreConformance):  # puts replace a value in two steps
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="put_torn")
+
+
+class TestPutKeepsParts(StoreConformance):  # gets answered from the parts of an earlier put
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="put_keeps_parts")
+
+
+class TestDeleteKeepsGets(StoreConformance):  # deleted values still read
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="delete_keeps_gets")
+
+
+class TestCloseReturnsEarly(StoreConformance):  # close() does not wait for operations
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="close_returns_early")
+
+
+class TestSubmitAfterCloseRaw(StoreConformance):  # a put after close() raises RuntimeError
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="submit_after_close_raw")
+
+
+class TestCloseKeepsThreads(StoreConformance):  # close() leaves its threads running
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="close_keeps_threads")
 '''
 
 
@@ -553,7 +634,16 @@ def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: 
                 ("TestFlippedGet", "test_kit_put_then_get_into_parts_exactly"),
                 ("TestPutWrites", "test_kit_put_then_get_into_parts_exactly"),
                 ("TestPingHangs", "test_kit_submits_and_health_calls_return_in_time"),
-                ("TestWrongProbe", "test_kit_plugin_declares_the_contract"))
+                ("TestWrongProbe", "test_kit_plugin_declares_the_contract"),
+                ("TestGetCached", "test_kit_overwrite_replaces_the_value_whole"),
+                ("TestGetShortHits", "test_kit_wrong_size_is_reported_and_the_backend_keeps_working"),
+                ("TestGetWritesLate", "test_kit_put_then_get_into_parts_exactly"),
+                ("TestPutTorn", "test_kit_a_value_read_while_it_is_replaced_is_whole"),
+                ("TestPutKeepsParts", "test_kit_put_then_get_into_parts_exactly"),
+                ("TestDeleteKeepsGets", "test_kit_delete_removes_values"),
+                ("TestCloseReturnsEarly", "test_kit_close_ends_every_operation_and_later_submits_raise"),
+                ("TestSubmitAfterCloseRaw", "test_kit_close_ends_every_operation_and_later_submits_raise"),
+                ("TestCloseKeepsThreads", "test_kit_leaves_no_thread_or_descriptor_behind"))
     # each class runs the kit test that must catch it (and TestShortExists the one fs skips)
     only = " or ".join(f"({cls} and {test})" for cls, test in expected)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "test_mutants.py",
@@ -571,6 +661,16 @@ def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: 
             "put, first difference at byte 1191") in out.stdout, out.stdout
     assert "the parts of put 0 of 5 were written into: a put only reads its parts" in out.stdout, out.stdout
     assert "ping() did not return within 6 s" in out.stdout, out.stdout
+    for said in ("a value read after a put replaced one of the same size that had been read",
+                 "a get into parts one byte longer than the value must be WRONG_SIZE",
+                 "get 0 of 5 wrote into its parts after its future was done",
+                 "a put must replace a value atomically",
+                 "read after the parts it was put from changed",
+                 "a get of a deleted value must be a miss",
+                 "operations still ran after close() returned",
+                 "submit_put after close() raised RuntimeError",
+                 "thread(s) left after close()"):
+        assert said in out.stdout, (said, out.stdout)
 
 
 def test_the_store_kit_fails_a_backend_whose_close_never_returns() -> None:
