@@ -152,8 +152,9 @@ class Probe:
 
 
 #: What a transport claims by default: the dtypes the kit tests, 16-, 32- and 8-bit (``uint8`` is
-#: how vLLM holds an fp8 KV cache, ``--kv-cache-dtype fp8``); copies are byte-wise, so any of them
-#: round-trips through a transport whose copies are right for one.
+#: how vLLM holds an fp8 KV cache, ``--kv-cache-dtype fp8``). Copies must be byte-wise (bytes
+#: reinterpreted, never converted: a value conversion keeps 16- and 32-bit numbers and integers
+#: yet changes NaN payloads and fp8 bytes), and the kit checks every claimed dtype.
 _ALL_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8", "int8"})
 
 

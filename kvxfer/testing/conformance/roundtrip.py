@@ -31,6 +31,8 @@ ODD_ROWS: list[tuple[int, int, int, str]] = [(1, 1, 1, "float8_e4m3fn"), (2, 1, 
                                               (4, 1, 1, "float16"), (1, 3, 1, "float32"), (2, 3, 1, "bfloat16")]
 #: Seconds the kit watches memory a finished transfer must no longer write.
 LATE_S = 0.3
+#: Seconds between the layers of a layer-wise store the kit declares written.
+LAYER_S = 0.02
 
 
 def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], before: KVBytes,
@@ -44,6 +46,13 @@ def assert_retrieved(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor], bef
     put_chunks(want, spec, blocks, spec.blocks_per_chunk(CHUNK_SIZE), chunks, skip_blocks, only)
     got = as_bytes(layers)
     assert equal_bytes(got, want), f"KV cache after retrieve differs: {describe_diff(got, want, spec)}"
+
+
+def refill(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor]) -> None:
+    """New random bytes in every page of ``layers``, in place (as the engine writes its cache:
+    the memory outside the pages, padding and unregistered layers, is left as it was)."""
+    for layer, fresh in zip(layers, kit.kv(spec)):
+        layer.copy_(fresh)
 
 
 def round_trip(kit: Kit, spec: KVSpec) -> None:
@@ -98,17 +107,21 @@ class RoundTripTests:
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)
         keys, src = kit.keys(3), kit.blocks(spec, 3)
-        before = as_bytes(layers)
-        want = kit.chunks_of(before, spec, src)
+        written = kit.kv(spec)  # what the forward pass writes, a layer at a time, after the submit
 
         stored = ctx.submit_store(keys, src, by_layer=True)
         assert isinstance(stored, LayerwiseFuture)
         for layer in range(spec.num_layers):
+            time.sleep(LAYER_S)  # the layer's compute: a copy of it started before layer_ready reads old bytes
+            layers[layer].copy_(written[layer])
             stored.layer_ready(layer)
         assert stored.result(timeout=TIMEOUT).stored == [0, 1, 2]
+        before = as_bytes(layers)
+        want = kit.chunks_of(before, spec, src)
         held_res, held = kit.backdoor_read(spec, keys)
         assert held_res.loaded == [0, 1, 2]
-        assert equal_bytes(held, want), "a layer-wise store left other bytes in the server than the chunks' own"
+        assert equal_bytes(held, want), ("a layer-wise store left other bytes in the server than its layers held "
+                                         "once each was declared written (a layer copied before its layer_ready?)")
 
         dst = kit.blocks(spec, 3, exclude=src)
         loading = ctx.submit_retrieve(keys, dst, by_layer=True)
@@ -144,19 +157,22 @@ class RoundTripTests:
         assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src), skip_blocks=1)
 
     def test_a_finished_transfer_writes_nothing_after_it(self, kit: Kit) -> None:
-        """Once a store's future has resolved its slots are the server's: the chunks read back
-        the same a while later, across other transfers of the context. Once a retrieve's has,
-        the blocks are the engine's: they hold what it wrote a while later. (A transport that
-        finished its copy late, on a thread of its own, would change chunks every engine loads,
-        or blocks the engine has written since.)"""
+        """Once a store's future has resolved its slots are the server's and its blocks the
+        engine's again: the chunks read back the same a while later, though the engine wrote new
+        bytes into those blocks at once, across other transfers of the context. Once a
+        retrieve's has, the blocks are the engine's: they hold what it wrote into them at once,
+        a while later. (A transport that finished or repeated a copy late, on a thread of its
+        own, would change chunks every engine loads, or blocks the engine has written since.)"""
         spec = kit.spec()
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)
         keys, src = kit.keys(3), kit.blocks(spec, 3)
         want = kit.chunks_of(layers, spec, src)
         assert kit.store(ctx, keys, src).stored == [0, 1, 2]
+        refill(kit, spec, layers)  # the engine reuses the stored blocks at once
         dst = kit.blocks(spec, 3, exclude=src)
         assert kit.retrieve(ctx, keys, dst).loaded == [0, 1, 2]
+        refill(kit, spec, layers)  # the engine computes into the loaded blocks at once
         after = as_bytes(layers)
         others = kit.keys(1)
         assert kit.store(ctx, others, src[:spec.blocks_per_chunk(CHUNK_SIZE)]).stored == [0]
@@ -164,6 +180,45 @@ class RoundTripTests:
         _, held = kit.backdoor_read(spec, keys)
         assert equal_bytes(held, want), f"the stored chunks changed in the server within {LATE_S} s of the store"
         assert equal_bytes(as_bytes(layers), after), f"the KV cache changed within {LATE_S} s of the retrieve"
+
+    @pytest.mark.parametrize("view", [None, *OUTSIDE], ids=["default", "bhnc-BLNHC-pad40", "bhnc-BHLNC"])
+    def test_a_store_stores_what_the_cache_holds_when_it_is_submitted(self, kit: Kit, view: Layout | None) -> None:
+        """The engine fills its cache after registering it: a store moves the bytes its blocks
+        hold when it is submitted, not those of registration time (a transport that read strided
+        layers through a copy made at registration would store stale bytes)."""
+        spec = kit.spec(view)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        refill(kit, spec, layers)
+        keys, src = kit.keys(2), kit.blocks(spec, 2)
+        want = kit.chunks_of(layers, spec, src)
+        assert kit.store(ctx, keys, src).stored == [0, 1]
+        _, held = kit.backdoor_read(spec, keys)
+        assert equal_bytes(held, want), (f"{spec.id}: the server holds other bytes than the blocks held when the "
+                                         "store was submitted (bytes read before, at registration?)")
+
+    def test_chunks_in_reused_slots_load_their_own_bytes(self, kit: Kit) -> None:
+        """Rounds of a store and a lone retrieve of new chunks, with new bytes each round, until
+        the arena has been filled twice: every retrieve loads its own chunks' bytes, though they
+        lie in slots that earlier chunks held (a transport that stages or prefetches chunks must
+        tell them apart by more than their slot: ``RowCopy.stamp``)."""
+        spec = kit.spec(heads=8, head_size=64, num_blocks=64)
+        layers = kit.kv(spec)
+        ctx = kit.register(layers, spec)
+        bpc = spec.blocks_per_chunk(CHUNK_SIZE)
+        itemsize = torch.empty((), dtype=spec.torch_dtype).element_size()
+        chunk_bytes = spec.num_layers * spec.planes * CHUNK_SIZE * spec.hidden * itemsize
+        per_round = spec.num_blocks // bpc // 2
+        rounds = -(-(2 * kit.client().status().arena.capacity // chunk_bytes + 8) // per_round)
+        for i in range(rounds):
+            refill(kit, spec, layers)
+            keys, src = kit.keys(per_round), kit.blocks(spec, per_round)
+            assert kit.store(ctx, keys, src).stored == list(range(per_round)), f"round {i}"
+            before = as_bytes(layers)
+            dst = kit.blocks(spec, per_round, exclude=src)
+            got = kit.retrieve(ctx, keys, dst)
+            assert (got.loaded, got.missing) == (list(range(per_round)), []), f"round {i}: {got}"
+            assert_retrieved(kit, spec, layers, before, dst, kit.chunks_of(before, spec, src))
 
     def test_retrieve_into_the_blocks_it_came_from(self, kit: Kit) -> None:
         spec = kit.spec()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -159,6 +160,101 @@ class WideRowsContext(CpuGatherContext):
                 layer[c.rows] = rows
 
 
+class LateRetrieveContext(CpuGatherContext):
+    """Copies each retrieve's rows once more, from its slots, a moment after saying it is done
+    (the same bytes, on a thread shared by every context): right when the retrieve returns,
+    wrong once the engine has written those blocks since."""
+
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        super().scatter(copies, transfer)
+        _LATE.submit(_again_later, super().scatter, [RowCopy(c.rows, c.slot.clone(), c.first_layer) for c in copies],
+                     transfer)
+
+
+class LateStoreContext(CpuGatherContext):
+    """Reads each store's rows once more, into its slots, a moment after saying it is done:
+    right when the store returns, wrong once the engine has reused those blocks since."""
+
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        super().gather(copies, transfer)
+        _LATE.submit(_again_later, super().gather, copies, transfer)
+
+
+def _again_later(copy: Any, copies: list[RowCopy], transfer: Transfer) -> None:
+    time.sleep(0.05)
+    copy(copies, transfer)
+
+
+class _ByteRows(CpuGatherContext):
+    """Copies through uint8 row views of its layers, from ``_source()`` on a store."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bytes = [copy_view(self.layout.row_view(t), torch.uint8) for t in self.layers]
+
+    def _source(self, first_layer: int) -> list[torch.Tensor]:
+        return self._bytes
+
+    def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        for c in copies:
+            for layer, dst in zip(self._source(c.first_layer)[c.first_layer:], c.slot.view(torch.uint8)):
+                dst.copy_(layer[c.rows])
+
+
+class SnapshotAtRegisterContext(_ByteRows):
+    """Stores from a copy of its layers taken when it was registered (a transport that gathers
+    strided layers through a contiguous copy made once): stale as soon as the engine writes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._snapshot = [b.clone() for b in self._bytes]
+
+    def _source(self, first_layer: int) -> list[torch.Tensor]:
+        return self._snapshot
+
+
+class EarlyLayerStoreContext(_ByteRows):
+    """Claims ``layer_ranges``; to batch its reads, reads every layer of a store when its first
+    range comes, and copies the later ranges from that read: layers written after the first
+    ``layer_ready`` are stored as they were before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read: list[torch.Tensor] = self._bytes
+
+    def _source(self, first_layer: int) -> list[torch.Tensor]:
+        if first_layer == 0:
+            self._read = [b.clone() for b in self._bytes]
+        return self._read
+
+
+class StagedBySlotContext(CpuGatherContext):
+    """Keeps what it loaded from each slot, keyed by the slot's address, and loads a later
+    retrieve of the same slot from there (a staging cache that ignores ``RowCopy.stamp``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._staged: dict[tuple[int, int], torch.Tensor] = {}
+
+    def scatter(self, copies: list[RowCopy], transfer: Transfer) -> None:
+        staged = []
+        for c in copies:
+            at = (c.slot.data_ptr(), c.first_layer)
+            if at not in self._staged:
+                self._staged[at] = c.slot.clone()
+            staged.append(RowCopy(c.rows, self._staged[at], c.first_layer))
+        super().scatter(staged, transfer)
+
+
+class FolderPerContext(CpuGatherContext):
+    """Makes a spool folder in the server's private directory for each context, and leaves it
+    behind when the context closes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        (Path(self.arena.path).parent / f"spool-{os.getpid()}-{id(self)}").mkdir()
+
+
 class FlipTransport(CpuGatherTransport):
     name = "mutant_flip"
     context_type = FlipContext
@@ -207,6 +303,36 @@ class LateWriteTransport(CpuGatherTransport):
 class WideRowsTransport(CpuGatherTransport):
     name = "mutant_wide_rows"
     context_type = WideRowsContext
+
+
+class LateRetrieveTransport(CpuGatherTransport):
+    name = "mutant_late_retrieve"
+    context_type = LateRetrieveContext
+
+
+class LateStoreTransport(CpuGatherTransport):
+    name = "mutant_late_store"
+    context_type = LateStoreContext
+
+
+class SnapshotAtRegisterTransport(CpuGatherTransport):
+    name = "mutant_snapshot_at_register"
+    context_type = SnapshotAtRegisterContext
+
+
+class EarlyLayerStoreTransport(CpuGatherTransport):
+    name = "mutant_early_layer_store"
+    context_type = EarlyLayerStoreContext
+
+
+class StagedBySlotTransport(CpuGatherTransport):
+    name = "mutant_staged_by_slot"
+    context_type = StagedBySlotContext
+
+
+class FolderPerContextTransport(CpuGatherTransport):
+    name = "mutant_folder_per_context"
+    context_type = FolderPerContext
 
 
 class ContiguousOnlyTransport(CpuGatherTransport):
