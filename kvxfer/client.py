@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 import logging
 import math
 import os
@@ -110,22 +111,23 @@ def _socket_missing_at(url: str) -> str:
     others = _sockets_in(path.parent)
     if not others:
         return f"{path} does not exist"
-    return f"{path} does not exist, but {path.parent} holds {', '.join(others)} (a misspelt name?)"
+    named = sorted(others, key=lambda n: -difflib.SequenceMatcher(None, n, path.name).ratio())[:3]
+    more = f" and {len(others) - len(named)} more" if len(others) > len(named) else ""
+    return f"{path} does not exist, but {path.parent} holds {', '.join(named)}{more} (a misspelt name?)"
 
 
-def _sockets_in(directory: Path, most: int = 3) -> list[str]:
-    """Names of up to ``most`` Unix sockets in ``directory`` (for a message; errors: none)."""
+def _sockets_in(directory: Path, most: int = 256) -> list[str]:
+    """Names of the Unix sockets among the first ``most`` entries of ``directory`` (for a
+    message; errors: none)."""
     found: list[str] = []
     try:
         with os.scandir(directory) as entries:
-            for entry in entries:
+            for _, entry in zip(range(most), entries):
                 try:
                     if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
                         found.append(entry.name)
                 except OSError:
                     continue
-                if len(found) == most:
-                    break
     except OSError:
         return []
     return sorted(found)

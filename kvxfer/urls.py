@@ -72,7 +72,9 @@ def check_url(url: str) -> str:
     from ``$KVXFER_URL``, that it did."""
     scheme, sep, rest = url.partition("://")
     why = ""
-    if not sep or scheme not in ("ipc", "tcp", "inproc"):
+    if url != url.strip():
+        why = "it begins or ends with white space (a stray space when it was pasted?)"
+    elif not sep or scheme not in ("ipc", "tcp", "inproc"):
         why = "use ipc://PATH or tcp://HOST:PORT"
     elif not rest or "\0" in rest:
         why = "it names no address"

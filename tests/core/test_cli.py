@@ -143,6 +143,18 @@ def test_status_without_a_server_says_how_to_start_one_at_once(tmp_path: Path, c
     err = capsys.readouterr().err
     assert f"{tmp_path}/kvxfer.soc does not exist, but {tmp_path} holds kvxfer.sock (a misspelt name?)" in err, err
     assert "$XDG_RUNTIME_DIR" not in err, "an address given is no default"
+    # among many sockets, the names closest to the one asked for (the first three the directory
+    # listed left the right one out), and how many more there are
+    others = [socket.socket(socket.AF_UNIX) for _ in range(5)]
+    try:
+        for i, s in enumerate(others):
+            s.bind(str(tmp_path / f"a{i}.sock"))
+        assert main(["status", "--url", f"ipc://{tmp_path}/kvxfer.soc", "--timeout", "3600"]) == 2
+    finally:
+        for s in others:
+            s.close()
+    err = capsys.readouterr().err
+    assert f"{tmp_path} holds kvxfer.sock, a" in err and ".sock and 3 more (a misspelt name?)" in err, err
 
 
 def test_status_at_the_default_address_says_where_that_comes_from(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -335,6 +347,9 @@ def test_the_vllm_connector_checks_its_url() -> None:
     for bad in ("http://x", "tcp://host", 5):
         with pytest.raises(ConfigError, match="kvxfer.url"):
             ConnectorConfig.from_mapping({"kvxfer.url": bad}, **args)
+    for pasted in ("ipc:///tmp/x/k.sock ", " ipc:///tmp/x/k.sock", "tcp://10.0.0.5:5555\t"):  # waited 5 s, then
+        with pytest.raises(ConfigError, match="kvxfer.url: .*begins or ends with white space"):  # named a path
+            ConnectorConfig.from_mapping({"kvxfer.url": pasted}, **args)  # whose trailing space no one sees
     assert ConnectorConfig.from_mapping({"kvxfer.url": "tcp://10.0.0.5:5555"}, **args).url == "tcp://10.0.0.5:5555"
 
 
@@ -364,6 +379,16 @@ def test_the_vllm_connector_reads_booleans_alike_and_names_a_misspelt_key() -> N
     with pytest.raises(ConfigError, match="'url' is not kvxfer's; did you mean 'kvxfer.url'"):  # the prefix left out
         ConnectorConfig.from_mapping({"url": "ipc:///tmp/x/k.sock"}, **args)
     assert ConnectorConfig.from_mapping({"other_connector.option": 1}, **args)  # another's key: not ours to judge
+    # keys meant for kvxfer, written another way, were ignored: the connector used the default socket
+    with pytest.raises(ConfigError, match="key 'kvxfer' holds a mapping: kvxfer's keys are not nested, each is a key "
+                                          "of its own \\(\"kvxfer.url\": ...\\)"):
+        ConnectorConfig.from_mapping({"kvxfer": {"url": "ipc:///tmp/x/k.sock"}}, **args)
+    for key, meant in (("KVXFER_URL", "kvxfer.url"), ("kvxfer_transport", "kvxfer.transport"),
+                       ("kvxfer-lease_s", "kvxfer.lease_s")):
+        with pytest.raises(ConfigError, match=f"'{key}' is not kvxfer's; did you mean '{meant}'"):
+            ConnectorConfig.from_mapping({key: "x"}, **args)
+    with pytest.raises(ConfigError, match="'kvxferish' is not kvxfer's; kvxfer knows kvxfer.url, "):
+        ConnectorConfig.from_mapping({"kvxferish": 1}, **args)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key\\(s\\) 'kvxfer.lease' \\(did you "
                                           "mean 'kvxfer.lease_s'\\?\\), 'kvxfer.nonsense', 'kvxfer.timeout' \\(did "
                                           "you mean 'kvxfer.timeout_s'\\?\\)"):
