@@ -990,8 +990,9 @@ class CacheServer:
                 f"({reason}): dropping its {len(session.instances)} registrations")
         if quiet:
             log.debug("%s", line)
-        else:  # a client may end sessions as fast as it opens them
-            self._throttled.log(logging.INFO, "session ended", line)
+        else:  # a client may end sessions as fast as it opens them (a kind per reason: a session
+            # that timed out is not hidden behind one that was closed a moment before)
+            self._throttled.log(logging.INFO, f"session ended ({reason[:24]})", line)
         # a silent client that still lives may wake mid-copy: keep its write slots until it dies
         # (one that said goodbye has closed its contexts, so copies no more: nothing is kept)
         parked = None

@@ -52,6 +52,22 @@ def assert_no_shm_left(pid: int, mapped: set[str], arena_path: str, before: set[
     assert new == set(), f"/dev/shm entries naming the killed client: {new}"
 
 
+def test_the_ends_of_sessions_for_one_reason_do_not_hide_those_for_another(server, client_of, workers):
+    """The server logs the end of sessions at most once a second per reason (with the count of
+    those left out since). With one kind for every reason, the session a client closed a moment
+    after a killed client's session was dropped was never logged (nothing came later to count
+    it in); so was the reverse, where the same second allowed it."""
+    w = workers("hold-write", "--url", server.url, "--model", "victim", "--chunks", "1", *BIG.args())
+    read_event(w, "held")
+    closing = Writer(client_of(server), model="other")
+    assert closing.store([key("other", 0)]).stored == [0]
+    _kill(w)
+    wait_until(lambda: f"session of pid {w.pid} " in server.log(), DROP_WITHIN_S, "the killed client's session ended")
+    closing.client.close()  # well within a second of that line
+    wait_until(lambda: "ended (closed by the client)" in server.log(), 5.0,
+               "the closed session's end logged, a moment after the killed one's")
+
+
 @pytest.mark.parametrize("mode", ["hold-write", "hold-read"])
 def test_client_killed_holding_a_reservation_is_cleaned_up(server, client_of, workers, mode):
     """A client dies between reserve and commit (a write half copied, or a read pinned)."""
