@@ -173,9 +173,11 @@ class HpuContext(ClientDrivenContext):
         return max(1, self.GROUP_BYTES // self.chunk_bytes)
 
     def on_submit(self, kind: TransferKind) -> Any:
-        """A store's token: an event recorded on the caller's current stream of the device, which
-        its gather waits for (the engine's work queued before the submit); None elsewhere."""
-        if kind != "store" or self.ops.direct:
+        """The request's token: an event recorded on the caller's current stream of the device
+        (None without streams), which a store's gather waits for before it reads the blocks and a
+        retrieve's scatter before it writes them (the engine's work queued before the submit may
+        still write or read them)."""
+        if self.ops.direct:
             return None
         stream = self.ops.current_stream(self.device)
         event = self.ops.new_event() if stream is not None else None
@@ -238,6 +240,7 @@ class HpuContext(ClientDrivenContext):
         # which they do not need: the copy engine starts while this thread prepares the rest
         early = [dma(c) for c in copies[:len(p.chunks)]]
         with ops.use_stream(p.compute):
+            _Pipeline.wait(p.compute, transfer.token)  # the blocks are written after the engine's work on them
             rows = self._device_rows(copies)
         i = 0
         for group, idx in self._groups(copies, rows, p.group_rows):

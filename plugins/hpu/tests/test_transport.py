@@ -169,6 +169,33 @@ def test_cuda_store_waits_for_work_queued_on_the_callers_stream(client: CacheCli
         ctx.close()
 
 
+@cuda
+def test_cuda_retrieve_writes_after_work_queued_on_the_callers_stream(client: CacheClient) -> None:
+    """The engine queues a write of blocks behind a long kernel on its stream, then loads into
+    them without synchronizing: the load lands after that write (the retrieve's scatter once ran
+    at once on its own stream, and the engine's late write then replaced the loaded bytes)."""
+    layers = [torch.zeros(2, 16, BLOCK, 2, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    ctx = client.register(layers, model_name="order-load", block_size=BLOCK, transport="hpu")
+    try:
+        keys = _keys(1)
+        for t in layers:
+            t[:, [0, 1]] = 7.0
+        assert ctx.submit_store(keys, [0, 1]).result(30).stored == [0]
+        torch.cuda.synchronize()
+        engine = torch.cuda.Stream()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the engine's write lands
+            for t in layers:
+                t[:, [4, 5]] = -1.0
+            future = ctx.submit_retrieve(keys, [4, 5])
+        assert future.result(30).loaded == [0]
+        torch.cuda.synchronize()
+        for t in layers:
+            assert bool((t[:, [4, 5]] == 7.0).all()), "the engine's earlier write landed over the loaded blocks"
+    finally:
+        ctx.close()
+
+
 def _staged_context(client: CacheClient, layers: list[torch.Tensor], name: str) -> HpuContext:
     layout = KVLayout.infer(layers, BLOCK)
     ctx = HpuContext(HpuTransport(), client, layers, layout, InstanceIdentity(secrets.randbits(60) + 1, name, 1, 0),
