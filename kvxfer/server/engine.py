@@ -1019,17 +1019,22 @@ class CacheServer:
         self._formats = None
         session: Session = ctx.owner
         session.instances.discard(ctx.instance_id)
-        slots = 0
+        slots = lost = 0
         for res in [r for r in session.usage.reservations.values()
                     if r.instance_id == ctx.instance_id and not r.parked]:
             if res.in_flight:
                 continue
+            if res.write:  # never stored now: a parked write's late commit is refused too
+                lost += len(res.entries)
             if res.entries and park_into is not None and (res.write or park_reads):  # no slot: nothing to keep
                 res.parked = True
                 park_into.reservations[res.id] = res
                 slots += len(res.entries)
             else:
                 self.index.abort(res)
+        if lost:
+            self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), 0, lost, ctx.chunk.nbytes,
+                                None, 0.0, abandoned=True)
         if slots:
             self._throttled.warning("parked", f"client {session.peer.label()} lost its session but lives: keeping the "
                                     f"{slots} slots of its open reservations until it exits or sends their late "
@@ -1194,7 +1199,8 @@ class CacheServer:
                       leasable: int) -> m.LookupReply:
         """Lease the hits that have L1 entries (all of them when promoting) and reply. The
         lease belongs to ``session`` (its limits, its end), unless that session ended meanwhile.
-        A lookup refused for a lease limit counts in no figure: nothing of it was done."""
+        A lookup refused for a lease limit counts in no lookup figure (the L2 tier's count the
+        existence check it made)."""
         lease_id = 0
         leased = min(hits, leasable)
         if msg.lease_s > 0 and leased and self.sessions.get(session.identity) is session:
@@ -1431,6 +1437,7 @@ class CacheServer:
         stored = self.index.commit_write(res, bad)
         ctx.stores += 1
         seconds = time.perf_counter() - res.opened
+        copy_s = min(copy_s, seconds)  # a client's figure: its copy ran between the reserve and the commit
         self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), len(stored), len(bad),
                             ctx.chunk.nbytes, seconds, copy_s, abandoned)
         if stored and self.tier is not None:
@@ -1465,6 +1472,7 @@ class CacheServer:
         self.index.commit_read(res)
         ctx.retrieves += 1
         seconds = time.perf_counter() - res.opened
+        copy_s = min(copy_s, seconds)  # a client's figure: its copy ran between the reserve and the commit
         n = len(res.entries) if loaded else 0
         self.stats.on_retrieve(self.stats.traffic_of(ctx.model_name, ctx.transport), n,
                                res.missing + len(res.entries) - n, ctx.chunk.nbytes, seconds, copy_s)
@@ -1523,7 +1531,7 @@ class CacheServer:
         if msg.deadline and time.time() > msg.deadline:  # its client gave up on it: evict, reserve nothing
             self._past_deadline(ctx, "store", msg.deadline)
             self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), 0, len(msg.hashes),
-                                ctx.chunk.nbytes, 0.0, 0.0, abandoned=True)
+                                ctx.chunk.nbytes, None, 0.0, abandoned=True)
             if slot is not None:
                 ctx.executor.cancel(slot)
             return m.StoreResult([], [], list(range(len(msg.hashes))))

@@ -221,15 +221,19 @@ class ServerStats:
         traffic.no_space_chunks += no_space
 
     def on_store(self, traffic: TrafficStats, stored: int, failed: int, chunk_bytes: int,
-                 seconds: float, copy_s: float, abandoned: bool = False) -> None:
-        """A store committed: ``failed`` chunks not stored, abandoned by the client if ``abandoned``."""
-        traffic.stores += 1
+                 seconds: float | None, copy_s: float, abandoned: bool = False) -> None:
+        """A store committed: ``failed`` chunks not stored, abandoned by the client if ``abandoned``.
+        ``seconds`` None: no store ran (one that came past its deadline, the open writes of a
+        session that ended): its chunks are counted, no store and no duration."""
         traffic.stored_chunks += stored
         traffic.stored_bytes += stored * chunk_bytes
         if abandoned:
             traffic.abandoned_chunks += failed
         else:
             traffic.failed_chunks += failed
+        if seconds is None:
+            return
+        traffic.stores += 1
         traffic.store_copy_s += copy_s
         traffic.store.observe(seconds)
         self._transfer(traffic, "store", seconds)

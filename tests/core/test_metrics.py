@@ -9,6 +9,7 @@ import re
 import secrets
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -152,6 +153,31 @@ def test_counters_move_by_exactly_what_the_workload_did(client: CacheClient, url
                                                             request="lookup")
 
 
+def test_a_copy_is_never_counted_longer_than_its_transfer(client: CacheClient, url: str) -> None:
+    """A client-driven transfer's copy time is the client's figure: one that claimed more than
+    the server saw between the reserve and the commit made the share of transfers spent copying
+    (copy seconds over transfer seconds) pass 100%. It counts at most the transfer's time."""
+    kv = client.register(flash_attn_kv(), model_name="alpha", block_size=BLOCK_SIZE, transport="cpu_gather")
+    mt = {"model": "alpha", "transport": "cpu_gather"}
+    before = scrape(url)
+    for op in ("store", "retrieve"):
+        hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
+        rep = client.request(m.ReserveWrite(kv.instance_id, hashes))
+        client.request(m.CommitWrite(kv.instance_id, rep.reservation_id, copy_s=0.0))
+        if op == "retrieve":
+            rep = client.request(m.ReserveRead(kv.instance_id, hashes))
+            client.request(m.CommitRead(kv.instance_id, rep.reservation_id, copy_s=5.0))
+        else:
+            rep = client.request(m.ReserveWrite(kv.instance_id, chunk_hashes(
+                list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))))
+            client.request(m.CommitWrite(kv.instance_id, rep.reservation_id, copy_s=5.0))
+    after = scrape(url)
+    for op in ("store", "retrieve"):
+        copied = delta(before, after, "kvxfer_copy_seconds_total", **mt, op=op)
+        took = delta(before, after, "kvxfer_transfer_duration_seconds_sum", **mt, op=op)
+        assert 0 < copied <= took < 5.0, (op, copied, took)
+
+
 def test_in_flight_reservations_and_status_agree(client: CacheClient, url: str) -> None:
     kv = client.register(flash_attn_kv(), model_name="alpha", block_size=BLOCK_SIZE, transport="cpu_gather")
     hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=secrets.token_hex(4))
@@ -162,6 +188,7 @@ def test_in_flight_reservations_and_status_agree(client: CacheClient, url: str) 
     assert value(open_, "kvxfer_transfers_in_flight", **mt, op="store") == 1
     assert value(open_, "kvxfer_reservations", kind="write") == 1
     assert [t.stores_in_flight for t in st.traffic if t.model == "alpha"] == [1]
+    time.sleep(0.3)  # the copy the commit reports (0.25 s) took place since the reserve
     client.request(m.CommitWrite(kv.instance_id, rep.reservation_id, copy_s=0.25))
     done = scrape(url)
     assert value(done, "kvxfer_transfers_in_flight", **mt, op="store") == 0

@@ -340,12 +340,14 @@ def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path,
                 fill = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt=f"fill-{n}")
                 assert ctx.submit_store(fill, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
             before = client.status().arena
+            stores = [t.stores for t in client.status().traffic]
             late = m.Store(ctx.instance_id, chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="late"),
                            list(range(2 * BLOCKS_PER_CHUNK)), deadline=time.time() - 1)
             assert client.request(late) == m.StoreResult([], [], [0, 1])
             st = client.status()
             assert (st.arena.evictions, st.arena.chunks, st.reservations) == (before.evictions, before.chunks, 0)
             assert [(t.stored_chunks, t.abandoned_chunks) for t in st.traffic] == [(2 * n, 4)]
+            assert [t.stores for t in st.traffic] == stores, "a store that never ran is no store, and has no duration"
         finally:
             client.close()
 

@@ -85,6 +85,10 @@ def test_client_killed_holding_a_reservation_is_cleaned_up(server, client_of, wo
     mapped = _kill(w)
     wait_until(lambda: _gone(other.client, w.pid), DROP_WITHIN_S, "registration and reservation of the killed client dropped")
     assert_no_shm_left(w.pid, mapped, other.client.arena_path, shm_before)
+    # the open store's chunks, never stored, are counted (abandoned: its client gave up on them)
+    victim = [t for t in other.client.status().traffic if t.model == "victim"]
+    assert [(t.stored_chunks, t.abandoned_chunks) for t in victim] == [(0, 4) if mode == "hold-write" else (4, 0)], \
+        victim  # (hold-read stores its chunks first)
     # the log says the client died, not that it stopped answering
     wait_until(lambda: f"session of pid {w.pid} " in server.log(), DROP_WITHIN_S, "the killed client's session ended")
     ended = [ln for ln in server.log().splitlines() if f"session of pid {w.pid} " in ln]
