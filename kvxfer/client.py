@@ -116,7 +116,7 @@ def _socket_missing_at(url: str) -> str:
     return f"{path} does not exist, but {path.parent} holds {', '.join(named)}{more} (a misspelt name?)"
 
 
-def _sockets_in(directory: Path, most: int = 256) -> list[str]:
+def _sockets_in(directory: Path, most: int = 100_000) -> list[str]:
     """Names of the Unix sockets among the first ``most`` entries of ``directory`` (for a
     message; errors: none)."""
     found: list[str] = []

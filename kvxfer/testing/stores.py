@@ -418,6 +418,8 @@ class StoreConformance:
         assert not running, (f"{running} of {len(futs)} operations still ran after close() returned: close() waits "
                              "for them (or fails them) and only then releases their connections and threads")
         for f in futs:
+            assert not f.cancelled(), ("an operation was cancelled by close(): it ends with a result or "
+                                       "StoreUnavailable (the server waits on each)")
             exc = f.exception()
             assert exc is None or isinstance(exc, StoreUnavailable), \
                 f"an operation ended by close() raised {type(exc).__name__}: {exc} (only StoreUnavailable)"

@@ -387,8 +387,13 @@ def test_the_vllm_connector_reads_booleans_alike_and_names_a_misspelt_key() -> N
                        ("kvxfer-lease_s", "kvxfer.lease_s")):
         with pytest.raises(ConfigError, match=f"'{key}' is not kvxfer's; did you mean '{meant}'"):
             ConnectorConfig.from_mapping({key: "x"}, **args)
-    with pytest.raises(ConfigError, match="'kvxferish' is not kvxfer's; kvxfer knows kvxfer.url, "):
-        ConnectorConfig.from_mapping({"kvxferish": 1}, **args)
+    with pytest.raises(ConfigError, match="key 'kvxfer' holds a mapping: .*\\(\"kvxfer.transport\": ..., "
+                                          "\"kvxfer.lease_s\": ...\\)"):  # named as kvxfer reads them, or left out
+        ConnectorConfig.from_mapping({"kvxfer": {"kvxfer.transport": 1, "nonsense": 2, "lease_s": 3}}, **args)
+    with pytest.raises(ConfigError, match="'KVXFER' is not kvxfer's; kvxfer knows kvxfer.url, "):
+        ConnectorConfig.from_mapping({"KVXFER": "ipc:///tmp/x/k.sock"}, **args)
+    for theirs in ("kvxferish", "kvxfer_proxy.endpoint"):  # another connector's: not ours to judge
+        assert ConnectorConfig.from_mapping({theirs: 1}, **args)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key\\(s\\) 'kvxfer.lease' \\(did you "
                                           "mean 'kvxfer.lease_s'\\?\\), 'kvxfer.nonsense', 'kvxfer.timeout' \\(did "
                                           "you mean 'kvxfer.timeout_s'\\?\\)"):

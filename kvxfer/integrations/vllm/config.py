@@ -61,18 +61,23 @@ KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 OnError = Literal["fail", "recompute"]
 
 
-def _not_a_key(key: str, value: Any) -> str:
-    """The message for a key that looks meant for kvxfer but is none of its keys ("kvxfer" with
-    the settings nested under it, "KVXFER_URL", "kvxfer_url", ...)."""
-    flat = "kvxfer." + key[len("kvxfer"):].lstrip("._-").lower()
+def _not_a_key(key: str, value: Any) -> str | None:
+    """What is wrong with ``key`` if it is meant for kvxfer though none of its keys: the settings
+    nested under a "kvxfer" key, or a kvxfer key written with another separator or case
+    ("KVXFER_URL", "kvxfer-transport"); else None (another prefix's key: not kvxfer's to judge)."""
+    low = key.lower()
+    if low == "kvxfer" and isinstance(value, Mapping):
+        named = [n for n in (f"kvxfer.{k.removeprefix('kvxfer.')}" for k in value if isinstance(k, str))
+                 if n in KEYS][:3] or ["kvxfer.url"]
+        example = ", ".join(f'"{n}": ...' for n in named)
+        return (f"kv_connector_extra_config key {key!r} holds a mapping: kvxfer's keys are not nested, each is a "
+                f"key of its own ({example}); kvxfer knows {', '.join(KEYS)}")
+    flat = "kvxfer." + low[len("kvxfer"):].lstrip("._-") if low.startswith("kvxfer") else ""
     if flat in KEYS:
         return f"kv_connector_extra_config key {key!r} is not kvxfer's; did you mean {flat!r}?"
-    if isinstance(value, Mapping):
-        inner = ", ".join(f'"kvxfer.{k}": ...' for k in list(value)[:3] if isinstance(k, str)) or '"kvxfer.url": ...'
-        return (f"kv_connector_extra_config key {key!r} holds a mapping: kvxfer's keys are not nested, each is a "
-                f"key of its own ({inner}); kvxfer knows {', '.join(KEYS)}")
-    return (f"kv_connector_extra_config key {key!r} is not kvxfer's; kvxfer knows {', '.join(KEYS)} (docs/vllm.md, "
-            "section 3, says what each does)")
+    if low == "kvxfer":
+        return f"kv_connector_extra_config key {key!r} is not kvxfer's; kvxfer knows {', '.join(KEYS)}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +175,9 @@ class ConnectorConfig:
                 and not k.startswith("kvxfer.") else []  # "url" for "kvxfer.url" too
             if close:
                 raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {close[0]!r}?")
-            if k not in KEYS and k.lower().startswith("kvxfer") and not k.startswith("kvxfer."):
-                raise ConfigError(_not_a_key(k, extra[k]))
+            problem = _not_a_key(k, extra[k]) if k not in KEYS and not k.startswith("kvxfer.") else None
+            if problem is not None:
+                raise ConfigError(problem)
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvxfer.") and k not in KEYS)
         if unknown:
             guesses = {k: difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) for k in unknown}

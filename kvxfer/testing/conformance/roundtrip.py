@@ -200,8 +200,8 @@ class RoundTripTests:
     def test_chunks_in_reused_slots_load_their_own_bytes(self, kit: Kit) -> None:
         """Rounds of a store and a lone retrieve of new chunks, with new bytes each round, until
         the arena has been filled twice: every retrieve loads its own chunks' bytes, though they
-        lie in slots that earlier chunks held (a transport that stages or prefetches chunks must
-        tell them apart by more than their slot: ``RowCopy.stamp``)."""
+        lie in slots that earlier chunks held (a transport must keep nothing of a slot from one
+        transfer to the next, or, server side, tell staged chunks apart by ``RowCopy.stamp``)."""
         spec = kit.spec(heads=8, head_size=64, num_blocks=64)
         layers = kit.kv(spec)
         ctx = kit.register(layers, spec)

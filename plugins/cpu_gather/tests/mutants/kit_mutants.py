@@ -181,7 +181,7 @@ class LateStoreContext(CpuGatherContext):
 
 
 def _again_later(copy: Any, copies: list[RowCopy], transfer: Transfer) -> None:
-    time.sleep(0.05)
+    time.sleep(0.15)  # after the kit's engine wrote the blocks (at once), before it looks (0.3 s)
     copy(copies, transfer)
 
 
