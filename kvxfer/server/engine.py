@@ -1558,8 +1558,11 @@ class CacheServer:
             return copy()
 
         def finish(fut: Future[Any]) -> m.StoreResult:
-            if fut.exception() is not None or ctx.instance_id not in self.contexts:
-                self.index.abort(res)
+            failed = fut.exception() is not None
+            if failed or ctx.instance_id not in self.contexts:
+                self.index.abort(res)  # its chunks counted as a failed copy's, or as abandoned with the context
+                self.stats.on_store(self.stats.traffic_of(ctx.model_name, ctx.transport), 0, len(res.entries),
+                                    ctx.chunk.nbytes, None, 0.0, abandoned=not failed)
                 fut.result()
                 raise UnknownInstance(f"instance {ctx.instance_id} was dropped during the store")
             if fut.result() is expired:

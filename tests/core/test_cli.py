@@ -392,6 +392,9 @@ def test_the_vllm_connector_reads_booleans_alike_and_names_a_misspelt_key() -> N
         ConnectorConfig.from_mapping({"kvxfer": {"kvxfer.transport": 1, "nonsense": 2, "lease_s": 3}}, **args)
     with pytest.raises(ConfigError, match="'KVXFER' is not kvxfer's; kvxfer knows kvxfer.url, "):
         ConnectorConfig.from_mapping({"KVXFER": "ipc:///tmp/x/k.sock"}, **args)
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key\\(s\\) 'KVXFER.lease' \\(did you "
+                                          "mean 'kvxfer.lease_s'\\?\\)"):  # another case, no known key
+        ConnectorConfig.from_mapping({"KVXFER.lease": 1}, **args)
     for theirs in ("kvxferish", "kvxfer_proxy.endpoint"):  # another connector's: not ours to judge
         assert ConnectorConfig.from_mapping({theirs: 1}, **args)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key\\(s\\) 'kvxfer.lease' \\(did you "

@@ -530,6 +530,8 @@ def test_a_handlers_exception_is_a_typed_error_and_the_server_keeps_serving(loop
     with pytest.raises(ServerInternalError, match="transport 'test_loop' failed in store: .*failed on purpose"):
         kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30)
     assert loop_client.lookup("fail", hashes=hashes) == 0  # the failed slots were dropped
+    traffic = [t for t in loop_client.status().traffic if t.model == "fail"]  # its chunk counted as a failed copy's
+    assert [(t.stores, t.stored_chunks, t.failed_chunks) for t in traffic] == [(0, 0, 1)], traffic
     kv.next_store = LoopParams()
     assert kv.submit_store(hashes, list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
     kv.close()

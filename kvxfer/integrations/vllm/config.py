@@ -175,12 +175,13 @@ class ConnectorConfig:
                 and not k.startswith("kvxfer.") else []  # "url" for "kvxfer.url" too
             if close:
                 raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {close[0]!r}?")
-            problem = _not_a_key(k, extra[k]) if k not in KEYS and not k.startswith("kvxfer.") else None
+            problem = _not_a_key(k, extra[k]) if k not in KEYS and not k.lower().startswith("kvxfer.") else None
             if problem is not None:
                 raise ConfigError(problem)
-        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith("kvxfer.") and k not in KEYS)
+        unknown = sorted(k for k in extra if isinstance(k, str) and k.lower().startswith("kvxfer.") and k not in KEYS
+                         and k.lower() not in KEYS)  # (a known key in another case is refused above)
         if unknown:
-            guesses = {k: difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) for k in unknown}
+            guesses = {k: difflib.get_close_matches(k.lower(), KEYS, n=1, cutoff=0.8) for k in unknown}
             named = ", ".join(f"{k!r} (did you mean {g[0]!r}?)" if g else repr(k) for k, g in guesses.items())
             raise ConfigError(f"unknown kv_connector_extra_config key(s) {named}; kvxfer knows "
                               f"{', '.join(KEYS)} (docs/vllm.md, section 3, says what each does)")

@@ -100,10 +100,11 @@ class HpuContext(ClientDrivenContext):
     """Copies between an accelerator's KV tensors and arena slots through device staging.
 
     ``ops`` (default :func:`kvxfer_hpu.ops_for` of the tensors' device type) does every
-    device-specific step. Stores are ordered after the work queued on the caller's current
-    stream when it called ``submit_store`` (on devices with streams: :meth:`on_submit` records
-    an event there, which the store's gather waits for); a retrieve's future resolves once the
-    blocks are written on the device.
+    device-specific step. Stores and retrieves are ordered after the work queued on the
+    caller's current stream when it submitted them (on devices with streams: :meth:`on_submit`
+    records an event there, which a store's gather waits for before it reads the blocks and a
+    retrieve's scatter before it writes them); a retrieve's future resolves once the blocks are
+    written on the device.
     """
 
     #: Chunk buffers in flight: 2 overlaps preparing one chunk with copying the previous.
@@ -196,8 +197,8 @@ class HpuContext(ClientDrivenContext):
         ops, p = self.ops, self._pipeline()
         layers = self._layers_of(copies)
         with ops.use_stream(p.compute):
+            rows = self._device_rows(copies)  # (before the wait: an upload that waited would hold this thread)
             _Pipeline.wait(p.compute, transfer.token)
-            rows = self._device_rows(copies)
         for group, idx in self._groups(copies, rows, p.group_rows):
             gathered = self._rows_view(p.group, idx.numel(), len(layers))
             with ops.use_stream(p.compute):
@@ -240,8 +241,8 @@ class HpuContext(ClientDrivenContext):
         # which they do not need: the copy engine starts while this thread prepares the rest
         early = [dma(c) for c in copies[:len(p.chunks)]]
         with ops.use_stream(p.compute):
-            _Pipeline.wait(p.compute, transfer.token)  # the blocks are written after the engine's work on them
             rows = self._device_rows(copies)
+            _Pipeline.wait(p.compute, transfer.token)  # the blocks are written after the engine's work on them
         i = 0
         for group, idx in self._groups(copies, rows, p.group_rows):
             gathered = self._rows_view(p.group, idx.numel(), len(layers))

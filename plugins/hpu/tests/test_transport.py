@@ -158,7 +158,7 @@ def test_cuda_store_waits_for_work_queued_on_the_callers_stream(client: CacheCli
         with torch.cuda.stream(engine):
             torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write lands
             for t in layers:
-                t[:, [0, 1]] = 7.0
+                t[:, 0:2] = 7.0  # (a slice: a list index is copied to the device with a wait for the stream)
             future = ctx.submit_store(keys, [0, 1])
         assert future.result(30).stored == [0]
         torch.cuda.synchronize()
@@ -186,7 +186,7 @@ def test_cuda_retrieve_writes_after_work_queued_on_the_callers_stream(client: Ca
         with torch.cuda.stream(engine):
             torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the engine's write lands
             for t in layers:
-                t[:, [4, 5]] = -1.0
+                t[:, 4:6] = -1.0  # (a slice: a list index is copied to the device with a wait for the stream)
             future = ctx.submit_retrieve(keys, [4, 5])
         assert future.result(30).loaded == [0]
         torch.cuda.synchronize()

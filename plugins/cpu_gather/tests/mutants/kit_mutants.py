@@ -161,7 +161,7 @@ class WideRowsContext(CpuGatherContext):
 
 
 class LateRetrieveContext(CpuGatherContext):
-    """Copies each retrieve's rows once more, from its slots, a moment after saying it is done
+    """Copies each retrieve's rows again, from its slots, for a moment after saying it is done
     (the same bytes, on a thread shared by every context): right when the retrieve returns,
     wrong once the engine has written those blocks since."""
 
@@ -172,7 +172,7 @@ class LateRetrieveContext(CpuGatherContext):
 
 
 class LateStoreContext(CpuGatherContext):
-    """Reads each store's rows once more, into its slots, a moment after saying it is done:
+    """Reads each store's rows again, into its slots, for a moment after saying it is done:
     right when the store returns, wrong once the engine has reused those blocks since."""
 
     def gather(self, copies: list[RowCopy], transfer: Transfer) -> None:
@@ -181,8 +181,9 @@ class LateStoreContext(CpuGatherContext):
 
 
 def _again_later(copy: Any, copies: list[RowCopy], transfer: Transfer) -> None:
-    time.sleep(0.15)  # after the kit's engine wrote the blocks (at once), before it looks (0.3 s)
-    copy(copies, transfer)
+    for _ in range(5):  # again and again for 0.25 s: after the kit's engine wrote the blocks, before it looks
+        time.sleep(0.05)
+        copy(copies, transfer)
 
 
 class _ByteRows(CpuGatherContext):
