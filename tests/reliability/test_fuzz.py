@@ -31,8 +31,6 @@ from kvxfer.testing.server import ServerProcess
 
 EXAMPLES = int(os.environ.get("KVXFER_FUZZ_EXAMPLES", "60"))
 MAX_MESSAGE = 1 << 20
-#: The reference chunks' lease (their pin against the fuzzed clears), in seconds.
-LEASE_S = 86400
 #: codes a malformed request may get; "internal" (a handler crashed) is a bug
 TYPED_CODES = set(_BY_CODE) - {"internal"}
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False, database=None,
@@ -74,14 +72,16 @@ def env():
     from kvxfer import CacheClient
 
     with ServerProcess(l1_size="8MiB", chunk_size=16, transports="cpu_gather",
-                       extra_args=["--max-message-size", str(MAX_MESSAGE), "--max-lease", str(LEASE_S)]) as server:
+                       extra_args=["--max-message-size", str(MAX_MESSAGE), "--session-timeout", "60"]) as server:
         client = CacheClient(server.url, timeout=20)
         ref = Writer(client, model="ref")
         keys = [key("ref", j) for j in range(8)]
         assert ref.store(keys).stored == list(range(8))
-        # pinned, so that legitimate requests (clear, eviction by the fuzzer's stores) keep them,
-        # for longer than the module takes on the slowest machine (10 minutes did not do)
-        lease_id = client.lookup_and_lease("ref", hashes=keys, lease_s=LEASE_S).lease_id
+        # pinned, so that legitimate requests (clear, eviction by the fuzzer's stores) keep them;
+        # the lease is this client's session's, which must outlive a stall of its heartbeats on a
+        # loaded machine (at the 3 s default it ended, its lease with it, and a fuzzed clear then
+        # dropped the chunks: hence --session-timeout 60)
+        lease_id = client.lookup_and_lease("ref", hashes=keys, lease_s=600).lease_id
         peer = RawPeer(server.url)
         peer.handshake()
         # the fuzzer's own registration (same model and layout as the reference chunks), so
