@@ -492,42 +492,6 @@ class TestSharedClaim(StoreConformance):  # claims to be shared; a directory hel
         return _url(tmp_path_factory)
 
 
-class TestShortExists(StoreConformance):  # existence checks one size short
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="exists_short")
-
-
-class TestFlippedGet(StoreConformance):  # gets flip the last byte of a value
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="get_flips")
-
-
-class TestPutWrites(StoreConformance):  # puts write into their parts
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="put_writes_parts")
-
-
-class TestPingHangs(StoreConformance):  # ping() never returns while the fault file says so
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="ping_hangs")
-
-
 class TestSmallBudget(StoreConformance):  # a 32 MiB budget: less than the 64 MiB value the kit puts (fs claims 1 TiB values)
     store = "fs"
 
@@ -539,88 +503,33 @@ class TestSmallBudget(StoreConformance):  # a 32 MiB budget: less than the 64 Mi
 
 class TestWrongProbe(StoreConformance):  # its probe() returns True
     store = "test_wrongprobe"
-
-
-class TestGetCached(StoreConformance):  # gets answered from a copy kept at an earlier get
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="get_cached")
-
-
-class TestGetShortHits(StoreConformance):  # a get into longer parts answers HIT
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="get_short_hits")
-
-
-class TestGetWritesLate(StoreConformance):  # gets write into their parts again after they ended
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="get_writes_late")
-
-
-class TestPutTorn(StoreConformance):  # puts replace a value in two steps
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="put_torn")
-
-
-class TestPutKeepsParts(StoreConformance):  # gets answered from the parts of an earlier put
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="put_keeps_parts")
-
-
-class TestDeleteKeepsGets(StoreConformance):  # deleted values still read
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="delete_keeps_gets")
-
-
-class TestCloseReturnsEarly(StoreConformance):  # close() does not wait for operations
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="close_returns_early")
-
-
-class TestSubmitAfterCloseRaw(StoreConformance):  # a put after close() raises RuntimeError
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="submit_after_close_raw")
-
-
-class TestCloseKeepsThreads(StoreConformance):  # close() leaves its threads running
-    store = "test_faulty"
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def store_url(cls, tmp_path_factory):
-        return _url(tmp_path_factory, fault="close_keeps_threads")
 '''
+#: (class, fault of the test_faulty store, what it does wrong): a kit class each, as above
+_FAULTY = [
+    ("TestShortExists", "exists_short", "existence checks one size short"),
+    ("TestFlippedGet", "get_flips", "gets flip the last byte of a value"),
+    ("TestPutWrites", "put_writes_parts", "puts write into their parts"),
+    ("TestPingHangs", "ping_hangs", "ping() never returns while the fault file says so"),
+    ("TestGetCached", "get_cached", "gets answered from a copy kept at an earlier get"),
+    ("TestGetShortHits", "get_short_hits", "a get into longer parts answers HIT"),
+    ("TestGetWritesLate", "get_writes_late", "gets write into their parts again after they ended"),
+    ("TestPutTorn", "put_torn", "puts replace a value in two steps"),
+    ("TestPutKeepsParts", "put_keeps_parts", "gets answered from the parts of an earlier put"),
+    ("TestDeleteKeepsGets", "delete_keeps_gets", "deleted values still read"),
+    ("TestCloseReturnsEarly", "close_returns_early", "close() does not wait for operations"),
+    ("TestSubmitAfterCloseRaw", "submit_after_close_raw", "a put after close() raises RuntimeError"),
+    ("TestCloseKeepsThreads", "close_keeps_threads", "close() leaves its threads running"),
+]
+_KIT_MUTANTS += "".join(f'''
+
+class {cls}(StoreConformance):  # {what}
+    store = "test_faulty"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def store_url(cls, tmp_path_factory):
+        return _url(tmp_path_factory, fault="{fault}")
+''' for cls, fault, what in _FAULTY)
 
 
 def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: Path, tmp_path: Path) -> None:

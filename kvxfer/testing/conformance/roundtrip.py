@@ -15,7 +15,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.layout import LayoutKind
 from kvxfer.testing.harness import BLOCK_SIZE, CHUNK_SIZE, DTYPES, LAYOUTS, TIMEOUT, VIEWS, Kit, Layout, layout_id
 from kvxfer.testing.kvdata import KVBytes, KVSpec, View, as_bytes, describe_diff, equal_bytes, put_chunks
-from kvxfer.transport.contract import LayerwiseFuture
+from kvxfer.transport.contract import LayerwiseFuture, TransferContext
 
 __all__ = ["RoundTripTests", "assert_retrieved"]
 
@@ -53,6 +53,16 @@ def refill(kit: Kit, spec: KVSpec, layers: Sequence[torch.Tensor]) -> None:
     the memory outside the pages, padding and unregistered layers, is left as it was)."""
     for layer, fresh in zip(layers, kit.kv(spec)):
         layer.copy_(fresh)
+
+
+def _arena_filler(kit: Kit) -> tuple[KVSpec, list[torch.Tensor], TransferContext, int]:
+    """A registered cache of wide chunks, to fill the arena with few requests: ``(spec, layers,
+    context, bytes of a chunk)``."""
+    spec = kit.spec(heads=8, head_size=64, num_blocks=64)
+    layers = kit.kv(spec)
+    ctx = kit.register(layers, spec)
+    itemsize = torch.empty((), dtype=spec.torch_dtype).element_size()
+    return spec, layers, ctx, spec.num_layers * spec.planes * CHUNK_SIZE * spec.hidden * itemsize
 
 
 def round_trip(kit: Kit, spec: KVSpec) -> None:
@@ -202,13 +212,8 @@ class RoundTripTests:
         the arena has been filled twice: every retrieve loads its own chunks' bytes, though they
         lie in slots that earlier chunks held (a transport must keep nothing of a slot from one
         transfer to the next, or, server side, tell staged chunks apart by ``RowCopy.stamp``)."""
-        spec = kit.spec(heads=8, head_size=64, num_blocks=64)
-        layers = kit.kv(spec)
-        ctx = kit.register(layers, spec)
-        bpc = spec.blocks_per_chunk(CHUNK_SIZE)
-        itemsize = torch.empty((), dtype=spec.torch_dtype).element_size()
-        chunk_bytes = spec.num_layers * spec.planes * CHUNK_SIZE * spec.hidden * itemsize
-        per_round = spec.num_blocks // bpc // 2
+        spec, layers, ctx, chunk_bytes = _arena_filler(kit)
+        per_round = spec.num_blocks // spec.blocks_per_chunk(CHUNK_SIZE) // 2
         rounds = -(-(2 * kit.client().status().arena.capacity // chunk_bytes + 8) // per_round)
         for i in range(rounds):
             refill(kit, spec, layers)
@@ -344,12 +349,8 @@ class RoundTripTests:
         """Store more than the arena holds: the oldest chunks are evicted (lookup stops counting
         them, a retrieve reports them missing and leaves their blocks alone) and the newest,
         written into reused slots, come back exact."""
-        spec = kit.spec(heads=8, head_size=64, num_blocks=64)
-        layers = kit.kv(spec)
-        ctx = kit.register(layers, spec)
+        spec, layers, ctx, chunk_bytes = _arena_filler(kit)
         bpc = spec.blocks_per_chunk(CHUNK_SIZE)
-        itemsize = torch.empty((), dtype=spec.torch_dtype).element_size()
-        chunk_bytes = spec.num_layers * spec.planes * CHUNK_SIZE * spec.hidden * itemsize
         status = kit.client().status()
         total = status.arena.capacity // chunk_bytes + 8
         per_request = spec.num_blocks // bpc
