@@ -61,11 +61,21 @@ KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 OnError = Literal["fail", "recompute"]
 
 
-def _not_a_key(key: str, value: Any) -> str | None:
-    """What is wrong with ``key`` if it is meant for kvxfer though none of its keys: the settings
-    nested under a "kvxfer" key, or a kvxfer key written with another separator or case
-    ("KVXFER_URL", "kvxfer-transport"); else None (another prefix's key: not kvxfer's to judge)."""
+def _misnamed(key: str, value: Any) -> str | None:
+    """What is wrong with ``key``, not one of kvxfer's keys, if it is meant for kvxfer: one of
+    them in another case (``KVXFER.url``) or without its prefix (``url``), misspelt outside it,
+    written with another separator (``KVXFER_URL``, ``kvxfer-transport``), or the settings nested
+    under a "kvxfer" key; else None (another prefix's key, or an unknown ``kvxfer.`` one, which
+    :meth:`ConnectorConfig.from_mapping` names with the others)."""
     low = key.lower()
+    if low in KEYS:
+        return f"kv_connector_extra_config key {key!r} is not kvxfer's; did you mean {low!r}?"
+    close = [f"kvxfer.{key}"] if f"kvxfer.{key}" in KEYS else \
+        difflib.get_close_matches(key, KEYS, n=1, cutoff=0.8) if not key.startswith("kvxfer.") else []
+    if close:
+        return f"kv_connector_extra_config key {key!r} is not kvxfer's; did you mean {close[0]!r}?"
+    if low.startswith("kvxfer."):
+        return None
     if low == "kvxfer" and isinstance(value, Mapping):
         named = [n for n in (f"kvxfer.{k.removeprefix('kvxfer.')}" for k in value if isinstance(k, str))
                  if n in KEYS][:3] or ["kvxfer.url"]
@@ -168,14 +178,7 @@ class ConnectorConfig:
         for k in extra:  # a key of another prefix is not kvxfer's, unless it is one of kvxfer's misspelt
             if not isinstance(k, str):
                 raise ConfigError(f"kv_connector_extra_config keys must be strings, got {k!r}"[:300])
-            if k not in KEYS and k.lower() in KEYS:
-                raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {k.lower()!r}?")
-            close = [f"kvxfer.{k}"] if isinstance(k, str) and f"kvxfer.{k}" in KEYS else \
-                difflib.get_close_matches(k, KEYS, n=1, cutoff=0.8) if isinstance(k, str) and k not in KEYS \
-                and not k.startswith("kvxfer.") else []  # "url" for "kvxfer.url" too
-            if close:
-                raise ConfigError(f"kv_connector_extra_config key {k!r} is not kvxfer's; did you mean {close[0]!r}?")
-            problem = _not_a_key(k, extra[k]) if k not in KEYS and not k.lower().startswith("kvxfer.") else None
+            problem = _misnamed(k, extra[k]) if k not in KEYS else None
             if problem is not None:
                 raise ConfigError(problem)
         unknown = sorted(k for k in extra if isinstance(k, str) and k.lower().startswith("kvxfer.") and k not in KEYS
