@@ -17,7 +17,7 @@ Who does what:
 Every socket operation is bounded (``options.timeout_s`` for lookups, ``bulk_timeout_s`` while
 values move), and so is each operation as a whole (``timeout_s``, or ``bulk_timeout_s`` plus the
 values' bytes at 16 MiB/s). What the client reads itself (the handshake, PING, COMMAND, CLUSTER
-SLOTS) is bounded too: each reply within its socket timeout and 4 MiB, and CLUSTER SLOTS checked
+SLOTS) is bounded too: each reply within ``timeout_s`` and 4 MiB, and CLUSTER SLOTS checked
 (:mod:`kvxfer_valkey.connection`). A connection that fails mid-reply is disconnected (the pool
 makes a new one next time). Errors become
 :class:`~kvxfer.errors.StoreUnavailable`; a wrong user or password is a
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 import socket
 import threading
@@ -118,8 +119,10 @@ _DATABASE_REFUSED: Final = re.compile(r"DB index|SELECT", re.IGNORECASE)
 #: loop connections (no ``protocol=3``); any other option is refused, rather than failing every
 #: connection later as if the store were down.
 URL_OPTIONS: Final = frozenset({
-    "db", "username", "password", "socket_keepalive", "health_check_interval", "ssl_keyfile", "ssl_certfile",
-    "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_check_hostname", "ssl_password", "ssl_ciphers"})
+    "db", "username", "password", "socket_keepalive", "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs",
+    "ssl_ca_path", "ssl_ca_data", "ssl_check_hostname", "ssl_password", "ssl_ciphers"})
+#: ``ssl_cert_reqs`` values the client takes.
+_CERT_REQS: Final = ("none", "optional", "required")
 
 
 def _acl_names(commands: tuple[str, ...]) -> str:
@@ -178,6 +181,41 @@ def parse_valkey_urls(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
             first = kw
     assert first is not None
     return hosts, first
+
+
+def check_tls(kw: dict[str, Any]) -> None:
+    """Build the TLS context that each connection of ``kw`` (from :func:`parse_valkey_urls`, a
+    ``valkeys://`` URL) will build, as the client builds it: a certificate, key or CA file or
+    folder that is missing or unreadable, a key that does not match its certificate or whose
+    password is wrong, an unknown ``ssl_cert_reqs`` or cipher list raises :class:`ConfigError`
+    now, naming the option (a store that fails every connection for them looked down for ever)."""
+    import ssl
+
+    reqs = kw.get("ssl_cert_reqs", "required")
+    if reqs not in _CERT_REQS:
+        raise ConfigError(f"valkey store: ssl_cert_reqs={str(reqs)[:40]!r} in --l2-url: it takes "
+                          f"{', '.join(_CERT_REQS)}")
+    capath = kw.get("ssl_ca_path")
+    if capath is not None and not os.path.isdir(capath):
+        raise ConfigError(f"valkey store: ssl_ca_path={capath!r} in --l2-url is not a folder this process can read")
+    context = ssl.create_default_context()
+    step = ""
+    try:
+        if kw.get("ssl_certfile") or kw.get("ssl_keyfile"):
+            step = "ssl_certfile and ssl_keyfile"
+            if not kw.get("ssl_certfile"):
+                raise ValueError("ssl_keyfile needs ssl_certfile (the client certificate)")
+            context.load_cert_chain(certfile=kw["ssl_certfile"], keyfile=kw.get("ssl_keyfile"),
+                                    password=kw.get("ssl_password"))
+        if any(kw.get(k) is not None for k in ("ssl_ca_certs", "ssl_ca_path", "ssl_ca_data")):
+            step = "ssl_ca_certs, ssl_ca_path or ssl_ca_data"
+            context.load_verify_locations(cafile=kw.get("ssl_ca_certs"), capath=capath, cadata=kw.get("ssl_ca_data"))
+        if kw.get("ssl_ciphers"):
+            step = "ssl_ciphers"
+            context.set_ciphers(kw["ssl_ciphers"])
+    except (OSError, ssl.SSLError, ValueError, TypeError) as exc:  # (their texts name files, never a password)
+        raise ConfigError(f"valkey store: the TLS options of --l2-url do not load ({step}): "
+                          f"{type(exc).__name__}: {exc}") from None
 
 
 class _LoopConnection:
@@ -731,8 +769,15 @@ class ValkeyBackend(ThreadedBackend):
                 nodes = [self._on(self.client.get_valkey_connection(node).connection_pool, _node_figures, timeout)
                          for node in self.client.get_primaries()]
                 used = sum(_count(f.get("used_memory")) for f in nodes)
+                limits = [_count(f.get("maxmemory")) for f in nodes]
+                limited = sum(1 for x in limits if x)
                 return {"nodes": str(len(nodes)), "keys": str(sum(_count(f.get("keys")) for f in nodes)),
-                        "used": _human(used), "redirects": str(self.redirects)}
+                        "used": _human(used),
+                        "maxmemory": ("none" if not limited else _human(sum(limits)) if limited == len(nodes)
+                                      else f"{_human(sum(limits))} on {limited} of {len(nodes)} nodes"),
+                        "policy": ",".join(sorted({f.get("maxmemory_policy", "?")[:32] for f in nodes}))[:100],
+                        "evicted": str(sum(_count(f.get("evicted_keys")) for f in nodes)),
+                        "redirects": str(self.redirects)}
             f = self._on(self._node_pool(), _node_figures, timeout)
             maxmemory = _count(f.get("maxmemory"))
             return {"keys": str(_count(f.get("keys"))), "used": _human(_count(f.get("used_memory"))),
@@ -899,7 +944,12 @@ class ValkeyStore(Store):
 
     def open(self, url: str, options: StoreOptions) -> ValkeyBackend:
         hosts, kw = parse_valkey_urls(url)
-        kw.update(socket_timeout=options.bulk_timeout_s, socket_connect_timeout=options.timeout_s,
+        if kw.get("ssl"):
+            check_tls(kw)
+        # the pools' socket timeout bounds what the client reads itself (a new connection's
+        # handshake, PING, CLUSTER SLOTS): timeout_s, as pings and lookups are; the backend sets
+        # its own timeouts while values move (bulk_timeout_s), on the socket underneath
+        kw.update(socket_timeout=options.timeout_s, socket_connect_timeout=options.timeout_s,
                   retry=Retry(NoBackoff(), 0), client_name="kvxfer")
         where = ", ".join(f"{h}:{p}" for h, p in hosts)
         cluster = None

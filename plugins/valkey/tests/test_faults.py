@@ -109,32 +109,53 @@ def test_valkey_killed_while_nothing_uses_it_shows_down_by_itself(valkey: Valkey
     assert t.errors >= 1 and not t.store_stats and "retrying" in t.detail, t
 
 
-def test_valkey_killed_mid_promote_loads_nothing_corrupt(valkey: ValkeyServer, healthy: CacheClient) -> None:
-    c = healthy
+def test_valkey_killed_mid_promote_loads_nothing_corrupt(valkey: ValkeyServer, healthy: CacheClient,
+                                                        server: ServerProcess) -> None:
+    """Two kvxfer servers share Valkey (two hosts): A stores, B looks the chunks up and promotes
+    them, and Valkey is killed while B's promotion is under way (paused first, so that a kill
+    that came after the promotion ended is not taken for one that came during it): B's retrieve
+    loads each chunk byte for byte or reports it missing, and both servers serve on."""
+    a = healthy
     src = kv(11)
-    ctx = c.register(src, model_name="killed-promote", block_size=BLOCK, transport="cpu_gather")
-    keys = [b"p" + bytes([i]) * 15 for i in range(24)]
-    before = tier(c).writes
-    ctx.submit_store(keys, blocks(0, 24)).result(TIMEOUT)
-    settle_writes(c, before + 24)
-    c.clear("killed-promote")
-    dst = kv(12)
-    dctx = c.register(dst, model_name="killed-promote", block_size=BLOCK, transport="cpu_gather")
-    reply = c.lookup_and_lease("killed-promote", hashes=keys, lease_s=30)
-    valkey.kill()  # while the promotions read
-    res = dctx.submit_retrieve(keys[:reply.hits], blocks(30, reply.hits), lease_id=reply.lease_id).result(TIMEOUT)
-    assert sorted(res.loaded + res.missing) == list(range(reply.hits))
-    want, got, untouched = chunks(src, blocks(0, 24)), chunks(dst, blocks(30, 24)), chunks(kv(12), blocks(30, 24))
-    for i in res.loaded:
-        assert torch.equal(got[i], want[i]), f"chunk {i} loaded but not byte-exact"
-    for i in res.missing:
-        assert torch.equal(got[i], untouched[i]), f"chunk {i} reported missing but its blocks were written"
-    t = tier(c)
-    assert t.promotions + t.promote_failures >= reply.l2_hits and t.promoting == 0
-    # the server still serves from L1
-    assert ctx.submit_store([b"after" + bytes(11)], blocks(60, 1)).result(TIMEOUT).stored == [0]
-    ctx.close()
-    dctx.close()
+    actx = a.register(src, model_name="killed-promote", block_size=BLOCK, transport="cpu_gather")
+    with ServerProcess(l1_size="32MiB", chunk_size=CHUNK, transports="cpu_gather",
+                       extra_args=["--l2", "valkey", "--l2-url", valkey.url, "--l2-timeout", str(L2_TIMEOUT)]) as srv_b, \
+            CacheClient(srv_b.url, timeout=TIMEOUT) as b:
+        dst = kv(12)
+        bctx = b.register(dst, model_name="killed-promote", block_size=BLOCK, transport="cpu_gather")
+        for attempt in range(10):  # until a kill comes while chunks are still being promoted
+            keys = [b"p%d" % attempt + bytes([i]) * 14 for i in range(24)]
+            before = tier(a).writes
+            actx.submit_store(keys, blocks(0, 24)).result(TIMEOUT)
+            settle_writes(a, before + 24)
+            reply = b.lookup_and_lease("killed-promote", hashes=keys, lease_s=30)
+            assert reply.hits == 24 and reply.l2_hits == 24, reply
+            valkey.pause()
+            time.sleep(0.2)  # what Valkey had sent before is read: what is left waits for Valkey
+            if tier(b).promoting:
+                break
+            valkey.resume()
+            b.release_lease(reply.lease_id)
+        else:
+            pytest.fail("no promotion was still under way when Valkey was paused, in 10 attempts")
+        valkey.kill()  # mid-promote
+        res = bctx.submit_retrieve(keys, blocks(30, 24), lease_id=reply.lease_id).result(TIMEOUT)
+        assert sorted(res.loaded + res.missing) == list(range(24)) and res.missing, res
+        want, got, untouched = chunks(src, blocks(0, 24)), chunks(dst, blocks(30, 24)), chunks(kv(12), blocks(30, 24))
+        for i in res.loaded:
+            assert torch.equal(got[i], want[i]), f"chunk {i} loaded but not byte-exact"
+        for i in res.missing:
+            assert torch.equal(got[i], untouched[i]), f"chunk {i} reported missing but its blocks were written"
+        t = tier(b)
+        assert t.promote_failures >= 1 and t.promoting == 0, t
+        # both servers still serve from L1: a store and a byte-exact retrieve each
+        for c, ctx, layers in ((a, actx, src), (b, bctx, dst)):
+            assert ctx.submit_store([b"after" + bytes(11)], blocks(60, 1)).result(TIMEOUT).stored == [0]
+            assert ctx.submit_retrieve([b"after" + bytes(11)], blocks(62, 1)).result(TIMEOUT).loaded == [0]
+            assert torch.equal(chunks(layers, blocks(60, 1)), chunks(layers, blocks(62, 1)))
+            assert c.lookup("killed-promote", hashes=[b"none" * 4]) == 0
+        bctx.close()
+    actx.close()
 
 
 def test_hung_valkey_costs_lookups_at_most_the_l2_timeout(valkey: ValkeyServer, healthy: CacheClient) -> None:
@@ -165,6 +186,42 @@ def test_hung_valkey_costs_lookups_at_most_the_l2_timeout(valkey: ValkeyServer, 
         valkey.resume()
     assert wait_for(lambda: tier(c).state == "up", 30), tier(c)
     ctx.close()
+
+
+def test_a_hung_node_answers_probes_figures_and_deletes_within_the_l2_timeout(valkey: ValkeyServer,
+                                                                              healthy: CacheClient) -> None:
+    """Against a hung node, ``ping()``, ``stats()`` and ``delete()`` fail within ``timeout_s``
+    every time, not only the first: each failure drops its connection, and the new one's
+    handshake (CLIENT SETNAME) is bounded by ``timeout_s`` too, not by the bulk timeout (which
+    the server then reported as a fault of the plugin: a ping() past its limit)."""
+    from kvxfer.store import StoreUnavailable
+
+    backend = ValkeyStore().open(valkey.url, StoreOptions(timeout_s=L2_TIMEOUT, bulk_timeout_s=30.0))
+    try:
+        backend.ping()
+        valkey.pause()
+        try:
+            for call in [backend.ping, backend.ping, backend.stats, backend.stats,
+                         lambda: backend.submit_delete([b"kvxfer:none"]).result(), backend.ping]:
+                t = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    call()
+                assert time.monotonic() - t < 10.0  # L2_TIMEOUT and a loaded machine's slack; not the 30 s
+        finally:
+            valkey.resume()
+        assert wait_for(lambda: _pings(backend), 30)
+    finally:
+        backend.close()
+
+
+def _pings(backend: object) -> bool:
+    from kvxfer.store import StoreUnavailable
+
+    try:
+        backend.ping()  # type: ignore[attr-defined]
+    except StoreUnavailable:
+        return False
+    return True
 
 
 def test_a_key_a_third_party_made_another_type_is_a_miss_not_an_outage(valkey: ValkeyServer,

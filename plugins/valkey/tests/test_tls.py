@@ -11,8 +11,10 @@ tests are skipped, except in CI, where they fail."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +80,33 @@ def test_a_wrong_authority_or_no_client_certificate_is_refused(tls: TlsTerminato
         ValkeyStore().open(url, StoreOptions(timeout_s=1.0))
     assert time.monotonic() - t < 10
 
+
+
+@pytest.mark.parametrize("change, named", [
+    ("missing authority", "ssl_ca_certs"),
+    ("missing certificate", "ssl_certfile"),
+    ("another's key", "ssl_certfile and ssl_keyfile"),
+    ("a key alone", "ssl_keyfile needs ssl_certfile"),
+    ("unknown cert_reqs", "ssl_cert_reqs='sometimes'"),
+    ("unknown ciphers", "ssl_ciphers"),
+    ("authority folder missing", "ssl_ca_path="),
+])
+def test_tls_options_that_do_not_load_are_a_configuration_error(tls: TlsTerminator, tmp_path: Path,
+                                                                 change: str, named: str) -> None:
+    """TLS options that cannot work stop ``kvxfer serve`` with what to fix (a ConfigError at open,
+    before any connection), rather than a store that looks down for ever: each failed connection
+    said "No such file or directory" as if the network were at fault."""
+    f, url = tls.files, tls.url
+    url = {
+        "missing authority": url.replace(str(f["ca"]), str(tmp_path / "nope-ca.pem")),
+        "missing certificate": url.replace(str(f["client_cert"]), str(tmp_path / "nope.pem")),
+        "another's key": url.replace(str(f["client_key"]), str(f["server_key"])),
+        "a key alone": url.split("&ssl_certfile=")[0] + f"&ssl_keyfile={f['client_key']}",
+        "unknown cert_reqs": url + "&ssl_cert_reqs=sometimes",
+        "unknown ciphers": url + "&ssl_ciphers=NO-SUCH-CIPHER&ssl_password=sekrit",
+        "authority folder missing": url + f"&ssl_ca_path={tmp_path / 'nope'}",
+    }[change]
+    with pytest.raises(ConfigError, match=re.escape(named)) as err:
+        ValkeyStore().open(url, StoreOptions(timeout_s=1.0))
+    assert "sekrit" not in str(err.value)
+    ValkeyStore().open(tls.url, StoreOptions(timeout_s=1.0)).close()  # the options as they were load

@@ -34,6 +34,8 @@ def test_hosts_users_and_tls_options_pass_through() -> None:
                                         ("valkey://h:1?foo=bar", "unknown option.*'foo'.*it takes db, "),
                                         ("valkey://h:1?protocol=3", "unknown option.*'protocol'"),
                                         ("valkey://h:1,h2:2?socket_timeout=nan", "unknown option.*'socket_timeout'"),
+                                        # the backend's reads do no health checks: it would do nothing
+                                        ("valkey://h:1?health_check_interval=5", "unknown option.*'health_check_interval'"),
                                         ("valkey://h:1?db=-1", "database number must be 0 or more"),
                                         # the client refused them as an unexpected argument: blamed on the plugin
                                         ("valkey://h:1?ssl_ca_certs=/etc/ca.pem", "'ssl_ca_certs' need a valkeys://"),
