@@ -66,6 +66,8 @@ CHUNK_SIZE: Final = 32
 SUBMIT_S: Final = 2.0
 #: Seconds after a get's future is done when its parts are read again (nothing may write them).
 LATE_S: Final = 0.3
+#: Every key the kit has written to (or may have: a server's L2 writes), deleted after each class.
+_MADE: list[bytes] = []
 
 
 def _parts(data: bytes | bytearray, cut: int = HEADER_SIZE) -> list[memoryview]:
@@ -135,10 +137,35 @@ class StoreConformance:
         finally:
             _close_within(backend, TIMEOUT)
 
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def kit_cleanup(cls, kit_store: Store, store_url: str) -> Iterator[None]:
+        """After the class's tests, delete the keys they wrote: a store given by URL may be a
+        shared one, and is left as it was (best effort, bounded: the test results stand)."""
+        start = len(_MADE)
+        yield
+        keys, _MADE[start:] = _MADE[start:], []
+        if not keys:
+            return
+        try:
+            backend = kit_store.open(store_url, StoreOptions(timeout_s=5.0))
+        except Exception:  # noqa: BLE001  (the store's own failures are the tests')
+            return
+        try:
+            for i in range(0, len(keys), 256):
+                backend.submit_delete(keys[i:i + 256]).result(TIMEOUT)
+        except Exception:  # noqa: BLE001
+            pass
+        finally:
+            close_within(backend, TIMEOUT)
+
     @staticmethod
     def kit_keys(n: int) -> list[bytes]:
+        """``n`` new keys (deleted from the store after the class's tests)."""
         prefix = f"kvxfer:kit:{uuid.uuid4().hex}:".encode()
-        return [prefix + b"%d" % i for i in range(n)]
+        keys = [prefix + b"%d" % i for i in range(n)]
+        _MADE.extend(keys)
+        return keys
 
     # ------------------------------------------------------------------ the plugin
 
@@ -492,6 +519,7 @@ class StoreConformance:
         keys = [os.urandom(16) for _ in range(5)]
         src, dst = list(range(10)), list(range(10, 20))
         model = f"kit-store-{uuid.uuid4().hex[:8]}"
+        _MADE.extend(l2_key(ChunkKey(model, 1, 0, k)) for k in keys)
         server = ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
                                extra_args=["--l2", kit_store.name, "--l2-url", store_url])
         with server:
