@@ -4,8 +4,8 @@
 
 * one file per value, under a two-level fan-out (``ab/abcdef...``), named by a hash of the key;
   written to a temporary file in the same directory and renamed over the old one (atomic: a
-  reader sees a whole old value or a whole new one, never a torn one), ``fsync``'d when the URL
-  says ``fsync=1``;
+  reader sees a whole old value or a whole new one, never a torn one), ``fsync``'d (the file, then
+  its folder) when the URL says ``fsync=1``;
 * a byte budget (``max_size``, default: 90% of what the store may take at open: the file
   system's free space plus its own files, so that a restart does not shrink it) kept by
   evicting the least recently used files; reads count as use;
@@ -425,6 +425,8 @@ class FsBackend(ThreadedBackend):
                             raise
                         self._lru[name] = size
                         self.used += size
+                    if self.fsync:  # the rename too: else a power loss may undo it
+                        os.fsync(sub)
                 except OSError as exc:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=sub)

@@ -444,6 +444,30 @@ def test_url_options(tmp_path: Path) -> None:
         parse_fs_url(f"file://{tmp_path}/c?fsync=always")
 
 
+def test_fsync_syncs_each_value_and_then_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fsync=1`` a put syncs its file and then the folder that holds it (the rename that
+    makes the value visible is the folder's to keep: without it a power loss may undo the put).
+    A power loss cannot be made here, so the calls are recorded: the real ``os.fsync`` runs."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    for fsync, want in ((1, ["file", "folder"]), (0, [])):
+        b = FsStore().open(f"file://{tmp_path}/s{fsync}?fsync={fsync}", StoreOptions())
+        try:
+            monkeypatch.setattr(os, "fsync", record)
+            assert _put(b, b"k", b"v" * 4096)
+            monkeypatch.setattr(os, "fsync", real)
+            assert synced == want, (fsync, synced)
+        finally:
+            monkeypatch.setattr(os, "fsync", real)
+            b.close()
+        synced.clear()
+
+
 @pytest.mark.parametrize("kind", ["symlink", "directory"])
 def test_a_lock_file_planted_as_a_link_or_directory_is_refused_with_what_to_do(tmp_path: Path, kind: str) -> None:
     """The lock file is opened without following links: one planted in its place was an
