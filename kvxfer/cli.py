@@ -250,7 +250,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             "transports": [dataclasses.asdict(p) for p in plugins],
             "store_api_version": STORE_API_VERSION,
             "store_entry_point_group": STORE_NAMESPACE,
-            "stores": [dataclasses.asdict(p) for p in stores],
+            # a store has no style and no production flag (those are the transports'): not shown
+            "stores": [{k: v for k, v in dataclasses.asdict(p).items() if k not in ("style", "production")}
+                       for p in stores],
         }, indent=2))
         return 0
     print(f"kvxfer {kvxfer.__version__}, transport api_version {API_VERSION}, entry point group {NAMESPACE}")
@@ -348,6 +350,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"arena: {format_bytes(a.used)} of {format_bytes(a.capacity)} used, {a.chunks} chunks, "
           f"{a.free_extents} free extents (largest {format_bytes(a.largest_free)}), {a.evictions} evictions; {a.path}")
     rate = percent(st.lookup_hits, st.lookup_chunks)
+    if st.tiers:  # where the hits were found: L1, or L2 below it
+        rate += (f": L1 {percent(st.lookup_hits - st.lookup_l2_hits, st.lookup_chunks)}, "
+                 f"L2 {percent(st.lookup_l2_hits, st.lookup_chunks)}")
     print(f"lookups: {st.lookups} ({st.lookup_chunks} chunks, hit rate {rate}); leases: {st.leases} "
           f"({st.leased_chunks} chunks); reservations: {st.reservations}; errors: {st.errors}; "
           f"hook errors: {st.hook_errors}")
@@ -558,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--l2-bulk-timeout", type=float, default=_L2_DEFAULTS["l2_bulk_timeout"], metavar="S",
                    help="longest silence while chunks move to or from L2 (default: %(default)s)")
     g.add_argument("--l2-write-yield", type=float, default=_L2_DEFAULTS["l2_write_yield"], metavar="S",
-                   help="longest an L2 writer waits for stores and promotions in progress before it writes anyway; "
+                   help="longest an L2 writer waits for clients' stores in progress before it writes anyway; "
                         "0: writes run beside them (default: %(default)s)")
     _limit_options(s)
     s.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")

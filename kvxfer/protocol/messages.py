@@ -505,6 +505,8 @@ class ModelStatus(Message, frozen=True):
     evicted_chunks: int = 0
     #: Registered contexts of this model now.
     contexts: int = 0
+    #: Of ``lookup_hits``, those found in L2 (or being promoted from it); the rest were in L1.
+    lookup_l2_hits: int = 0
 
 
 class TrafficStatus(Message, frozen=True):
@@ -612,6 +614,8 @@ class StatusReply(Message, frozen=True):
     #: thread that answers status: a reply with more ``ticks`` than an earlier one means a whole
     #: pass ran after the earlier reply was made.
     ticks: int = 0
+    #: Of ``lookup_hits``, those found in L2 (or being promoted from it); the rest were in L1.
+    lookup_l2_hits: int = 0
 
 
 class Clear(Request["ClearReply"], frozen=True):

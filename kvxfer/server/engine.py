@@ -1209,7 +1209,7 @@ class CacheServer:
             lease_id = self.index.lease(entries, msg.lease_s, session.usage)
             if msg.prefetch:  # right after the reply is sent
                 self._mq.after_reply(functools.partial(self._prefetch, msg, entries))
-        self.stats.on_lookup(msg.model_name, len(msg.hashes), hits)
+        self.stats.on_lookup(msg.model_name, len(msg.hashes), hits, l2_hits)
         return m.LookupReply(hits, lease_id, l2_hits)
 
     def _prefetch(self, msg: m.Lookup, entries: dict[ChunkKey, Entry]) -> None:
@@ -1693,6 +1693,7 @@ class CacheServer:
             lookups=totals.lookups,
             lookup_chunks=totals.lookup_chunks,
             lookup_hits=totals.lookup_hits,
+            lookup_l2_hits=totals.lookup_l2_hits,
             leases=len(self.index.leases),
             leased_chunks=self.index.leased_chunks,
             reservations=len(self.index.reservations),

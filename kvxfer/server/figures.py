@@ -48,7 +48,7 @@ def model_status(server: CacheServer) -> list[m.ModelStatus]:
     for label in sorted(set(stats.models) | set(contexts), key=_model_order):
         st = stats.models.get(label)
         out.append(m.ModelStatus(label, st.lookups, st.lookup_chunks, st.lookup_hits, st.evicted_chunks,
-                                 contexts.get(label, 0)) if st is not None
+                                 contexts.get(label, 0), st.lookup_l2_hits) if st is not None
                    else m.ModelStatus(label, contexts=contexts.get(label, 0)))
     return out
 

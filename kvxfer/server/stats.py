@@ -86,6 +86,8 @@ class ModelStats:
     lookups: int = 0
     lookup_chunks: int = 0
     lookup_hits: int = 0
+    #: Of ``lookup_hits``, those found in L2 (or being promoted from it).
+    lookup_l2_hits: int = 0
     evicted_chunks: int = 0
 
 
@@ -206,11 +208,12 @@ class ServerStats:
         key = (name if name in self.requests else "unknown", code)
         self.errors[key] = self.errors.get(key, 0) + 1
 
-    def on_lookup(self, model_name: str, chunks: int, hits: int) -> None:
+    def on_lookup(self, model_name: str, chunks: int, hits: int, l2_hits: int = 0) -> None:
         st = self._model(self._labels.get(model_name, OTHER_MODEL))
         st.lookups += 1
         st.lookup_chunks += chunks
         st.lookup_hits += hits
+        st.lookup_l2_hits += l2_hits
 
     def on_evicted(self, model_names: list[str]) -> None:
         for name in model_names:
@@ -267,5 +270,6 @@ class ServerStats:
             total.lookups += st.lookups
             total.lookup_chunks += st.lookup_chunks
             total.lookup_hits += st.lookup_hits
+            total.lookup_l2_hits += st.lookup_l2_hits
             total.evicted_chunks += st.evicted_chunks
         return total

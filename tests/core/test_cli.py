@@ -87,6 +87,10 @@ def test_console_script_plugins_json() -> None:
     assert cpu["health"] == "available" and cpu["distribution"] == "kvxfer-cpu-gather"
     assert cpu["production"] is True
     assert [p["production"] for p in report["transports"] if p["name"] == "file_debug"] == [False]
+    # the transports' style and production flag are no store's: a store showed "production": false
+    [fs] = [p for p in report["stores"] if p["name"] == "fs"]
+    assert fs["health"] == "available" and fs["api_version"] == 1
+    assert not {"style", "production"} & set(fs), fs
 
 
 def test_status_table(server, registered) -> None:
@@ -283,8 +287,10 @@ def test_cli_does_not_import_torch(server, registered, args: list[str]) -> None:
         from kvxfer.store.registry import list_stores
         from kvxfer.transport.registry import list_plugins
 
-        here = {p.name: (p.health, p.style, p.production) for p in [*list_plugins(), *list_stores()]}  # torch imported
-        assert {p["name"]: (p["health"], p["style"], p["production"]) for p in plugins} == {
+        here = {p.name: (p.health, p.style, p.production) for p in list_plugins()}  # torch imported
+        here.update({p.name: (p.health,) for p in list_stores()})
+        assert {p["name"]: (p["health"], p["style"], p["production"]) for p in listed["transports"]} | \
+            {p["name"]: (p["health"],) for p in listed["stores"]} == {
             name: here[name] for name in here if not name.startswith("test_")}
     else:
         assert {"--help": "usage: kvxfer", "plugins": "cpu_gather"}.get(args[0], "cli-model") in proc.stdout

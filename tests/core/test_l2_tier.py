@@ -353,6 +353,35 @@ def test_the_tiers_hit_rate_counts_every_key_it_had(fs_server: ServerProcess) ->
         ctx.close()
 
 
+def test_status_tells_the_hits_of_each_tier(fs_server: ServerProcess) -> None:
+    """A lookup whose first 2 chunks are in L1 and next 2 in L2: the server's hits count 4, of
+    which 2 in L2, per model and in all; ``kvxfer status`` prints L1's and L2's hit rates (its
+    one rate counted both, so L1's could not be told)."""
+    import subprocess
+    import sys
+
+    kv = big_kv(6)
+    with CacheClient(fs_server.url, timeout=TIMEOUT) as c:
+        ctx = c.register(kv, model_name="tierhits", block_size=BLOCK_SIZE, transport="cpu_gather")
+        keys = [b"q" + bytes([i]) * 15 for i in range(4)]
+        in_l2_and_again_in_l1(c, ctx, "tierhits", keys, slice(0, 2))  # L1: the first 2; L2: all 4
+        before = c.status()
+        reply = c.lookup_and_lease("tierhits", hashes=keys + [b"none" * 4], lease_s=5, promote=False)
+        assert (reply.hits, reply.l2_hits) == (4, 2)
+        c.release_lease(reply.lease_id)
+        st = c.status()
+        assert (st.lookup_hits - before.lookup_hits, st.lookup_l2_hits - before.lookup_l2_hits) == (4, 2)
+        (model,) = [x for x in st.models if x.model == "tierhits"]
+        assert (model.lookup_chunks, model.lookup_hits, model.lookup_l2_hits) == (5, 4, 2)
+        ctx.close()
+        out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--url", fs_server.url], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        st = c.status()
+        l1, l2 = ((st.lookup_hits - st.lookup_l2_hits) / st.lookup_chunks, st.lookup_l2_hits / st.lookup_chunks)
+        assert f": L1 {100 * l1:.1f}%, L2 {100 * l2:.1f}%)" in out.stdout, out.stdout
+
+
 def test_a_promoting_lookup_keeps_its_l1_hits_and_its_promoted_chunks_under_their_lease(tmp_path: Path) -> None:
     """A lookup whose first chunks are in L1 and whose next ones come from L2 makes room for the
     promotion without evicting its own L1 hits (it once evicted them, then failed with an

@@ -435,6 +435,7 @@ def test_an_l2_tier_is_exported_per_tier(tmp_path: Path) -> None:
     assert delta(before, after, "kvxfer_tier_lookup_hit_chunks_total", **tier) == 3
     assert delta(before, after, "kvxfer_tier_promoted_chunks_total", **tier) == 3
     assert delta(before, after, "kvxfer_lookup_hit_chunks_total", model="tiered") == 3  # hits in either tier
+    assert delta(before, after, "kvxfer_lookup_l2_hit_chunks_total", model="tiered") == 3  # all of them in L2
     assert delta(before, after, "kvxfer_loaded_chunks_total", model="tiered", transport="cpu_gather") == 3
     assert value(after, "kvxfer_tier_dropped_writes_total", **tier) == value(after, "kvxfer_tier_errors_total",
                                                                             **tier) == 0
