@@ -16,6 +16,7 @@ Run ``kvxfer bench --help`` or ``python benchmarks/transfer.py --help``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -141,16 +142,29 @@ def save_results(args: argparse.Namespace, kind: str, payload: dict[str, Any]) -
 def write_results(path: str | os.PathLike[str], benchmark: str, payload: dict[str, Any]) -> str:
     """Write ``payload`` plus :func:`run_record` (key ``"run"``) as JSON. A ``path`` that is a
     directory (or ends with ``/``) gets a file named by date, commit and benchmark:
-    ``<dir>/<YYYY-MM-DD>-<commit>-<benchmark>.json``. Returns the path written."""
+    ``<dir>/<YYYY-MM-DD>-<commit>-<benchmark>.json``, or ``...-<benchmark>-2.json`` (3, ...) where
+    that exists: runs of one day and commit (rounds of a comparison) never replace each other's.
+    Returns the path written."""
     from pathlib import Path
 
     run = run_record()
     out = Path(path)
-    if str(path).endswith("/") or out.is_dir():
-        out = out / f"{run['time'][:10]}-{run['commit'].replace('+', '-')}-{benchmark}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"run": run, **payload}, indent=2) + "\n")
-    return str(out)
+    text = json.dumps({"run": run, **payload}, indent=2) + "\n"
+    if not (str(path).endswith("/") or out.is_dir()):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{run['time'][:10]}-{run['commit'].replace('+', '-')}-{benchmark}"
+    for n in itertools.count(1):
+        name = out / (f"{stem}.json" if n == 1 else f"{stem}-{n}.json")
+        try:
+            with open(name, "x") as f:
+                f.write(text)
+            return str(name)
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def progress_bar(total: int, desc: str) -> Any:
@@ -478,7 +492,8 @@ def add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
+    # no abbreviations: main() hands "--prefix" itself to the prefix benchmark, so "--prefi" ran this one
+    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_kv_cache_arguments(p)
     p.add_argument("--blocks", type=positive_int, default=512,
                    help="KV cache blocks per layer (at least 2 requests' worth)")

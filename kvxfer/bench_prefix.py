@@ -185,12 +185,15 @@ def print_results(results: list[dict[str, Any]]) -> None:
     from kvxfer.text_table import print_table
 
     print_table(
-        [(r["transport"], r["device"], r["kind"], r["chunks"], r["tokens"], f"{r['mib']:.0f}",
+        [(r["transport"], r["device"], r["kind"], r["chunks"], r["tokens"], f"{r['mib']:.4g}",
           f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['copy_p50_ms']:.2f}", r["copy"],
           f"{r['x_copy']:.2f}x") for r in results],
         ["transport", "device", "kind", "chunks", "tokens", "MiB", "p50 ms", "p99 ms", "copy p50 ms", "copy",
          "x copy"],
     )
+    fewest = min((r["iters"] for r in results), default=100)
+    if fewest < 100:
+        print(f"(p99 of {fewest} requests is their slowest, by nearest rank; --iters 100 or more for a p99 of its own)")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -218,7 +221,7 @@ def make_workload(args: argparse.Namespace, num_blocks: int) -> tuple[KVLayout, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer bench --prefix", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvxfer bench --prefix", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_workload_arguments(p)
     p.add_argument("--prefix-chunks", type=positive_int, nargs="+", default=[1, 2, 8, 32],
                    help="prefix lengths in chunks (default: %(default)s)")

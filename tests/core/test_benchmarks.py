@@ -28,6 +28,7 @@ def test_prefix_benchmark_and_the_gpu_summary(tmp_path: Path) -> None:
     stdout = _run("-m", "kvxfer", "bench", "--prefix", *TINY, "--prefix-chunks", "1", "2", "--iters", "3",
                   "--layerwise", "--json", str(tmp_path / "prefix-cuda_ipc.json"))
     assert "x copy" in stdout and "load_layerwise" in stdout
+    assert "p99 of 3 requests is their slowest" in stdout
     data = json.loads((tmp_path / "prefix-cuda_ipc.json").read_text())
     assert data["run"]["commit"] and data["run"]["time"]
     rows = {(r["kind"], r["chunks"]): r for r in data["results"]}
@@ -36,6 +37,28 @@ def test_prefix_benchmark_and_the_gpu_summary(tmp_path: Path) -> None:
     summary = _run(str(ROOT / "benchmarks" / "gpu_summary.py"), str(tmp_path))
     assert "cuda_ipc prefix load 32 tokens" in summary and "bench-hpu.json missing" in summary
     assert json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_results_written_into_a_directory_never_replace_each_other(tmp_path: Path) -> None:
+    """Rounds of one day and commit (an A/B comparison's) written into one directory: each its
+    own file (the second replaced the first)."""
+    from kvxfer.bench import write_results
+
+    paths = [write_results(tmp_path, "prefix-cpu_gather-cpu", {"round": i}) for i in range(3)]
+    assert len(set(paths)) == 3 and paths[1].endswith("-prefix-cpu_gather-cpu-2.json"), paths
+    assert [json.loads(Path(p).read_text())["round"] for p in paths] == [0, 1, 2]
+    assert write_results(tmp_path / "one.json", "x", {"round": 3}) == str(tmp_path / "one.json")
+    assert write_results(tmp_path / "one.json", "x", {"round": 4}) == str(tmp_path / "one.json")  # a file: as named
+
+
+@pytest.mark.parametrize("argv", [["--prefi"], ["--pre", "--iters", "3"]])
+def test_an_abbreviated_prefix_flag_is_refused_not_run_as_the_transfer_benchmark(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.bench import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_transfer_benchmark_reports_the_median_round_with_several_in_flight(tmp_path: Path) -> None:
