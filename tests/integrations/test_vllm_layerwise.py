@@ -3,14 +3,16 @@ sequence (MiniEngine) against a real server and a real cpu_gather context.
 
 The proof that attention of layer i never reads layer i's blocks before they landed: the
 worker's copies of layer i are held until the connector's ``wait_for_layer_load`` of layer i
-is called (a real copy still in flight when attention starts), and the forward pass checks every
-context block of a layer against what computing it would have written before it writes that
-layer. With the wait skipped, the first layer's check fails.
+is called, and 50 ms more (a real copy still in flight when a wait that returned early lets
+attention start), and the forward pass checks every context block of a layer against what
+computing it would have written before it writes that layer. With the wait skipped, the first
+layer's check fails.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -19,6 +21,10 @@ from kvxfer_vllm_harness import HarnessError, MiniEngine, Request, feed, make_vl
 from kvxfer.testing.server import ServerProcess
 
 CHUNK = 16
+#: How long a layer's copy is held after its wait began: a wait that does not wait for the copy
+#: has attention read before the copy ends, every time (without it the copy, released at the
+#: wait, usually won the race, and a wait that returned early passed in a third of the runs).
+HELD_S = 0.05
 
 
 def _stored_then_loaded(server: ServerProcess, model: str, **kw: object) -> tuple[MiniEngine, list[Request]]:
@@ -69,6 +75,7 @@ def _hold_layers_until_waited(engine: MiniEngine) -> tuple[list[threading.Event]
         seen.append(first)
         if not gates[first].wait(30):
             raise TimeoutError(f"layer {first} was never waited for")
+        time.sleep(HELD_S)  # still copying when a wait that returned too soon lets attention read
         return scatter(copies, transfer)
 
     def opening(layer_name: str) -> None:
