@@ -29,7 +29,8 @@ from kvxfer.errors import ConnectionFailed, LimitExceeded, RemoteError
 from kvxfer.protocol import messages as m
 from kvxfer.testing.server import ServerProcess
 
-RUNS = int(os.environ.get("KVXFER_ACCOUNTING_RUNS", "20"))
+#: Sequences per run (each run draws new ones; KVXFER_ACCOUNTING_RUNS=200 for a deeper search).
+RUNS = int(os.environ.get("KVXFER_ACCOUNTING_RUNS", "12"))
 STEPS = int(os.environ.get("KVXFER_ACCOUNTING_STEPS", "30"))
 MODEL = "acct"
 KEYS = [key(MODEL, j) for j in range(24)]  # the arena holds 16 chunks: eviction runs
