@@ -245,8 +245,10 @@ class UnixListener:
             self._shed_buffered()
 
     def messages(self, budget: int) -> Iterator[tuple[bytes, str, list[bytes]]]:
-        """Up to ``budget`` buffered messages, as ``(identity, peer, frames)``, a few of each
-        ready connection in turn; connections with more left stay ready."""
+        """Up to ``budget`` buffered messages, as ``(identity, peer, frames)``, one of each ready
+        connection in turn; connections with more left stay ready. What a connection sent since
+        its last read waits for the next poll (the turn ends once what was read is handed out):
+        a peer that keeps its socket full never keeps the others' requests unread."""
         while self.ready and budget > 0:
             for fd, conn in list(self.ready.items()):
                 if self.ready.get(fd) is not conn:
@@ -258,10 +260,8 @@ class UnixListener:
                 except FramingError as exc:
                     self._malformed(conn, exc)
                     continue
-                if frames is None:
+                if frames is None:  # the rest of its stream is read when the poll next says so
                     self.ready.pop(fd, None)
-                    if conn.fd in self._conns:
-                        self._read(conn)  # the poll saw it readable before; more may be there
                     continue
                 budget -= 1
                 yield conn.identity, conn.peer, frames
