@@ -211,23 +211,27 @@ class ChunkIndex:
     # ------------------------------------------------------------------ lookup and leases
 
     def lookup(self, model_name: str, world_size: int, hashes: Sequence[bytes]) -> int:
-        """Leading chunks READY for every rank."""
+        """Leading chunks READY for every rank. A hash named again is not looked up again: a
+        request repeating one stored hash costs its distinct hashes' keys, not all of its own."""
         entries = self.entries
+        seen: set[bytes] = set()
         for i, h in enumerate(hashes):
+            if h in seen:
+                continue
             for rank in range(world_size):
                 e = entries.get(ChunkKey(model_name, world_size, rank, h))
                 if e is None or e.state is not State.READY:
                     return i
+            seen.add(h)
         return len(hashes)
 
     def lease_keys(self, model_name: str, world_size: int, hashes: Sequence[bytes]) -> dict[ChunkKey, Entry]:
         """The distinct entries a lease of ``hashes`` (all present) for every rank would hold."""
         out: dict[ChunkKey, Entry] = {}
-        for h in hashes:
+        for h in dict.fromkeys(hashes):  # each distinct hash once
             for rank in range(world_size):
                 key = ChunkKey(model_name, world_size, rank, h)
-                if key not in out:
-                    out[key] = self.entries[key]
+                out[key] = self.entries[key]
         return out
 
     def lease(self, entries: dict[ChunkKey, Entry], ttl: float, owner: Usage) -> int:

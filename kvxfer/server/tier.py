@@ -697,7 +697,7 @@ class L2Tier:
         ready = []
         retry = []
         unwritten = self._unwritten
-        for h in hashes:
+        for h in dict.fromkeys(hashes):  # a hash named twice is one chunk found once
             if again and (model_name, world_size, h) in unwritten:
                 ranks = unwritten.pop((model_name, world_size, h))
                 for rank in range(world_size):

@@ -138,6 +138,28 @@ def test_lru_eviction_order() -> None:
     index.allocator.check()
 
 
+def test_a_lookup_repeating_one_hash_asks_the_index_once_per_distinct_key() -> None:
+    """Leading chunks of a lookup that names one stored hash 16,384 times for 16 ranks: all
+    present, found with 16 index reads, not 262,144 (one stored hash per rank let a 164 KB
+    request cost the server's loop 0.1 s); a lease of them holds the 16 entries once each."""
+    index = ChunkIndex(64 * SIZE)
+    store(index, [key(1, rank=r, world=16) for r in range(16)])
+    one, other = key(1).chunk_hash, key(2).chunk_hash
+
+    class Counted(dict):  # the index's own dict, its reads counted
+        gets = 0
+
+        def get(self, k, default=None):  # type: ignore[no-untyped-def]
+            Counted.gets += 1
+            return super().get(k, default)
+
+    index.entries = Counted(index.entries)
+    assert index.lookup("m", 16, [one] * 16384) == 16384
+    assert Counted.gets == 16
+    assert index.lookup("m", 16, [one] * 100 + [other] + [one] * 100) == 100  # still the leading run
+    assert len(index.lease_keys("m", 16, [one] * 16384)) == 16
+
+
 def test_a_chunk_no_eviction_can_make_room_for_evicts_nothing() -> None:
     """Small chunks leased every 8th across the arena leave no 8-chunk window free of pins: a
     chunk of 8 times their size gets no_space at once, and every unleased chunk stays (before,
