@@ -1074,6 +1074,8 @@ class CacheServer:
         if lt is None:
             raise _invalid("transport", f"transport {_show(msg.transport)} is not loaded by this server; loaded: "
                                         f"{', '.join(sorted(self.transports))} (start it with --transports)")
+        if len(msg.registration) > self.limits.max_registration_bytes:  # before anything of it is decoded
+            raise self.limits.exceeded("max_registration_bytes", f"this one is {len(msg.registration)} bytes")
         try:
             reg = codec.decode(msg.registration, lt.transport.registration_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

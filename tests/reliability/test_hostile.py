@@ -777,6 +777,25 @@ def test_a_declared_kv_cache_past_the_limit_is_refused(debug_server):
         assert err.code == "limit_exceeded" and "--max-kv-cache-size" in str(err), err
 
 
+@pytest.mark.parametrize("field", ["device", "extra_field_of_a_newer_client"])
+def test_a_registration_that_carries_megabytes_is_refused_before_it_is_decoded(debug_server, field):
+    """A transport's own fields are the client's to fill: cpu_gather's ``device`` string took
+    any length, and the server kept it for the registration's life (16 MiB a registration,
+    1,024 of them). The registration as sent is bounded (``--max-registration-bytes``, 1 MiB),
+    and ``device`` is a short device type name."""
+    with CacheClient(debug_server.url, timeout=20) as client:
+        ref = Writer(client, model="sizes")
+        big = "x" * (2 << 20)
+        err = error_of(lambda: client.request(registration(ref, "cpu_gather", 8_000_010, **{field: big})))
+        assert err.code == "limit_exceeded" and "--max-registration-bytes" in str(err), err
+        assert "this one is 2097" in str(err), err
+        if field == "device":  # under the bound, still not a device type
+            for bad in ("x" * 100, "CPU; DROP", ""):
+                err = error_of(lambda bad=bad: client.request(registration(ref, "cpu_gather", 8_000_011, device=bad)))
+                assert err.code == "invalid_request" and "device" in str(err), err
+        assert 8_000_010 not in {c.instance_id for c in client.status().contexts}
+
+
 def test_a_small_store_costs_little_whatever_the_declared_size(debug_server, tmp_path):
     """num_blocks = 2**27 (under the limit) through file_debug: a one-chunk store allocates
     nothing proportional to it in the server."""
@@ -826,7 +845,8 @@ def _array(n: int, item: bytes) -> bytes:
 def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
     """A request just under --max-message-size listing millions of hashes, indices, block ids or
     a registration's runs:
-    refused as invalid_request, the list never made into objects (they take 5-12 times their
+    refused as invalid_request (a registration past --max-registration-bytes as limit_exceeded,
+    undecoded), the list never made into objects (they take 5-12 times their
     bytes on the wire: the lookup and the commit_write had grown the server's peak memory by 76 and
     127 MiB)."""
     room = (16 << 20) - 4096  # the server's default --max-message-size, less the other fields
@@ -848,7 +868,7 @@ def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
                 b"retrieve": (_map(instance_id=codec.encode(iid), hashes=two, block_ids=block_ids), "block ids"),
                 b"register": (_map(transport=codec.encode("cpu_gather"), registration=_map(
                     **{k: codec.encode(v) for k, v in msgspec.structs.asdict(ref.ctx.registration()).items()
-                       if k != "run_offsets"}, run_offsets=block_ids)), "run_offsets"),
+                       if k != "run_offsets"}, run_offsets=block_ids)), "--max-registration-bytes"),
             }
             # a message as long, whose one long field is skipped unread, brings the peak the buffers
             # of a message this long make (read buffer, frames)
@@ -862,7 +882,9 @@ def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
                 err = codec.ERROR_DECODER.decode(reply)
                 # (reading a message this long again varies the peak by up to its length: 16 MiB)
                 assert grown < 32 << 10, f"{name.decode()} grew the server's peak memory by {grown >> 10} MiB"
-                assert status == codec.ERR and err.code == "invalid_request" and field in err.message, (name, err)
+                # (a registration this long is refused at its length, before anything of it is decoded)
+                code = "limit_exceeded" if name == b"register" else "invalid_request"
+                assert status == codec.ERR and err.code == code and field in err.message, (name, err)
         finally:
             peer.close()
         assert client.ping() > 0
@@ -874,7 +896,7 @@ def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
 def test_names_are_bounded(debug_server):
     with CacheClient(debug_server.url, timeout=20) as client:
         ref = Writer(client, model="names")
-        long = "m" * (1 << 20)
+        long = "m" * (64 << 10)  # (a registration of more than 1 MiB is refused at its length)
         err = error_of(lambda: client.request(registration(ref, "cpu_gather", 9_000_001,
                                                                          model_name=long)))
         assert err.code == "limit_exceeded" and "--max-name-length" in str(err), err

@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final
+
+import msgspec
 
 from kvxfer import ConfigError
 from kvxfer.transport import (
@@ -79,7 +81,7 @@ class CpuGatherRegistration(Registration, frozen=True, kw_only=True):
     """Scalars only: the core's identity and layout fields, plus the tensors' device type."""
 
     #: torch device type of the KV tensors (informational: the server never touches them).
-    device: str = "cpu"
+    device: Annotated[str, msgspec.Meta(max_length=16, pattern=r"^[a-z][a-z0-9_]*$")] = "cpu"
 
 
 class CpuGatherContext(ClientDrivenContext):
