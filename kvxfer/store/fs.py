@@ -142,6 +142,16 @@ def _writev_all(fd: int, parts: Sequence[memoryview]) -> None:
             bufs[0] = bufs[0][n:]
 
 
+def _fsync_folder(fd: int) -> None:
+    """``fsync`` a folder's descriptor (its entries: a rename, a new folder). A file system that
+    cannot sync a folder (EINVAL, ENOTSUP) keeps its entries as it keeps them: not an error."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EROFS):
+            raise
+
+
 class FsBackend(ThreadedBackend):
     """An open ``fs`` store: the directory, its lock and an LRU index of its files."""
 
@@ -247,6 +257,8 @@ class FsBackend(ThreadedBackend):
             if attempt:  # not there yet (made once; a put finds it there after)
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(sub, 0o700, dir_fd=self._root_fd)
+                    if self.fsync:  # the new folder's entry in the store's: a power loss may undo it
+                        _fsync_folder(self._root_fd)
             try:
                 return os.open(sub, _DIR_FLAGS, dir_fd=self._root_fd)
             except FileNotFoundError:
@@ -426,7 +438,7 @@ class FsBackend(ThreadedBackend):
                         self._lru[name] = size
                         self.used += size
                     if self.fsync:  # the rename too: else a power loss may undo it
-                        os.fsync(sub)
+                        _fsync_folder(sub)
                 except OSError as exc:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=sub)

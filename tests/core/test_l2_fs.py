@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -444,28 +445,42 @@ def test_url_options(tmp_path: Path) -> None:
         parse_fs_url(f"file://{tmp_path}/c?fsync=always")
 
 
-def test_fsync_syncs_each_value_and_then_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``fsync=1`` a put syncs its file and then the folder that holds it (the rename that
-    makes the value visible is the folder's to keep: without it a power loss may undo the put).
-    A power loss cannot be made here, so the calls are recorded: the real ``os.fsync`` runs."""
+def test_fsync_syncs_each_value_and_then_its_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fsync=1`` a put syncs its file, then the folder that holds it (the rename that
+    makes the value visible is the folder's to keep), and a fan-out folder it made is synced
+    into the store's folder first: without these a power loss may undo the put. A file system
+    that cannot sync a folder (EINVAL) fails no put. A power loss cannot be made here, so the
+    calls are recorded: the real ``os.fsync`` runs."""
     synced: list[str] = []
     real = os.fsync
 
     def record(fd: int) -> None:
-        synced.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        st = os.fstat(fd)
+        synced.append("file" if not stat.S_ISDIR(st.st_mode) else
+                      "store" if os.path.samestat(st, os.stat(tmp_path / "s1")) else "folder")
         real(fd)
 
-    for fsync, want in ((1, ["file", "folder"]), (0, [])):
+    def no_folders(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    for fsync, want in ((1, [["store", "file", "folder"], ["file", "folder"]]), (0, [[], []])):
         b = FsStore().open(f"file://{tmp_path}/s{fsync}?fsync={fsync}", StoreOptions())
         try:
-            monkeypatch.setattr(os, "fsync", record)
-            assert _put(b, b"k", b"v" * 4096)
+            for key, expected in zip((b"k", b"k"), want):  # the first put makes its fan-out folder
+                monkeypatch.setattr(os, "fsync", record)
+                assert _put(b, key, b"v" * 4096)
+                monkeypatch.setattr(os, "fsync", real)
+                assert synced == expected, (fsync, synced)
+                synced.clear()
+            monkeypatch.setattr(os, "fsync", no_folders)
+            assert _put(b, b"other", b"w" * 4096) and _put(b, b"k", b"u" * 4096)
             monkeypatch.setattr(os, "fsync", real)
-            assert synced == want, (fsync, synced)
+            assert b.submit_exists([b"k", b"other"]).result(10) == [4096, 4096]
         finally:
             monkeypatch.setattr(os, "fsync", real)
             b.close()
-        synced.clear()
 
 
 @pytest.mark.parametrize("kind", ["symlink", "directory"])
