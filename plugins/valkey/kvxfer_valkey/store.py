@@ -200,13 +200,23 @@ def check_tls(kw: dict[str, Any]) -> None:
         raise ConfigError(f"valkey store: ssl_ca_path={capath!r} in --l2-url is not a folder this process can read")
     context = ssl.create_default_context()
     step = ""
+    asked: list[bool] = []
+
+    def no_password() -> bytes:  # (else OpenSSL asks on the terminal, and a server waits there)
+        asked.append(True)
+        return b""
+
     try:
+        step = "ssl_check_hostname and ssl_cert_reqs"  # set as the client sets them, in its order
+        context.check_hostname = bool(kw.get("ssl_check_hostname", False))
+        context.verify_mode = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
+                               "required": ssl.CERT_REQUIRED}[reqs]
         if kw.get("ssl_certfile") or kw.get("ssl_keyfile"):
             step = "ssl_certfile and ssl_keyfile"
             if not kw.get("ssl_certfile"):
                 raise ValueError("ssl_keyfile needs ssl_certfile (the client certificate)")
             context.load_cert_chain(certfile=kw["ssl_certfile"], keyfile=kw.get("ssl_keyfile"),
-                                    password=kw.get("ssl_password"))
+                                    password=kw.get("ssl_password") or no_password)
         if any(kw.get(k) is not None for k in ("ssl_ca_certs", "ssl_ca_path", "ssl_ca_data")):
             step = "ssl_ca_certs, ssl_ca_path or ssl_ca_data"
             context.load_verify_locations(cafile=kw.get("ssl_ca_certs"), capath=capath, cadata=kw.get("ssl_ca_data"))
@@ -214,6 +224,9 @@ def check_tls(kw: dict[str, Any]) -> None:
             step = "ssl_ciphers"
             context.set_ciphers(kw["ssl_ciphers"])
     except (OSError, ssl.SSLError, ValueError, TypeError) as exc:  # (their texts name files, never a password)
+        if asked:
+            raise ConfigError("valkey store: the key in ssl_keyfile of --l2-url is encrypted: give its password "
+                              "as ssl_password") from None
         raise ConfigError(f"valkey store: the TLS options of --l2-url do not load ({step}): "
                           f"{type(exc).__name__}: {exc}") from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,8 @@ def test_a_wrong_authority_or_no_client_certificate_is_refused(tls: TlsTerminato
     ("unknown cert_reqs", "ssl_cert_reqs='sometimes'"),
     ("unknown ciphers", "ssl_ciphers"),
     ("authority folder missing", "ssl_ca_path="),
+    ("hostname checked, nothing verified", "ssl_check_hostname and ssl_cert_reqs"),
+    ("encrypted key, no password", "the key in ssl_keyfile of --l2-url is encrypted: give its password as ssl_password"),
 ])
 def test_tls_options_that_do_not_load_are_a_configuration_error(tls: TlsTerminator, tmp_path: Path,
                                                                  change: str, named: str) -> None:
@@ -97,6 +100,9 @@ def test_tls_options_that_do_not_load_are_a_configuration_error(tls: TlsTerminat
     before any connection), rather than a store that looks down for ever: each failed connection
     said "No such file or directory" as if the network were at fault."""
     f, url = tls.files, tls.url
+    encrypted = tmp_path / "client-encrypted.key"
+    subprocess.run(["openssl", "pkey", "-in", str(f["client_key"]), "-aes256", "-passout", "pass:sekrit", "-out",
+                    str(encrypted)], capture_output=True, check=True, timeout=60)
     url = {
         "missing authority": url.replace(str(f["ca"]), str(tmp_path / "nope-ca.pem")),
         "missing certificate": url.replace(str(f["client_cert"]), str(tmp_path / "nope.pem")),
@@ -105,8 +111,12 @@ def test_tls_options_that_do_not_load_are_a_configuration_error(tls: TlsTerminat
         "unknown cert_reqs": url + "&ssl_cert_reqs=sometimes",
         "unknown ciphers": url + "&ssl_ciphers=NO-SUCH-CIPHER&ssl_password=sekrit",
         "authority folder missing": url + f"&ssl_ca_path={tmp_path / 'nope'}",
+        "hostname checked, nothing verified": url + "&ssl_cert_reqs=none&ssl_check_hostname=true",
+        "encrypted key, no password": url.replace(str(f["client_key"]), str(encrypted)),
     }[change]
     with pytest.raises(ConfigError, match=re.escape(named)) as err:
         ValkeyStore().open(url, StoreOptions(timeout_s=1.0))
     assert "sekrit" not in str(err.value)
     ValkeyStore().open(tls.url, StoreOptions(timeout_s=1.0)).close()  # the options as they were load
+    if change == "encrypted key, no password":  # and with its password, the encrypted key
+        ValkeyStore().open(url + "&ssl_password=sekrit", StoreOptions(timeout_s=1.0)).close()
