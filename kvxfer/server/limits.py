@@ -73,7 +73,8 @@ SPECS: Final[dict[str, LimitSpec]] = {s.name: s for s in (
     LimitSpec("max_registration_bytes", "--max-registration-bytes", "bytes",
               "one registration as sent (the transport's fields included: a client's strings and lists, which the "
               "server keeps while the KV cache is registered)",
-              "check the registration's fields (a cuda_ipc one takes about 300 bytes a layer)"),
+              "check the registration's fields (a cuda_ipc one takes about 300 bytes a layer, more where "
+              "PyTorch's expandable segments hold the KV cache: its handles grow 4 bytes per 20 MiB of it)"),
     LimitSpec("max_kv_cache_size", "--max-kv-cache-size", "bytes",
               "KV cache one registration may declare (layers x the bytes each layer's view spans, padding included)",
               "check num_blocks and the other sizes of the registration"),
@@ -125,7 +126,9 @@ class Limits:
     max_waiting_per_session: int = 1024
     max_lease_s: float = 600.0
     max_name_length: int = 512
-    max_registration_bytes: int = 1 << 20
+    #: cuda_ipc: about 300 bytes a layer; with expandable segments each layer's handle grows 4
+    #: bytes per 20 MiB of its storage (80 layers sharing an 80 GiB one: 1.3 MB).
+    max_registration_bytes: int = 8 << 20
     max_kv_cache_size: int = 4 << 40
     max_unread_reply_bytes: int = 64 << 20
     workers: int = 16

@@ -781,14 +781,14 @@ def test_a_declared_kv_cache_past_the_limit_is_refused(debug_server):
 def test_a_registration_that_carries_megabytes_is_refused_before_it_is_decoded(debug_server, field):
     """A transport's own fields are the client's to fill: cpu_gather's ``device`` string took
     any length, and the server kept it for the registration's life (16 MiB a registration,
-    1,024 of them). The registration as sent is bounded (``--max-registration-bytes``, 1 MiB),
+    1,024 of them). The registration as sent is bounded (``--max-registration-bytes``, 8 MiB),
     and ``device`` is a short device type name."""
     with CacheClient(debug_server.url, timeout=20) as client:
         ref = Writer(client, model="sizes")
-        big = "x" * (2 << 20)
+        big = "x" * (9 << 20)
         err = error_of(lambda: client.request(registration(ref, "cpu_gather", 8_000_010, **{field: big})))
         assert err.code == "limit_exceeded" and "--max-registration-bytes" in str(err), err
-        assert "this one is 2097" in str(err), err
+        assert "this one is 943" in str(err), err
         if field == "device":  # under the bound, still not a device type
             for bad in ("x" * 100, "CPU; DROP", ""):
                 err = error_of(lambda bad=bad: client.request(registration(ref, "cpu_gather", 8_000_011, device=bad)))
@@ -896,7 +896,7 @@ def test_a_request_listing_millions_is_refused_at_its_length(debug_server):
 def test_names_are_bounded(debug_server):
     with CacheClient(debug_server.url, timeout=20) as client:
         ref = Writer(client, model="names")
-        long = "m" * (64 << 10)  # (a registration of more than 1 MiB is refused at its length)
+        long = "m" * (64 << 10)  # (a registration of more than 8 MiB is refused at its length)
         err = error_of(lambda: client.request(registration(ref, "cpu_gather", 9_000_001,
                                                                          model_name=long)))
         assert err.code == "limit_exceeded" and "--max-name-length" in str(err), err
