@@ -1367,7 +1367,7 @@ class L2Tier:
         ``stop``, each once (a lookup may name a chunk twice)."""
         entries = self.index.entries
         found = (entries.get(ChunkKey(lk.model_name, lk.world_size, rank, h))
-                 for h in lk.hashes[:stop] for rank in range(lk.world_size))
+                 for h in dict.fromkeys(lk.hashes[:stop]) for rank in range(lk.world_size))
         return list(dict.fromkeys(e for e in found if e is not None))
 
     def _wrong_size(self, key: ChunkKey, size: int, want: int) -> None:
