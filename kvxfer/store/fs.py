@@ -257,8 +257,8 @@ class FsBackend(ThreadedBackend):
             if attempt:  # not there yet (made once; a put finds it there after)
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(sub, 0o700, dir_fd=self._root_fd)
-                    if self.fsync:  # the new folder's entry in the store's: a power loss may undo it
-                        _fsync_folder(self._root_fd)
+                if self.fsync:  # the new folder's entry in the store's (made here, or by a put beside
+                    _fsync_folder(self._root_fd)  # this one that may not have synced it yet)
             try:
                 return os.open(sub, _DIR_FLAGS, dir_fd=self._root_fd)
             except FileNotFoundError:
