@@ -187,8 +187,9 @@ def check_tls(kw: dict[str, Any]) -> None:
     """Build the TLS context that each connection of ``kw`` (from :func:`parse_valkey_urls`, a
     ``valkeys://`` URL) will build, as the client builds it: a certificate, key or CA file or
     folder that is missing or unreadable, a key that does not match its certificate or whose
-    password is wrong, an unknown ``ssl_cert_reqs`` or cipher list raises :class:`ConfigError`
-    now, naming the option (a store that fails every connection for them looked down for ever)."""
+    password is wrong or missing (never asked for on a terminal), hostname checks with nothing
+    verified, an unknown ``ssl_cert_reqs`` or cipher list raises :class:`ConfigError` now,
+    naming the option (a store that fails every connection for them looked down for ever)."""
     import ssl
 
     reqs = kw.get("ssl_cert_reqs", "required")
