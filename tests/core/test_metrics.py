@@ -532,3 +532,20 @@ def test_long_model_names_that_differ_only_at_their_end_keep_labels_of_their_own
     for name in names:
         (label,) = [lb for lb in labels if lb.endswith(name[-40:])]
         assert len(label) <= 128 and label.startswith(name[:64])
+
+
+def test_no_model_name_is_given_another_models_label() -> None:
+    """A name that is another's shortened label, or ``__other__``, took that label: its figures
+    were summed with the other model's (or with every model past --metrics-max-models)."""
+    from kvxfer.server.stats import OTHER_MODEL, ServerStats, model_label
+
+    stats = ServerStats(("lookup",))
+    victim = "meta-llama/Llama-3-70B" + "/x" * 60 + "@bfloat16#abcd1234"
+    label = stats.register_model(victim)
+    assert len(label) == 128 and "…" in label
+    for name in (label, OTHER_MODEL, "a…b"):
+        mine = stats.register_model(name)
+        assert mine not in (label, OTHER_MODEL) and len(mine) <= 128, (name, mine)
+    assert model_label("plain-name") == "plain-name"
+    assert stats.named_models == 4 and len(stats.models) == 4
+
