@@ -61,8 +61,7 @@ def _arena_filler(kit: Kit) -> tuple[KVSpec, list[torch.Tensor], TransferContext
     spec = kit.spec(heads=8, head_size=64, num_blocks=64)
     layers = kit.kv(spec)
     ctx = kit.register(layers, spec)
-    itemsize = torch.empty((), dtype=spec.torch_dtype).element_size()
-    return spec, layers, ctx, spec.num_layers * spec.planes * CHUNK_SIZE * spec.hidden * itemsize
+    return spec, layers, ctx, ctx.layout.chunk_bytes(CHUNK_SIZE)
 
 
 def round_trip(kit: Kit, spec: KVSpec) -> None:
