@@ -39,6 +39,14 @@ def _internal_errors(c: CacheClient) -> int:
     return c.status().errors_by_code.get("internal", 0)
 
 
+def _set_fault(fault_file: Path, word: str) -> None:
+    """Switch the running store's fault at once: a rename, since ``write_text`` truncates first and
+    a store reading the file in between would see no fault (a hung get then ends with good bytes)."""
+    part = fault_file.with_name(fault_file.name + ".part")
+    part.write_text(word)
+    part.replace(fault_file)
+
+
 @pytest.mark.parametrize("fault", ["exists_raises", "exists_exits", "exists_short", "exists_strings", "put_ints"])
 def test_a_faulty_write_path_loses_no_chunk_and_is_counted(test_plugin_path: Path, tmp_path: Path, fault: str) -> None:
     """The writers check what L2 holds before they write: a check that raises or answers wrong
@@ -54,7 +62,7 @@ def test_a_faulty_write_path_loses_no_chunk_and_is_counted(test_plugin_path: Pat
                         transport="cpu_gather")
         hashes = chunk_hashes(list(range(4 * CHUNK_SIZE)), CHUNK_SIZE, salt=fault)
         writers = _tier(c).writers
-        fault_file.write_text(fault)
+        _set_fault(fault_file, fault)
         assert kv.submit_store(hashes, list(range(4 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1, 2, 3]
         wait_until(lambda: _tier(c).errors >= 1 and _tier(c).queue_depth == 0, timeout=30)
         t = _tier(c)
@@ -91,7 +99,7 @@ def test_a_faulty_lookup_or_promotion_is_a_miss_from_l2_not_an_internal_error(te
         assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
         wait_until(lambda: (t := _tier(c)).writes == 2 and t.queue_depth == 0, timeout=30)
         assert c.clear("faulty") == 2
-        Path(f"{l2}.fault").write_text(fault)
+        _set_fault(Path(f"{l2}.fault"), fault)
         before = _tier(c).errors + _tier(c).promote_failures
         lease = c.lookup_and_lease("faulty", hashes=hashes, lease_s=30)
         if fault == "get_fails":  # the check works: both found in L2, their promotion fails
@@ -132,7 +140,7 @@ def test_a_get_that_never_ends_fails_its_promotion_and_keeps_its_slots(test_plug
         assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
         wait_until(lambda: (t := _tier(c)).writes == 2 and t.queue_depth == 0, timeout=30)
         assert c.clear("stuck") == 2
-        fault.write_text("get_hangs")
+        _set_fault(fault, "get_hangs")
         lease = c.lookup_and_lease("stuck", hashes=hashes, lease_s=30)
         assert (lease.hits, lease.l2_hits) == (2, 2)
         got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK)),
@@ -167,7 +175,7 @@ def test_gets_queued_behind_a_stuck_one_free_their_slots_when_given_up(test_plug
             assert kv.submit_store([h], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
         wait_until(lambda: (t := _tier(c)).writes == 3 and t.queue_depth == 0, timeout=30)
         assert c.clear("queued") == 3
-        fault.write_text("get_hangs")
+        _set_fault(fault, "get_hangs")
         leases = [c.lookup_and_lease("queued", hashes=[h], lease_s=30) for h in hashes]
         assert all((r.hits, r.l2_hits) == (1, 1) for r in leases)
         wait_until(lambda: _tier(c).promote_failures == 3, timeout=20)
@@ -202,7 +210,7 @@ def test_gets_queued_behind_others_at_a_slow_store_are_not_stuck(test_plugin_pat
             assert kv.submit_store([h], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
         wait_until(lambda: (t := _tier(c)).writes == 12 and t.queue_depth == 0, timeout=30)
         assert c.clear("slow") == 12
-        fault.write_text("get_slow")
+        _set_fault(fault, "get_slow")
         leases = [c.lookup_and_lease("slow", hashes=[h], lease_s=60) for h in hashes]  # 12 promotions at once
         assert all((r.hits, r.l2_hits) == (1, 1) for r in leases)
         for h, r in zip(hashes, leases):
@@ -221,7 +229,7 @@ def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin
     thread itself) kept its chunks pinned for good, silently: it is dropped too, a second later."""
     l2 = tmp_path / "l2"
     fault = Path(f"{l2}.fault")
-    fault.write_text("submit_put_blocks")
+    _set_fault(fault, "submit_put_blocks")
     srv = _stuck_server(test_plugin_path, l2, quick=True)
     srv.stop_timeout = 60
     with srv, CacheClient(srv.url, timeout=30) as c:
@@ -233,7 +241,7 @@ def test_a_put_that_never_ends_is_dropped_and_does_not_hold_shutdown(test_plugin
                           timeout=30), _tier(c)
         assert re.search(r"writer\(s\) have not come back from the store plugin after \d+\.\d s", srv.log()), srv.log()
         # the held writer goes on once the plugin lets it (into a put that never ends): counted once
-        fault.write_text("put_hangs")
+        _set_fault(fault, "put_hangs")
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="stuck-put")
         assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
         assert wait_until(lambda: (t := _tier(c)).queue_depth == 0 and t.pinned_bytes == 0 and t.drops == 4,
@@ -258,7 +266,7 @@ def test_a_writer_given_up_while_held_never_writes_what_its_slots_hold_since(tes
     writes are dropped); once the plugin lets them go, both write again."""
     l2 = tmp_path / "l2"
     fault = Path(f"{l2}.fault")
-    fault.write_text("writer_exists_blocks")
+    _set_fault(fault, "writer_exists_blocks")
     srv = _stuck_server(test_plugin_path, l2, quick=True, l1_size="1MiB", writers=1)
     try:
         with srv, CacheClient(srv.url, timeout=30) as c:
@@ -318,7 +326,7 @@ def test_a_second_stop_signal_ends_a_server_whose_loop_a_plugin_holds(test_plugi
     try:
         with srv, CacheClient(srv.url, timeout=30) as c:
             hashes = _only_in_l2(c, "held")
-            fault.write_text("submit_get_blocks")
+            _set_fault(fault, "submit_get_blocks")
             asker = threading.Thread(target=_lookup_quietly, args=(srv.url, hashes), daemon=True)
             asker.start()
             wait_until(lambda: _loop_held(srv.url), timeout=30)
@@ -361,7 +369,7 @@ def test_a_backend_that_closes_with_gets_running_does_not_hold_the_exit(test_plu
     try:
         with srv, CacheClient(srv.url, timeout=30) as c:
             hashes = _only_in_l2(c, "late")
-            fault.write_text("get_hangs_close_returns")
+            _set_fault(fault, "get_hangs_close_returns")
             assert c.lookup_and_lease("late", hashes=hashes, lease_s=30).l2_hits == 2  # its promotion hangs
             assert srv.stop() == 0
             assert "closed with gets still running in it: the server exits without them" in srv.log()
@@ -375,7 +383,7 @@ def test_a_submit_that_blocks_the_loop_is_reported(test_plugin_path: Path, tmp_p
     how long, once a second at most."""
     l2 = tmp_path / "l2"
     with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
-        Path(f"{l2}.fault").write_text("exists_blocks")
+        _set_fault(Path(f"{l2}.fault"), "exists_blocks")
         hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="blocks")
         for _ in range(6):  # 0.3 s of blocked loop
             c.lookup_and_lease("faulty", hashes=hashes, lease_s=1, promote=False)
@@ -389,7 +397,7 @@ def test_a_fault_in_stats_does_not_take_l2_down(test_plugin_path: Path, tmp_path
     the tier stays up (before, it went down every few seconds, its breaker opened by the health
     thread's stats calls); the figures are left out, and status says why (it showed "size: -")."""
     l2 = tmp_path / "l2"
-    Path(f"{l2}.fault").write_text("stats_raises")
+    _set_fault(Path(f"{l2}.fault"), "stats_raises")
     with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
         deadline = time.monotonic() + 7  # the health thread asks for stats every few seconds
         while time.monotonic() < deadline:
@@ -406,7 +414,7 @@ def test_a_put_that_writes_into_its_parts_changes_no_chunk_in_l1(test_plugin_pat
     write, counted as a store error, and changes nothing of the chunks in L1. Before, the flip
     landed in the arena, and every later load of those chunks returned it, reported good."""
     l2 = tmp_path / "l2"
-    Path(f"{l2}.fault").write_text("put_writes_parts")
+    _set_fault(Path(f"{l2}.fault"), "put_writes_parts")
     src = flash_attn_kv(num_blocks=32, seed=3)
     with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
         ctx = c.register(src, model_name="put-writes", block_size=BLOCK_SIZE, transport="cpu_gather")
@@ -431,11 +439,11 @@ def test_a_ping_that_never_returns_takes_l2_down_and_it_comes_back(test_plugin_p
     health thread waited in it for good: the tier said up, and once down it never probed again."""
     l2 = tmp_path / "l2"
     fault = Path(f"{l2}.fault")
-    fault.write_text("ping_hangs")
+    _set_fault(fault, "ping_hangs")
     with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
         wait_until(lambda: _tier(c).state == "down", timeout=30)
         assert "has not returned" in srv.log()
-        fault.write_text("")
+        _set_fault(fault, "")
         wait_until(lambda: _tier(c).state == "up", timeout=30)
 
 
@@ -443,7 +451,7 @@ def test_a_fault_in_open_stops_serve_naming_the_store(test_plugin_path: Path, tm
     """``open()`` may raise ConfigError (a bad URL) or StoreUnavailable (no answer: L2 starts down
     and is retried); anything else is a fault of the plugin, which no retry mends."""
     l2 = tmp_path / "l2"
-    Path(f"{l2}.fault").write_text("open_raises")
+    _set_fault(Path(f"{l2}.fault"), "open_raises")
     out = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/s.sock", "--l1-size",
                           "8MiB", "--l2", "test_faulty", "--l2-url", f"file://{l2}"],
                          capture_output=True, text=True, timeout=120, env=env_with(test_plugin_path))
@@ -623,7 +631,7 @@ def test_a_store_of_chunks_being_promoted_waits_a_little_and_stores_what_the_pro
         assert kv.submit_store(hashes, blocks).result(30).stored == [0, 1]
         wait_until(lambda: (t := _tier(c)).writes == 2 and t.queue_depth == 0, timeout=30)
         assert c.clear("promoting") == 2
-        fault.write_text("get_hangs")
+        _set_fault(fault, "get_hangs")
         lease = c.lookup_and_lease("promoting", hashes=hashes, lease_s=30)
         assert (lease.hits, lease.l2_hits) == (2, 2) and _tier(c).promoting == 2
         # the get hangs (the tier gives it up after 2.8 s): the store waits STORE_WAIT_S, no more
@@ -631,7 +639,7 @@ def test_a_store_of_chunks_being_promoted_waits_a_little_and_stores_what_the_pro
         assert (result.stored, result.present, result.failed) == ([], [], [0, 1])
         assert _tier(c).promoting == 2, "answered while the get still hangs"
         store = kv.submit_store(hashes, blocks)
-        fault.write_text("get_flips")  # the gets end with damaged values: the promotion fails
+        _set_fault(fault, "get_flips")  # the gets end with damaged values: the promotion fails
         result = store.result(30)
         assert (result.stored, result.present, result.failed) == ([0, 1], [], [])
         c.release_lease(lease.lease_id)
