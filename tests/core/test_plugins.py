@@ -290,11 +290,11 @@ def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A server-driven store that finds the server restarted (no_session) is sent again once the
     client has registered again: with the time the client waits for that reply, not the first
-    send's, which passed while it registered (here a slow reconnect, 1.3 s of a 1 s timeout).
+    send's, which passed while it registered (here a slow reconnect, 2.6 s of a 2 s timeout).
     The server stores it (it copied nothing, and called it abandoned, with the old deadline).
     A store that reaches the server past its deadline evicts nothing and reserves nothing."""
     with ServerProcess(l1_size="2MiB", chunk_size=CHUNK_SIZE, transports="test_loop", env=env_with(on_path)) as srv:
-        client = CacheClient(srv.url, timeout=1.0, connect_timeout=10.0)
+        client = CacheClient(srv.url, timeout=2.0, connect_timeout=10.0)
         try:
             kv = shared_kv(tmp_path, "resend")
             ctx = client.register(kv, model_name="resend", block_size=BLOCK_SIZE, transport="test_loop")
@@ -305,7 +305,7 @@ def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path,
             reconnect = client.reconnect
 
             def slow(context: object = None) -> None:
-                time.sleep(1.3)  # a busy, just restarted server; many contexts to register again
+                time.sleep(2.6)  # a busy, just restarted server; many contexts to register again
                 reconnect(context)  # type: ignore[arg-type]
 
             monkeypatch.setattr(client, "reconnect", slow)
@@ -318,7 +318,7 @@ def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path,
             srv.start()
 
             def slower(context: object = None) -> None:
-                time.sleep(2.5)
+                time.sleep(5.0)
                 reconnect(context)  # type: ignore[arg-type]
 
             monkeypatch.setattr(client, "reconnect", slower)

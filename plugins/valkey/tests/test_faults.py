@@ -304,6 +304,8 @@ def test_full_valkey_evicts_or_refuses_and_nothing_breaks(tmp_path: Path) -> Non
             for i in range(0, 24, 4):
                 assert ctx.submit_store(keys[i:i + 4], blocks(i, 4)).result(TIMEOUT).stored == [0, 1, 2, 3]
                 assert wait_for(lambda: tier(c).queue_depth == 0, TIMEOUT)
+            # a batch leaves the queue on its writer's thread and is counted on the loop just after
+            assert wait_for(lambda: (t := tier(c)).writes + t.drops == 24, TIMEOUT), tier(c)
             t = tier(c)
             assert t.state == "up" and t.writes + t.drops == 24, t
             if policy == "noeviction":
