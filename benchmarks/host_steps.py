@@ -10,7 +10,9 @@ times each kind on its own, one call at a time, in three conditions:
 * ``hot``: each call right after the one before;
 * ``idle``: each call after ``--gap-ms`` of sleep, as a lone request comes (the CPU may have
   lowered its clock or been given to another guest, its caches refilled by others);
-* ``spun``: each call after ``--gap-ms`` of busy waiting (the thread kept running).
+* ``spun``: each call after ``--gap-ms`` of busy waiting (the thread kept running);
+* ``warmed``: each call after ``--gap-ms`` of sleep while another thread made the same call
+  every millisecond (what ``kvxfer serve --warm-us 1000`` does for the server's steps).
 
 The same probes run on any host (the CUDA ones where a GPU is visible), so two hosts' tables say
 how much of a lone request's head is the host's rather than the code's: the same Python and
@@ -36,7 +38,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-CONDITIONS = ("hot", "idle", "spun")
+CONDITIONS = ("hot", "idle", "spun", "warmed")
+#: The warming thread's period in the ``warmed`` condition (kvxfer serve's default --warm-us).
+WARM_PERIOD_S = 1e-3
 
 
 def _python_unit() -> int:
@@ -114,14 +118,31 @@ def _spin(seconds: float) -> None:
 def measure(fn: Callable[[], object], iters: int, gap_s: float, condition: str) -> list[float]:
     """``iters`` timings of one call of ``fn`` in microseconds, each after ``condition``."""
     out = []
-    for _ in range(iters):
-        if condition == "idle":
-            time.sleep(gap_s)
-        elif condition == "spun":
-            _spin(gap_s)
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
+    lock = threading.Lock()  # the timed call and the warming thread's calls never overlap
+    stop = threading.Event()
+
+    def warm() -> None:
+        while not stop.wait(WARM_PERIOD_S):
+            with lock:
+                fn()
+
+    warmer = threading.Thread(target=warm, daemon=True) if condition == "warmed" else None
+    if warmer is not None:
+        warmer.start()
+    try:
+        for _ in range(iters):
+            if condition in ("idle", "warmed"):
+                time.sleep(gap_s)
+            elif condition == "spun":
+                _spin(gap_s)
+            with lock:
+                t0 = time.perf_counter_ns()
+                fn()
+                out.append((time.perf_counter_ns() - t0) / 1e3)
+    finally:
+        stop.set()
+        if warmer is not None:
+            warmer.join()
     return out
 
 
@@ -180,7 +201,8 @@ def print_table(result: dict[str, Any], gap_ms: float) -> None:
     host = result["host"]
     print(f"{host['cpu_model'] or 'unknown CPU'}, {host['cpus']} CPUs, kernel {host['kernel']}"
           + (f", {host['gpu']}" if host.get("gpu") else ""))
-    print(f"one call, p50 (p90) in us; idle and spun: after {gap_ms:g} ms of sleep or of busy waiting")
+    print(f"one call, p50 (p90) in us; idle and spun: after {gap_ms:g} ms of sleep or of busy waiting; warmed: "
+          f"after {gap_ms:g} ms of sleep while another thread made the call every {WARM_PERIOD_S * 1e3:g} ms")
     show([[r["probe"], *(f"{r[c]['p50_us']:.2f} ({r[c]['p90_us']:.2f})" for c in CONDITIONS),
            f"{r['idle']['p50_us'] / max(r['hot']['p50_us'], 1e-3):.1f}x"] for r in result["probes"]],
          ["probe", *CONDITIONS, "idle / hot"])
@@ -190,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=400, help="timed calls per probe and condition (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=200, help="untimed calls first (default: %(default)s)")
-    p.add_argument("--gap-ms", type=float, default=5.0, help="sleep or spin before each idle or spun call "
+    p.add_argument("--gap-ms", type=float, default=5.0, help="sleep or spin before each idle, spun or warmed call "
                                                               "(default: %(default)s)")
     p.add_argument("--device", default="cuda", help="CUDA probes on this device, when one is visible "
                                                      "(default: %(default)s)")

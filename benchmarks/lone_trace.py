@@ -197,7 +197,7 @@ def print_summary(summary: dict[str, dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvxfer.bench import _sync, busy_poll_args, progress_bar
+    from kvxfer.bench import _sync, server_tuning_args, progress_bar
     from kvxfer.bench_prefix import make_workload
     from kvxfer.testing.server import ServerProcess
 
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layout, kv = make_workload(args, blocks)
     server = ServerProcess(l1_size=str(3 * n * layout.chunk_bytes(chunk) + (64 << 20)), chunk_size=chunk,
                            transports=args.transport, env={"KVXFER_TRACE_STEPS": ",".join(args.step)},
-                           extra_args=busy_poll_args(args))
+                           extra_args=server_tuning_args(args))
     server.args[1:3] = [str(Path(__file__).resolve()), "--serve-traced", str(server_events)]
     server.start()
     gen = torch.Generator().manual_seed(0)
@@ -263,12 +263,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvxfer.bench import add_busy_poll_argument
+    from kvxfer.bench import add_server_tuning_arguments
     from kvxfer.bench_prefix import add_workload_arguments
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(p)
-    add_busy_poll_argument(p)
+    add_server_tuning_arguments(p)
     p.add_argument("--chunks", type=int, default=8, help="chunks per request (default: %(default)s)")
     p.add_argument("--iters", type=int, default=30, help="timed lone loads and stores (default: %(default)s)")
     p.add_argument("--gap-ms", type=float, default=5.0, help="idle time before each request (default: %(default)s)")

@@ -40,9 +40,9 @@ from kvxfer.units import format_bytes
 
 __all__ = [
     "CopyLimit",
-    "add_busy_poll_argument",
+    "add_server_tuning_arguments",
     "add_kv_cache_arguments",
-    "busy_poll_args",
+    "server_tuning_args",
     "json_target",
     "main",
     "physical_limit",
@@ -188,17 +188,24 @@ def progress_bar(total: int, desc: str) -> Any:
         return _Bar()
 
 
-def add_busy_poll_argument(p: argparse.ArgumentParser) -> None:
-    """``--busy-poll-us``: the started server's ``kvxfer serve --busy-poll-us`` (every benchmark
-    that starts a server for lone requests takes it, to compare both in the same run)."""
+def add_server_tuning_arguments(p: argparse.ArgumentParser) -> None:
+    """``--busy-poll-us`` and ``--warm-us``: the started server's ``kvxfer serve`` options of the
+    same names (every benchmark that starts a server for lone requests takes them, to compare
+    both settings in the same run)."""
     p.add_argument("--busy-poll-us", type=float, default=0.0, metavar="US",
                    help="the started server's --busy-poll-us (default: %(default)g, off); with --url it is "
                         "ignored: start that server with it")
+    p.add_argument("--warm-us", type=float, default=None, metavar="US",
+                   help="the started server's --warm-us (default: the server's own default; 0: off); with "
+                        "--url it is ignored: start that server with it")
 
 
-def busy_poll_args(args: argparse.Namespace) -> list[str]:
-    """The ``kvxfer serve`` arguments of :func:`add_busy_poll_argument`'s option."""
-    return [f"--busy-poll-us={args.busy_poll_us:g}"] if args.busy_poll_us else []
+def server_tuning_args(args: argparse.Namespace) -> list[str]:
+    """The ``kvxfer serve`` arguments of :func:`add_server_tuning_arguments`'s options."""
+    out = [f"--busy-poll-us={args.busy_poll_us:g}"] if args.busy_poll_us else []
+    if args.warm_us is not None:
+        out.append(f"--warm-us={args.warm_us:g}")
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -389,7 +396,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if url is None:
             server = ServerProcess(l1_size=str(l1), chunk_size=chunk_size,
                                    transports=server_transports,
-                                   extra_args=busy_poll_args(args))
+                                   extra_args=server_tuning_args(args))
             server.start()
             url = server.url
         try:
@@ -515,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "leaves its chunks there, to be evicted like any other")
     p.add_argument("--server-transports", default="",
                    help="--transports of the started server (default: the --transport benchmarked)")
-    add_busy_poll_argument(p)
+    add_server_tuning_arguments(p)
     add_client_curve_arguments(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH", type=json_target,

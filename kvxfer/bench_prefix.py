@@ -34,15 +34,15 @@ from kvxfer.bench import (
     CopyLimit,
     _check_moved,
     _sync,
-    add_busy_poll_argument,
     add_kv_cache_arguments,
+    add_server_tuning_arguments,
     bench_model_name,
-    busy_poll_args,
     check_kv_fits,
     json_target,
     progress_bar,
     run_salt,
     save_results,
+    server_tuning_args,
 )
 from kvxfer.cli import add_client_curve_arguments, client_curve, positive_int
 from kvxfer.layout import KVLayout, LayoutKind, dtype_from_name
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if url is None:
         server = ServerProcess(l1_size=l1, chunk_size=chunk,
                                transports=server_transports,
-                               extra_args=busy_poll_args(args))
+                               extra_args=server_tuning_args(args))
         server.start()
         url = server.url
     results: list[dict[str, Any]] = []
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "leaves its chunks there, to be evicted like any other")
     p.add_argument("--server-transports", default="",
                    help="--transports of the started server (default: the --transport benchmarked)")
-    add_busy_poll_argument(p)
+    add_server_tuning_arguments(p)
     add_client_curve_arguments(p)
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the bit-exact check")
     p.add_argument("--json", default=None, metavar="PATH", type=json_target,

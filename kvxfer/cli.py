@@ -193,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host or "127.0.0.1",
         metrics_max_models=args.metrics_max_models,
         busy_poll_s=args.busy_poll_us / 1e6,
+        warm_s=args.warm_us / 1e6,
         parent_pid=parent,
     )
     try:
@@ -501,6 +502,7 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     import kvxfer
     from kvxfer.protocol.messages import PROTOCOL_VERSION
+    from kvxfer.server.config import DEFAULT_WARM_S, MAX_WARM_S, MIN_WARM_S
 
     p = argparse.ArgumentParser(prog="kvxfer", description="KV cache transfer server and tools")
     p.add_argument("--version", action="version",
@@ -538,6 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "sleeping for this long, a CPU busy meanwhile; whether a lone request gains depends on the "
                         "host: measure it with `kvxfer bench --prefix --busy-poll-us US` (docs/performance.md, "
                         "'Busy polling'); at most 1000000; 0: off (default: %(default)g)")
+    s.add_argument("--warm-us", type=float, default=DEFAULT_WARM_S * 1e6, metavar="US",
+                   help="while no request is in flight, a thread runs the core's per-request CPU steps on a "
+                        "chunk of its own every US microseconds, so that a request after an idle gap does not "
+                        f"run them cold (docs/performance.md, 'Cold steps'); 0: off, else in "
+                        f"[{MIN_WARM_S * 1e6:g}, {MAX_WARM_S * 1e6:g}] (default: %(default)g)")
     s.add_argument("--exit-with-parent", nargs="?", const=_OWN_PARENT, default=None, type=_pid, metavar="PID",
                    help="stop, as on SIGTERM (the arena and socket removed), within a second of the process "
                         "that started this one exiting, however it ended (a test run or a supervisor that was "

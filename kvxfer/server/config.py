@@ -35,6 +35,11 @@ MAX_CHUNK_SIZE = 1 << 20
 #: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
 #: that never sleeps.
 MAX_BUSY_POLL_S = 1.0
+#: Default ``warm_s`` (one run of the warm steps a millisecond), and its shortest and longest
+#: other than 0: shorter spends a CPU on warmth, longer lets the caches go cold in between.
+DEFAULT_WARM_S = 1e-3
+MIN_WARM_S = 100e-6
+MAX_WARM_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class ServerConfig:
     #: wake-up of a sleeping thread (its own steps may still run cold; each client's heartbeat
     #: restarts the spin: docs/performance.md, "Busy polling").
     busy_poll_s: float = 0.0
+    #: While no request is in flight, a thread runs the core's per-request CPU steps on a chunk
+    #: of its own this often, so that the next request's steps do not run cold (0: never;
+    #: kvxfer.server.warmth).
+    warm_s: float = DEFAULT_WARM_S
     #: Stop, as on SIGTERM, once the process with this id is no longer the server's parent (it
     #: exited; ``--exit-with-parent``), checked on the loop's periodic pass; None: never. The
     #: server refuses to start unless it is its parent now.
@@ -99,6 +108,9 @@ class ServerConfig:
         if not 0 <= self.busy_poll_s <= MAX_BUSY_POLL_S:  # NaN fails too
             raise ConfigError(f"--busy-poll-us must be in [0, {round(MAX_BUSY_POLL_S * 1e6)}] microseconds, "
                               f"got {self.busy_poll_s * 1e6:.10g}")
+        if self.warm_s != 0 and not MIN_WARM_S <= self.warm_s <= MAX_WARM_S:  # NaN fails too
+            raise ConfigError(f"--warm-us must be 0 (off) or in [{MIN_WARM_S * 1e6:g}, {MAX_WARM_S * 1e6:g}] "
+                              f"microseconds, got {self.warm_s * 1e6:.10g}")
         if self.parent_pid is not None and (isinstance(self.parent_pid, bool) or not isinstance(self.parent_pid, int)
                                             or self.parent_pid <= 0):
             raise ConfigError(f"parent_pid must be a positive process id or None, got {self.parent_pid!r}")

@@ -73,6 +73,7 @@ from kvxfer.server.limits import Limits
 from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.stats import ServerStats
 from kvxfer.server.tier import L2Tier, TierLookup, all_settled, settle_once
+from kvxfer.server.warmth import Warmer
 from kvxfer.server.workers import Lane, LaneSlot, WorkerPool
 from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
@@ -431,6 +432,9 @@ class CacheServer:
         self._stop_signalled = False
         #: SIGHUP came: the loop's next tick reads the authorized client keys again
         self._reload_keys = False
+        #: Runs the per-request steps while idle (``--warm-us``), from serve_forever; None: off.
+        self.warmer = Warmer(config.warm_s, self._warm_layouts, lambda: self.stats.in_flight == 0) \
+            if config.warm_s else None
         mq: MQServer | None = None
         try:
             self._load_transports()
@@ -547,6 +551,8 @@ class CacheServer:
                  kvxfer.__version__, self.url, format_bytes(self.arena.size), self.arena.path,
                  self.config.chunk_size, ", ".join(self.transports),
                  f", metrics at {self.metrics_url}" if self.metrics_url else "")
+        if self.warmer is not None:
+            self.warmer.start()
         try:
             self._mq.serve_forever()
         finally:
@@ -619,6 +625,8 @@ class CacheServer:
         # the loop has closed and removed the socket: a server started now may take the path
         # while this one finishes its transfers and drops its arena
         self._release_claim()
+        if self.warmer is not None:
+            self.warmer.stop()
         if self._metrics is not None:
             self._metrics.close()
         for ctx in list(self.contexts.values()):
@@ -1042,6 +1050,11 @@ class CacheServer:
         ctx.executor.submit(self._close_server_context, ctx)
         ctx.executor.shutdown(wait=wait)
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
+
+    def _warm_layouts(self) -> list[tuple[KVLayout, int]]:
+        """The layout and chunk size of each registered context (the warmer's thread: the dict
+        is copied in one step, under the GIL, and a context's layout never changes)."""
+        return [(ctx.layout, ctx.chunk_size) for ctx in tuple(self.contexts.values())]
 
     @staticmethod
     def _close_server_context(ctx: RegisteredContext) -> None:

@@ -1,0 +1,145 @@
+"""The warm thread (``kvxfer serve --warm-us``): what it runs, when, and that a server runs it
+only while a context is registered and no request is in flight."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from kvxfer_core_helpers import BLOCK_SIZE, BLOCKS_PER_CHUNK, CHUNK_SIZE, flash_attn_kv, wait_until
+
+from kvxfer import CacheClient, chunk_hashes
+from kvxfer.layout import KVLayout
+from kvxfer.server import warmth
+from kvxfer.server.config import ServerConfig
+from kvxfer.server.warmth import THREAD_NAME, Warmer
+from kvxfer.testing.server import ServerProcess
+
+
+def _layout(num_blocks: int = 32, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
+    return KVLayout.infer([t.to(dtype) for t in flash_attn_kv(num_blocks=num_blocks)], BLOCK_SIZE)
+
+
+def test_one_run_warms_each_distinct_layout_once_and_at_most_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each distinct (layout, chunk size) is warmed once per run, at most MAX_WARM_LAYOUTS of
+    them; one whose chunk holds more blocks than the cache has is skipped (no block ids of it
+    would pass the check)."""
+    planned: list[tuple[KVLayout, int]] = []
+    real = warmth.plan_copies
+
+    def plan(layout, chunk_size, *args, **kwargs):  # the real plan, recorded
+        planned.append((layout, chunk_size))
+        return real(layout, chunk_size, *args, **kwargs)
+
+    monkeypatch.setattr(warmth, "plan_copies", plan)
+    a, b = _layout(), _layout(dtype=torch.float16)
+    tiny = _layout(num_blocks=4)  # 8 blocks a chunk of 128 tokens at block size 16: none fits
+    w = Warmer(1e-3, lambda: [(a, 64), (a, 64), (b, 64), (tiny, 128), (a, 32)], lambda: True)
+    assert w.warm_once() == 3
+    assert planned == [(a, 64), (b, 64), (a, 32)] and w.runs == 1
+    many = [(_layout(num_blocks=n), 64) for n in range(16, 16 + warmth.MAX_WARM_LAYOUTS + 3)]
+    planned.clear()
+    assert Warmer(1e-3, lambda: many, lambda: True).warm_once() == warmth.MAX_WARM_LAYOUTS
+    assert planned == many[:warmth.MAX_WARM_LAYOUTS]
+    assert Warmer(1e-3, lambda: [], lambda: True).warm_once() == 0
+
+
+def test_the_thread_warms_only_while_idle_and_stops() -> None:
+    idle = threading.Event()
+    w = Warmer(200e-6, lambda: [(_layout(), 64)], idle.is_set)
+    w.start()
+    try:
+        time.sleep(0.1)
+        assert w.runs == 0, "it warmed while a request was in flight"
+        idle.set()
+        wait_until(lambda: w.runs >= 5, timeout=30)
+        idle.clear()
+        time.sleep(0.05)  # a run under way when idle() turned false ends
+        runs = w.runs
+        time.sleep(0.1)
+        assert w.runs == runs, "it warmed while a request was in flight"
+    finally:
+        w.stop()
+    assert not w._thread.is_alive()
+    w.stop()  # again: nothing
+
+
+def test_a_failing_step_stops_the_thread_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Warmth is an optimization: a step that fails (here the layouts' source) is logged once
+    and the thread ends; nothing else is affected."""
+    calls = []
+
+    def layouts() -> list[tuple[KVLayout, int]]:
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    w = Warmer(200e-6, layouts, lambda: True)
+    with caplog.at_level(logging.ERROR, logger="kvxfer.server.warmth"):
+        w.start()
+        wait_until(lambda: not w._thread.is_alive(), timeout=30)
+    assert len(calls) == 1
+    assert [r.getMessage() for r in caplog.records] == ["keeping the request path warm failed; stopped (--warm-us)"]
+    w.stop()
+
+
+@pytest.mark.parametrize("period", [0.0, -1e-3, 50e-6, 0.2, float("nan")])
+def test_a_period_out_of_its_bounds_is_refused(period: float) -> None:
+    with pytest.raises(ValueError, match="warm period must be in"):
+        Warmer(period, list, lambda: True)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "50", "100001"])
+def test_a_warm_period_out_of_range_is_refused_at_start(tmp_path: Path, value: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/run/s.sock", "--l1-size", "16MiB",
+         "--transports", "cpu_gather", "--warm-us", value],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--warm-us must be 0 (off) or in [100, 100000] microseconds" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "s.sock").exists()
+
+
+def test_the_default_warms_every_millisecond() -> None:
+    assert ServerConfig(url="ipc:///tmp/kvxfer-unused/s.sock").warm_s == 1e-3
+
+
+def _warm_threads(pid: int) -> list[int]:
+    """The CPU ticks (user + system) of each thread of ``pid`` named THREAD_NAME (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == THREAD_NAME:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                out.append(int(fields[11]) + int(fields[12]))
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from Linux /proc")
+def test_a_server_warms_while_a_context_is_registered_and_not_with_warm_off() -> None:
+    """A real server (the default period) has its warm thread, which runs its steps once a
+    context is registered (CPU seconds, with wide margins: not a timing); with ``--warm-us 0``
+    it has none. Requests are served alongside it."""
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as on, \
+            ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                          extra_args=["--warm-us", "0"]) as off:
+        assert _warm_threads(off.pid) == []
+        [before] = wait_until(lambda: _warm_threads(on.pid), timeout=30)
+        with CacheClient(on.url) as c:
+            kv = c.register(flash_attn_kv(num_blocks=32), model_name="warm", block_size=BLOCK_SIZE,
+                            transport="cpu_gather")
+            # 100 ms of CPU: a run a millisecond of steps that take tens of microseconds gets
+            # there within seconds; a thread that only woke (every 50 ms with nothing to warm)
+            # would take minutes
+            wait_until(lambda: _warm_threads(on.pid)[0] >= before + 10, timeout=30)
+            hashes = chunk_hashes(list(range(2 * CHUNK_SIZE)), CHUNK_SIZE, salt="warm")
+            assert kv.submit_store(hashes, list(range(2 * BLOCKS_PER_CHUNK))).result(30).stored == [0, 1]
+            assert c.lookup_and_lease("warm", hashes=hashes, lease_s=5).hits == 2
