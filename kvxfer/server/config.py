@@ -35,9 +35,10 @@ MAX_CHUNK_SIZE = 1 << 20
 #: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
 #: that never sleeps.
 MAX_BUSY_POLL_S = 1.0
-#: Default ``warm_s`` (one run of the warm steps a millisecond), and its shortest and longest
-#: other than 0: shorter spends a CPU on warmth, longer lets the caches go cold in between.
-DEFAULT_WARM_S = 1e-3
+#: Default ``warm_s`` (off: measured to keep single steps warm, not yet shown to shorten a
+#: whole request; docs/performance.md, "Keeping the steps warm"), and the shortest and longest
+#: period other than 0: shorter spends a CPU on warmth, longer lets the caches go cold in between.
+DEFAULT_WARM_S = 0.0
 MIN_WARM_S = 100e-6
 MAX_WARM_S = 0.1
 
@@ -79,8 +80,8 @@ class ServerConfig:
     #: restarts the spin: docs/performance.md, "Busy polling").
     busy_poll_s: float = 0.0
     #: While no request is in flight, a thread runs the core's per-request CPU steps on a chunk
-    #: of its own this often, so that the next request's steps do not run cold (0: never;
-    #: kvxfer.server.warmth).
+    #: of its own this often, so that the next request's steps do not run cold (0: never, the
+    #: default; kvxfer.server.warmth).
     warm_s: float = DEFAULT_WARM_S
     #: Stop, as on SIGTERM, once the process with this id is no longer the server's parent (it
     #: exited; ``--exit-with-parent``), checked on the loop's periodic pass; None: never. The

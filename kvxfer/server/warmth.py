@@ -2,8 +2,8 @@
 
 After an idle gap of a few milliseconds every torch call a request makes runs several times
 slower than back to back (on this project's 2-core VM a ``chunk_rows`` of 8 chunks takes 9 us
-back to back and 90-140 us after a 5 ms sleep; docs/performance.md, "Cold steps"): the
-code and data those calls walk have left the CPU's caches. A lone request is exactly such a
+back to back and 90-140 us after a 5 ms sleep; docs/performance.md, "Keeping the steps warm"):
+the code and data those calls walk have left the CPU's caches. A lone request is exactly such a
 request. The :class:`Warmer` thread runs the core's per-request CPU steps (the wire's block ids
 decoded and checked, the row ids of a chunk, the copies planned, the row ids joined) on a chunk
 of its own, every ``period`` while no request is in flight, so that the request that comes next
@@ -11,8 +11,9 @@ finds them nearer their back-to-back cost.
 
 It reads only the layouts of the registered contexts (immutable) and tensors of its own: it
 never touches the arena, the index or a transport's buffers. Its cost is those steps once per
-period (tens of microseconds a millisecond: a few percent of one CPU at the default), and the
-GIL for as long, which a request arriving then waits for.
+period (tens of microseconds: a few percent of one CPU at a period of 1 ms), and the GIL for as
+long, which a request arriving then waits for. Off by default: it keeps single steps warm, and
+has not yet been shown to shorten a whole request.
 """
 
 from __future__ import annotations

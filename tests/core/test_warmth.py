@@ -106,8 +106,8 @@ def test_a_warm_period_out_of_range_is_refused_at_start(tmp_path: Path, value: s
     assert not (tmp_path / "run" / "s.sock").exists()
 
 
-def test_the_default_warms_every_millisecond() -> None:
-    assert ServerConfig(url="ipc:///tmp/kvxfer-unused/s.sock").warm_s == 1e-3
+def test_warmth_is_off_by_default() -> None:
+    assert ServerConfig(url="ipc:///tmp/kvxfer-unused/s.sock").warm_s == 0
 
 
 def _warm_threads(pid: int) -> list[int]:
@@ -124,13 +124,13 @@ def _warm_threads(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from Linux /proc")
-def test_a_server_warms_while_a_context_is_registered_and_not_with_warm_off() -> None:
-    """A real server (the default period) has its warm thread, which runs its steps once a
-    context is registered (CPU seconds, with wide margins: not a timing); with ``--warm-us 0``
-    it has none. Requests are served alongside it."""
-    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as on, \
-            ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
-                          extra_args=["--warm-us", "0"]) as off:
+def test_a_server_warms_while_a_context_is_registered_and_not_by_default() -> None:
+    """A real server with ``--warm-us 1000`` has its warm thread, which runs its steps once a
+    context is registered (CPU seconds, with wide margins: not a timing); by default it has
+    none. Requests are served alongside it."""
+    with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
+                       extra_args=["--warm-us", "1000"]) as on, \
+            ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather") as off:
         assert _warm_threads(off.pid) == []
         [before] = wait_until(lambda: _warm_threads(on.pid), timeout=30)
         with CacheClient(on.url) as c:
