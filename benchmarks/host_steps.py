@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 CONDITIONS = ("hot", "idle", "spun", "warmed")
-#: The warming thread's period in the ``warmed`` condition (kvxfer serve's default --warm-us).
+#: The warming thread's period in the ``warmed`` condition (as ``kvxfer serve --warm-us 1000``).
 WARM_PERIOD_S = 1e-3
 
 

@@ -197,7 +197,7 @@ def print_summary(summary: dict[str, dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from kvxfer.bench import _sync, server_tuning_args, progress_bar
+    from kvxfer.bench import _sync, progress_bar, server_tuning_args
     from kvxfer.bench_prefix import make_workload
     from kvxfer.testing.server import ServerProcess
 

@@ -40,9 +40,8 @@ from kvxfer.units import format_bytes
 
 __all__ = [
     "CopyLimit",
-    "add_server_tuning_arguments",
     "add_kv_cache_arguments",
-    "server_tuning_args",
+    "add_server_tuning_arguments",
     "json_target",
     "main",
     "physical_limit",
@@ -50,6 +49,7 @@ __all__ = [
     "run",
     "run_record",
     "save_results",
+    "server_tuning_args",
     "usable_device",
     "write_results",
 ]
@@ -195,17 +195,15 @@ def add_server_tuning_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-poll-us", type=float, default=0.0, metavar="US",
                    help="the started server's --busy-poll-us (default: %(default)g, off); with --url it is "
                         "ignored: start that server with it")
-    p.add_argument("--warm-us", type=float, default=None, metavar="US",
-                   help="the started server's --warm-us (default: the server's own default; 0: off); with "
-                        "--url it is ignored: start that server with it")
+    p.add_argument("--warm-us", type=float, default=0.0, metavar="US",
+                   help="the started server's --warm-us (default: %(default)g, off); with --url it is "
+                        "ignored: start that server with it")
 
 
 def server_tuning_args(args: argparse.Namespace) -> list[str]:
     """The ``kvxfer serve`` arguments of :func:`add_server_tuning_arguments`'s options."""
     out = [f"--busy-poll-us={args.busy_poll_us:g}"] if args.busy_poll_us else []
-    if args.warm_us is not None:
-        out.append(f"--warm-us={args.warm_us:g}")
-    return out
+    return [*out, f"--warm-us={args.warm_us:g}"]  # always: its results then say which it ran with
 
 
 def _sync(device: torch.device) -> None:

@@ -35,12 +35,13 @@ MAX_CHUNK_SIZE = 1 << 20
 #: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
 #: that never sleeps.
 MAX_BUSY_POLL_S = 1.0
-#: Default ``warm_s`` (off: measured to keep single steps warm, not yet shown to shorten a
-#: whole request; docs/performance.md, "Keeping the steps warm"), and the shortest and longest
-#: period other than 0: shorter spends a CPU on warmth, longer lets the caches go cold in between.
+#: Default ``warm_s`` (off: measured to keep single steps warm, not shown to shorten a whole
+#: request; docs/performance.md, "Keeping the steps warm"), and the shortest and longest period
+#: other than 0: shorter spends a CPU on warmth; a few milliseconds of sleep are what make the
+#: steps run cold, so a longer period warms nothing.
 DEFAULT_WARM_S = 0.0
 MIN_WARM_S = 100e-6
-MAX_WARM_S = 0.1
+MAX_WARM_S = 5e-3
 
 
 @dataclass(frozen=True)

@@ -432,9 +432,11 @@ class CacheServer:
         self._stop_signalled = False
         #: SIGHUP came: the loop's next tick reads the authorized client keys again
         self._reload_keys = False
+        #: Messages the loop is handling now (in :meth:`_dispatch`): with ``stats.in_flight``, what
+        #: tells the warm thread the server is idle.
+        self._handling = 0
         #: Runs the per-request steps while idle (``--warm-us``), from serve_forever; None: off.
-        self.warmer = Warmer(config.warm_s, self._warm_layouts, lambda: self.stats.in_flight == 0) \
-            if config.warm_s else None
+        self.warmer = Warmer(config.warm_s, self._warm_layouts, self._idle) if config.warm_s else None
         mq: MQServer | None = None
         try:
             self._load_transports()
@@ -551,9 +553,9 @@ class CacheServer:
                  kvxfer.__version__, self.url, format_bytes(self.arena.size), self.arena.path,
                  self.config.chunk_size, ", ".join(self.transports),
                  f", metrics at {self.metrics_url}" if self.metrics_url else "")
-        if self.warmer is not None:
-            self.warmer.start()
         try:
+            if self.warmer is not None:
+                self.warmer.start()
             self._mq.serve_forever()
         finally:
             self._shutdown()
@@ -644,6 +646,14 @@ class CacheServer:
 
     def _dispatch(self, identity: bytes, peer: str, rid: bytes, name_b: bytes,
                   payload: bytes) -> tuple[bytes, bytes] | None:
+        self._handling += 1
+        try:
+            return self._dispatch_one(identity, peer, rid, name_b, payload)
+        finally:
+            self._handling -= 1
+
+    def _dispatch_one(self, identity: bytes, peer: str, rid: bytes, name_b: bytes,
+                      payload: bytes) -> tuple[bytes, bytes] | None:
         t0 = time.perf_counter()
         name = name_b.decode("utf-8", "replace")
         spec = REQUESTS.get(name)
@@ -1052,9 +1062,16 @@ class CacheServer:
         self.hooks.call("kvxfer_context_unregistered", server=self, context=ctx, reason=reason)
 
     def _warm_layouts(self) -> list[tuple[KVLayout, int]]:
-        """The layout and chunk size of each registered context (the warmer's thread: the dict
-        is copied in one step, under the GIL, and a context's layout never changes)."""
-        return [(ctx.layout, ctx.chunk_size) for ctx in tuple(self.contexts.values())]
+        """The layout and chunk size of each registered server-driven context: the server runs
+        the warmed steps for those only (a client-driven client runs them itself). Called on the
+        warm thread: the dict is copied in one step, under the GIL, and a context's layout never
+        changes."""
+        return [(ctx.layout, ctx.chunk_size) for ctx in tuple(self.contexts.values())
+                if ctx.server_context is not None]
+
+    def _idle(self) -> bool:
+        """No message is being handled and no request is in flight (read on the warm thread)."""
+        return self._handling == 0 and self.stats.in_flight == 0
 
     @staticmethod
     def _close_server_context(ctx: RegisteredContext) -> None:

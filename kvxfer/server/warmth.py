@@ -1,13 +1,14 @@
 """Keeps the steps of a request warm while the server idles (``kvxfer serve --warm-us``).
 
 After an idle gap of a few milliseconds every torch call a request makes runs several times
-slower than back to back (on this project's 2-core VM a ``chunk_rows`` of 8 chunks takes 9 us
-back to back and 90-140 us after a 5 ms sleep; docs/performance.md, "Keeping the steps warm"):
-the code and data those calls walk have left the CPU's caches. A lone request is exactly such a
-request. The :class:`Warmer` thread runs the core's per-request CPU steps (the wire's block ids
-decoded and checked, the row ids of a chunk, the copies planned, the row ids joined) on a chunk
-of its own, every ``period`` while no request is in flight, so that the request that comes next
-finds them nearer their back-to-back cost.
+slower than back to back (on this project's 2-core VM a small torch op takes 3 us back to back
+and 32-56 us after a 5 ms sleep; docs/performance.md, "Keeping the steps warm"): the code and
+data those calls walk have left the CPU's caches. A lone request is exactly such a request. The
+:class:`Warmer` thread runs the core's per-request CPU steps that a server-driven transfer makes
+in the server (the wire's block ids decoded and checked, the row ids of a chunk, the copies
+planned, the row ids joined) on a chunk of its own, every ``period`` while the server is idle (no
+message being handled, no request in flight), so that the request that comes next finds them
+nearer their back-to-back cost.
 
 It reads only the layouts of the registered contexts (immutable) and tensors of its own: it
 never touches the arena, the index or a transport's buffers. Its cost is those steps once per
@@ -37,17 +38,19 @@ log = logging.getLogger(__name__)
 
 #: Most distinct layouts warmed per period (a server with more runs the first ones).
 MAX_WARM_LAYOUTS: Final = 4
-#: How long the thread waits while no context is registered (nothing to warm).
+#: How long the thread waits while no server-driven context is registered (nothing to warm) or
+#: the server is busy (requests keep the steps warm themselves).
 _NOTHING_S: Final = 0.05
+_BUSY_S: Final = 0.01
 #: prctl's PR_SET_NAME: the thread's name as ps, top -H and /proc show it.
 _PR_SET_NAME: Final = 15
 THREAD_NAME: Final = "kvxfer-warm"
 
 
 class Warmer:
-    """A daemon thread that every ``period_s`` calls :meth:`warm_once` while ``idle()`` says no
-    request is in flight. ``layouts()``: the (layout, chunk size) of each registered context,
-    read on this thread (the caller hands a snapshot, e.g. a tuple made on the loop)."""
+    """A daemon thread that every ``period_s`` calls :meth:`warm_once` while ``idle()`` says the
+    server is idle. ``layouts()``: the (layout, chunk size) of each context to warm for, called
+    on this thread (it must be safe there: e.g. a copy of the server's contexts made in one step)."""
 
     def __init__(self, period_s: float, layouts: Callable[[], Iterable[tuple[KVLayout, int]]],
                  idle: Callable[[], bool]) -> None:
@@ -58,7 +61,7 @@ class Warmer:
         self._idle = idle
         self._stop = threading.Event()
         self._ids: dict[int, msgspec.Raw] = {}  # blocks per chunk -> one chunk's block ids on the wire
-        #: Periods in which the steps ran (status and tests).
+        #: Periods in which the steps ran (tests).
         self.runs = 0
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
@@ -78,9 +81,10 @@ class Warmer:
             pass
         wait = self.period_s
         while not self._stop.wait(wait):
-            if not self._idle():
-                continue
             try:
+                if not self._idle():
+                    wait = max(self.period_s, _BUSY_S)
+                    continue
                 wait = self.period_s if self.warm_once() else _NOTHING_S
             except Exception:  # noqa: BLE001  (warmth is an optimization: it stops, the server goes on)
                 log.exception("keeping the request path warm failed; stopped (--warm-us)")

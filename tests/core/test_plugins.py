@@ -329,7 +329,7 @@ def test_a_store_resent_after_a_restart_has_a_deadline_of_its_own(on_path: Path,
             except RequestTimeout:
                 pass  # its wait ended before the refusal came back
             monkeypatch.setattr(client, "reconnect", reconnect)
-            time.sleep(0.5)
+            time.sleep(1.5)  # past the slow reconnect, had the wait ended before the refusal came back
             assert client.lookup("resend", hashes=late) == 0
 
             # a store whose deadline passed before it reached the server, into a full arena: refused
