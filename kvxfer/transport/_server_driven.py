@@ -143,7 +143,9 @@ class ServerDrivenCore(ContextCore):
         # one request per group of layers, in order; each its own token (the first is the
         # submit's); the lease goes with the last, so that it holds the chunks for every part
         assert isinstance(outer, LayerwiseFuture)
-        parts = [transfer] + [dataclasses.replace(transfer, token=self._token("retrieve")) for _ in groups[1:]]
+        transfer.layers = groups[0]
+        parts = [transfer] + [dataclasses.replace(transfer, token=self._token("retrieve"), layers=group)
+                              for group in groups[1:]]
         results: list[m.RetrieveResult | BaseException | None] = [None] * len(groups)
         left = [len(groups)]
         lock = threading.Lock()

@@ -247,6 +247,11 @@ class Transfer:
     #: core could not wait for a late answer); True when it answered (in time or late), never
     #: got the request, or its session ended.
     server_done: bool = True
+    #: Server-driven: the layers this request moves, when a layer-wise retrieve is sent as one
+    #: request per group of layers (``layer_ranges`` claimed; the server copies only these, and
+    #: the context's hooks see each part as a transfer of its own); None: every layer. (A
+    #: client-driven context's copies carry their layers: :attr:`RowCopy.first_layer`.)
+    layers: range | None = None
 
 
 class Connection(Protocol):

@@ -144,11 +144,13 @@ class FileContext(ServerDrivenContext[FileParams]):
         if not parts:
             return
         want = torch.cat(parts)
+        # the layers the server wrote: one group's, for a part of a layer-wise retrieve
+        layers = transfer.layers if transfer.layers is not None else range(lay.num_layers)
         # (the directory of the registration the server answered for: another than prepare's
         # after a restart, when the request was sent again)
-        data = read_file(self._directory(), file_name(params.slot), lay.num_layers * want.numel() * lay.row_bytes)
-        data = data.view(lay.dtype).view(lay.num_layers, want.numel(), lay.row_elems)
-        for layer, staged in zip(self._rows, data):
+        data = read_file(self._directory(), file_name(params.slot), len(layers) * want.numel() * lay.row_bytes)
+        data = data.view(lay.dtype).view(len(layers), want.numel(), lay.row_elems)
+        for layer, staged in zip(self._rows[layers.start:layers.stop], data):
             layer.index_put_((want,), staged)
 
     def release_params(self, transfer: Transfer, params: FileParams | None) -> None:
@@ -201,8 +203,8 @@ class FileServerContext(ServerContext[FileRegistration, FileParams]):
         data = read_file(self.dir_fd, file_name(params.slot), lay.num_layers * len(params.rows) * lay.row_bytes)
         rows = torch.tensor(params.rows, dtype=torch.int64)
         data = data.view(lay.dtype).view(lay.num_layers, rows.numel(), lay.row_elems)
-        for c in copies:
-            c.slot.copy_(data[:, _positions(rows, c.rows, lay)])
+        for c in copies:  # (every layer of the cache is in the file; a copy moves c.layers of them)
+            c.slot.copy_(data[c.first_layer:c.first_layer + c.slot.shape[0], _positions(rows, c.rows, lay)])
 
     def retrieve(self, copies: list[RowCopy], params: FileParams) -> None:
         import torch
@@ -244,7 +246,9 @@ class FileTransport(Transport):
     api_version = API_VERSION
     registration_type = FileRegistration
     context_type = FileContext
-    capabilities = Capabilities(device_types=frozenset({"cpu"}))
+    #: layer_ranges: a layer-wise retrieve comes as one request per group of layers; the server
+    #: writes, and finish_retrieve reads, only that group's layers (Transfer.layers)
+    capabilities = Capabilities(device_types=frozenset({"cpu"}), layer_ranges=True)
     auto_priority = -100
     production = False
 
