@@ -442,18 +442,23 @@ def test_serve_stops_at_once_when_the_shm_dir_is_too_small(tmp_path: Path) -> No
     assert not (tmp_path / "run" / "s.sock").exists()
 
 
-# --------------------------------------------------------------------------- busy polling
+# --------------------------------------------------------------------------- busy polling, warmth
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "1000001"])
-def test_a_busy_poll_out_of_range_is_refused_at_start(tmp_path: Path, value: str) -> None:
+@pytest.mark.parametrize("option,value,message", [
+    *[("--busy-poll-us", v, "--busy-poll-us must be in [0, 1000000]") for v in ("-1", "nan", "1000001")],
+    *[("--warm-us", v, "--warm-us must be 0 (off) or in [100, 5000] microseconds") for v in ("-1", "nan", "50", "5001")],
+])
+def test_a_loop_timing_out_of_range_is_refused_at_start(tmp_path: Path, option: str, value: str, message: str) -> None:
+    """--busy-poll-us and --warm-us (kvxfer.server.warmth) out of their bounds stop the server
+    before it serves."""
     proc = subprocess.run(
         [sys.executable, "-m", "kvxfer", "serve", "--url", f"ipc://{tmp_path}/run/s.sock", "--l1-size", "16MiB",
-         "--transports", "cpu_gather", "--busy-poll-us", value],
+         "--transports", "cpu_gather", option, value],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "--busy-poll-us must be in [0, 1000000]" in proc.stderr, proc.stderr
+    assert message in proc.stderr, proc.stderr
     assert not (tmp_path / "run" / "s.sock").exists()
 
 
