@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
@@ -139,22 +139,26 @@ class ServerDrivenCore(ContextCore):
 
         groups = self._layer_groups(self._transfer_bytes(transfer)) if isinstance(outer, LayerwiseFuture) else []
         if len(groups) < 2 or "retrieve_layers" not in self.connection.features:
-            return self._retrieve_part(transfer, lease_id, outer, None)
+            return self._retrieve_part(transfer, lease_id, outer)
         # one request per group of layers, in order; each its own token (the first is the
         # submit's); the lease goes with the last, so that it holds the chunks for every part
         assert isinstance(outer, LayerwiseFuture)
-        transfer.layers = groups[0]
-        parts = [transfer] + [dataclasses.replace(transfer, token=self._token("retrieve"), layers=group)
-                              for group in groups[1:]]
+        parts = [dataclasses.replace(transfer, layers=groups[0])]
+        parts += [dataclasses.replace(transfer, token=self._token("retrieve"), layers=group) for group in groups[1:]]
         results: list[m.RetrieveResult | BaseException | None] = [None] * len(groups)
         left = [len(groups)]
         lock = threading.Lock()
+        started = _Started(outer)
+        futs: list[Future[m.RetrieveResult]] = [_Part(started) for _ in groups]
 
         def part_done(i: int, f: Future[m.RetrieveResult]) -> None:
-            exc = f.exception()
+            exc = CancelledError() if f.cancelled() else f.exception()
             results[i] = exc if exc is not None else f.result()
             if exc is None:
                 outer.mark_landed(groups[i])
+            elif not f.cancelled():  # the transfer has failed: the parts not sent yet never are (a
+                for other in futs:  # lease the last would have released expires on its own)
+                    other.cancel()
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
@@ -162,22 +166,23 @@ class ServerDrivenCore(ContextCore):
                 return
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
-                outer.set_exception(errors[0])
+                outer.set_exception(next((e for e in errors if not isinstance(e, CancelledError)), errors[0]))
                 return
             got = [r for r in results if isinstance(r, m.RetrieveResult)]
             missing = sorted(set().union(*(r.missing for r in got)))  # a chunk any part missed is not loaded
             outer.set_result(m.RetrieveResult([i for i in range(len(transfer.keys)) if i not in set(missing)], missing))
 
-        started = _Started(outer)
-        for i, (part, group) in enumerate(zip(parts, groups)):
-            fut: Future[m.RetrieveResult] = _Part(started)
+        for i, (part, fut) in enumerate(zip(parts, futs)):
             fut.add_done_callback(functools.partial(part_done, i))
-            self._retrieve_part(part, lease_id if i == len(groups) - 1 else 0, fut, group)
+            self._retrieve_part(part, lease_id if i == len(groups) - 1 else 0, fut)
         return outer
 
-    def _retrieve_part(self, transfer: Transfer, lease_id: int, outer: Future[m.RetrieveResult],
-                       layers: range | None) -> Future[m.RetrieveResult]:
+    def _retrieve_part(self, transfer: Transfer, lease_id: int,
+                       outer: Future[m.RetrieveResult]) -> Future[m.RetrieveResult]:
+        """One retrieve request: the whole transfer, or the part of a layer-wise one that
+        ``transfer.layers`` names (the server copies those layers, the hooks see them)."""
         skip_tokens = transfer.skip_blocks * self.layout.block_size
+        layers = transfer.layers
         span = [layers.start, layers.stop] if layers is not None else []
 
         def wait_for_stores() -> None:  # a retrieve must not overtake the stores ahead of it

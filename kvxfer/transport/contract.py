@@ -248,9 +248,14 @@ class Transfer:
     #: got the request, or its session ended.
     server_done: bool = True
     #: Server-driven: the layers this request moves, when a layer-wise retrieve is sent as one
-    #: request per group of layers (``layer_ranges`` claimed; the server copies only these, and
-    #: the context's hooks see each part as a transfer of its own); None: every layer. (A
-    #: client-driven context's copies carry their layers: :attr:`RowCopy.first_layer`.)
+    #: request per group of layers (``layer_ranges`` claimed, the server has the
+    #: ``retrieve_layers`` feature, and the transfer makes two groups or more). Each such part is
+    #: a request of its own to every hook: its own token (made at submit, on the submitting
+    #: thread), its own ``finish_retrieve`` with that part's result (only the last part carries
+    #: the lease, so a chunk may load in one part and be missing in another), its own
+    #: ``release_params``; once one part fails, those not sent yet never are. None: every layer
+    #: (every store; a retrieve sent whole). A client-driven context's copies carry their layers
+    #: instead (:attr:`RowCopy.first_layer`).
     layers: range | None = None
 
 
@@ -493,9 +498,10 @@ class ServerDrivenContext(ServerDrivenCore, TransferContextBase, Generic[P]):
     def finish_retrieve(self, transfer: Transfer, params: P | None, result: RetrieveResult) -> None:
         """Runs once the server answered a retrieve, before its future resolves: place staged
         bytes into the blocks of the chunks in ``result.loaded`` only, past the request's first
-        ``transfer.skip_blocks`` blocks (those stay as they are); where the server context may
-        answer before its copies end (:class:`Queued`), wait here for their end, as ``params``
-        told the server to signal it. Default: nothing."""
+        ``transfer.skip_blocks`` blocks (those stay as they are), and only their layers in
+        ``transfer.layers`` (every layer when None); where the server context may answer before
+        its copies end (:class:`Queued`), wait here for their end, as ``params`` told the server
+        to signal it. Default: nothing."""
 
     def release_params(self, transfer: Transfer, params: P | None) -> None:
         """Runs once after every request that reached :meth:`prepare` or got a token (answered,

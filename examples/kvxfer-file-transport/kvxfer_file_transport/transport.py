@@ -150,7 +150,7 @@ class FileContext(ServerDrivenContext[FileParams]):
         # after a restart, when the request was sent again)
         data = read_file(self._directory(), file_name(params.slot), len(layers) * want.numel() * lay.row_bytes)
         data = data.view(lay.dtype).view(len(layers), want.numel(), lay.row_elems)
-        for layer, staged in zip(self._rows[layers.start:layers.stop], data):
+        for layer, staged in zip([self._rows[i] for i in layers], data):
             layer.index_put_((want,), staged)
 
     def release_params(self, transfer: Transfer, params: FileParams | None) -> None:
@@ -203,8 +203,8 @@ class FileServerContext(ServerContext[FileRegistration, FileParams]):
         data = read_file(self.dir_fd, file_name(params.slot), lay.num_layers * len(params.rows) * lay.row_bytes)
         rows = torch.tensor(params.rows, dtype=torch.int64)
         data = data.view(lay.dtype).view(lay.num_layers, rows.numel(), lay.row_elems)
-        for c in copies:  # (every layer of the cache is in the file; a copy moves c.layers of them)
-            c.slot.copy_(data[c.first_layer:c.first_layer + c.slot.shape[0], _positions(rows, c.rows, lay)])
+        for c in copies:  # a store moves every layer (only retrieves come in ranges of layers)
+            c.slot.copy_(data[:, _positions(rows, c.rows, lay)])
 
     def retrieve(self, copies: list[RowCopy], params: FileParams) -> None:
         import torch

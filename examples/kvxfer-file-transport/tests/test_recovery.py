@@ -154,3 +154,36 @@ def test_a_spool_file_the_server_may_still_use_goes_to_no_other_request(server: 
             assert torch.equal(a[:, :8], a[:, 8:16])
     finally:
         client.close()
+
+
+def test_a_layerwise_retrieve_that_failed_sends_none_of_its_later_parts(server: ServerProcess) -> None:
+    """A layer-wise retrieve goes as one request per group of layers (8 here, 2 at the server at
+    once). Once one part has failed (the server stalled: it timed out), the parts not sent yet
+    are not sent: each would wait out a timeout of its own against the stalled server and hold
+    a spool file meanwhile, and the transfer, which has failed already, would end only after
+    all of them (all 8 spool files were held, and the next request found none)."""
+    client = CacheClient(server.url, timeout=1.0, connect_timeout=10.0)
+    try:
+        g = torch.Generator().manual_seed(5)
+        kv = [torch.randn(2, 32, BS, 2, 8, generator=g) for _ in range(8)]
+        ctx = client.register(kv, model_name="parts", block_size=BS, transport="file_debug")
+        assert isinstance(ctx, FileContext)
+        keys = chunk_hashes(list(range(2 * CHUNK)), CHUNK, salt="parts")
+        assert ctx.submit_store(keys, _blocks(2)).result(30).stored == [0, 1]
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RequestTimeout):
+                ctx.submit_retrieve(keys, _blocks(2, 8), by_layer=True).result(30)
+            # the parts sent keep their spool files until the stalled server answers them late:
+            # the two at the server when the first failed, and at most one that started meanwhile
+            sent = len(ctx._held)
+            assert 1 <= sent <= 3, f"{sent} of the 8 parts were sent"
+            with pytest.raises(RequestTimeout):  # a spool file was free for it
+                ctx.submit_retrieve(keys, _blocks(2, 8)).result(30)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert ctx.submit_retrieve(keys, _blocks(2, 8), by_layer=True).result(30).loaded == [0, 1]
+        for a in kv:
+            assert torch.equal(a[:, :8], a[:, 8:16])
+    finally:
+        client.close()
