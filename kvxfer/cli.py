@@ -622,7 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--url", default=None, help="use a running server instead of starting one (one host only)")
     add_client_curve_arguments(s)
     s.add_argument("--nodes", type=int, default=1, choices=(1, 2),
-                   help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B")
+                   help="2: two servers (hosts A and B) sharing a private L2 store: store on A, load on B, "
+                        "then kill A, start it again and find every chunk in L2")
     s.add_argument("--l2", default=None, help="the L2 store of --nodes 2 (default: valkey)")
     s.set_defaults(fn=cmd_demo)
 

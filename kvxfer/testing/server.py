@@ -122,6 +122,7 @@ class ServerProcess:
         self.url = url or f"ipc://{sock_dir / 'kvxfer.sock'}"
         self.chunk_size = chunk_size
         self.log_path = Path(self._tmp.name) / "server.log"
+        self._runs = 0  # runs before this one (restarts): their logs are server.log.1, .2, ...
         # --opt=value: a value that starts with "-" (a negative size) is then refused as a value
         self.args = [sys.executable, "-m", "kvxfer", "serve", f"--url={self.url}", f"--l1-size={l1_size}",
                      f"--chunk-size={chunk_size}"]
@@ -149,6 +150,9 @@ class ServerProcess:
         from kvxfer.cli import READY_LINE
         from kvxfer.client import CacheClient
 
+        if self.log_path.exists() and self.log_path.stat().st_size:  # a restart: the last run's log is kept
+            self._runs += 1
+            self.log_path.rename(self.log_path.with_name(f"{self.log_path.name}.{self._runs}"))
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (kept open for the server's life; closed in stop())
         args = self.args
         if self.exit_with_parent:  # this process's id: seen even if it ends before the server starts
@@ -191,6 +195,7 @@ class ServerProcess:
         return load_client_keys(self.curve_dir, self.curve_client)
 
     def log(self) -> str:
+        """This run's log (after a restart, the earlier runs' are ``server.log.1``, ... beside it)."""
         try:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
@@ -215,6 +220,8 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proc is not None:
+            self._log.close()
 
     def restart(self) -> ServerProcess:
         self.stop()

@@ -160,7 +160,8 @@ def test_the_two_host_demo_loads_on_b_what_a_stored() -> None:
     assert "L2: a private valkey at valkey://127.0.0.1:" in out
     assert "host B:   lookups found 4 of 4 chunks (4 in L2); promoted and loaded 4 chunks" in out
     assert "verify:   every byte B loaded matches A" in out
-    assert "host A:   killed and started again, its arena empty: its lookups find 4 of 4 chunks in L2" in out
+    assert "host A:   killed, as a crash would, and started again ...\nhost A:   its arena holds 0 chunks; its " \
+           "lookups find 4 of 4 chunks in L2" in out
 
 
 def test_the_two_host_demo_with_arenas_too_small_says_why_and_checks_only_what_b_loaded() -> None:
