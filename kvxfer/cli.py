@@ -541,9 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "host: measure it with `kvxfer bench --prefix --busy-poll-us US` (docs/performance.md, "
                         "'Busy polling'); at most 1000000; 0: off (default: %(default)g)")
     s.add_argument("--warm-us", type=float, default=DEFAULT_WARM_S * 1e6, metavar="US",
-                   help="while no request is in flight, a thread runs the core's per-request CPU steps on a "
-                        "chunk of its own every US microseconds, so that a request after an idle gap does not "
-                        "run them cold; whether a lone request gains depends on the host: measure it with "
+                   help="while the server is idle, a thread runs the CPU steps a server-driven request makes "
+                        "in the server on a chunk of its own every US microseconds, so that a request after an idle "
+                        "gap does not run them cold; whether a lone request gains depends on the host: measure it with "
                         "`kvxfer bench --prefix --warm-us US` (docs/performance.md, 'Keeping the steps warm'); "
                         f"0: off, else in [{MIN_WARM_S * 1e6:g}, {MAX_WARM_S * 1e6:g}] (default: %(default)g)")
     s.add_argument("--exit-with-parent", nargs="?", const=_OWN_PARENT, default=None, type=_pid, metavar="PID",

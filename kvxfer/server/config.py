@@ -80,9 +80,9 @@ class ServerConfig:
     #: wake-up of a sleeping thread (its own steps may still run cold; each client's heartbeat
     #: restarts the spin: docs/performance.md, "Busy polling").
     busy_poll_s: float = 0.0
-    #: While no request is in flight, a thread runs the core's per-request CPU steps on a chunk
-    #: of its own this often, so that the next request's steps do not run cold (0: never, the
-    #: default; kvxfer.server.warmth).
+    #: While the server is idle, a thread runs the CPU steps a server-driven request makes in the
+    #: server on a chunk of its own this often, so that the next request's steps do not run cold
+    #: (0: never, the default; kvxfer.server.warmth).
     warm_s: float = DEFAULT_WARM_S
     #: Stop, as on SIGTERM, once the process with this id is no longer the server's parent (it
     #: exited; ``--exit-with-parent``), checked on the loop's periodic pass; None: never. The
