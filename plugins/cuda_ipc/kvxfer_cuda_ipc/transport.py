@@ -49,6 +49,13 @@ __all__ = [
 #: Most dimensions a registered tensor's shape and stride may have (a KV layer has at most 6):
 #: longer lists are refused as they are decoded, before they are made into objects.
 MAX_DIMS = 16
+#: Longest of the small fields a server keeps for a registration's life or echoes in errors:
+#: device names and UUIDs, dtype names, torch's reference-counter file names and interprocess
+#: event handles (real ones: under 64 bytes; CUDA's event handle is 64). Longer ones are refused
+#: as they are decoded. (A storage's handle grows with its allocation: bounded by the
+#: registration's own bound, ``--max-registration-bytes``.)
+MAX_SMALL_FIELD = 256
+_Small = msgspec.Meta(max_length=MAX_SMALL_FIELD)
 
 
 class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,18 +69,18 @@ class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
     storage_offset_bytes: int
     #: torch's producer-side reference counter (shared-memory file name and slot): the engine
     #: keeps the allocation alive while the server holds it open.
-    ref_counter_handle: bytes
+    ref_counter_handle: Annotated[bytes, _Small]
     ref_counter_offset: int
     #: Event the server waits on once when it opens the storage (torch's own IPC protocol).
-    event_handle: bytes
+    event_handle: Annotated[bytes, _Small]
     event_sync_required: bool
     #: The tensor inside its storage: offset in elements, shape, stride (elements), dtype name.
     storage_offset: int
     shape: Annotated[list[int], msgspec.Meta(max_length=MAX_DIMS)]
     stride: Annotated[list[int], msgspec.Meta(max_length=MAX_DIMS)]
-    dtype: str
+    dtype: Annotated[str, _Small]
     #: UUID of the GPU that holds it (as ``str(torch.cuda.get_device_properties(i).uuid)``).
-    device_uuid: str
+    device_uuid: Annotated[str, _Small]
 
 
 class CudaIpcRegistration(Registration, frozen=True, kw_only=True):
@@ -82,7 +89,7 @@ class CudaIpcRegistration(Registration, frozen=True, kw_only=True):
     #: The engine's process id: the server refuses its own (CUDA IPC needs two processes).
     pid: int = 0
     #: The engine's name of the device (``cuda:1 NVIDIA H100 80GB HBM3``), for error messages.
-    device_name: str = ""
+    device_name: Annotated[str, _Small] = ""
     tensors: list[CudaIpcTensor] = []
 
 
@@ -91,12 +98,12 @@ class CudaIpcParams(msgspec.Struct, frozen=True, kw_only=True):
 
     #: IPC handle of an interprocess event the client recorded on the engine's current stream
     #: when it submitted the request; the server's copies wait on it. Empty: no wait.
-    event_handle: bytes = b""
+    event_handle: Annotated[bytes, _Small] = b""
     #: Retrieves: IPC handle of an interprocess event of the client's that the server records
     #: after the request's copies. The server may then answer as soon as the copies are queued,
     #: and the client waits for this event before the retrieve is complete. Empty: the server
     #: answers once the copies are done.
-    done_event: bytes = b""
+    done_event: Annotated[bytes, _Small] = b""
 
 
 # --------------------------------------------------------------------------- CUDA helpers

@@ -1,0 +1,55 @@
+"""cuda_ipc's registration and params, as the server decodes them from the wire: fields of the
+sizes real ones have are taken; a small field past its bound is refused as it is decoded (the
+server keeps a registration's strings for its life, and echoes some in errors). Runs without a
+GPU: it decodes bytes only, as the server does before it opens anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvxfer_cuda_ipc.transport import MAX_SMALL_FIELD, CudaIpcParams, CudaIpcRegistration
+
+# what an engine on an H100 sends (the handles' sizes as CUDA and torch make them)
+TENSOR: dict[str, Any] = {
+    "handle": b"\x01" * 64, "storage_size_bytes": 1 << 30, "storage_offset_bytes": 0,
+    "ref_counter_handle": b"/torch_123456_2899571853_0", "ref_counter_offset": 3,
+    "event_handle": b"\x02" * 64, "event_sync_required": True, "storage_offset": 0,
+    "shape": [2, 1024, 16, 8, 128], "stride": [16777216, 16384, 1024, 128, 1], "dtype": "bfloat16",
+    "device_uuid": "4a1c9a1e-6b0f-3c11-2d8e-0b5e7f9c2a13",
+}
+REGISTRATION: dict[str, Any] = {
+    "instance_id": 7, "model_name": "m", "world_size": 1, "rank": 0, "layout": "flash_attn", "num_layers": 1,
+    "num_blocks": 1024, "block_size": 16, "hidden_dim_size": 1024, "dtype": "bfloat16", "use_mla": False,
+    "pid": 4242, "device_name": "cuda:0 NVIDIA H100 80GB HBM3", "tensors": [TENSOR],
+}
+
+
+def _decode(fields: dict[str, Any], type_: type) -> Any:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=type_)
+
+
+def test_a_real_sized_registration_and_params_decode() -> None:
+    reg = _decode(REGISTRATION, CudaIpcRegistration)
+    assert reg.tensors[0].device_uuid == TENSOR["device_uuid"] and reg.device_name == REGISTRATION["device_name"]
+    params = _decode({"event_handle": b"\x03" * 64, "done_event": b"\x04" * 64}, CudaIpcParams)
+    assert len(params.done_event) == 64
+    at_bound = dict(REGISTRATION, device_name="x" * MAX_SMALL_FIELD)
+    assert len(_decode(at_bound, CudaIpcRegistration).device_name) == MAX_SMALL_FIELD
+
+
+@pytest.mark.parametrize("field", ["ref_counter_handle", "event_handle", "dtype", "device_uuid"])
+def test_a_tensor_field_past_its_bound_is_refused(field: str) -> None:
+    long = b"x" * (MAX_SMALL_FIELD + 1) if isinstance(TENSOR[field], bytes) else "x" * (MAX_SMALL_FIELD + 1)
+    with pytest.raises(msgspec.ValidationError, match=f"tensors\\[0\\].{field}"):
+        _decode(dict(REGISTRATION, tensors=[dict(TENSOR, **{field: long})]), CudaIpcRegistration)
+
+
+def test_a_device_name_or_event_past_its_bound_is_refused() -> None:
+    with pytest.raises(msgspec.ValidationError, match="device_name"):
+        _decode(dict(REGISTRATION, device_name="x" * (1 << 20)), CudaIpcRegistration)
+    for field in ("event_handle", "done_event"):
+        with pytest.raises(msgspec.ValidationError, match=field):
+            _decode({field: b"x" * (MAX_SMALL_FIELD + 1)}, CudaIpcParams)
