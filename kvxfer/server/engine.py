@@ -646,43 +646,39 @@ class CacheServer:
 
     def _dispatch(self, identity: bytes, peer: str, rid: bytes, name_b: bytes,
                   payload: bytes) -> tuple[bytes, bytes] | None:
-        self._handling += 1
+        self._handling += 1  # (the warm thread's view of the loop: see _idle)
         try:
-            return self._dispatch_one(identity, peer, rid, name_b, payload)
+            t0 = time.perf_counter()
+            name = name_b.decode("utf-8", "replace")
+            spec = REQUESTS.get(name)
+            out: msgspec.Struct | _Deferred | _Awaiting | None = None
+            try:
+                if spec is None:
+                    raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
+                                         f"{', '.join(REQUESTS)}")
+                if name == "handshake":
+                    out = self._on_handshake(identity, peer, cast(m.Handshake, _decode(name, spec, payload)))
+                else:
+                    session = self.sessions.get(identity)  # before the payload is decoded: that may cost
+                    if session is None or session.peer.raw != peer:
+                        raise NoSession("this connection has no session (the server may have restarted, or the "
+                                        "session timed out): send a handshake first")
+                    session.last_seen = time.monotonic()
+                    handler = self._transfer[name] if spec.kind is HandlerKind.TRANSFER else self._control[name]
+                    out = handler(session, _decode(name, spec, payload))
+                if not isinstance(out, (_Deferred, _Awaiting)):
+                    reply = codec.OK, codec.encode(out)
+            except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
+                out = None
+                reply = self._error(name, exc)
+            if isinstance(out, (_Deferred, _Awaiting)):  # answered later, by _answer
+                self.stats.in_flight += 1
+                self._answer(identity, rid, name, out, t0)
+                return None
+            self.stats.on_request(name, time.perf_counter() - t0)
+            return reply
         finally:
             self._handling -= 1
-
-    def _dispatch_one(self, identity: bytes, peer: str, rid: bytes, name_b: bytes,
-                      payload: bytes) -> tuple[bytes, bytes] | None:
-        t0 = time.perf_counter()
-        name = name_b.decode("utf-8", "replace")
-        spec = REQUESTS.get(name)
-        out: msgspec.Struct | _Deferred | _Awaiting | None = None
-        try:
-            if spec is None:
-                raise UnknownRequest(f"unknown request {name[:64]!r}; this server ({kvxfer.__version__}) knows: "
-                                     f"{', '.join(REQUESTS)}")
-            if name == "handshake":
-                out = self._on_handshake(identity, peer, cast(m.Handshake, _decode(name, spec, payload)))
-            else:
-                session = self.sessions.get(identity)  # before the payload is decoded: that may cost
-                if session is None or session.peer.raw != peer:
-                    raise NoSession("this connection has no session (the server may have restarted, or the "
-                                    "session timed out): send a handshake first")
-                session.last_seen = time.monotonic()
-                handler = self._transfer[name] if spec.kind is HandlerKind.TRANSFER else self._control[name]
-                out = handler(session, _decode(name, spec, payload))
-            if not isinstance(out, (_Deferred, _Awaiting)):
-                reply = codec.OK, codec.encode(out)
-        except Exception as exc:  # noqa: BLE001  (every handler error becomes a typed error reply)
-            out = None
-            reply = self._error(name, exc)
-        if isinstance(out, (_Deferred, _Awaiting)):  # answered later, by _answer
-            self.stats.in_flight += 1
-            self._answer(identity, rid, name, out, t0)
-            return None
-        self.stats.on_request(name, time.perf_counter() - t0)
-        return reply
 
     def _answer(self, identity: bytes, rid: bytes, name: str, out: msgspec.Struct | _Deferred | _Awaiting,
                 t0: float) -> None:

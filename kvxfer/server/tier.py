@@ -1368,7 +1368,7 @@ class L2Tier:
         entries = self.index.entries
         found = (entries.get(ChunkKey(lk.model_name, lk.world_size, rank, h))
                  for h in dict.fromkeys(lk.hashes[:stop]) for rank in range(lk.world_size))
-        return list(dict.fromkeys(e for e in found if e is not None))
+        return [e for e in found if e is not None]  # distinct keys: distinct entries
 
     def _wrong_size(self, key: ChunkKey, size: int, want: int) -> None:
         self._count("integrity_failures")
