@@ -122,11 +122,11 @@ class TrafficStats:
 def model_label(model_name: str) -> str:
     """``model_name`` as a label of at most :data:`MAX_MODEL_LABEL` characters. A longer name
     keeps its start and its end (the vLLM connector's names end in ``@dtype#fingerprint``, which
-    tell an engine's variants apart) around 8 hex digits of its SHA-256, so that names that
+    tell an engine's variants apart) around 16 hex digits of its SHA-256, so that names that
     differ anywhere keep labels of their own (cut at the end, two engines of one model path in
     different layouts shared one label, and their figures were summed). A name that could be
     taken for such a label (one with ``…``) or for :data:`OTHER_MODEL` gets a digest too, so that
-    no client's name is another's label (16 hex digits: no name is made to share one)."""
+    no client's name is another's label (16 digits: no name is made to share one)."""
     if len(model_name) <= MAX_MODEL_LABEL and "…" not in model_name and model_name != OTHER_MODEL:
         return model_name
     digest = hashlib.sha256(model_name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
