@@ -63,6 +63,7 @@ __all__ = [
     "copy_view",
     "copy_dtype",
     "MAX_RUNS",
+    "MAX_LAYERS",
 ]
 
 
@@ -93,6 +94,9 @@ _SUPPORTED: Final = "; ".join(f"{k.value} {s}" for k, s in _SHAPES.items())
 
 #: Most runs one block's page may have in one layer (a bound for what a registration names).
 MAX_RUNS: Final = 4096
+#: Most layers one registration may name (the largest models have a few hundred): a bound for
+#: what a server keeps per registration, per layer.
+MAX_LAYERS: Final = 4096
 
 
 
@@ -321,6 +325,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_layers > MAX_LAYERS:
+            raise LayoutError(f"num_layers is {self.num_layers}; kvxfer takes at most {MAX_LAYERS} layers")
         object.__setattr__(self, "run_offsets", tuple(self.run_offsets))
         given = bool(self.row_elems or self.row_pitch or self.run_offsets or self.block_stride or self.page)
         if not given and self.kind is not LayoutKind.BHNC:  # contiguous tensors of an older kind

@@ -15,7 +15,7 @@ from typing import Annotated, Generic, TypeVar
 
 import msgspec
 
-from kvxfer.layout import MAX_RUNS
+from kvxfer.layout import MAX_LAYERS, MAX_RUNS
 
 PROTOCOL_VERSION = 1
 #: How the refusal of a ``Register`` whose instance id is held says whose it is (see Register).
@@ -177,7 +177,8 @@ class Registration(Message, frozen=True, kw_only=True):
     rank: int
     #: ``"bhnc"``, ``"flash_attn"``, ``"flashinfer"`` or ``"mla"`` (see :class:`kvxfer.LayoutKind`).
     layout: str
-    num_layers: int
+    #: At most :data:`kvxfer.layout.MAX_LAYERS`, refused as it is decoded.
+    num_layers: Annotated[int, msgspec.Meta(le=MAX_LAYERS)]
     num_blocks: int
     block_size: int
     #: Elements of one token in one layer: heads * head_size per K/V plane (bhnc: heads *

@@ -8,7 +8,7 @@ See docs/plugin-authoring.md for the walk-through.
 from kvxfer.accelerators import TorchBuild, cuda_devices, torch_build
 from kvxfer.arena import Arena, ArenaMapping, transport_dir_path
 from kvxfer.copies import HostRows, host_copy_threads
-from kvxfer.layout import KVLayout, LayoutKind, copy_dtype, copy_view
+from kvxfer.layout import MAX_LAYERS, KVLayout, LayoutKind, copy_dtype, copy_view
 from kvxfer.protocol.messages import MetricSample, Registration, RetrieveResult, StoreResult
 from kvxfer.transport.contract import (
     API_VERSION,
@@ -63,6 +63,7 @@ __all__ = [
     "TransferKind",
     "Transport",
     "Waiter",
+    "MAX_LAYERS",
     "copy_dtype",
     "copy_view",
     "cuda_devices",

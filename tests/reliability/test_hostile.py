@@ -24,6 +24,7 @@ from relkit import RawPeer, Shape, Writer, key, proc_kib, read_event, threads, w
 
 from kvxfer import CacheClient, liveness
 from kvxfer.errors import KvxferError, RemoteError
+from kvxfer.layout import MAX_LAYERS, KVLayout, LayoutError, LayoutKind
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.server.allocator import Allocator
@@ -906,6 +907,17 @@ def test_names_are_bounded(debug_server):
         # and a lookup names a bounded number of keys (chunks x ranks), whatever tier it reaches
         err = error_of(lambda: client.request(m.Lookup("names", 1 << 16, [key("names", j) for j in range(16)])))
         assert err.code == "invalid_request" and "at most" in str(err), err
+
+
+def test_a_registration_names_at_most_max_layers_layers(debug_server):
+    """``num_layers`` past MAX_LAYERS is refused as the registration is decoded, naming the
+    field (a server keeps a table entry per layer for the registration's life)."""
+    with CacheClient(debug_server.url, timeout=20) as client:
+        ref = Writer(client, model="layers")
+        err = error_of(lambda: client.request(registration(ref, "cpu_gather", 9_000_002, num_layers=MAX_LAYERS + 1)))
+        assert err.code == "invalid_request" and "num_layers" in str(err), err
+        with pytest.raises(LayoutError, match="at most 4096 layers"):
+            KVLayout(LayoutKind.FLASH_ATTN, MAX_LAYERS + 1, 16, 16, 128, torch.bfloat16)
 
 
 def test_a_connection_that_never_reads_its_replies_is_cut_off(debug_server):

@@ -247,9 +247,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         # the kernels move 8-byte words, so rows, their pitch and every layer's base must be 8-byte aligned
         self._fused = _kernels.available() and kernel() != "torch" \
             and self._elem.itemsize >= 8
-        self._layer_ptrs = torch.tensor([r.data_ptr() for r in self._rows], dtype=torch.int64, device=self.device)
-        #: aligned copies of the table's slices from odd layers (see _layer_table)
-        self._odd_tables: dict[tuple[int, int], torch.Tensor] = {}
+        self._layer_ptrs = LayerTable([r.data_ptr() for r in self._rows], self.device)
         # "direct": the kernels read/write the pinned, mapped arena over PCIe themselves (no staging)
         self._direct = self._fused and mode() == "direct"
         #: copies of every context of the server (they outlive this one); None: not counted
@@ -381,16 +379,8 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         return [(r, dev[at + i * n_layers:at + (i + 1) * n_layers]) for i, r in enumerate(rows)]
 
     def _layer_table(self, first: int, count: int) -> torch.Tensor:
-        """The device addresses of layers ``[first, first + count)``, starting 16-byte aligned
-        (a slice from an odd layer is copied once and kept): Triton compiles a kernel anew for
-        each alignment of its pointer arguments, and a compilation must not happen on the
-        server's loop (see :attr:`queues_only`)."""
-        if first % 2 == 0:
-            return self._layer_ptrs[first:first + count]
-        table = self._odd_tables.get((first, count))
-        if table is None:
-            table = self._odd_tables[(first, count)] = self._layer_ptrs[first:first + count].clone()
-        return table
+        """The device addresses of layers ``[first, first + count)`` (:class:`LayerTable`)."""
+        return self._layer_ptrs.slice(first, count)
 
     # ------------------------------------------------------------------ transfers
 
@@ -660,7 +650,28 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self._ring = []
         self._index_buf = None
         self._layer_ptrs = None  # type: ignore[assignment]  # closed: nothing may copy any more
-        self._odd_tables = {}
+
+
+class LayerTable:
+    """The device addresses of a registration's layers, as int64, for the copy kernels: any
+    slice of them starts 16-byte aligned, since Triton compiles a kernel anew for each alignment
+    of its pointer arguments, and a compilation must not happen on the server's loop (see
+    :attr:`CudaIpcServerContext.queues_only`). Two tables, made once: the addresses, and the
+    addresses after one element of padding; a slice from an even layer comes from the first,
+    one from an odd layer from the second. Its memory is fixed by the layer count, whatever
+    ranges a client asks for."""
+
+    __slots__ = ("_even", "_odd")
+
+    def __init__(self, addresses: list[int], device: torch.device) -> None:
+        self._even = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self._odd = torch.tensor([0, *addresses], dtype=torch.int64, device=device)
+
+    def slice(self, first: int, count: int) -> torch.Tensor:
+        """The addresses of layers ``[first, first + count)``, starting 16-byte aligned."""
+        if first % 2 == 0:
+            return self._even[first:first + count]
+        return self._odd[first + 1:first + 1 + count]
 
 
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:

@@ -18,6 +18,7 @@ import msgspec
 from kvxfer import ConfigError
 from kvxfer.transport import (
     API_VERSION,
+    MAX_LAYERS,
     Capabilities,
     Probe,
     Registration,
@@ -90,7 +91,7 @@ class CudaIpcRegistration(Registration, frozen=True, kw_only=True):
     pid: int = 0
     #: The engine's name of the device (``cuda:1 NVIDIA H100 80GB HBM3``), for error messages.
     device_name: Annotated[str, _Small] = ""
-    tensors: list[CudaIpcTensor] = []
+    tensors: Annotated[list[CudaIpcTensor], msgspec.Meta(max_length=MAX_LAYERS)] = []
 
 
 class CudaIpcParams(msgspec.Struct, frozen=True, kw_only=True):

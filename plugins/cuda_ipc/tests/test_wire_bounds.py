@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvxfer.transport import MAX_LAYERS
 from kvxfer_cuda_ipc.transport import MAX_SMALL_FIELD, CudaIpcParams, CudaIpcRegistration
 
 # what an engine on an H100 sends (the handles' sizes as CUDA and torch make them)
@@ -53,3 +54,15 @@ def test_a_device_name_or_event_past_its_bound_is_refused() -> None:
     for field in ("event_handle", "done_event"):
         with pytest.raises(msgspec.ValidationError, match=field):
             _decode({field: b"x" * (MAX_SMALL_FIELD + 1)}, CudaIpcParams)
+
+
+def test_more_layers_than_kvxfer_takes_are_refused_as_they_are_decoded() -> None:
+    """A registration names at most MAX_LAYERS layers, in ``num_layers`` and in ``tensors``:
+    8 MiB of minimal tensors (about 39,000) took 0.15 s of the server's loop to decode, and the
+    server keeps a table entry per layer."""
+    at_bound = dict(REGISTRATION, num_layers=MAX_LAYERS, tensors=[TENSOR] * MAX_LAYERS)
+    assert len(_decode(at_bound, CudaIpcRegistration).tensors) == MAX_LAYERS
+    with pytest.raises(msgspec.ValidationError, match="tensors"):
+        _decode(dict(REGISTRATION, tensors=[TENSOR] * (MAX_LAYERS + 1)), CudaIpcRegistration)
+    with pytest.raises(msgspec.ValidationError, match="num_layers"):
+        _decode(dict(REGISTRATION, num_layers=MAX_LAYERS + 1), CudaIpcRegistration)
