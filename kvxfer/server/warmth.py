@@ -12,8 +12,9 @@ nearer their back-to-back cost.
 
 It reads only the layouts of the registered contexts (immutable) and tensors of its own: it
 never touches the arena, the index or a transport's buffers. Its cost is those steps once per
-period (tens of microseconds: a few percent of one CPU at a period of 1 ms), and the GIL for as
-long, which a request arriving then waits for. Off by default: it keeps single steps warm, and
+period (tens of microseconds: a few percent of one CPU at a period of 1 ms; never more than
+:data:`MAX_SHARE` of one, whatever the layouts), and the GIL for as long, which a request
+arriving then waits for. Off by default: it keeps single steps warm, and
 has not yet been shown to shorten a whole request.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Final
 
@@ -42,6 +44,9 @@ MAX_WARM_LAYOUTS: Final = 4
 #: the server is busy (requests keep the steps warm themselves).
 _NOTHING_S: Final = 0.05
 _BUSY_S: Final = 0.01
+#: Most of one CPU the thread takes: after a run that took ``t``, it waits at least
+#: ``t / MAX_SHARE - t`` (a client's layout may make a run take milliseconds: 1M rows a chunk).
+MAX_SHARE: Final = 0.1
 #: prctl's PR_SET_NAME: the thread's name as ps, top -H and /proc show it.
 _PR_SET_NAME: Final = 15
 THREAD_NAME: Final = "kvxfer-warm"
@@ -85,7 +90,10 @@ class Warmer:
                 if not self._idle():
                     wait = max(self.period_s, _BUSY_S)
                     continue
-                wait = self.period_s if self.warm_once() else _NOTHING_S
+                start = time.perf_counter()
+                warmed = self.warm_once()
+                took = time.perf_counter() - start
+                wait = max(self.period_s, took / MAX_SHARE - took) if warmed else _NOTHING_S
             except Exception:  # noqa: BLE001  (warmth is an optimization: it stops, the server goes on)
                 log.exception("keeping the request path warm failed; stopped (--warm-us)")
                 return

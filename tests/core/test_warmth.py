@@ -81,6 +81,26 @@ def test_the_thread_warms_only_while_idle_and_stops() -> None:
     w.stop()  # again: nothing
 
 
+def test_a_run_that_takes_long_spaces_the_next_out() -> None:
+    """A run of the steps costs what the registered layouts make it cost (a client's layout of
+    4,096 one-element runs, 1M rows a chunk, took 2.7 ms a run): the thread then waits long
+    enough to take at most MAX_SHARE of one CPU, not a run every period."""
+    layout = _layout()
+
+    def slow_layouts() -> list[tuple[KVLayout, int]]:
+        time.sleep(0.005)  # a run of at least 5 ms
+        return [(layout, 64)]
+
+    w = Warmer(100e-6, slow_layouts, lambda: True)
+    w.start()
+    try:
+        time.sleep(1.0)
+    finally:
+        w.stop()
+    # at most one run per 50 ms (5 ms / MAX_SHARE); a run every period would be about 190
+    assert 1 <= w.runs <= 1.0 / (0.005 / warmth.MAX_SHARE) + 2, w.runs
+
+
 def test_a_failing_step_stops_the_thread_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
     """Warmth is an optimization: a step that fails (here the layouts' source) is logged once
     and the thread ends; nothing else is affected."""
