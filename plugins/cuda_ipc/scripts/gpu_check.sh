@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# cuda_ipc on a GPU machine, in one go: install the wheels of ../shared/tools/device-wheels (.whl/,
-# carried); run the cuda_ipc tests and the conformance kit (default: staged copies with the fused
+# cuda_ipc on a GPU machine, in one go: install the wheels in .whl/ if there are any (below);
+# run the cuda_ipc tests and the conformance kit (default: staged copies with the fused
 # Triton kernels; again with KVXFER_CUDA_IPC_MODE=direct; the cuda_ipc tests with the per-layer
 # torch ops), the copy diagnostics, and the benchmark (staged vs cpu_gather, then direct).
 # Run from the checkout's root; logs and JSON go to $OUT (default ./gpu-out).
-#   device tool: run(command="bash plugins/cuda_ipc/scripts/gpu_check.sh", carry=[".whl"])
+#   bash plugins/cuda_ipc/scripts/gpu_check.sh
+# On a GPU host without network, put the wheels of this checkout (`pip wheel --no-deps -w .whl . plugins/*/`)
+# and of its dependencies (pyzmq, msgspec, pluggy, stevedore) in .whl/ first: the script
+# installs them into /tmp/site; with network, install them with pip instead.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"

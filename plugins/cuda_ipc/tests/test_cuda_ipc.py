@@ -1,7 +1,7 @@
 """cuda_ipc tests the conformance kit does not cover.
 
 On a host without CUDA: the probe's reason, and registration failing at once with it. With
-CUDA (through the device tool): the staging ring wrapping around (many chunks, small staging),
+CUDA (scripts/gpu_check.sh on a GPU host): the staging ring wrapping around (many chunks, small staging),
 realistic chunk sizes across the two transports, the engine-stream ordering of stores, the
 refusal of a GPU the server cannot see, of a done_event that does not open (without waiting for
 the device), of reference counters that are not torch's, and of a

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The hpu transport on the GPU machine of the device tool, with CUDA standing in for Gaudi.
-# Run from the repository root after ../shared/tools/device-wheels, with carry [".whl"]:
+# The hpu transport on a GPU machine, with CUDA standing in for Gaudi. Run from the repository root:
 #     bash plugins/hpu/scripts/gpu_check.sh
+# On a GPU host without network, put the wheels of this checkout (`pip wheel --no-deps -w .whl . plugins/*/`)
+# and of its dependencies (pyzmq, msgspec, pluggy, stevedore) in .whl/ first: the script
+# installs them into /tmp/site; with network, install them with pip instead.
 # Installs the wheels, records the machine, runs the hpu tests (the conformance kit with cuda
 # tensors through this transport, and the plugin's own tests), then the benchmark on cuda (default
 # 32 MiB gather buffer, then 128 and 256 MiB: 4 chunks and a whole request per index kernel) and
 # on that machine's CPU.
-# Logs and JSON go to $OUT (default /tmp/hpu-gpu-check); at most 8 files, as the device tool
-# returns. Exits non-zero if the tests or a benchmark failed.
+# Logs and JSON go to $OUT (default /tmp/hpu-gpu-check), at most 8 files. Exits non-zero if the tests or a benchmark failed.
 set -uo pipefail
 out=${OUT:-/tmp/hpu-gpu-check}
 mkdir -p "$out"

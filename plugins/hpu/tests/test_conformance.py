@@ -16,7 +16,7 @@ class TestHpuOnCpu(TransportConformance):
 
 class TestHpuOnCuda(TransportConformance):
     transport = "hpu"
-    device = "cuda"  # skips cleanly without a GPU; runs on the device tool
+    device = "cuda"  # skips cleanly without a GPU; runs in scripts/gpu_check.sh on a GPU host
 
 
 class TestHpuStagingPathOnCpu(TransportConformance):
