@@ -574,7 +574,13 @@ def test_the_store_kit_fails_a_store_that_breaks_the_contract(test_plugin_path: 
         procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
                                        "test_mutants.py", "-k", only], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env_with(test_plugin_path), cwd=tmp_path))
-    outs = [p.communicate(timeout=300) for p in procs]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:  # none left running on a timeout
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for p, group, (stdout, stderr) in zip(procs, runs, outs):
         assert p.returncode == 1, (group, stdout + stderr)
     stdout = "\n".join(o for o, _ in outs)
