@@ -588,6 +588,8 @@ HUGE = "9" * 400
     (("status", "--url", "tcp://a b:5555"), "a tcp:// url is tcp://HOST:PORT"),
     (("status", "--url", "ipc:///tmp/a\nb"), "it holds a control character"),
     (("bench", "--layers", "99999999999999999999", "--heads", "1", "--head-size", "8", "--blocks", "64", "--iters",
+      "1", "--chunks-per-request", "1"), "kvxfer takes at most 4096 layers"),
+    (("bench", "--layers", "1", "--heads", "1", "--head-size", "8", "--blocks", "1000000000000", "--iters",
       "1", "--chunks-per-request", "1"), "the KV cache would take"),
     (("bench", "--prefix", "--layers", "1", "--heads", "1", "--head-size", "8", "--iters", "1", "--blocks",
       "1000000000000"), "the KV cache would take"),
