@@ -1,3 +1,3 @@
-from kvxfer.cli import main
+from kvxfer.cli import run
 
-raise SystemExit(main())
+run()

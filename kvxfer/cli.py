@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import logging
@@ -25,7 +26,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import msgspec
 
@@ -660,3 +661,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def run() -> NoReturn:
+    """The ``kvxfer`` command and ``python -m kvxfer``: :func:`main`, then the process ends.
+    Once only the main thread is left, the exit handlers run (logging's flush, the thread pools'
+    joins) and the process ends without the interpreter's teardown of every module, torch's
+    included: 0.3-0.6 s after a server stopped in 20 ms, on a 2-core VM (a supervisor or a test
+    waiting for the exit waited for it). :func:`main` itself returns (for callers in a process
+    of their own)."""
+    code = main()
+    exit_funcs = getattr(atexit, "_run_exitfuncs", None)  # CPython's; elsewhere the usual exit
+    if exit_funcs is None or threading.active_count() > 1:  # threads the interpreter would wait for
+        sys.exit(code)
+    exit_funcs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # (as main: a reader gone is not an error)
+        pass
+    os._exit(code)
