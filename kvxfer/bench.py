@@ -203,7 +203,7 @@ def add_server_tuning_arguments(p: argparse.ArgumentParser) -> None:
 def server_tuning_args(args: argparse.Namespace) -> list[str]:
     """The ``kvxfer serve`` arguments of :func:`add_server_tuning_arguments`'s options."""
     out = [f"--busy-poll-us={args.busy_poll_us:g}"] if args.busy_poll_us else []
-    return [*out, f"--warm-us={args.warm_us:g}"]  # always: its results then say which it ran with
+    return [*out, f"--warm-us={args.warm_us:g}"]
 
 
 def _sync(device: torch.device) -> None:
@@ -540,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     results = run(args)
     print_results(results)
-    save_results(args, "transfer", {"results": results})
+    save_results(args, "transfer", {"args": vars(args), "results": results})
     return 0
 
 

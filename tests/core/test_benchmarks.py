@@ -68,7 +68,9 @@ def test_transfer_benchmark_reports_the_median_round_with_several_in_flight(tmp_
     stdout = _run("-m", "kvxfer", "bench", *tiny, "--chunks-per-request", "2", "--inflight", "1", "3",
                   "--iters", "3", "--rounds", "3", "--json", str(tmp_path / "bench.json"))
     assert "retrieve/limit" in stdout
-    rows = {r["inflight"]: r for r in json.loads((tmp_path / "bench.json").read_text())["results"]}
+    written = json.loads((tmp_path / "bench.json").read_text())
+    assert written["args"]["warm_us"] == 0 and written["args"]["inflight"] == [1, 3]  # how it ran, server's tuning too
+    rows = {r["inflight"]: r for r in written["results"]}
     assert rows[1]["rounds"] == 0 and rows[1]["store_p50_ms"] > 0 and rows[1]["store_gbps_rounds"] == []
     several = rows[3]
     assert several["rounds"] == 3 and several["store_p50_ms"] is None
