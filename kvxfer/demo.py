@@ -325,10 +325,10 @@ def _two_hosts(a: ServerProcess, url_b: str, args: argparse.Namespace) -> int:
     a.start()
     with CacheClient(a.url, name="demo host A, started again") as again:
         ctx = again.register(kv_a, model_name=model, block_size=BLOCK_SIZE, transport=args.transport)
-        in_l1 = again.status().arena.chunks
         found = [again.lookup_and_lease(model, hashes=h, lease_s=1, promote=False) for h in hashes]
-        tier_again = again.status().tiers[0]
+        status = again.status()  # (lookups that do not promote leave the arena as it was)
         ctx.close()
+    in_l1, tier_again = status.arena.chunks, status.tiers[0]
     in_l2 = sum(r.l2_hits for r in found)
     print(f"host A:   its arena holds {in_l1} chunks; its lookups find {in_l2} of {total} chunks in L2")
     if in_l2 < total and loaded == total:  # B found them all there a moment ago

@@ -169,8 +169,9 @@ class ServerDrivenCore(ContextCore):
                 outer.set_exception(next((e for e in errors if not isinstance(e, CancelledError)), errors[0]))
                 return
             got = [r for r in results if isinstance(r, m.RetrieveResult)]
-            missing = sorted(set().union(*(r.missing for r in got)))  # a chunk any part missed is not loaded
-            outer.set_result(m.RetrieveResult([i for i in range(len(transfer.keys)) if i not in set(missing)], missing))
+            missed = set().union(*(r.missing for r in got))  # a chunk any part missed is not loaded
+            loaded = [i for i in range(len(transfer.keys)) if i not in missed]
+            outer.set_result(m.RetrieveResult(loaded, sorted(missed)))
 
         for i, (part, fut) in enumerate(zip(parts, futs)):
             fut.add_done_callback(functools.partial(part_done, i))
