@@ -54,7 +54,7 @@ from kvxfer.transport import (
     copy_dtype,
     copy_view,
 )
-from kvxfer_cuda_ipc import _kernels
+from kvxfer_cuda_ipc import _driver, _kernels
 from kvxfer_cuda_ipc.metrics import CopyTotals, metric_samples
 from kvxfer_cuda_ipc.transport import (
     CudaIpcParams,
@@ -76,6 +76,9 @@ _MAX_OPEN_EVENTS: Final = 256
 #: the number of int64 slots in one (CUDA_IPC_REF_COUNTER_FILE_SIZE in torch/csrc/CudaIPCTypes.h)
 _TORCH_REF_COUNTER: Final = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}(?:_[0-9]{1,20})?")
 _REF_COUNTER_SLOTS: Final = 10000
+#: torch's handles are [format version][type][payload]; this type is an expandable segment's
+#: (SHAREABLE_CUDA_EXPANDABLE_SEGMENT; ``c`` is a cudaMalloc allocation's)
+_EXPANDABLE_HANDLE: Final = b"e"
 
 
 #: Padding after an odd number of row ids in an upload (see _upload_rows).
@@ -233,7 +236,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self.device = torch.device("cuda", index)
         self.layout = layout
         self.label = device_label(index)
-        self._storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}
+        self._storages: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
         with torch.cuda.device(self.device):
             layers = [self._open(i, t) for i, t in enumerate(reg.tensors)]
             torch.cuda.current_stream().synchronize()  # torch's own open-time event waits
@@ -294,7 +297,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         if extent * itemsize > t.storage_size_bytes:
             raise ConfigError(f"layer {i}: a tensor of shape {t.shape} at offset {t.storage_offset} does not fit "
                               f"in its shared storage of {t.storage_size_bytes} bytes")
-        key = (t.handle, t.storage_offset_bytes)
+        key = (t.handle, t.storage_offset_bytes, t.storage_size_bytes)
         storage = self._storages.get(key)
         if storage is None:
             try:
@@ -304,10 +307,28 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             except Exception as exc:  # noqa: BLE001  (any failure to open a handle refuses the registration)
                 raise ConfigError(f"layer {i}: could not open its CUDA IPC handle on {self.label}: "
                                   f"{type(exc).__name__}: {exc}") from None
+            self._check_inside_allocation(i, t, storage)
             self._storages[key] = storage
         out = torch.empty((0,), dtype=dtype, device=self.device)
         out.set_(storage, t.storage_offset, t.shape, t.stride)
         return out
+
+    def _check_inside_allocation(self, i: int, t: CudaIpcTensor, storage: torch.UntypedStorage) -> None:
+        """ConfigError unless the storage a layer claims (its size and offset are the client's
+        word: torch opens the handle at the allocation's start plus that offset and takes the
+        size as given) lies inside the memory the handle opened, as the driver knows it. The
+        copies reach every byte of the storage, and past that memory lies whatever else this
+        process has mapped: other engines' KV caches, or nothing (a fault that ends every
+        client's copies on this GPU). A handle of torch's expandable segments (type ``e``, after
+        torch's format version byte) opens as pages mapped one by one at the start of an address range reserved for
+        it alone, larger than the GPU's memory: its pages are the run mapped from that start."""
+        start = storage.data_ptr() - t.storage_offset_bytes
+        end = start + t.storage_offset_bytes + t.storage_size_bytes
+        reached = _driver.mapped_end(start, end, pieces=t.handle[1:2] == _EXPANDABLE_HANDLE)
+        if reached < end:
+            raise ConfigError(f"layer {i}: its storage of {t.storage_size_bytes} bytes at byte "
+                              f"{t.storage_offset_bytes} does not lie inside what its CUDA IPC handle opened on "
+                              f"{self.label} ({reached - start} bytes mapped from the handle's start)")
 
     def _client_event(self, handle: bytes, field: str) -> torch.cuda.Event | None:
         """The client's interprocess event of ``handle`` (params.``field``), opened once and

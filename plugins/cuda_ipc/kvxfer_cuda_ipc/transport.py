@@ -57,6 +57,7 @@ MAX_DIMS = 16
 #: registration's own bound, ``--max-registration-bytes``.)
 MAX_SMALL_FIELD = 256
 _Small = msgspec.Meta(max_length=MAX_SMALL_FIELD)
+_NotNegative = msgspec.Meta(ge=0)
 
 
 class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,9 +66,10 @@ class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
 
     #: ``cudaIpcMemHandle_t`` (or torch's expandable-segment handle) of the allocation.
     handle: bytes
-    #: Bytes of the tensor's storage, and where the storage starts inside the allocation.
-    storage_size_bytes: int
-    storage_offset_bytes: int
+    #: Bytes of the tensor's storage, and where the storage starts inside the allocation (the
+    #: server checks that both lie inside the allocation the handle opens).
+    storage_size_bytes: Annotated[int, _NotNegative]
+    storage_offset_bytes: Annotated[int, _NotNegative]
     #: torch's producer-side reference counter (shared-memory file name and slot): the engine
     #: keeps the allocation alive while the server holds it open.
     ref_counter_handle: Annotated[bytes, _Small]

@@ -4,14 +4,18 @@ On a host without CUDA: the probe's reason, and registration failing at once wit
 CUDA (scripts/gpu_check.sh on a GPU host): the staging ring wrapping around (many chunks, small staging),
 realistic chunk sizes across the two transports, the engine-stream ordering of stores, the
 refusal of a GPU the server cannot see, of a done_event that does not open (without waiting for
-the device), of reference counters that are not torch's, and of a
+the device), of reference counters that are not torch's, of a storage claimed past the
+allocation its handle opens (PyTorch's expandable segments included), and of a
 declared KV cache larger than any GPU; no kernel compiled after a context's first store and
 retrieve; each copy path (Triton through staging, torch ops, direct) with requests in flight.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -23,7 +27,7 @@ from kvxfer import CacheClient, KVLayout, RemoteError, TransportUnavailable, chu
 from kvxfer.testing import ServerProcess
 from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
 from kvxfer.transport import InstanceIdentity, LayoutKind, Registration, get_transport
-from kvxfer_cuda_ipc import CudaIpcParams, CudaIpcRegistration, CudaIpcTensor, CudaIpcTransport
+from kvxfer_cuda_ipc import CudaIpcParams, CudaIpcRegistration, CudaIpcTensor, CudaIpcTransport, _driver
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU (run plugins/cuda_ipc/scripts/gpu_check.sh)")
@@ -377,6 +381,102 @@ def test_a_reference_counter_that_is_not_torchs_is_refused(server: ServerProcess
         assert client.status().contexts == []
     finally:
         client.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("claim", ["to_the_end", "one_byte_past", "past_the_end"])
+def test_a_storage_claimed_beyond_its_allocation_is_refused(server: ServerProcess, claim: str) -> None:
+    """A layer's storage size and offset are the client's word: torch opens the handle at the
+    allocation's start plus the offset and takes the size as given, and the copies reach every
+    byte of the storage. The server checks the claim against the allocation the driver knows: a
+    storage that reaches one byte past it, or starts past its end, is refused (beyond lies
+    whatever else the server has mapped, other engines' KV caches included); one that ends
+    exactly at its end is taken."""
+    client = CacheClient(server.url)
+    try:
+        layers = make_kv(SPEC, "cuda", seed=9)
+        ctx = get_transport("cuda_ipc").client_context(
+            client, layers, KVLayout.infer(layers, 16), InstanceIdentity(secrets.randbits(62) + 1, "claim", 1, 0))
+        t = ctx._shared[0]
+        # the allocation the engine's handle names, as the driver of this (the exporting) process knows it
+        found = _driver.allocation_range(layers[0].untyped_storage().data_ptr() - t.storage_offset_bytes)
+        assert found is not None
+        size = found[1]
+        claims = {"to_the_end": (t.storage_offset_bytes, size - t.storage_offset_bytes),
+                  "one_byte_past": (t.storage_offset_bytes, size - t.storage_offset_bytes + 1),
+                  "past_the_end": (size, t.storage_size_bytes)}
+        offset, nbytes = claims[claim]
+        ctx._shared = [msgspec.structs.replace(t, storage_offset_bytes=offset, storage_size_bytes=nbytes)] + ctx._shared[1:]
+        if claim == "to_the_end":
+            ctx.register()
+            assert [c.model_name for c in client.status().contexts] == ["claim"]
+        else:
+            with pytest.raises(RemoteError, match="does not lie inside"):
+                ctx.register()
+            assert client.status().contexts == []
+        ctx.close()
+    finally:
+        client.close()
+
+
+_EXPANDABLE_ROUND_TRIP = """
+import os, secrets, struct, sys, msgspec, torch
+from kvxfer import CacheClient, KVLayout, RemoteError, chunk_hashes
+from kvxfer.testing.kvdata import KVSpec, as_bytes, get_chunks, make_kv
+from kvxfer.transport import InstanceIdentity, LayoutKind, get_transport
+spec = KVSpec(LayoutKind.FLASH_ATTN, "bfloat16", num_layers=4, num_blocks=256, block_size=16, heads=8, head_size=128)
+client = CacheClient(sys.argv[1])
+src = make_kv(spec, "cuda", seed=10)
+dst = [torch.zeros_like(t) for t in src]
+try:
+    a = client.register(src, model_name="expandable", block_size=16, transport="cuda_ipc")
+except Exception as exc:
+    print("register failed:", exc)
+    raise SystemExit(3 if "could not open its CUDA IPC handle" in str(exc) else 1)
+b = client.register(dst, model_name="expandable", block_size=16, transport="cuda_ipc")
+keys = chunk_hashes(list(range(4 * 256)), chunk_size=256, salt=b"expandable")
+assert a.submit_store(keys, list(range(64))).result(60).stored == [0, 1, 2, 3]
+assert b.submit_retrieve(keys, list(range(64, 128))).result(60).ok
+want = get_chunks(as_bytes([t.cpu() for t in src]), spec, list(range(64)), 1)
+assert torch.equal(get_chunks(as_bytes([t.cpu() for t in dst]), spec, list(range(64, 128)), 1), want)
+# a claim that ends where the handle's pages end is taken; one byte further is refused. The pages
+# are those torch's handle names: its format version, b"e", a header (pid, page size, pages), then
+# a descriptor each
+t = a._shared[0]
+assert t.handle[1:2] == b"e", t.handle[:2]
+pid, page, pages = struct.unpack_from("@iQQ", t.handle, 2)
+assert pid == os.getpid() and page in (2 << 20, 20 << 20) and pages >= 1, (pid, page, pages)
+mapped = page * pages
+for extra, taken in ((0, True), (1, False)):
+    ctx = get_transport("cuda_ipc").client_context(
+        client, src, KVLayout.infer(src, 16), InstanceIdentity(secrets.randbits(62) + 1, "claim", 1, 0))
+    ctx._shared = [msgspec.structs.replace(ctx._shared[0], storage_size_bytes=mapped - t.storage_offset_bytes + extra)] \\
+        + ctx._shared[1:]
+    try:
+        ctx.register()
+        assert taken, "a storage one byte past the handle's pages was taken"
+    except RemoteError as exc:
+        assert not taken and "does not lie inside" in str(exc), exc
+    ctx.close()
+client.close()
+print("round trip ok, claims checked")
+"""
+
+
+@needs_cuda
+def test_an_engine_with_expandable_segments_registers_and_round_trips(server: ServerProcess, tmp_path) -> None:
+    """With PyTorch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)
+    a handle names pages that the server maps one by one: a storage across several of them is
+    taken and its bytes round-trip, one that reaches past the last of them is refused. Skipped
+    where this host does not let the server open such handles at all (they are shared as file
+    descriptors taken from the engine's process)."""
+    script = tmp_path / "expandable.py"
+    script.write_text(_EXPANDABLE_ROUND_TRIP)
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    run = subprocess.run([sys.executable, str(script), server.url], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode == 3:
+        pytest.skip(f"this host opens no expandable-segment handle: {run.stdout.strip()[-300:]}")
+    assert run.returncode == 0 and "round trip ok, claims checked" in run.stdout, run.stdout + run.stderr
 
 
 @needs_cuda

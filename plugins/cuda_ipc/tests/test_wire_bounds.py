@@ -66,3 +66,12 @@ def test_more_layers_than_kvxfer_takes_are_refused_as_they_are_decoded() -> None
         _decode(dict(REGISTRATION, tensors=[TENSOR] * (MAX_LAYERS + 1)), CudaIpcRegistration)
     with pytest.raises(msgspec.ValidationError, match="num_layers"):
         _decode(dict(REGISTRATION, num_layers=MAX_LAYERS + 1), CudaIpcRegistration)
+
+
+@pytest.mark.parametrize("field", ["storage_size_bytes", "storage_offset_bytes"])
+def test_a_negative_storage_size_or_offset_is_refused_as_it_is_decoded(field: str) -> None:
+    """torch opens a handle at the allocation's start plus the offset, and takes the size as
+    given: a negative offset would place the storage before the allocation (the server checks
+    the rest of the claim against the allocation once it is open)."""
+    with pytest.raises(msgspec.ValidationError, match=f"tensors\\[0\\].{field}"):
+        _decode(dict(REGISTRATION, tensors=[dict(TENSOR, **{field: -1})]), CudaIpcRegistration)
