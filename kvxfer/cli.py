@@ -589,8 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "this command's session too, which the table leaves out)")
     s.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for the server to answer, or for one that is starting to make its socket; "
-                        "where no server listens and none is starting, the command says so within 1.5 s (default: "
-                        "%(default)s)")
+                        "where no server listens at an ipc:// socket and none is starting, the command says so "
+                        "within 1.5 s (default: %(default)s)")
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_status)
 
@@ -600,8 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--once", action="store_true", help="print one frame and exit (also when stdout is not a terminal)")
     s.add_argument("--timeout", type=float, default=5.0,
                    help="seconds to wait for each answer of the server, or for one that is starting to make its "
-                        "socket; where no server listens and none is starting, the command says so within 1.5 s "
-                        "(default: %(default)s)")
+                        "socket; where no server listens at an ipc:// socket and none is starting, the command says "
+                        "so within 1.5 s (default: %(default)s)")
     add_client_curve_arguments(s)
     s.set_defaults(fn=cmd_top)
 

@@ -11,7 +11,12 @@
 
 A client is one connection (one session) and is thread-safe. When the server restarts, the
 next request on a registered context re-handshakes and re-registers it transparently once;
-requests in flight at the time fail with :class:`kvxfer.errors.ConnectionFailed`.
+requests in flight at the time fail with :class:`kvxfer.errors.ConnectionFailed`. The client's
+own requests (``lookup``, ``lookup_and_lease``, ``status``, ...) raise
+:class:`kvxfer.errors.NoSession` instead, once the server has lost the session (it restarted, or
+this process was stopped for longer than the server's session timeout): call :meth:`reconnect`
+(it opens a new session and registers the client's contexts again) and ask again, after
+checking whatever depends on the server's settings (its ``chunk_size`` may have changed).
 """
 
 from __future__ import annotations

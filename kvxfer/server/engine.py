@@ -662,7 +662,8 @@ class CacheServer:
                     session = self.sessions.get(identity)  # before the payload is decoded: that may cost
                     if session is None or session.peer.raw != peer:
                         raise NoSession("this connection has no session (the server may have restarted, or the "
-                                        "session timed out): send a handshake first")
+                                        "session timed out): send a handshake first (kvxfer.CacheClient: call "
+                                        "reconnect(), which also registers its contexts again)")
                     session.last_seen = time.monotonic()
                     handler = self._transfer[name] if spec.kind is HandlerKind.TRANSFER else self._control[name]
                     out = handler(session, _decode(name, spec, payload))

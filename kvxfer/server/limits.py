@@ -138,11 +138,10 @@ class Limits:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_LIMIT:
-                raise ConfigError(f"{SPECS[f.name].option} must be a positive number of at most {_MAX_LIMIT}, "
+            most = MAX_WORKERS if f.name == "workers" else _MAX_LIMIT  # workers: threads
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
+                raise ConfigError(f"{SPECS[f.name].option} must be a positive number of at most {most}, "
                                   f"got {value!r}")
-        if self.workers > MAX_WORKERS:
-            raise ConfigError(f"--workers must be at most {MAX_WORKERS} (threads), got {self.workers}")
 
     def resolved(self, arena_size: int) -> Limits:
         """A copy whose ``None`` limits are set from the arena's size."""

@@ -145,12 +145,10 @@ class TierConfig:
     def __post_init__(self) -> None:
         parse_admission(self.admission)
         for name in ("queue", "writers", "readers", "batch", "breaker_failures"):
-            if not 1 <= getattr(self, name) <= _MAX_COUNT:
-                raise ConfigError(f"--l2-{name.replace('_', '-')} must be in [1, {_MAX_COUNT}], "
-                                  f"got {getattr(self, name)}")
-        for name in ("writers", "readers"):  # a thread and a store connection each
-            if getattr(self, name) > MAX_L2_CONNECTIONS:
-                raise ConfigError(f"--l2-{name} must be at most {MAX_L2_CONNECTIONS}, got {getattr(self, name)}")
+            # writers and readers are a thread and a store connection each
+            most = MAX_L2_CONNECTIONS if name in ("writers", "readers") else _MAX_COUNT
+            if not 1 <= getattr(self, name) <= most:
+                raise ConfigError(f"--l2-{name.replace('_', '-')} must be in [1, {most}], got {getattr(self, name)}")
         if not 0 < self.timeout_s <= 60:
             raise ConfigError(f"--l2-timeout must be in (0, 60] seconds, got {self.timeout_s}")
         if not 0 <= self.write_yield_s <= 60:

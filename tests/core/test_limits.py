@@ -36,7 +36,7 @@ def test_a_limit_names_itself_its_value_and_its_option() -> None:
     assert "kvxfer serve --max-reservations-per-session" in text
     with pytest.raises(LimitExceeded, match=r"1\.0 MiB held, 2\.0 MiB more asked"):
         Limits(max_reserved_bytes_per_session=2 << 20).check("max_reserved_bytes_per_session", 1 << 20, 2 << 20)
-    with pytest.raises(ConfigError, match="--workers must be a positive number"):
+    with pytest.raises(ConfigError, match="--workers must be a positive number of at most 1024"):
         Limits(workers=0)
 
 
@@ -203,11 +203,14 @@ def test_server_options_out_of_range_are_refused(kwargs: dict, option: str) -> N
 
 
 def test_thread_counts_are_bounded() -> None:
-    with pytest.raises(ConfigError, match="--workers must be at most"):
-        Limits(workers=100_000)
+    """Each message states the whole range, the same for a value below it as above it."""
+    for workers in (0, 100_000):
+        with pytest.raises(ConfigError, match="--workers must be a positive number of at most 1024,"):
+            Limits(workers=workers)
     for name in ("writers", "readers"):
-        with pytest.raises(ConfigError, match=f"--l2-{name} must be at most"):
-            TierConfig(store="fs", url="file:///tmp/x", **{name: 100_000})
+        for count in (0, 100_000):
+            with pytest.raises(ConfigError, match=rf"--l2-{name} must be in \[1, 64\],"):
+                TierConfig(store="fs", url="file:///tmp/x", **{name: count})
 
 
 @pytest.mark.parametrize("seconds", ["nan", "1e-9"])

@@ -470,9 +470,10 @@ def test_a_slot_past_the_arena_is_a_protocol_error(client_of):
 def test_first_request_after_a_long_outage_reaches_the_restarted_server(client_of):
     """A server down for longer than the client's dead-peer limit, then back: requests fail at
     once while it is down (its connection ended, then nothing listens), and the first request
-    sent afterwards gets the new server's answer (no_session, so the client re-handshakes),
-    instead of being failed at once as "stopped answering" because of the old silence."""
-    from kvxfer.errors import NoSession
+    sent afterwards gets the new server's answer (no_session, naming the call that recovers:
+    ``reconnect()``), instead of being failed at once as "stopped answering" because of the old
+    silence."""
+    from kvxfer import NoSession
     from kvxfer.protocol import messages as m
     from kvxfer.testing.server import ServerProcess
 
@@ -486,7 +487,7 @@ def test_first_request_after_a_long_outage_reaches_the_restarted_server(client_o
             client.submit(m.Ping(), timeout=10.0).result(15.0)
         time.sleep(client._mq.dead_after_s + 0.5)  # silence longer than the client tolerates
         server.start()
-        with pytest.raises(NoSession):
+        with pytest.raises(NoSession, match=r"CacheClient: call reconnect\(\)"):
             client.submit(m.Ping(), timeout=10.0).result(15.0)
         client.reconnect()
         assert client.lookup("m", hashes=[key("m", 0)]) == 0
