@@ -194,31 +194,33 @@ def test_gets_queued_behind_a_stuck_one_free_their_slots_when_given_up(test_plug
 
 
 def test_gets_queued_behind_others_at_a_slow_store_are_not_stuck(test_plugin_path: Path, tmp_path: Path) -> None:
-    """Twelve promotions through one read connection of a store that takes 0.3 s a get: the
-    last waits 3.6 s, past the 2.8 s backstop, in the backend's queue. While gets end, none is
+    """Twenty-four promotions through one read connection of a store that takes 0.3 s a get:
+    the last waits 7.2 s, past the 6 s backstop, in the backend's queue. While gets end, none is
     given up (the backstop counted from the promotion's start, so a slow but healthy store had
-    its promotions failed and its breaker opened)."""
+    its promotions failed and its breaker opened). The lookups' own timeout (1 s) leaves a loaded
+    machine room for each existence check."""
     l2 = tmp_path / "l2"
     fault = Path(f"{l2}.fault")
     srv = ServerProcess(l1_size="8MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env_with(test_plugin_path),
-                        extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", "--l2-timeout", "0.2",
+                        extra_args=["--l2", "test_faulty", "--l2-url", f"file://{l2}", "--l2-timeout", "1",
                                     "--l2-bulk-timeout", "0.5", "--l2-readers", "1"])
+    n = 24
     with srv, CacheClient(srv.url, timeout=30) as c:
         kv = c.register(flash_attn_kv(num_blocks=32), model_name="slow", block_size=BLOCK_SIZE, transport="cpu_gather")
-        hashes = [chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"slow-{i}")[0] for i in range(12)]
+        hashes = [chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"slow-{i}")[0] for i in range(n)]
         for i, h in enumerate(hashes):
             assert kv.submit_store([h], list(range(BLOCKS_PER_CHUNK))).result(30).stored == [0]
-        wait_until(lambda: (t := _tier(c)).writes == 12 and t.queue_depth == 0, timeout=30)
-        assert c.clear("slow") == 12
+        wait_until(lambda: (t := _tier(c)).writes == n and t.queue_depth == 0, timeout=30)
+        assert c.clear("slow") == n
         _set_fault(fault, "get_slow")
-        leases = [c.lookup_and_lease("slow", hashes=[h], lease_s=60) for h in hashes]  # 12 promotions at once
+        leases = [c.lookup_and_lease("slow", hashes=[h], lease_s=60) for h in hashes]  # n promotions at once
         assert all((r.hits, r.l2_hits) == (1, 1) for r in leases)
         for h, r in zip(hashes, leases):
             got = kv.submit_retrieve([h], list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK)),
                                      lease_id=r.lease_id).result(30)
             assert got.loaded == [0], got
         t = _tier(c)
-        assert (t.promotions, t.promote_failures, t.errors, t.state) == (12, 0, 0, "up"), t
+        assert (t.promotions, t.promote_failures, t.errors, t.state) == (n, 0, 0, "up"), t
         assert "has not ended" not in srv.log()
 
 

@@ -308,7 +308,7 @@ CLIENT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def short_session_server():
     with ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
-                       extra_args=["--session-timeout", "1.5", "--metrics-port", "0"]) as srv:
+                       extra_args=["--session-timeout", "3", "--metrics-port", "0"]) as srv:
         yield srv
 
 

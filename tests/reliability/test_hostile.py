@@ -1028,7 +1028,7 @@ def test_a_read_parked_at_a_resume_holds_its_pins_no_longer_than_a_session_timeo
     answer past half the session timeout): one whose commit_read never comes (lost with the old
     connection) lets its chunk go a session timeout after its reserve, though its client lives."""
     with ServerProcess(l1_size="32MiB", chunk_size=64, transports="cpu_gather",
-                       extra_args=["--shm-dir", str(shm_dir), "--session-timeout", "1"]) as server, \
+                       extra_args=["--shm-dir", str(shm_dir), "--session-timeout", "3"]) as server, \
             CacheClient(server.url, timeout=20) as observer:
         ref = Writer(observer, model="read-expiry")
         k = key("read-expiry", 0)

@@ -219,7 +219,7 @@ def test_a_failover_to_a_replica_is_found_at_the_next_probe_and_loses_no_write(t
     from kvxfer.errors import StoreUnavailable
 
     with ValkeyCluster(tmp_path / "c", replicas=1) as cluster:
-        backend = ValkeyStore().open(cluster.url, StoreOptions(timeout_s=0.5, bulk_timeout_s=1.0))
+        backend = ValkeyStore().open(cluster.url, StoreOptions(timeout_s=2.0, bulk_timeout_s=1.0))
         try:
             keys = [f"kvxfer:failover:{i}".encode() for i in range(24)]  # on every primary
             assert backend.put([(k, [memoryview(k)]) for k in keys]) == [True] * len(keys)
