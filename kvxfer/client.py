@@ -328,17 +328,19 @@ class CacheClient:
         tcp://, one that refuses our CURVE key), or nothing listens (a socket file left by a
         server that is gone, a closed port)."""
         knocked = knock(self.url, min(1.0, self.connect_timeout))
-        curve = ""
-        if self.url.startswith("tcp://"):
-            # ZeroMQ drops a CURVE handshake it refuses without a word: say so
-            curve = ("; a tcp:// server only answers clients with an authorized CURVE key: pass "
-                     "curve=kvxfer.security.load_client_keys(DIR) (CLI: --curve-dir DIR) with the "
-                     "server's public key and a client key pair listed in its authorized/ folder")
         if knocked == "accepted":
+            starting = ("a `kvxfer serve` that is still starting (it answers once its 'kvxfer server ready' line is "
+                        "printed) or one too busy to answer; wait and try again, or allow longer (kvxfer status "
+                        "--timeout S, CacheClient(connect_timeout=S))")
+            if self.url.startswith("tcp://"):  # a client here has keys: the likeliest cause is that they are refused
+                # (ZeroMQ drops a CURVE handshake it refuses without a word)
+                starting = ("most likely the server refused this client's keys: a tcp:// server only answers clients "
+                            "with an authorized CURVE key and drops a refused handshake without a word (its log "
+                            "names the key it refused); check that the client's public key is in the server's "
+                            "authorized/ folder and that the server key given (kvxfer.security.load_client_keys(DIR), "
+                            "CLI: --curve-dir DIR) is that server's. Otherwise: " + starting)
             return (f"a process listens at {self.url} but did not answer kvxfer's handshake within "
-                    f"{self.connect_timeout:g} s{cause}: a `kvxfer serve` that is still starting (it answers once "
-                    f"its 'kvxfer server ready' line is printed) or one too busy to answer; wait and try again, "
-                    f"or allow longer (kvxfer status --timeout S, CacheClient(connect_timeout=S)){curve}")
+                    f"{self.connect_timeout:g} s{cause}: {starting}")
         if knocked == "refused" and socket_claimed(self.url):
             return (f"a kvxfer server is starting at {self.url} (it holds {self._claim_path()}) and has not replaced "
                     f"the socket file left there by a server that did not stop cleanly within "
