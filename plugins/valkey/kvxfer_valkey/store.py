@@ -992,7 +992,10 @@ class ValkeyStore(Store):
             finally:
                 _close_client(probe)
         if cluster is None:
-            raise StoreUnavailable(f"no Valkey node answered at {where}: {'; '.join(errors)}")
+            # a plain-text port met with TLS (or the reverse) looks like a node that does not answer
+            tls = (" (a valkeys:// URL speaks TLS: a node that serves plain text at that port never completes the "
+                   "handshake; use valkey:// for it)") if kw.get("ssl") else ""
+            raise StoreUnavailable(f"no Valkey node answered at {where}: {'; '.join(errors)}{tls}")
         if cluster:
             kw.pop("db", None)
             try:  # the cluster client asks every node for its commands and slots at once

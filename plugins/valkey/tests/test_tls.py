@@ -83,6 +83,15 @@ def test_a_wrong_authority_or_no_client_certificate_is_refused(tls: TlsTerminato
 
 
 
+def test_a_valkeys_url_at_a_plain_text_port_says_so(tls: TlsTerminator) -> None:
+    """TLS offered to a node that serves plain text gets no answer, as a node that is down
+    would: the error names the likelier cause (a server with such a URL stayed 'down' for ever,
+    retrying, with only a timeout in its log)."""
+    url = tls.url.replace(f":{tls.port}", f":{tls.target_port}", 1)
+    with pytest.raises(StoreUnavailable, match="a valkeys:// URL speaks TLS: a node that serves plain text"):
+        ValkeyStore().open(url, StoreOptions(timeout_s=1.0))
+
+
 @pytest.mark.parametrize("change, named", [
     ("missing authority", "ssl_ca_certs"),
     ("missing certificate", "ssl_certfile"),
