@@ -31,20 +31,40 @@ def _refuse(what: str, path: Path, problem: str, hint: str) -> ConfigError:
 
 
 def check_trusted_parents(path: Path, what: str, hint: str = "") -> None:
-    """Every directory above ``path`` (resolved) is owned by root or us, and not writable by
-    others unless sticky: nobody else can move ``path`` away or put something in its place."""
-    me = os.geteuid()
-    parent = Path(os.path.realpath(path.parent))
-    for d in (parent, *parent.parents):
+    """Every directory above ``path`` is owned by root or us, and not writable by others unless
+    sticky: nobody else can move ``path`` away or put something in its place. The path is walked
+    as written, each name with ``lstat``: a symbolic link on the way must be root's or ours too
+    (in a sticky ``/tmp`` anyone may plant one, and swap where it leads between our check and
+    our use), and the directories it leads to are checked the same way."""
+    _check_chain(Path(os.path.abspath(path.parent)), path, what, hint, os.geteuid(), 0)
+
+
+#: Most symbolic links followed in one check (the kernel's own limit is 40).
+_MAX_LINKS = 40
+
+
+def _check_chain(d: Path, path: Path, what: str, hint: str, me: int, links: int) -> None:
+    for a in (d, *d.parents):
         try:
-            st = os.stat(d)
+            st = os.lstat(a)
         except OSError as exc:
-            raise _refuse(what, path, f"cannot be checked: {d}: {exc.strerror}", hint) from None
+            raise _refuse(what, path, f"cannot be checked: {a}: {exc.strerror}", hint) from None
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, me):
+                raise _refuse(what, path, f"is reached through {a}, a symbolic link of uid {st.st_uid} (its owner "
+                                          "could make it lead elsewhere)", hint)
+            if links >= _MAX_LINKS:
+                raise _refuse(what, path, f"is reached through more than {_MAX_LINKS} symbolic links", hint)
+            # the link is root's or ours, in a directory this walk checks next: where it leads must
+            # be trusted as well (its target resolved from the directory that holds it)
+            target = Path(os.path.normpath(a.parent / os.readlink(a)))
+            _check_chain(target, path, what, hint, me, links + 1)
+            continue
         if st.st_uid not in (0, me):
-            raise _refuse(what, path, f"is inside {d}, which belongs to uid {st.st_uid} (others could replace "
+            raise _refuse(what, path, f"is inside {a}, which belongs to uid {st.st_uid} (others could replace "
                                       "what kvxfer keeps there)", hint)
         if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise _refuse(what, path, f"is inside {d}, which others may write to (mode "
+            raise _refuse(what, path, f"is inside {a}, which others may write to (mode "
                                       f"{stat.S_IMODE(st.st_mode):o}, not sticky)", hint)
 
 
@@ -83,6 +103,8 @@ def ensure_private_dir(path: Path, what: str, hint: str = "", *, private: bool =
     while not os.path.lexists(p) and p != p.parent:
         missing.append(p)
         p = p.parent
+    if missing:  # nothing is made where it is not ours to make (through another user's link, say)
+        check_trusted_parents(missing[-1], what, hint)
     for d in reversed(missing):
         try:
             os.mkdir(d, 0o700)

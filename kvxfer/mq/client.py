@@ -32,7 +32,7 @@ import zmq
 
 from kvxfer.errors import ConfigError, ConnectionFailed, ErrorCode, ProtocolError, RequestTimeout, remote_error
 from kvxfer.mq.futures import ReplyFuture
-from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack, send_some
+from kvxfer.mq.stream import READ_SIZE, FrameReader, FramingError, pack, peer_credentials, send_some
 from kvxfer.private_dirs import check_private_dir, check_trusted_parents
 from kvxfer.protocol import codec
 from kvxfer.protocol.messages import Message, Ping, Request
@@ -243,6 +243,13 @@ class _UnixWire:
                 why = ("nothing listens there: its server is gone" if isinstance(exc, ConnectionRefusedError)
                        else exc.strerror or type(exc).__name__)
                 raise ConnectionFailed(f"cannot connect to the kvxfer server at {self._url} ({why})") from None
+        # who listens, as the kernel knows it: the checks of the socket's path above cannot see a
+        # file swapped after them, or a socket another user's process listens on
+        _, uid, _ = peer_credentials(sock)
+        if uid != os.geteuid():
+            sock.close()
+            raise ConfigError(f"refusing to talk to {self._url}: the process listening there is of uid {uid}, "
+                              f"not of you (uid {os.geteuid()}); nothing was sent. {socket_dir_hint()}")
         self._reader = FrameReader(MAX_REPLY)
         self._out = []
         self._sock = sock

@@ -534,6 +534,83 @@ def test_a_client_sends_nothing_to_a_socket_of_another_user(private_tmp, planted
         fake.close()
 
 
+@pytest.mark.parametrize("owner", ["another user", "this user"])
+def test_a_symbolic_link_on_the_way_to_a_private_directory_must_be_root_s_or_ours(private_tmp, owner):
+    """In a sticky directory (``/tmp``) anyone may plant a symbolic link, and make it lead to a
+    directory of theirs between the check of a path and its use (the server's socket directory,
+    the fs store's directory, a client's way to its server). A link on the way is taken only
+    when it is root's or ours: another user's is refused, by the server's and the client's
+    checks alike (they resolved the path first, and so checked only where it led then)."""
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's link needs root")
+    from kvxfer.store import StoreOptions
+    from kvxfer.store.fs import FsStore
+
+    sticky = private_tmp / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    good = private_tmp / "good"
+    (good / "srv").mkdir(parents=True, mode=0o700)
+    good.chmod(0o700)
+    link = sticky / "kv"
+    link.symlink_to(good)
+    if owner == "another user":
+        os.lchown(link, NOBODY, NOBODY)
+        with pytest.raises(KvxferError, match=f"is reached through {link}, a symbolic link of uid {NOBODY}"):
+            FsStore().open(f"file://{link}/l2", StoreOptions()).close_connections()
+        assert not (good / "l2").exists()
+        with pytest.raises(KvxferError, match=f"a symbolic link of uid {NOBODY}"):
+            CacheClient(f"ipc://{link}/srv/kvxfer.sock", connect_timeout=2.0).close()
+    else:
+        FsStore().open(f"file://{link}/l2", StoreOptions()).close_connections()
+        assert (good / "l2").is_dir()
+
+
+def test_a_client_sends_nothing_to_a_listener_of_another_user_behind_its_own_socket_file(private_tmp):
+    """The socket file is the client's own user's and in its directory, but the process
+    listening on it is another user's (the file was swapped under the client between its
+    checks and its connect, or the socket handed over): the client reads the listener's
+    credentials from the kernel once connected and sends nothing."""
+    if os.geteuid() != 0:
+        pytest.skip("listening as another user needs root")
+    d = private_tmp / "run"
+    d.mkdir(mode=0o700)
+    path = d / "kvxfer.sock"
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(str(path))  # the file is ours: the client's path checks pass
+    ready_r, ready_w = os.pipe()
+    got_r, got_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the listener: another user (the kernel reports who called listen())
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            lsock.listen(8)
+            os.write(ready_w, b"1")
+            conn, _ = lsock.accept()
+            conn.settimeout(10)
+            data = b""
+            try:
+                while chunk := conn.recv(4096):
+                    data += chunk
+            except OSError:
+                pass
+            os.write(got_w, str(len(data)).encode())
+        finally:
+            os._exit(0)
+    lsock.close()
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        with pytest.raises(KvxferError, match=f"listening there is of uid {NOBODY}"):
+            CacheClient(f"ipc://{path}", connect_timeout=2.0).close()
+        assert os.read(got_r, 32) == b"0", "the client sent bytes to another user's listener"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, got_r, got_w):
+            os.close(fd)
+
+
 # --------------------------------------------------------------------------- 6. per-session limits
 
 
