@@ -299,6 +299,25 @@ class FsBackend(ThreadedBackend):
             self.used -= size
         return size
 
+    def _gone(self, name: str) -> None:
+        """A get found no file ``name``: forget it, unless a put wrote one there meanwhile (under
+        the lock, as puts write: forgetting a put's file would leave it on disk, uncounted)."""
+        with self._lock, self._subdir(name[:2]) as sub:
+            if sub is not None:
+                try:
+                    os.stat(name, dir_fd=sub, follow_symlinks=False)
+                    return  # a put's, since
+                except FileNotFoundError:
+                    pass
+            self._forget(name)
+
+    def _drop_unreadable(self, name: str) -> None:
+        """Forget value ``name``, which cannot be read, and remove its file (where it can be)."""
+        with self._lock:
+            self._forget(name)
+            with contextlib.suppress(OSError):  # (EIO again, a read-only file system: what can be done is)
+                self._unlink(name)
+
     def _not_a_value(self, name: str) -> None:
         """A get met no value the store wrote under ``name`` (a link, a socket, a FIFO, a device,
         a file it cannot open). Under the lock, as a put replaces files under it: if the name still
@@ -370,8 +389,7 @@ class FsBackend(ThreadedBackend):
                     # this thread in open() for ever; not following a link out of the directory
                     fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sub)
             except FileNotFoundError:
-                with self._lock:
-                    self._forget(name)  # removed behind our back
+                self._gone(name)  # removed behind our back
                 out.append(GetStatus.MISS)
                 continue
             except BlockingIOError:  # another process holds a lease on the file: a miss, this time only
@@ -394,7 +412,14 @@ class FsBackend(ThreadedBackend):
                     self._resized(name, st)
                     out.append(GetStatus.WRONG_SIZE)
                     continue
-                got = _readv_all(fd, parts)
+                try:
+                    got = _readv_all(fd, parts)
+                except OSError as exc:  # EIO (a bad sector, say): this value is lost, not the store
+                    log.warning("fs store %s: value %s cannot be read (%s): removed", self.root, name,
+                                exc.strerror or exc)
+                    self._drop_unreadable(name)
+                    out.append(GetStatus.MISS)
+                    continue
                 out.append(GetStatus.HIT if got == want else GetStatus.WRONG_SIZE)
             finally:
                 os.close(fd)
