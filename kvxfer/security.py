@@ -206,12 +206,13 @@ def _check_trusted(path: Path, what: str, st: os.stat_result, read_only: bool) -
     on a read-only file system, as a Kubernetes Secret is), as ssh's StrictModes does: who can
     write it can let themselves in."""
     if st.st_uid not in (os.getuid(), 0):
-        raise ConfigError(f"{what} {path} belongs to another user (uid {st.st_uid}); it decides which clients "
-                          "get in, so it must be the server's user's (or root's)")
+        raise ConfigError(f"{what} {path} belongs to another user (uid {st.st_uid}); it decides whom kvxfer "
+                          "trusts (the clients a server lets in, the server a client talks to), so it must be this "
+                          "user's (or root's)")
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022 and not read_only:
-        raise ConfigError(f"{what} {path} is writable by others (mode {mode:o}), who could let themselves in: "
-                          f"run `chmod go-w {path}`")
+        raise ConfigError(f"{what} {path} is writable by others (mode {mode:o}), who could make kvxfer trust "
+                          f"them: run `chmod go-w {path}`")
 
 
 def _check_trusted_dir(path: Path, what: str) -> None:
@@ -372,14 +373,17 @@ def load_server_keys(directory: Path) -> CurveServerKeys:
 
 
 def load_client_keys(directory: Path, name: str = CLIENT_NAME) -> CurveClientKeys:
-    """Client ``name``'s key pair and the server's public key, from ``directory``."""
+    """Client ``name``'s key pair and the server's public key, from ``directory``. The
+    directory and the server's public key decide which server the client trusts: each must be
+    this user's (or root's) and not writable by others (:func:`_check_trusted`)."""
     _require_curve()
     directory = Path(directory)
     check_client_name(name)
+    _check_trusted_dir(directory, "key directory")
     if not (directory / f"{name}.key_secret").exists() and (directory / f"{SERVER_NAME}.key").exists():
         raise ConfigError(f"client {name!r} has no keys in {directory}; add them with "
                           f"`kvxfer keys {directory} --client {name}`")
     public, secret = _load(directory / f"{name}.key_secret", f"client {name!r} secret key", secret=True)
-    server_public, _ = _load(directory / f"{SERVER_NAME}.key", "server public key", secret=False)
+    server_public, _ = _load(directory / f"{SERVER_NAME}.key", "server public key", secret=False, trusted=True)
     assert secret is not None
     return CurveClientKeys(public, secret, server_public)

@@ -104,6 +104,25 @@ def test_keys_that_others_can_read_are_refused(tmp_path):
         load_server_keys(tmp_path / "nowhere")
 
 
+def test_a_client_trusts_only_a_server_key_and_key_directory_no_one_else_can_write(tmp_path):
+    """The server's public key in a client's key directory decides which server the client
+    talks to: whoever can write it (or swap the directory's files) can point the client at a
+    server of theirs. So both are held to what a server's authorized/ folder is: this user's
+    (or root's) and not writable by others."""
+    d = tmp_path / "keys"
+    make_keys(d)
+    os.chmod(d / "server.key", 0o666)
+    with pytest.raises(ConfigError, match=rf"server public key {re.escape(str(d / 'server.key'))} is writable by "
+                                          "others"):
+        load_client_keys(d)
+    os.chmod(d / "server.key", 0o644)
+    os.chmod(d, 0o777)
+    with pytest.raises(ConfigError, match=rf"key directory {re.escape(str(d))} is writable by others"):
+        load_client_keys(d)
+    os.chmod(d, 0o700)
+    assert load_client_keys(d).server_public == load_server_keys(d).public
+
+
 def test_key_files_that_are_no_keys_are_refused_by_name_and_never_block(tmp_path):
     """A stray file in authorized/ is refused at start, with its name (pyzmq's loader logged an
     error and let no client in at all); key files that are FIFOs (a read would block), device
