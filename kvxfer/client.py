@@ -336,9 +336,10 @@ class CacheClient:
                 # (ZeroMQ drops a CURVE handshake it refuses without a word)
                 starting = ("most likely the server refused this client's keys: a tcp:// server only answers clients "
                             "with an authorized CURVE key and drops a refused handshake without a word (its log "
-                            "names the key it refused); check that the client's public key is in the server's "
-                            "authorized/ folder and that the server key given (kvxfer.security.load_client_keys(DIR), "
-                            "CLI: --curve-dir DIR) is that server's. Otherwise: " + starting)
+                            "names a client key it refused; a wrong server key leaves no trace there); check that "
+                            "the client's public key is in the server's authorized/ folder and that the server key "
+                            "given (kvxfer.security.load_client_keys(DIR), CLI: --curve-dir DIR) is that server's. "
+                            "Otherwise: " + starting)
             return (f"a process listens at {self.url} but did not answer kvxfer's handshake within "
                     f"{self.connect_timeout:g} s{cause}: {starting}")
         if knocked == "refused" and socket_claimed(self.url):
