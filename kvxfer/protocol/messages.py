@@ -196,6 +196,10 @@ class Registration(Message, frozen=True, kw_only=True):
     run_offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_RUNS)] = []
     block_stride: int = 0
     page: str = ""
+    #: The engine's process id (0: not given). Where the kernel names the connecting process
+    #: (``ipc://``), the server refuses a registration that names another one, so that a
+    #: transport may rely on it (cuda_ipc matches it against the process its handles name).
+    pid: int = 0
 
 
 class Register(Request["RegisterReply"], frozen=True):

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import os
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -225,7 +226,7 @@ class InstanceIdentity:
             num_blocks=layout.num_blocks, block_size=layout.block_size,
             hidden_dim_size=layout.hidden_dim_size, dtype=dtype_name(layout.dtype), use_mla=layout.use_mla,
             row_elems=layout.row_elems, row_pitch=layout.row_pitch, run_offsets=list(layout.run_offsets),
-            block_stride=layout.block_stride, page=layout.page,
+            block_stride=layout.block_stride, page=layout.page, pid=os.getpid(),
         )
 
 

@@ -998,6 +998,20 @@ def test_a_registration_names_at_most_max_layers_layers(debug_server):
             KVLayout(LayoutKind.FLASH_ATTN, MAX_LAYERS + 1, 16, 16, 128, torch.bfloat16)
 
 
+def test_a_registration_names_the_process_that_sends_it(debug_server):
+    """A registration's ``pid`` is the engine's: over ipc:// the kernel names the connecting
+    process, and a registration naming another is refused (cuda_ipc matches the process an
+    expandable segment's handle names against it: another engine's would map that engine's
+    memory). One naming its own, or none, is taken."""
+    with CacheClient(debug_server.url, timeout=20) as client:
+        ref = Writer(client, model="pid")
+        other = os.getppid()
+        err = error_of(lambda: client.request(registration(ref, "cpu_gather", 9_000_011, pid=other)))
+        assert err.code == "invalid_request" and f"names process {other}" in str(err), err
+        for i, pid in enumerate((os.getpid(), 0)):
+            client.request(registration(ref, "cpu_gather", 9_000_012 + i, pid=pid))
+
+
 def test_a_connection_that_never_reads_its_replies_is_cut_off(debug_server):
     """A peer that sends requests and never reads the replies: once more than
     --max-unread-reply-bytes (64 MiB) wait for it, the server drops them, ends its session,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import struct
 import threading
 import time
 import weakref
@@ -76,9 +77,29 @@ _MAX_OPEN_EVENTS: Final = 256
 #: the number of int64 slots in one (CUDA_IPC_REF_COUNTER_FILE_SIZE in torch/csrc/CudaIPCTypes.h)
 _TORCH_REF_COUNTER: Final = re.compile(rb"/torch_[0-9]{1,10}_[0-9]{1,20}(?:_[0-9]{1,20})?")
 _REF_COUNTER_SLOTS: Final = 10000
-#: torch's handles are [format version][type][payload]; this type is an expandable segment's
-#: (SHAREABLE_CUDA_EXPANDABLE_SEGMENT; ``c`` is a cudaMalloc allocation's)
+#: torch's handles: a cudaIpcMemHandle_t alone (this many bytes: torch opens any handle of this
+#: length as one), or [format version][type][payload]. Type ``c`` is a cudaMalloc allocation's,
+#: ``e`` an expandable segment's (SHAREABLE_CUDA_EXPANDABLE_SEGMENT), whose payload is a header
+#: (the exporting process, its page size, its number of pages) and one descriptor per page (an
+#: int, or a 64-byte fabric handle) that the opening process takes from that process.
+_RAW_HANDLE_BYTES: Final = 64
 _EXPANDABLE_HANDLE: Final = b"e"
+_EXPANDABLE_HEADER: Final = struct.Struct("@iQQ")  # pid, (padding), page size, pages; at byte 2
+
+
+def _expandable_pages(handle: bytes) -> tuple[int, int, int] | None:
+    """``(pid, page size, pages)`` that an expandable segment's handle names; None for another
+    kind of handle; ConfigError for one torch does not make."""
+    if len(handle) == _RAW_HANDLE_BYTES or handle[1:2] != _EXPANDABLE_HANDLE:
+        return None
+    if len(handle) < 2 + _EXPANDABLE_HEADER.size:
+        raise ConfigError(f"an expandable segment's handle of {len(handle)} bytes, shorter than its header")
+    pid, page, pages = _EXPANDABLE_HEADER.unpack_from(handle, 2)
+    body = len(handle) - 2 - _EXPANDABLE_HEADER.size
+    if page <= 0 or pages <= 0 or body not in (4 * pages, 64 * pages):
+        raise ConfigError(f"an expandable segment's handle naming {pages} pages of {page} bytes in "
+                          f"{len(handle)} bytes, not as torch makes one")
+    return pid, page, pages
 
 
 #: Padding after an odd number of row ids in an upload (see _upload_rows).
@@ -238,7 +259,7 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         self.label = device_label(index)
         self._storages: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
         with torch.cuda.device(self.device):
-            layers = [self._open(i, t) for i, t in enumerate(reg.tensors)]
+            layers = [self._open(i, t, reg.pid) for i, t in enumerate(reg.tensors)]
             torch.cuda.current_stream().synchronize()  # torch's own open-time event waits
         layout.check_tensors(layers)
         self.layers = layers
@@ -280,7 +301,8 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
 
     # ------------------------------------------------------------------ opening
 
-    def _open(self, i: int, t: CudaIpcTensor) -> torch.Tensor:
+    def _open(self, i: int, t: CudaIpcTensor, pid: int) -> torch.Tensor:
+        """Layer ``i`` of the engine of process ``pid``, opened (once per storage) and checked."""
         dtype = getattr(torch, t.dtype, None)
         if not isinstance(dtype, torch.dtype) or dtype != self.layout.dtype:
             raise ConfigError(f"layer {i}: dtype {t.dtype!r} but the registration says {self.layout.dtype}")
@@ -297,6 +319,18 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         if extent * itemsize > t.storage_size_bytes:
             raise ConfigError(f"layer {i}: a tensor of shape {t.shape} at offset {t.storage_offset} does not fit "
                               f"in its shared storage of {t.storage_size_bytes} bytes")
+        try:
+            pages = _expandable_pages(t.handle)
+        except ConfigError as exc:
+            raise ConfigError(f"layer {i}: {exc}") from None
+        if pages is not None:  # before torch opens it: it takes the descriptors from the process named
+            if pages[0] != pid:
+                raise ConfigError(f"layer {i}: its handle names the memory of process {pages[0]}, not of the engine "
+                                  f"that registers it (process {pid})")
+            if t.storage_offset_bytes + t.storage_size_bytes > pages[1] * pages[2]:
+                raise ConfigError(f"layer {i}: its storage of {t.storage_size_bytes} bytes at byte "
+                                  f"{t.storage_offset_bytes} reaches past the {pages[2]} pages of {pages[1]} bytes "
+                                  "its handle names")
         key = (t.handle, t.storage_offset_bytes, t.storage_size_bytes)
         storage = self._storages.get(key)
         if storage is None:
@@ -307,24 +341,26 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
             except Exception as exc:  # noqa: BLE001  (any failure to open a handle refuses the registration)
                 raise ConfigError(f"layer {i}: could not open its CUDA IPC handle on {self.label}: "
                                   f"{type(exc).__name__}: {exc}") from None
-            self._check_inside_allocation(i, t, storage)
+            self._check_inside_allocation(i, t, storage, pieces=pages is not None)
             self._storages[key] = storage
         out = torch.empty((0,), dtype=dtype, device=self.device)
         out.set_(storage, t.storage_offset, t.shape, t.stride)
         return out
 
-    def _check_inside_allocation(self, i: int, t: CudaIpcTensor, storage: torch.UntypedStorage) -> None:
+    def _check_inside_allocation(self, i: int, t: CudaIpcTensor, storage: torch.UntypedStorage,
+                                 pieces: bool) -> None:
         """ConfigError unless the storage a layer claims (its size and offset are the client's
         word: torch opens the handle at the allocation's start plus that offset and takes the
         size as given) lies inside the memory the handle opened, as the driver knows it. The
         copies reach every byte of the storage, and past that memory lies whatever else this
         process has mapped: other engines' KV caches, or nothing (a fault that ends every
-        client's copies on this GPU). A handle of torch's expandable segments (type ``e``, after
-        torch's format version byte) opens as pages mapped one by one at the start of an address range reserved for
-        it alone, larger than the GPU's memory: its pages are the run mapped from that start."""
+        client's copies on this GPU). With ``pieces`` (an expandable segment's handle, whose pages
+        :meth:`_open` has bounded the claim by): pages mapped one by one at the start of an
+        address range reserved for that handle alone, larger than the GPU's memory; the claim
+        must lie in the run of them mapped from that start."""
         start = storage.data_ptr() - t.storage_offset_bytes
         end = start + t.storage_offset_bytes + t.storage_size_bytes
-        reached = _driver.mapped_end(start, end, pieces=t.handle[1:2] == _EXPANDABLE_HANDLE)
+        reached = _driver.mapped_end(start, end, pieces=pieces)
         if reached < end:
             raise ConfigError(f"layer {i}: its storage of {t.storage_size_bytes} bytes at byte "
                               f"{t.storage_offset_bytes} does not lie inside what its CUDA IPC handle opened on "

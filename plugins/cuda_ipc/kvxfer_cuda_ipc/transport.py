@@ -7,7 +7,6 @@ tensors are handled.
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 import threading
 import time
@@ -87,10 +86,10 @@ class CudaIpcTensor(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CudaIpcRegistration(Registration, frozen=True, kw_only=True):
-    """The core's identity and layout fields, plus one :class:`CudaIpcTensor` per layer."""
+    """The core's identity and layout fields (its ``pid`` among them: the server refuses its own,
+    as CUDA IPC needs two processes, and an expandable segment's handle must name it), plus one
+    :class:`CudaIpcTensor` per layer."""
 
-    #: The engine's process id: the server refuses its own (CUDA IPC needs two processes).
-    pid: int = 0
     #: The engine's name of the device (``cuda:1 NVIDIA H100 80GB HBM3``), for error messages.
     device_name: Annotated[str, _Small] = ""
     tensors: Annotated[list[CudaIpcTensor], msgspec.Meta(max_length=MAX_LAYERS)] = []
@@ -298,7 +297,7 @@ class CudaIpcContext(ServerDrivenContext[CudaIpcParams]):
         return out
 
     def registration_extra(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "device_name": self.device_name, "tensors": self._shared}
+        return {"device_name": self.device_name, "tensors": self._shared}
 
     # ------------------------------------------------------------------ transfers
 

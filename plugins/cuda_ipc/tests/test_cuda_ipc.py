@@ -447,16 +447,21 @@ assert t.handle[1:2] == b"e", t.handle[:2]
 pid, page, pages = struct.unpack_from("@iQQ", t.handle, 2)
 assert pid == os.getpid() and page in (2 << 20, 20 << 20) and pages >= 1, (pid, page, pages)
 mapped = page * pages
-for extra, taken in ((0, True), (1, False)):
+# a handle naming another process (its descriptors would be taken from there): refused before
+# torch opens it
+other = bytearray(t.handle)
+struct.pack_into("@i", other, 2, os.getppid())
+for extra, refused in ((0, None), (1, "reaches past the"), (None, "names the memory of process")):
     ctx = get_transport("cuda_ipc").client_context(
         client, src, KVLayout.infer(src, 16), InstanceIdentity(secrets.randbits(62) + 1, "claim", 1, 0))
-    ctx._shared = [msgspec.structs.replace(ctx._shared[0], storage_size_bytes=mapped - t.storage_offset_bytes + extra)] \\
-        + ctx._shared[1:]
+    claim = {"handle": bytes(other)} if extra is None else \\
+        {"storage_size_bytes": mapped - t.storage_offset_bytes + extra}
+    ctx._shared = [msgspec.structs.replace(ctx._shared[0], **claim)] + ctx._shared[1:]
     try:
         ctx.register()
-        assert taken, "a storage one byte past the handle's pages was taken"
+        assert refused is None, f"taken: {claim}"
     except RemoteError as exc:
-        assert not taken and "does not lie inside" in str(exc), exc
+        assert refused is not None and refused in str(exc), exc
     ctx.close()
 client.close()
 print("round trip ok, claims checked")
@@ -467,7 +472,9 @@ print("round trip ok, claims checked")
 def test_an_engine_with_expandable_segments_registers_and_round_trips(server: ServerProcess, tmp_path) -> None:
     """With PyTorch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)
     a handle names pages that the server maps one by one: a storage across several of them is
-    taken and its bytes round-trip, one that reaches past the last of them is refused. Skipped
+    taken and its bytes round-trip, one that reaches past the last of them is refused, and so is
+    a handle naming another process than the engine's (the server would take that process's
+    page descriptors, and map its memory into this registration). Skipped
     where this host does not let the server open such handles at all (they are shared as file
     descriptors taken from the engine's process)."""
     script = tmp_path / "expandable.py"

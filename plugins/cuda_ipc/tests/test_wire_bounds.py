@@ -1,16 +1,20 @@
 """cuda_ipc's registration and params, as the server decodes them from the wire: fields of the
 sizes real ones have are taken; a small field past its bound is refused as it is decoded (the
 server keeps a registration's strings for its life, and echoes some in errors). Runs without a
-GPU: it decodes bytes only, as the server does before it opens anything."""
+GPU: it decodes bytes only, as the server does before it opens anything (the handles' headers
+included)."""
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
 import pytest
 
+from kvxfer.errors import ConfigError
 from kvxfer.transport import MAX_LAYERS
+from kvxfer_cuda_ipc.server import _expandable_pages
 from kvxfer_cuda_ipc.transport import MAX_SMALL_FIELD, CudaIpcParams, CudaIpcRegistration
 
 # what an engine on an H100 sends (the handles' sizes as CUDA and torch make them)
@@ -75,3 +79,24 @@ def test_a_negative_storage_size_or_offset_is_refused_as_it_is_decoded(field: st
     the rest of the claim against the allocation once it is open)."""
     with pytest.raises(msgspec.ValidationError, match=f"tensors\\[0\\].{field}"):
         _decode(dict(REGISTRATION, tensors=[dict(TENSOR, **{field: -1})]), CudaIpcRegistration)
+
+
+def _expandable(pid: int, page: int, pages: int, per_page: int = 4) -> bytes:
+    """A handle as torch makes one for an expandable segment: its format version, ``e``, the
+    header, then a descriptor (or a fabric handle) per page."""
+    return bytes([2]) + b"e" + struct.pack("@iQQ", pid, page, pages) + b"\x07" * (per_page * pages)
+
+
+def test_what_an_expandable_segments_handle_names_is_read_as_torch_reads_it() -> None:
+    """The server learns from an expandable segment's handle which process it names (torch takes
+    the page descriptors from that process as it opens the handle) and how many pages it maps;
+    a handle of 64 bytes is a cudaIpcMemHandle_t whatever its bytes (torch opens it as one),
+    and a ``c`` handle a cudaMalloc allocation's."""
+    assert _expandable_pages(_expandable(4242, 20 << 20, 3)) == (4242, 20 << 20, 3)
+    assert _expandable_pages(_expandable(4242, 2 << 20, 2, per_page=64)) == (4242, 2 << 20, 2)  # fabric handles
+    assert _expandable_pages(bytes([2]) + b"e" + b"\x00" * 62) is None  # 64 bytes: raw
+    assert _expandable_pages(bytes([2]) + b"c" + b"\x00" * 64) is None
+    for bad in (_expandable(4242, 20 << 20, 3)[:-1], _expandable(4242, 0, 1), _expandable(4242, 20 << 20, 0),
+                bytes([2]) + b"e" + b"\x00" * 10):
+        with pytest.raises(ConfigError, match="expandable segment's handle"):
+            _expandable_pages(bad)
