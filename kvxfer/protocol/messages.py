@@ -196,9 +196,11 @@ class Registration(Message, frozen=True, kw_only=True):
     run_offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_RUNS)] = []
     block_stride: int = 0
     page: str = ""
-    #: The engine's process id (0: not given). Where the kernel names the connecting process
-    #: (``ipc://``), the server refuses a registration that names another one, so that a
-    #: transport may rely on it (cuda_ipc matches it against the process its handles name).
+    #: The engine's process id (the client sends its own). Where the kernel names the connecting
+    #: process in the server's own PID namespace (``ipc://``), the server refuses a registration
+    #: naming another; the transport is given that pid, or 0 where the server cannot tell
+    #: (``tcp://``, an engine in another PID namespace), so that it may rely on a pid it is given
+    #: (cuda_ipc matches it against the process an expandable segment's handle names).
     pid: int = 0
 
 

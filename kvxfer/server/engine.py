@@ -1108,9 +1108,12 @@ class CacheServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             wanted = lt.transport.registration_type.__name__
             raise _invalid("registration", f"does not decode as {wanted}: {exc}") from None
-        if reg.pid and session.peer.pid is not None and reg.pid != session.peer.pid:  # (Registration.pid)
-            raise _invalid("registration", f"names process {reg.pid}, but it comes from process "
-                                           f"{session.peer.pid}: a registration names the engine that sends it")
+        here = session.peer.pid_here()  # Registration.pid: the kernel's word where it can be compared
+        if reg.pid and here and reg.pid != here:
+            raise _invalid("registration", f"names process {reg.pid}, but it comes from process {here}: a "
+                                           "registration names the engine that sends it")
+        if reg.pid != here:  # what the transport is given: that word, or 0 where there is none
+            reg = msgspec.structs.replace(reg, pid=here)
         with plugin_step(msg.transport, "addressable_bytes"):
             addressable = lt.server.addressable_bytes()
         layout = validate_registration(reg, self.config.chunk_size, self.arena.size, self.limits, addressable)

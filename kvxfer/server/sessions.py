@@ -26,6 +26,7 @@ Everything here is owned by the server's loop thread.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -54,6 +55,18 @@ class Peer:
         if m:
             return cls(raw, uid=int(m.group(1)), pid=int(m.group(3)))
         return cls(raw, curve_key=user)
+
+    def pid_here(self) -> int:
+        """The peer's process id where that process is in this process's PID namespace (the
+        kernel's word, the number that process knows itself by), else 0: over ``tcp://``, or
+        from another PID namespace (a container's), where the two numbers differ."""
+        if not self.pid:
+            return 0
+        try:
+            same = os.readlink(f"/proc/{self.pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+        except OSError:  # gone, or /proc hides it
+            return 0
+        return self.pid if same else 0
 
     def label(self) -> str:
         if self.pid is not None:

@@ -1012,6 +1012,36 @@ def test_a_registration_names_the_process_that_sends_it(debug_server):
             client.request(registration(ref, "cpu_gather", 9_000_012 + i, pid=pid))
 
 
+_IN_ANOTHER_PID_NAMESPACE = """
+import os, sys, torch
+from kvxfer import CacheClient, chunk_hashes
+assert os.getpid() == 1, os.getpid()  # the first process of its own PID namespace
+with CacheClient(sys.argv[1], timeout=30) as c:
+    layers = [torch.randn(2, 8, 16, 1, 8) for _ in range(2)]
+    kv = c.register(layers, model_name="ns", block_size=16, transport="cpu_gather")
+    hashes = chunk_hashes(list(range(64)), 64)
+    assert kv.submit_store(hashes, list(range(4))).result(30).stored == [0]
+    assert kv.submit_retrieve(hashes, list(range(4, 8))).result(30).loaded == [0]
+    assert all(torch.equal(t[:, :4], t[:, 4:8]) for t in layers)
+print("registered and round-tripped")
+"""
+
+
+def test_an_engine_in_another_pid_namespace_registers(debug_server, tmp_path):
+    """An engine in a container of its own (another PID namespace) knows itself by another pid
+    than the kernel reports to the server: its registration is taken (the server cannot compare
+    the two, and gives the transport no pid), not refused as naming another process."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a new PID namespace needs root and unshare(1)")
+    script = tmp_path / "ns.py"
+    script.write_text(_IN_ANOTHER_PID_NAMESPACE)
+    r = subprocess.run(["unshare", "--pid", "--fork", sys.executable, str(script), debug_server.url],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and "unshare failed" in r.stderr:
+        pytest.skip(f"this machine makes no PID namespace: {r.stderr.strip()[-200:]}")
+    assert r.returncode == 0 and "registered and round-tripped" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_connection_that_never_reads_its_replies_is_cut_off(debug_server):
     """A peer that sends requests and never reads the replies: once more than
     --max-unread-reply-bytes (64 MiB) wait for it, the server drops them, ends its session,

@@ -302,7 +302,8 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
     # ------------------------------------------------------------------ opening
 
     def _open(self, i: int, t: CudaIpcTensor, pid: int) -> torch.Tensor:
-        """Layer ``i`` of the engine of process ``pid``, opened (once per storage) and checked."""
+        """Layer ``i`` of the engine of process ``pid`` (0: not known), opened (once per storage)
+        and checked."""
         dtype = getattr(torch, t.dtype, None)
         if not isinstance(dtype, torch.dtype) or dtype != self.layout.dtype:
             raise ConfigError(f"layer {i}: dtype {t.dtype!r} but the registration says {self.layout.dtype}")
@@ -324,6 +325,11 @@ class CudaIpcServerContext(ServerContext[CudaIpcRegistration, CudaIpcParams]):
         except ConfigError as exc:
             raise ConfigError(f"layer {i}: {exc}") from None
         if pages is not None:  # before torch opens it: it takes the descriptors from the process named
+            if not pid:
+                raise ConfigError(f"layer {i}: the KV cache is in PyTorch's expandable segments, whose handles name "
+                                  "a process, and this server cannot tell which process registers it (over tcp://, "
+                                  "or from another PID namespace): connect over ipc:// from the server's PID "
+                                  "namespace, or allocate the KV cache without expandable segments")
             if pages[0] != pid:
                 raise ConfigError(f"layer {i}: its handle names the memory of process {pages[0]}, not of the engine "
                                   f"that registers it (process {pid})")
