@@ -1,4 +1,4 @@
-"""Private directories, checked on the path itself: never through a symbolic link.
+"""Private directories, checked on the path itself: never through a symbolic link of another user.
 
 kvxfer keeps what only its user may touch (the ``ipc://`` socket, the arena, liveness locks, a
 transport's files) in directories of that user that no one else can enter or change. Another
@@ -9,7 +9,7 @@ its place, or swap it later. So every such directory is
 * owned by the effective user and not writable by anyone else (modes it creates: 0700);
 * inside a trusted parent chain: every directory above it is owned by root or this user and not
   writable by others, unless it is sticky (``/tmp``, ``/dev/shm``: others cannot rename or remove
-  what is ours there).
+  what is ours there), and every symbolic link on the way is root's or this user's.
 
 Errors are :class:`kvxfer.errors.ConfigError` naming the path, what is wrong with it, and how to
 choose another.
@@ -17,6 +17,7 @@ choose another.
 
 from __future__ import annotations
 
+import collections
 import os
 import stat
 from pathlib import Path
@@ -32,19 +33,26 @@ def _refuse(what: str, path: Path, problem: str, hint: str) -> ConfigError:
 
 def check_trusted_parents(path: Path, what: str, hint: str = "") -> None:
     """Every directory above ``path`` is owned by root or us, and not writable by others unless
-    sticky: nobody else can move ``path`` away or put something in its place. The path is walked
-    as written, each name with ``lstat``: a symbolic link on the way must be root's or ours too
-    (in a sticky ``/tmp`` anyone may plant one, and swap where it leads between our check and
-    our use), and the directories it leads to are checked the same way."""
-    _check_chain(Path(os.path.abspath(path.parent)), path, what, hint, os.geteuid(), 0)
-
-
-#: Most symbolic links followed in one check (the kernel's own limit is 40).
-_MAX_LINKS = 40
-
-
-def _check_chain(d: Path, path: Path, what: str, hint: str, me: int, links: int) -> None:
-    for a in (d, *d.parents):
+    sticky: nobody else can move ``path`` away or put something in its place. The path is
+    walked as the kernel walks it, one name at a time with ``lstat`` (``..`` from where the walk
+    is): a symbolic link on the way must be root's or ours too (in a sticky ``/tmp`` anyone may
+    plant one, and swap where it leads between our check and our use), and the names it leads
+    to are walked the same way."""
+    me = os.geteuid()
+    parent = Path(path).parent
+    todo = collections.deque(parent.parts[1:] if parent.is_absolute() else (*Path(os.getcwd()).parts[1:],
+                                                                            *parent.parts))
+    at = Path("/")
+    _check_dir(at, os.lstat(at), path, what, hint, me)
+    links = 0
+    while todo:
+        name = todo.popleft()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            at = at.parent  # (a directory this walk checked on its way down)
+            continue
+        a = at / name
         try:
             st = os.lstat(a)
         except OSError as exc:
@@ -53,19 +61,31 @@ def _check_chain(d: Path, path: Path, what: str, hint: str, me: int, links: int)
             if st.st_uid not in (0, me):
                 raise _refuse(what, path, f"is reached through {a}, a symbolic link of uid {st.st_uid} (its owner "
                                           "could make it lead elsewhere)", hint)
-            if links >= _MAX_LINKS:
+            links += 1
+            if links > _MAX_LINKS:
                 raise _refuse(what, path, f"is reached through more than {_MAX_LINKS} symbolic links", hint)
-            # the link is root's or ours, in a directory this walk checks next: where it leads must
-            # be trusted as well (its target resolved from the directory that holds it)
-            target = Path(os.path.normpath(a.parent / os.readlink(a)))
-            _check_chain(target, path, what, hint, me, links + 1)
+            target = Path(os.readlink(a))
+            if target.is_absolute():
+                at = Path("/")
+            todo.extendleft(reversed(target.parts[1:] if target.is_absolute() else target.parts))
             continue
-        if st.st_uid not in (0, me):
-            raise _refuse(what, path, f"is inside {a}, which belongs to uid {st.st_uid} (others could replace "
-                                      "what kvxfer keeps there)", hint)
-        if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise _refuse(what, path, f"is inside {a}, which others may write to (mode "
-                                      f"{stat.S_IMODE(st.st_mode):o}, not sticky)", hint)
+        _check_dir(a, st, path, what, hint, me)
+        at = a
+
+
+#: Most symbolic links followed in one check (the kernel's own limit is 40).
+_MAX_LINKS = 40
+
+
+def _check_dir(a: Path, st: os.stat_result, path: Path, what: str, hint: str, me: int) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(what, path, f"cannot be checked: {a} is not a directory", hint)
+    if st.st_uid not in (0, me):
+        raise _refuse(what, path, f"is inside {a}, which belongs to uid {st.st_uid} (others could replace "
+                                  "what kvxfer keeps there)", hint)
+    if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise _refuse(what, path, f"is inside {a}, which others may write to (mode "
+                                  f"{stat.S_IMODE(st.st_mode):o}, not sticky)", hint)
 
 
 def check_private_dir(path: Path, what: str, hint: str = "", *, private: bool = True) -> os.stat_result:

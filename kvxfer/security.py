@@ -201,9 +201,10 @@ _KEY_LINE = re.compile(rb"^\s*(public|secret)-key\s*=\s*[\"']?([^\"'\s]*)[\"']?\
 
 
 def _check_trusted(path: Path, what: str, st: os.stat_result, read_only: bool) -> None:
-    """Refuse a file or folder that decides who gets in (``authorized/``, its key files, the key
-    directory) unless it is the server's user's or root's, and no one else can write it (or it is
-    on a read-only file system, as a Kubernetes Secret is), as ssh's StrictModes does: who can
+    """Refuse a file or folder that decides whom kvxfer trusts (a server's ``authorized/`` and its
+    key files, a key directory, a client's copy of the server's public key) unless it is this
+    user's or root's, and no one else can write it (or it is on a read-only file system, as a
+    Kubernetes Secret is), as ssh's StrictModes does: who can
     write it can let themselves in."""
     if st.st_uid not in (os.getuid(), 0):
         raise ConfigError(f"{what} {path} belongs to another user (uid {st.st_uid}); it decides whom kvxfer "
@@ -230,7 +231,8 @@ def _check_trusted_dir(path: Path, what: str) -> None:
 def _read_key_file(path: Path, what: str, keys_dir: Path, trusted: bool = False) -> bytes:
     """The bytes of key file ``path`` (of key directory ``keys_dir``): a regular file of at most
     :data:`MAX_KEY_FILE_BYTES` (a FIFO would block the reader, ``/dev/zero`` fill its memory).
-    With ``trusted`` (an authorized client key): :func:`_check_trusted` of the file read (the
+    With ``trusted`` (an authorized client key, the server's public key a client trusts):
+    :func:`_check_trusted` of the file read (the
     one a symbolic link names: a Kubernetes Secret's files are links)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

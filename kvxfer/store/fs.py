@@ -39,6 +39,7 @@ from typing import Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer.mq.throttled_log import ThrottledLog
 from kvxfer.private_dirs import ensure_private_dir
 from kvxfer.store.base import (
     STORE_API_VERSION,
@@ -162,6 +163,7 @@ class FsBackend(ThreadedBackend):
         self.max_size = max_size or 0
         self.fsync = fsync
         self._lock = threading.Lock()
+        self._throttled = ThrottledLog(log)  # lines a failing disk would repeat for every value
         #: file name -> size, least recently used first
         self._lru: OrderedDict[str, int] = OrderedDict()
         self.used = 0
@@ -301,22 +303,19 @@ class FsBackend(ThreadedBackend):
 
     def _gone(self, name: str) -> None:
         """A get found no file ``name``: forget it, unless a put wrote one there meanwhile (under
-        the lock, as puts write: forgetting a put's file would leave it on disk, uncounted)."""
-        with self._lock, self._subdir(name[:2]) as sub:
-            if sub is not None:
-                try:
-                    os.stat(name, dir_fd=sub, follow_symlinks=False)
-                    return  # a put's, since
-                except FileNotFoundError:
-                    pass
-            self._forget(name)
-
-    def _drop_unreadable(self, name: str) -> None:
-        """Forget value ``name``, which cannot be read, and remove its file (where it can be)."""
+        the lock, as puts write: forgetting a put's file would leave it on disk, uncounted), or
+        what is there cannot be told (left as it is)."""
         with self._lock:
+            try:
+                with self._subdir(name[:2]) as sub:
+                    if sub is not None:
+                        os.stat(name, dir_fd=sub, follow_symlinks=False)
+                        return  # a put's, since
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return
             self._forget(name)
-            with contextlib.suppress(OSError):  # (EIO again, a read-only file system: what can be done is)
-                self._unlink(name)
 
     def _not_a_value(self, name: str) -> None:
         """A get met no value the store wrote under ``name`` (a link, a socket, a FIFO, a device,
@@ -414,10 +413,9 @@ class FsBackend(ThreadedBackend):
                     continue
                 try:
                     got = _readv_all(fd, parts)
-                except OSError as exc:  # EIO (a bad sector, say): this value is lost, not the store
-                    log.warning("fs store %s: value %s cannot be read (%s): removed", self.root, name,
-                                exc.strerror or exc)
-                    self._drop_unreadable(name)
+                except OSError as exc:  # EIO (a bad sector, a soft NFS mount's timeout): this value, this time
+                    self._throttled.warning("unreadable", f"fs store {self.root}: value {name} cannot be read "
+                                                          f"({exc.strerror or exc}): a miss this time")
                     out.append(GetStatus.MISS)
                     continue
                 out.append(GetStatus.HIT if got == want else GetStatus.WRONG_SIZE)

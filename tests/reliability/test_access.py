@@ -191,7 +191,7 @@ def test_kvxfer_keys_never_changes_an_existing_directory_and_names_what_it_canno
         r = kvxfer_cli("keys", bad)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = kvxfer_cli("status", "--url", "tcp://127.0.0.1:1", "--curve-dir", "/dev/null", "--timeout", "1")
-    assert r.returncode == 2 and "/dev/null/client.key_secret: Not a directory" in r.stderr, r.stderr
+    assert r.returncode == 2 and "key directory /dev/null is not a directory" in r.stderr, r.stderr
 
 
 # --------------------------------------------------------------------------- tcp://

@@ -566,6 +566,36 @@ def test_a_symbolic_link_on_the_way_to_a_private_directory_must_be_root_s_or_our
         assert (good / "l2").is_dir()
 
 
+def test_dot_dot_after_a_symbolic_link_is_walked_as_the_kernel_walks_it(private_tmp):
+    """``..`` applies to where the link before it leads, as in the kernel: a home reached through
+    a link whose cache links to ``../../scratch/u`` is the scratch directory beside the home's
+    real place (taken), and ``e/../mine`` through another user's link ``e`` is checked through
+    ``e`` (refused), not read as ``mine`` beside it."""
+    from kvxfer.private_dirs import ensure_private_dir
+
+    data = private_tmp / "data"
+    (data / "home" / "u").mkdir(parents=True, mode=0o700)
+    (data / "scratch" / "u").mkdir(parents=True, mode=0o700)
+    (private_tmp / "home").symlink_to(data / "home")
+    (data / "home" / "u" / "cache").symlink_to("../../scratch/u")
+    ensure_private_dir(private_tmp / "home" / "u" / "cache" / "l2", "fs store directory")
+    assert (data / "scratch" / "u" / "l2").is_dir()
+    if os.geteuid() != 0:
+        return  # planting another user's link needs root
+    sticky = private_tmp / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    (sticky / "mine").mkdir(mode=0o700)
+    elsewhere = private_tmp / "elsewhere" / "sub"
+    elsewhere.mkdir(parents=True, mode=0o700)
+    (elsewhere.parent / "mine").mkdir(mode=0o700)
+    (sticky / "e").symlink_to(elsewhere)
+    os.lchown(sticky / "e", NOBODY, NOBODY)
+    with pytest.raises(KvxferError, match=f"a symbolic link of uid {NOBODY}"):
+        ensure_private_dir(sticky / "e" / ".." / "mine" / "l2", "fs store directory")
+    assert not (elsewhere.parent / "mine" / "l2").exists() and not (sticky / "mine" / "l2").exists()
+
+
 def test_a_client_sends_nothing_to_a_listener_of_another_user_behind_its_own_socket_file(private_tmp):
     """The socket file is the client's own user's and in its directory, but the process
     listening on it is another user's (the file was swapped under the client between its
