@@ -993,8 +993,9 @@ class ValkeyStore(Store):
                 _close_client(probe)
         if cluster is None:
             # a plain-text port met with TLS looks like a node that does not answer: its handshake times out
-            tls = (" (a valkeys:// URL speaks TLS: a node that serves plain text at that port never completes the "
-                   "handshake; use valkey:// for it)") if kw.get("ssl") and any("Timeout" in e for e in errors) else ""
+            timed_out = kw.get("ssl") and any("Timeout" in e for e in errors)
+            tls = (" (if that port serves plain text: a valkeys:// URL speaks TLS, whose handshake a plain-text "
+                   "node never completes; use valkey:// for it)") if timed_out else ""
             raise StoreUnavailable(f"no Valkey node answered at {where}: {'; '.join(errors)}{tls}")
         if cluster:
             kw.pop("db", None)

@@ -24,7 +24,7 @@ from kvxfer.store import StoreOptions
 from kvxfer.testing import StoreConformance
 from kvxfer_valkey import ValkeyServer, ValkeyStore
 from kvxfer_valkey.connection import raw_socket
-from kvxfer_valkey.local import TlsTerminator, stunnel_binary
+from kvxfer_valkey.local import TlsTerminator, free_port, stunnel_binary
 
 
 def _need_stunnel() -> None:
@@ -88,8 +88,12 @@ def test_a_valkeys_url_at_a_plain_text_port_says_so(tls: TlsTerminator) -> None:
     would: the error names the likelier cause (a server with such a URL stayed 'down' for ever,
     retrying, with only a timeout in its log)."""
     url = tls.url.replace(f":{tls.port}", f":{tls.target_port}", 1)
-    with pytest.raises(StoreUnavailable, match="a valkeys:// URL speaks TLS: a node that serves plain text"):
+    with pytest.raises(StoreUnavailable, match="if that port serves plain text: a valkeys:// URL speaks TLS"):
         ValkeyStore().open(url, StoreOptions(timeout_s=1.0))
+    closed = tls.url.replace(f":{tls.port}", f":{free_port()}", 1)  # refused at once: no TLS mismatch to suggest
+    with pytest.raises(StoreUnavailable) as refused:
+        ValkeyStore().open(closed, StoreOptions(timeout_s=1.0))
+    assert "plain text" not in str(refused.value), refused.value
 
 
 @pytest.mark.parametrize("change, named", [
