@@ -216,11 +216,14 @@ def _check_trusted(path: Path, what: str, st: os.stat_result, read_only: bool) -
                           f"them: run `chmod go-w {path}`")
 
 
-def _check_trusted_dir(path: Path, what: str) -> None:
-    """:func:`_check_trusted` for a directory (the one a symbolic link names, if it is one)."""
+def _check_trusted_dir(path: Path, what: str, hint: str = "") -> None:
+    """:func:`_check_trusted` for a directory (the one a symbolic link names, if it is one);
+    ``hint`` follows the error of one that does not exist."""
     try:
         st = os.stat(path)
         read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist{hint}") from None
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
@@ -381,7 +384,7 @@ def load_client_keys(directory: Path, name: str = CLIENT_NAME) -> CurveClientKey
     _require_curve()
     directory = Path(directory)
     check_client_name(name)
-    _check_trusted_dir(directory, "key directory")
+    _check_trusted_dir(directory, "key directory", f"; make keys with `kvxfer keys {directory}`")
     if not (directory / f"{name}.key_secret").exists() and (directory / f"{SERVER_NAME}.key").exists():
         raise ConfigError(f"client {name!r} has no keys in {directory}; add them with "
                           f"`kvxfer keys {directory} --client {name}`")
