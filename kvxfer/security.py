@@ -204,8 +204,7 @@ def _check_trusted(path: Path, what: str, st: os.stat_result, read_only: bool) -
     """Refuse a file or folder that decides whom kvxfer trusts (a server's ``authorized/`` and its
     key files, a key directory, a client's copy of the server's public key) unless it is this
     user's or root's, and no one else can write it (or it is on a read-only file system, as a
-    Kubernetes Secret is), as ssh's StrictModes does: who can
-    write it can let themselves in."""
+    Kubernetes Secret is), as ssh's StrictModes does: who can write it can make kvxfer trust them."""
     if st.st_uid not in (os.getuid(), 0):
         raise ConfigError(f"{what} {path} belongs to another user (uid {st.st_uid}); it decides whom kvxfer "
                           "trusts (the clients a server lets in, the server a client talks to), so it must be this "
