@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["ensure_private_dir", "check_private_dir", "check_trusted_parents", "open_private_dir"]
+__all__ = ["ensure_private_dir", "make_missing_dirs", "check_private_dir", "check_trusted_parents", "open_private_dir"]
 
 
 def _refuse(what: str, path: Path, problem: str, hint: str) -> ConfigError:
@@ -118,12 +118,23 @@ def ensure_private_dir(path: Path, what: str, hint: str = "", *, private: bool =
     parents (:func:`check_private_dir`, :func:`check_trusted_parents`). An existing directory
     must not be writable by others; with ``private``, not open to them at all."""
     path = Path(path)
+    make_missing_dirs(path, what, hint)
+    check_private_dir(path, what, hint, private=private)
+    return path
+
+
+def make_missing_dirs(path: Path, what: str, hint: str = "") -> None:
+    """Create ``path`` and its missing parents (0700), each only after the directories above it
+    passed :func:`check_trusted_parents` (nothing is made where it is not ours to make: through
+    another user's link, say); then check the parents of ``path`` itself. ``path`` itself, new
+    or not, is the caller's to check."""
+    path = Path(path)
     missing = []
     p = path
     while not os.path.lexists(p) and p != p.parent:
         missing.append(p)
         p = p.parent
-    if missing:  # nothing is made where it is not ours to make (through another user's link, say)
+    if missing:
         check_trusted_parents(missing[-1], what, hint)
     for d in reversed(missing):
         try:
@@ -133,8 +144,6 @@ def ensure_private_dir(path: Path, what: str, hint: str = "", *, private: bool =
         except OSError as exc:  # a read-only file system, a directory not ours to write in
             raise _refuse(what, path, f"cannot be made ({d}: {exc.strerror})", hint) from None
     check_trusted_parents(path, what, hint)
-    check_private_dir(path, what, hint, private=private)
-    return path
 
 
 def open_private_dir(path: Path, what: str, hint: str = "") -> int:

@@ -40,6 +40,7 @@ from zmq.utils import z85
 from kvxfer.errors import ConfigError
 from kvxfer.mq.client import CurveClientKeys
 from kvxfer.mq.server import CurveServerKeys
+from kvxfer.private_dirs import make_missing_dirs
 
 __all__ = [
     "SERVER_NAME",
@@ -67,16 +68,14 @@ def _require_curve() -> None:
 
 
 def _private_dir(path: Path) -> None:
-    """Create ``path`` (0700) or check that an existing one is ours and open to nobody else (an
-    existing directory is never changed: ``kvxfer keys /tmp`` must not make /tmp private)."""
+    """Create ``path`` (0700, and missing parents 0700) or check that an existing one is ours and
+    open to nobody else (an existing directory is never changed: ``kvxfer keys /tmp`` must not
+    make /tmp private). Nothing is made before the directories above are checked
+    (:func:`~kvxfer.private_dirs.make_missing_dirs`): keys made through another user's link, or
+    inside a directory others can write, could be moved away or replaced by their owner."""
     if not str(path) or str(path) == ".":
         raise ConfigError("name the key directory to make or use, e.g. `kvxfer keys ~/.kvxfer-keys`")
-    try:
-        path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise ConfigError(f"cannot make the key directory {path}: {exc.strerror or exc}") from None
+    make_missing_dirs(path, "key directory", "choose a directory of your own for the keys")
     try:
         st = os.stat(path, follow_symlinks=False)
     except OSError as exc:

@@ -184,7 +184,7 @@ def test_kvxfer_keys_never_changes_an_existing_directory_and_names_what_it_canno
     own.chmod(0o755)
     r = kvxfer_cli("keys", str(own))
     assert r.returncode == 2 and f"or run `chmod 700 {own}` if this one is meant for keys alone" in r.stderr
-    for bad, says in ((str(tmp_path / "file" / "keys"), "cannot make the key directory"),
+    for bad, says in ((str(tmp_path / "file" / "keys"), f"cannot be checked: {tmp_path / 'file'} is not a directory"),
                       (str(tmp_path / "file"), "exists and is not a directory"),
                       ("", "name the key directory")):
         (tmp_path / "file").write_text("x")

@@ -538,11 +538,13 @@ def test_a_client_sends_nothing_to_a_socket_of_another_user(private_tmp, planted
 def test_a_symbolic_link_on_the_way_to_a_private_directory_must_be_root_s_or_ours(private_tmp, owner):
     """In a sticky directory (``/tmp``) anyone may plant a symbolic link, and make it lead to a
     directory of theirs between the check of a path and its use (the server's socket directory,
-    the fs store's directory, a client's way to its server). A link on the way is taken only
+    the fs store's directory, the key directory ``kvxfer keys`` makes, a client's way to its
+    server). A link on the way is taken only
     when it is root's or ours: another user's is refused, by the server's and the client's
     checks alike (they resolved the path first, and so checked only where it led then)."""
     if os.geteuid() != 0:
         pytest.skip("planting another user's link needs root")
+    from kvxfer.security import make_keys
     from kvxfer.store import StoreOptions
     from kvxfer.store.fs import FsStore
 
@@ -561,9 +563,14 @@ def test_a_symbolic_link_on_the_way_to_a_private_directory_must_be_root_s_or_our
         assert not (good / "l2").exists()
         with pytest.raises(KvxferError, match=f"a symbolic link of uid {NOBODY}"):
             CacheClient(f"ipc://{link}/srv/kvxfer.sock", connect_timeout=2.0).close()
+        with pytest.raises(KvxferError, match=f"a symbolic link of uid {NOBODY}"):
+            make_keys(link / "keys")
+        assert not (good / "keys").exists()
     else:
         FsStore().open(f"file://{link}/l2", StoreOptions()).close_connections()
         assert (good / "l2").is_dir()
+        make_keys(link / "keys")
+        assert (good / "keys" / "authorized").is_dir()
 
 
 def test_dot_dot_after_a_symbolic_link_is_walked_as_the_kernel_walks_it(private_tmp):
