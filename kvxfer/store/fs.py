@@ -8,7 +8,9 @@
   its folder) when the URL says ``fsync=1``;
 * a byte budget (``max_size``, default: 90% of what the store may take at open: the file
   system's free space plus its own files, so that a restart does not shrink it) kept by
-  evicting the least recently used files; reads count as use;
+  evicting the least recently used files; reads count as use; the temporary files being
+  written count too (a put evicts before it writes, and waits while other puts' temporary
+  files leave no room), so the disk never holds more than the budget;
 * the directory is private (0700, files 0600; checked as :mod:`kvxfer.private_dirs` checks
   kvxfer's own: never through a symbolic link) and held by one server at a time (an exclusive
   ``flock``): give each server its own directory. Every file operation goes through descriptors
@@ -163,10 +165,14 @@ class FsBackend(ThreadedBackend):
         self.max_size = max_size or 0
         self.fsync = fsync
         self._lock = threading.Lock()
+        #: a put whose temporary file would not fit waits here for other puts' to be renamed
+        self._room = threading.Condition(self._lock)
         self._throttled = ThrottledLog(log)  # lines a failing disk would repeat for every value
         #: file name -> size, least recently used first
         self._lru: OrderedDict[str, int] = OrderedDict()
         self.used = 0
+        #: bytes of the temporary files being written: inside the budget too, never evicted
+        self._writing = 0
         self.evictions = 0
         self._tmp_ids = itertools.count()
         # checked on the path itself (a symbolic link in its place, or in a parent others may
@@ -362,12 +368,27 @@ class FsBackend(ThreadedBackend):
             self._make_room(0)
 
     def _make_room(self, size: int) -> None:
-        """Evict least recently used files until ``size`` more bytes fit (lock held or init)."""
-        while self._lru and self.used + size > self.max_size:
+        """Evict least recently used files until ``size`` more bytes fit beside the values and
+        the temporary files being written (lock held or init)."""
+        while self._lru and self.used + self._writing + size > self.max_size:
             name, old = self._lru.popitem(last=False)
             self.used -= old
             self.evictions += 1
             self._unlink(name)
+
+    def _reserve(self, size: int) -> None:
+        """Count the ``size`` bytes of a temporary file about to be written inside the budget:
+        evict for them, or wait while other puts' temporary files (never evicted) leave no room."""
+        with self._room:
+            while self._writing and self._writing + size > self.max_size:
+                self._room.wait()
+            self._make_room(size)
+            self._writing += size
+
+    def _unreserve(self, size: int) -> None:
+        """``size`` bytes of a temporary file are no longer being written (lock held)."""
+        self._writing -= size
+        self._room.notify_all()
 
     # ------------------------------------------------------------------ blocking operations
 
@@ -439,6 +460,8 @@ class FsBackend(ThreadedBackend):
                 if sub is None:  # a link or a file where its subdirectory goes: not written through
                     out.append(False)
                     continue
+                self._reserve(size)
+                reserved = size
                 try:
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                                  dir_fd=sub)
@@ -449,6 +472,8 @@ class FsBackend(ThreadedBackend):
                     finally:
                         os.close(fd)
                     with self._lock:
+                        self._unreserve(size)  # counted as the value from here
+                        reserved = 0
                         old = self._forget(name)  # not evicted to make its own room
                         self._make_room(size)
                         try:
@@ -472,6 +497,10 @@ class FsBackend(ThreadedBackend):
                         out.append(False)  # something not a value's file in its place: this key only is refused
                         continue
                     raise
+                finally:
+                    if reserved:
+                        with self._lock:
+                            self._unreserve(reserved)
             out.append(True)
         return out
 
