@@ -296,13 +296,17 @@ def reread_authorized_keys(authorized: Path, before: frozenset[bytes]) -> tuple[
     folder gone or unreadable, no keys left, too many, a file that is no key) the keys of
     ``before`` that are still there as readable key files stay, and no other: a key taken out
     is refused even when the rest of the folder is wrong, and an emptied folder lets no client
-    in. A key added comes in only with a folder that reads cleanly."""
+    in; nor does a folder, or a key directory, that others may write (a revoked key's file put
+    back by one of them would keep it in). A key added comes in only with a folder that reads
+    cleanly."""
     authorized = Path(authorized)
     try:
         return _authorized_keys(authorized, authorized.parent), None
     except ConfigError as exc:
         error = str(exc)
-    try:
+    try:  # a folder others may write lets no one in: what it lists is anyone's word
+        _check_trusted_dir(authorized.parent, "key directory")
+        _check_trusted_dir(authorized, "authorized client keys")
         names = _key_names(authorized)[:MAX_AUTHORIZED_KEYS]
     except ConfigError:
         return frozenset(), error

@@ -614,7 +614,7 @@ class MQServer:
         longer reads as one of keys (gone, emptied, too many, a file that does not parse) is
         logged as an error and lets in only the clients it still lists readably of those let in
         before (:func:`kvxfer.security.reread_authorized_keys`): a revocation is never undone by
-        a mistake elsewhere in the folder. Returns the number of keys now authorized, or None for
+        a mistake elsewhere in the folder (a folder others may write lets no one in). Returns the number of keys now authorized, or None for
         an ``ipc://`` server."""
         from kvxfer.security import reread_authorized_keys
 
