@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import contextlib
 import math
 import os
 import queue
@@ -255,6 +256,8 @@ class MQServer:
         self._poller = select.epoll()
         #: the ipc:// connections (None on tcp:// and inproc://, served by the ROUTER socket)
         self._unix: UnixListener | None = None
+        #: (device, inode) of the socket file this server bound: the only file at its path it removes
+        self._socket_file: tuple[int, int] | None = None
         try:
             self._listen(url, curve, max_message_size, max_unread_reply_bytes, max_connections)
         except BaseException:  # a refused bind leaves no thread or descriptor behind
@@ -340,6 +343,7 @@ class MQServer:
             sock.close()
             raise ConfigError(f"the socket {path} is not what this server just bound (replaced?); "
                               f"{socket_dir_hint()}")
+        self._socket_file = (st.st_dev, st.st_ino)
         return sock
 
     # ------------------------------------------------------------------ thread-safe
@@ -652,11 +656,13 @@ class MQServer:
         if self._auth is not None:
             self._auth.stop()
         path = ipc_path(self.url)
-        if path is not None:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        if path is not None and self._socket_file is not None:
+            # only the file this server bound: its directory removed and a new server started
+            # there meanwhile, the socket at the path is that server's, which would be cut off
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) == self._socket_file:
+                    path.unlink()
 
 
 class _Authorized:

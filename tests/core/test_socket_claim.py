@@ -124,6 +124,24 @@ def test_a_server_restarted_after_a_crash_is_waited_for_through_its_predecessors
             successor.stop()
 
 
+def test_a_stopping_server_removes_only_the_socket_it_bound(tmp_path: Path) -> None:
+    """Server A's socket directory is deleted while it runs (by hand, or a cleaner of stale
+    files), and server B starts at the same url. A stops: B's socket stays, and clients reach B
+    (A removed whatever was at its path, and left B running and unreachable)."""
+    import shutil
+
+    from kvxfer.client import CacheClient
+
+    url = f"ipc://{tmp_path}/run/kvxfer.sock"
+    with ServerProcess(l1_size="8MiB", url=url) as a:
+        shutil.rmtree(tmp_path / "run")
+        with ServerProcess(l1_size="8MiB", url=url) as b:
+            assert a.stop() == 0
+            assert Path(url[len("ipc://"):]).exists(), "the stopping server removed another's socket"
+            with CacheClient(url, connect_timeout=10.0) as client:
+                assert client.status().pid == b.proc.pid
+
+
 def test_a_server_dropped_without_serving_lets_its_socket_go(tmp_path: Path) -> None:
     """A CacheServer made in a process and dropped without serve_forever (its claim collected
     with it): another server can be made at the same socket."""
