@@ -35,9 +35,9 @@ requests while the loop was busy made the server hold gigabytes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
-import contextlib
 import math
 import os
 import queue
@@ -618,8 +618,8 @@ class MQServer:
         longer reads as one of keys (gone, emptied, too many, a file that does not parse) is
         logged as an error and lets in only the clients it still lists readably of those let in
         before (:func:`kvxfer.security.reread_authorized_keys`): a revocation is never undone by
-        a mistake elsewhere in the folder (a folder others may write lets no one in). Returns the number of keys now authorized, or None for
-        an ``ipc://`` server."""
+        a mistake elsewhere in the folder (a folder others may write lets no one in). Returns the
+        number of keys now authorized, or None for an ``ipc://`` server."""
         from kvxfer.security import reread_authorized_keys
 
         if self._authorized is None or self._authorized_dir is None:
