@@ -538,15 +538,16 @@ class CacheServer:
         """Serve until :meth:`stop`. With ``install_signal_handlers`` (the main thread only),
         SIGTERM and SIGINT stop the server; a second one exits at once (see :meth:`_on_signal`);
         SIGHUP reads the authorized client keys again (:meth:`MQServer.reload_authorized`) on a
-        ``tcp://`` server, and stops an ``ipc://`` one as SIGTERM does unless it was ignored
-        (``nohup``: ignored still; by default it ended the server, leaving its socket)."""
+        ``tcp://`` server, and stops an ``ipc://`` one as SIGTERM does (however many come:
+        :meth:`_on_terminal_closed`) unless it was ignored (``nohup``: ignored still; by default
+        it ended the server, leaving its socket)."""
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
             if self._mq.curve:
                 signal.signal(signal.SIGHUP, self._on_hangup)
             elif signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # not under nohup: a closed terminal
-                signal.signal(signal.SIGHUP, self._on_signal)  # stops it as SIGTERM does, removing its socket
+                signal.signal(signal.SIGHUP, self._on_terminal_closed)  # stops it, removing its socket
             exits_on_the_main_thread_are_plugin_failures()  # its handlers raise nothing: any exit is a plugin's
         self.hooks.call("kvxfer_server_started", server=self)
         log.info("kvxfer %s serving %s: arena %s at %s, chunk size %d, transports %s%s",
@@ -567,6 +568,15 @@ class CacheServer:
     def _on_hangup(self, signum: int, frame: FrameType | None) -> None:
         """SIGHUP (a ``tcp://`` server): :meth:`reload_authorized_keys`."""
         self.reload_authorized_keys()
+
+    def _on_terminal_closed(self, signum: int, frame: FrameType | None) -> None:
+        """SIGHUP (an ``ipc://`` server): stop, as on the first SIGTERM, and never exit at once on
+        a second one: a closing terminal sends its foreground job SIGHUP more than once (the
+        shell passes its own on, then the kernel signals the foreground group), and a server that
+        exited at once left its arena's memory behind."""
+        if not self._stop_signalled:
+            self._stop_signalled = True
+            self.stop()
 
     def reload_authorized_keys(self) -> None:
         """Read the authorized client keys again (a ``tcp://`` server), at the loop's next tick
