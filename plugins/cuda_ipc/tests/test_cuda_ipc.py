@@ -486,6 +486,48 @@ def test_an_engine_with_expandable_segments_registers_and_round_trips(server: Se
     assert run.returncode == 0 and "round trip ok, claims checked" in run.stdout, run.stdout + run.stderr
 
 
+_EXPANDABLE_OVER_TCP = """
+import sys
+from kvxfer import CacheClient, RemoteError
+from kvxfer.security import load_client_keys
+from kvxfer.testing.kvdata import KVSpec, make_kv
+from kvxfer.transport import LayoutKind
+spec = KVSpec(LayoutKind.FLASH_ATTN, "bfloat16", num_layers=2, num_blocks=64, block_size=16, heads=8, head_size=128)
+client = CacheClient(sys.argv[1], curve=load_client_keys(sys.argv[2]), connect_timeout=60)
+src = make_kv(spec, "cuda", seed=11)
+try:
+    client.register(src, model_name="expandable-tcp", block_size=16, transport="cuda_ipc")
+    print("taken")
+except RemoteError as exc:
+    print("refused:", exc)
+client.close()
+"""
+
+
+@needs_cuda
+def test_an_expandable_segments_kv_cache_is_refused_where_the_server_cannot_tell_its_process(tmp_path) -> None:
+    """Over ``tcp://`` (as from another PID namespace) the server has no word of the kernel's for
+    the process that registers: an expandable-segment handle, which names a process whose page
+    descriptors torch would take, is then refused with what to do, before torch opens it."""
+    import socket
+
+    from kvxfer.security import make_keys
+
+    make_keys(tmp_path / "keys")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "expandable_tcp.py"
+    script.write_text(_EXPANDABLE_OVER_TCP)
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    with ServerProcess(l1_size="64MiB", url=f"tcp://127.0.0.1:{port}", transports="cuda_ipc",
+                       curve_dir=tmp_path / "keys") as srv:
+        run = subprocess.run([sys.executable, str(script), srv.url, str(tmp_path / "keys")], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "refused:" in run.stdout and "cannot tell which process registers it" in run.stdout, run.stdout
+
+
 @needs_cuda
 def test_a_kv_cache_larger_than_the_gpu_is_refused(server: ServerProcess) -> None:
     client = CacheClient(server.url)
