@@ -8,7 +8,8 @@ options and markers.
   :mod:`kvxfer.testing.store_suite` (and of any :class:`~kvxfer.testing.StoreConformance`
   subclass that sets no ``store``);
 * a kit test replaced on a subclass after its definition stops the run (overriding one in
-  the class body is refused when the class is defined);
+  the class body is refused when the class is defined), and so does one that a mark skips or
+  expects to fail (a class decorator's, a module's ``pytestmark``, one added by a conftest);
 * every kit test gets the marker ``kvxfer_conformance`` (select with ``-m kvxfer_conformance``),
   and those of a class whose ``device`` is ``cuda`` also ``gpu``.
 """
@@ -16,8 +17,12 @@ options and markers.
 from __future__ import annotations
 
 import sys
+from typing import Final
 
 import pytest
+
+#: Marks that would silence a kit test: refused on a kit's class and on each kit test.
+SILENCING_MARKS: Final = frozenset({"skip", "skipif", "xfail"})
 
 # the kits' assertions say what they compared, however kvxfer is installed (pytest rewrites the
 # modules of a plugin's distribution by itself only when its files are listed, not for an
@@ -80,7 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         mod = sys.modules.get(module)
         if mod is not None:  # nothing collected uses a kit not imported (importing it imports torch)
             kits.append(getattr(mod, attr))
-    replaced = []
+    replaced, silenced = [], []
     for item in items:
         cls = getattr(item, "cls", None)
         kit = next((k for k in kits if cls is not None and issubclass(cls, k)), None)
@@ -91,9 +96,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.kvxfer_conformance)
             if getattr(cls, name, None) is not getattr(kit, name):
                 replaced.append(f"{cls.__qualname__}.{name}")
+            marks = sorted({m.name for m in item.iter_markers() if m.name in SILENCING_MARKS})
+            if marks:
+                silenced.append(f"{cls.__qualname__} ({', '.join(marks)})")
         device = getattr(cls, "device", None) or config.getoption("kvxfer_device", None) or "cpu"
         if str(device).startswith("cuda"):
             item.add_marker(pytest.mark.gpu)
+    if silenced:
+        raise pytest.UsageError(
+            f"kvxfer conformance kit tests are marked to be skipped or to fail: {', '.join(sorted(set(silenced)))}. "
+            f"Let the probe() of what is under test say why it cannot run here instead: the kit then skips "
+            f"(or, with --kvxfer-require-available, fails) with that reason"
+        )
     if replaced:
         raise pytest.UsageError(
             f"kvxfer conformance kit tests were replaced: {', '.join(sorted(set(replaced)))}. The kit's "

@@ -27,13 +27,13 @@ from kvxfer.testing.conformance.lifecycle import LifecycleTests
 from kvxfer.testing.conformance.registration import RegistrationTests
 from kvxfer.testing.conformance.roundtrip import RoundTripTests
 from kvxfer.testing.conformance.sharing import SharingTests
+from kvxfer.testing.plugin import SILENCING_MARKS
 
 __all__ = ["TransportConformance", "OverrideError", "refuse_overrides", "guard_test"]
 
 #: What a subclass may set.
 CONFIGURABLE: Final = frozenset({"transport", "device"})
 #: Marks that would silence the kit's tests; the kit skips by itself.
-_SILENCING_MARKS: Final = frozenset({"skip", "skipif", "xfail"})
 
 
 class OverrideError(TypeError):
@@ -70,7 +70,7 @@ def refuse_overrides(cls: type, kit: type, configurable: frozenset[str], what: s
             f"and fixtures must not be overridden: the kit skips what the {what} does not claim "
             f"{claims}. Set only {', '.join(sorted(configurable))}; add your own tests under other names."
         )
-    silencing = [m.name for m in _marks(vars(cls).get("pytestmark")) if m.name in _SILENCING_MARKS]
+    silencing = [m.name for m in _marks(vars(cls).get("pytestmark")) if m.name in SILENCING_MARKS]
     if silencing:
         raise OverrideError(
             f"{cls.__qualname__} marks the whole kvxfer conformance kit with {', '.join(silencing)}; "

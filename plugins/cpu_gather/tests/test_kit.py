@@ -215,6 +215,25 @@ def test_skipping_the_whole_kit_by_mark_is_refused() -> None:
             pytestmark = pytest.mark.skip(reason="later")
 
 
+@pytest.mark.parametrize("how", ["decorator", "module", "store kit"])
+def test_a_kit_test_marked_to_skip_after_its_class_is_defined_stops_the_run(tmp_path: Path, how: str) -> None:
+    """A mark the class body does not hold (a class decorator's, a module's ``pytestmark``) reaches
+    the kit's tests only at collection: the run stops there with a usage error naming the class
+    (such a class ran as all skipped, passing, even with ``--kvxfer-require-available``)."""
+    kit, name = ("StoreConformance", "store = 'fs'") if how == "store kit" else \
+        ("TransportConformance", "transport = 'cpu_gather'")
+    mark = "@pytest.mark.skip(reason='later')\n" if how != "module" else ""
+    (tmp_path / "test_silenced.py").write_text(
+        f"import pytest\nfrom kvxfer.testing import {kit}\n\n"
+        + ("pytestmark = pytest.mark.xfail(reason='later')\n\n" if how == "module" else "")
+        + f"{mark}class TestSilenced({kit}):\n    {name}\n"
+    )
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kvxfer-require-available",
+                           "test_silenced.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error: nothing ran
+    assert "kit tests are marked to be skipped or to fail: TestSilenced" in proc.stderr, proc.stdout + proc.stderr
+
+
 def test_own_tests_and_other_marks_are_allowed() -> None:
     class TestExtended(TransportConformance):
         transport = "cpu_gather"
