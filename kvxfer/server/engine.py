@@ -72,9 +72,10 @@ from kvxfer.server.index import ChunkIndex, ChunkKey, Entry, Reservation, State
 from kvxfer.server.limits import Limits
 from kvxfer.server.sessions import Parked, Peer, Session
 from kvxfer.server.stats import ServerStats
-from kvxfer.server.tier import L2Tier, TierLookup, all_settled, settle_once
+from kvxfer.server.tier import L2Tier, StoreOpener, TierLookup, all_settled, settle_once
 from kvxfer.server.warmth import Warmer
 from kvxfer.server.workers import Lane, LaneSlot, WorkerPool
+from kvxfer.store.base import Backend
 from kvxfer.store.format import CHUNK_FORMAT_MAX_BYTES
 from kvxfer.store.registry import get_store
 from kvxfer.text_table import printable
@@ -388,7 +389,15 @@ class CacheServer:
         """The rest of ``__init__``: the arena, transports, socket, L2 tier, metrics."""
         self.started = time.time()
         self.hooks = hooks if hooks is not None else HookRelay()
-        self.arena = Arena.create(config.l1_size, config.shm_dir)
+        # the L2 store first: a URL it cannot use, or credentials it refuses, stop the server at
+        # once rather than after the arena is made (seconds for a large one)
+        first = StoreOpener(config.l2).open_first() if config.l2 is not None else None
+        try:
+            self.arena = Arena.create(config.l1_size, config.shm_dir)
+        except BaseException:
+            if isinstance(first, Backend):
+                first.close()
+            raise
         self.limits = config.limits.resolved(self.arena.size)
         self.index = ChunkIndex(self.arena.size, on_evict=self._on_evict)
         self.contexts: dict[int, RegisteredContext] = {}
@@ -458,12 +467,15 @@ class CacheServer:
             if config.l2 is not None:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
                                    watch=self._mq.watch, unwatch=self._mq.unwatch, tick_by=self._mq.tick_by)
-                self.tier.start()
+                self.tier.start(first)
+                first = None  # the tier's now
             if self._metrics is not None:
                 self._metrics.start()
         except BaseException:
             if self.tier is not None:
                 self.tier.close()
+            if isinstance(first, Backend):
+                first.close()
             if mq is not None:
                 mq.close()
             self._close_transports()

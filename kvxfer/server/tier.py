@@ -472,6 +472,69 @@ def _answer_on_loop(lk: TierLookup, fut: Future[list[int]]) -> None:
     lk.tier.call_soon(lambda: lk.arrived(sizes, exc, checked=True))
 
 
+class StoreOpener:
+    """The store a tier's config names, and how it is opened: its URL redacted, its errors made
+    safe to show. The tier opens it at start and again on every retry; the server opens it once
+    before it makes its arena (seconds for a large one), so that a URL the store cannot use, or
+    credentials it refuses, stop the server at once (:meth:`open_first`)."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+        self.store: Store = get_store(config.store)
+        self.url = self.store.redact(config.url)
+        self._secrets = url_secrets(config.url)
+        self.options = StoreOptions(timeout_s=config.timeout_s, bulk_timeout_s=config.bulk_timeout_s,
+                                    read_workers=config.readers, write_workers=config.writers)
+
+    def open(self) -> Backend:
+        """``Store.open`` of the URL, checked. Raises ConfigError for a URL the store cannot use
+        (its text made safe to show) and for a fault of the plugin (``open`` raised anything but
+        ConfigError or StoreUnavailable, or returned something other than a Backend);
+        StoreUnavailable or OSError where the store does not answer."""
+        name = self.store.name
+        try:
+            opened = self.store.open(self.config.url, self.options)
+        except ConfigError as exc:  # its text may quote the node (credentials refused: the node's words)
+            raise ConfigError(self.shown(str(exc), CONFIG_ERROR_TEXT_MAX)) from None
+        except (StoreUnavailable, OSError):
+            raise
+        except Exception as exc:
+            raise ConfigError(f"store {name!r}: open() raised {self.describe(exc)} (a fault of the store plugin: "
+                              "the contract allows ConfigError for a bad URL and StoreUnavailable for a store "
+                              "that does not answer)") from exc
+        if not isinstance(opened, Backend):
+            raise ConfigError(f"store {name!r}: open() returned {type(opened).__name__}, not a kvxfer.store.Backend "
+                              "(a fault of the store plugin)")
+        return opened
+
+    def open_first(self) -> Backend | StoreUnavailable:
+        """:meth:`open`, with a store that does not answer given back as its error (for
+        :meth:`L2Tier.start`, which then serves from L1 and retries, without a second wait)."""
+        try:
+            return self.open()
+        except StoreUnavailable as exc:
+            return exc
+        except OSError as exc:
+            return StoreUnavailable(f"{type(exc).__name__}: {exc}")
+
+    def describe(self, exc: BaseException) -> str:
+        """``exc`` as the log and ``kvxfer status`` show it. Its text may quote a store node's
+        (or a plugin's) words: those may hold the URL's secrets (a node can echo what it was
+        sent), terminal escapes, or a lot of text; so the URL is redacted, any secret of it
+        replaced, every unprintable character escaped, and the text cut at
+        :data:`ERROR_TEXT_MAX` characters."""
+        return self.shown(f"{type(exc).__name__}: {exc}")
+
+    def shown(self, text: str, limit: int = ERROR_TEXT_MAX) -> str:
+        """``text`` made safe to log and show (see :meth:`describe`), at most ``limit`` characters."""
+        if self.config.url:
+            text = text.replace(self.config.url, self.url)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        text = printable(text)
+        return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 class L2Tier:
     """The L2 tier of one server. Made and started by the server; see the module docstring for
     which of its methods run on which thread."""
@@ -507,12 +570,10 @@ class L2Tier:
         self._watched_fds: Sequence[int] = ()
         self._loop_exists: LoopExists | None = None
         self.admission_hits = parse_admission(config.admission)
-        self.store: Store = get_store(config.store)
-        self.url = self.store.redact(config.url)
-        self._secrets = url_secrets(config.url)
-        self.options = StoreOptions(timeout_s=config.timeout_s, bulk_timeout_s=config.bulk_timeout_s,
-                                    read_workers=config.readers,
-                                    write_workers=config.writers)
+        self.opener = StoreOpener(config)
+        self.store: Store = self.opener.store
+        self.url = self.opener.url
+        self.options = self.opener.options
         self.breaker = Breaker(config.breaker_failures, config.backoff_s, config.max_backoff_s)
         self.backend: Backend | None = None
         #: Never pin more than this much of the arena for queued writes.
@@ -580,10 +641,12 @@ class L2Tier:
 
     # ------------------------------------------------------------------ life
 
-    def start(self) -> None:
+    def start(self, first: Backend | StoreUnavailable | None = None) -> None:
         """Open the backend (a store that does not answer leaves the tier down, retrying) and
-        start the writer and health threads. Called once, before the loop serves."""
-        self._open_backend()
+        start the writer and health threads. Called once, before the loop serves. ``first``:
+        what :meth:`StoreOpener.open_first` gave before the arena was made (the backend, taken
+        as opened here, or the error of a store that did not answer), in place of opening it."""
+        self._open_backend(first)
         for i in range(self.config.writers):
             self._start_writer(f"kvxfer-l2-writer-{i}")
         t = threading.Thread(target=self._health, name="kvxfer-l2-health", daemon=True)
@@ -596,16 +659,16 @@ class L2Tier:
         self._threads.append(t)
         self._live_writers += 1
 
-    def _open_backend(self) -> bool:
-        """Open the store: True once open; False when it does not answer (the breaker then
-        retries). A URL it cannot use (ConfigError), or a fault of the plugin (``open`` raised
-        anything but ConfigError or StoreUnavailable, or returned something other than a
-        Backend), raises ConfigError: at start that stops the server, naming the store."""
+    def _open_backend(self, first: Backend | StoreUnavailable | None = None) -> bool:
+        """Open the store (or take ``first``: see :meth:`start`): True once open; False when it
+        does not answer (the breaker then retries). A URL it cannot use, or a fault of the
+        plugin, raises ConfigError (:meth:`StoreOpener.open`): at start that stops the server,
+        naming the store."""
         name = self.store.name
         try:
-            opened = self.store.open(self.config.url, self.options)
-        except ConfigError as exc:  # its text may quote the node (credentials refused: the node's words)
-            raise ConfigError(self._shown(str(exc), CONFIG_ERROR_TEXT_MAX)) from None
+            if isinstance(first, BaseException):
+                raise first
+            opened = first if first is not None else self.opener.open()
         except (StoreUnavailable, OSError) as exc:  # a store that does not answer leaves L2 down, retrying
             msg = self._describe(exc)
             if self.backend is None and self.breaker.closed:
@@ -613,13 +676,6 @@ class L2Tier:
                             name, self.url, msg)
             self.breaker.trip(msg)
             return False
-        except Exception as exc:
-            raise ConfigError(f"store {name!r}: open() raised {self._describe(exc)} (a fault of the store plugin: "
-                              "the contract allows ConfigError for a bad URL and StoreUnavailable for a store "
-                              "that does not answer)") from exc
-        if not isinstance(opened, Backend):
-            raise ConfigError(f"store {name!r}: open() returned {type(opened).__name__}, not a kvxfer.store.Backend "
-                              "(a fault of the store plugin)")
         backend = GuardedBackend(name, opened)
         if self._stop_health.is_set():  # closed while this opened (a slow store): not kept
             backend.close()
@@ -951,21 +1007,12 @@ class L2Tier:
             self._throttled.warning("failure", f"L2 store {self.store.name}: {what} failed: {msg}")
 
     def _describe(self, exc: BaseException) -> str:
-        """``exc`` as the log and ``kvxfer status`` show it. Its text may quote a store node's
-        (or a plugin's) words: those may hold the URL's secrets (a node can echo what it was
-        sent), terminal escapes, or a lot of text; so the URL is redacted, any secret of it
-        replaced, every unprintable character escaped, and the text cut at
-        :data:`ERROR_TEXT_MAX` characters."""
-        return self._shown(f"{type(exc).__name__}: {exc}")
+        """:meth:`StoreOpener.describe`."""
+        return self.opener.describe(exc)
 
     def _shown(self, text: str, limit: int = ERROR_TEXT_MAX) -> str:
-        """``text`` made safe to log and show (see :meth:`_describe`), at most ``limit`` characters."""
-        if self.config.url:
-            text = text.replace(self.config.url, self.url)
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        text = printable(text)
-        return text if len(text) <= limit else f"{text[:limit - 3]}..."
+        """:meth:`StoreOpener.shown`."""
+        return self.opener.shown(text, limit)
 
     # ------------------------------------------------------------------ lookups (loop thread)
 

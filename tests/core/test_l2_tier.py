@@ -239,6 +239,23 @@ def test_the_password_from_the_environment_goes_to_network_hosts_only(monkeypatc
         url_of("--l2", "valkey", "--l2-url", "valkey://h1:1")
 
 
+@pytest.mark.parametrize("store, url, says", [
+    ("fs", "file:///no-such-mount/kvxfer/kv", "/no-such-mount/kvxfer does not exist"),
+    ("valkey", "valkey://127.0.0.1:1?protocol=3", "unknown option(s) 'protocol'"),
+])
+def test_an_l2_url_the_store_cannot_use_stops_the_server_before_it_makes_its_arena(
+        tmp_path: Path, store: str, url: str, says: str) -> None:
+    """The store is opened before the arena is made (seconds per GiB on some hosts: a user waited
+    minutes of a 64 GiB arena to learn of a typo in --l2-url)."""
+    if store == "valkey":
+        pytest.importorskip("kvxfer_valkey")
+    r = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--l1-size", "1GiB", "--url",
+                        f"ipc://{tmp_path}/run/kvxfer.sock", "--l2", store, "--l2-url", url],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
+    assert "making the L1 arena" not in r.stderr, "the arena was made before the URL was tried"
+
+
 def test_an_unknown_store_is_answered_with_distributions_that_exist() -> None:
     """A group where a published backend is not installed suggests its real distribution, and
     only that one: never a package name made up from the unknown name."""
