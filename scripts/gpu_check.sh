@@ -69,7 +69,7 @@ step "tests: cuda_ipc + hpu (kit on cuda, layer-wise), probes without torch" 170
   python3 -m pytest -q -rs -p no:cacheprovider --kvxfer-require-available plugins/cuda_ipc/tests plugins/hpu/tests \
     tests/core/test_accelerators.py tests/core/test_cli.py::test_cli_does_not_import_torch
 # cpu_gather: its kit on CUDA tensors, and its C host copies (the abi3 wheel built on the CPU machine) on this host's CPU
-step "tests: cpu_gather (kit on cuda, host copies)" 120 \
+step "tests: cpu_gather (kit on cuda, host copies)" 150 \
   python3 -m pytest -q -rs -p no:cacheprovider --kvxfer-require-available plugins/cpu_gather/tests
 # vLLM's KV views of every KVCacheLayout (recorded where vLLM runs: tests/integrations/vllm_kv_views.json),
 # rebuilt on CUDA with as_strided, through cuda_ipc, hpu and cpu_gather; the conformance kit's own views
