@@ -20,8 +20,8 @@ from kvxfer.server.stats import OTHER_MODEL, Histogram, ServerStats
 if TYPE_CHECKING:
     from kvxfer.server.engine import CacheServer
 
-__all__ = ["model_status", "traffic_status", "latency_status", "plugin_metrics", "check_sample", "plugin_strings",
-           "MAX_PLUGIN_SAMPLES", "MAX_PLUGIN_STRINGS", "MAX_PLUGIN_TEXT"]
+__all__ = ["model_status", "traffic_status", "latency_status", "plugin_metrics", "check_sample", "metric_prefix",
+           "plugin_strings", "CORE_FAMILIES", "MAX_PLUGIN_SAMPLES", "MAX_PLUGIN_STRINGS", "MAX_PLUGIN_TEXT"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,27 @@ MAX_PLUGIN_STRINGS: Final = m.MAX_STATUS_ENTRIES
 MAX_PLUGIN_TEXT: Final = m.MAX_STATUS_TEXT
 _MAX_LABELS: Final = 8
 _MAX_LABEL_VALUE: Final = 128
+#: Every metric family the core exports (names as exposed, without ``_bucket``/``_sum``/
+#: ``_count`` suffixes). Plugin samples may not reuse these names.
+CORE_FAMILIES: Final = frozenset({
+    "kvxfer_build_info", "kvxfer_start_time_seconds", "kvxfer_sessions", "kvxfer_contexts",
+    "kvxfer_requests_in_flight", "kvxfer_request_duration_seconds", "kvxfer_errors_total",
+    "kvxfer_hook_errors_total", "kvxfer_lookups_total", "kvxfer_lookup_chunks_total",
+    "kvxfer_lookup_hit_chunks_total", "kvxfer_lookup_l2_hit_chunks_total", "kvxfer_lookup_miss_chunks_total",
+    "kvxfer_lookup_hit_ratio",
+    "kvxfer_stored_chunks_total", "kvxfer_stored_bytes_total", "kvxfer_store_present_chunks_total",
+    "kvxfer_store_failed_chunks_total", "kvxfer_loaded_chunks_total", "kvxfer_loaded_bytes_total",
+    "kvxfer_retrieve_missing_chunks_total", "kvxfer_copy_seconds_total", "kvxfer_transfer_duration_seconds",
+    "kvxfer_transfers_in_flight", "kvxfer_arena_capacity_bytes", "kvxfer_arena_used_bytes",
+    "kvxfer_arena_free_bytes", "kvxfer_arena_largest_free_bytes", "kvxfer_arena_free_extents",
+    "kvxfer_arena_chunks", "kvxfer_evicted_chunks_total", "kvxfer_leases", "kvxfer_leased_chunks",
+    "kvxfer_reservations", *(f"kvxfer_tier_{name}" for name in (
+        "up", "lookups_total", "lookup_chunks_total", "lookup_hit_chunks_total", "lookup_timeouts_total",
+        "promoted_chunks_total", "promote_failures_total", "promoting_chunks", "integrity_failures_total",
+        "damaged_deleted_total", "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total",
+        "dropped_writes_total", "queue_depth", "queue_capacity", "pinned_bytes", "pinned_bytes_limit", "errors_total",
+        "outages_total", "busy_lookups_total", "writers", "writers_held")),
+})
 _NAME: Final = re.compile(r"kvxfer_[a-z0-9_]*[a-z0-9]")
 _LABEL: Final = re.compile(r"[a-zA-Z][a-zA-Z0-9_]*")
 _KINDS: Final = ("counter", "gauge")
@@ -120,13 +141,23 @@ def check_sample(sample: object) -> str:
     return ""
 
 
+def metric_prefix(plugin: str) -> str:
+    """What the names of plugin ``plugin``'s samples start with: ``kvxfer_<name>_``, where the
+    name is a transport's (its server half is the hook plugin ``kvxfer.transport.<name>``) or a
+    hook plugin's entry point name, in lower case, anything but letters and digits read as ``_``."""
+    name = plugin.removeprefix("kvxfer.transport.")
+    return f"kvxfer_{re.sub(r'[^a-z0-9]', '_', name.lower())}_"
+
+
 def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
     """What the ``kvxfer_metrics`` hook implementations return, checked: a sample that cannot be
-    exported, or a second sample of a name with another kind or label names, is dropped and
-    counted as a hook error (logged once per name)."""
+    exported, is not named after its plugin (:func:`metric_prefix`), has a name the core uses, or
+    is a second sample of a name with another kind or label names, is dropped and counted as a
+    hook error (logged once per name)."""
     out: list[m.MetricSample] = []
     shapes: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for result in server.hooks.call("kvxfer_metrics", server=server):
+    for plugin, result in server.hooks.call_by_plugin("kvxfer_metrics", server=server):
+        prefix = metric_prefix(plugin)
         try:
             samples = list(result)
         except TypeError:
@@ -137,6 +168,10 @@ def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
             samples = samples[:MAX_PLUGIN_SAMPLES]
         for sample in samples:
             why = check_sample(sample)
+            if not why and not sample.name.startswith(prefix):
+                why = f"{sample.name}: a sample of plugin {plugin} is named {prefix}..."
+            if not why and sample.name in CORE_FAMILIES:
+                why = f"{sample.name}: the name of a core metric"
             if not why:
                 shape = (sample.kind, tuple(sorted(sample.labels)))
                 known = shapes.setdefault(sample.name, shape)

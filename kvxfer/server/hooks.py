@@ -105,10 +105,17 @@ class HookRelay:
                 self.errors += 1
                 log.exception("failed to load hook plugins from %s", ENTRY_POINT_GROUP)
 
-    def register(self, plugin: object, name: str | None = None) -> None:
+    def register(self, plugin: object, name: str) -> None:
+        """Register ``plugin`` under ``name`` (its metrics are named after it: ``kvxfer_<name>_...``)."""
         self.pm.register(plugin, name)
 
     def call(self, hook: str, **kwargs: Any) -> list[Any]:
+        """What each implementation of ``hook`` returned (None left out); one that raises is
+        logged and counted in :attr:`errors`."""
+        return [res for _, res in self.call_by_plugin(hook, **kwargs)]
+
+    def call_by_plugin(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """:meth:`call`, each result with the name of the plugin that returned it."""
         results = []
         caller = getattr(self.pm.hook, hook)
         for impl in caller.get_hookimpls():
@@ -119,5 +126,5 @@ class HookRelay:
                 log.exception("hook %s of plugin %r raised; ignoring it", hook, impl.plugin_name)
                 continue
             if res is not None:
-                results.append(res)
+                results.append((impl.plugin_name, res))
         return results

@@ -57,6 +57,7 @@ from prometheus_client.registry import Collector
 
 from kvxfer.errors import ConfigError
 from kvxfer.protocol import messages as m
+from kvxfer.server.figures import CORE_FAMILIES
 from kvxfer.server.stats import Histogram
 
 if TYPE_CHECKING:
@@ -84,29 +85,6 @@ MAX_SCRAPES_PER_S: Final = 10.0
 ACCEPT_RETRY_S: Final = 0.1
 #: Bytes of request line and headers a metrics connection may send (a scraper's are a few hundred).
 MAX_REQUEST_HEAD: Final = 8192
-
-#: Every metric family the core exports (names as exposed, without ``_bucket``/``_sum``/
-#: ``_count`` suffixes). Plugin samples may not reuse these names.
-CORE_FAMILIES: Final = frozenset({
-    "kvxfer_build_info", "kvxfer_start_time_seconds", "kvxfer_sessions", "kvxfer_contexts",
-    "kvxfer_requests_in_flight", "kvxfer_request_duration_seconds", "kvxfer_errors_total",
-    "kvxfer_hook_errors_total", "kvxfer_lookups_total", "kvxfer_lookup_chunks_total",
-    "kvxfer_lookup_hit_chunks_total", "kvxfer_lookup_l2_hit_chunks_total", "kvxfer_lookup_miss_chunks_total",
-    "kvxfer_lookup_hit_ratio",
-    "kvxfer_stored_chunks_total", "kvxfer_stored_bytes_total", "kvxfer_store_present_chunks_total",
-    "kvxfer_store_failed_chunks_total", "kvxfer_loaded_chunks_total", "kvxfer_loaded_bytes_total",
-    "kvxfer_retrieve_missing_chunks_total", "kvxfer_copy_seconds_total", "kvxfer_transfer_duration_seconds",
-    "kvxfer_transfers_in_flight", "kvxfer_arena_capacity_bytes", "kvxfer_arena_used_bytes",
-    "kvxfer_arena_free_bytes", "kvxfer_arena_largest_free_bytes", "kvxfer_arena_free_extents",
-    "kvxfer_arena_chunks", "kvxfer_evicted_chunks_total", "kvxfer_leases", "kvxfer_leased_chunks",
-    "kvxfer_reservations", *(f"kvxfer_tier_{name}" for name in (
-        "up", "lookups_total", "lookup_chunks_total", "lookup_hit_chunks_total", "lookup_timeouts_total",
-        "promoted_chunks_total", "promote_failures_total", "promoting_chunks", "integrity_failures_total",
-        "damaged_deleted_total", "written_chunks_total", "written_bytes_total", "write_skipped_chunks_total",
-        "dropped_writes_total", "queue_depth", "queue_capacity", "pinned_bytes", "pinned_bytes_limit", "errors_total",
-        "outages_total", "busy_lookups_total", "writers", "writers_held")),
-})
-
 
 @dataclass(frozen=True, slots=True)
 class _Hist:
@@ -354,13 +332,10 @@ def tier_families(tiers: list[m.TierStatus]) -> Iterator[Metric]:
 
 def plugin_families(samples: list[m.MetricSample]) -> Iterator[Metric]:
     """Samples contributed through the ``kvxfer_metrics`` hook (already checked by
-    :func:`kvxfer.server.figures.plugin_metrics`), grouped into families; a name the core uses is
-    skipped."""
+    :func:`kvxfer.server.figures.plugin_metrics`: none has a name the core uses), grouped into
+    families."""
     grouped: dict[str, list[m.MetricSample]] = {}
     for s in samples:
-        if s.name in CORE_FAMILIES:
-            log.warning("a plugin sample named %s collides with a core metric; skipping it", s.name)
-            continue
         grouped.setdefault(s.name, []).append(s)
     for name, group in grouped.items():
         first = group[0]

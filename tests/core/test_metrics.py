@@ -341,6 +341,37 @@ def on_path(test_plugin_path: Path) -> Iterator[Path]:
         del sys.modules[name]
 
 
+def test_a_plugin_sample_is_named_after_its_plugin_and_never_as_a_core_metric() -> None:
+    """Names are each plugin's own: ``kvxfer_<plugin>_...`` (a transport's name, or a hook plugin's
+    entry point name), never a core family's (a plugin named ``tier`` may not export
+    ``kvxfer_tier_up``). A sample that breaks either is dropped and counted as a hook error, once
+    per call (it was dropped at the scrape only, uncounted, with a warning at every scrape)."""
+    from kvxfer.server.figures import metric_prefix, plugin_metrics
+    from kvxfer.server.hooks import HookRelay, hookimpl
+    from kvxfer.transport import MetricSample
+
+    class Figures:
+        def __init__(self, *names: str) -> None:
+            self.names = names
+
+        @hookimpl
+        def kvxfer_metrics(self, server: object) -> list[MetricSample]:
+            return [MetricSample(n, "gauge", 1.0) for n in self.names]
+
+    class Server:  # what plugin_metrics reads of a server: its hooks (a real HookRelay)
+        hooks = HookRelay(load_entry_points=False)
+
+    server = Server()
+    server.hooks.register(Figures("kvxfer_tier_up", "kvxfer_tier_mine"), "tier")
+    server.hooks.register(Figures("kvxfer_my_plugin_depth", "kvxfer_tier_depth"), "my-plugin")
+    server.hooks.register(Figures("kvxfer_disk_queue"), "kvxfer.transport.disk")
+    assert [s.name for s in plugin_metrics(server)] == ["kvxfer_tier_mine", "kvxfer_my_plugin_depth",
+                                                        "kvxfer_disk_queue"]
+    assert server.hooks.errors == 2
+    assert metric_prefix("kvxfer.transport.cuda_ipc") == "kvxfer_cuda_ipc_" and metric_prefix("My.Hooks") == \
+        "kvxfer_my_hooks_"
+
+
 def test_plugins_metrics_are_exported_and_bad_samples_dropped(on_path: Path, tmp_path: Path) -> None:
     from kvxfer_test_transport import shared_layers
 
@@ -367,9 +398,11 @@ def test_plugins_metrics_are_exported_and_bad_samples_dropped(on_path: Path, tmp
     assert value(samples, "kvxfer_copy_seconds_total", model="loop", transport="test_loop", op="store") > 0
     assert value(samples, "kvxfer_test_recorder_calls") > 0
     names = {k[0] for k in samples}
-    assert not {"test_no_prefix", "kvxfer_test_counter_without_suffix", "kvxfer_test_not_finite"} & names
-    # each scrape and status call dropped the three bad samples, counting each
-    assert st.hook_errors >= errors_before + 6
+    assert not {"test_no_prefix", "kvxfer_test_counter_without_suffix", "kvxfer_test_not_finite",
+                "kvxfer_test_loop_forged_total"} & names
+    assert "kvxfer_test_loop_forged_total: a sample of plugin test_recorder is named kvxfer_test_recorder_..." in log
+    # each scrape and status call dropped the four bad samples, counting each
+    assert st.hook_errors >= errors_before + 8
     assert {s.name for s in st.plugin_metrics} >= {"kvxfer_test_recorder_calls", "kvxfer_test_loop_transfers_total"}
     # a transport's status() of 201 long entries: the first MAX_PLUGIN_STRINGS, each cut short
     (state,) = [t.state for t in st.transports if t.name == "test_loop"]
