@@ -503,7 +503,7 @@ def _limit_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     import kvxfer
     from kvxfer.protocol.messages import PROTOCOL_VERSION
-    from kvxfer.server.config import DEFAULT_WARM_S, MAX_WARM_S, MIN_WARM_S
+    from kvxfer.server.tuning import DEFAULT_WARM_S, MAX_WARM_S, MIN_WARM_S
 
     p = argparse.ArgumentParser(prog="kvxfer", description="KV cache transfer server and tools")
     p.add_argument("--version", action="version",

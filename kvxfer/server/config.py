@@ -10,6 +10,7 @@ from kvxfer.mq.server import CurveServerKeys, require_curve
 from kvxfer.protocol import messages as m
 from kvxfer.server.limits import Limits
 from kvxfer.server.tier import TierConfig
+from kvxfer.server.tuning import DEFAULT_WARM_S, MAX_BUSY_POLL_S, MAX_WARM_S, MIN_WARM_S
 from kvxfer.urls import check_url, default_url
 
 __all__ = ["ServerConfig", "MAX_BUSY_POLL_S", "MAX_METRICS_MODELS", "MIN_L1_SIZE", "MIN_MESSAGE_SIZE",
@@ -32,16 +33,6 @@ MIN_SESSION_TIMEOUT_S = m.MIN_SESSION_TIMEOUT_S
 MIN_HEARTBEAT_S = m.MIN_HEARTBEAT_S
 #: Longest chunk, in tokens (a chunk is at least one KV block of every layer).
 MAX_CHUNK_SIZE = 1 << 20
-#: Longest ``busy_poll_s``: a loop that spins longer than a second after a request is a loop
-#: that never sleeps.
-MAX_BUSY_POLL_S = 1.0
-#: Default ``warm_s`` (off: measured to keep single steps warm, not shown to shorten a whole
-#: request; docs/performance.md, "Keeping the steps warm"), and the shortest and longest period
-#: other than 0: shorter spends a CPU on warmth; a few milliseconds of sleep are what make the
-#: steps run cold, so a longer period warms nothing.
-DEFAULT_WARM_S = 0.0
-MIN_WARM_S = 100e-6
-MAX_WARM_S = 5e-3
 
 
 @dataclass(frozen=True)

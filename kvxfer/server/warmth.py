@@ -33,7 +33,7 @@ import msgspec
 from kvxfer.copies import check_transfer, chunk_rows, plan_copies
 from kvxfer.layout import KVLayout
 from kvxfer.protocol import codec
-from kvxfer.server.config import MAX_WARM_S, MIN_WARM_S
+from kvxfer.server.tuning import MAX_WARM_S, MIN_WARM_S
 
 __all__ = ["Warmer"]
 
