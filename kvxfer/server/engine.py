@@ -392,64 +392,59 @@ class CacheServer:
         # the L2 store first: a URL it cannot use, or credentials it refuses, stop the server at
         # once rather than after the arena is made (seconds for a large one)
         first = StoreOpener(config.l2).open_first() if config.l2 is not None else None
-        try:
-            self.arena = Arena.create(config.l1_size, config.shm_dir)
-        except BaseException:
-            if isinstance(first, Backend):
-                first.close()
-            raise
-        self.limits = config.limits.resolved(self.arena.size)
-        self.index = ChunkIndex(self.arena.size, on_evict=self._on_evict)
-        self.contexts: dict[int, RegisteredContext] = {}
-        #: The arena's slots as the registered layouts see them, shared by every context
-        #: (kvxfer.copies.SlotViews: loop thread; one bound for the server)
-        self._slot_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        #: (model_name, world_size, rank) -> chunk format of the contexts registered now (built on
-        #: demand by _chunk_format, dropped whenever a context comes or goes)
-        self._formats: dict[tuple[str, int, int], str] | None = None
-        self.sessions: dict[bytes, Session] = {}
-        self.transports: dict[str, LoadedTransport] = {}
-        self.transport_errors: dict[str, str] = {}
-        self.dropped_connections = 0
-        #: Running figures (status, `kvxfer top`, Prometheus metrics); loop thread only.
-        self.stats = ServerStats(tuple(REQUESTS), config.metrics_max_models)
-        #: warnings a client's requests can cause at will: at most one a second per kind
-        self._throttled = ThrottledLog(log)
-        #: Registrations sent to a worker and not finished yet (they count against the limits).
-        self._registering = 0
-        #: Open writes of silent clients whose process still lives, by the secret of the session
-        #: that left them (kvxfer.server.sessions.Parked). They stay in the index's reservations,
-        #: marked parked: no context reaches them; their slots are freed once the process is gone,
-        #: or once the same client resumes its session and sends its late commit (a commit is sent
-        #: only after the copy).
-        self._parked: dict[bytes, Parked] = {}
-        #: Periodic passes (:meth:`_tick`) completed: status ``ticks``.
-        self.ticks = 0
-        self._last_tick = time.monotonic()
-        #: Runs the transfers of every registered instance, one lane each.
-        self._pool = WorkerPool(self.limits.workers)
-        #: Runs the waiters of server-driven copies (see ServerContext.store).
-        self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
-        #: Requests waiting on L2 (_Awaiting), in all; each session counts its own.
-        self._waiting = 0
-        #: Stores waiting for promotions: (when the wait ends, the future that ends it), ended
-        #: by the tick at the latest (:meth:`_store_wait`).
-        self._store_waits: list[tuple[float, Future[None]]] = []
-        #: The L2 tier under the arena (``--l2``), or None.
-        self.tier: L2Tier | None = None
-        #: Whether a stop signal came (a second one exits at once: _on_signal).
-        self._stop_signalled = False
-        #: SIGHUP came: the loop's next tick has the authorized client keys read again
-        self._reload_keys = False
-        #: The thread reading them (10,000 key files take about 0.3 s: never the loop's time)
-        self._reloader: threading.Thread | None = None
-        #: Messages the loop is handling now (in :meth:`_dispatch`): with ``stats.in_flight``, what
-        #: tells the warm thread the server is idle.
-        self._handling = 0
-        #: Runs the per-request steps while idle (``--warm-us``), from serve_forever; None: off.
-        self.warmer = Warmer(config.warm_s, self._warm_layouts, self._idle) if config.warm_s else None
         mq: MQServer | None = None
-        try:
+        try:  # (whatever fails from here closes what was made: the store first opened included)
+            self.arena = Arena.create(config.l1_size, config.shm_dir)
+            self.limits = config.limits.resolved(self.arena.size)
+            self.index = ChunkIndex(self.arena.size, on_evict=self._on_evict)
+            self.contexts: dict[int, RegisteredContext] = {}
+            #: The arena's slots as the registered layouts see them, shared by every context
+            #: (kvxfer.copies.SlotViews: loop thread; one bound for the server)
+            self._slot_views: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+            #: (model_name, world_size, rank) -> chunk format of the contexts registered now (built on
+            #: demand by _chunk_format, dropped whenever a context comes or goes)
+            self._formats: dict[tuple[str, int, int], str] | None = None
+            self.sessions: dict[bytes, Session] = {}
+            self.transports: dict[str, LoadedTransport] = {}
+            self.transport_errors: dict[str, str] = {}
+            self.dropped_connections = 0
+            #: Running figures (status, `kvxfer top`, Prometheus metrics); loop thread only.
+            self.stats = ServerStats(tuple(REQUESTS), config.metrics_max_models)
+            #: warnings a client's requests can cause at will: at most one a second per kind
+            self._throttled = ThrottledLog(log)
+            #: Registrations sent to a worker and not finished yet (they count against the limits).
+            self._registering = 0
+            #: Open writes of silent clients whose process still lives, by the secret of the session
+            #: that left them (kvxfer.server.sessions.Parked). They stay in the index's reservations,
+            #: marked parked: no context reaches them; their slots are freed once the process is gone,
+            #: or once the same client resumes its session and sends its late commit (a commit is sent
+            #: only after the copy).
+            self._parked: dict[bytes, Parked] = {}
+            #: Periodic passes (:meth:`_tick`) completed: status ``ticks``.
+            self.ticks = 0
+            self._last_tick = time.monotonic()
+            #: Runs the transfers of every registered instance, one lane each.
+            self._pool = WorkerPool(self.limits.workers)
+            #: Runs the waiters of server-driven copies (see ServerContext.store).
+            self._waiters = ThreadPoolExecutor(4, thread_name_prefix="kvxfer-wait")
+            #: Requests waiting on L2 (_Awaiting), in all; each session counts its own.
+            self._waiting = 0
+            #: Stores waiting for promotions: (when the wait ends, the future that ends it), ended
+            #: by the tick at the latest (:meth:`_store_wait`).
+            self._store_waits: list[tuple[float, Future[None]]] = []
+            #: The L2 tier under the arena (``--l2``), or None.
+            self.tier: L2Tier | None = None
+            #: Whether a stop signal came (a second one exits at once: _on_signal).
+            self._stop_signalled = False
+            #: SIGHUP came: the loop's next tick has the authorized client keys read again
+            self._reload_keys = False
+            #: The thread reading them (10,000 key files take about 0.3 s: never the loop's time)
+            self._reloader: threading.Thread | None = None
+            #: Messages the loop is handling now (in :meth:`_dispatch`): with ``stats.in_flight``, what
+            #: tells the warm thread the server is idle.
+            self._handling = 0
+            #: Runs the per-request steps while idle (``--warm-us``), from serve_forever; None: off.
+            self.warmer = Warmer(config.warm_s, self._warm_layouts, self._idle) if config.warm_s else None
             self._load_transports()
             self._mq = mq = MQServer(
                 config.url,
@@ -467,20 +462,25 @@ class CacheServer:
             if config.l2 is not None:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
                                    watch=self._mq.watch, unwatch=self._mq.unwatch, tick_by=self._mq.tick_by)
-                self.tier.start(first)
-                first = None  # the tier's now
+                taken, first = first, None  # the tier's from here: its close() closes it
+                self.tier.start(taken)
             if self._metrics is not None:
                 self._metrics.start()
         except BaseException:
-            if self.tier is not None:
-                self.tier.close()
+            tier = getattr(self, "tier", None)
+            if tier is not None:
+                tier.close()
             if isinstance(first, Backend):
                 first.close()
             if mq is not None:
                 mq.close()
-            self._close_transports()
-            self._pool.shutdown(wait=False)
-            self.arena.close()
+            if hasattr(self, "transports"):
+                self._close_transports()
+            for pool in (getattr(self, "_pool", None), getattr(self, "_waiters", None)):
+                if pool is not None:
+                    pool.shutdown(wait=False)
+            if hasattr(self, "arena"):
+                self.arena.close()
             raise
         #: The request table's kind picks the table a handler is in, and how its answer is sent.
         #: Either may answer later (_Awaiting): a lookup that asks L2, a read that waits for promotions.

@@ -20,7 +20,7 @@ import torch
 
 from kvxfer import CacheClient, TransferContext
 from kvxfer.arena import Arena
-from kvxfer.errors import ConfigError, StoreUnavailable
+from kvxfer.errors import ConfigError, KvxferError, StoreUnavailable
 from kvxfer.server.index import ChunkIndex, ChunkKey, Usage
 from kvxfer.server.tier import Breaker, L2Tier, TierConfig, parse_admission
 from kvxfer.store import GetStatus
@@ -254,6 +254,38 @@ def test_an_l2_url_the_store_cannot_use_stops_the_server_before_it_makes_its_are
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
     assert "making the L1 arena" not in r.stderr, "the arena was made before the URL was tried"
+
+
+@pytest.mark.parametrize("fails", ["transports", "worker pool"])
+def test_a_server_that_fails_to_start_closes_the_store_it_opened_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """The L2 store is opened before the arena; a server whose start fails after that closes it
+    (the fs store's directory lock released: a second server takes the directory) and removes
+    its arena. ``worker pool``: a thread pool that cannot start, injected here (nothing on this
+    machine makes one fail); ``transports``: a real failure, a transport that is not installed."""
+    from kvxfer.server import CacheServer, ServerConfig
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    l2 = TierConfig("fs", f"file://{tmp_path}/l2")
+
+    def config(transports: tuple[str, ...]) -> ServerConfig:
+        return ServerConfig(url=f"ipc://{tmp_path}/run/kvxfer.sock", l1_size=8 << 20, shm_dir=str(shm),
+                            transports=transports, l2=l2)
+
+    if fails == "worker pool":
+        import kvxfer.server.engine as engine
+
+        def no_pool(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(engine, "WorkerPool", no_pool)
+    with pytest.raises((KvxferError, RuntimeError)):
+        CacheServer(config(("no_such_transport",) if fails == "transports" else ("cpu_gather",)))
+    monkeypatch.undo()
+    assert not [p for p in shm.iterdir() if not p.name.startswith(".")], "the arena was left"
+    with ServerProcess(l1_size="8MiB", extra_args=["--l2", "fs", "--l2-url", l2.url]) as srv:  # the directory is free
+        assert "another kvxfer server uses the fs store" not in srv.log()
 
 
 def test_an_unknown_store_is_answered_with_distributions_that_exist() -> None:
