@@ -85,7 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         mod = sys.modules.get(module)
         if mod is not None:  # nothing collected uses a kit not imported (importing it imports torch)
             kits.append(getattr(mod, attr))
-    replaced, silenced = [], []
+    replaced = []
     for item in items:
         cls = getattr(item, "cls", None)
         kit = next((k for k in kits if cls is not None and issubclass(cls, k)), None)
@@ -96,20 +96,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.kvxfer_conformance)
             if getattr(cls, name, None) is not getattr(kit, name):
                 replaced.append(f"{cls.__qualname__}.{name}")
-            marks = sorted({m.name for m in item.iter_markers() if m.name in SILENCING_MARKS})
-            if marks:
-                silenced.append(f"{cls.__qualname__} ({', '.join(marks)})")
         device = getattr(cls, "device", None) or config.getoption("kvxfer_device", None) or "cpu"
         if str(device).startswith("cuda"):
             item.add_marker(pytest.mark.gpu)
+    if replaced:
+        raise pytest.UsageError(
+            f"kvxfer conformance kit tests were replaced: {', '.join(sorted(set(replaced)))}. The kit's "
+            f"tests must run as defined; the kit skips what a transport does not claim by itself"
+        )
+
+
+# a second implementation of the hook, last: after every other plugin and conftest added its
+# marks, and after -k and -m deselected what is not run
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_refuse_silenced(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A selected kit test marked to be skipped or to fail (a class decorator's mark, a module's
+    ``pytestmark``, one a conftest adds) stops the run: the class would pass with nothing run."""
+    silenced = []
+    for item in items:
+        if item.get_closest_marker("kvxfer_conformance") is None:
+            continue
+        marks = sorted({m.name for m in item.iter_markers() if m.name in SILENCING_MARKS})
+        if marks:
+            cls = getattr(item, "cls", None)
+            silenced.append(f"{cls.__qualname__ if cls is not None else item.nodeid} ({', '.join(marks)})")
     if silenced:
         raise pytest.UsageError(
             f"kvxfer conformance kit tests are marked to be skipped or to fail: {', '.join(sorted(set(silenced)))}. "
             f"Let the probe() of what is under test say why it cannot run here instead: the kit then skips "
             f"(or, with --kvxfer-require-available, fails) with that reason"
-        )
-    if replaced:
-        raise pytest.UsageError(
-            f"kvxfer conformance kit tests were replaced: {', '.join(sorted(set(replaced)))}. The kit's "
-            f"tests must run as defined; the kit skips what a transport does not claim by itself"
         )

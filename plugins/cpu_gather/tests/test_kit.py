@@ -215,14 +215,19 @@ def test_skipping_the_whole_kit_by_mark_is_refused() -> None:
             pytestmark = pytest.mark.skip(reason="later")
 
 
-@pytest.mark.parametrize("how", ["decorator", "module", "store kit"])
+@pytest.mark.parametrize("how", ["decorator", "module", "store kit", "conftest"])
 def test_a_kit_test_marked_to_skip_after_its_class_is_defined_stops_the_run(tmp_path: Path, how: str) -> None:
-    """A mark the class body does not hold (a class decorator's, a module's ``pytestmark``) reaches
-    the kit's tests only at collection: the run stops there with a usage error naming the class
-    (such a class ran as all skipped, passing, even with ``--kvxfer-require-available``)."""
+    """A mark the class body does not hold (a class decorator's, a module's ``pytestmark``, one a
+    conftest adds) reaches the kit's tests only at collection: the run stops there with a usage
+    error naming the class (such a class ran as all skipped, passing, even with
+    ``--kvxfer-require-available``)."""
     kit, name = ("StoreConformance", "store = 'fs'") if how == "store kit" else \
         ("TransportConformance", "transport = 'cpu_gather'")
-    mark = "@pytest.mark.skip(reason='later')\n" if how != "module" else ""
+    mark = "@pytest.mark.skip(reason='later')\n" if how in ("decorator", "store kit") else ""
+    if how == "conftest":  # a conftest's hook, which runs after the kit's own
+        (tmp_path / "conftest.py").write_text(
+            "import pytest\n\ndef pytest_collection_modifyitems(items):\n"
+            "    for item in items:\n        item.add_marker(pytest.mark.skip(reason='later'))\n")
     (tmp_path / "test_silenced.py").write_text(
         f"import pytest\nfrom kvxfer.testing import {kit}\n\n"
         + ("pytestmark = pytest.mark.xfail(reason='later')\n\n" if how == "module" else "")
