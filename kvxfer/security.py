@@ -70,12 +70,13 @@ def _require_curve() -> None:
 def _private_dir(path: Path) -> None:
     """Create ``path`` (0700, and missing parents 0700) or check that an existing one is ours and
     open to nobody else (an existing directory is never changed: ``kvxfer keys /tmp`` must not
-    make /tmp private). Nothing is made before the directories above are checked
+    make /tmp private). Nothing is made before the directories above it are checked
     (:func:`~kvxfer.private_dirs.make_missing_dirs`): keys made through another user's link, or
     inside a directory others can write, could be moved away or replaced by their owner."""
     if not str(path) or str(path) == ".":
         raise ConfigError("name the key directory to make or use, e.g. `kvxfer keys ~/.kvxfer-keys`")
-    make_missing_dirs(path, "key directory", "choose a directory of your own for the keys")
+    if not os.path.lexists(path):  # (an existing one is held to what a server holds its key directory to)
+        make_missing_dirs(path, "key directory", "choose a directory of your own for the keys")
     try:
         st = os.stat(path, follow_symlinks=False)
     except OSError as exc:

@@ -10,7 +10,8 @@
   system's free space plus its own files, so that a restart does not shrink it) kept by
   evicting the least recently used files; reads count as use; the temporary files being
   written count too (a put evicts before it writes, and waits while other puts' temporary
-  files leave no room), so the disk never holds more than the budget;
+  files leave no room), so the store's files never hold more bytes than the budget (the file
+  system's blocks round each file up: small values take more of the disk);
 * the directory is private (0700, files 0600; checked as :mod:`kvxfer.private_dirs` checks
   kvxfer's own: never through a symbolic link) and held by one server at a time (an exclusive
   ``flock``): give each server its own directory. Every file operation goes through descriptors

@@ -573,6 +573,25 @@ def test_a_symbolic_link_on_the_way_to_a_private_directory_must_be_root_s_or_our
         assert (good / "keys" / "authorized").is_dir()
 
 
+def test_kvxfer_keys_adds_a_client_where_the_server_takes_its_keys(private_tmp):
+    """The directories above are checked when ``kvxfer keys`` makes a key directory; an existing
+    one is held to what a server holds it to (ours and private), so a client can be added to a
+    key directory the server loads, in a parent of another user that only that user may write."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    from kvxfer.security import add_client, load_server_keys, make_keys
+
+    parent = private_tmp / "theirs"
+    make_keys(parent / "keys")
+    os.chown(parent, NOBODY, NOBODY)
+    parent.chmod(0o755)
+    assert len(load_server_keys(parent / "keys").authorized) == 1
+    add_client(parent / "keys", "second")
+    assert len(load_server_keys(parent / "keys").authorized) == 2
+    with pytest.raises(KvxferError, match=f"which belongs to uid {NOBODY}"):
+        make_keys(parent / "more")  # nothing is made in it
+
+
 def test_dot_dot_after_a_symbolic_link_is_walked_as_the_kernel_walks_it(private_tmp):
     """``..`` applies to where the link before it leads, as in the kernel: a home reached through
     a link whose cache links to ``../../scratch/u`` is the scratch directory beside the home's
