@@ -599,6 +599,14 @@ class CacheServer:
         runs, are one reload more, of the folder as it is then."""
         self._reload_keys = True
 
+    def _reload_authorized(self) -> None:
+        """The reload thread's work: :meth:`MQServer.reload_authorized`, its failure logged (the
+        keys let in before stay)."""
+        try:
+            self._mq.reload_authorized()
+        except Exception:
+            log.exception("reading the authorized client keys again failed; the keys let in before stay")
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM or SIGINT stops the server. A second one exits at once, logging
         where the main thread is: it is how an operator ends a server whose loop a plugin's call
@@ -929,7 +937,7 @@ class CacheServer:
         now = time.monotonic()
         if self._reload_keys and (self._reloader is None or not self._reloader.is_alive()):
             self._reload_keys = False  # (one asked for during a read is the next one: folders read in order)
-            self._reloader = threading.Thread(target=self._mq.reload_authorized, name="kvxfer-authorized-keys",
+            self._reloader = threading.Thread(target=self._reload_authorized, name="kvxfer-authorized-keys",
                                               daemon=True)
             self._reloader.start()
         parent = self.config.parent_pid
