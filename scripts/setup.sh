@@ -5,7 +5,11 @@
 # valkeys:// tests need; ./scripts/demo.sh passes it).
 set -euo pipefail
 system_packages=1
-[[ ${1:-} == --no-system-packages ]] && system_packages=0
+case "${1:-}" in
+  "") ;;
+  --no-system-packages) system_packages=0 ;;
+  *) echo "setup: unknown argument ${1}; the one it takes is --no-system-packages" >&2; exit 2 ;;
+esac
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
