@@ -5,7 +5,8 @@ pre-faulted, so a tmpfs that fills up afterwards (another program's files) can n
 pages from under it: no SIGBUS, stores and retrieves stay bit-exact, new clients still connect
 (their liveness lock is an empty file). What does need space there fails with a typed error and
 works again once there is room: here the example transport's spool files (their failure is the
-transport's, named by the core's error boundary).
+transport's, named by the core's error boundary). File systems that are read-only, or exactly
+the size of the fs store's budget, are met by the fs L2 store as well.
 
 Needs a tmpfs of its own: the test mounts one (as root); elsewhere it skips.
 """
@@ -21,6 +22,8 @@ from relkit import Writer, key
 
 from kvxfer import CacheClient
 from kvxfer.errors import KvxferError, RemoteError
+from kvxfer.store import StoreOptions
+from kvxfer.store.fs import FsStore
 from kvxfer.testing.server import ServerProcess
 
 
@@ -124,3 +127,30 @@ def test_a_read_only_file_system_is_refused_with_what_to_do(read_only_tmpfs, tmp
         r = _serve("--l2", "fs", "--l2-url", url, "--url", f"ipc://{tmp_path}/b.sock")
         assert r.returncode == 2, (url, r.stderr[-2000:])
         assert "Read-only file system" in r.stderr and "--l2-url" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    yield from _tmpfs(tmp_path / "disk", "size=64k,mode=0700")
+
+
+def _put(backend, key: bytes, data: bytes) -> bool:
+    return backend.submit_put([(key, [memoryview(data)])]).result(10)[0]
+
+
+def test_temporary_files_of_puts_count_in_the_budget(small_disk: Path) -> None:
+    """A budget of the whole disk is never passed, not even for the moment a put's temporary file
+    is written beside the values (it was: the least recently used value was evicted only at the
+    rename, so the fifth value of a full disk met ENOSPC, and a full disk stops the tier). Six
+    writers at once, of which four fill the budget, wait for each other's room rather than fill
+    the disk."""
+    b = FsStore().open(f"file://{small_disk}/l2?max_size=64KiB", StoreOptions(write_workers=6))
+    try:
+        for i in range(8):
+            assert _put(b, b"k%d" % i, bytes([i]) * (16 << 10))
+        futs = [b.submit_put([(b"c%d" % i, [memoryview(bytes([i]) * (16 << 10))])]) for i in range(16)]
+        assert [f.result(10) for f in futs] == [[True]] * 16
+        assert b.submit_exists([b"c15"]).result(10) == [16 << 10]
+        assert int(b.stats()["evictions"]) == 20 and b.used == 64 << 10
+    finally:
+        b.close()
