@@ -542,12 +542,21 @@ os.kill(os.getpid(), signal.SIGKILL)  # a test run that crashes: nothing of Serv
 
 
 def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie that nobody reaped has)."""
+    """Whether process ``pid`` exists and has not exited (a zombie that nobody reaped has). Each
+    of its threads is looked at: while a process exits, its first thread shows as a zombie before
+    the others have ended and released its files (the locks it holds among them)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
-    return state != "Z"
+    for tid in tasks:
+        try:
+            state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        if state != "Z":
+            return True
+    return False
 
 
 def test_the_kits_server_stops_with_the_process_that_started_it(tmp_path: Path) -> None:
