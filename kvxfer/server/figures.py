@@ -54,6 +54,15 @@ CORE_FAMILIES: Final = frozenset({
         "dropped_writes_total", "queue_depth", "queue_capacity", "pinned_bytes", "pinned_bytes_limit", "errors_total",
         "outages_total", "busy_lookups_total", "writers", "writers_held")),
 })
+#: The names a scrape shows for the core's families: each family's (a counter's also without
+#: ``_total``, as its ``# TYPE`` line names it) and a histogram's series. A plugin's sample may
+#: take none of them, nor a name whose counter family is one (the exposition would name two
+#: families alike, and a scraper may refuse it whole).
+_CORE_SERIES: Final = frozenset({
+    *CORE_FAMILIES, *(n.removesuffix("_total") for n in CORE_FAMILIES),
+    *(f"{n}_{part}" for n in CORE_FAMILIES if n.endswith("_duration_seconds")
+      for part in ("bucket", "sum", "count", "created")),
+})
 _NAME: Final = re.compile(r"kvxfer_[a-z0-9_]*[a-z0-9]")
 _LABEL: Final = re.compile(r"[a-zA-Z][a-zA-Z0-9_]*")
 _KINDS: Final = ("counter", "gauge")
@@ -170,8 +179,8 @@ def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
             why = check_sample(sample)
             if not why and not sample.name.startswith(prefix):
                 why = f"{sample.name}: a sample of plugin {plugin} is named {prefix}..."
-            if not why and sample.name in CORE_FAMILIES:
-                why = f"{sample.name}: the name of a core metric"
+            if not why and {sample.name, sample.name.removesuffix("_total")} & _CORE_SERIES:
+                why = f"{sample.name}: the name of a core metric or of one of its series"
             if not why:
                 shape = (sample.kind, tuple(sorted(sample.labels)))
                 known = shapes.setdefault(sample.name, shape)

@@ -343,9 +343,10 @@ def on_path(test_plugin_path: Path) -> Iterator[Path]:
 
 def test_a_plugin_sample_is_named_after_its_plugin_and_never_as_a_core_metric() -> None:
     """Names are each plugin's own: ``kvxfer_<plugin>_...`` (a transport's name, or a hook plugin's
-    entry point name), never a core family's (a plugin named ``tier`` may not export
-    ``kvxfer_tier_up``). A sample that breaks either is dropped and counted as a hook error, once
-    per call (it was dropped at the scrape only, uncounted, with a warning at every scrape)."""
+    entry point name), never a core family's or one of its series' (a plugin named ``tier`` may not
+    export ``kvxfer_tier_up``, one named ``request`` not ``kvxfer_request_duration_seconds_count``).
+    A sample that breaks either is dropped and counted as a hook error, once per call (it was
+    dropped at the scrape only, uncounted, with a warning at every scrape)."""
     from kvxfer.server.figures import metric_prefix, plugin_metrics
     from kvxfer.server.hooks import HookRelay, hookimpl
     from kvxfer.transport import MetricSample
@@ -365,9 +366,13 @@ def test_a_plugin_sample_is_named_after_its_plugin_and_never_as_a_core_metric() 
     server.hooks.register(Figures("kvxfer_tier_up", "kvxfer_tier_mine"), "tier")
     server.hooks.register(Figures("kvxfer_my_plugin_depth", "kvxfer_tier_depth"), "my-plugin")
     server.hooks.register(Figures("kvxfer_disk_queue"), "kvxfer.transport.disk")
+    # nor a series of one (a histogram's), nor the family a core counter's TYPE line names
+    server.hooks.register(Figures("kvxfer_request_duration_seconds_count", "kvxfer_request_depth"), "request")
+    server.hooks.register(Figures("kvxfer_lookups", "kvxfer_lookups_pending"), "lookups")
     assert [s.name for s in plugin_metrics(server)] == ["kvxfer_tier_mine", "kvxfer_my_plugin_depth",
-                                                        "kvxfer_disk_queue"]
-    assert server.hooks.errors == 2
+                                                        "kvxfer_disk_queue", "kvxfer_request_depth",
+                                                        "kvxfer_lookups_pending"]
+    assert server.hooks.errors == 4
     assert metric_prefix("kvxfer.transport.cuda_ipc") == "kvxfer_cuda_ipc_" and metric_prefix("My.Hooks") == \
         "kvxfer_my_hooks_"
 
