@@ -160,11 +160,15 @@ def metric_prefix(plugin: str) -> str:
 
 def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
     """What the ``kvxfer_metrics`` hook implementations return, checked: a sample that cannot be
-    exported, is not named after its plugin (:func:`metric_prefix`), has a name the core uses, or
+    exported, is not named after its plugin (:func:`metric_prefix`) or is named after another one
+    too (the longer prefix wins), has a name the core uses, or
     is a second sample of a name with another kind or label names, is dropped and counted as a
     hook error (logged once per name)."""
     out: list[m.MetricSample] = []
     shapes: dict[str, tuple[str, tuple[str, ...]]] = {}
+    # longest first: a name under two plugins' prefixes (kvxfer_cuda_ipc_... under a plugin named
+    # cuda's too) belongs to the plugin of the longer one
+    prefixes = sorted({metric_prefix(p) for p in server.hooks.implementers("kvxfer_metrics")}, key=len, reverse=True)
     for plugin, result in server.hooks.call_by_plugin("kvxfer_metrics", server=server):
         prefix = metric_prefix(plugin)
         try:
@@ -179,6 +183,10 @@ def plugin_metrics(server: CacheServer) -> list[m.MetricSample]:
             why = check_sample(sample)
             if not why and not sample.name.startswith(prefix):
                 why = f"{sample.name}: a sample of plugin {plugin} is named {prefix}..."
+            if not why:
+                owner = next(p for p in prefixes if sample.name.startswith(p))
+                if owner != prefix:
+                    why = f"{sample.name}: a name of the plugin whose samples are named {owner}..."
             if not why and {sample.name, sample.name.removesuffix("_total")} & _CORE_SERIES:
                 why = f"{sample.name}: the name of a core metric or of one of its series"
             if not why:

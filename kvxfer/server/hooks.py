@@ -109,6 +109,10 @@ class HookRelay:
         """Register ``plugin`` under ``name`` (its metrics are named after it: ``kvxfer_<name>_...``)."""
         self.pm.register(plugin, name)
 
+    def implementers(self, hook: str) -> list[str]:
+        """The names of the plugins that implement ``hook``."""
+        return [impl.plugin_name for impl in getattr(self.pm.hook, hook).get_hookimpls()]
+
     def call(self, hook: str, **kwargs: Any) -> list[Any]:
         """What each implementation of ``hook`` returned (None left out); one that raises is
         logged and counted in :attr:`errors`."""

@@ -365,14 +365,17 @@ def test_a_plugin_sample_is_named_after_its_plugin_and_never_as_a_core_metric() 
     server = Server()
     server.hooks.register(Figures("kvxfer_tier_up", "kvxfer_tier_mine"), "tier")
     server.hooks.register(Figures("kvxfer_my_plugin_depth", "kvxfer_tier_depth"), "my-plugin")
-    server.hooks.register(Figures("kvxfer_disk_queue"), "kvxfer.transport.disk")
+    server.hooks.register(Figures("kvxfer_disk_queue", "kvxfer_disk_cache_misses"), "kvxfer.transport.disk")
     # nor a series of one (a histogram's), nor the family a core counter's TYPE line names
     server.hooks.register(Figures("kvxfer_request_duration_seconds_count", "kvxfer_request_depth"), "request")
     server.hooks.register(Figures("kvxfer_lookups", "kvxfer_lookups_pending"), "lookups")
+    # a name under two plugins' prefixes is the longer one's: a plugin named disk_cache owns
+    # kvxfer_disk_cache_..., which the transport disk may not export
+    server.hooks.register(Figures("kvxfer_disk_cache_hits"), "disk-cache")
     assert [s.name for s in plugin_metrics(server)] == ["kvxfer_tier_mine", "kvxfer_my_plugin_depth",
                                                         "kvxfer_disk_queue", "kvxfer_request_depth",
-                                                        "kvxfer_lookups_pending"]
-    assert server.hooks.errors == 4
+                                                        "kvxfer_lookups_pending", "kvxfer_disk_cache_hits"]
+    assert server.hooks.errors == 5
     assert metric_prefix("kvxfer.transport.cuda_ipc") == "kvxfer_cuda_ipc_" and metric_prefix("My.Hooks") == \
         "kvxfer_my_hooks_"
 
