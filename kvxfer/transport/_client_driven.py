@@ -46,6 +46,7 @@ class ClientDrivenCore(ContextCore):
     _finisher_role: ClassVar[str] = "commit"
     _core_names: ClassVar[frozenset[str]] = ContextCore._core_names | {
         "_unmapping", "_views", "_mapped_epoch", "_map_lock", "_deferred", "_uncommitted", "_late", "_late_done"}
+    _core_public: ClassVar[frozenset[str]] = ContextCore._core_public | {"arena"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

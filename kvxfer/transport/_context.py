@@ -120,6 +120,11 @@ class ContextCore:
     _core_names: ClassVar[frozenset[str]] = frozenset({
         "_own_threads", "_executor", "_finisher", "_closed", "_close_ended", "_registered", "_lock", "_layer_feeds",
         "_dropped"})
+    #: The public attributes the core's ``__init__`` sets (each style may add its own), which the
+    #: contract documents: the core's to set, refused like the private ones.
+    _core_public: ClassVar[frozenset[str]] = frozenset({
+        "transport", "transport_name", "connection", "layers", "layout", "identity", "instance_id", "chunk_size",
+        "blocks_per_chunk", "chunk_bytes", "epoch"})
 
     def __init__(
         self,
@@ -168,19 +173,20 @@ class ContextCore:
         the plugin's ``super().__init__()`` (the core has just replaced it)."""
         before = self.__before
         del self.__before
-        names = ContextCore._core_names | type(self)._core_names
+        names = ContextCore._core_names | type(self)._core_names | type(self)._core_public
         self.__core = {k: vars(self).get(k) for k in names}
         self._refuse_clashes(sorted(names & set(before)))
 
     def check_core_names(self) -> None:
-        """Raise ConfigError if the plugin's ``__init__`` replaced a private attribute of the
-        core's after the core set it (the client calls this once the context is made): the two
-        would share, or lose, the core's lock, worker or counters."""
+        """Raise ConfigError if the plugin's ``__init__`` replaced an attribute of the core's
+        after the core set it (the client calls this once the context is made): the two would
+        share, or lose, the core's lock, worker or counters, or send another transport's name."""
         self._refuse_clashes(sorted(k for k, v in self.__core.items() if vars(self).get(k) is not v))
 
     def _refuse_clashes(self, names: list[str]) -> None:
         if names:
-            raise ConfigError(f"transport {self.transport_name!r}: its context class sets {', '.join(names)}, which "
+            name = self.__core["transport_name"]
+            raise ConfigError(f"transport {name!r}: its context class sets {', '.join(names)}, which "
                               "kvxfer's own context uses: give the transport's attributes names of their own (e.g. "
                               "with the transport's name as a prefix)")
 
@@ -205,8 +211,13 @@ class ContextCore:
         """The registration Struct this context sends (the transport's ``registration_type``)."""
         with self._step("registration_extra"):
             extra = self.registration_extra()
+        fields = self.identity.registration_fields(self.layout)
+        taken = sorted(fields.keys() & extra.keys()) if isinstance(extra, dict) else []
+        if taken:
+            raise ConfigError(f"transport {self.transport_name!r}: registration_extra() returns {', '.join(taken)}, "
+                              "which the core fills: give the transport's own fields names of their own")
         with self._step("registration"):
-            return self.transport.registration_type(**self.identity.registration_fields(self.layout), **extra)
+            return self.transport.registration_type(**fields, **extra)
 
     def register(self) -> None:
         """Send the registration; called by the client before any transfer, and again after the

@@ -391,9 +391,12 @@ class TransferContextBase(ContextCore, TransferContext):
     """What both styles share; a transport subclasses one of the two styles below.
 
     Made by the core as ``context_type(transport, connection, layers, layout, identity)``
-    (override :meth:`Transport.client_context` to pass more). Attributes for the hooks:
-    ``transport``, ``connection``, ``layers`` (the KV tensors, checked against ``layout``),
-    ``layout``, ``identity``, ``chunk_size``, ``blocks_per_chunk``, ``chunk_bytes``.
+    (override :meth:`Transport.client_context` to pass more). Attributes for the hooks, the
+    core's to set (a context class that sets one, or a private name of the core's, is refused at
+    registration): ``transport``, ``transport_name``, ``connection``, ``layers`` (the KV tensors,
+    checked against ``layout``), ``layout``, ``identity``, ``instance_id``, ``chunk_size``,
+    ``blocks_per_chunk``, ``chunk_bytes``, ``epoch`` (the session it is registered in), and for a
+    client-driven context ``arena``. Name the transport's own attributes apart (``_spool_lock``).
 
     A layer-wise transfer (``by_layer=True``) is copied in parts, each a range of layers: a
     request each (server-driven) or a round of :meth:`~ClientDrivenContext.gather`/
@@ -748,6 +751,12 @@ class Transport(ABC):
         reg = self.registration_type
         if not (isinstance(reg, type) and issubclass(reg, Registration)):
             errors.append(f"registration_type must subclass Registration, got {reg!r}")
+        else:
+            taken = sorted({f for cls in reg.__mro__[:reg.__mro__.index(Registration)]
+                            for f in vars(cls).get("__annotations__", {})} & set(Registration.__struct_fields__))
+            if taken:
+                errors.append(f"registration_type {reg.__name__} declares {', '.join(taken)}, which the core's "
+                              "Registration fills: give the transport's own fields names of their own")
         srv = self.server_context_type
         if srv is not None and isinstance(reg, type) and not issubclass(reg, srv.registration_class):
             errors.append(f"{srv.__name__} takes {srv.registration_class.__name__} registrations, but "

@@ -51,6 +51,10 @@ class _OtherReg(Registration, frozen=True, kw_only=True):
     other: str = ""
 
 
+class _PidReg(_Reg, frozen=True, kw_only=True):  # a field of the core's declared again, a level down
+    pid: int = 0
+
+
 class _Server(ServerContext[_Reg, _Params]):
     def store(self, copies: list[Any], params: _Params) -> None:
         pass
@@ -103,8 +107,10 @@ def test_the_style_follows_from_the_context_class() -> None:
     (dict(context_type=_HalfClientDriven), "context_type _HalfClientDriven does not implement scatter"),
     (dict(context_type=_ClientDriven, capabilities=None), "capabilities must be a kvxfer.transport.Capabilities"),
     (dict(context_type=_ClientDriven, name=7), "name must be the entry point's name"),
+    (dict(context_type=_ClientDriven, registration_type=_PidReg),
+     "registration_type _PidReg declares pid, which the core's Registration fills"),
 ], ids=["no-server-context", "client-driven-with-server", "registration-mismatch", "no-style", "bad-registration",
-        "abstract-context", "no-capabilities", "bad-name"])
+        "abstract-context", "no-capabilities", "bad-name", "core-field"])
 def test_inconsistent_declarations_are_named(attrs: dict[str, Any], wrong: str) -> None:
     errors = _transport(**attrs).contract_errors()
     assert any(wrong in e for e in errors), errors
@@ -295,12 +301,13 @@ def test_server_side_plugin_errors_name_the_transport_and_step(cl: CacheClient) 
     ctx.close()
 
 
-@pytest.mark.parametrize("when", ["after", "before"])
+@pytest.mark.parametrize("when", ["after", "before", "public"])
 def test_a_context_class_that_takes_a_name_of_the_cores_is_refused(cl: CacheClient, monkeypatch: pytest.MonkeyPatch,
                                                                   when: str) -> None:
     """A transport's context that sets a private attribute of the core's own context (its
     ``_lock`` after ``super().__init__()``, so that both share or lose one lock; ``_views`` before
-    it, replaced by the core's at once) is refused at register, naming the attribute: the example
+    it, replaced by the core's at once), or a public one the contract names (``transport_name``,
+    which the registration sends), is refused at register, naming the attribute: the example
     transport did the first."""
     from kvxfer_cpu_gather.transport import CpuGatherContext, CpuGatherTransport
 
@@ -311,13 +318,33 @@ def test_a_context_class_that_takes_a_name_of_the_cores_is_refused(cl: CacheClie
             super().__init__(*args, **kwargs)
             if when == "after":
                 self._lock = threading.Lock()
+            if when == "public":
+                self.transport_name = "host rows (fast)"
 
     monkeypatch.setattr(CpuGatherTransport, "context_type", Clashing)
-    name = "_lock" if when == "after" else "_views"
+    name = {"after": "_lock", "before": "_views", "public": "transport_name"}[when]
     with pytest.raises(ConfigError, match=f"transport 'cpu_gather': its context class sets {name}, which kvxfer's own"):
         cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name=f"clash-{when}", block_size=BLOCK_SIZE,
                     transport="cpu_gather")
     assert not [c for c in cl.status().contexts if c.model_name == f"clash-{when}"]
+
+def test_registration_extra_that_returns_a_field_of_the_cores_is_refused_naming_it(
+        cl: CacheClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``registration_extra()`` returning a field the core fills (``pid``) is a ConfigError
+    naming it at register (it was a TypeError about keyword arguments, reported as the transport
+    failing)."""
+    from kvxfer_cpu_gather.transport import CpuGatherContext, CpuGatherTransport
+
+    class Extra(CpuGatherContext):
+        def registration_extra(self) -> dict[str, Any]:
+            return {**super().registration_extra(), "pid": 12345}
+
+    monkeypatch.setattr(CpuGatherTransport, "context_type", Extra)
+    with pytest.raises(ConfigError, match="transport 'cpu_gather': registration_extra.. returns pid, which the core"):
+        cl.register(flash_attn_kv(num_layers=2, num_blocks=8), model_name="extra-pid", block_size=BLOCK_SIZE,
+                    transport="cpu_gather")
+    assert not [c for c in cl.status().contexts if c.model_name == "extra-pid"]
+
 
 def _store_held_in_its_gather(cl: CacheClient, monkeypatch: pytest.MonkeyPatch, model: str) -> tuple[Any, Any, Any]:
     """A cpu_gather context of ``model`` with one store whose gather has started and waits for
@@ -365,7 +392,7 @@ def test_a_close_while_another_is_under_way_waits_for_it(cl: CacheClient, monkey
 def test_the_core_names_every_private_attribute_it_sets(cl: CacheClient) -> None:
     """check_core_names compares against the names the core declares (a plugin's own private
     attribute, set by its hooks during the core's __init__, is not mistaken for one of the
-    core's): the declaration must name every private attribute the core's __init__ sets."""
+    core's): the declarations must name every attribute the core's __init__ sets."""
     from kvxfer.transport import InstanceIdentity, registry
 
     layers = flash_attn_kv(num_layers=2, num_blocks=8)
@@ -376,6 +403,8 @@ def test_the_core_names_every_private_attribute_it_sets(cl: CacheClient) -> None
         try:
             private = {k for k in vars(ctx) if k.startswith("_") and not k.startswith("_ContextCore__")}
             assert private == cls._core_names, (cls.__name__, sorted(private ^ cls._core_names))
+            public = {k for k in vars(ctx) if not k.startswith("_")}
+            assert public == cls._core_public, (cls.__name__, sorted(public ^ cls._core_public))
         finally:
             ctx.close()
 
