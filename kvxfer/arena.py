@@ -44,7 +44,7 @@ from kvxfer.units import format_bytes
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR", "transport_dir_path"]
+__all__ = ["Arena", "ArenaMapping", "DEFAULT_SHM_DIR", "check_arena_path", "transport_dir_path"]
 
 DEFAULT_SHM_DIR: Final = "/dev/shm"
 _DIR_PREFIX: Final = "kvxfer-"
@@ -95,6 +95,20 @@ def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
 
 def _dir_name_pattern() -> re.Pattern[str]:
     return re.compile(rf"{_DIR_PREFIX}{os.getuid()}-[0-9a-f]{{32}}")
+
+
+def check_arena_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a client may use it: the ``arena`` file of a server's arena directory
+    (``kvxfer-<this uid>-<32 hex digits>``). The path comes from the server's handshake reply; a
+    client opens nothing else by it, so a server (anyone holding its key, over ``tcp://``) cannot
+    make the client map another file of its user, or make a lock file in another directory.
+    Raises :class:`ConfigError`."""
+    p = Path(path)
+    if p.name != _ARENA or not _dir_name_pattern().fullmatch(p.parent.name) or not p.is_absolute():
+        shape = f"<shm dir>/{_DIR_PREFIX}{os.getuid()}-<32 hex digits>/{_ARENA}"
+        raise ConfigError(f"the server announced {str(path)[:256]!r} as its arena, which is not the arena file of a "
+                          f"kvxfer server of this user ({shape}): refusing to map it")
+    return p
 
 
 def transport_dir_path(arena_path: str | os.PathLike[str], name: str) -> Path:
@@ -292,7 +306,7 @@ class ArenaMapping:
     """A client's mapping of the server's arena (for client-driven transports)."""
 
     def __init__(self, path: str, size: int) -> None:
-        p = Path(path)
+        p = check_arena_path(path)
         if not p.parent.exists():
             raise ConfigError(
                 f"the server's arena {path} does not exist here: client-driven transports need "

@@ -25,6 +25,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from kvxfer.arena import check_arena_path
 from kvxfer.errors import ConfigError
 from kvxfer.private_dirs import check_private_dir
 
@@ -62,6 +63,7 @@ class ProcessLock:
         cannot be reached from here (the server is elsewhere)."""
         path = lock_path(arena_path, token)
         try:
+            check_arena_path(arena_path)
             check_private_dir(path.parent, "arena directory")
         except (ConfigError, OSError) as exc:
             log.debug("no liveness lock: %s", exc)

@@ -5,6 +5,7 @@ a failing test, not a lost run."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -82,3 +83,26 @@ def test_the_mapping_goes_with_the_last_view(tmp_path: Path) -> None:
     del view, view2
     assert maps() == 0
 
+
+
+def test_a_client_maps_only_the_arena_file_of_a_server_directory_of_its_user(tmp_path: Path) -> None:
+    """The arena's path comes from the server's handshake reply. A server (over tcp://, anyone
+    holding its key) that names another private file of the client's user, of the size it
+    announces, is refused: the client would copy KV bytes over it (a key file, say), or copy its
+    bytes into the engine's KV cache."""
+    from kvxfer.arena import ArenaMapping
+    from kvxfer.errors import ConfigError
+
+    private = tmp_path / "ssh"
+    private.mkdir(mode=0o700)
+    secret = b"ssh-ed25519 AAAA... the user's key\n".ljust(4096, b"#")
+    uid = os.getuid()
+    named = [private / "authorized_keys", private / "arena", tmp_path / f"kvxfer-{uid + 1}-{'0' * 32}" / "arena",
+             tmp_path / f"kvxfer-{uid}-{'0' * 31}" / "arena", tmp_path / f"kvxfer-{uid}-{'0' * 32}" / "server.lock"]
+    for path in named:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        path.write_bytes(secret)
+        path.chmod(0o600)
+        with pytest.raises(ConfigError, match="not the arena file of a kvxfer server of this user"):
+            ArenaMapping(str(path), len(secret))
+        assert path.read_bytes() == secret

@@ -26,13 +26,20 @@ def test_tokens_are_exactly_32_lowercase_hex_digits() -> None:
         liveness.lock_path("/tmp/x/arena", "../../etc/passwd")
 
 
+def _arena_dir(tmp_path: Path) -> Path:
+    """A directory named and made as a server's arena directory."""
+    d = tmp_path / f"kvxfer-{os.getuid()}-{'0' * 32}"
+    d.mkdir(mode=0o700)
+    return d
+
+
 def test_a_held_lock_reads_alive_until_released(tmp_path: Path) -> None:
-    tmp_path.chmod(0o700)  # as the server's arena directory
-    arena = tmp_path / "arena"
+    directory = _arena_dir(tmp_path)
+    arena = directory / "arena"
     token = liveness.new_token()
     assert not liveness.holder_alive(arena, token)  # never held
     lock = liveness.ProcessLock.hold(arena, token)
-    assert lock is not None and lock.path == tmp_path / f"client-{token}.lock"
+    assert lock is not None and lock.path == directory / f"client-{token}.lock"
     assert stat.S_IMODE(lock.path.stat().st_mode) == 0o600
     assert liveness.holder_alive(arena, token)  # flock conflicts between open files, even in one process
     assert liveness.holder_alive(arena, token)  # testing does not take it away
@@ -42,10 +49,25 @@ def test_a_held_lock_reads_alive_until_released(tmp_path: Path) -> None:
 
 
 def test_no_lock_where_the_directory_cannot_be_reached_or_is_not_private(tmp_path: Path) -> None:
-    assert liveness.ProcessLock.hold(tmp_path / "elsewhere" / "arena", liveness.new_token()) is None
-    tmp_path.chmod(0o755)
-    assert liveness.ProcessLock.hold(tmp_path / "arena", liveness.new_token()) is None
-    assert list(tmp_path.iterdir()) == []
+    assert liveness.ProcessLock.hold(tmp_path / f"kvxfer-{os.getuid()}-{'0' * 32}" / "arena",
+                                     liveness.new_token()) is None
+    directory = _arena_dir(tmp_path)
+    directory.chmod(0o755)
+    assert liveness.ProcessLock.hold(directory / "arena", liveness.new_token()) is None
+    assert list(directory.iterdir()) == []
+
+
+def test_no_lock_but_in_an_arena_directory_of_this_user(tmp_path: Path) -> None:
+    """The arena path comes from the server's reply: a lock file is made only beside the arena
+    file of a kvxfer server's directory of this user, never in another private directory the
+    server names (one holding the user's keys, say)."""
+    private = tmp_path / "ssh"
+    private.mkdir(mode=0o700)
+    other_uid = _arena_dir(tmp_path).rename(tmp_path / f"kvxfer-{os.getuid() + 1}-{'0' * 32}")
+    for arena in (private / "authorized_keys", private / "arena", other_uid / "arena",
+                  _arena_dir(tmp_path) / "server.lock"):
+        assert liveness.ProcessLock.hold(arena, liveness.new_token()) is None, arena
+    assert not [p for p in tmp_path.rglob("client-*")]
 
 
 def test_something_else_at_the_lock_path_is_not_a_live_client(tmp_path: Path) -> None:
@@ -55,9 +77,9 @@ def test_something_else_at_the_lock_path_is_not_a_live_client(tmp_path: Path) ->
 
 
 def test_the_lock_of_a_killed_process_is_free_and_its_file_removed(tmp_path: Path) -> None:
-    tmp_path.chmod(0o700)
+    directory = _arena_dir(tmp_path)
     token = liveness.new_token()
-    arena = tmp_path / "arena"
+    arena = directory / "arena"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from kvxfer import liveness
@@ -72,7 +94,7 @@ def test_the_lock_of_a_killed_process_is_free_and_its_file_removed(tmp_path: Pat
         holder.kill()
         holder.wait(10)
         assert not liveness.holder_alive(arena, token)  # SIGKILL: no unlink ran, the kernel freed the lock
-        assert not (tmp_path / f"client-{token}.lock").exists()
+        assert not (directory / f"client-{token}.lock").exists()
     finally:
         if holder.poll() is None:
             holder.kill()
