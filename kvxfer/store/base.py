@@ -222,7 +222,9 @@ class LocalInstance(Protocol):
 
     def local_instance(self, directory: Path) -> AbstractContextManager[str]:
         """A context manager that starts a private instance (its files under ``directory``),
-        yields its URL, and stops it on exit."""
+        yields its URL, and stops it on exit. Private: a network store listening where other
+        local users reach it (127.0.0.1) takes a password, in the URL's user info (the demo
+        hands it to its servers as ``$KVXFER_L2_PASSWORD``, off their command lines)."""
         ...
 
 

@@ -12,6 +12,7 @@ front of one, with a throwaway authority and certificates (:func:`make_tls_files
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -101,14 +102,23 @@ class _LocalProcess:
 
 
 class ValkeyServer(_LocalProcess):
-    """One ``valkey-server`` process on 127.0.0.1 (no persistence, logs in ``directory``)."""
+    """One ``valkey-server`` process on 127.0.0.1 (no persistence, logs in ``directory``).
+
+    ``password``: the default user's password (``requirepass``), written to a file of mode 0600
+    in ``directory`` rather than on the command line: any local user reaches 127.0.0.1, and
+    without one could rewrite the values (a checksum is no signature). ``url`` has no password;
+    ``private_url`` has it."""
 
     LOG_NAME = "valkey.log"
+    AUTH_FILE = "auth.conf"
 
     def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False,
                  maxmemory: str | None = None, policy: str = "noeviction", extra: list[str] | None = None,
-                 node_timeout_ms: int = 2000) -> None:
+                 node_timeout_ms: int = 2000, password: str | None = None) -> None:
+        if password is not None and not re.fullmatch(r"[A-Za-z0-9_-]{16,128}", password):
+            raise ValueError("a local Valkey's password is 16-128 letters, digits, '_' or '-'")
         self.directory = Path(directory)
+        self.password = password
         self.cluster = cluster
         self.node_timeout_ms = node_timeout_ms
         self.port = port or free_port(cluster)
@@ -122,11 +132,17 @@ class ValkeyServer(_LocalProcess):
         return f"valkey://127.0.0.1:{self.port}"
 
     @property
+    def private_url(self) -> str:
+        """:attr:`url` with the password, if there is one (keep it off command lines)."""
+        return f"valkey://default:{self.password}@127.0.0.1:{self.port}" if self.password else self.url
+
+    @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def args(self) -> list[str]:
-        a = [valkey_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+        conf = [str(self.directory / self.AUTH_FILE)] if self.password else []  # (a config file comes first)
+        a = [valkey_binary(), *conf, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
              "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", "valkey.log",
              "--proto-max-bulk-len", "1gb", "--client-output-buffer-limit", "normal 0 0 0",
              "--maxmemory-policy", self.policy]
@@ -139,6 +155,12 @@ class ValkeyServer(_LocalProcess):
 
     def start(self, timeout: float = 30.0) -> ValkeyServer:
         self.directory.mkdir(parents=True, exist_ok=True)  # a restarted cluster node keeps nodes.conf
+        if self.password:
+            path = self.directory / self.AUTH_FILE
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"requirepass {self.password}\n")
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -154,15 +176,24 @@ class ValkeyServer(_LocalProcess):
 
     def cli(self, *args: str, timeout: float = 30.0) -> str:
         """Run ``valkey-cli -p PORT ARGS...``; returns its output (raises on failure)."""
+        env = {**os.environ, "REDISCLI_AUTH": self.password} if self.password else None
         out = subprocess.run([valkey_binary("valkey-cli"), "-h", "127.0.0.1", "-p", str(self.port), *args],
-                             capture_output=True, text=True, timeout=timeout, check=True)
+                             capture_output=True, text=True, timeout=timeout, check=True, env=env)
         return out.stdout
 
     def ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                want = b"+PONG"
+                if self.password:
+                    pw = self.password.encode()
+                    s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                    want = b"+OK\r\n+PONG"
                 s.sendall(b"*1\r\n$4\r\nPING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                got = b""
+                while len(got) < len(want) and (more := s.recv(64)):
+                    got += more
+                return got.startswith(want)
         except OSError:
             return False
 

@@ -1018,11 +1018,14 @@ class ValkeyStore(Store):
 
     @contextlib.contextmanager
     def local_instance(self, directory: Path) -> Iterator[str]:
+        import secrets
+
         from kvxfer_valkey.local import ValkeyServer
 
-        server = ValkeyServer(Path(directory) / "valkey").start()
+        # with a password: any local user reaches 127.0.0.1
+        server = ValkeyServer(Path(directory) / "valkey", password=secrets.token_urlsafe(24)).start()
         try:
-            yield server.url
+            yield server.private_url
         finally:
             server.stop()
 

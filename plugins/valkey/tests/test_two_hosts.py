@@ -157,7 +157,7 @@ def test_the_two_host_demo_loads_on_b_what_a_stored() -> None:
                            "--prompt-tokens", "512", "--l1-size", "64MiB"], capture_output=True, text=True, timeout=180)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert "L2: a private valkey at valkey://127.0.0.1:" in out
+    assert "L2: a private valkey at valkey://default:***@127.0.0.1:" in out
     assert "host B:   lookups found 4 of 4 chunks (4 in L2); promoted and loaded 4 chunks" in out
     assert "verify:   every byte B loaded matches A" in out
     assert "host A:   killed, as a crash would, and started again ...\nhost A:   its arena holds 0 chunks; its " \
@@ -178,3 +178,38 @@ def test_the_two_host_demo_with_arenas_too_small_says_why_and_checks_only_what_b
     else:
         assert proc.returncode == 1 and "give the servers a larger --l1-size" in out, out + proc.stderr
     assert "MISMATCH" not in out and "verify:   every byte B loaded matches A" in out, out + proc.stderr
+
+
+def test_the_local_instance_takes_a_password_that_no_command_line_shows(tmp_path: Path) -> None:
+    """The demo's and the kit's Valkey (``local_instance()``) listens on 127.0.0.1, which every
+    local user reaches: without a password another user rewrote its values, checksum and all, and
+    a server loaded them. It takes one, from a file of mode 0600, and the demo hands it to its
+    servers as ``$KVXFER_L2_PASSWORD``, not on their command lines."""
+    import socket
+    import stat
+    from urllib.parse import urlsplit
+
+    from kvxfer.demo import _password_apart
+    from kvxfer.store import get_store
+
+    tmp_path.chmod(0o700)
+    with get_store("valkey").local_instance(tmp_path) as url:  # type: ignore[attr-defined]
+        parts = urlsplit(url)
+        assert parts.password and len(parts.password) >= 16
+        with socket.create_connection((parts.hostname, parts.port), timeout=5) as conn:
+            conn.sendall(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")
+            assert conn.recv(64).startswith(b"-NOAUTH"), "a client without the password was answered"
+        conf = tmp_path / "valkey" / ValkeyServer.AUTH_FILE
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+        pids = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+        for pid in pids:
+            try:
+                assert parts.password.encode() not in (pid / "cmdline").read_bytes(), pid
+            except OSError:
+                pass  # gone meanwhile
+        bare, env = _password_apart(url)
+        assert bare == f"valkey://default@{parts.hostname}:{parts.port}" and env == {"KVXFER_L2_PASSWORD": parts.password}
+        with ServerProcess(l1_size="8MiB", chunk_size=CHUNK, transports="cpu_gather", env=env,
+                           extra_args=["--l2", "valkey", "--l2-url", bare]) as srv, CacheClient(srv.url) as c:
+            assert tier(c).state == "up" and parts.password not in srv.log() + tier(c).url
+    assert _password_apart("valkey://127.0.0.1:1") == ("valkey://127.0.0.1:1", {})
