@@ -64,6 +64,24 @@ def _arena_filler(kit: Kit) -> tuple[KVSpec, list[torch.Tensor], TransferContext
     return spec, layers, ctx, ctx.layout.chunk_bytes(CHUNK_SIZE)
 
 
+def _layers_differ(got: torch.Tensor, want: torch.Tensor, upto: int | None = None) -> str:
+    """Which layers of ``got`` (``[chunks, layers, ...]`` bytes, as :meth:`Kit.chunks_of`) differ
+    from ``want``, for the first ``upto``; one that holds another layer's bytes is named so (a
+    copy of a range of layers that ignores ``RowCopy.first_layer`` writes from layer 0)."""
+    n = got.shape[1] if upto is None else upto
+    parts = []
+    for i in range(n):
+        if torch.equal(got[:, i], want[:, i]):
+            continue
+        other = next((j for j in range(want.shape[1]) if j != i and torch.equal(got[:, i], want[:, j])), None)
+        if other is not None:
+            parts.append(f"layer {i} holds layer {other}'s bytes (does the copy of a range of layers honour "
+                         "RowCopy.first_layer, the range's first layer?)")
+        else:
+            parts.append(f"layer {i} differs (a layer copied before its layer_ready, or not copied?)")
+    return "; ".join(parts) or "no layer differs"
+
+
 def round_trip(kit: Kit, spec: KVSpec) -> None:
     """Random bytes from 3 random blocks of a cache of ``spec``, stored (the cache unchanged),
     checked in the server through the backdoor, then retrieved into 3 other random blocks of the
@@ -129,8 +147,9 @@ class RoundTripTests:
         want = kit.chunks_of(before, spec, src)
         held_res, held = kit.backdoor_read(spec, keys)
         assert held_res.loaded == [0, 1, 2]
-        assert equal_bytes(held, want), ("a layer-wise store left other bytes in the server than its layers held "
-                                         "once each was declared written (a layer copied before its layer_ready?)")
+        if not equal_bytes(held, want):  # (raised, not asserted: the message says which layers, no tensor dump)
+            raise AssertionError("a layer-wise store left other bytes in the server than its layers held once each "
+                                 f"was declared written: {_layers_differ(held, want)}")
 
         dst = kit.blocks(spec, 3, exclude=src)
         loading = ctx.submit_retrieve(keys, dst, by_layer=True)
@@ -138,8 +157,9 @@ class RoundTripTests:
         for layer in range(spec.num_layers):
             loading.wait_layer(layer, timeout=TIMEOUT)
             landed = kit.chunks_of(as_bytes(layers), spec, dst)  # read now: the layer may be used now
-            assert equal_bytes(landed[:, layer], want[:, layer]), \
-                f"wait_layer({layer}) returned before layer {layer} had landed"
+            if not equal_bytes(landed[:, layer], want[:, layer]):
+                raise AssertionError(f"wait_layer({layer}) returned before layer {layer} had landed: "
+                                     f"{_layers_differ(landed, want, upto=layer + 1)}")
         got = loading.result(timeout=TIMEOUT)
         assert (got.loaded, got.missing) == ([0, 1, 2], [])
         assert_retrieved(kit, spec, layers, before, dst, want)
