@@ -506,3 +506,15 @@ def test_an_exit_on_the_main_thread_in_an_inline_prepare_is_not_a_futures_error(
                              list(range(BLOCKS_PER_CHUNK)))
     finally:
         ctx.close()
+
+
+def test_kvxfer_transport_exports_every_name_of_the_contract() -> None:
+    """plugin-authoring.md: import the contract's names from ``kvxfer.transport`` (the futures
+    ``submit_*`` return were missing there)."""
+    import kvxfer.transport
+    import kvxfer.transport.contract
+
+    missing = set(kvxfer.transport.contract.__all__) - set(kvxfer.transport.__all__)
+    assert not missing, sorted(missing)
+    assert all(getattr(kvxfer.transport, n) is getattr(kvxfer.transport.contract, n)
+               for n in kvxfer.transport.contract.__all__)
