@@ -231,9 +231,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     api_version, style (transports), health.
 
     Health is ``available``, ``unavailable`` (its probe says why) or ``broken`` (it failed to
-    load, or declares another api_version). ``--json`` prints the same as an object.
+    load, or declares another api_version). ``--json`` prints the same as an object. Exit status
+    1 when any plugin is broken (each is listed with why, once: not logged besides), else 0.
     """
     import dataclasses
+    import logging
 
     import kvxfer
     from kvxfer.store.base import STORE_API_VERSION
@@ -242,8 +244,15 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from kvxfer.transport.contract import API_VERSION
     from kvxfer.transport.registry import NAMESPACE, list_plugins
 
-    plugins = list_plugins()
-    stores = list_stores()
+    registry_log = logging.getLogger("kvxfer.transport.registry")  # (both registries log there)
+    level = registry_log.level
+    registry_log.setLevel(logging.ERROR)  # a broken plugin's reason is in the listing itself
+    try:
+        plugins = list_plugins()
+        stores = list_stores()
+    finally:
+        registry_log.setLevel(level)
+    status = 1 if any(p.health == "broken" for p in [*plugins, *stores]) else 0
     if args.json:
         print(json.dumps({
             "kvxfer": kvxfer.__version__,
@@ -256,7 +265,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             "stores": [{k: v for k, v in dataclasses.asdict(p).items() if k not in ("style", "production")}
                        for p in stores],
         }, indent=2))
-        return 0
+        return status
     print(f"kvxfer {kvxfer.__version__}, transport api_version {API_VERSION}, entry point group {NAMESPACE}")
     if not plugins:
         print("no transports installed (kvxfer-cpu-gather: pip install plugins/cpu_gather in a kvxfer checkout)")
@@ -271,7 +280,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"{p.name}: {p.detail or p.health}")
     print()
     _stores_table(stores, STORE_API_VERSION, STORE_NAMESPACE)
-    return 0
+    return status
 
 
 def _stores_table(stores: list[PluginInfo], api_version: int, namespace: str) -> None:
@@ -578,7 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     s.set_defaults(fn=cmd_serve)
 
-    s = command("plugins", help="list installed transports and store backends, and their health")
+    s = command("plugins", help="list installed transports and store backends, and their health (exit status 1 "
+                                "when one is broken)")
     s.add_argument("--json", action="store_true", help="print the list as one JSON object")
     s.set_defaults(fn=cmd_plugins)
 

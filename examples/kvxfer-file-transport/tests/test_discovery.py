@@ -65,7 +65,7 @@ def test_broken_plugins_are_listed_with_their_error(tmp_path: Path) -> None:
     (tmp_path / "kit_broken_b.py").write_text(BROKEN_B)
 
     proc = _plugins("--json", pythonpath=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # broken plugins: a CI check can tell
     info = {t["name"]: t for t in json.loads(proc.stdout)["transports"]}
     assert info["file_debug"]["health"] == "available"
     assert info["cpu_gather"]["health"] == "available"
@@ -77,7 +77,7 @@ def test_broken_plugins_are_listed_with_their_error(tmp_path: Path) -> None:
     assert "not a kvxfer Transport" in info["not_a_transport"]["detail"]
 
     table = _plugins(pythonpath=tmp_path)
-    assert table.returncode == 0, table.stderr
+    assert table.returncode == 1, table.stderr
     lines = {line.split()[0]: line for line in table.stdout.splitlines() if line.strip()}
     assert lines["wrong_api"].split()[-1] == "broken"
     assert lines["file_debug"].split()[-1] == "available"
