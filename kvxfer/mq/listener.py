@@ -117,6 +117,8 @@ class UnixListener:
         self.ready: dict[int, _Conn] = {}
         self._prefix = os.urandom(8)
         self._serial = 0
+        #: the routing ids of connections closed since the loop last took them (:meth:`take_closed`)
+        self._closed_ids: list[bytes] = []
         #: connections closed for a malformed stream, and refused for being over the limit
         self.malformed = 0
         self.refused = 0
@@ -325,6 +327,7 @@ class UnixListener:
     def _close(self, conn: _Conn) -> None:
         if self._conns.pop(conn.fd, None) is None:
             return
+        self._closed_ids.append(conn.identity)
         self.buffered -= len(conn.reader)
         conn.reader = FrameReader(0)  # its memory goes now, not when the last reference does
         self._by_id.pop(conn.identity, None)
@@ -333,6 +336,12 @@ class UnixListener:
         conn.sock.close()
         conn.out = []
         self._resume()  # a descriptor is free: accept what waits
+
+    def take_closed(self) -> list[bytes]:
+        """The routing ids of the connections closed (by their peer or by the server) since the
+        last call."""
+        closed, self._closed_ids = self._closed_ids, []
+        return closed
 
     def drop(self, identity: bytes) -> None:
         """Close the connection of ``identity`` (its peer let too many replies wait)."""

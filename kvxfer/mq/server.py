@@ -217,6 +217,7 @@ class MQServer:
         on_unread_overflow: Callable[[bytes, int], None] | None = None,
         busy_poll_s: float = 0.0,
         max_connections: int = 1024,
+        on_disconnect: Callable[[bytes], None] | None = None,
     ) -> None:
         self.url = url
         #: After any activity the loop polls without blocking for this long (see serve_forever).
@@ -226,6 +227,9 @@ class MQServer:
         self._tick_s = tick_s
         self._max_unread = max_unread_reply_bytes
         self._on_overflow = on_unread_overflow
+        #: Told the routing id of each ipc:// connection that closed, on the loop, outside any
+        #: handler (ZeroMQ does not tell when a tcp:// peer goes).
+        self._on_disconnect = on_disconnect
         self._curve = curve is not None and url.startswith("tcp://")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._auth = None
@@ -441,6 +445,14 @@ class MQServer:
                             self._handle([identity, *frames], peer)
                         if not self._calls.empty():
                             self._flush_replies()
+                    closed = unix.take_closed()
+                    if closed and self._on_disconnect is not None:
+                        for identity in closed:
+                            try:
+                                self._on_disconnect(identity)
+                            except Exception:  # must never stop the loop
+                                log.exception("handling a closed connection failed")
+                        self._run_after_reply()
                 elif router is not None and (router_ready or self._router_fd in events):
                     # Bounded burst, then look at replies and ticks again. Asking EVENTS first
                     # avoids the zmq.Again exception of an empty recv (~10 us a request).

@@ -195,6 +195,7 @@ def plugin_step_call(transport: str, step: str, call: Callable[[], Any]) -> Any:
 _CLOSED_BY_CLIENT: Final = "closed by the client"
 #: ... of a client whose process ended without saying goodbye (killed, or exited without closing).
 _PROCESS_GONE: Final = "its process ended without closing it"
+_CONNECTION_CLOSED: Final = "its connection closed"
 
 
 def _show(value: object, limit: int = 64) -> str:
@@ -458,6 +459,7 @@ class CacheServer:
                 # sessions past the limit are answered with an error that says so; a few more
                 # connections are let in to hear it
                 max_connections=self.limits.max_connections + 64,
+                on_disconnect=self._on_disconnect,
             )
             if config.l2 is not None:
                 self.tier = L2Tier(config.l2, self.index, self.arena, self._mq.call_soon, self._chunk_format,
@@ -1015,6 +1017,17 @@ class CacheServer:
         for secret in [k for k, v in self._parked.items() if v is parked]:
             del self._parked[secret]
 
+    def _on_disconnect(self, identity: bytes) -> None:
+        """An ``ipc://`` connection closed. Its session ends now if it holds nothing (no
+        registration, reservation or lease: a client that comes back has nothing to resume, and
+        opens a session all the same); else at its timeout, as on ``tcp://``, so that its client
+        may still resume it. One client opening sessions and closing their connections in a
+        loop, without a goodbye, once held every place of ``--max-connections`` for others."""
+        session = self.sessions.get(identity)
+        if session is not None and not (session.instances or session.registering or session.usage.reservations
+                                        or session.usage.leases):
+            self._drop_session(identity, _CONNECTION_CLOSED)
+
     def _on_unread_overflow(self, identity: bytes, unread: int) -> None:
         """The connection left more than --max-unread-reply-bytes of replies unread (MQServer
         dropped them): end its session."""
@@ -1033,7 +1046,8 @@ class CacheServer:
         ``park_reads`` (a session its client resumed: the reads' copies rely on their pins)."""
         session = self.sessions.pop(identity)
         # a client that registered nothing and said goodbye (`kvxfer status`, polled) is no news
-        quiet = not session.registered and not session.usage.leases and reason == _CLOSED_BY_CLIENT
+        quiet = (not session.registered and not session.usage.leases
+                 and reason in (_CLOSED_BY_CLIENT, _CONNECTION_CLOSED))
         name = printable(session.name) if session.name else "unnamed"
         name = name if len(name) <= 64 else f"{name[:64]}..."
         line = (f"session of {session.peer.label()} ({name}) ended "

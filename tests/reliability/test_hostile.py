@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import msgspec
@@ -689,6 +690,35 @@ def test_open_connections_are_bounded(shm_dir):
                 for c in conns:
                     c.close()
             assert client.ping() > 0
+
+
+def test_sessions_of_closed_connections_that_hold_nothing_end_at_once(shm_dir):
+    """A client that handshakes and closes its connection, in a loop, without a goodbye: each
+    session outlived its connection for --session-timeout, and at a few hundred a second they
+    held every place of --max-connections, so that other clients' handshakes and `kvxfer
+    status` were refused. A session that holds nothing now ends with its ipc:// connection;
+    one that holds a registration is kept for its client to resume, as before."""
+    with ServerProcess(l1_size="8MiB", chunk_size=64, transports="cpu_gather",
+                       extra_args=["--shm-dir", str(shm_dir), "--max-connections", "8",
+                                   "--session-timeout", "60"]) as server:
+        with CacheClient(server.url, timeout=30) as client:
+            for _ in range(40):  # five times the limit, each session closed at once
+                peer = RawPeer(server.url)
+                peer.handshake()
+                peer.close()
+            wait_until(lambda: client.status().sessions == 1, 10, "the sessions of closed connections to end")
+            with CacheClient(server.url, timeout=30) as other:  # a place for another client
+                assert other.ping() > 0
+            ref = Writer(client, model="kept")
+            holder = RawPeer(server.url)
+            holder.handshake()
+            assert holder.call(b"register", codec.encode(registration(ref, "cpu_gather", 4242)))[0] == codec.OK
+            holder.close()
+            time.sleep(1.0)  # (the loop takes a closed connection at its next turn)
+            st = client.status()
+            assert st.sessions == 2, "a session holding a registration ended with its connection"
+            assert any(c.instance_id == 4242 for c in st.contexts)
+        assert "(its connection closed)" not in server.log()  # sessions of nothing end quietly
 
 
 def test_open_reservations_of_a_session_are_bounded(debug_server):
