@@ -583,28 +583,35 @@ class ServerContext(ABC, Generic[R, P]):
         itself (the answer then goes out before they end)."""
 
     def prefetch(self, chunks: list[StoredSlot]) -> None:
-        """Optional: ``chunks`` were just leased by a lookup that asked for a prefetch (its
-        leading run, at most :data:`kvxfer.copies.MAX_PREFETCH_CHUNKS`), and this registration
-        is the one of their rank that will load them (the only one of its model and rank); or
-        a retrieve of this registration that found nothing else in flight names them (the
-        whole chunks of it the arena holds, every layer, less a first one a skip cuts, at most
-        :data:`~kvxfer.copies.MAX_PREFETCH_CHUNKS`; as it arrives, before it is checked, its
-        chunks reserved and its copies planned, and before :meth:`retrieve` is called, if it
-        is: one refused, or one that reaches its copy past its deadline, ends without it, and
-        its slots may then take other chunks, under other stamps, while your copies run).
-        Start moving them toward the device (e.g. into staging) so that a retrieve whose
-        :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from the arena again;
-        chunks staged already (the same stamp) are best kept, not copied again.
-        Runs on the server's loop, only while this context has no request queued or running
-        (whatever :attr:`queues_only` says): it must only queue work, skip what it cannot do
-        without waiting (e.g. before its first transfer made its staging), and queue none while its earlier
-        prefetch still runs (a client may send lookups faster than any copy engine moves them;
-        another client may name this model). Until a store or retrieve of this context has
-        used or dropped what it staged, it must order any reuse of that staging after the
-        prefetch's copies.
-        It is a hint: a retrieve must be correct whether it finds a chunk prefetched or not,
-        and a prefetched chunk may never be retrieved. Errors are logged, never sent to a
-        client. The default does nothing."""
+        """Optional hint: these stored chunks are about to be retrieved by this context; start
+        moving them toward the device (e.g. into staging), so that a retrieve whose
+        :attr:`RowCopy.stamp` matches a prefetched chunk need not copy it from the arena again.
+        The default does nothing.
+
+        When it is called, with at most :data:`kvxfer.copies.MAX_PREFETCH_CHUNKS` whole chunks
+        (every layer):
+
+        * after a lookup that asked for a prefetch: the leading run it leased, on the one
+          registration of that model and rank;
+        * as a retrieve of this context arrives while nothing else is in flight: the chunks of
+          it the arena holds (less a first one a skip cuts), before the retrieve is checked,
+          reserved and planned. That retrieve may still be refused, or reach its copy past its
+          deadline; then it ends without using them, and their slots may take other chunks,
+          under other stamps, while your copies run.
+
+        Rules (it runs on the server's loop, only while this context has no request queued or
+        running, whatever :attr:`queues_only` says):
+
+        * only queue work; skip what needs a wait (e.g. before the first transfer made the
+          staging), and queue nothing while an earlier prefetch still runs (lookups may come
+          faster than a copy engine moves them, and from other clients of this model);
+        * keep chunks staged already (the same stamp) rather than copy them again;
+        * until a store or retrieve of this context has used or dropped what it staged, order
+          any reuse of that staging after the prefetch's copies;
+        * a retrieve must be correct whether it finds a chunk prefetched or not, and a
+          prefetched chunk may never be retrieved.
+
+        Errors are logged, never sent to a client."""
 
     def close(self) -> None:
         """Release what ``__init__`` acquired. Errors are logged, never raised to a client."""
