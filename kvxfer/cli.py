@@ -66,7 +66,9 @@ def _curve_server(curve_dir: str | None, url: str) -> CurveServerKeys | None:
     return load_server_keys(Path(curve_dir))
 
 
-L2_PASSWORD_ENV = "KVXFER_L2_PASSWORD"
+#: kvxfer.store.PASSWORD_ENV, named here too: importing kvxfer.store would cost the parser 0.15 s
+#: (tests/core/test_l2_tier.py checks that the two agree).
+L2_PASSWORD_ENV: Final = "KVXFER_L2_PASSWORD"
 
 
 #: The defaults of the ``--l2-*`` options of ``kvxfer serve`` (by dest).

@@ -208,7 +208,7 @@ def run_two_hosts(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from kvxfer.store import LocalInstance, get_store
+    from kvxfer.store import LocalInstance, get_store, password_apart
     from kvxfer.testing.server import ServerProcess, transports_for
 
     transports = transports_for(args.transport)  # an unknown name is refused before anything starts
@@ -218,27 +218,13 @@ def run_two_hosts(args: argparse.Namespace) -> int:
                           "start a local instance of itself, as valkey does (--l2 valkey)")
     with tempfile.TemporaryDirectory(prefix="kvxfer-demo-") as tmp, store.local_instance(Path(tmp)) as url:
         print(f"L2: a private {store.name} at {store.redact(url)}")
-        url, env = _password_apart(url)
+        url, env = password_apart(url)  # off the servers' command lines
         l2 = ["--l2", store.name, "--l2-url", url, f"--l2-timeout={L2_TIMEOUT_S:g}"]
         print(f"starting host A and host B (kvxfer servers, arena {args.l1_size} each) ...", flush=True)
         with ServerProcess(l1_size=args.l1_size, transports=transports, extra_args=l2, env=env) as a, \
                 ServerProcess(l1_size=args.l1_size, transports=transports, extra_args=l2, env=env) as b:
             return _two_hosts(a, b.url, args)
 
-
-def _password_apart(url: str) -> tuple[str, dict[str, str]]:
-    """``url`` without its password, and the environment that gives the password to a server
-    (``$KVXFER_L2_PASSWORD``): a command line is there for every local user to read."""
-    from urllib.parse import unquote, urlsplit, urlunsplit
-
-    from kvxfer.cli import L2_PASSWORD_ENV
-
-    s = urlsplit(url)
-    if s.password is None:
-        return url, {}
-    host = s.netloc.rpartition("@")[2]
-    netloc = f"{s.username}@{host}" if s.username else host
-    return urlunsplit((s.scheme, netloc, s.path, s.query, s.fragment)), {L2_PASSWORD_ENV: unquote(s.password)}
 
 
 def _wait_l2(client: CacheClient, writes: int, timeout: float = 120.0) -> float:

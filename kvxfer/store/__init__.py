@@ -5,6 +5,7 @@ See :mod:`kvxfer.store.base` for the contract and docs/l2.md for the tier built 
 
 from kvxfer.errors import StoreBroken, StoreError, StoreNotFound, StoreUnavailable
 from kvxfer.store.base import (
+    PASSWORD_ENV,
     STORE_API_VERSION,
     Backend,
     GetItem,
@@ -17,6 +18,7 @@ from kvxfer.store.base import (
     StoreCapabilities,
     StoreOptions,
     ThreadedBackend,
+    password_apart,
     redact_url,
     split_hosts,
 )
@@ -24,6 +26,7 @@ from kvxfer.store.registry import NAMESPACE, get_store, list_stores
 
 __all__ = [
     "NAMESPACE",
+    "PASSWORD_ENV",
     "STORE_API_VERSION",
     "Backend",
     "GetItem",
@@ -42,6 +45,7 @@ __all__ = [
     "ThreadedBackend",
     "get_store",
     "list_stores",
+    "password_apart",
     "redact_url",
     "split_hosts",
 ]

@@ -62,6 +62,7 @@ from kvxfer.errors import StoreUnavailable
 from kvxfer.transport.contract import Probe
 
 __all__ = [
+    "PASSWORD_ENV",
     "STORE_API_VERSION",
     "Backend",
     "GetItem",
@@ -74,6 +75,7 @@ __all__ = [
     "StoreCapabilities",
     "StoreOptions",
     "ThreadedBackend",
+    "password_apart",
     "redact_url",
     "split_hosts",
 ]
@@ -289,6 +291,25 @@ def background_thread() -> None:
 _SECRET_OPTION: Final = re.compile(r"(?i)password|passwd|secret|token")
 #: What URL parsers drop from a URL before they read it (urllib's rule, the clients' too).
 _URL_BLANKS: Final = str.maketrans("", "", "\t\r\n")
+
+
+#: Where ``kvxfer serve`` takes a store's password from, for every host of ``--l2-url`` that
+#: names none: a command line is there for every local user to read, an environment is not.
+PASSWORD_ENV: Final = "KVXFER_L2_PASSWORD"
+
+
+def password_apart(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without the password of its user info, and the environment that gives that
+    password to ``kvxfer serve`` (:data:`PASSWORD_ENV`; empty when there is none)."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    s = urlsplit(url)
+    if s.password is None:
+        return url, {}
+    user, _, host = s.netloc.rpartition("@")
+    name = user.partition(":")[0]
+    netloc = f"{name}@{host}" if name else host
+    return urlunsplit((s.scheme, netloc, s.path, s.query, s.fragment)), {PASSWORD_ENV: unquote(s.password)}
 
 
 def split_hosts(url: str) -> list[str]:

@@ -43,7 +43,16 @@ import torch
 from kvxfer.client import CacheClient
 from kvxfer.errors import StoreBroken, StoreNotFound, StoreUnavailable
 from kvxfer.layout import LayoutKind
-from kvxfer.store import Backend, GetStatus, LocalInstance, Store, StoreCapabilities, StoreOptions
+from kvxfer.store import (
+    Backend,
+    GetStatus,
+    LocalInstance,
+    Store,
+    StoreCapabilities,
+    StoreOptions,
+    password_apart,
+    redact_url,
+)
 from kvxfer.store.format import HEADER_SIZE
 from kvxfer.store.guard import close_within
 from kvxfer.store.registry import get_store
@@ -474,14 +483,17 @@ class StoreConformance:
             pytest.skip(f"{kit_store.name} does not claim to be shared (StoreCapabilities.shared)")
         mine, theirs = self.kit_keys(2)
         kit_backend.submit_put([(mine, [memoryview(b"written here")])]).result(TIMEOUT)
-        script = ("import sys\nfrom kvxfer.store import StoreOptions, get_store\n"
-                  "b = get_store(sys.argv[1]).open(sys.argv[2], StoreOptions(timeout_s=5.0))\n"
-                  "print(b.submit_exists([sys.argv[3].encode()]).result(60)[0])\n"
-                  "b.submit_put([(sys.argv[4].encode(), [memoryview(b'written there')])]).result(60)\n"
+        script = ("import os, sys\nfrom kvxfer.store import StoreOptions, get_store\n"
+                  "b = get_store(sys.argv[1]).open(os.environ['KVXFER_KIT_STORE_URL'], StoreOptions(timeout_s=5.0))\n"
+                  "print(b.submit_exists([sys.argv[2].encode()]).result(60)[0])\n"
+                  "b.submit_put([(sys.argv[3].encode(), [memoryview(b'written there')])]).result(60)\n"
                   "b.close()\n")
-        out = subprocess.run([sys.executable, "-c", script, kit_store.name, store_url, mine.decode(), theirs.decode()],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, f"another process could not use the store at {store_url!r}: {out.stderr}"
+        # the URL in the environment, not on the command line: it may hold a password
+        out = subprocess.run([sys.executable, "-c", script, kit_store.name, mine.decode(), theirs.decode()],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "KVXFER_KIT_STORE_URL": store_url})
+        assert out.returncode == 0, \
+            f"another process could not use the store at {redact_url(store_url)!r}: {out.stderr}"
         assert out.stdout.split() == [str(len(b"written here"))], \
             f"another process found no value written here (it saw size {out.stdout.strip()!r})"
         buf = bytearray(len(b"written there"))
@@ -520,8 +532,9 @@ class StoreConformance:
         src, dst = list(range(10)), list(range(10, 20))
         model = f"kit-store-{uuid.uuid4().hex[:8]}"
         _MADE.extend(l2_key(ChunkKey(model, 1, 0, k)) for k in keys)
-        server = ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather",
-                               extra_args=["--l2", kit_store.name, "--l2-url", store_url])
+        bare, env = password_apart(store_url)  # a password goes in the environment, off the command line
+        server = ServerProcess(l1_size="16MiB", chunk_size=CHUNK_SIZE, transports="cpu_gather", env=env,
+                               extra_args=["--l2", kit_store.name, "--l2-url", bare])
         with server:
             with CacheClient(server.url, timeout=TIMEOUT) as client:
                 ctx = client.register(kv, model_name=model, block_size=spec.block_size, transport="cpu_gather")

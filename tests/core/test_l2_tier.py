@@ -1081,3 +1081,15 @@ def test_a_store_failing_its_health_check_goes_down_only_after_failing_it_in_a_r
             tier.breaker.success()  # an operation answered from memory meanwhile
         assert not tier._ping_store() and not tier.breaker.closed
         assert "is gone" in tier.breaker.last_error
+
+
+def test_the_password_variable_is_named_alike_in_the_cli_and_the_store_contract() -> None:
+    """``kvxfer.cli`` names it again (importing kvxfer.store would slow its parser down)."""
+    from kvxfer.cli import L2_PASSWORD_ENV
+    from kvxfer.store import PASSWORD_ENV, password_apart
+
+    assert L2_PASSWORD_ENV == PASSWORD_ENV == "KVXFER_L2_PASSWORD"
+    assert password_apart("valkeys://kv:p%40ss@h1:1,h2:2?ssl_cert_reqs=none") == \
+        ("valkeys://kv@h1:1,h2:2?ssl_cert_reqs=none", {"KVXFER_L2_PASSWORD": "p@ss"})
+    assert password_apart("valkey://:pw@h:1") == ("valkey://h:1", {"KVXFER_L2_PASSWORD": "pw"})
+    assert password_apart("file:///var/l2") == ("file:///var/l2", {})

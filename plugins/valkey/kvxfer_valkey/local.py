@@ -117,6 +117,8 @@ class ValkeyServer(_LocalProcess):
                  node_timeout_ms: int = 2000, password: str | None = None) -> None:
         if password is not None and not re.fullmatch(r"[A-Za-z0-9_-]{16,128}", password):
             raise ValueError("a local Valkey's password is 16-128 letters, digits, '_' or '-'")
+        if password is not None and cluster:  # (its nodes and valkey-cli --cluster create would need it too)
+            raise ValueError("a local Valkey cluster node takes no password here")
         self.directory = Path(directory)
         self.password = password
         self.cluster = cluster

@@ -189,8 +189,7 @@ def test_the_local_instance_takes_a_password_that_no_command_line_shows(tmp_path
     import stat
     from urllib.parse import urlsplit
 
-    from kvxfer.demo import _password_apart
-    from kvxfer.store import get_store
+    from kvxfer.store import get_store, password_apart
 
     tmp_path.chmod(0o700)
     with get_store("valkey").local_instance(tmp_path) as url:  # type: ignore[attr-defined]
@@ -207,9 +206,9 @@ def test_the_local_instance_takes_a_password_that_no_command_line_shows(tmp_path
                 assert parts.password.encode() not in (pid / "cmdline").read_bytes(), pid
             except OSError:
                 pass  # gone meanwhile
-        bare, env = _password_apart(url)
+        bare, env = password_apart(url)
         assert bare == f"valkey://default@{parts.hostname}:{parts.port}" and env == {"KVXFER_L2_PASSWORD": parts.password}
         with ServerProcess(l1_size="8MiB", chunk_size=CHUNK, transports="cpu_gather", env=env,
                            extra_args=["--l2", "valkey", "--l2-url", bare]) as srv, CacheClient(srv.url) as c:
             assert tier(c).state == "up" and parts.password not in srv.log() + tier(c).url
-    assert _password_apart("valkey://127.0.0.1:1") == ("valkey://127.0.0.1:1", {})
+    assert password_apart("valkey://127.0.0.1:1") == ("valkey://127.0.0.1:1", {})
