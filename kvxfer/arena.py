@@ -93,21 +93,27 @@ def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
+#: The name of any server's arena directory (whose user it is, the checks of the directory and
+#: the file tell: a server in a user namespace names it by a uid its clients may not share).
+_ANY_ARENA_DIR: Final = re.compile(rf"{_DIR_PREFIX}[0-9]+-[0-9a-f]{{32}}")
+
+
 def _dir_name_pattern() -> re.Pattern[str]:
     return re.compile(rf"{_DIR_PREFIX}{os.getuid()}-[0-9a-f]{{32}}")
 
 
 def check_arena_path(path: str | os.PathLike[str]) -> Path:
     """``path`` as a client may use it: the ``arena`` file of a server's arena directory
-    (``kvxfer-<this uid>-<32 hex digits>``). The path comes from the server's handshake reply; a
+    (``kvxfer-<uid>-<32 hex digits>``; that it is this user's, the checks of the directory and
+    the file tell). The path comes from the server's handshake reply; a
     client opens nothing else by it, so a server (anyone holding its key, over ``tcp://``) cannot
     make the client map another file of its user, or make a lock file in another directory.
     Raises :class:`ConfigError`."""
     p = Path(path)
-    if p.name != _ARENA or not _dir_name_pattern().fullmatch(p.parent.name) or not p.is_absolute():
-        shape = f"<shm dir>/{_DIR_PREFIX}{os.getuid()}-<32 hex digits>/{_ARENA}"
+    if p.name != _ARENA or not _ANY_ARENA_DIR.fullmatch(p.parent.name) or not p.is_absolute():
+        shape = f"<shm dir>/{_DIR_PREFIX}<uid>-<32 hex digits>/{_ARENA}"
         raise ConfigError(f"the server announced {str(path)[:256]!r} as its arena, which is not the arena file of a "
-                          f"kvxfer server of this user ({shape}): refusing to map it")
+                          f"kvxfer server ({shape}): refusing to map it")
     return p
 
 
@@ -138,7 +144,7 @@ class Arena:
         """
         if size <= 0:
             raise ConfigError(f"the arena size must be positive, got {size}")
-        base = Path(shm_dir)
+        base = Path(os.path.abspath(shm_dir))  # clients are told the arena's path: whole, wherever they run
         if not base.is_dir():
             what = "is not a directory" if os.path.lexists(base) else "does not exist"
             raise ConfigError(f"shared-memory directory {base} {what}; pass --shm-dir DIR (a tmpfs directory)")
@@ -306,12 +312,12 @@ class ArenaMapping:
     """A client's mapping of the server's arena (for client-driven transports)."""
 
     def __init__(self, path: str, size: int) -> None:
-        p = check_arena_path(path)
-        if not p.parent.exists():
+        if not Path(path).parent.exists():
             raise ConfigError(
-                f"the server's arena {path} does not exist here: client-driven transports need "
+                f"the server's arena {str(path)[:256]} does not exist here: client-driven transports need "
                 "the client on the server's host and in its /dev/shm (same container)"
             )
+        p = check_arena_path(path)
         dir_fd = open_private_dir(p.parent, "the server's arena directory")
         try:
             fd = os.open(p.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)

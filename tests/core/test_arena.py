@@ -97,12 +97,27 @@ def test_a_client_maps_only_the_arena_file_of_a_server_directory_of_its_user(tmp
     private.mkdir(mode=0o700)
     secret = b"ssh-ed25519 AAAA... the user's key\n".ljust(4096, b"#")
     uid = os.getuid()
-    named = [private / "authorized_keys", private / "arena", tmp_path / f"kvxfer-{uid + 1}-{'0' * 32}" / "arena",
+    named = [private / "authorized_keys", private / "arena", tmp_path / f"kvxfer-x{uid}-{'0' * 32}" / "arena",
              tmp_path / f"kvxfer-{uid}-{'0' * 31}" / "arena", tmp_path / f"kvxfer-{uid}-{'0' * 32}" / "server.lock"]
     for path in named:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         path.write_bytes(secret)
         path.chmod(0o600)
-        with pytest.raises(ConfigError, match="not the arena file of a kvxfer server of this user"):
+        with pytest.raises(ConfigError, match="not the arena file of a kvxfer server"):
             ArenaMapping(str(path), len(secret))
         assert path.read_bytes() == secret
+
+
+def test_an_arena_made_under_a_relative_shm_dir_is_announced_whole(tmp_path: Path, monkeypatch) -> None:
+    """A server made through the API with a relative ``shm_dir`` announced a relative arena path,
+    which a client (that maps only an arena directory's ``arena`` file, by a whole path) refused."""
+    from kvxfer.arena import Arena, ArenaMapping
+
+    (tmp_path / "shm").mkdir(mode=0o700)
+    monkeypatch.chdir(tmp_path)
+    arena = Arena.create(1 << 20, "shm")
+    try:
+        assert arena.path.is_absolute() and arena.path.parent.parent == tmp_path / "shm"
+        ArenaMapping(str(arena.path), arena.size).close()
+    finally:
+        arena.close()

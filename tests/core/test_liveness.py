@@ -63,8 +63,8 @@ def test_no_lock_but_in_an_arena_directory_of_this_user(tmp_path: Path) -> None:
     server names (one holding the user's keys, say)."""
     private = tmp_path / "ssh"
     private.mkdir(mode=0o700)
-    other_uid = _arena_dir(tmp_path).rename(tmp_path / f"kvxfer-{os.getuid() + 1}-{'0' * 32}")
-    for arena in (private / "authorized_keys", private / "arena", other_uid / "arena",
+    misnamed = _arena_dir(tmp_path).rename(tmp_path / f"kvxfer-{os.getuid()}-{'0' * 31}")
+    for arena in (private / "authorized_keys", private / "arena", misnamed / "arena",
                   _arena_dir(tmp_path) / "server.lock"):
         assert liveness.ProcessLock.hold(arena, liveness.new_token()) is None, arena
     assert not [p for p in tmp_path.rglob("client-*")]
