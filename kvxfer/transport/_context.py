@@ -173,9 +173,12 @@ class ContextCore:
         the plugin's ``super().__init__()`` (the core has just replaced it)."""
         before = self.__before
         del self.__before
-        names = ContextCore._core_names | type(self)._core_names | type(self)._core_public
+        public = type(self)._core_public
+        names = ContextCore._core_names | type(self)._core_names | public
         self.__core = {k: vars(self).get(k) for k in names}
-        self._refuse_clashes(sorted(names & set(before)))
+        # a public one set to what the core then set (the same object) is no clash
+        self._refuse_clashes(sorted(k for k in names & set(before)
+                                    if k not in public or before[k] is not self.__core[k]))
 
     def check_core_names(self) -> None:
         """Raise ConfigError if the plugin's ``__init__`` replaced an attribute of the core's
