@@ -51,7 +51,9 @@ def once(args: list[str], env: dict[str, str]) -> float:
     proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"python {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
+        # (kvxfer plugins says why it fails, a broken plugin, on stdout)
+        raise SystemExit(f"python {' '.join(args)} failed (exit status {proc.returncode}):\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return elapsed
 
 
