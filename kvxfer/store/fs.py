@@ -377,6 +377,18 @@ class FsBackend(ThreadedBackend):
             self.evictions += 1
             self._unlink(name)
 
+    def _evict_bytes(self, size: int) -> int:
+        """Evict least recently used files of at least ``size`` bytes in all, or all of them;
+        returns the bytes evicted (lock held)."""
+        freed = 0
+        while self._lru and freed < size:
+            name, old = self._lru.popitem(last=False)
+            self.used -= old
+            self.evictions += 1
+            freed += old
+            self._unlink(name)
+        return freed
+
     def _reserve(self, size: int) -> None:
         """Count the ``size`` bytes of a temporary file about to be written inside the budget:
         evict for them, or wait while other puts' temporary files (never evicted) leave no room."""
@@ -492,8 +504,19 @@ class FsBackend(ThreadedBackend):
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=sub)
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise StoreUnavailable(f"fs store {self.root}: the disk is full ({exc.strerror}); lower "
-                                               "max_size in --l2-url") from None
+                        # the disk holds less than the budget: others' files took its room (or the
+                        # budget was set past it). Reads go on: this value is not written, and the
+                        # store's least recently used files make room for the next ones
+                        with self._lock:
+                            freed = self._evict_bytes(size)
+                        self._throttled.warning(
+                            "full", f"fs store {self.root}: the disk is full ({exc.strerror}) although the store's "
+                                    f"files are within max_size {format_bytes(self.max_size)}: a value was not "
+                                    f"written, and {format_bytes(freed)} of the least recently used evicted for the "
+                                    "next ones; give the store a file system (or a quota) of its own, or lower "
+                                    "max_size in --l2-url")
+                        out.append(False)
+                        continue
                     if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
                         out.append(False)  # something not a value's file in its place: this key only is refused
                         continue

@@ -22,7 +22,7 @@ from relkit import Writer, key
 
 from kvxfer import CacheClient
 from kvxfer.errors import KvxferError, RemoteError
-from kvxfer.store import StoreOptions
+from kvxfer.store import GetStatus, StoreOptions
 from kvxfer.store.fs import FsStore
 from kvxfer.testing.server import ServerProcess
 
@@ -152,5 +152,30 @@ def test_temporary_files_of_puts_count_in_the_budget(small_disk: Path) -> None:
         assert [f.result(10) for f in futs] == [[True]] * 16
         assert b.submit_exists([b"c15"]).result(10) == [16 << 10]
         assert int(b.stats()["evictions"]) == 20 and b.used == 64 << 10
+    finally:
+        b.close()
+
+
+def test_a_disk_others_fill_fails_a_write_and_keeps_the_reads(small_disk: Path) -> None:
+    """Another user's files take the room the budget counted on: a put met ENOSPC and raised
+    StoreUnavailable, which took the whole tier down, reads of the values on disk included. Now
+    that value alone is not written, the store's least recently used values make room for the
+    next, and the others are read as before."""
+    b = FsStore().open(f"file://{small_disk}/l2?max_size=48KiB", StoreOptions())
+    try:
+        assert _put(b, b"k0", b"\x00" * (16 << 10)) and _put(b, b"k1", b"\x01" * (16 << 10))
+        fd = os.open(small_disk / "others", os.O_WRONLY | os.O_CREAT, 0o600)  # another user's file, to the last byte
+        try:
+            while os.write(fd, b"\xff" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        assert not _put(b, b"k2", b"\x02" * (16 << 10)), "a value was written into a full disk"
+        assert b.submit_exists([b"k0", b"k1", b"k2"]).result(10) == [0, 16 << 10, 0]  # k0 made room
+        buf = bytearray(16 << 10)
+        assert b.submit_get([(b"k1", [memoryview(buf)])]).result(10) == [GetStatus.HIT] and buf == b"\x01" * (16 << 10)
+        assert _put(b, b"k3", b"\x03" * (16 << 10))
     finally:
         b.close()
