@@ -49,6 +49,14 @@ Indices = Annotated[list[int], msgspec.Meta(max_length=MAX_CHUNKS_PER_REQUEST)]
 MIN_HEARTBEAT_S = 0.01
 MIN_SESSION_TIMEOUT_S = 0.5
 MAX_SESSION_TIMEOUT_S = 3600.0
+#: Longest chunk, in tokens (``kvxfer serve --chunk-size``): what clients accept in the handshake.
+MAX_CHUNK_SIZE = 1 << 20
+#: A handshake reply names at most this many transports and features, each at most
+#: :data:`MAX_STATUS_TEXT` characters (a client keeps them for its life: a hostile server's
+#: millions of names held hundreds of MB in every engine process), and its paths and versions
+#: are as bounded.
+MAX_HANDSHAKE_NAMES = 256
+MAX_PATH_TEXT = 4096
 
 #: A status reply holds at most this many status sections, and each plugin map in it (a
 #: transport's ``state``, a section) at most this many entries: the server drops the rest, and a
@@ -108,22 +116,29 @@ class Handshake(Request["HandshakeReply"], frozen=True):
     resume: bytes = b""
 
 
+HandshakeNames = Annotated[list[Annotated[str, msgspec.Meta(max_length=MAX_STATUS_TEXT)]],
+                           msgspec.Meta(max_length=MAX_HANDSHAKE_NAMES)]
+
+
 class HandshakeReply(Message, frozen=True):
+    """What a client accepts of a server: every field bounded as it is decoded (a value out of
+    its range is a ProtocolError of the handshake, and nothing else is sent)."""
+
     protocol_version: int
-    server_version: str
+    server_version: Annotated[str, msgspec.Meta(max_length=MAX_STATUS_TEXT)]
     #: Tokens per chunk; every key names one full chunk of this many tokens.
-    chunk_size: int
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNK_SIZE)]
     #: Names of the transports this server loaded and can serve.
-    transports: list[str]
+    transports: HandshakeNames
     #: Path of the shared-memory arena file (client-driven transports map it).
-    arena_path: str
-    arena_size: int
+    arena_path: Annotated[str, msgspec.Meta(max_length=MAX_PATH_TEXT)]
+    arena_size: Annotated[int, msgspec.Meta(ge=0)]
     #: The client must send something (a ping will do) at least this often, or lose its session.
     heartbeat_s: Annotated[float, msgspec.Meta(ge=MIN_HEARTBEAT_S, le=MAX_SESSION_TIMEOUT_S)]
     session_timeout_s: Annotated[float, msgspec.Meta(ge=MIN_SESSION_TIMEOUT_S, le=MAX_SESSION_TIMEOUT_S)]
-    max_message_size: int
+    max_message_size: Annotated[int, msgspec.Meta(ge=1)]
     #: Optional features this server implements (:data:`FEATURES`); older servers send none.
-    features: list[str] = []
+    features: HandshakeNames = []
     #: A secret of this session (16 bytes): the client presents it as ``Handshake.resume``.
     session_secret: bytes = b""
     #: Names the lock file the client holds while it lives (``client-<token>.lock`` next to the
@@ -131,10 +146,10 @@ class HandshakeReply(Message, frozen=True):
     client_token: str = ""
     #: The longest ``Lookup.lease_s`` this server grants (``--max-lease``); 0 from servers that do
     #: not say.
-    max_lease_s: float = 0.0
+    max_lease_s: Annotated[float, msgspec.Meta(ge=0.0, le=float(1 << 63))] = 0.0
     #: The longest model or client name this server takes, in UTF-8 bytes (``--max-name-length``);
     #: 0 from servers that do not say.
-    max_name_length: int = 0
+    max_name_length: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if not self.heartbeat_s < self.session_timeout_s:  # (a ValidationError of the decode)

@@ -32,7 +32,7 @@ MAX_SESSION_TIMEOUT_S = m.MAX_SESSION_TIMEOUT_S
 MIN_SESSION_TIMEOUT_S = m.MIN_SESSION_TIMEOUT_S
 MIN_HEARTBEAT_S = m.MIN_HEARTBEAT_S
 #: Longest chunk, in tokens (a chunk is at least one KV block of every layer).
-MAX_CHUNK_SIZE = 1 << 20
+MAX_CHUNK_SIZE = m.MAX_CHUNK_SIZE
 
 
 @dataclass(frozen=True)

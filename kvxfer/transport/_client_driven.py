@@ -156,6 +156,11 @@ class ClientDrivenCore(ContextCore):
 
         def run(reply: Future[Any] | None, sent_at: float, epoch: int) -> None:
             def reserved() -> tuple[Any, float, int]:
+                got = answer()
+                self._check_reserved(reserve, got[0])
+                return got
+
+            def answer() -> tuple[Any, float, int]:
                 if reply is not None:
                     try:
                         return reply.result(), sent_at, epoch
@@ -197,6 +202,28 @@ class ClientDrivenCore(ContextCore):
             if write:
                 self._uncommitted += 1
 
+    def _check_reserved(self, reserve: m.ReserveWrite | m.ReserveRead,
+                        rep: m.ReserveWriteReply | m.ReserveReadReply) -> None:
+        """Raise ProtocolError unless ``rep`` accounts for each chunk of ``reserve`` exactly once:
+        a slot, or present or no space (a write), or missing (a read). A chunk a reply left out
+        would be reported stored, or loaded with its blocks untouched; an index out of range
+        would fail deep in the copy code. The reservation is given back first, as far as it can
+        be told."""
+        n = len(reserve.hashes)
+        told = [s.index for s in rep.slots]
+        told += [*rep.present, *rep.no_space] if isinstance(rep, m.ReserveWriteReply) else rep.missing
+        if len(told) == n and sorted(told) == list(range(n)):
+            return
+        with contextlib.suppress(Exception):  # (a server that answers so may answer anything)
+            if isinstance(rep, m.ReserveWriteReply):
+                self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
+                                                     [s.index for s in rep.slots if 0 <= s.index < n]))
+            else:
+                self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id, 0.0, False))
+        raise ProtocolError(f"the kvxfer server at {getattr(self.connection, 'url', '?')} answered a reserve of "
+                            f"{n} chunks with {len(told)} indices that do not name each of them once; nothing "
+                            "was copied")
+
     def _again(self, reserve: m.ReserveWrite | m.ReserveRead, at: float) -> tuple[Any, float, int]:
         """``reserved()``'s answer for a reserve the server answered NoSession or UnknownInstance:
         register again, then send it once more."""
@@ -233,7 +260,8 @@ class ClientDrivenCore(ContextCore):
         rows = self._views.rows
         try:
             return [(s.index + shift, rows(s.offset)) for s in slots]
-        except ValueError as exc:  # a slot past the arena's end: the server's answer, not a fault here
+        except (ValueError, RuntimeError) as exc:  # a slot past the arena's end, or not aligned for the
+            # chunk's dtype: the server's answer, not a fault here
             raise ProtocolError(f"the kvxfer server at {getattr(self.connection, 'url', '?')} handed out a slot "
                                 f"this context cannot use ({exc}); nothing was copied") from None
 

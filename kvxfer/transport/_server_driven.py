@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
-from kvxfer.errors import RemoteError, RequestTimeout
+from kvxfer.errors import ProtocolError, RemoteError, RequestTimeout
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
 from kvxfer.transport._context import ContextCore
@@ -230,6 +230,7 @@ class ServerDrivenCore(ContextCore):
             late = False  # the server may still copy with the params: released on its late answer
             try:
                 res = self._retried(reply, lambda: self._resend(payload))
+                _check_result(payload, res, getattr(self.connection, "url", "?"))
             except RemoteError as exc:  # the server answered it (with an error): it is done with it
                 error = exc
             except BaseException as exc:  # noqa: BLE001  (no answer: the server may still copy)
@@ -365,6 +366,18 @@ class ServerDrivenCore(ContextCore):
             self._window.acquire()
         for _ in range(self.max_in_flight):
             self._window.release()
+
+
+def _check_result(request: m.Store | m.Retrieve, res: Any, url: str) -> None:
+    """Raise ProtocolError unless ``res`` accounts for each chunk of ``request`` exactly once
+    (stored, present or failed; loaded or missing): a chunk a result left out, or named out of
+    range, would be taken for stored or loaded by the engine's bookkeeping, or fail deep in it."""
+    n = len(request.hashes)
+    told = [*res.stored, *res.present, *res.failed] if isinstance(res, m.StoreResult) else [*res.loaded, *res.missing]
+    if len(told) != n or sorted(told) != list(range(n)):
+        # (the server answered: it is done with the request, whose params are released as usual)
+        raise ProtocolError(f"the kvxfer server at {url} answered a {type(request).__name__.lower()} of {n} chunks "
+                            f"with {len(told)} indices that do not name each of them once")
 
 
 class _Started:

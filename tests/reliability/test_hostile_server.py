@@ -45,7 +45,7 @@ class FakeServer:
     """Answers every connection's requests in a thread: ``replies[name]`` (a dict, encoded as
     the reply's payload), ``ok`` for anything else; counts the requests it got by name."""
 
-    def __init__(self, path: Path, replies: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, path: Path, replies: dict[str, Any]) -> None:
         self.url = f"ipc://{path}"
         self.replies = replies
         self.seen: dict[str, int] = {}
@@ -78,7 +78,8 @@ class FakeServer:
                 while (frames := reader.next()) is not None:
                     rid, name = frames[0], frames[1].decode()
                     self.seen[name] = self.seen.get(name, 0) + 1
-                    payload = msgspec.msgpack.encode(self.replies.get(name, {}))
+                    reply = self.replies.get(name, {})  # a dict, or a function of the request's payload
+                    payload = msgspec.msgpack.encode(reply(bytes(frames[2])) if callable(reply) else reply)
                     conn.sendall(b"".join(bytes(b) for b in pack([rid, b"ok", payload])))
 
     def close(self) -> None:
@@ -90,9 +91,10 @@ class FakeServer:
 def fake(tmp_path: Path) -> Iterator[Any]:
     made: list[FakeServer] = []
 
-    def start(handshake: dict[str, Any] | None = None, status: dict[str, Any] | None = None) -> FakeServer:
+    def start(handshake: dict[str, Any] | None = None, status: dict[str, Any] | None = None,
+              **replies: Any) -> FakeServer:
         srv = FakeServer(tmp_path / f"fake{len(made)}.sock",
-                         {"handshake": handshake or _handshake(), "status": status or _status()})
+                         {"handshake": handshake or _handshake(), "status": status or _status(), **replies})
         made.append(srv)
         return srv
 
@@ -163,3 +165,104 @@ def test_a_handshake_with_impossible_session_timing_is_refused(fake: Any, timing
     with pytest.raises(KvxferError, match="heartbeat_s|session_timeout_s"):
         CacheClient(srv.url, timeout=5).status()
     assert srv.seen.get("ping", 0) == 0 and srv.seen.get("status", 0) == 0, srv.seen
+
+
+@pytest.mark.parametrize("field", [{"chunk_size": 0}, {"chunk_size": -16}, {"arena_size": -1},
+                                   {"max_message_size": 0}, {"max_lease_s": float("nan")},
+                                   {"max_name_length": -1}, {"transports": ["t"] * (m.MAX_HANDSHAKE_NAMES + 1)},
+                                   {"features": ["f" * (m.MAX_STATUS_TEXT + 1)]},
+                                   {"arena_path": "/" * (m.MAX_PATH_TEXT + 1)}],
+                         ids=["chunk0", "chunk-16", "arena-1", "message0", "lease-nan", "name-1", "transports",
+                              "feature", "path"])
+def test_a_handshake_out_of_any_servers_range_is_refused(fake: Any, field: dict[str, Any]) -> None:
+    """A chunk size of 0 or less was taken (0 % block_size is 0): vLLM's scheduler connected,
+    then raised out of every request's lookup; millions of transport names were kept for the
+    client's life (a 20 MiB reply held 358 MiB in each engine process). Every field of a
+    handshake reply is bounded as it is decoded, and nothing more is sent."""
+    srv = fake(handshake=_handshake(**field))
+    with pytest.raises(KvxferError, match=f"\\$\\.{next(iter(field))}"):
+        CacheClient(srv.url, timeout=5).status()
+    assert srv.seen.get("ping", 0) == 0 and srv.seen.get("status", 0) == 0, srv.seen
+
+
+@pytest.mark.parametrize("slots", [[], [[-1, 0]], [[0, 0], [0, 4096]], [[0, 0], [5, 4096]], [[0, 1], [1, 4096]]],
+                         ids=["none", "negative", "repeated", "past-the-request", "misaligned"])
+def test_reserve_replies_that_do_not_account_for_each_chunk_load_nothing(fake: Any, tmp_path: Path,
+                                                                          slots: list[list[int]]) -> None:
+    """A read reservation's slots and missing chunks must name each chunk of the request once,
+    at offsets the chunk's dtype can view. A reply of no slots and nothing missing had the
+    retrieve reported loaded with the engine's blocks untouched (stale KV for attention to read),
+    and an index out of range or an offset off the dtype's alignment raised an IndexError or a
+    RuntimeError that vLLM's worker let through (the engine died). Each is a ProtocolError now,
+    nothing is copied, and the reservation is given back."""
+    import torch
+
+    from kvxfer.arena import Arena
+
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    arena = Arena.create(1 << 20, shm)
+    try:
+        def register(payload: bytes) -> dict[str, Any]:
+            reg = msgspec.msgpack.decode(msgspec.msgpack.decode(payload, type=m.Register).registration)
+            return {"instance_id": reg["instance_id"], "chunk_bytes": 4096}
+
+        srv = fake(handshake=_handshake(chunk_size=16, transports=["cpu_gather"], arena_path=str(arena.path),
+                                        arena_size=arena.size),
+                   register=register, reserve_read={"reservation_id": 7, "slots": slots, "missing": []},
+                   ping={"server_time": 0.0})
+        layers = [torch.full((2, 8, 16, 2, 8), 7.0) for _ in range(2)]  # flash_attn, 4096 bytes a chunk
+        with CacheClient(srv.url, timeout=10) as client:
+            kv = client.register(layers, model_name="m", block_size=16, transport="cpu_gather")
+            with pytest.raises(KvxferError, match="do not name each of them once|a slot this context cannot use"):
+                kv.submit_retrieve([bytes([i]) * 16 for i in range(2)], [2, 3]).result(10)
+            assert all(bool((layer == 7.0).all()) for layer in layers), "a block was written"
+            assert wait_for(lambda: srv.seen.get("commit_read", 0) == 1), srv.seen  # given back
+            kv.close()
+    finally:
+        arena.close()
+
+
+def test_results_of_server_driven_requests_must_account_for_each_chunk() -> None:
+    """A server-driven store or retrieve result names each chunk of the request once (a
+    retrieve of two chunks answered ``loaded=[0]``, nothing missing, was taken as one chunk
+    loaded and the other never mentioned)."""
+    from kvxfer.errors import ProtocolError
+    from kvxfer.transport._server_driven import _check_result
+
+    retrieve = m.Retrieve(1, [b"a" * 16, b"b" * 16], [0, 1])
+    _check_result(retrieve, m.RetrieveResult([1], [0]), "u")
+    for bad in (m.RetrieveResult([0], []), m.RetrieveResult([0, 1], [1]), m.RetrieveResult([0, 2], [])):
+        with pytest.raises(ProtocolError, match="do not name each of them once"):
+            _check_result(retrieve, bad, "u")
+    store = m.Store(1, [b"a" * 16, b"b" * 16], [0, 1])
+    _check_result(store, m.StoreResult([0], [1], []), "u")
+    with pytest.raises(ProtocolError, match="do not name each of them once"):
+        _check_result(store, m.StoreResult([0, 0], [], [1]), "u")
+
+
+def wait_for(cond: Any, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
+
+
+def test_one_long_name_does_not_widen_every_row_of_status(fake: Any) -> None:
+    """``kvxfer status`` padded each row to the widest cell: 2,000 registrations and one model name
+    of 256 KiB in a 0.7 MB reply printed 525 MB. A cell is cut at MAX_CELL characters."""
+    from kvxfer.text_table import MAX_CELL
+
+    ctx = {"instance_id": 1, "model_name": "m", "world_size": 1, "rank": 0, "transport": "t", "layout": "flash_attn",
+           "num_layers": 1, "block_size": 16, "hidden_dim_size": 8, "dtype": "bfloat16", "use_mla": False,
+           "num_blocks": 4, "chunk_bytes": 1024, "client_pid": 1, "stores": 0, "retrieves": 0}
+    contexts = [{**ctx, "instance_id": i} for i in range(2000)] + [{**ctx, "model_name": "x" * (256 << 10)}]
+    srv = fake(status=_status(contexts=contexts))
+    out = _kvxfer("status", "--url", srv.url)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout) < 2001 * 2 * MAX_CELL, len(out.stdout)
+    assert "x" * (MAX_CELL - 1) + "…" in out.stdout
