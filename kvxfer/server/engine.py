@@ -1202,6 +1202,7 @@ class CacheServer:
             session.instances.add(ctx.instance_id)
             session.registered += 1
             self.stats.register_model(ctx.model_name)
+            self.stats.traffic_of(ctx.model_name, ctx.transport)  # its series from now on (0 once it leaves)
             self.hooks.call("kvxfer_context_registered", server=self, context=ctx)
             return m.RegisterReply(ctx.instance_id, ctx.chunk.nbytes)
 

@@ -123,7 +123,9 @@ class Snapshot:
     @staticmethod
     def take(server: CacheServer) -> Snapshot:
         stats = server.stats
-        contexts: dict[tuple[str, str], int] = {}
+        # every (model, transport) that registered keeps its series, at 0 once its contexts are
+        # gone: `sum(kvxfer_contexts) == 0` can fire (a series that vanished is no 0)
+        contexts: dict[tuple[str, str], int] = dict.fromkeys(stats.traffic, 0)
         for ctx in server.contexts.values():
             key = (stats.model_label(ctx.model_name), ctx.transport)
             contexts[key] = contexts.get(key, 0) + 1
