@@ -1756,5 +1756,6 @@ class L2Tier:
             writers_held=held,
             errors=self.errors,
             outages=b.opened,
-            store_stats=dict(self.store_stats),
+            # a store that is down shows no size: the last one read is from before the outage
+            store_stats=dict(self.store_stats) if b.closed and self.backend is not None else {},
         )

@@ -666,3 +666,21 @@ def test_a_store_of_chunks_being_promoted_waits_a_little_and_stores_what_the_pro
         got = kv.submit_retrieve(hashes, list(range(2 * BLOCKS_PER_CHUNK, 4 * BLOCKS_PER_CHUNK))).result(30)
         assert got.loaded == [0, 1]
         assert _internal_errors(c) == 0 and srv.proc.poll() is None
+
+
+def test_a_tier_that_went_down_shows_no_size(test_plugin_path: Path, tmp_path: Path) -> None:
+    """The store's size is read every few seconds while the tier is up; once requests take it down,
+    status showed the last size read, from before the outage, for as long as it lasted
+    (docs/l2.md: a store that is down shows no size)."""
+    l2 = tmp_path / "l2"
+    with _server(test_plugin_path, l2) as srv, CacheClient(srv.url, timeout=30) as c:
+        wait_until(lambda: bool(_tier(c).store_stats), timeout=30)
+        kv = c.register(flash_attn_kv(num_blocks=32), model_name="gone", block_size=BLOCK_SIZE, transport="cpu_gather")
+        _set_fault(Path(f"{l2}.fault"), "exists_raises")  # its writers' checks fail: down until a probe
+        deadline = time.monotonic() + 30
+        while (t := _tier(c)).state != "down":  # (one status: the state and the size of one moment)
+            assert time.monotonic() < deadline, t
+            kv.submit_store(chunk_hashes(list(range(CHUNK_SIZE)), CHUNK_SIZE, salt=f"{time.monotonic()}"),
+                            list(range(BLOCKS_PER_CHUNK))).result(30)
+            time.sleep(0.05)
+        assert t.store_stats == {}, t
