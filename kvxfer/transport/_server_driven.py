@@ -375,7 +375,7 @@ def _check_result(request: m.Store | m.Retrieve, res: Any, url: str) -> None:
     n = len(request.hashes)
     told = [*res.stored, *res.present, *res.failed] if isinstance(res, m.StoreResult) else [*res.loaded, *res.missing]
     if len(told) != n or sorted(told) != list(range(n)):
-        # (the server answered: it is done with the request, whose params are released as usual)
+        # (released now, as not done: a server that answers so is trusted with nothing)
         raise ProtocolError(f"the kvxfer server at {url} answered a {type(request).__name__.lower()} of {n} chunks "
                             f"with {len(told)} indices that do not name each of them once")
 
