@@ -70,6 +70,8 @@ _LOCK_NAME: Final = ".kvxfer-fs.lock"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TMP_SUFFIX: Final = ".tmp"
 _OPTIONS: Final = frozenset({"max_size", "fsync"})
+#: What a write into a full disk (or past a quota) fails with.
+_DISK_FULL: Final = (errno.ENOSPC, errno.EDQUOT)
 #: The default budget's share of the file system's free space plus the store's own files.
 DEFAULT_SHARE: Final = 0.9
 
@@ -280,10 +282,14 @@ class FsBackend(ThreadedBackend):
                 return None  # a link in its place: never followed
         return None
 
-    @contextlib.contextmanager
-    def _subdir(self, sub: str, create: bool = False) -> Iterator[int | None]:
+    def _subdir(self, sub: str, create: bool = False) -> contextlib.AbstractContextManager[int | None]:
         """:meth:`_open_subdir`, closed at the end of the block."""
-        fd = self._open_subdir(sub, create)
+        return self._closing(self._open_subdir(sub, create))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _closing(fd: int | None) -> Iterator[int | None]:
+        """``fd`` (None passes), closed at the end of the block."""
         try:
             yield fd
         finally:
@@ -377,17 +383,23 @@ class FsBackend(ThreadedBackend):
             self.evictions += 1
             self._unlink(name)
 
-    def _evict_bytes(self, size: int) -> int:
-        """Evict least recently used files of at least ``size`` bytes in all, or all of them;
-        returns the bytes evicted (lock held)."""
+    def _disk_full(self, exc: OSError, size: int) -> None:
+        """A put of ``size`` bytes met a full disk although the store's files are within its
+        budget: others' files took the room (or the budget was set past the disk). Reads go on:
+        that value is not written, and the least recently used values make room for the next."""
         freed = 0
-        while self._lru and freed < size:
-            name, old = self._lru.popitem(last=False)
-            self.used -= old
-            self.evictions += 1
-            freed += old
-            self._unlink(name)
-        return freed
+        with self._lock:
+            while self._lru and freed < size:
+                name, old = self._lru.popitem(last=False)
+                self.used -= old
+                self.evictions += 1
+                freed += old
+                self._unlink(name)
+        self._throttled.warning(
+            "full", f"fs store {self.root}: the disk is full ({exc.strerror}) although the store's files are within "
+                    f"max_size {format_bytes(self.max_size)}: a value was not written, and {format_bytes(freed)} of "
+                    "the least recently used evicted for the next ones; give the store a file system (or a quota) "
+                    "of its own, or lower max_size in --l2-url")
 
     def _reserve(self, size: int) -> None:
         """Count the ``size`` bytes of a temporary file about to be written inside the budget:
@@ -469,7 +481,15 @@ class FsBackend(ThreadedBackend):
                 out.append(False)
                 continue
             tmp = f"{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP_SUFFIX}"
-            with self._subdir(name[:2], create=True) as sub:
+            try:
+                sub_fd = self._open_subdir(name[:2], create=True)
+            except OSError as exc:  # a subdirectory not made yet takes a block of a full disk too
+                if exc.errno not in _DISK_FULL:
+                    raise
+                self._disk_full(exc, size)
+                out.append(False)
+                continue
+            with self._closing(sub_fd) as sub:
                 if sub is None:  # a link or a file where its subdirectory goes: not written through
                     out.append(False)
                     continue
@@ -503,18 +523,8 @@ class FsBackend(ThreadedBackend):
                 except OSError as exc:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp, dir_fd=sub)
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        # the disk holds less than the budget: others' files took its room (or the
-                        # budget was set past it). Reads go on: this value is not written, and the
-                        # store's least recently used files make room for the next ones
-                        with self._lock:
-                            freed = self._evict_bytes(size)
-                        self._throttled.warning(
-                            "full", f"fs store {self.root}: the disk is full ({exc.strerror}) although the store's "
-                                    f"files are within max_size {format_bytes(self.max_size)}: a value was not "
-                                    f"written, and {format_bytes(freed)} of the least recently used evicted for the "
-                                    "next ones; give the store a file system (or a quota) of its own, or lower "
-                                    "max_size in --l2-url")
+                    if exc.errno in _DISK_FULL:
+                        self._disk_full(exc, size)
                         out.append(False)
                         continue
                     if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):

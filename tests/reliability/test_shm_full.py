@@ -179,3 +179,29 @@ def test_a_disk_others_fill_fails_a_write_and_keeps_the_reads(small_disk: Path) 
         assert _put(b, b"k3", b"\x03" * (16 << 10))
     finally:
         b.close()
+
+
+def test_a_full_disk_fails_a_put_that_needs_a_new_subdirectory_alone(tmp_path: Path) -> None:
+    """A value whose two-hex-digit subdirectory is not made yet needs an inode (a block, on ext4)
+    for it: on a full disk that mkdir failed outside the put's handling of a full disk, and took
+    L2 down. Here a tmpfs of 16 inodes, all taken by another user's files."""
+    import hashlib
+
+    for disk in _tmpfs(tmp_path / "disk", "size=1m,nr_inodes=16,mode=0700"):
+        b = FsStore().open(f"file://{disk}/l2?max_size=256KiB", StoreOptions())
+        try:
+            assert _put(b, b"k0", b"\x00" * 4096)
+            taken = hashlib.blake2b(b"k0", digest_size=16).hexdigest()[:2]
+            new = next(k for k in (b"n%d" % i for i in range(1000))
+                       if hashlib.blake2b(k, digest_size=16).hexdigest()[:2] != taken)
+            n = 0
+            while True:  # another user's files take every inode left
+                try:
+                    (disk / f"others{n}").touch()
+                except OSError:
+                    break
+                n += 1
+            assert not _put(b, new, b"\x01" * 4096), "a value was written into a full disk"
+            assert b.submit_exists([b"k0"]).result(10) == [0]  # evicted to make room for the next
+        finally:
+            b.close()
