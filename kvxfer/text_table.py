@@ -50,22 +50,18 @@ def percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if 0 <= part <= whole and whole > 0 else "-"
 
 
-#: Widest cell of a table, in characters: a longer one is cut, ending in "…" (every row is padded
-#: to the widest cell: one cell of a megabyte, in a server's reply, made every row as long).
+#: Widest a column is padded to, in characters: a longer cell is printed whole and pushes its row
+#: on (every row was padded to the widest cell: one cell of a megabyte, in a server's reply, made
+#: every row as long).
 MAX_CELL = 120
-
-
-def _cell(value: object) -> str:
-    text = printable(value)
-    return text if len(text) <= MAX_CELL else text[:MAX_CELL - 1] + "…"
 
 
 def print_table(rows: Sequence[Sequence[object]], headers: Sequence[str], file: TextIO | None = None) -> None:
     """A plain-text table, columns padded to their widest cell (at most :data:`MAX_CELL`
-    characters: longer ones are cut), a rule under the headers."""
+    characters), a rule under the headers."""
     out = file or sys.stdout
-    cells = [[_cell(h) for h in headers]] + [[_cell(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    cells = [[printable(h) for h in headers]] + [[printable(c) for c in r] for r in rows]
+    widths = [min(MAX_CELL, max(len(r[i]) for r in cells)) for i in range(len(headers))]
     for n, r in enumerate(cells):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), file=out)
         if n == 0:
