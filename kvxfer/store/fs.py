@@ -377,24 +377,26 @@ class FsBackend(ThreadedBackend):
     def _make_room(self, size: int) -> None:
         """Evict least recently used files until ``size`` more bytes fit beside the values and
         the temporary files being written (lock held or init)."""
-        while self._lru and self.used + self._writing + size > self.max_size:
+        self._evict(self.used + self._writing + size - self.max_size)
+
+    def _evict(self, size: int) -> int:
+        """Evict least recently used files until at least ``size`` bytes are freed or none is
+        left; the bytes freed (lock held or init)."""
+        freed = 0
+        while self._lru and freed < size:
             name, old = self._lru.popitem(last=False)
             self.used -= old
             self.evictions += 1
+            freed += old
             self._unlink(name)
+        return freed
 
     def _disk_full(self, exc: OSError, size: int) -> None:
         """A put of ``size`` bytes met a full disk although the store's files are within its
         budget: others' files took the room (or the budget was set past the disk). Reads go on:
         that value is not written, and the least recently used values make room for the next."""
-        freed = 0
         with self._lock:
-            while self._lru and freed < size:
-                name, old = self._lru.popitem(last=False)
-                self.used -= old
-                self.evictions += 1
-                freed += old
-                self._unlink(name)
+            freed = self._evict(size)
         self._throttled.warning(
             "full", f"fs store {self.root}: the disk is full ({exc.strerror}) although the store's files are within "
                     f"max_size {format_bytes(self.max_size)}: a value was not written, and {format_bytes(freed)} of "
