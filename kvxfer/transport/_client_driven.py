@@ -28,7 +28,7 @@ from kvxfer.arena import ArenaMapping
 from kvxfer.copies import ChunkRows, RowCopy, SlotViews, chunk_rows, layer_slice, plan_copies
 from kvxfer.errors import InvalidRequest, KvxferError, NoSession, ProtocolError, UnknownInstance
 from kvxfer.protocol import messages as m
-from kvxfer.transport._context import ContextCore, guarded
+from kvxfer.transport._context import ContextCore, check_each_told_once, guarded
 
 if TYPE_CHECKING:
     import torch
@@ -204,25 +204,22 @@ class ClientDrivenCore(ContextCore):
 
     def _check_reserved(self, reserve: m.ReserveWrite | m.ReserveRead,
                         rep: m.ReserveWriteReply | m.ReserveReadReply) -> None:
-        """Raise ProtocolError unless ``rep`` accounts for each chunk of ``reserve`` exactly once:
-        a slot, or present or no space (a write), or missing (a read). A chunk a reply left out
-        would be reported stored, or loaded with its blocks untouched; an index out of range
-        would fail deep in the copy code. The reservation is given back first, as far as it can
-        be told."""
+        """Raise ProtocolError unless ``rep`` accounts for each chunk of ``reserve`` exactly once
+        (:func:`check_each_told_once`): a slot, or present or no space (a write), or missing (a
+        read). The reservation is given back first, as far as it can be told."""
         n = len(reserve.hashes)
         told = [s.index for s in rep.slots]
         told += [*rep.present, *rep.no_space] if isinstance(rep, m.ReserveWriteReply) else rep.missing
-        if len(told) == n and sorted(told) == list(range(n)):
-            return
-        with contextlib.suppress(Exception):  # (a server that answers so may answer anything)
-            if isinstance(rep, m.ReserveWriteReply):
-                self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
-                                                     [s.index for s in rep.slots if 0 <= s.index < n]))
-            else:
-                self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id, 0.0, False))
-        raise ProtocolError(f"the kvxfer server at {getattr(self.connection, 'url', '?')} answered a reserve of "
-                            f"{n} chunks with {len(told)} indices that do not name each of them once; nothing "
-                            "was copied")
+        try:
+            check_each_told_once("reserve", n, told, getattr(self.connection, "url", "?"))
+        except ProtocolError:
+            with contextlib.suppress(Exception):  # (a server that answers so may answer anything)
+                if isinstance(rep, m.ReserveWriteReply):
+                    self.connection.submit(m.CommitWrite(self.instance_id, rep.reservation_id,
+                                                         [s.index for s in rep.slots if 0 <= s.index < n]))
+                else:
+                    self.connection.submit(m.CommitRead(self.instance_id, rep.reservation_id, 0.0, False))
+            raise
 
     def _again(self, reserve: m.ReserveWrite | m.ReserveRead, at: float) -> tuple[Any, float, int]:
         """``reserved()``'s answer for a reserve the server answered NoSession or UnknownInstance:

@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, overload
 import msgspec
 
 from kvxfer.copies import check_lease_id, check_transfer
-from kvxfer.errors import ConfigError, InvalidRequest, KvxferError, NoSession, TransportFailed, UnknownInstance
+from kvxfer.errors import (
+    ConfigError,
+    InvalidRequest,
+    KvxferError,
+    NoSession,
+    ProtocolError,
+    TransportFailed,
+    UnknownInstance,
+)
 from kvxfer.layout import KVLayout
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
@@ -41,7 +49,7 @@ if TYPE_CHECKING:
         Waiter,
     )
 
-__all__ = ["ContextCore", "plugin_step", "guarded"]
+__all__ = ["ContextCore", "check_each_told_once", "plugin_step", "guarded"]
 
 T = TypeVar("T")
 Reply = TypeVar("Reply", bound=m.Message)
@@ -483,6 +491,15 @@ class ContextCore:
             return reply.result()
         except (NoSession, UnknownInstance):
             return resend()
+
+
+def check_each_told_once(request: str, n: int, told: Sequence[int], url: str) -> None:
+    """Raise ProtocolError unless the indices ``told`` by a reply name each of the ``n`` chunks
+    of a ``request`` exactly once. A chunk a reply left out would be taken for stored, or loaded
+    with its blocks untouched; an index out of range would fail deep in the copy code."""
+    if len(told) != n or sorted(told) != list(range(n)):
+        raise ProtocolError(f"the kvxfer server at {url} answered a {request} of {n} chunks with {len(told)} "
+                            "indices that do not name each of them once")
 
 
 def _deadline_margin(wait: float) -> float:

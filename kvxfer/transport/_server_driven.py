@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
-from kvxfer.errors import ProtocolError, RemoteError, RequestTimeout
+from kvxfer.errors import RemoteError, RequestTimeout
 from kvxfer.protocol import codec
 from kvxfer.protocol import messages as m
-from kvxfer.transport._context import ContextCore
+from kvxfer.transport._context import ContextCore, check_each_told_once
 
 if TYPE_CHECKING:
     from kvxfer.transport.contract import Transfer
@@ -370,14 +370,10 @@ class ServerDrivenCore(ContextCore):
 
 def _check_result(request: m.Store | m.Retrieve, res: Any, url: str) -> None:
     """Raise ProtocolError unless ``res`` accounts for each chunk of ``request`` exactly once
-    (stored, present or failed; loaded or missing): a chunk a result left out, or named out of
-    range, would be taken for stored or loaded by the engine's bookkeeping, or fail deep in it."""
-    n = len(request.hashes)
+    (:func:`check_each_told_once`): stored, present or failed; loaded or missing. (Released then
+    as not done: a server that answers so is trusted with nothing.)"""
     told = [*res.stored, *res.present, *res.failed] if isinstance(res, m.StoreResult) else [*res.loaded, *res.missing]
-    if len(told) != n or sorted(told) != list(range(n)):
-        # (released now, as not done: a server that answers so is trusted with nothing)
-        raise ProtocolError(f"the kvxfer server at {url} answered a {type(request).__name__.lower()} of {n} chunks "
-                            f"with {len(told)} indices that do not name each of them once")
+    check_each_told_once(type(request).__name__.lower(), len(request.hashes), told, url)
 
 
 class _Started:
