@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -321,3 +322,40 @@ def test_a_stalled_load_is_recomputed_at_its_deadline_in_the_whole_flow(srv: Ser
     finally:
         os.kill(srv.pid, signal.SIGCONT)
         consumer.shutdown()
+
+
+def test_leases_of_aborted_requests_are_given_back_without_waiting_for_a_stalled_server(srv: ServerProcess) -> None:
+    """Requests vLLM could not admit yet hold the leases of their lookups; their HTTP clients go
+    and vLLM finishes them. Each release waited for the server's answer inside the scheduler's
+    step, up to kvxfer.timeout_s, and none marked the server down: with the server stalled, K
+    aborts held the step K x timeout_s. Now a release is sent and not waited for; once the server
+    goes on, it has them all."""
+    engine = MiniEngine(make_vllm_config(srv.url, model_name="aborted", on_server_error="recompute", timeout_s=30),
+                        enable_prefix_caching=False)
+    try:
+        prompt = list(range(100, 100 + 4 * CHUNK + 1))
+        feed(engine, [Request("store-it", prompt)], per_step=1)
+        engine.check_drained()
+        sched = engine.scheduler.scheduler
+        client = sched.link.client
+        assert client is not None
+        base = client.status().leases
+        waiting = [Request(f"w{i}", list(prompt)) for i in range(5)]
+        for r in waiting:  # asked, not admitted: each holds a lease
+            assert sched.get_num_new_matched_tokens(r, 0) == (4 * CHUNK, True)
+        assert client.status().leases == base + 5
+        os.kill(srv.pid, signal.SIGSTOP)
+        try:
+            done = threading.Thread(target=lambda: [sched.request_finished(r, []) for r in waiting], daemon=True)
+            done.start()
+            done.join(15)  # (half of one timeout_s: not one release waited for the stalled server)
+            assert not done.is_alive(), "request_finished waited for a stalled server"
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while client.status().leases != base and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.status().leases == base
+        assert not sched.link.down
+    finally:
+        engine.shutdown()

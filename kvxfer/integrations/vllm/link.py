@@ -21,8 +21,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from kvxfer.client import CacheClient
 from kvxfer.errors import (
@@ -34,6 +35,7 @@ from kvxfer.errors import (
     TransportError,
 )
 from kvxfer.integrations.vllm.config import ConnectorConfig
+from kvxfer.protocol import messages as m
 from kvxfer.transport import registry
 
 __all__ = ["REFUSED", "ServerLink", "check_transport_name"]
@@ -206,6 +208,23 @@ class ServerLink:
                         self.side, what, exc, self.config.retry_s)
         self._mark_down()
         return
+
+    def release_lease(self, lease_id: int) -> None:
+        """Give back a lease, sent without waiting for the answer: a server that does not answer
+        costs the caller (the scheduler's step, the worker's) nothing, and the lease then ends at
+        its time (``kvxfer.lease_s``)."""
+        client = self.client
+        if not lease_id or client is None:  # (a link marked down may still reach the server)
+            return
+
+        def answered(fut: Future[Any]) -> None:
+            if fut.exception() is not None:
+                log.debug("releasing lease %d failed: %s", lease_id, fut.exception())
+
+        try:
+            client.submit(m.ReleaseLease(lease_id)).add_done_callback(answered)
+        except (KvxferError, ConnectionError) as exc:  # closed: it ends on its own
+            log.debug("releasing lease %d failed: %s", lease_id, exc)
 
     def _mark_down(self) -> None:
         with self._lock:

@@ -189,11 +189,7 @@ class SchedulerConnector:
 
     def _release_leases(self, leases: list[int]) -> None:
         for lease in leases:
-            if lease and self.link.client is not None and not self.link.down:
-                try:
-                    self.link.client.release_lease(lease)
-                except KvxferError as exc:  # it expires on its own after kvxfer.lease_s
-                    log.debug("releasing lease %d failed: %s", lease, exc)
+            self.link.release_lease(lease)
 
     # ------------------------------------------------------------------ vLLM's scheduler calls
 

@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -43,7 +42,6 @@ from kvxfer.integrations.vllm.link import REFUSED, ServerLink, check_transport_n
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 from kvxfer.mq.throttled_log import ThrottledLog
-from kvxfer.protocol import messages as m
 from kvxfer.protocol.messages import RetrieveResult, StoreResult
 from kvxfer.transport.contract import LayerwiseFuture, TransferContext
 
@@ -243,30 +241,13 @@ class WorkerConnector:
                     log.exception("kvxfer: cannot load request %s", op.req_id)
             if op.keys and fut is None:  # no server or a bad op: vLLM recomputes these blocks
                 op.failed_block_ids.extend(_unskipped(op, range(len(op.keys)), bs))
-                self._release_lease(op.lease_id)
+                self.link.release_lease(op.lease_id)
             deadline = time.monotonic() + self.config.load_timeout_s if self.config.load_timeout_s else 0.0
             if self.config.layerwise:
                 self._step_loads.append(_Load(op, fut, bs, deadline))
             else:
                 self._loads.setdefault(op.req_id, []).append(_Load(op, fut, bs, deadline))
             self.stats["loads"] += 1
-
-    def _release_lease(self, lease_id: int) -> None:
-        """Give back the lease of a load this worker does not retrieve (its chunks stay pinned
-        for kvxfer.lease_s otherwise): sent without waiting for the answer, so a server that does
-        not answer costs the step nothing (the lease then ends at its time)."""
-        client = self.link.client
-        if not lease_id or client is None:
-            return
-
-        def answered(fut: Future[Any]) -> None:
-            if fut.exception() is not None:
-                log.debug("releasing lease %d failed: %s", lease_id, fut.exception())
-
-        try:
-            client.submit(m.ReleaseLease(lease_id)).add_done_callback(answered)
-        except (KvxferError, ConnectionError) as exc:  # closed: it expires on its own after kvxfer.lease_s
-            log.debug("releasing lease %d failed: %s", lease_id, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layer-wise mode, before attention of ``layer_name`` reads the KV cache: wait until that
@@ -437,7 +418,7 @@ class WorkerConnector:
         assert load.future is not None
         if load.future.cancel():
             load.abandoned = True
-            self._release_lease(load.op.lease_id)  # a server-driven retrieve never sent never releases it
+            self.link.release_lease(load.op.lease_id)  # a server-driven retrieve never sent never releases it
             self.stats["expired_loads"] += 1
             log.warning("kvxfer: the load of request %s missed its %.0f ms deadline; its %d chunks are reported "
                         "not loaded (vLLM's kv_load_failure_policy recomputes them or fails the request)",
@@ -550,7 +531,7 @@ class WorkerConnector:
         for load in [*(ld for loads in self._loads.values() for ld in loads), *self._step_loads]:
             if load.future is not None and load.future.cancel():
                 load.abandoned = True
-                self._release_lease(load.op.lease_id)
+                self.link.release_lease(load.op.lease_id)
 
     def shutdown(self) -> None:
         """Let submitted transfers finish, unregister, disconnect."""
