@@ -93,4 +93,6 @@ def check_url(url: str) -> str:
     if not why:
         return url
     where = f" (from ${URL_ENV})" if os.environ.get(URL_ENV) == url else ""
-    raise ConfigError(f"not a kvxfer server address: {url[:200]!r}{where}: {why}")
+    # user info (a tcp:// kvxfer address has none; an ipc:// one is a path) may hold a password
+    shown = url if url.startswith("ipc://") else re.sub(r"(?<=//)[^/]*@", "***@", url)
+    raise ConfigError(f"not a kvxfer server address: {shown[:200]!r}{where}: {why}")

@@ -450,12 +450,50 @@ def test_the_vllm_connector_refuses_names_and_leases_it_would_misread() -> None:
                            ("kvxfer.curve_dir", "", "must be the path of a directory"),
                            ("kvxfer.curve_name", "../x", "kvxfer.curve_name: client name '../x'"),
                            ("kvxfer.curve_name", 7, "must be a client key pair's name"),
-                           ("kvxfer.lease_s", 1e-300, "kvxfer.lease_s must be a number of seconds from 0.01, got")):
+                           ("kvxfer.lease_s", 1e-300, "kvxfer.lease_s must be a number of seconds from 0.01 up to 86400, got")):
         with pytest.raises(ConfigError, match=re.escape(says)):
-            ConnectorConfig.from_mapping({key: bad}, **args)
-    c = ConnectorConfig.from_mapping({"kvxfer.curve_dir": "/k", "kvxfer.curve_name": "w1", "kvxfer.lease_s": 0.01},
-                                     **args)
+            ConnectorConfig.from_mapping({key: bad, "kvxfer.url": "tcp://h:5555"}, **args)
+    c = ConnectorConfig.from_mapping({"kvxfer.curve_dir": "/k", "kvxfer.curve_name": "w1", "kvxfer.lease_s": 0.01,
+                                      "kvxfer.url": "tcp://h:5555"}, **args)
     assert (c.model_name, c.curve_dir, c.curve_name, c.lease_s) == ("m", "/k", "w1", 0.01)
+
+
+def test_the_vllm_connector_refuses_settings_that_would_be_ignored_or_misread() -> None:
+    """Settings that were taken and did nothing or something else: CURVE keys for an ipc://
+    server (which takes none: the operator believed the socket's traffic authenticated), a key
+    pair's name with no key directory, ``~`` in the directory left unexpanded, a lease of 1e300 s,
+    numbers that ``float()`` reads and JSON does not write ("1_0" for 10, other scripts' digits),
+    kvxfer's keys without their prefix and misspelt (``timeout``, ``layer_wise``), labels that
+    spell a name the connector makes (``X#<fingerprint>``, ``X/g1``), and a password in a server
+    address, echoed in the error into vLLM's log."""
+    from kvxfer.errors import ConfigError
+    from kvxfer.integrations.vllm.config import ConnectorConfig
+
+    args = dict(kv_role="kv_both", block_size=16, world_size=1, rank=0, default_model_name="m")
+    for given, says in (({"kvxfer.curve_dir": "/k"}, "CURVE keys are used only with a tcp:// server"),
+                        ({"kvxfer.curve_dir": "/k", "kvxfer.url": "ipc:///tmp/s.sock"}, "only with a tcp://"),
+                        ({"kvxfer.curve_name": "w1", "kvxfer.url": "tcp://h:1"}, "without kvxfer.curve_dir"),
+                        ({"kvxfer.lease_s": 1e300}, "kvxfer.lease_s must be a number of seconds from 0.01 up to 86400"),
+                        ({"kvxfer.lease_s": 10**300}, "up to 86400"),
+                        ({"kvxfer.timeout_s": "1_0"}, "kvxfer.timeout_s must be"),
+                        ({"kvxfer.retry_s": "\u0661\u0662"}, "kvxfer.retry_s must be"),
+                        ({"kvxfer.load_timeout_ms": "1_00"}, "kvxfer.load_timeout_ms must be"),
+                        ({"timeout": 10}, "did you mean 'kvxfer.timeout_s'"),
+                        ({"lease": 10}, "did you mean 'kvxfer.lease_s'"),
+                        ({"layer_wise": True}, "did you mean 'kvxfer.layerwise'"),
+                        ({"load_timeout": 100}, "did you mean 'kvxfer.load_timeout_ms'"),
+                        ({"kvxfer.model_name": "m#59fa774d069dd93d"}, "holds '#' or ends in '/g<N>'"),
+                        ({"kvxfer.model_name": "m/g1"}, "holds '#' or ends in '/g<N>'"),
+                        ({"kvxfer.url": "tcp://user:secretpw@h:1"}, "'tcp://***@h:1'")):
+        with pytest.raises(ConfigError, match=re.escape(says)) as raised:
+            ConnectorConfig.from_mapping(given, **args)
+        assert "secretpw" not in str(raised.value)
+    home = os.path.expanduser("~")
+    ok = {"kvxfer.url": "tcp://h:1", "kvxfer.curve_dir": "~/keys", "kvxfer.timeout_s": " 10 ",
+          "kvxfer.load_timeout_ms": "2.5e3", "kvxfer.lease_s": 86400, "kvxfer.model_name": "org/g1-base#"[:-1]}
+    c = ConnectorConfig.from_mapping(ok, **args)
+    assert (c.curve_dir, c.timeout_s, c.load_timeout_s, c.lease_s, c.model_name) == \
+        (f"{home}/keys", 10.0, 2.5, 86400.0, "org/g1-base")
 
 
 @pytest.mark.parametrize("argv", [

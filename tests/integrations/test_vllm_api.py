@@ -435,7 +435,7 @@ def test_config_errors_name_the_key(server: ServerProcess) -> None:
         KvxferConnector(make_vllm_config(server.url), KVConnectorRole.SCHEDULER,
                         KVCacheConfig(64, [KVCacheGroupSpec(["a"]), KVCacheGroupSpec(["m"], MambaSpec())]))
     with pytest.raises(ConfigError, match="kvxfer keys"):
-        KvxferConnector(make_vllm_config(server.url, curve_dir=str(server.log_path.parent / "no-keys")),
+        KvxferConnector(make_vllm_config("tcp://127.0.0.1:9", curve_dir=str(server.log_path.parent / "no-keys")),
                         KVConnectorRole.WORKER, _groups())
     cfg = make_vllm_config(server.url)
     cfg.kv_transfer_config.kv_role = "kv_sometimes"

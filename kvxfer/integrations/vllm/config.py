@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,6 +57,14 @@ KEYS: Final[dict[str, str]] = {
 
 #: Longest kvxfer.retry_s: a day (threading refuses waits past TIMEOUT_MAX, and the thread would die).
 MAX_RETRY_S: Final = 86400.0
+#: Longest kvxfer.lease_s: a day (a server grants at most its --max-lease anyway; a longer one is a typo).
+MAX_LEASE_S: Final = 86400.0
+#: A number written as a string, in ASCII as JSON writes numbers (float() also takes "1_0" and
+#: other scripts' digits).
+_NUMBER: Final = re.compile(r"\s*[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?\s*")
+#: Names the connector makes of a label: ``<label>#<fingerprint>`` and ``<identity>/g<N>`` (one per
+#: KV cache group); a label spelling either would share another engine's chunks.
+_MADE_NAME: Final = re.compile(r".*(#|/g[0-9]+$).*", re.DOTALL)
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 OnError = Literal["fail", "recompute"]
@@ -71,6 +80,7 @@ def _misnamed(key: str, value: Any) -> str | None:
     if low in KEYS:
         return f"kv_connector_extra_config key {key!r} is not kvxfer's; did you mean {low!r}?"
     close = [f"kvxfer.{key}"] if f"kvxfer.{key}" in KEYS else \
+        difflib.get_close_matches(f"kvxfer.{key}", KEYS, n=1, cutoff=0.85) or \
         difflib.get_close_matches(key, KEYS, n=1, cutoff=0.8) if not key.startswith("kvxfer.") else []
     if close:
         return f"kv_connector_extra_config key {key!r} is not kvxfer's; did you mean {close[0]!r}?"
@@ -214,6 +224,10 @@ class ConnectorConfig:
         problem = unprintable_in(model_name)  # the server's rule for names
         if problem is not None:
             raise ConfigError(f"kvxfer.model_name {problem}")
+        if "kvxfer.model_name" in extra and _MADE_NAME.fullmatch(model_name):
+            raise ConfigError(f"kvxfer.model_name {model_name[:200]!r} holds '#' or ends in '/g<N>', which the "
+                              "connector puts after a label (the fingerprint of the engine's KV, a KV cache group's "
+                              "number): such a label would name another engine's chunks; choose one without them")
         fingerprint = parse_bool("kvxfer.fingerprint", extra.get("kvxfer.fingerprint", True))
         layerwise = parse_bool("kvxfer.layerwise", extra.get("kvxfer.layerwise", False))
         prefetch = parse_bool("kvxfer.prefetch", extra.get("kvxfer.prefetch", not layerwise))
@@ -244,7 +258,7 @@ class ConnectorConfig:
             chunk_size=chunk_size,
             timeout_s=timeout_s,
             # a lease of less than 10 ms lapses before any load could use it (1e-300 meant no lease)
-            lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0), least=0.01),
+            lease_s=_positive_float("kvxfer.lease_s", extra.get("kvxfer.lease_s", 60.0), MAX_LEASE_S, 0.01),
             load_timeout_s=load_timeout_s,
             on_server_error=on_error,
             retry_s=_positive_float("kvxfer.retry_s", extra.get("kvxfer.retry_s", 5.0), MAX_RETRY_S, 0.1),
@@ -253,8 +267,9 @@ class ConnectorConfig:
             layout=layout,
             layerwise=layerwise,
             prefetch=prefetch,
-            curve_dir=_curve_dir(extra.get("kvxfer.curve_dir")),
-            curve_name=_curve_name(extra.get("kvxfer.curve_name", "client")),
+            curve_dir=_curve_dir(extra.get("kvxfer.curve_dir"), url),
+            curve_name=_curve_name(extra.get("kvxfer.curve_name", "client"),
+                                   "kvxfer.curve_name" in extra and extra.get("kvxfer.curve_dir") is None),
             kv_role=kv_role,  # type: ignore[arg-type]  # validated against the Literal just above
             block_size=block_size,
             world_size=world_size,
@@ -287,7 +302,7 @@ def _engine_world_size(parallel: Any) -> int:
 def _load_timeout(value: Any) -> float:
     """Numbers may come as strings (``--kv-transfer-config`` JSON written by hand), as for every key."""
     try:
-        ms = float(value)
+        ms = _number(value)
     except (TypeError, ValueError, OverflowError):
         ms = math.nan
     if isinstance(value, bool) or not math.isfinite(ms) or ms < 0:
@@ -312,26 +327,43 @@ def _positive_int(key: str, value: Any) -> int:
     return value
 
 
-def _curve_dir(value: Any) -> str | None:
-    """``kvxfer.curve_dir``: a directory's path, or left out (None)."""
+def _curve_dir(value: Any, url: str) -> str | None:
+    """``kvxfer.curve_dir``: a directory's path (``~`` expanded), or left out (None); only for a
+    ``tcp://`` server (an ``ipc://`` one checks its peers by their uid, and takes no keys)."""
     if value is None:
         return None
     if not isinstance(value, str) or not value or "\0" in value:
         raise ConfigError(f"kvxfer.curve_dir must be the path of a directory of keys from `kvxfer keys`, got "
                           f"{value!r}"[:300])
-    return value
+    if not url.startswith("tcp://"):
+        raise ConfigError(f"kvxfer.curve_dir is set but kvxfer.url is {url[:200]!r}: CURVE keys are used only with a "
+                          "tcp:// server (a local ipc:// server admits the engine's own user by its uid); leave "
+                          "kvxfer.curve_dir out, or give the tcp:// address")
+    return os.path.expanduser(value)
 
 
-def _curve_name(value: Any) -> str:
-    """``kvxfer.curve_name``: a client key pair's name, as ``kvxfer keys --client NAME`` takes it."""
+def _curve_name(value: Any, without_dir: bool = False) -> str:
+    """``kvxfer.curve_name``: a client key pair's name, as ``kvxfer keys --client NAME`` takes it
+    (given ``without_dir``, i.e. without ``kvxfer.curve_dir``, it would never be read: refused)."""
     from kvxfer.security import check_client_name
 
     if not isinstance(value, str):
         raise ConfigError(f"kvxfer.curve_name must be a client key pair's name, got {value!r}"[:300])
     try:
-        return check_client_name(value)
+        name = check_client_name(value)
     except ConfigError as exc:
         raise ConfigError(f"kvxfer.curve_name: {exc}") from None
+    if without_dir:
+        raise ConfigError("kvxfer.curve_name is set without kvxfer.curve_dir, the directory of keys it names a pair "
+                          "in: set kvxfer.curve_dir too (a tcp:// server), or leave kvxfer.curve_name out")
+    return name
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float: a number, or a string of one in ASCII (JSON written by hand)."""
+    if isinstance(value, str) and not _NUMBER.fullmatch(value):
+        raise ValueError(value)
+    return float(value)
 
 
 def _positive_float(key: str, value: Any, most: float = math.inf, least: float = 0.0) -> float:
@@ -339,7 +371,7 @@ def _positive_float(key: str, value: Any, most: float = math.inf, least: float =
     upto = f" up to {most:g}" if most < math.inf else ""
     what = f"a number of seconds from {least:g}{upto}" if least else f"a positive number of seconds{upto}"
     try:
-        out = float(value)
+        out = _number(value)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{key} must be {what}, got {value!r}"[:300]) from None
     if isinstance(value, bool) or not math.isfinite(out) or not 0 < out <= most or out < least:
