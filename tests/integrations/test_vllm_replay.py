@@ -322,3 +322,20 @@ def test_a_load_vllm_gave_too_few_blocks_for_gives_its_lease_back(server: Server
         engine.scheduler.request_finished(req, [])
     finally:
         engine.shutdown()
+
+
+def test_a_prompt_of_more_chunks_than_a_request_may_name_is_looked_up_by_its_leading_ones(
+        server: ServerProcess) -> None:
+    """A prompt of more chunks than one request may name (MAX_CHUNKS_PER_REQUEST: a long prompt
+    and a small chunk size): its lookup named every chunk, which the server refuses, so the
+    prompt was never looked up and counted unanswered. Now the lookup names its leading chunks."""
+    from kvxfer.protocol.messages import MAX_CHUNKS_PER_REQUEST
+
+    engine = MiniEngine(make_vllm_config(server.url, model_name="long-prompt"), enable_prefix_caching=False)
+    try:
+        sched = engine.scheduler.scheduler
+        req = Request("long", [7] * ((MAX_CHUNKS_PER_REQUEST + 1) * CHUNK + 1))
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing stored: a miss
+        assert (sched.stats["lookups"], sched.stats["unanswered_lookups"]) == (1, 0)
+    finally:
+        engine.shutdown()

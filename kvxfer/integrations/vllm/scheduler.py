@@ -43,6 +43,7 @@ from kvxfer.integrations.vllm.link import REFUSED, ServerLink, check_transport_n
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
 from kvxfer.mq.throttled_log import ThrottledLog
+from kvxfer.protocol.messages import MAX_CHUNKS_PER_REQUEST
 
 __all__ = ["SchedulerConnector", "RequestLike"]
 
@@ -229,7 +230,7 @@ class SchedulerConnector:
         if client is None or chunk is None:  # no server (recompute mode): counted, not asked
             self.stats["unanswered_lookups"] += 1
             return 0, False
-        hits = len(hashes) - first
+        hits = min(len(hashes) - first, MAX_CHUNKS_PER_REQUEST)  # (a longer prompt: its leading chunks)
         for g in self.groups:  # the chunks every group has; each group's lease keeps them
             if hits == 0:
                 break
@@ -452,7 +453,8 @@ class SchedulerConnector:
         for pos, g in enumerate(self.groups):
             bpc = chunk // g.block_size
             ids = st.block_ids[pos]
-            upto = min(min(computed, st.prompt_len) // chunk, len(hashes), len(ids) // bpc)
+            upto = min(min(computed, st.prompt_len) // chunk, len(hashes), len(ids) // bpc,
+                       st.next_store[pos] + MAX_CHUNKS_PER_REQUEST)  # (the rest in the next steps)
             if upto <= st.next_store[pos]:
                 continue
             keys: list[bytes] = []
