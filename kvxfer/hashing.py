@@ -69,7 +69,8 @@ def chunk_hashes(
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    salt_b = salt.encode() if isinstance(salt, str) else bytes(salt)
+    # (surrogatepass: a lone surrogate, which Python strings may hold, hashes rather than raises)
+    salt_b = salt.encode("utf-8", "surrogatepass") if isinstance(salt, str) else bytes(salt)
     data = _token_bytes(token_ids)
     step = chunk_size * 4
     prev = _SEED if prefix_hash is None else bytes(prefix_hash)

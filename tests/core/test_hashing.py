@@ -104,3 +104,13 @@ def test_bad_input_is_refused() -> None:
         chunk_hashes(torch.tensor([2**32]), 1)
     with pytest.raises(ConfigError, match="must be integers, got a tensor of torch.float32"):
         chunk_hashes(torch.tensor([1.0, 2.0]), 1)
+
+
+def test_a_salt_holding_a_lone_surrogate_is_hashed_not_raised() -> None:
+    """A Python string may hold a lone surrogate (a cache salt, a LoRA name or a multimodal id
+    of an in-process engine): encoding it raised UnicodeEncodeError out of vLLM's scheduler.
+    It is hashed now, apart from every other salt, and a salt of valid text hashes as before."""
+    tokens = list(range(32))
+    odd = chunk_hashes(tokens, 16, salt="a\udc80")
+    assert len(odd) == 2 and odd != chunk_hashes(tokens, 16, salt="a") and odd != chunk_hashes(tokens, 16)
+    assert chunk_hashes(tokens, 16, salt="é") == chunk_hashes(tokens, 16, salt="é".encode())
