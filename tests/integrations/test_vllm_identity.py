@@ -5,6 +5,7 @@ weights never loads another's chunks (test_vllm_e2e.py)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,14 @@ def test_what_changes_kv_bytes_changes_the_identity(models: dict[str, Path], mon
     # a speculative decoder's draft layers share the KV cache groups: its engine stores another format
     ident["ngram"] = kv_identity("tiny", config(models["a"], speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}))
+    # weights not read from the model's files (random ones here), and a config read from elsewhere
+    ident["dummy-weights"] = kv_identity("tiny", config(models["a"], load_format="dummy"))
+    other_config = models["a"].parent / "other-config"
+    other_config.mkdir(exist_ok=True)
+    cfg = json.loads((models["a"] / "config.json").read_text())
+    (other_config / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1234.0}))
+    ident["hf-config-path"] = kv_identity("tiny", config(models["a"], hf_config_path=str(other_config)))
+    assert kv_identity("tiny", config(models["a"], load_format="safetensors")) == ident["a"]
     assert ident["copy"] == ident["a"], "a copy of the model in another directory is the same model"
     others = {k: v for k, v in ident.items() if k not in ("a", "copy")}
     assert len(set(others.values()) | {ident["a"]}) == len(others) + 1, ident
@@ -166,3 +175,38 @@ def test_a_change_anywhere_in_the_weights_changes_the_fingerprint(tmp_path: Path
     # a file named .safetensors that is not one is sampled as any other
     (other / "broken.safetensors").write_bytes(b"\xff" * 8 + bytes(3 << 20))
     assert weights_fingerprint(str(other)).startswith("local:")
+
+
+def _hub_snapshot(cache: Path, repo: str, files: dict[str, bytes], commit: str = "a" * 40) -> Path:
+    """A model as the Hugging Face cache holds it (``models--org--name/snapshots/<commit>``,
+    ``refs/main`` naming the commit), made by hand: nothing is downloaded."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+    for name, data in files.items():
+        (snap / name).write_bytes(data)
+    return snap
+
+
+def test_a_hub_model_is_named_by_its_weights_where_vllm_downloaded_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--download-dir``, vLLM keeps a Hub model's config.json in the default cache and its
+    weights in that directory: the fingerprint covered the config alone, which two fine-tunes of
+    one base share. The weights are looked for in the download directory first; a snapshot
+    without weights names no weights, and the model's id does."""
+    default, downloads = tmp_path / "hf-cache", tmp_path / "downloads"
+    monkeypatch.setenv("HF_HUB_CACHE", str(default))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = b'{"model_type": "llama"}'
+    for repo in ("org/tune-a", "org/tune-b"):
+        _hub_snapshot(default, repo, {"config.json": config})
+    a = _hub_snapshot(downloads, "org/tune-a", {"config.json": config, "model.bin": b"\x01" * 4096})
+    _hub_snapshot(downloads, "org/tune-b", {"config.json": config, "model.bin": b"\x02" * 4096})
+    tune_a = weights_fingerprint("org/tune-a", None, str(downloads))
+    assert tune_a == weights_fingerprint(str(a))
+    assert tune_a != weights_fingerprint("org/tune-b", None, str(downloads))
+    # the default cache alone holds no weights of either: named by id, not by the shared config
+    assert weights_fingerprint("org/tune-a") == "hub:org/tune-a@main"
+    assert weights_fingerprint("org/tune-b") == "hub:org/tune-b@main"

@@ -12,9 +12,13 @@ each worker registers its KV cache under it), so they agree without talking:
   element of what it trains, so those bytes too), of another file its first and last MiB and
   64 KiB every 1/64 of it between. A change that misses every sample goes unseen (rows of an
   embedding trained alone, say): name such a fine-tune apart with ``kvxfer.model_name``. For a
-  Hub model not in the cache, its id and resolved revision;
+  Hub model whose weights are in neither vLLM's ``--download-dir`` nor the local cache, its id
+  and the revision given (a branch name is not resolved);
 * the model config's overrides at run time (``hf_overrides``: a ``rope_theta`` or an
-  ``rms_norm_eps`` given to vLLM changes every KV byte, while ``config.json`` on disk stays);
+  ``rms_norm_eps`` given to vLLM changes every KV byte, while ``config.json`` on disk stays), and
+  a config read from elsewhere (``--hf-config-path``: its ``config.json``'s fingerprint);
+* weights not read from the model's files: ``--load-format dummy`` (random weights) or a loader
+  that reads them from elsewhere (tensorizer, a streamer), with its extra settings;
 * the dtype, the KV cache dtype and the quantization method;
 * the number of layers (all stages), KV heads per rank, head size, block size, the resolved
   ``KVCacheLayout`` and each KV cache group's spec (type, block size, heads, head size, dtype,
@@ -109,20 +113,30 @@ def _local_fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
-def weights_fingerprint(model: str, revision: str | None = None) -> str:
+def weights_fingerprint(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
     """What identifies ``model``'s weights (see the module docstring). Reads 8 KiB per sampled
     tensor of a safetensors file (64 MiB at most), at most 6 MiB of another; never downloads
-    anything."""
+    anything. A Hub model is looked for in ``download_dir`` (vLLM's ``--download-dir``), then in
+    the default cache; a snapshot there without weight files (vLLM keeps a model's
+    ``config.json`` in the default cache when its weights went to ``--download-dir``) does not
+    name the weights, and the id and revision do."""
     path = Path(model).expanduser()
     if path.exists():
         return "local:" + _local_fingerprint(path)
+    hub = f"hub:{model}@{revision or 'main'}"
     try:
         from huggingface_hub import snapshot_download  # noqa: PLC0415 (optional)
-
-        snapshot = snapshot_download(repo_id=model, revision=revision, local_files_only=True)
-    except Exception:  # noqa: BLE001  (not cached, no hub library, an unusual repo id)
-        return f"hub:{model}@{revision or 'main'}"
-    return "local:" + _local_fingerprint(Path(snapshot))
+    except ImportError:
+        return hub
+    for cache_dir in ([download_dir] if download_dir else []) + [None]:
+        try:
+            snapshot = Path(snapshot_download(repo_id=model, revision=revision, local_files_only=True,
+                                              cache_dir=cache_dir))
+        except Exception:  # noqa: BLE001  (not cached, no hub library, an unusual repo id)
+            continue
+        if snapshot.is_file() or any(p.is_file() and p.suffix in _WEIGHT_SUFFIXES for p in snapshot.rglob("*")):
+            return "local:" + _local_fingerprint(snapshot)
+    return hub
 
 
 def _group_facts(group: Any, stages: int) -> dict[str, Any]:
@@ -166,6 +180,41 @@ def _overrides(model: Any) -> str:
     return json.dumps(overrides, sort_keys=True, default=str)
 
 
+#: Load formats that read the weights from the model's own files (those the fingerprint samples).
+_FROM_MODEL_FILES: Final = frozenset({"auto", "hf", "pt", "safetensors", "npcache", "fastsafetensors", "gguf",
+                                      "bitsandbytes", "mistral", "instanttensor"})
+
+
+def _loaded(vllm_config: Any) -> str:
+    """How the weights were loaded when not from the model's own files: random weights
+    (``--load-format dummy``, benchmarks) or weights from elsewhere (tensorizer, a streamer,
+    a sharded state), with the loader's extra settings (where those weights are); ""
+    otherwise."""
+    load = getattr(vllm_config, "load_config", None)
+    fmt = getattr(load, "load_format", None)
+    fmt = str(getattr(fmt, "value", fmt) or "auto")
+    if fmt in _FROM_MODEL_FILES:
+        return ""
+    extra = getattr(load, "model_loader_extra_config", None) or {}
+    return f"{fmt}:{json.dumps(extra, sort_keys=True, default=str)}"
+
+
+def _config_file(model: Any) -> str:
+    """The model config vLLM read when it is not the model's own (``--hf-config-path``): a
+    fingerprint of that directory's ``config.json`` (or of the file named), else the name as
+    given; "" without one."""
+    given = getattr(model, "hf_config_path", None)
+    if not given:
+        return ""
+    path = Path(str(given)).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    if path.is_file():
+        h = hashlib.blake2b(digest_size=16)
+        _hash_file(h, path, "config.json")
+        return "local:" + h.hexdigest()
+    return f"named:{given}"
+
+
 def kv_facts(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
     """The facts :func:`kv_identity` hashes, from vLLM's config (attributes only)."""
     model = getattr(vllm_config, "model_config", None)
@@ -182,8 +231,12 @@ def kv_facts(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
     name = str(getattr(model, "model", "") or "")
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache, "kv_cache_layout", None)
     return {
-        "weights": weights_fingerprint(name, getattr(model, "revision", None)) if name else "",
+        "weights": weights_fingerprint(name, getattr(model, "revision", None),
+                                       getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
+        if name else "",
         "hf_overrides": _overrides(model),
+        **({"loaded": loaded} if (loaded := _loaded(vllm_config)) else {}),  # (absent: identities as before)
+        **({"hf_config": cfg} if (cfg := _config_file(model)) else {}),
         "dtype": str(getattr(model, "dtype", "")),
         "kv_cache_dtype": str(getattr(cache, "cache_dtype", "")),
         "quantization": str(getattr(model, "quantization", None)),
