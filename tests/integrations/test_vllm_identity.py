@@ -210,3 +210,35 @@ def test_a_hub_model_is_named_by_its_weights_where_vllm_downloaded_them(
     # the default cache alone holds no weights of either: named by id, not by the shared config
     assert weights_fingerprint("org/tune-a") == "hub:org/tune-a@main"
     assert weights_fingerprint("org/tune-b") == "hub:org/tune-b@main"
+
+
+def test_a_lora_adapter_is_named_by_its_weights_too(tmp_path: Path) -> None:
+    """Requests of a LoRA adapter were salted with its name and path alone, as vLLM's own prefix
+    cache keys them; but chunks outlive the engine and are shared between hosts, so an adapter
+    retrained in place, or another adapter at the same path on another host, loaded KV computed
+    with the first. An engine started after the adapter changed (here: the per-process record
+    of it cleared) salts its requests apart."""
+    from types import SimpleNamespace
+
+    from kvxfer.integrations.vllm.identity import adapter_fingerprint
+    from kvxfer.integrations.vllm.scheduler import request_salt
+
+    adapter = tmp_path / "adapters" / "cust-x"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (adapter / "adapter_model.bin").write_bytes(b"\x01" * 4096)
+
+    def salt() -> str:
+        lora = SimpleNamespace(lora_name="cust-x", lora_int_id=1, lora_path=str(adapter))
+        return request_salt(SimpleNamespace(cache_salt=None, lora_request=lora, mm_features=None))
+
+    first = salt()
+    assert salt() == first
+    (adapter / "adapter_model.bin").write_bytes(b"\x02" * 4096)  # retrained in place
+    assert salt() == first, "one engine reads an adapter once, as vLLM loads it once"
+    adapter_fingerprint.cache_clear()  # an engine started after the change
+    retrained = salt()
+    assert retrained != first
+    (adapter / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}')
+    adapter_fingerprint.cache_clear()
+    assert salt() not in (first, retrained)

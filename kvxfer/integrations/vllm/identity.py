@@ -33,12 +33,13 @@ to mix chunk formats under one identity).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["kv_facts", "kv_identity", "weights_fingerprint"]
+__all__ = ["adapter_fingerprint", "kv_facts", "kv_identity", "weights_fingerprint"]
 
 #: Files whose content decides a model's weights.
 _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
@@ -137,6 +138,21 @@ def weights_fingerprint(model: str, revision: str | None = None, download_dir: s
         if snapshot.is_file() or any(p.is_file() and p.suffix in _WEIGHT_SUFFIXES for p in snapshot.rglob("*")):
             return "local:" + _local_fingerprint(snapshot)
     return hub
+
+
+@functools.lru_cache(maxsize=1024)
+def adapter_fingerprint(path: str) -> str:
+    """What identifies the LoRA adapter at ``path`` (a directory or a Hub id): its weights, as
+    :func:`weights_fingerprint` samples them, and its ``adapter_config.json``. Read once per path
+    in a process, as vLLM loads an adapter once: an adapter retrained in place is told apart by
+    the engines started after it changed, as their own prefix caches do."""
+    fingerprint = weights_fingerprint(path)
+    config = Path(path).expanduser() / "adapter_config.json"
+    if config.is_file():
+        h = hashlib.blake2b(digest_size=16)
+        _hash_file(h, config, config.name)
+        fingerprint += ":" + h.hexdigest()
+    return fingerprint
 
 
 def _group_facts(group: Any, stages: int) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from kvxfer.errors import ConfigError, KvxferError, NoSession
 from kvxfer.hashing import chunk_hashes
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.groups import NULL_BLOCK, GroupPlan, check_name_lengths
+from kvxfer.integrations.vllm.identity import adapter_fingerprint
 from kvxfer.integrations.vllm.link import REFUSED, ServerLink, check_transport_name
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
@@ -518,8 +519,10 @@ def resumed_req_ids(cached: Any) -> set[str]:
 def request_salt(request: Any) -> str:
     """What besides the tokens decides a request's KV: its ``cache_salt``, its LoRA adapter (its
     name and path, as vLLM's own prefix cache keys it: a name pointed at another adapter is
-    another cache) and its multimodal inputs (placeholder tokens alone do not name an image).
-    Each part is written with its length, so that no salt can spell another's parts."""
+    another cache; and, since chunks outlive the engine and are shared between hosts, the
+    adapter's weights: :func:`~kvxfer.integrations.vllm.identity.adapter_fingerprint`) and its
+    multimodal inputs (placeholder tokens alone do not name an image). Each part is written with
+    its length, so that no salt can spell another's parts."""
     parts: list[tuple[str, object]] = []
     salt = getattr(request, "cache_salt", None)
     if salt:
@@ -527,7 +530,10 @@ def request_salt(request: Any) -> str:
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         parts.append(("lora", getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", lora)))
-        parts.append(("lora_path", getattr(lora, "lora_path", None) or getattr(lora, "path", None)))
+        path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+        parts.append(("lora_path", path))
+        if isinstance(path, str) and path:
+            parts.append(("lora_weights", adapter_fingerprint(path)))
     mm: Iterable[Any] = getattr(request, "mm_features", None) or ()
     for feature in mm:
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
