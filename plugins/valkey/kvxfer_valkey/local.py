@@ -166,10 +166,13 @@ class ValkeyServer(_LocalProcess):
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
+        ready = re.compile(rf"^{self.proc.pid}:\S+ .*Ready to accept connections", re.MULTILINE)
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"valkey-server exited with {self.proc.returncode}:\n{self.log()[-2000:]}")
-            if self.ping():
+            # its own log says it listens before anything is sent to the port: another process that
+            # held the port first (the child then exits) never receives the password
+            if ready.search(self.log()) and self.ping():
                 return self
             if time.monotonic() > deadline:
                 self.kill()

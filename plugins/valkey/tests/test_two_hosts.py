@@ -212,3 +212,46 @@ def test_the_local_instance_takes_a_password_that_no_command_line_shows(tmp_path
                            extra_args=["--l2", "valkey", "--l2-url", bare]) as srv, CacheClient(srv.url) as c:
             assert tier(c).state == "up" and parts.password not in srv.log() + tier(c).url
     assert password_apart("valkey://127.0.0.1:1") == ("valkey://127.0.0.1:1", {})
+
+
+def test_a_local_instance_sends_its_password_only_to_its_own_server(tmp_path: Path) -> None:
+    """Starting, the local instance pinged its port with the password until something answered:
+    a process that held the port first (its valkey-server then exits, unable to bind it)
+    received the password. The password now goes to the port only once the child's own log says
+    that it listens there."""
+    import socket
+    import threading
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(8)
+    squatter.settimeout(0.2)
+    heard: list[bytes] = []
+    done = threading.Event()
+
+    def listen() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = squatter.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1)
+                try:
+                    heard.append(conn.recv(4096))
+                    conn.sendall(b"+OK\r\n+PONG\r\n")
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    password = "p" * 24
+    try:
+        server = ValkeyServer(tmp_path / "v", port=squatter.getsockname()[1], password=password)
+        with pytest.raises(RuntimeError, match="valkey-server exited"):
+            server.start(timeout=20)
+    finally:
+        done.set()
+        t.join(5)
+        squatter.close()
+    assert not any(password.encode() in h for h in heard), heard
