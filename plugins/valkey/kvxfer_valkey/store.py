@@ -296,7 +296,12 @@ class ValkeyBackend(ThreadedBackend):
     their answers itself. A cluster check goes to the nodes that hold its keys' slots, by the
     client's slot map; a key whose slot moved (``MOVED``/``ASK``) counts as absent for that check
     and has the map read again (:meth:`_topology_stale`). Loop connections are (re)made off the
-    loop: at open and by any threaded existence check that finds one missing."""
+    loop: at open and by any threaded existence check that finds one missing. A node that is no
+    longer a primary once the slot map is read again (a failover, a resharding) has its loop
+    connection retired: no check is sent on it any more, the loop reads it until the checks sent
+    before are answered (or it goes silent), then stops polling it and it is closed. The loop
+    connections held are thus those of the primaries of the last map read, and those of earlier
+    maps' primaries while checks sent to them are still unanswered (within the lookup timeout)."""
 
     def __init__(self, client: valkey.Valkey | ValkeyCluster, cluster: bool, options: StoreOptions) -> None:
         super().__init__("valkey", options)
@@ -313,11 +318,17 @@ class ValkeyBackend(ThreadedBackend):
         #: Readings of the slot map started, and the number of the last one that ended well.
         self._map_reads_started = 0
         self._map_reads_done = 0
-        #: Loop connections by node name ("host:port"), and the descriptors of the healthy ones.
+        #: Loop connections by node name ("host:port"): those checks are sent on.
         self._loops: dict[str, _LoopConnection] = {}
-        self._fds: tuple[int, ...] = ()
+        #: Loop connections of nodes no longer primaries, read until their checks are answered.
+        self._retiring: dict[int, _LoopConnection] = {}
+        #: The loop connections the loop polls (``_loops`` and ``_retiring``), and their descriptors.
         self._by_fd: dict[int, _LoopConnection] = {}
+        self._fds: tuple[int, ...] = ()
+        #: Loop connections no longer polled, closed once the loop has stopped polling them (drop_loop_fd).
         self._old_loops: dict[int, _LoopConnection] = {}
+        #: The descriptors loop_fds last gave (loop thread): those the loop polls.
+        self._handed: tuple[int, ...] = ()
         self._loop_lock = threading.Lock()
         #: Loop connections to make (off the loop) for the next checks.
         self._want_loops = threading.Event()
@@ -338,33 +349,63 @@ class ValkeyBackend(ThreadedBackend):
         return out
 
     def _new_loop_connections(self) -> None:
-        """Make the missing loop connections (off the loop: connecting may block)."""
+        """Make the missing loop connections, and retire those of nodes that are no longer
+        primaries. Off the loop: connecting may block (for ``timeout_s`` on a node that does
+        not answer), and is done without ``_loop_lock``, which the loop takes to drop one."""
         self._want_loops.clear()
         if self._closed:
             return
         with self._loop_lock:
-            for name, pool in self._targets():
-                if name in self._loops:
-                    continue
-                if issubclass(pool.connection_class, SSLConnection):
-                    return  # a non-blocking TLS socket may need to write to read: keep TLS on threads
-                conn = pool.make_connection()
-                try:
-                    conn.connect()
-                except Exception:  # noqa: BLE001  (no loop connection now: lookups go through threads)
-                    with contextlib.suppress(Exception):
-                        conn.disconnect()
-                    continue
-                lc = _LoopConnection(name, conn)
-                self._loops[name] = lc
-                self._by_fd[lc.fd] = lc
-            self._fds = tuple(lc.fd for lc in self._loops.values())
+            targets = self._targets()
+            self._retire_loops({name for name, _ in targets})
+            missing = [(name, pool) for name, pool in targets if name not in self._loops]
+        for name, pool in missing:
+            if issubclass(pool.connection_class, SSLConnection):
+                return  # a non-blocking TLS socket may need to write to read: keep TLS on threads
+            conn = pool.make_connection()
+            try:
+                conn.connect()
+            except Exception:  # noqa: BLE001  (no loop connection now: lookups go through threads)
+                with contextlib.suppress(Exception):
+                    conn.disconnect()
+                continue
+            lc = _LoopConnection(name, conn)
+            with self._loop_lock:
+                kept = not self._closed and name not in self._loops  # (another thread may have made one)
+                if kept:
+                    self._loops[name] = lc
+                    self._by_fd[lc.fd] = lc
+                    self._fds = tuple(self._by_fd)
+            if not kept:
+                with contextlib.suppress(Exception):
+                    conn.disconnect()
+
+    def _retire_loops(self, names: set[str]) -> None:
+        """Send no more checks on the loop connections of nodes not in ``names`` (the primaries
+        of the slot map just read): they are polled until their checks are answered, then
+        dropped (:meth:`_drop_retired`, on the loop). Any thread, holding ``_loop_lock``."""
+        for name in [n for n in self._loops if n not in names]:
+            lc = self._loops.pop(name)
+            self._retiring[lc.fd] = lc
+
+    def _drop_retired(self) -> None:
+        """(loop thread) Stop polling the retired loop connections that have no check left to
+        answer, or that went silent with checks unanswered (those fail, as on any silent
+        connection); the others are read on until they have."""
+        for lc in list(self._retiring.values()):
+            if not lc.pending:
+                self._unpoll(lc)
+            else:
+                self._stuck(lc)
 
     def loop_fds(self) -> tuple[int, ...]:
         for lc in list(self._loops.values()):  # also when no check is sent (lookups "busy"): see LoopExists
             if lc.pending:
                 self._stuck(lc)
-        return self._fds
+        if self._retiring:
+            self._drop_retired()
+        self._handed = fds = self._fds
+        return fds
 
     def exists_nowait(self, keys: Sequence[bytes], done: Callable[[list[int] | None], None]) -> bool:
         # No check that a peer is still there first: the loop polls these connections all the
@@ -520,19 +561,33 @@ class ValkeyBackend(ThreadedBackend):
     def _fail_loop(self, lc: _LoopConnection) -> None:
         if lc.broken:
             return
-        lc.broken = True
-        with self._loop_lock:
-            if self._loops.get(lc.node) is lc:
-                del self._loops[lc.node]
-            self._by_fd.pop(lc.fd, None)
-            self._fds = tuple(c.fd for c in self._loops.values())
-            self._old_loops[lc.fd] = lc
+        self._unpoll(lc)
         self._want_loops.set()
         pending = list(lc.pending)
         lc.pending.clear()
         lc.got = []
         for _, done, _ in pending:
             done(None)
+
+    def _unpoll(self, lc: _LoopConnection) -> None:
+        """(loop thread) Take ``lc`` out of the connections checks are sent on and the loop
+        polls. The loop stops polling it when it next reads :meth:`loop_fds`, and has it closed
+        then (:meth:`drop_loop_fd`); one that :meth:`loop_fds` never gave (made by a store thread
+        since the loop last read it, and failed at once) is closed now, since the loop would
+        never have it closed."""
+        lc.broken = True
+        with self._loop_lock:
+            if self._loops.get(lc.node) is lc:
+                del self._loops[lc.node]
+            self._retiring.pop(lc.fd, None)
+            self._by_fd.pop(lc.fd, None)
+            self._fds = tuple(self._by_fd)
+            polled = lc.fd in self._handed
+            if polled:
+                self._old_loops[lc.fd] = lc
+        if not polled:
+            with contextlib.suppress(Exception):
+                lc.conn.disconnect()
 
     def drop_loop_fd(self, fd: int) -> None:
         lc = self._old_loops.pop(fd, None)
@@ -742,8 +797,8 @@ class ValkeyBackend(ThreadedBackend):
 
     def _read_slot_map(self) -> None:
         """Read a cluster's slot map (clears the stale mark first: a redirect meanwhile marks it
-        again), then have the loop connections of new primaries made. Raises what the client
-        raises (the mark is then set again)."""
+        again), then retire the loop connections of nodes that are no longer primaries and have
+        those of new primaries made. Raises what the client raises (the mark is then set again)."""
         assert isinstance(self.client, ValkeyCluster)
         self._stale_topology.clear()
         try:
@@ -755,6 +810,9 @@ class ValkeyBackend(ThreadedBackend):
         except BaseException:
             self._stale_topology.set()
             raise
+        names = {node.name for node in self.client.get_primaries()}
+        with self._loop_lock:
+            self._retire_loops(names)
         self._want_loops.set()
 
     def ping(self) -> None:
@@ -802,8 +860,9 @@ class ValkeyBackend(ThreadedBackend):
 
     def close_connections(self) -> None:
         with self._loop_lock:
-            loops = list(self._old_loops.values()) + list(self._loops.values())
+            loops = list(self._old_loops.values()) + list(self._by_fd.values())
             self._loops.clear()
+            self._retiring.clear()
             self._by_fd.clear()
             self._fds = ()
         for lc in loops:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,3 +59,43 @@ def settle_writes(client: CacheClient, at_least: int, timeout: float = TIMEOUT) 
         if time.monotonic() > deadline:
             raise AssertionError(f"L2 writes did not settle: {t}")
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def loop_tier(url: str, directory: Path, **config: Any) -> Iterator[tuple[Any, Callable[[float], None]]]:
+    """A real L2 tier over the store at ``url``, in this process, run as a server's loop runs it:
+    yields the tier and ``pump(seconds)``, which polls the descriptors the tier watches, runs
+    what it hands the loop and its periodic pass for that long."""
+    from kvxfer.arena import Arena
+    from kvxfer.server.index import ChunkIndex
+    from kvxfer.server.tier import L2Tier, TierConfig
+
+    arena = Arena.create(1 << 20, directory)
+    calls: list[Callable[[], None]] = []
+    watched: dict[int, Callable[[], None]] = {}
+    tier = L2Tier(TierConfig("valkey", url, write_yield_s=0, **config), ChunkIndex(arena.size), arena, calls.append,
+                  lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
+                  unwatch=lambda fd: watched.pop(fd, None))
+    tier.start()
+
+    def pump(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            poller = select.poll()
+            for fd in list(watched):
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(5):
+                cb = watched.get(fd)
+                if cb is not None:
+                    cb()
+            while calls:
+                calls.pop(0)()
+            tier.tick()
+            if time.monotonic() >= end:
+                return
+
+    try:
+        yield tier, pump
+    finally:
+        tier.close()
+        arena.close()

@@ -8,15 +8,13 @@ ends within its bounds however slowly the bytes trickle in."""
 
 from __future__ import annotations
 
-import contextlib
 import select
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 from fakevalkey import FakeValkey, Trickle
-from l2kit import CHUNK, TIMEOUT, tier, wait_for
+from l2kit import CHUNK, TIMEOUT, loop_tier, tier, wait_for
 
 from kvxfer import CacheClient
 from kvxfer.errors import StoreUnavailable
@@ -184,46 +182,6 @@ def test_a_get_that_trickles_in_ends_by_its_deadline() -> None:
             backend.close()
 
 
-@contextlib.contextmanager
-def _loop_tier(url: str, directory, **config: Any) -> Iterator[tuple[Any, Callable[[float], None]]]:
-    """A real L2 tier over the node at ``url``, in this process, run as a server's loop runs it:
-    yields the tier and ``pump(seconds)``, which polls the descriptors the tier watches, runs
-    what it hands the loop and its periodic pass for that long."""
-    from kvxfer.arena import Arena
-    from kvxfer.server.index import ChunkIndex
-    from kvxfer.server.tier import L2Tier, TierConfig
-
-    arena = Arena.create(1 << 20, directory)
-    calls: list[Callable[[], None]] = []
-    watched: dict[int, Callable[[], None]] = {}
-    tier = L2Tier(TierConfig("valkey", url, write_yield_s=0, **config), ChunkIndex(arena.size), arena, calls.append,
-                  lambda key: None, watch=lambda fd, cb: watched.__setitem__(fd, cb),
-                  unwatch=lambda fd: watched.pop(fd, None))
-    tier.start()
-
-    def pump(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while True:
-            poller = select.poll()
-            for fd in list(watched):
-                poller.register(fd, select.POLLIN)
-            for fd, _ in poller.poll(5):
-                cb = watched.get(fd)
-                if cb is not None:
-                    cb()
-            while calls:
-                calls.pop(0)()
-            tier.tick()
-            if time.monotonic() >= end:
-                return
-
-    try:
-        yield tier, pump
-    finally:
-        tier.close()
-        arena.close()
-
-
 def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_timeout(tmp_path) -> None:
     """In process: a real L2 tier over a fake node that stops answering existence checks.
     Lookups time out or fail (the breaker opens); once the node answers again, later lookups ask
@@ -243,7 +201,7 @@ def test_lookups_reach_the_store_again_after_its_node_was_silent_past_their_time
     # timeout_s: the 20-odd lookups that pass the bound must all be sent before the first of them
     # times out (on a loaded 2-CPU machine 2 s was not always enough: the silent node was then
     # taken for failed, and L2 down, before any lookup was busy)
-    with FakeValkey(reply) as fake, _loop_tier(fake.url, tmp_path, timeout_s=6.0, backoff_s=0.2) as (tier, pump):
+    with FakeValkey(reply) as fake, loop_tier(fake.url, tmp_path, timeout_s=6.0, backoff_s=0.2) as (tier, pump):
         def lookups(n: int) -> None:
             for _ in range(n):
                 tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(3300)], 0)  # loop connection
@@ -283,7 +241,7 @@ def test_a_node_slower_than_the_lookups_never_has_more_than_the_bound_of_their_k
 
     with FakeValkey(reply) as fake:
         fake.read_ahead = True
-        with _loop_tier(fake.url, tmp_path, timeout_s=0.3, backoff_s=0.2) as (tier, pump):
+        with loop_tier(fake.url, tmp_path, timeout_s=0.3, backoff_s=0.2) as (tier, pump):
             def waiting_at_the_node() -> int:
                 loop = tier._loop_exists
                 return sum(n for lc in list(loop._loops.values()) for n, _, _ in lc.pending) if loop else 0
@@ -310,7 +268,7 @@ def test_a_lookup_past_the_bound_of_keys_at_the_store_makes_none_of_its_keys(tmp
 
     with FakeValkey(lambda cmd: None) as fake:
         fake.read_ahead = True
-        with _loop_tier(fake.url, tmp_path, timeout_s=3.0) as (tier, pump):
+        with loop_tier(fake.url, tmp_path, timeout_s=3.0) as (tier, pump):
             assert wait_for(lambda: (pump(0.01), tier._watched_fds)[1], 10), "a loop connection"
             for _ in range(L2_KEYS_IN_FLIGHT // L2_LOOKUP_KEYS):
                 assert tier.begin_lookup("m", 8, [os.urandom(16) for _ in range(4096)], 0) is not None

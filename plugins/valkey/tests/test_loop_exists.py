@@ -3,11 +3,14 @@ order, pipelined, without blocking; a lost or restarted Valkey is noticed, never
 
 from __future__ import annotations
 
+import os
 import select
+import socket
 import time
 from pathlib import Path
 
 import pytest
+from l2kit import loop_tier, wait_for
 from valkey.crc import key_slot
 
 from kvxfer.store import GetStatus, LoopExists, StoreOptions
@@ -257,3 +260,56 @@ def test_a_failover_to_a_replica_is_found_at_the_next_probe_and_loses_no_write(t
                 assert backend.get([(k, [memoryview(buf)])]) == [GetStatus.HIT] and bytes(buf) == k, k
         finally:
             backend.close()
+
+
+def _ends(fd: int) -> tuple[int, int]:
+    """(local port, peer port) of the TCP socket ``fd``."""
+    with socket.socket(fileno=os.dup(fd)) as s:
+        return s.getsockname()[1], s.getpeername()[1]
+
+
+def test_a_node_that_is_no_longer_a_primary_loses_its_loop_connection(tmp_path: Path) -> None:
+    """In process: a real L2 tier over a real cluster with replicas, and a graceful failover while
+    a check is in flight on the old primary's loop connection. Loop connections were only ever
+    added: the old primary's stayed open and polled by the loop until it failed, next to the new
+    primary's, so a cluster whose slot map names new primaries over time (failovers, resharding,
+    or a node that names new addresses at each reading) had the server hold ever more sockets.
+    Now, once the slot map is read again, the loop connection of a node that is no longer a
+    primary takes no new check, is read until the checks sent before end, then leaves the
+    descriptors the loop polls and is closed: the loop polls one connection per primary of the
+    map, and every check's keys stop counting at the store."""
+    with ValkeyCluster(tmp_path / "c", replicas=1) as cluster, \
+            loop_tier(cluster.url, tmp_path, timeout_s=5.0) as (tier, pump):
+        def polled() -> list[int]:
+            """The ports of the nodes whose loop connections the loop polls."""
+            return sorted(_ends(fd)[1] for fd in tier._watched_fds)
+
+        def primaries() -> list[int]:
+            return sorted(n.port for n in cluster.primaries())
+
+        assert wait_for(lambda: (pump(0.05), polled() == primaries())[1], 30), "one loop connection per primary"
+        backend = tier._loop_exists
+        victim = cluster.primaries()[0]
+        heir = cluster.replica_of(victim)
+        (local,) = [_ends(fd)[0] for fd in tier._watched_fds if _ends(fd)[1] == victim.port]
+        assert f"addr=127.0.0.1:{local} " in victim.cli("CLIENT", "LIST")
+        # a check on every primary (64 keys: some on each), its answers not read yet
+        lk = tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(64)], 0)
+        assert lk is not None and not lk.done() and backend._loops[victim.address].pending
+        heir.cli("CLUSTER", "FAILOVER")
+        assert wait_for(lambda: "role:master" in heir.cli("INFO", "replication"), 30), "the failover did not happen"
+        cluster.wait_ok()
+        backend.ping()  # the slot map read again (as a probe or a redirect has it read)
+        assert wait_for(lambda: (pump(0.05), lk.done() and tier._keys_in_flight == 0)[1], 30), \
+            "the check in flight on the old primary's connection ended"
+
+        def settled() -> bool:  # lookups go on: one for a key of the new primary makes its connection
+            tier.begin_lookup("m", 1, [os.urandom(16) for _ in range(64)], 0)
+            pump(0.1)
+            return polled() == primaries()
+
+        assert wait_for(settled, 30), f"the loop polls {polled()}, the primaries are {primaries()}"
+        assert heir.port in polled() and victim.port not in polled()
+        assert wait_for(lambda: f"addr=127.0.0.1:{local} " not in victim.cli("CLIENT", "LIST"), 30), \
+            "the old primary's loop connection is closed"
+        assert wait_for(lambda: (pump(0.05), tier._keys_in_flight == 0)[1], 30), "every check ended"
