@@ -216,29 +216,39 @@ def test_a_lora_adapter_is_named_by_its_weights_too(tmp_path: Path) -> None:
     """Requests of a LoRA adapter were salted with its name and path alone, as vLLM's own prefix
     cache keys them; but chunks outlive the engine and are shared between hosts, so an adapter
     retrained in place, or another adapter at the same path on another host, loaded KV computed
-    with the first. An engine started after the adapter changed (here: the per-process record
-    of it cleared) salts its requests apart."""
+    with the first. The salt holds the adapter's fingerprint, read again once its files changed
+    (vLLM reloads an adapter in place: ``load_inplace``, or after evicting it); an adapter whose
+    files cannot be read salts its requests apart from every other, and raises nothing into
+    vLLM's scheduler."""
     from types import SimpleNamespace
 
-    from kvxfer.integrations.vllm.identity import adapter_fingerprint
+    from kvxfer.integrations.vllm.identity import AdapterFingerprints
     from kvxfer.integrations.vllm.scheduler import request_salt
 
     adapter = tmp_path / "adapters" / "cust-x"
     adapter.mkdir(parents=True)
     (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
-    (adapter / "adapter_model.bin").write_bytes(b"\x01" * 4096)
+    weights = adapter / "adapter_model.bin"
+    weights.write_bytes(b"\x01" * 4096)
+    adapters = AdapterFingerprints(recheck_s=0)  # (a look at every request: the default is every 2 s)
 
-    def salt() -> str:
-        lora = SimpleNamespace(lora_name="cust-x", lora_int_id=1, lora_path=str(adapter))
-        return request_salt(SimpleNamespace(cache_salt=None, lora_request=lora, mm_features=None))
+    def salt(path: Path = adapter) -> str:
+        lora = SimpleNamespace(lora_name="cust-x", lora_int_id=1, lora_path=str(path))
+        return request_salt(SimpleNamespace(cache_salt=None, lora_request=lora, mm_features=None), adapters)
 
     first = salt()
     assert salt() == first
-    (adapter / "adapter_model.bin").write_bytes(b"\x02" * 4096)  # retrained in place
-    assert salt() == first, "one engine reads an adapter once, as vLLM loads it once"
-    adapter_fingerprint.cache_clear()  # an engine started after the change
+    weights.write_bytes(b"\x02" * 4096)  # retrained in place (and reloaded by vLLM)
     retrained = salt()
     assert retrained != first
     (adapter / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}')
-    adapter_fingerprint.cache_clear()
     assert salt() not in (first, retrained)
+    # a copy at another path is the same adapter but for its path, which vLLM's own key holds too
+    twin = tmp_path / "elsewhere" / "cust-x"
+    twin.parent.mkdir()
+    shutil.copytree(adapter, twin)
+    assert salt(twin).split("lora_weights:")[1] == salt().split("lora_weights:")[1]
+    weights.unlink()
+    weights.symlink_to("/proc/self/mem")  # a file whose reading fails (EIO), for root too
+    lost = [salt(), salt()]
+    assert lost[0] != lost[1] and "unreadable:" in lost[0]

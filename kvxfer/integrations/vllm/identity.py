@@ -18,7 +18,8 @@ each worker registers its KV cache under it), so they agree without talking:
   ``rms_norm_eps`` given to vLLM changes every KV byte, while ``config.json`` on disk stays), and
   a config read from elsewhere (``--hf-config-path``: its ``config.json``'s fingerprint);
 * weights not read from the model's files: ``--load-format dummy`` (random weights) or a loader
-  that reads them from elsewhere (tensorizer, a streamer), with its extra settings;
+  that reads them from elsewhere (tensorizer, a streamer): the format (which weights it read
+  is not known here: name those apart with ``kvxfer.model_name``);
 * the dtype, the KV cache dtype and the quantization method;
 * the number of layers (all stages), KV heads per rank, head size, block size, the resolved
   ``KVCacheLayout`` and each KV cache group's spec (type, block size, heads, head size, dtype,
@@ -33,13 +34,21 @@ to mix chunk formats under one identity).
 
 from __future__ import annotations
 
-import functools
+import collections
 import hashlib
 import json
+import logging
+import secrets
+import threading
+import time
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["adapter_fingerprint", "kv_facts", "kv_identity", "weights_fingerprint"]
+from kvxfer.mq.throttled_log import ThrottledLog
+
+__all__ = ["AdapterFingerprints", "kv_facts", "kv_identity", "weights_fingerprint"]
+
+log = logging.getLogger("kvxfer.integrations.vllm")
 
 #: Files whose content decides a model's weights.
 _WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
@@ -140,19 +149,80 @@ def weights_fingerprint(model: str, revision: str | None = None, download_dir: s
     return hub
 
 
-@functools.lru_cache(maxsize=1024)
-def adapter_fingerprint(path: str) -> str:
-    """What identifies the LoRA adapter at ``path`` (a directory or a Hub id): its weights, as
-    :func:`weights_fingerprint` samples them, and its ``adapter_config.json``. Read once per path
-    in a process, as vLLM loads an adapter once: an adapter retrained in place is told apart by
-    the engines started after it changed, as their own prefix caches do."""
-    fingerprint = weights_fingerprint(path)
-    config = Path(path).expanduser() / "adapter_config.json"
-    if config.is_file():
-        h = hashlib.blake2b(digest_size=16)
-        _hash_file(h, config, config.name)
-        fingerprint += ":" + h.hexdigest()
-    return fingerprint
+#: Seconds between two looks at a LoRA adapter's files (names, sizes, times): a change is seen
+#: within it, and in between a request's salt costs a dictionary lookup.
+ADAPTER_RECHECK_S: Final = 2.0
+#: Adapters whose fingerprints are kept (the least recently used beyond it are read again).
+MAX_ADAPTERS: Final = 1024
+
+
+def _adapter_files(path: Path) -> tuple[tuple[str, int, int, int], ...] | None:
+    """What tells that an adapter's files changed: each weight file's and ``adapter_config.json``'s
+    name, size, modification time and inode; None for a path that is no file or directory here
+    (a Hub id)."""
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and (p.suffix in _WEIGHT_SUFFIXES or p.name == "adapter_config.json"))
+    else:
+        return None
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((f.as_posix(), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+class AdapterFingerprints:
+    """What identifies each LoRA adapter a request names (:meth:`get`): its weights, as
+    :func:`weights_fingerprint` samples them, and its ``adapter_config.json``, kept per path and
+    read again once its files changed (vLLM reloads an adapter in place, and after evicting it
+    past ``--max-cpu-loras``). A path's files are looked at every ``recheck_s`` at most. A Hub id
+    (no such path here) is looked up in the Hugging Face cache at each look. An adapter whose
+    files cannot be read gets a fingerprint that matches nothing (its requests are neither found
+    nor found by others), kept for no longer than one look (any thread)."""
+
+    def __init__(self, recheck_s: float = ADAPTER_RECHECK_S, capacity: int = MAX_ADAPTERS) -> None:
+        self.recheck_s = recheck_s
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        #: path -> (looked at, its files, fingerprint), least recently used first.
+        self._known: collections.OrderedDict[str, tuple[float, Any, str]] = collections.OrderedDict()
+        self._throttled = ThrottledLog(log)
+
+    def get(self, path: str) -> str:
+        now = time.monotonic()
+        with self._lock:
+            known = self._known.get(path)
+            if known is not None:
+                self._known.move_to_end(path)
+                if now - known[0] < self.recheck_s:
+                    return known[2]
+        try:
+            where = Path(path).expanduser()
+            files = _adapter_files(where)
+            if known is not None and files is not None and known[1] == files:
+                fingerprint = known[2]
+            else:
+                fingerprint = weights_fingerprint(path)
+                config = where / "adapter_config.json"
+                if config.is_file():
+                    h = hashlib.blake2b(digest_size=16)
+                    _hash_file(h, config, config.name)
+                    fingerprint += ":" + h.hexdigest()
+                if files is not None and files != _adapter_files(where):
+                    raise OSError(f"the adapter's files changed while they were read: {path}")
+        except OSError as exc:  # (removed or rewritten meanwhile, unreadable, a stale NFS handle)
+            self._throttled.warning("adapter", f"kvxfer: cannot read the LoRA adapter at {path!r} ({exc}); its "
+                                               "requests are neither looked up in nor stored to the cache by name")
+            fingerprint, files = f"unreadable:{secrets.token_hex(16)}", None
+        with self._lock:
+            self._known[path] = (now, files, fingerprint)
+            self._known.move_to_end(path)
+            while len(self._known) > self.capacity:
+                self._known.popitem(last=False)
+        return fingerprint
 
 
 def _group_facts(group: Any, stages: int) -> dict[str, Any]:
@@ -203,16 +273,14 @@ _FROM_MODEL_FILES: Final = frozenset({"auto", "hf", "pt", "safetensors", "npcach
 
 def _loaded(vllm_config: Any) -> str:
     """How the weights were loaded when not from the model's own files: random weights
-    (``--load-format dummy``, benchmarks) or weights from elsewhere (tensorizer, a streamer,
-    a sharded state), with the loader's extra settings (where those weights are); ""
-    otherwise."""
+    (``--load-format dummy``, benchmarks) or weights from elsewhere (tensorizer, a streamer, a
+    sharded state); "" otherwise. The format alone: the loader's extra settings may differ by
+    rank (tensorizer rewrites its URI per rank in place, after the scheduler read it) or by host
+    (addresses, credentials), which would split one engine's identity."""
     load = getattr(vllm_config, "load_config", None)
     fmt = getattr(load, "load_format", None)
     fmt = str(getattr(fmt, "value", fmt) or "auto")
-    if fmt in _FROM_MODEL_FILES:
-        return ""
-    extra = getattr(load, "model_loader_extra_config", None) or {}
-    return f"{fmt}:{json.dumps(extra, sort_keys=True, default=str)}"
+    return "" if fmt in _FROM_MODEL_FILES else fmt
 
 
 def _config_file(model: Any) -> str:

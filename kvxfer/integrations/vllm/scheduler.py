@@ -39,7 +39,7 @@ from kvxfer.errors import ConfigError, KvxferError, NoSession
 from kvxfer.hashing import chunk_hashes
 from kvxfer.integrations.vllm.config import ConnectorConfig
 from kvxfer.integrations.vllm.groups import NULL_BLOCK, GroupPlan, check_name_lengths
-from kvxfer.integrations.vllm.identity import adapter_fingerprint
+from kvxfer.integrations.vllm.identity import AdapterFingerprints
 from kvxfer.integrations.vllm.link import REFUSED, ServerLink, check_transport_name
 from kvxfer.integrations.vllm.logs import connected_line
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata, LoadOp, StoreOp
@@ -112,6 +112,7 @@ class SchedulerConnector:
         self.one_scheduler = one_scheduler
         #: Mixed into every chunk hash; a new one at each reset_cache (vLLM's weights changed)
         self._epoch = ""
+        self._adapters = AdapterFingerprints()
         #: The KV cache groups moved (default: one, under kvxfer.model_name).
         self.groups = groups or [GroupPlan(0, config.model_name, config.block_size, ())]
         check_transport_name(config.transport)
@@ -173,7 +174,8 @@ class SchedulerConnector:
         assert self.chunk_size is not None
         if st.hashes is None:
             prompt = getattr(st.request, "prompt_token_ids", None)
-            salt = request_salt(st.request) + (f"epoch:{len(self._epoch)}:{self._epoch};" if self._epoch else "")
+            epoch = f"epoch:{len(self._epoch)}:{self._epoch};" if self._epoch else ""
+            salt = request_salt(st.request, self._adapters) + epoch
             st.hashes = chunk_hashes(prompt, self.chunk_size, salt=salt) \
                 if prompt and self.moves_kv and tokens_name_its_kv(st.request) else []
         return st.hashes
@@ -516,13 +518,13 @@ def resumed_req_ids(cached: Any) -> set[str]:
     return {rid for rid, flag in zip(cached.req_ids, flags, strict=False) if flag}
 
 
-def request_salt(request: Any) -> str:
+def request_salt(request: Any, adapters: AdapterFingerprints) -> str:
     """What besides the tokens decides a request's KV: its ``cache_salt``, its LoRA adapter (its
     name and path, as vLLM's own prefix cache keys it: a name pointed at another adapter is
     another cache; and, since chunks outlive the engine and are shared between hosts, the
-    adapter's weights: :func:`~kvxfer.integrations.vllm.identity.adapter_fingerprint`) and its
-    multimodal inputs (placeholder tokens alone do not name an image). Each part is written with
-    its length, so that no salt can spell another's parts."""
+    adapter's weights, as ``adapters`` knows them) and its multimodal inputs (placeholder tokens
+    alone do not name an image). Each part is written with its length, so that no salt can
+    spell another's parts."""
     parts: list[tuple[str, object]] = []
     salt = getattr(request, "cache_salt", None)
     if salt:
@@ -533,7 +535,7 @@ def request_salt(request: Any) -> str:
         path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
         parts.append(("lora_path", path))
         if isinstance(path, str) and path:
-            parts.append(("lora_weights", adapter_fingerprint(path)))
+            parts.append(("lora_weights", adapters.get(path)))
     mm: Iterable[Any] = getattr(request, "mm_features", None) or ()
     for feature in mm:
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
