@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 from kvxfer_vllm_harness import MiniEngine, Request, feed, make_vllm_config, workload
 
+from kvxfer import chunk_hashes
 from kvxfer.errors import ConnectionFailed
 from kvxfer.testing.server import ServerProcess
 
@@ -337,5 +339,30 @@ def test_a_prompt_of_more_chunks_than_a_request_may_name_is_looked_up_by_its_lea
         req = Request("long", [7] * ((MAX_CHUNKS_PER_REQUEST + 1) * CHUNK + 1))
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # nothing stored: a miss
         assert (sched.stats["lookups"], sched.stats["unanswered_lookups"]) == (1, 0)
+    finally:
+        engine.shutdown()
+
+
+def test_a_step_that_completes_more_chunks_than_a_request_may_name_stores_them_all_in_parts(
+        server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that completes more chunks than one request may name stores them in parts, all
+    in that step (chunks deferred to later steps were never stored by a request that finished in
+    it, and a sliding-window group's blocks may be freed by then). The bound is lowered to 2
+    chunks here: a real step of 16,384 chunks is too long for a test."""
+    from kvxfer.integrations.vllm import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "MAX_CHUNKS_PER_REQUEST", 2)
+    engine = MiniEngine(make_vllm_config(server.url, model_name="in-parts"), enable_prefix_caching=False,
+                        token_budget=256)
+    try:
+        prompt = list(range(100, 100 + 6 * CHUNK + 1))
+        feed(engine, [Request("p", prompt, max_tokens=1)], per_step=1)
+        engine.check_drained()
+        sched = engine.scheduler.scheduler
+        assert (sched.stats["stores"], sched.stats["store_chunks"]) == (3, 6)
+        client = sched.link.client
+        reply = client.lookup_and_lease(sched.groups[0].name, 1, hashes=chunk_hashes(prompt, CHUNK), lease_s=1)
+        client.release_lease(reply.lease_id)
+        assert reply.hits == 6
     finally:
         engine.shutdown()

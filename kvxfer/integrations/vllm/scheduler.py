@@ -456,8 +456,7 @@ class SchedulerConnector:
         for pos, g in enumerate(self.groups):
             bpc = chunk // g.block_size
             ids = st.block_ids[pos]
-            upto = min(min(computed, st.prompt_len) // chunk, len(hashes), len(ids) // bpc,
-                       st.next_store[pos] + MAX_CHUNKS_PER_REQUEST)  # (the rest in the next steps)
+            upto = min(min(computed, st.prompt_len) // chunk, len(hashes), len(ids) // bpc)
             if upto <= st.next_store[pos]:
                 continue
             keys: list[bytes] = []
@@ -474,8 +473,11 @@ class SchedulerConnector:
             st.next_store[pos] = upto
             if not keys:
                 continue
-            meta.stores.append(StoreOp(rid, keys, blocks, group=g.index, sync=g.frees_early))
-            self.stats["stores"] += 1
+            for k in range(0, len(keys), MAX_CHUNKS_PER_REQUEST):  # (more chunks than a request may name: in parts)
+                part = keys[k:k + MAX_CHUNKS_PER_REQUEST]
+                meta.stores.append(StoreOp(rid, part, blocks[k * bpc:(k + len(part)) * bpc], group=g.index,
+                                           sync=g.frees_early))
+                self.stats["stores"] += 1
             self.stats["store_chunks"] += len(keys)
             st.has_stores = True
 
