@@ -93,6 +93,10 @@ def check_url(url: str) -> str:
     if not why:
         return url
     where = f" (from ${URL_ENV})" if os.environ.get(URL_ENV) == url else ""
-    # user info (a tcp:// kvxfer address has none; an ipc:// one is a path) may hold a password
-    shown = url if url.startswith("ipc://") else re.sub(r"(?<=//)[^/]*@", "***@", url)
+    # user info (a tcp:// kvxfer address has none; an ipc:// one is a path) may hold a password,
+    # in which any character but "@" may be: all up to the last "@" goes, but the scheme
+    shown = url
+    if "@" in url and not url.startswith("ipc://"):
+        scheme, sep, _ = url.partition("://")
+        shown = (f"{scheme}://" if sep else "") + "***@" + url.rpartition("@")[2]
     raise ConfigError(f"not a kvxfer server address: {shown[:200]!r}{where}: {why}")

@@ -484,13 +484,16 @@ def test_the_vllm_connector_refuses_settings_that_would_be_ignored_or_misread() 
                         ({"load_timeout": 100}, "did you mean 'kvxfer.load_timeout_ms'"),
                         ({"kvxfer.model_name": "m#59fa774d069dd93d"}, "holds '#' or ends in '/g<N>'"),
                         ({"kvxfer.model_name": "m/g1"}, "holds '#' or ends in '/g<N>'"),
-                        ({"kvxfer.url": "tcp://user:secretpw@h:1"}, "'tcp://***@h:1'")):
+                        ({"kvxfer.url": "tcp://user:secretpw@h:1"}, "'tcp://***@h:1'"),
+                        ({"kvxfer.url": "tcp://user:secret/pw@h:1"}, "'tcp://***@h:1'"),
+                        ({"kvxfer.url": "user:secretpw@h:1"}, "'***@h:1'")):
         with pytest.raises(ConfigError, match=re.escape(says)) as raised:
             ConnectorConfig.from_mapping(given, **args)
-        assert "secretpw" not in str(raised.value)
+        assert "secret" not in str(raised.value)
     home = os.path.expanduser("~")
     ok = {"kvxfer.url": "tcp://h:1", "kvxfer.curve_dir": "~/keys", "kvxfer.timeout_s": " 10 ",
-          "kvxfer.load_timeout_ms": "2.5e3", "kvxfer.lease_s": 86400, "kvxfer.model_name": "org/g1-base#"[:-1]}
+          "kvxfer.load_timeout_ms": "2.5e3", "kvxfer.lease_s": 86400, "kvxfer.model_name": "org/g1-base",
+          "role": "another reader's key", "layer": 1}  # (short keys of others, not near misses of kvxfer's)
     c = ConnectorConfig.from_mapping(ok, **args)
     assert (c.curve_dir, c.timeout_s, c.load_timeout_s, c.lease_s, c.model_name) == \
         (f"{home}/keys", 10.0, 2.5, 86400.0, "org/g1-base")

@@ -79,8 +79,9 @@ def _misnamed(key: str, value: Any) -> str | None:
     low = key.lower()
     if low in KEYS:
         return f"kv_connector_extra_config key {key!r} is not kvxfer's; did you mean {low!r}?"
+    bare = {k.removeprefix("kvxfer."): k for k in KEYS}  # (a misspelt key without its prefix: `timeout`)
     close = [f"kvxfer.{key}"] if f"kvxfer.{key}" in KEYS else \
-        difflib.get_close_matches(f"kvxfer.{key}", KEYS, n=1, cutoff=0.85) or \
+        [bare[m] for m in difflib.get_close_matches(key, bare, n=1, cutoff=0.8)] or \
         difflib.get_close_matches(key, KEYS, n=1, cutoff=0.8) if not key.startswith("kvxfer.") else []
     if close:
         return f"kv_connector_extra_config key {key!r} is not kvxfer's; did you mean {close[0]!r}?"
