@@ -176,7 +176,9 @@ class ValkeyServer(_LocalProcess):
                 return self
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"valkey-server did not answer on port {self.port} within {timeout} s")
+                raise RuntimeError(f"valkey-server did not answer on port {self.port} within {timeout} s (readiness is "
+                                   f"read from its log, {self.directory / self.LOG_NAME}, at its default level and "
+                                   "format)")
             time.sleep(0.02)
 
     def cli(self, *args: str, timeout: float = 30.0) -> str:

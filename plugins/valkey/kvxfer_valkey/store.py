@@ -348,6 +348,12 @@ class ValkeyBackend(ThreadedBackend):
             out.append((node.name, pool))
         return out
 
+    def _target_names(self) -> set[str]:
+        """The names of :meth:`_targets` (no connection pool looked up)."""
+        if not isinstance(self.client, ValkeyCluster):
+            return {"node"}
+        return {node.name for node in self.client.get_primaries()}
+
     def _new_loop_connections(self) -> None:
         """Make the missing loop connections, and retire those of nodes that are no longer
         primaries. Off the loop: connecting may block (for ``timeout_s`` on a node that does
@@ -370,8 +376,8 @@ class ValkeyBackend(ThreadedBackend):
                     conn.disconnect()
                 continue
             lc = _LoopConnection(name, conn)
-            with self._loop_lock:
-                kept = not self._closed and name not in self._loops  # (another thread may have made one)
+            with self._loop_lock:  # (another thread may have made one, or retired the node, meanwhile)
+                kept = not self._closed and name not in self._loops and name in self._target_names()
                 if kept:
                     self._loops[name] = lc
                     self._by_fd[lc.fd] = lc
@@ -810,9 +816,8 @@ class ValkeyBackend(ThreadedBackend):
         except BaseException:
             self._stale_topology.set()
             raise
-        names = {node.name for node in self.client.get_primaries()}
         with self._loop_lock:
-            self._retire_loops(names)
+            self._retire_loops(self._target_names())
         self._want_loops.set()
 
     def ping(self) -> None:
