@@ -243,6 +243,7 @@ class MiniEngine:
         self.steps = 0
         self.preemptions = 0
         self.loads: list[Any] = []  # every LoadOp the scheduler emitted
+        self.stores: list[Any] = []  # every StoreOp the scheduler emitted
         self.load_error_blocks = 0
         self.recomputed_tokens = 0
         self.to_poison: list[int] = []
@@ -449,6 +450,7 @@ class MiniEngine:
         meta = self.scheduler.build_connector_meta(out)
         out.kv_connector_metadata = meta
         self.loads.extend(meta.loads)
+        self.stores.extend(meta.stores)
         if self.after_build is not None:
             self.after_build(self, meta)
 

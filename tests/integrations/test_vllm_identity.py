@@ -61,6 +61,14 @@ def test_what_changes_kv_bytes_changes_the_identity(models: dict[str, Path], mon
     (other_config / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1234.0}))
     ident["hf-config-path"] = kv_identity("tiny", config(models["a"], hf_config_path=str(other_config)))
     assert kv_identity("tiny", config(models["a"], load_format="safetensors")) == ident["a"]
+    # a loader's extra settings may differ by rank (tensorizer rewrites its URI per rank, in place,
+    # after the scheduler read it): the format alone counts, or ranks would name chunks apart
+    ranks = []
+    for uri in ("s3://bucket/model-%03d.tensors", "s3://bucket/model-001.tensors"):
+        rank = config(models["a"], load_format="dummy")
+        rank.load_config.model_loader_extra_config = {"tensorizer_uri": uri}
+        ranks.append(kv_identity("tiny", rank))
+    assert ranks == [ident["dummy-weights"]] * 2
     assert ident["copy"] == ident["a"], "a copy of the model in another directory is the same model"
     others = {k: v for k, v in ident.items() if k not in ("a", "copy")}
     assert len(set(others.values()) | {ident["a"]}) == len(others) + 1, ident
@@ -214,41 +222,50 @@ def test_a_hub_model_is_named_by_its_weights_where_vllm_downloaded_them(
 
 def test_a_lora_adapter_is_named_by_its_weights_too(tmp_path: Path) -> None:
     """Requests of a LoRA adapter were salted with its name and path alone, as vLLM's own prefix
-    cache keys them; but chunks outlive the engine and are shared between hosts, so an adapter
-    retrained in place, or another adapter at the same path on another host, loaded KV computed
-    with the first. The salt holds the adapter's fingerprint, read again once its files changed
-    (vLLM reloads an adapter in place: ``load_inplace``, or after evicting it); an adapter whose
-    files cannot be read salts its requests apart from every other, and raises nothing into
-    vLLM's scheduler."""
+    cache keys them; but chunks outlive the engine and are shared between hosts, so another
+    adapter at the same path on another host, or one retrained in place, loaded KV computed with
+    the first. The salt holds the adapter's fingerprint. Once its files are seen changed, which
+    version vLLM's workers hold is not known (they read it again only when they reload it), so
+    its requests move no KV until the engine restarts; nor do those of an adapter that cannot be
+    read or is gone, and nothing raises into vLLM's scheduler."""
     from types import SimpleNamespace
 
     from kvxfer.integrations.vllm.identity import AdapterFingerprints
     from kvxfer.integrations.vllm.scheduler import request_salt
 
-    adapter = tmp_path / "adapters" / "cust-x"
-    adapter.mkdir(parents=True)
-    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
-    weights = adapter / "adapter_model.bin"
-    weights.write_bytes(b"\x01" * 4096)
+    def make(path: Path, weights: bytes) -> Path:
+        path.mkdir(parents=True)
+        (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        (path / "adapter_model.bin").write_bytes(weights)
+        return path
+
+    adapter = make(tmp_path / "adapters" / "cust-x", b"\x01" * 4096)
     adapters = AdapterFingerprints(recheck_s=0)  # (a look at every request: the default is every 2 s)
 
-    def salt(path: Path = adapter) -> str:
+    def salt(path: Path | str = adapter) -> str | None:
         lora = SimpleNamespace(lora_name="cust-x", lora_int_id=1, lora_path=str(path))
         return request_salt(SimpleNamespace(cache_salt=None, lora_request=lora, mm_features=None), adapters)
 
+    def weights_part(salt: str | None) -> str:
+        assert salt is not None
+        return salt.split("lora_weights:")[1]
+
     first = salt()
     assert salt() == first
-    weights.write_bytes(b"\x02" * 4096)  # retrained in place (and reloaded by vLLM)
-    retrained = salt()
-    assert retrained != first
-    (adapter / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}')
-    assert salt() not in (first, retrained)
-    # a copy at another path is the same adapter but for its path, which vLLM's own key holds too
-    twin = tmp_path / "elsewhere" / "cust-x"
-    twin.parent.mkdir()
-    shutil.copytree(adapter, twin)
-    assert salt(twin).split("lora_weights:")[1] == salt().split("lora_weights:")[1]
-    weights.unlink()
-    weights.symlink_to("/proc/self/mem")  # a file whose reading fails (EIO), for root too
-    lost = [salt(), salt()]
-    assert lost[0] != lost[1] and "unreadable:" in lost[0]
+    # the same bytes at another path are the same adapter (but for the path, which vLLM's key holds
+    # too); other weights, or another adapter_config.json, are another
+    assert weights_part(salt(make(tmp_path / "copy" / "cust-x", b"\x01" * 4096))) == weights_part(first)
+    assert weights_part(salt(make(tmp_path / "other" / "cust-x", b"\x02" * 4096))) != weights_part(first)
+    tuned = make(tmp_path / "tuned" / "cust-x", b"\x01" * 4096)
+    (tuned / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}')
+    assert weights_part(salt(tuned)) != weights_part(first)
+    # retrained in place: the same size, the same inode, whatever the timestamps' grain
+    with open(adapter / "adapter_model.bin", "r+b") as f:
+        f.write(b"\x03" * 4096)
+    assert salt() is None and salt() is None, "a version vLLM may not hold yet: no KV moved"
+    # an adapter that cannot be read, or is gone
+    bad = make(tmp_path / "bad" / "cust-x", b"")
+    (bad / "adapter_model.bin").unlink()
+    (bad / "adapter_model.bin").symlink_to("/proc/self/mem")  # reading it fails (EIO), for root too
+    assert salt(bad) is None
+    assert salt(tmp_path / "never-made") is None and salt("~nosuchuser-kvxfer/x") is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,7 +125,7 @@ def test_kv_roles_producer_stores_consumer_loads(server: ServerProcess) -> None:
         consumer.shutdown()
 
 
-def test_cache_salt_and_lora_separate_cached_prefixes(server: ServerProcess) -> None:
+def test_cache_salt_and_lora_separate_cached_prefixes(server: ServerProcess, tmp_path: Path) -> None:
     """Salts, LoRA adapters (by name and path: a name pointed at another adapter is another
     cache, as in vLLM's own prefix cache) and a salt that spells another request's salt and
     adapter each keep a cache of their own; a prompt given as embeddings is neither looked up
@@ -132,8 +133,12 @@ def test_cache_salt_and_lora_separate_cached_prefixes(server: ServerProcess) -> 
     engine = MiniEngine(make_vllm_config(server.url, model_name="salts"), enable_prefix_caching=False)
     try:
         prompt = list(range(10, 60))
+        for version in (1, 2):  # adapters on disk (one whose files are gone moves no KV)
+            (tmp_path / f"v{version}").mkdir()
+            (tmp_path / f"v{version}" / "adapter_model.bin").write_bytes(bytes([version]) * 64)
 
         def lora(path: str) -> Any:
+            path = str(tmp_path / path.removeprefix("/adapters/"))
             return type("LoRARequest", (), {"lora_name": "adapter-1", "lora_int_id": 1, "lora_path": path})()
 
         feed(engine, [Request("s-a", prompt, cache_salt="tenant-a")], per_step=1)
@@ -360,6 +365,13 @@ def test_a_step_that_completes_more_chunks_than_a_request_may_name_stores_them_a
         engine.check_drained()
         sched = engine.scheduler.scheduler
         assert (sched.stats["stores"], sched.stats["store_chunks"]) == (3, 6)
+        # each part names its chunks' own blocks: together the prompt's, each block once
+        bpc = CHUNK // 4  # (the harness's block size)
+        assert [len(op.keys) for op in engine.stores] == [2, 2, 2]
+        assert all(len(op.block_ids) == len(op.keys) * bpc for op in engine.stores)
+        blocks = [b for op in engine.stores for b in op.block_ids]
+        assert len(set(blocks)) == len(blocks) == 6 * bpc
+        assert [k for op in engine.stores for k in op.keys] == chunk_hashes(prompt, CHUNK)
         client = sched.link.client
         reply = client.lookup_and_lease(sched.groups[0].name, 1, hashes=chunk_hashes(prompt, CHUNK), lease_s=1)
         client.release_lease(reply.lease_id)

@@ -35,10 +35,10 @@ to mix chunk formats under one identity).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -154,12 +154,14 @@ def weights_fingerprint(model: str, revision: str | None = None, download_dir: s
 ADAPTER_RECHECK_S: Final = 2.0
 #: Adapters whose fingerprints are kept (the least recently used beyond it are read again).
 MAX_ADAPTERS: Final = 1024
+#: A file modified less than this many seconds before a look may change again within its
+#: timestamp's grain (ticks of 1-4 ms on many kernels): the next look compares contents.
+_RACY_S: Final = 2.0
 
 
 def _adapter_files(path: Path) -> tuple[tuple[str, int, int, int], ...] | None:
     """What tells that an adapter's files changed: each weight file's and ``adapter_config.json``'s
-    name, size, modification time and inode; None for a path that is no file or directory here
-    (a Hub id)."""
+    name, size, modification time and inode; None for a path that is no file or directory here."""
     if path.is_file():
         files = [path]
     elif path.is_dir():
@@ -174,55 +176,87 @@ def _adapter_files(path: Path) -> tuple[tuple[str, int, int, int], ...] | None:
     return tuple(out)
 
 
+def _adapter_fingerprint(path: str, where: Path) -> str:
+    fingerprint = weights_fingerprint(path)
+    config = where / "adapter_config.json"
+    if config.is_file():
+        h = hashlib.blake2b(digest_size=16)
+        _hash_file(h, config, config.name)
+        fingerprint += ":" + h.hexdigest()
+    return fingerprint
+
+
+@dataclasses.dataclass
+class _Adapter:
+    looked_at: float
+    files: Any
+    fingerprint: str | None
+    racy: bool
+
+
 class AdapterFingerprints:
     """What identifies each LoRA adapter a request names (:meth:`get`): its weights, as
-    :func:`weights_fingerprint` samples them, and its ``adapter_config.json``, kept per path and
-    read again once its files changed (vLLM reloads an adapter in place, and after evicting it
-    past ``--max-cpu-loras``). A path's files are looked at every ``recheck_s`` at most. A Hub id
-    (no such path here) is looked up in the Hugging Face cache at each look. An adapter whose
-    files cannot be read gets a fingerprint that matches nothing (its requests are neither found
-    nor found by others), kept for no longer than one look (any thread)."""
+    :func:`weights_fingerprint` samples them, and its ``adapter_config.json``, read the first
+    time a request names its path (when vLLM loads it).
+
+    Which version of an adapter's files vLLM's workers hold is not known here: they read them
+    again only when they reload the adapter (``load_inplace``, or after evicting it past
+    ``--max-cpu-loras``). So once an adapter's files are seen changed (looked at every
+    ``recheck_s`` at most), its requests' KV is neither looked up nor stored until the engine
+    restarts, and a warning says so: give each version of an adapter a path of its own. The
+    same holds for an adapter whose files cannot be read, or a local path that is gone. A Hub id
+    (no such path here) is fingerprinted once, as vLLM downloads it once (any thread)."""
 
     def __init__(self, recheck_s: float = ADAPTER_RECHECK_S, capacity: int = MAX_ADAPTERS) -> None:
         self.recheck_s = recheck_s
         self.capacity = capacity
         self._lock = threading.Lock()
-        #: path -> (looked at, its files, fingerprint), least recently used first.
-        self._known: collections.OrderedDict[str, tuple[float, Any, str]] = collections.OrderedDict()
+        #: path -> what was seen of it, least recently used first.
+        self._known: collections.OrderedDict[str, _Adapter] = collections.OrderedDict()
         self._throttled = ThrottledLog(log)
 
-    def get(self, path: str) -> str:
+    def get(self, path: str) -> str | None:
+        """The fingerprint of the adapter at ``path``, or None: move no KV for its requests."""
         now = time.monotonic()
         with self._lock:
             known = self._known.get(path)
             if known is not None:
                 self._known.move_to_end(path)
-                if now - known[0] < self.recheck_s:
-                    return known[2]
-        try:
-            where = Path(path).expanduser()
-            files = _adapter_files(where)
-            if known is not None and files is not None and known[1] == files:
-                fingerprint = known[2]
-            else:
-                fingerprint = weights_fingerprint(path)
-                config = where / "adapter_config.json"
-                if config.is_file():
-                    h = hashlib.blake2b(digest_size=16)
-                    _hash_file(h, config, config.name)
-                    fingerprint += ":" + h.hexdigest()
-                if files is not None and files != _adapter_files(where):
-                    raise OSError(f"the adapter's files changed while they were read: {path}")
-        except OSError as exc:  # (removed or rewritten meanwhile, unreadable, a stale NFS handle)
-            self._throttled.warning("adapter", f"kvxfer: cannot read the LoRA adapter at {path!r} ({exc}); its "
-                                               "requests are neither looked up in nor stored to the cache by name")
-            fingerprint, files = f"unreadable:{secrets.token_hex(16)}", None
+                # (None: no KV moved until restart; no files: a Hub id, fingerprinted once)
+                if known.fingerprint is None or known.files is None or now - known.looked_at < self.recheck_s:
+                    return known.fingerprint
+        seen = self._look(path, known)
         with self._lock:
-            self._known[path] = (now, files, fingerprint)
+            self._known[path] = seen
             self._known.move_to_end(path)
             while len(self._known) > self.capacity:
                 self._known.popitem(last=False)
-        return fingerprint
+        return seen.fingerprint
+
+    def _look(self, path: str, known: _Adapter | None) -> _Adapter:
+        now, wall = time.monotonic(), time.time_ns()
+        try:
+            where = Path(path).expanduser()
+            files = _adapter_files(where)
+            if files is None and (known is not None or where.is_absolute() or path.startswith((".", "~"))):
+                raise OSError(f"no adapter at {path}")  # (a local path: a Hub id has no slash first)
+            if known is not None and files == known.files and not known.racy:
+                return _Adapter(now, files, known.fingerprint, False)
+            fingerprint = _adapter_fingerprint(path, where)
+            if files is not None and files != _adapter_files(where):
+                raise OSError("its files changed while they were read")
+            if known is not None and fingerprint != known.fingerprint:
+                self._throttled.warning("adapter", f"kvxfer: the LoRA adapter at {path!r} changed on disk since this "
+                                                   "engine first read it; which version vLLM holds is not known, so "
+                                                   "its requests' KV is neither looked up nor stored until the engine "
+                                                   "restarts: give each version of an adapter a path of its own")
+                return _Adapter(now, files, None, False)
+        except (OSError, RuntimeError, ValueError) as exc:  # (unreadable, gone, a stale NFS handle, ~nosuchuser)
+            self._throttled.warning("adapter", f"kvxfer: cannot read the LoRA adapter at {path!r} ({exc}); its "
+                                               "requests' KV is neither looked up nor stored")
+            return _Adapter(now, None, None, False)
+        racy = files is not None and any(wall - mtime < _RACY_S * 1e9 for _, _, mtime, _ in files)
+        return _Adapter(now, files, fingerprint, racy)
 
 
 def _group_facts(group: Any, stages: int) -> dict[str, Any]:

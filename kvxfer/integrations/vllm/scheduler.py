@@ -175,9 +175,9 @@ class SchedulerConnector:
         if st.hashes is None:
             prompt = getattr(st.request, "prompt_token_ids", None)
             epoch = f"epoch:{len(self._epoch)}:{self._epoch};" if self._epoch else ""
-            salt = request_salt(st.request, self._adapters) + epoch
-            st.hashes = chunk_hashes(prompt, self.chunk_size, salt=salt) \
-                if prompt and self.moves_kv and tokens_name_its_kv(st.request) else []
+            salt = request_salt(st.request, self._adapters)
+            st.hashes = chunk_hashes(prompt, self.chunk_size, salt=salt + epoch) \
+                if prompt and self.moves_kv and tokens_name_its_kv(st.request) and salt is not None else []
         return st.hashes
 
     def _same_session(self, st: _ReqState) -> bool:
@@ -520,13 +520,14 @@ def resumed_req_ids(cached: Any) -> set[str]:
     return {rid for rid, flag in zip(cached.req_ids, flags, strict=False) if flag}
 
 
-def request_salt(request: Any, adapters: AdapterFingerprints) -> str:
+def request_salt(request: Any, adapters: AdapterFingerprints) -> str | None:
     """What besides the tokens decides a request's KV: its ``cache_salt``, its LoRA adapter (its
     name and path, as vLLM's own prefix cache keys it: a name pointed at another adapter is
     another cache; and, since chunks outlive the engine and are shared between hosts, the
     adapter's weights, as ``adapters`` knows them) and its multimodal inputs (placeholder tokens
     alone do not name an image). Each part is written with its length, so that no salt can
-    spell another's parts."""
+    spell another's parts. None: the request's KV is not to be moved (an adapter whose version
+    is not known)."""
     parts: list[tuple[str, object]] = []
     salt = getattr(request, "cache_salt", None)
     if salt:
@@ -537,7 +538,10 @@ def request_salt(request: Any, adapters: AdapterFingerprints) -> str:
         path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
         parts.append(("lora_path", path))
         if isinstance(path, str) and path:
-            parts.append(("lora_weights", adapters.get(path)))
+            fingerprint = adapters.get(path)
+            if fingerprint is None:
+                return None
+            parts.append(("lora_weights", fingerprint))
     mm: Iterable[Any] = getattr(request, "mm_features", None) or ()
     for feature in mm:
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
