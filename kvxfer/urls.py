@@ -93,10 +93,13 @@ def check_url(url: str) -> str:
     if not why:
         return url
     where = f" (from ${URL_ENV})" if os.environ.get(URL_ENV) == url else ""
-    # user info (a tcp:// kvxfer address has none; an ipc:// one is a path) may hold a password,
-    # in which any character but "@" may be: all up to the last "@" goes, but the scheme
-    shown = url
-    if "@" in url and not url.startswith("ipc://"):
-        scheme, sep, _ = url.partition("://")
-        shown = (f"{scheme}://" if sep else "") + "***@" + url.rpartition("@")[2]
-    raise ConfigError(f"not a kvxfer server address: {shown[:200]!r}{where}: {why}")
+    # user info (a kvxfer address has none; an absolute ipc:// one is a path) may hold a password,
+    # in which any character but "@" may be: all before the last "@" goes (a scheme written
+    # before the first "@" stays), in the address and in what is said of it
+    if "@" in url and not url.startswith("ipc:///"):
+        head = url.rpartition("@")[0]
+        lead, sep, info = head.partition("://")
+        secret = info if sep and "@" not in lead else head
+        if secret:
+            url, why = url.replace(secret, "***"), why.replace(secret, "***")
+    raise ConfigError(f"not a kvxfer server address: {url[:200]!r}{where}: {why}")

@@ -486,7 +486,9 @@ def test_the_vllm_connector_refuses_settings_that_would_be_ignored_or_misread() 
                         ({"kvxfer.model_name": "m/g1"}, "holds '#' or ends in '/g<N>'"),
                         ({"kvxfer.url": "tcp://user:secretpw@h:1"}, "'tcp://***@h:1'"),
                         ({"kvxfer.url": "tcp://user:secret/pw@h:1"}, "'tcp://***@h:1'"),
-                        ({"kvxfer.url": "user:secretpw@h:1"}, "'***@h:1'")):
+                        ({"kvxfer.url": "user:secretpw@h:1"}, "'***@h:1'"),
+                        ({"kvxfer.url": "user:secretpw@h:1/x://y"}, "'***@h:1/x://y'"),
+                        ({"kvxfer.url": "ipc://user:secretpw@host"}, "ipc:///***@host")):
         with pytest.raises(ConfigError, match=re.escape(says)) as raised:
             ConnectorConfig.from_mapping(given, **args)
         assert "secret" not in str(raised.value)
