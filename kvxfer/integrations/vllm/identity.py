@@ -79,6 +79,18 @@ def _hash_file(h: Any, path: Path, rel: str) -> None:
             h.update(f.read(_SAMPLE))
 
 
+def _file_digest(path: Path, rel: str) -> str:
+    """:func:`_hash_file` of one file alone, as hex digits."""
+    h = hashlib.blake2b(digest_size=16)
+    _hash_file(h, path, rel)
+    return h.hexdigest()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The weight files under the directory ``path``, in a stable order."""
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+
+
 def _hash_tensors(h: Any, f: Any, size: int) -> bool:
     """A safetensors file by its tensors (see the module docstring); False, having hashed nothing,
     if its header does not read as one (the file is then sampled as any other)."""
@@ -117,7 +129,7 @@ def _local_fingerprint(path: Path) -> str:
     config = path / "config.json"
     if config.is_file():
         _hash_file(h, config, "config.json")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    files = _weight_files(path)
     for p in files:
         _hash_file(h, p, p.relative_to(path).as_posix())
     return h.hexdigest()
@@ -144,7 +156,7 @@ def weights_fingerprint(model: str, revision: str | None = None, download_dir: s
                                               cache_dir=cache_dir))
         except Exception:  # noqa: BLE001  (not cached, no hub library, an unusual repo id)
             continue
-        if snapshot.is_file() or any(p.is_file() and p.suffix in _WEIGHT_SUFFIXES for p in snapshot.rglob("*")):
+        if snapshot.is_file() or _weight_files(snapshot):
             return "local:" + _local_fingerprint(snapshot)
     return hub
 
@@ -180,9 +192,7 @@ def _adapter_fingerprint(path: str, where: Path) -> str:
     fingerprint = weights_fingerprint(path)
     config = where / "adapter_config.json"
     if config.is_file():
-        h = hashlib.blake2b(digest_size=16)
-        _hash_file(h, config, config.name)
-        fingerprint += ":" + h.hexdigest()
+        fingerprint += ":" + _file_digest(config, config.name)
     return fingerprint
 
 
@@ -327,9 +337,7 @@ def _config_file(model: Any) -> str:
     path = Path(str(given)).expanduser()
     path = path / "config.json" if path.is_dir() else path
     if path.is_file():
-        h = hashlib.blake2b(digest_size=16)
-        _hash_file(h, path, "config.json")
-        return "local:" + h.hexdigest()
+        return "local:" + _file_digest(path, "config.json")
     return f"named:{given}"
 
 
